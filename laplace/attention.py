@@ -1,0 +1,210 @@
+"""Multi-head self-attention with Laplacian heads: the one attention of every model here.
+
+A standard layer updates tokens with   X <- X + sum_i P_i X Wv_i Wo_i.
+A *Laplacian head* uses I - P_i instead of the row-softmax matrix P_i (arXiv:2602.09297):
+
+    X <- X + sum_{i in A} P_i X Wv_i Wo_i + sum_{i in L} (I - P_i) X Wv_i Wo_i
+
+Per head the output is V - P V, i.e. one line after the fused kernel:
+
+    out = v - F.scaled_dot_product_attention(q, k, v)          # Laplacian heads
+
+so no N x N matrix is formed, flash / memory-efficient SDPA kernels still apply and no
+parameter is added. With a causal mask P is the causal attention matrix and (I - P) V stays
+causal: row t is v_t minus the attention-weighted average of v_{<=t}.
+
+Which heads are Laplacian: the last `num_laplacian_heads` of the layer (the paper's fixed
+choice). Beyond the paper, `laplacian_mode="learned"` gives every head a gate a_h = sigmoid(g_h)
+and outputs (1 - a_h) P V + a_h (V - P V), so training decides how much each head smooths.
+Both modes are one `torch.lerp(PV, V - PV, a)` with a per-head weight a (0/1 when fixed).
+
+The same class serves the ViT (bidirectional, qkv bias, timm parameter names) and the GPT
+(causal, rotary, parameter-free QK-norm, KV cache); `fused=False` selects a reference path
+that forms P explicitly, which tests compare against and `return_attn=True` uses for analysis.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LAPLACIAN_MODES = ("fixed", "learned")
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    """Parameter-free RMSNorm over the last dim (nanochat's `norm`)."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x1, x2) = the two halves of the head dim. x: [B, H, N, D]; cos/sin: [N, D/2]."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+class KVCache:
+    """Pre-allocated keys/values of every layer for autoregressive generation.
+
+    Args:
+        num_layers: number of attention layers that share this cache.
+        batch_size, num_heads, head_dim: shapes of one layer's keys.
+        max_len: longest sequence (prompt + generated tokens) the cache holds.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_heads: int, head_dim: int,
+                 max_len: int, device=None, dtype=torch.float32):
+        shape = (num_layers, 2, batch_size, num_heads, max_len, head_dim)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.pos = 0  # tokens already stored (same for every layer once a forward completes)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [B, H, T, D] at the current position; return all keys/values so far."""
+        t0, t1 = self.pos, self.pos + k.shape[2]
+        if t1 > self.max_len:
+            raise ValueError(f"KV cache overflow: {t1} tokens > max_len={self.max_len}")
+        self.kv[layer, 0, :, :, t0:t1] = k
+        self.kv[layer, 1, :, :, t0:t1] = v
+        return self.kv[layer, 0, :, :, :t1], self.kv[layer, 1, :, :, :t1]
+
+    def advance(self, n: int):
+        self.pos += n
+
+
+def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[int]:
+    """Normalise an int (same in every layer) or a per-layer list to a validated list of ints."""
+    if isinstance(num_laplacian_heads, int):
+        counts = [num_laplacian_heads] * depth
+    else:
+        counts = [int(k) for k in num_laplacian_heads]
+        if len(counts) != depth:
+            raise ValueError(f"num_laplacian_heads has {len(counts)} entries but the model has "
+                             f"{depth} layers: give one count per layer or a single int")
+    for i, k in enumerate(counts):
+        if not 0 <= k <= num_heads:
+            raise ValueError(f"num_laplacian_heads={k} in layer {i} is outside 0..{num_heads} "
+                             f"(this model has {num_heads} heads per layer)")
+    return counts
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention whose last `num_laplacian_heads` heads output V - P V.
+
+    Args:
+        dim: model width; split into `num_heads` heads of size dim // num_heads.
+        num_heads: heads in this layer.
+        num_laplacian_heads: k, the last k heads are Laplacian (0 = standard attention).
+        laplacian_mode: "fixed" (the paper: heads are P or I - P) or "learned" (every head
+            mixes P V and V - P V with a learnable sigmoid gate; k then sets the gate's start:
+            the last k heads start near Laplacian, the others near standard).
+        qkv_bias: bias on the fused qkv projection (ViT: True, GPT: False).
+        proj_bias: bias on the output projection.
+        qk_norm: parameter-free RMSNorm on queries and keys (nanochat).
+        attn_drop, proj_drop: dropout on attention weights / output (DeiT-III uses 0).
+        fused: use F.scaled_dot_product_attention; False forms P explicitly (reference path).
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_laplacian_heads: int = 0,
+                 laplacian_mode: str = "fixed", qkv_bias: bool = False, proj_bias: bool = True,
+                 qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0,
+                 fused: bool = True):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
+        if not 0 <= num_laplacian_heads <= num_heads:
+            raise ValueError(f"num_laplacian_heads={num_laplacian_heads} is outside "
+                             f"0..{num_heads} (num_heads)")
+        if laplacian_mode not in LAPLACIAN_MODES:
+            raise ValueError(f"laplacian_mode={laplacian_mode!r}: choose one of {LAPLACIAN_MODES}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.num_laplacian_heads = num_laplacian_heads
+        self.laplacian_mode = laplacian_mode
+        self.qk_norm = qk_norm
+        self.fused = fused
+        self.attn_drop = attn_drop
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
+        is_lap = torch.zeros(num_heads)
+        is_lap[num_heads - num_laplacian_heads:] = 1.0
+        if laplacian_mode == "learned":
+            # Start the gates at sigmoid(+-4) ~ 0.98 / 0.02: close to the fixed assignment.
+            self.laplacian_gate = nn.Parameter(8.0 * is_lap - 4.0)
+        else:
+            # A buffer, not a parameter: the paper's heads add no parameters. Not persistent,
+            # so checkpoints and timm state dicts carry no extra key.
+            self.register_buffer("is_laplacian", is_lap, persistent=False)
+
+    def laplacian_weight(self) -> Optional[torch.Tensor]:
+        """Per-head weight a_h of V - P V in the output, shape [H, 1, 1]; None if all zero."""
+        if self.laplacian_mode == "learned":
+            return torch.sigmoid(self.laplacian_gate).view(-1, 1, 1)
+        if self.num_laplacian_heads == 0:
+            return None
+        return self.is_laplacian.view(-1, 1, 1)
+
+    def forward(self, x: torch.Tensor, is_causal: bool = False,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                kv_cache: Optional[KVCache] = None, layer_idx: int = 0,
+                return_attn: bool = False):
+        """x: [B, N, C]. rope: (cos, sin) for these N positions. With `kv_cache`, x holds the
+        new tokens only and attends to the cached prefix. Returns [B, N, C], and P
+        [B, H, N, N_keys] as well when return_attn (reference path only)."""
+        B, N, C = x.shape
+        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, N, D]
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.qk_norm:
+            q, k = rms_norm(q), rms_norm(k)
+
+        keys, values, mask = k, v, None
+        if kv_cache is not None:
+            prefix = kv_cache.pos
+            keys, values = kv_cache.update(layer_idx, k, v)
+            if is_causal and prefix > 0 and N > 1:
+                # SDPA's is_causal aligns the mask top-left; with a prefix it must be shifted.
+                q_pos = torch.arange(prefix, prefix + N, device=x.device)
+                mask = q_pos[:, None] >= torch.arange(prefix + N, device=x.device)[None, :]
+                is_causal = False
+            elif prefix > 0:  # one new token (or no causality): it sees the whole prefix
+                is_causal = False
+
+        drop = self.attn_drop if self.training else 0.0
+        attn = None
+        if self.fused and not return_attn:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 dropout_p=drop, is_causal=is_causal)
+        else:
+            out, attn = self._reference(q, keys, values, mask, is_causal, drop)
+
+        a = self.laplacian_weight()
+        if a is not None:
+            # (1 - a) P V + a (V - P V): a = 1 gives the Laplacian head's (I - P) V. `v` is the
+            # value of each query token itself (the identity term), also under a KV cache.
+            out = torch.lerp(out, v - out, a.to(out.dtype))
+        out = out.transpose(1, 2).reshape(B, N, C)  # [B, H, N, D] -> [B, N, C]
+        out = self.proj_drop(self.proj(out))
+        return (out, attn) if return_attn else out
+
+    def _reference(self, q, k, v, mask, is_causal, drop):
+        """Softmax attention with P formed explicitly: the ground truth for the fused path."""
+        scores = (q @ k.transpose(-2, -1)) * self.scale  # [B, H, N, N_keys]
+        if is_causal:
+            n_q, n_k = scores.shape[-2:]
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        attn = scores.softmax(dim=-1)
+        out = F.dropout(attn, drop) @ v if drop else attn @ v
+        return out, attn
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, laplacian_heads={self.num_laplacian_heads}, "
+                f"mode={self.laplacian_mode}, fused={self.fused}")
+

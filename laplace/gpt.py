@@ -1,0 +1,194 @@
+"""nanochat-style GPT with Laplacian heads (the paper's 561M language model at depth 20).
+
+Design choices (nanochat, Oct 2025 - Jan 2026):
+- width = 64 x depth, head size 128 (heads = ceil(width / 128)); depth 20 -> 1280 wide, 10 heads;
+- rotary position embeddings (base 10,000), no learned positions;
+- QK-norm: parameter-free RMSNorm on queries and keys after rotary;
+- parameter-free RMSNorm before every attention / MLP, after the token embedding and at the end;
+- ReLU^2 MLP with 4x hidden width; no biases anywhere;
+- untied token embedding and output layer; logits soft-capped at 15 by 15 tanh(z / 15);
+- zero-initialised output projections and lm_head (nanochat's init).
+The depth-20 model with vocab 65,536 has exactly 560,988,160 parameters.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import Attention, KVCache, laplacian_counts, rms_norm
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.c_fc = nn.Linear(dim, 4 * dim, bias=False)
+        self.c_proj = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int, num_laplacian_heads: int, laplacian_mode: str,
+                 fused_attn: bool):
+        super().__init__()
+        self.attn = Attention(dim, num_heads, num_laplacian_heads, laplacian_mode,
+                              qkv_bias=False, proj_bias=False, qk_norm=True, fused=fused_attn)
+        self.mlp = MLP(dim)
+
+    def forward(self, x, rope, kv_cache=None, layer_idx=0):
+        x = x + self.attn(rms_norm(x), is_causal=True, rope=rope, kv_cache=kv_cache,
+                          layer_idx=layer_idx)
+        return x + self.mlp(rms_norm(x))
+
+
+def gpt_dims(depth: int, aspect_ratio: int = 64, head_dim: int = 128) -> tuple[int, int]:
+    """(width, num_heads) of nanochat's depth-parametrised model."""
+    width = depth * aspect_ratio
+    num_heads = max(1, math.ceil(width / head_dim))
+    return width, num_heads
+
+
+class GPT(nn.Module):
+    """Causal language model; the last k heads of every layer are Laplacian.
+
+    Args:
+        vocab_size: tokens (nanochat's tokenizer: 65,536).
+        depth: layers; width = 64 x depth and heads = ceil(width / 128) unless given.
+        num_laplacian_heads: int (every layer) or a per-layer list.
+        laplacian_mode: "fixed" (the paper) or "learned" (a sigmoid gate per head).
+        max_seq_len: longest sequence for the precomputed rotary table (nanochat: 2048);
+            the table is sized 10x larger so generation can run past it.
+        softcap: logit soft-cap (15); 0 disables it.
+        width, num_heads: override the depth-derived shapes (tests, ablations).
+        fused_attn: SDPA kernels (True) or the explicit-softmax reference path.
+    """
+
+    def __init__(self, vocab_size: int = 65536, depth: int = 20,
+                 num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed",
+                 max_seq_len: int = 2048, softcap: float = 15.0, width: Optional[int] = None,
+                 num_heads: Optional[int] = None, rope_base: float = 10000.0,
+                 fused_attn: bool = True):
+        super().__init__()
+        d_width, d_heads = gpt_dims(depth)
+        width, num_heads = width or d_width, num_heads or d_heads
+        self.vocab_size, self.depth, self.width, self.num_heads = vocab_size, depth, width, num_heads
+        self.head_dim = width // num_heads
+        self.softcap = softcap
+        self.num_laplacian_heads = laplacian_counts(num_laplacian_heads, depth, num_heads)
+        self.wte = nn.Embedding(vocab_size, width)
+        self.blocks = nn.ModuleList([Block(width, num_heads, k, laplacian_mode, fused_attn)
+                                     for k in self.num_laplacian_heads])
+        self.lm_head = nn.Linear(width, vocab_size, bias=False)
+        # Rotary table: non-persistent, so it is neither a parameter nor in the state dict.
+        self.rope_base = rope_base
+        self.rope_len = 10 * max_seq_len
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """nanochat's init: fan-in scaled normal, unit-variance embedding, zero output layers.
+        Call it after moving a meta-device model to a real device with `to_empty`."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                fan_out, fan_in = m.weight.shape
+                std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=1.0)
+        nn.init.zeros_(self.lm_head.weight)
+        for blk in self.blocks:
+            nn.init.zeros_(blk.attn.proj.weight)
+            nn.init.zeros_(blk.mlp.c_proj.weight)
+            if blk.attn.laplacian_mode == "fixed":
+                blk.attn.is_laplacian.zero_()
+                blk.attn.is_laplacian[blk.attn.num_heads - blk.attn.num_laplacian_heads:] = 1.0
+        self._build_rope(self.wte.weight.device)
+
+    def _build_rope(self, device):
+        half = self.head_dim // 2
+        inv_freq = 1.0 / (self.rope_base ** (torch.arange(half, device=device, dtype=torch.float32) / half))
+        t = torch.arange(self.rope_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [T, D/2]
+        self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
+
+    def _rope(self, start: int, n: int, dtype):
+        if self.rope_cos.numel() == 0 or self.rope_cos.device != self.wte.weight.device:
+            self._build_rope(self.wte.weight.device)
+        if start + n > self.rope_len:
+            raise ValueError(f"sequence of {start + n} tokens exceeds the rotary table "
+                             f"({self.rope_len}); raise max_seq_len")
+        return (self.rope_cos[start:start + n].to(dtype), self.rope_sin[start:start + n].to(dtype))
+
+    def _run(self, idx: torch.Tensor, kv_cache: Optional[KVCache] = None,
+             collect: Optional[set[int]] = None):
+        """Shared trunk: returns the final-norm output and any collected block outputs."""
+        start = kv_cache.pos if kv_cache is not None else 0
+        x = rms_norm(self.wte(idx))
+        rope = self._rope(start, idx.shape[1], x.dtype)
+        feats = {}
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, rope, kv_cache, i)
+            if collect is not None and i in collect:
+                feats[f"blocks.{i}"] = x
+        if kv_cache is not None:
+            kv_cache.advance(idx.shape[1])
+        return rms_norm(x), feats
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.lm_head(h).float()
+        return self.softcap * torch.tanh(z / self.softcap) if self.softcap else z
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None, ignore_index: int = -1):
+        """idx [B, T] token ids. Returns logits [B, T, V], or the mean cross-entropy with
+        `targets` (positions equal to `ignore_index` are skipped)."""
+        h, _ = self._run(idx, kv_cache)
+        z = self.logits(h)
+        if targets is None:
+            return z
+        return F.cross_entropy(z.view(-1, z.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
+
+    def forward_features(self, idx: torch.Tensor, layers: Optional[Sequence[int]] = None,
+                         norm: bool = True) -> dict[str, torch.Tensor]:
+        """Token representations [B, T, width]: {"blocks.i": residual stream after block i for
+        i in `layers` (default all), "norm": final-norm output (the lm_head's input)}."""
+        wanted = set(range(self.depth)) if layers is None else {i % self.depth for i in layers}
+        h, feats = self._run(idx, collect=wanted)
+        if norm:
+            feats["norm"] = h
+        return feats
+
+    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        w = self.wte.weight
+        return KVCache(self.depth, batch_size, self.num_heads, self.head_dim, max_len,
+                       device=w.device, dtype=w.dtype)
+
+    @torch.inference_mode()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, use_cache: bool = True,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Sample `max_new_tokens` after the prompt idx [B, T]; temperature 0 is greedy.
+        With `use_cache` the prompt is encoded once and each step feeds one token."""
+        cache = self.new_kv_cache(idx.shape[0], idx.shape[1] + max_new_tokens) if use_cache else None
+        out, step_in = idx, idx
+        for _ in range(max_new_tokens):
+            z = self.forward(step_in, kv_cache=cache)[:, -1, :]
+            if temperature == 0:
+                nxt = z.argmax(dim=-1, keepdim=True)
+            else:
+                z = z / temperature
+                if top_k is not None:
+                    kth = torch.topk(z, min(top_k, z.size(-1))).values[:, -1:]
+                    z = z.masked_fill(z < kth, float("-inf"))
+                nxt = torch.multinomial(z.softmax(dim=-1), 1, generator=generator)
+            out = torch.cat((out, nxt), dim=1)
+            step_in = nxt if use_cache else out
+        return out

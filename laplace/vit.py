@@ -1,0 +1,149 @@
+"""DeiT-III Vision Transformer with Laplacian heads.
+
+Design (DeiT III, "Revenge of the ViT", and timm's `deit3_*` models):
+- patch embedding by a strided conv; class token with NO position embedding on it
+  (position embeddings cover the patches only, added before the class token is prepended);
+- pre-norm blocks, LayerNorm eps 1e-6, qkv bias, GELU MLP (4x), LayerScale (init 1e-6 for
+  DeiT-III), stochastic depth uniform over depth (DeiT-III's choice, not linearly increasing);
+- the class token after the final norm feeds the linear head.
+Parameter names and shapes equal timm's VisionTransformer, so `load_timm_state_dict` loads a
+timm DeiT-III / ViT state dict strictly and users can fine-tune from published weights.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+from timm.layers import DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
+
+from .attention import Attention, laplacian_counts
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + ls1(attn(norm1(x))), then x + ls2(mlp(norm2(x)))."""
+
+    def __init__(self, dim: int, num_heads: int, num_laplacian_heads: int, laplacian_mode: str,
+                 mlp_ratio: float, init_values: Optional[float], drop_path: float,
+                 fused_attn: bool, norm_layer):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = Attention(dim, num_heads, num_laplacian_heads, laplacian_mode,
+                              qkv_bias=True, proj_bias=True, fused=fused_attn)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+class VisionTransformer(nn.Module):
+    """ViT with a class token and Laplacian heads (the last k heads of each layer).
+
+    Args:
+        img_size: input resolution (square).
+        patch_size: patch side; the token grid is img_size // patch_size squared.
+        in_chans: image channels.
+        num_classes: head outputs (0 = no head, features only).
+        embed_dim, depth, num_heads, mlp_ratio: the architecture (ViT-B: 768, 12, 12, 4).
+        num_laplacian_heads: int (every layer) or a per-layer list of Laplacian head counts.
+        laplacian_mode: "fixed" (the paper) or "learned" (a sigmoid gate per head).
+        init_values: LayerScale init (DeiT-III: 1e-6; None disables LayerScale).
+        drop_path_rate: stochastic-depth rate, the same in every block (DeiT-III).
+        fused_attn: SDPA kernels (True) or the explicit-softmax reference path.
+    """
+
+    def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3,
+                 num_classes: int = 1000, embed_dim: int = 768, depth: int = 12,
+                 num_heads: int = 12, mlp_ratio: float = 4.0,
+                 num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed",
+                 init_values: Optional[float] = 1e-6, drop_path_rate: float = 0.0,
+                 fused_attn: bool = True):
+        super().__init__()
+        self.num_classes = num_classes
+        self.embed_dim = embed_dim
+        self.num_laplacian_heads = laplacian_counts(num_laplacian_heads, depth, num_heads)
+        norm_layer = partial(nn.LayerNorm, eps=1e-6)
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        num_patches = self.patch_embed.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, embed_dim))  # patches only
+        self.blocks = nn.ModuleList([
+            Block(embed_dim, num_heads, k, laplacian_mode, mlp_ratio, init_values,
+                  drop_path_rate, fused_attn, norm_layer)
+            for k in self.num_laplacian_heads])
+        self.norm = norm_layer(embed_dim)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self):
+        trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.cls_token, std=1e-6)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """Parameters kept out of weight decay (besides biases and norms), as timm."""
+        return {"pos_embed", "cls_token"}
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Images [B, C, H, W] -> tokens [B, 1 + N_patches, D], class token first."""
+        x = self.patch_embed(x) + self.pos_embed
+        return torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+
+    def forward_features(self, x: torch.Tensor, layers: Optional[Sequence[int]] = None,
+                         norm: bool = True) -> dict[str, torch.Tensor]:
+        """Token representations [B, 1 + N_patches, D] of the asked layers.
+
+        Returns {"blocks.i": output of block i (the residual stream) for i in `layers`
+        (default: all; negative indices count from the end), "norm": final-norm output}.
+        Blocks after the last one needed are skipped when `norm` is False.
+        """
+        depth = len(self.blocks)
+        wanted = set(range(depth)) if layers is None else {i % depth for i in layers}
+        last = depth - 1 if norm else max(wanted, default=-1)
+        feats, x = {}, self.embed(x)
+        for i, blk in enumerate(self.blocks[:last + 1]):
+            x = blk(x)
+            if i in wanted:
+                feats[f"blocks.{i}"] = x
+        if norm:
+            feats["norm"] = self.norm(x)
+        return feats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x)[:, 0])  # class-token pooling
+
+
+def load_timm_state_dict(model: VisionTransformer, state_dict: dict) -> None:
+    """Load a timm DeiT-III / ViT state dict strictly into `model`.
+
+    Position embeddings are resampled (bicubic) when the checkpoint's patch grid differs from
+    the model's, e.g. DeiT-III's 192 px pre-training -> 224 px fine-tuning. A timm ViT whose
+    position embedding also covers the class token (no_embed_class=False) is refused: its
+    geometry differs from DeiT-III's.
+    """
+    sd = dict(state_dict)
+    pos = sd.get("pos_embed")
+    want = model.pos_embed.shape
+    if pos is not None and pos.shape != want:
+        old_n, new_n = pos.shape[1], want[1]
+        if int(old_n ** 0.5) ** 2 != old_n:
+            raise ValueError(f"pos_embed of shape {tuple(pos.shape)} covers a class token or a "
+                             f"non-square grid; expected DeiT-III style {tuple(want)}")
+        grid = model.patch_embed.grid_size
+        sd["pos_embed"] = resample_abs_pos_embed(pos, new_size=list(grid), num_prefix_tokens=0)
+    model.load_state_dict(sd, strict=True)

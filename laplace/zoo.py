@@ -1,0 +1,80 @@
+"""The model zoo by name: `create_model("vitb_12L")`, `create_model("gpt_d20_5L")`.
+
+Names:
+    vitt_{k}L   ViT-Tiny  /16 (192 wide, 3 heads),  k = 0..3 Laplacian heads per layer
+    vits_{k}L   ViT-Small /16 (384 wide, 6 heads),  k = 0..6
+    vitb_{k}L   ViT-Base  /16 (768 wide, 12 heads), k = 0..12
+    gpt_d{depth}_{k}L   nanochat GPT, width 64 x depth, heads = ceil(width / 128), k = 0..heads
+                        (d20 = the paper's 561M model with 10 heads; d12 for sweeps; d2 for tests)
+The count k is per layer; a per-layer list can be passed as `num_laplacian_heads=[...]`.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch.nn as nn
+
+from .gpt import GPT, gpt_dims
+from .vit import VisionTransformer
+
+# ViT shapes as timm / DeiT (patch 16, depth 12, mlp 4x). The class token feeds the head.
+VIT_ARCHS = {
+    "vitt": dict(embed_dim=192, depth=12, num_heads=3),
+    "vits": dict(embed_dim=384, depth=12, num_heads=6),
+    "vitb": dict(embed_dim=768, depth=12, num_heads=12),
+}
+GPT_LISTED_DEPTHS = (2, 12, 20, 26)  # listed by list_models(); any depth >= 1 is accepted
+_NAME = re.compile(r"^(?:(?P<vit>vit[tsb])|gpt_d(?P<depth>\d+))_(?P<k>\d+)L$")
+
+
+class UnknownModelError(ValueError):
+    pass
+
+
+def _valid_names_hint() -> str:
+    ks = ", ".join(f"{a}_{{0..{c['num_heads']}}}L" for a, c in VIT_ARCHS.items())
+    return f"valid names: {ks}, gpt_d{{depth}}_{{k}}L with k <= heads (e.g. gpt_d20_{{0..10}}L)"
+
+
+def model_defaults(name: str) -> dict:
+    """The architecture arguments a name stands for: {"arch": "vit"|"gpt", **kwargs}."""
+    m = _NAME.match(name)
+    if m is None:
+        raise UnknownModelError(f"unknown model {name!r}; {_valid_names_hint()}")
+    k = int(m["k"])
+    if m["vit"]:
+        cfg = dict(arch="vit", **VIT_ARCHS[m["vit"]])
+        heads = cfg["num_heads"]
+    else:
+        depth = int(m["depth"])
+        if depth < 1:
+            raise UnknownModelError(f"model {name!r}: depth must be >= 1")
+        heads = gpt_dims(depth)[1]
+        cfg = dict(arch="gpt", depth=depth)
+    if k > heads:
+        raise UnknownModelError(f"model {name!r} asks for {k} Laplacian heads but has only "
+                                f"{heads} heads per layer; use k in 0..{heads}")
+    cfg["num_laplacian_heads"] = k
+    return cfg
+
+
+def create_model(name: str, **overrides) -> nn.Module:
+    """Build a zoo model. `overrides` replace any constructor argument (img_size, patch_size,
+    num_classes, drop_path_rate, vocab_size, num_laplacian_heads as a per-layer list, ...);
+    None values are ignored so Hydra nodes can leave a key unset."""
+    cfg = model_defaults(name)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    arch = cfg.pop("arch")
+    cls = VisionTransformer if arch == "vit" else GPT
+    try:
+        return cls(**cfg)
+    except TypeError as e:  # an override the architecture does not take
+        raise ValueError(f"model {name!r}: {e}") from None
+
+
+def list_models(pattern: str = "*") -> list[str]:
+    """Zoo names matching a shell-style pattern, e.g. list_models("vitb_*")."""
+    names = [f"{a}_{k}L" for a, c in VIT_ARCHS.items() for k in range(c["num_heads"] + 1)]
+    names += [f"gpt_d{d}_{k}L" for d in GPT_LISTED_DEPTHS for k in range(gpt_dims(d)[1] + 1)]
+    return [n for n in names if fnmatch.fnmatch(n, pattern)]
