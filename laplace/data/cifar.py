@@ -1,0 +1,92 @@
+"""CIFAR-10 and CIFAR-100 through torchvision's readers.
+
+Usage:
+    ds = build_cifar("cifar100", root="/data", train=True, transform=three_augment(32))
+    img, label = ds[0]                      # label in range(NUM_CLASSES["cifar100"])
+
+`root` holds torchvision's on-disk layout: `cifar-10-batches-py/{data_batch_1..5, test_batch,
+batches.meta}` or `cifar-100-python/{train, test, meta}`, which `download=True` creates on a
+machine with internet.
+
+Why the thin subclasses: torchvision checks the md5 of every batch file before reading, so a
+tiny dataset in the exact same format (what the tests write) would be rejected. The subclasses
+blank the md5s (torchvision's `check_integrity(path, md5=None)` is a presence check) unless
+`verify_md5=True`, so the SAME unpickling code reads the real data and the test data. A
+truncated or corrupt real file still fails loudly when unpickled.
+"""
+
+import os
+from collections.abc import Callable
+
+from torchvision import datasets
+
+from laplace.data import DatasetNotFoundError
+
+NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
+
+
+class _PresenceCheckMixin:
+    """Makes torchvision's CIFAR integrity checks presence-only unless verify_md5 is set."""
+
+    def __init__(self, *args, verify_md5: bool = False, **kwargs):
+        if not verify_md5:
+            # Instance attributes shadow the class-level (filename, md5) lists torchvision
+            # reads in _check_integrity and _load_meta; the archive md5 used by download() stays.
+            self.train_list = [[name, None] for name, _ in type(self).train_list]
+            self.test_list = [[name, None] for name, _ in type(self).test_list]
+            self.meta = {**type(self).meta, "md5": None}
+        super().__init__(*args, **kwargs)
+
+
+class CIFAR10(_PresenceCheckMixin, datasets.CIFAR10):
+    """torchvision CIFAR10 with an optional md5 check (`verify_md5=False` by default)."""
+
+
+class CIFAR100(_PresenceCheckMixin, datasets.CIFAR100):
+    """torchvision CIFAR100 with an optional md5 check (`verify_md5=False` by default)."""
+
+
+_CLASSES = {"cifar10": CIFAR10, "cifar100": CIFAR100}
+
+
+def build_cifar(
+    name: str,
+    root: str,
+    train: bool,
+    transform: Callable | None = None,
+    download: bool = False,
+    verify_md5: bool = False,
+) -> datasets.CIFAR10:
+    """Build a CIFAR split; items are (transformed PIL RGB 32x32 image, int label).
+
+    Args:
+        name: "cifar10" or "cifar100".
+        root: directory that holds (or will hold) torchvision's CIFAR folder.
+        train: the 50k training split if True, else the 10k test split.
+        transform: applied to each PIL image.
+        download: fetch and extract the archive into root if files are missing (needs internet).
+        verify_md5: also check every file's md5 against the official archive's.
+    """
+    if name not in _CLASSES:
+        raise ValueError(f"unknown CIFAR dataset {name!r}; expected one of {sorted(_CLASSES)}")
+    cls = _CLASSES[name]
+    root = os.path.abspath(os.path.expanduser(root))
+    folder = os.path.join(root, cls.base_folder)
+    files = [f for f, _ in (cls.train_list if train else cls.test_list)] + [cls.meta["filename"]]
+    missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
+    if missing and not download:
+        raise DatasetNotFoundError(
+            f"{name} not found: missing {', '.join(missing)} in {folder}; "
+            f"set data.root to the directory holding {cls.base_folder}/, "
+            f"or data.download=true on a machine with internet"
+        )
+    try:
+        return cls(root, train=train, transform=transform, download=download, verify_md5=verify_md5)
+    except OSError as e:  # no network, DNS failure, ... (URLError is an OSError)
+        if not missing:
+            raise
+        reason = " ".join(str(e).split())  # keep the message on one line
+        raise DatasetNotFoundError(
+            f"{name} not found in {folder} and download failed ({type(e).__name__}: {reason}); "
+            f"set data.root to a directory holding {cls.base_folder}/"
+        ) from e
