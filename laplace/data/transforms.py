@@ -16,12 +16,12 @@ Usage:
     eval_tf = eval_transform(224)                        # DeiT-III evaluates at crop ratio 1.0
 
 Both take PIL images of any mode (converted to RGB first) and return float tensors [3, S, S].
-Randomness comes from Python's `random` and torch's global RNG, both of which DataLoader
-seeds per worker, so runs are reproducible under `torch.manual_seed` + `random.seed`.
+All randomness comes from torch's global RNG (the blur radius too), so `SeededDataset`
+(laplace.data.sampler) makes each sample's augmentation a function of its seed alone.
 """
 
-import random
 
+import torch
 from PIL import Image, ImageFilter
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torchvision import transforms as T
@@ -59,7 +59,7 @@ class PILGaussianBlur:
         self.radius_min, self.radius_max = radius_min, radius_max
 
     def __call__(self, img: Image.Image) -> Image.Image:
-        return img.filter(ImageFilter.GaussianBlur(random.uniform(self.radius_min, self.radius_max)))
+        return img.filter(ImageFilter.GaussianBlur(float(torch.empty(1).uniform_(self.radius_min, self.radius_max))))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(radius=({self.radius_min}, {self.radius_max}))"

@@ -1,0 +1,50 @@
+"""Hydra glue: one `model/<name>` config node per zoo name, generated from the zoo.
+
+`model=vitb_12L` must work for every zoo name, including `gpt_d{depth}_{k}L` at any depth,
+which no finite folder of YAML files covers. So the nodes are generated from
+`laplace.zoo.model_defaults` (the single source of the architectures) and stored in Hydra's
+ConfigStore: the listed names, plus any `model=` value on the command line.
+Each node holds the constructor arguments, with data-dependent ones interpolated from the
+`data` node, so the resolved config.yaml of a run shows the whole architecture.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Iterable
+
+from hydra.core.config_store import ConfigStore
+
+from .zoo import list_models, model_defaults
+
+# Keys a data node provides to the model (interpolations resolved when the config is used).
+_VIT_FROM_DATA = {"num_classes": "${data.num_classes}", "img_size": "${data.img_size}",
+                  "patch_size": "${data.patch_size}"}
+_GPT_FROM_DATA = {"vocab_size": "${data.vocab_size}", "max_seq_len": "${data.seq_len}"}
+
+
+def model_node(name: str) -> dict:
+    """The Hydra `model` node of a zoo name (raises the zoo's one-line error if unknown)."""
+    d = model_defaults(name)
+    arch = d.pop("arch")
+    node = {"name": name, **d, "laplacian_mode": "fixed"}
+    if arch == "vit":
+        node.update(drop_path_rate=0.0, init_values=1e-6, **_VIT_FROM_DATA)
+    else:
+        node.update(_GPT_FROM_DATA)
+    return node
+
+
+def _argv_model_names(argv: Iterable[str]) -> list[str]:
+    names = []
+    for a in argv:
+        if a.startswith("model="):
+            names += [n for n in a.split("=", 1)[1].split(",") if n]
+    return names
+
+
+def register_model_configs(extra: Iterable[str] = ()) -> None:
+    """Store a `model/<name>` node for every listed zoo name, `extra` names and `model=` values
+    of sys.argv (multirun comma lists included)."""
+    cs = ConfigStore.instance()
+    for name in dict.fromkeys([*list_models(), *extra, *_argv_model_names(sys.argv[1:])]):
+        cs.store(group="model", name=name, node=model_node(name))

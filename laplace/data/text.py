@@ -1,0 +1,70 @@
+"""`data=pydoc_text`: the English help topics that ship with every Python (`pydoc_data.topics`,
+about 700 kB of prose and code), as fixed-length windows of byte tokens for language modelling.
+
+The language analogue of `data=digits`: real text that needs no download. Tokens are UTF-8
+bytes (vocab 256) plus one <|bos|> token (id 256) that starts every document, because tiktoken's
+BPE files and nanochat's tokenizer must be downloaded; the FineWeb-Edu loader uses a real BPE.
+Each topic is one document; every 10th document (sorted by topic name) is held out for
+validation, so the split never depends on the run's seed.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+BOS = 256
+VOCAB_SIZE = 257
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(ids) -> str:
+    return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+def pydoc_documents(train: bool = True, val_every: int = 10) -> list[str]:
+    from pydoc_data.topics import topics
+
+    docs = [topics[k] for k in sorted(topics)]
+    return [d for i, d in enumerate(docs) if (i % val_every == val_every - 1) != train]
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of `seq_len + 1` tokens over the concatenated documents.
+
+    Item i is (x, y) with x = tokens[i*L : i*L + L], y = the same shifted by one, and the
+    document id of every position of x is in `doc_ids(i)` (sequences for the analyses).
+
+    Args:
+        docs: documents (strings); each is prefixed with <|bos|>.
+        seq_len: L, the model's context.
+    """
+
+    def __init__(self, docs: list[str], seq_len: int):
+        ids, doc = [], []
+        for d, text in enumerate(docs):
+            toks = [BOS] + encode(text)
+            ids += toks
+            doc += [d] * len(toks)
+        self.tokens = torch.tensor(ids, dtype=torch.int16 if VOCAB_SIZE < 2**15 else torch.int32)
+        self.docs = torch.tensor(doc, dtype=torch.int32)
+        self.seq_len = seq_len
+        self.n = (len(ids) - 1) // seq_len
+        if self.n == 0:
+            raise ValueError(f"data.seq_len={seq_len} is longer than the text ({len(ids)} tokens)")
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        chunk = self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1].long()
+        return chunk[:-1], chunk[1:]
+
+    def doc_ids(self, i) -> torch.Tensor:
+        return self.docs[i * self.seq_len: (i + 1) * self.seq_len]
+
+
+def build_pydoc_text(train: bool, seq_len: int) -> TokenWindows:
+    return TokenWindows(pydoc_documents(train), seq_len)

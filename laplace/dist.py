@@ -1,0 +1,109 @@
+"""Device and distributed set-up shared by every trainer.
+
+Works under torchrun (RANK / WORLD_SIZE / LOCAL_RANK), under SLURM's srun (SLURM_PROCID /
+SLURM_NTASKS / SLURM_LOCALID, with MASTER_ADDR from the first node of the allocation) and as a
+plain single process. gloo on CPU, nccl on CUDA.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_ranks() -> tuple[int, int, int]:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:  # srun
+        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        if "MASTER_ADDR" not in os.environ:
+            nodes = subprocess.check_output(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]])
+            os.environ["MASTER_ADDR"] = nodes.decode().split()[0]
+        # A port derived from the job id, so two jobs sharing a node do not collide.
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000))
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+        return rank, world, int(os.environ.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+def setup(device: str = "auto") -> DistInfo:
+    """Initialise the process group when launched with several processes; pick the device.
+
+    Args:
+        device: "auto" (CUDA when available, else CPU), "cpu", or "cuda".
+    """
+    rank, world, local_rank = _env_ranks()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
+    return DistInfo(rank, world, local_rank, dev)
+
+
+def cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int):
+    """Seed python, numpy and torch (all devices). Call with seed + rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t
+
+
+def all_gather_object(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,40 @@
+"""Shared fixtures: compose the real Hydra configs (the same files train.py uses)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from laplace.config import register_model_configs
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = str(ROOT / "configs")
+
+# A tiny ViT on digits that trains a step in well under a second on CPU.
+TINY_VIT = ["model.depth=2", "model.embed_dim=48", "trainer.num_workers=0", "trainer.progress=false",
+            "trainer.global_batch_size=32", "trainer.log_every=1"]
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    # Two cores here: keep tests from oversubscribing them.
+    torch.set_num_threads(2)
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """make_cfg(*overrides, run_dir=...) -> the composed config, run_dir set under tmp_path."""
+
+    def _make(*overrides, run_dir=None):
+        models = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
+        register_model_configs(models)
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            cfg = compose("config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", *overrides])
+        with open_dict(cfg):
+            cfg.run_dir = str(run_dir or tmp_path / "run")
+        return cfg
+
+    return _make

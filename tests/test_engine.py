@@ -1,0 +1,129 @@
+"""The shared engine: exact resume, atomic checkpoints, the one-line errors, load_model."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from laplace.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from laplace.logger import read_metrics
+from conftest import ROOT, TINY_VIT
+from train import run
+
+
+def _train_losses(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir) if r.get("split") == "train"]
+
+
+def test_resume_equals_uninterrupted(make_cfg, tmp_path):
+    """N steps straight == N/2 steps, stop, same command again for the other N/2: same losses.
+
+    Exercises every source of randomness a resume must restore: data order part-way through
+    an epoch, per-sample augmentation (3-Augment), drop-path, and gradient accumulation."""
+    common = [*TINY_VIT, "model=vitt_1L", "model.drop_path_rate=0.1", "data.augment=three_augment",
+              "trainer.max_steps=6", "trainer.micro_batch_size=16", "trainer.eval_every=100",
+              "trainer.ckpt_every=100"]
+    run(make_cfg(*common, run_dir=tmp_path / "straight"))
+    run(make_cfg(*common, "trainer.stop_after=3", run_dir=tmp_path / "resumed"))
+    assert load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["loop"]["step"] == 3
+    run(make_cfg(*common, run_dir=tmp_path / "resumed"))
+
+    straight, resumed = _train_losses(tmp_path / "straight"), _train_losses(tmp_path / "resumed")
+    assert [s for s, _ in straight] == [1, 2, 3, 4, 5, 6]
+    assert resumed == straight  # exact on CPU, not approximately
+    a = load_checkpoint(tmp_path / "straight/ckpt/last.pt")["model"]
+    b = load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_contents_and_load_model(make_cfg, tmp_path):
+    cfg = make_cfg(*TINY_VIT, "model=vitt_2L", "trainer.max_steps=2")
+    run(cfg)
+    ckpt = load_checkpoint(tmp_path / "run/ckpt/last.pt")
+    assert ckpt["loop"]["step"] == 2 and ckpt["optimizer"] is not None
+    assert ckpt["config"]["model"]["name"] == "vitt_2L"
+    assert ckpt["config"]["model"]["num_classes"] == 10  # interpolations resolved
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    assert (tmp_path / "run/config.yaml").exists() and (tmp_path / "run/results.json").exists()
+
+    model = load_model(tmp_path / "run/ckpt/last.pt")
+    assert not model.training and model.num_laplacian_heads == [2, 2]
+    x = torch.randn(3, 3, 32, 32)
+    ref = load_model(tmp_path / "run/ckpt/last.pt", fused_attn=False)
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_foreign_and_corrupt_checkpoints_are_refused(tmp_path):
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
+    with pytest.raises(CheckpointError, match="not a laplace checkpoint"):
+        load_checkpoint(foreign)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00not a checkpoint" * 10)
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_checkpoint(garbage)
+    good = save_checkpoint(tmp_path / "good.pt", model=torch.nn.Linear(4, 4), config={"model": {}})
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(truncated)
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_save_killed_half_way_keeps_previous_last(tmp_path):
+    """SIGKILL a process in the middle of writing last.pt: the previous one still loads."""
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, model=torch.nn.Linear(8, 8), config={"model": {}}, loop={"step": 1})
+    child = textwrap.dedent(f"""
+        import os, signal, torch
+        from laplace import checkpoint
+        real_save = torch.save
+        def dying_save(obj, f):
+            real_save(obj, f)          # the full payload reaches the temp file ...
+            f.flush(); f.truncate(f.tell() // 2)
+            os.kill(os.getpid(), signal.SIGKILL)   # ... and the process dies before the rename
+        torch.save = dying_save
+        checkpoint.save_checkpoint({str(path)!r}, model=torch.nn.Linear(8, 8), config={{"model": {{}}}},
+                                   loop={{"step": 2}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL
+    assert load_checkpoint(path)["loop"]["step"] == 1
+    leftovers = [p for p in os.listdir(tmp_path) if p != "last.pt"]
+    assert leftovers and all(p.startswith(".last.pt.tmp") for p in leftovers)  # only the dead temp
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=cwd, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["model=vitb_13L"], "13 Laplacian heads but has only 12 heads"),
+    (["model=gpt_d20_11L"], "has only 10 heads"),
+    (["model=resnet50"], "vitb_{0..12}L"),
+    (["data=cifar10", "data.root=/nonexistent/cifar"], "/nonexistent/cifar"),
+])
+def test_cli_bad_input_is_one_line(args, expect, tmp_path):
+    proc = _cli(*args, f"paths.runs_dir={tmp_path}", "trainer.num_workers=0")
+    assert proc.returncode != 0
+    err = proc.stderr.strip().splitlines()
+    assert err and err[-1].startswith("error: ") and expect in err[-1], proc.stderr[-2000:]
+
+
+def test_cli_trains_and_resumes_same_run_dir(tmp_path):
+    args = ["model=vitt_0L", *TINY_VIT, "trainer.max_steps=2", f"paths.runs_dir={tmp_path}"]
+    first = _cli(*args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    run_dir = tmp_path / "deit3/digits"
+    (name,) = os.listdir(run_dir)  # named from the overrides, no timestamp
+    assert name.startswith("vitt_0L_s0_") and "trainer.max_steps=2" in name
+    again = _cli(*args, "trainer.num_workers=1")  # workers do not change the run's identity
+    assert again.returncode == 0 and "resumed at step 2" in again.stdout
+    assert os.listdir(run_dir) == [name]
