@@ -1,0 +1,268 @@
+"""Exact token-geometry metrics at scale: one pass over batches, memory independent of N.
+
+The streaming twin of `analysis.metrics` (same keys, equal to ~1e-13 relative on tests): every metric
+is finished from sufficient statistics kept in float64 on the device of the incoming tensors
+(GPU when there is one):
+    N, sum x, sum ||x||^2, sum x x^T [D, D]            (the scatter: only for nc and spectral)
+    per sequence: sum S_s, count n_s, label           (sequences may span batches)
+    per class:    sum T_c, count n_c, sum ||x||^2     (a table grown to the largest label)
+so memory is O(D^2 + (#sequences + #classes) D). Rows are shifted by the first batch's mean
+before accumulating, which keeps sum ||x||^2 - N ||mu||^2 style differences accurate.
+
+    acc = GeometryAccumulator(768)                                  # ViT: labels per image
+    for feats, seq_ids, labels in batches:                          # [B, T, D], [B, T], [B, T]
+        acc.update(feats, seq_ids, labels)
+    out = acc.compute(weight=head.weight, bias=head.bias)           # anova, nc1-nc3, cdnv, spectra
+
+    acc = GeometryAccumulator(1280, metrics=("anova_seq", "lc", "spectral"))   # LM
+    ... acc.update(hidden, seq_ids, next_token_ids) ...
+    out = acc.compute(unembedding=lm_head.weight, min_count=5)
+
+NC4 and the NCC agreement compare every row with the final class means, so they need a second
+pass: `classes, means = acc.class_means()` then `NCCAgreement(means, W[classes], ...)`.
+Neural Collapse of sequence means (the paper's ViT analysis) is `metrics.neural_collapse` on
+`acc.sequence_means()`, which is small.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from analysis.metrics import (_sq, as_float64, as_index, cdnv_from_class_stats, class_mean_geometry,
+                              lc_from_class_stats, nc1_from_scatter, ncc_mismatch, spectrum_metrics)
+
+METRICS = ("anova", "anova_seq", "nc", "cdnv", "lc", "spectral")
+
+
+def _grow(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """Return t with at least n rows (capacity doubles, so growth costs O(final size))."""
+    if t.shape[0] >= n:
+        return t
+    extra = torch.full((max(n, 2 * t.shape[0]) - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    return torch.cat([t, extra])
+
+
+class GeometryAccumulator:
+    """Accumulates the sufficient statistics of token representations batch by batch.
+
+    Args:
+        dim: feature dimension D.
+        metrics: any of "anova" (sequence and class parts; labels must be constant within a
+            sequence), "anova_seq" (sequence parts only, e.g. with next-token labels), "nc"
+            (NC1-NC3), "cdnv", "lc" (linguistic collapse without the NCC agreement) and
+            "spectral". "anova*" need seq_ids in every update; "anova", "nc", "cdnv", "lc"
+            need labels (non-negative class ids).
+        device: where the statistics live; default the device of the first batch.
+        num_classes: pre-allocate the class table (else it grows to the largest label seen).
+    """
+
+    def __init__(self, dim: int, metrics: Sequence[str] = ("anova", "nc", "cdnv", "spectral"),
+                 device=None, num_classes: Optional[int] = None):
+        unknown = set(metrics) - set(METRICS)
+        if unknown:
+            raise ValueError(f"unknown metrics {sorted(unknown)}; choose from {METRICS}")
+        self.dim, self.metrics = dim, set(metrics)
+        self.device = torch.device(device) if device is not None else None
+        self.num_classes = num_classes or 1
+        self.needs_seq = bool(self.metrics & {"anova", "anova_seq"})
+        self.needs_labels = bool(self.metrics & {"anova", "nc", "cdnv", "lc"})
+        self.needs_scatter = bool(self.metrics & {"nc", "spectral"})
+        self.n = 0
+        self.shift = None
+        self.seq_labels_consistent = True  # one label per sequence so far
+        self._seq_row: dict = {}  # sequence id -> row of the per-sequence tables
+
+    def _allocate(self, x: torch.Tensor):
+        D, dev, f64 = self.dim, x.device, dict(dtype=torch.float64, device=x.device)
+        self.shift = x.mean(0)
+        self.sum, self.sq = torch.zeros(D, **f64), torch.zeros((), **f64)
+        self.xtx = torch.zeros(D, D, **f64) if self.needs_scatter else None
+        self.seq_sum, self.seq_n = torch.zeros(0, D, **f64), torch.zeros(0, **f64)
+        self.seq_label = torch.zeros(0, dtype=torch.int64, device=dev)
+        C = self.num_classes
+        self.cls_sum, self.cls_n, self.cls_sq = torch.zeros(C, D, **f64), torch.zeros(C, **f64), torch.zeros(C, **f64)
+
+    @torch.no_grad()
+    def update(self, features, seq_ids=None, labels=None):
+        """Add one batch: features [..., D], seq_ids [...] (any integers), labels [...] (>= 0)."""
+        x = as_float64(features, self.device)
+        if x.shape[1] != self.dim:
+            raise ValueError(f"expected dim {self.dim}, got {x.shape[1]}")
+        if self.shift is None:
+            self.device = x.device
+            self._allocate(x)
+        x = x - self.shift
+        sq = _sq(x)
+        self.n += x.shape[0]
+        self.sum += x.sum(0)
+        self.sq += sq.sum()
+        if self.xtx is not None:
+            self.xtx.addmm_(x.T, x)  # the O(B D^2) step that dominates the cost
+        y = None
+        if labels is not None:
+            y = as_index(labels, x.device)
+            if y.numel() != x.shape[0] or (y.numel() and int(y.min()) < 0):
+                raise ValueError("labels must be one non-negative class id per row")
+        elif self.needs_labels:
+            raise ValueError(f"metrics {sorted(self.metrics)} need labels")
+        if seq_ids is not None:
+            self._add_sequences(x, as_index(seq_ids, x.device), y)
+        elif self.needs_seq:
+            raise ValueError("the ANOVA needs seq_ids in every batch")
+        if y is not None and self.needs_labels and y.numel():
+            self.cls_sum = _grow(self.cls_sum, int(y.max()) + 1)
+            self.cls_n, self.cls_sq = _grow(self.cls_n, self.cls_sum.shape[0]), _grow(self.cls_sq, self.cls_sum.shape[0])
+            self.cls_sum.index_add_(0, y, x)
+            self.cls_n.index_add_(0, y, torch.ones_like(sq))
+            self.cls_sq.index_add_(0, y, sq)
+
+    def _add_sequences(self, x, sid, y):
+        if sid.numel() != x.shape[0]:
+            raise ValueError(f"{x.shape[0]} rows but {sid.numel()} seq_ids")
+        uniq, inv = torch.unique(sid, return_inverse=True)
+        rows = [self._seq_row.setdefault(s, len(self._seq_row)) for s in uniq.tolist()]
+        rows = torch.tensor(rows, dtype=torch.int64, device=x.device)
+        n = len(self._seq_row)
+        self.seq_sum, self.seq_n = _grow(self.seq_sum, n), _grow(self.seq_n, n)
+        self.seq_label = _grow(self.seq_label, n, fill=-1)
+        self.seq_sum.index_add_(0, rows[inv], x)
+        self.seq_n.index_add_(0, rows[inv], torch.ones_like(x[:, 0]))
+        if y is None:
+            return
+        # one label per sequence, also across batches (a -1 marks a sequence not seen before)
+        first = torch.empty_like(rows).scatter_(0, inv, y)
+        prev = self.seq_label[rows]
+        bad = bool((first[inv] != y).any()) or bool(((prev >= 0) & (prev != first)).any())
+        self.seq_labels_consistent &= not bad
+        if bad and "anova" in self.metrics:
+            raise ValueError("labels vary within a sequence; the ANOVA's class parts need one label "
+                             "per sequence (for next-token labels use metrics 'anova_seq')")
+        self.seq_label[rows] = first
+
+    # ------------------------------------------------------------------ finished quantities
+    def _classes(self):
+        """Present class ids, their shifted means, counts and variances sigma_c^2."""
+        classes = torch.nonzero(self.cls_n > 0).flatten()
+        T, n_c = self.cls_sum[classes], self.cls_n[classes]
+        means = T / n_c[:, None]
+        var = (self.cls_sq[classes] / n_c - _sq(means)).clamp_min(0)
+        return classes, means, n_c, var
+
+    def class_means(self, min_count: int = 1):
+        """(class ids [K], means [K, D]) of the classes with at least min_count rows."""
+        classes, means, n_c, _ = self._classes()
+        kept = n_c >= min_count
+        return classes[kept], means[kept] + self.shift
+
+    def sequence_means(self):
+        """(sequence ids [S], means [S, D], labels [S] or None) in order of first appearance;
+        labels only when every token of each sequence came with the same label."""
+        n = len(self._seq_row)
+        ids = torch.tensor(list(self._seq_row), dtype=torch.int64)
+        has = n and self.seq_labels_consistent and bool((self.seq_label[:n] >= 0).all())
+        labels = self.seq_label[:n] if has else None
+        return ids, self.seq_sum[:n] / self.seq_n[:n, None] + self.shift, labels
+
+    def _rows(self, w, classes):
+        if w is None:
+            return None
+        w = as_float64(w, self.device)
+        if int(classes.max()) >= w.shape[0]:
+            raise ValueError(f"labels must index the {w.shape[0]} classifier rows")
+        return w[classes]
+
+    @torch.no_grad()
+    def compute(self, weight=None, bias=None, unembedding=None, thresholds=(0.9, 0.99),
+                spectral_center: str = "global", min_count: int = 1, lc_center: str = "classes",
+                center_unembedding: bool = False) -> dict:
+        """Finish every requested metric; the keys are those of `analysis.metrics`.
+
+        Args:
+            weight, bias: classifier [K, D] and [K] for nc2_equinorm_w and nc3 (nc4: NCCAgreement).
+            unembedding: [V, D] LM head for the lc self-duality measures.
+            thresholds, spectral_center: as in `metrics.spectral_decay` ("sequence" needs seq_ids).
+            min_count, lc_center, center_unembedding: as in `metrics.linguistic_collapse`.
+        """
+        if self.n == 0:
+            raise ValueError("no data: call update() first")
+        N, mu = self.n, self.sum / self.n
+        Q, mu2 = float(self.sq), float(_sq(mu))
+        ns = len(self._seq_row)
+        S, n_s = self.seq_sum[:ns], self.seq_n[:ns]
+        A = float((_sq(S) / n_s).sum()) if ns else float("nan")  # sum_s ||S_s||^2 / n_s
+        out = {}
+        if self.metrics & {"anova", "anova_seq"}:
+            out.update(total=Q / N - mu2, within_seq=max(Q - A, 0.0) / N, between_seq=A / N - mu2)
+        classes = None
+        if self.needs_labels:
+            classes, means, n_c, var = self._classes()
+        if "anova" in self.metrics:
+            B = float((_sq(means) * n_c).sum())  # sum_c ||T_c||^2 / n_c
+            out.update(within_class=max(A - B, 0.0) / N, between_class=B / N - mu2)
+        for part in ("within_seq", "between_seq", "within_class", "between_class"):
+            if part in out:
+                out[f"{part}_share"] = out[part] / out["total"]
+        if "nc" in self.metrics:
+            C = classes.numel()
+            M = means - mu
+            sigma_w = (self.xtx - (means * n_c[:, None]).T @ means) / N
+            out.update(num_classes=float(C), nc1=nc1_from_scatter(sigma_w, M))
+            out.update(class_mean_geometry(means, mu, self._rows(weight, classes)))
+        if "cdnv" in self.metrics:
+            out.update(cdnv_from_class_stats(means, var))
+        if "lc" in self.metrics:
+            kept = n_c >= min_count
+            if int(kept.sum()) < 2:
+                raise ValueError(f"fewer than 2 classes have {min_count} or more rows")
+            out.update(lc_from_class_stats(means[kept], n_c[kept], var[kept],
+                                           self._rows(unembedding, classes[kept]), lc_center, center_unembedding))
+        if "spectral" in self.metrics:
+            if spectral_center == "global":
+                cov = (self.xtx - N * torch.outer(mu, mu)) / N
+            elif spectral_center == "sequence":
+                if not ns:
+                    raise ValueError("spectral_center='sequence' needs seq_ids")
+                cov = (self.xtx - (S / n_s[:, None]).T @ S) / N
+            else:
+                raise ValueError(f"spectral_center must be 'global' or 'sequence', not {spectral_center!r}")
+            out.update(spectrum_metrics(cov, thresholds))
+        return out
+
+
+class NCCAgreement:
+    """Second pass for NC4 / the NCC agreement: compares argmax_c (W x + b)_c with the nearest
+    class mean, batch by batch, given the final class means of the first pass.
+
+    compute() returns ncc_mismatch (= nc4 when all classes are used) and ncc_agreement (=
+    lc_ncc_agreement with the kept classes and the unembedding rows).
+
+    Args:
+        means: [K, D] class means (e.g. from GeometryAccumulator.class_means()).
+        weight: [K, D] classifier rows of those classes, same order.
+        bias: [K] classifier bias of those classes; optional.
+        classes: [K] class ids; when given, only rows whose label is among them are counted
+            (update() then needs labels).
+    """
+
+    def __init__(self, means, weight, bias=None, classes=None):
+        self.means = as_float64(means)
+        dev = self.means.device
+        self.weight = as_float64(weight, dev)
+        self.bias = as_float64(bias, dev).reshape(-1) if bias is not None else None
+        self.classes = as_index(classes, dev) if classes is not None else None
+        self.wrong = self.n = 0
+
+    @torch.no_grad()
+    def update(self, features, labels=None):
+        x = as_float64(features, self.means.device)
+        if self.classes is not None:
+            if labels is None:
+                raise ValueError("restricting to classes needs labels")
+            x = x[torch.isin(as_index(labels, x.device), self.classes)]
+        self.wrong += ncc_mismatch(x, self.means, self.weight, self.bias)
+        self.n += x.shape[0]
+
+    def compute(self) -> dict:
+        frac = self.wrong / self.n
+        return {"ncc_mismatch": frac, "ncc_agreement": 1.0 - frac}
