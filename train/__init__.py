@@ -13,7 +13,11 @@ def get_trainer(name: str):
         from .supervised import SupervisedTrainer
 
         return SupervisedTrainer
-    raise ValueError(f"trainer={name!r} is not available; choose one of: deit3")
+    if name == "gpt":
+        from .gpt import GPTTrainer
+
+        return GPTTrainer
+    raise ValueError(f"trainer={name!r} is not available; choose one of: deit3, gpt")
 
 
 # Overrides that do not change what is trained, so they do not change the run directory
