@@ -24,6 +24,7 @@ that forms P explicitly, which tests compare against and `return_attn=True` uses
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -76,8 +77,8 @@ class KVCache:
 
 def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[int]:
     """Normalise an int (same in every layer) or a per-layer list to a validated list of ints."""
-    if isinstance(num_laplacian_heads, int):
-        counts = [num_laplacian_heads] * depth
+    if isinstance(num_laplacian_heads, numbers.Integral):
+        counts = [int(num_laplacian_heads)] * depth
     else:
         counts = [int(k) for k in num_laplacian_heads]
         if len(counts) != depth:
@@ -88,6 +89,16 @@ def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[in
             raise ValueError(f"num_laplacian_heads={k} in layer {i} is outside 0..{num_heads} "
                              f"(this model has {num_heads} heads per layer)")
     return counts
+
+
+def block_indices(layers, depth: int) -> set[int]:
+    """Validated block indices for forward_features: None = all, negatives count from the end."""
+    if layers is None:
+        return set(range(depth))
+    bad = [i for i in layers if not -depth <= i < depth]
+    if bad:
+        raise IndexError(f"layers={list(layers)}: index {bad[0]} is outside the {depth} blocks")
+    return {i % depth for i in layers}
 
 
 class Attention(nn.Module):
@@ -130,15 +141,26 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
-        is_lap = torch.zeros(num_heads)
-        is_lap[num_heads - num_laplacian_heads:] = 1.0
         if laplacian_mode == "learned":
-            # Start the gates at sigmoid(+-4) ~ 0.98 / 0.02: close to the fixed assignment.
-            self.laplacian_gate = nn.Parameter(8.0 * is_lap - 4.0)
+            self.laplacian_gate = nn.Parameter(torch.empty(num_heads))
         else:
             # A buffer, not a parameter: the paper's heads add no parameters. Not persistent,
             # so checkpoints and timm state dicts carry no extra key.
-            self.register_buffer("is_laplacian", is_lap, persistent=False)
+            self.register_buffer("is_laplacian", torch.empty(num_heads), persistent=False)
+        self.reset_laplacian()
+
+    @torch.no_grad()
+    def reset_laplacian(self):
+        """(Re)set which heads are Laplacian: the last k. Also after `to_empty` from meta."""
+        is_lap = torch.zeros(self.num_heads, device=self.qkv.weight.device)
+        is_lap[self.num_heads - self.num_laplacian_heads:] = 1.0
+        if is_lap.is_meta:
+            return
+        if self.laplacian_mode == "learned":
+            # Start the gates at sigmoid(+-4) ~ 0.98 / 0.02: close to the fixed assignment.
+            self.laplacian_gate.copy_(8.0 * is_lap - 4.0)
+        else:
+            self.is_laplacian.copy_(is_lap)
 
     def laplacian_weight(self) -> Optional[torch.Tensor]:
         """Per-head weight a_h of V - P V in the output, shape [H, 1, 1]; None if all zero."""

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import Attention, KVCache, laplacian_counts, rms_norm
+from .attention import Attention, KVCache, block_indices, laplacian_counts, rms_norm
 
 
 class MLP(nn.Module):
@@ -107,9 +107,7 @@ class GPT(nn.Module):
         for blk in self.blocks:
             nn.init.zeros_(blk.attn.proj.weight)
             nn.init.zeros_(blk.mlp.c_proj.weight)
-            if blk.attn.laplacian_mode == "fixed":
-                blk.attn.is_laplacian.zero_()
-                blk.attn.is_laplacian[blk.attn.num_heads - blk.attn.num_laplacian_heads:] = 1.0
+            blk.attn.reset_laplacian()
         self._build_rope(self.wte.weight.device)
 
     def _build_rope(self, device):
@@ -160,7 +158,7 @@ class GPT(nn.Module):
                          norm: bool = True) -> dict[str, torch.Tensor]:
         """Token representations [B, T, width]: {"blocks.i": residual stream after block i for
         i in `layers` (default all), "norm": final-norm output (the lm_head's input)}."""
-        wanted = set(range(self.depth)) if layers is None else {i % self.depth for i in layers}
+        wanted = block_indices(layers, self.depth)
         h, feats = self._run(idx, collect=wanted)
         if norm:
             feats["norm"] = h

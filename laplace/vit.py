@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from timm.layers import DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
 
-from .attention import Attention, laplacian_counts
+from .attention import Attention, block_indices, laplacian_counts
 
 
 class Block(nn.Module):
@@ -110,7 +110,7 @@ class VisionTransformer(nn.Module):
         Blocks after the last one needed are skipped when `norm` is False.
         """
         depth = len(self.blocks)
-        wanted = set(range(depth)) if layers is None else {i % depth for i in layers}
+        wanted = block_indices(layers, depth)
         last = depth - 1 if norm else max(wanted, default=-1)
         feats, x = {}, self.embed(x)
         for i, blk in enumerate(self.blocks[:last + 1]):

@@ -11,6 +11,7 @@ The count k is per layer; a per-layer list can be passed as `num_laplacian_heads
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import re
 
 import torch.nn as nn
@@ -65,12 +66,13 @@ def create_model(name: str, **overrides) -> nn.Module:
     None values are ignored so Hydra nodes can leave a key unset."""
     cfg = model_defaults(name)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
-    arch = cfg.pop("arch")
-    cls = VisionTransformer if arch == "vit" else GPT
-    try:
-        return cls(**cfg)
-    except TypeError as e:  # an override the architecture does not take
-        raise ValueError(f"model {name!r}: {e}") from None
+    cls = VisionTransformer if cfg.pop("arch") == "vit" else GPT
+    accepted = inspect.signature(cls).parameters
+    unknown = sorted(set(cfg) - set(accepted))
+    if unknown:
+        raise ValueError(f"model {name!r} takes no argument {unknown[0]!r}; valid: "
+                         f"{', '.join(accepted)}")
+    return cls(**cfg)
 
 
 def list_models(pattern: str = "*") -> list[str]:

@@ -1,0 +1,302 @@
+"""Tests of `laplace.attention`: the Laplacian head V - P V against ground truths.
+
+    .venv/bin/python -m pytest tests/test_attention.py
+
+The fused (SDPA) path is checked against the reference path that forms P explicitly, forward
+and gradients, in float64 so tolerances can be tight; the reference path is in turn checked
+against attention written out by hand and against a closed form (uniform P gives V minus the
+running mean of V). The KV cache must reproduce the full causal forward token by token.
+"""
+import math
+
+import pytest
+import torch
+
+from laplace.attention import Attention, KVCache
+from laplace.gpt import GPT
+from laplace.vit import VisionTransformer
+
+DIM, HEADS = 32, 4
+HEAD_DIM = DIM // HEADS
+
+# The two configurations the models use: ViT (qkv bias, no QK-norm) and GPT (QK-norm, rotary).
+CONFIGS = {
+    "vit": dict(qkv_bias=True, proj_bias=True, qk_norm=False),
+    "gpt": dict(qkv_bias=False, proj_bias=False, qk_norm=True),
+}
+
+
+def rope_table(start: int, n: int, head_dim: int = HEAD_DIM, dtype=torch.float64):
+    """(cos, sin) for positions start..start+n, as the GPT builds them."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float64) / half))
+    freqs = torch.outer(torch.arange(start, start + n, dtype=torch.float64), inv_freq)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def make_pair(k: int, mode: str = "fixed", config: str = "vit", seed: int = 0):
+    """A fused and a reference Attention in float64 holding the same random weights."""
+    torch.manual_seed(seed)
+    fused = Attention(DIM, HEADS, k, mode, fused=True, **CONFIGS[config]).double()
+    if mode == "learned":
+        # Spread the gates so every head mixes P V and V - P V and their gradients are not tiny.
+        with torch.no_grad():
+            fused.laplacian_gate.copy_(torch.randn(HEADS, dtype=torch.float64))
+    ref = Attention(DIM, HEADS, k, mode, fused=False, **CONFIGS[config]).double()
+    ref.load_state_dict(fused.state_dict())
+    return fused, ref
+
+
+def forward_and_grads(module, x, causal, rope, w):
+    """Output and gradients w.r.t. the input and every parameter of a fixed linear loss."""
+    x = x.clone().requires_grad_(True)
+    module.zero_grad(set_to_none=True)
+    out = module(x, is_causal=causal, rope=rope)
+    (out * w).sum().backward()
+    grads = {"input": x.grad}
+    grads.update({n: p.grad for n, p in module.named_parameters()})
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("config", ["vit", "gpt"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("k,mode", [(0, "fixed"), (1, "fixed"), (3, "fixed"), (HEADS, "fixed"),
+                                    (2, "learned")])
+def test_fused_matches_reference_forward_and_grads(config, causal, k, mode):
+    fused, ref = make_pair(k, mode, config)
+    torch.manual_seed(1)
+    B, N = 2, 7
+    x = torch.randn(B, N, DIM, dtype=torch.float64)
+    w = torch.randn(B, N, DIM, dtype=torch.float64)
+    rope = rope_table(0, N) if config == "gpt" else None
+    out_f, g_f = forward_and_grads(fused, x, causal, rope, w)
+    out_r, g_r = forward_and_grads(ref, x, causal, rope, w)
+    torch.testing.assert_close(out_f, out_r, rtol=1e-10, atol=1e-12)
+    assert g_f.keys() == g_r.keys()
+    expected_params = {"qkv.weight", "proj.weight"} | ({"laplacian_gate"} if mode == "learned" else set())
+    assert expected_params <= g_f.keys()
+    for name in g_f:
+        assert g_f[name] is not None and g_f[name].abs().sum() > 0, name
+        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_laplacian_heads_change_the_output():
+    """Guard for the tests above: k = 0 and k = all must differ, else they prove little."""
+    fused0, _ = make_pair(0)
+    fused_all = Attention(DIM, HEADS, HEADS, qkv_bias=True).double()
+    fused_all.load_state_dict(fused0.state_dict())
+    x = torch.randn(2, 5, DIM, dtype=torch.float64)
+    assert not torch.allclose(fused0(x), fused_all(x))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_k0_is_plain_softmax_attention(causal):
+    """k = 0 is textbook attention: softmax(q k^T / sqrt(d)) v, heads concatenated, projected."""
+    torch.manual_seed(0)
+    attn = Attention(DIM, HEADS, 0, qkv_bias=True).double()
+    B, N = 2, 6
+    x = torch.randn(B, N, DIM, dtype=torch.float64)
+    W, b = attn.qkv.weight, attn.qkv.bias
+    q, k, v = (x @ W.T + b).split(DIM, dim=-1)  # each [B, N, C]
+    heads = []
+    for h in range(HEADS):
+        s = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
+        scores = q[..., s] @ k[..., s].transpose(1, 2) / math.sqrt(HEAD_DIM)  # [B, N, N]
+        if causal:
+            scores = scores.masked_fill(torch.ones(N, N).triu(1).bool(), float("-inf"))
+        heads.append(scores.softmax(-1) @ v[..., s])
+    expected = torch.cat(heads, dim=-1) @ attn.proj.weight.T + attn.proj.bias
+    torch.testing.assert_close(attn(x, is_causal=causal), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("k", [HEADS, 2])
+def test_uniform_attention_gives_v_minus_running_mean(fused, causal, k):
+    """Zero query/key weights make P uniform over the visible tokens, so a Laplacian head
+    returns V minus the mean of V (causal: minus the running mean) and a standard head the
+    mean itself: the heat-diffusion step of the paper in closed form."""
+    torch.manual_seed(0)
+    attn = Attention(DIM, HEADS, k, qkv_bias=True, fused=fused).double()
+    with torch.no_grad():
+        attn.qkv.weight[:2 * DIM] = 0.0  # rows of q and k
+        attn.qkv.bias[:2 * DIM] = 0.0
+        attn.proj.weight.copy_(torch.eye(DIM))
+        attn.proj.bias.zero_()
+    B, N = 2, 6
+    x = torch.randn(B, N, DIM, dtype=torch.float64)
+    v = x @ attn.qkv.weight[2 * DIM:].T + attn.qkv.bias[2 * DIM:]  # [B, N, C]
+    if causal:
+        mean = v.cumsum(dim=1) / torch.arange(1, N + 1, dtype=torch.float64).view(1, N, 1)
+    else:
+        mean = v.mean(dim=1, keepdim=True).expand_as(v)
+    lap = (torch.arange(DIM) >= (HEADS - k) * HEAD_DIM).view(1, 1, DIM)  # last k heads' channels
+    expected = torch.where(lap, v - mean, mean)
+    torch.testing.assert_close(attn(x, is_causal=causal), expected, rtol=1e-10, atol=1e-12)
+    if not causal and k == HEADS:
+        # Every Laplacian output is then centred: the sequence mean is removed exactly.
+        assert attn(x).mean(dim=1).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_return_attn_is_row_stochastic_and_off_the_normal_path(causal, monkeypatch):
+    fused, _ = make_pair(2)
+    x = torch.randn(2, 6, DIM, dtype=torch.float64)
+    out, P = fused(x, is_causal=causal, return_attn=True)
+    assert P.shape == (2, HEADS, 6, 6)
+    assert (P >= 0).all()
+    torch.testing.assert_close(P.sum(-1), torch.ones(2, HEADS, 6, dtype=torch.float64))
+    future = torch.ones(6, 6, dtype=torch.bool).triu(1)  # key index > query index
+    if causal:
+        assert (P[..., future] == 0).all()
+    else:
+        assert (P[..., future] > 0).all()  # bidirectional: future tokens are attended to
+    # The normal path gives a tensor, equal to the analysis path's output, and never forms P:
+    # make the explicit-softmax path raise and the fused forward must still run.
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the fused path formed P explicitly")
+    monkeypatch.setattr(fused, "_reference", no_reference)
+    plain = fused(x, is_causal=causal)
+    assert isinstance(plain, torch.Tensor)
+    torch.testing.assert_close(plain, out, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("k,mode", [(0, "fixed"), (2, "fixed"), (HEADS, "fixed"), (2, "learned")])
+def test_kv_cache_matches_full_causal_forward(fused, k, mode):
+    """Prompt, then a multi-token chunk after the prefix, then one token at a time: the
+    concatenated outputs equal one causal forward over the whole sequence (GPT config, so
+    rotary positions must be offset by the cache position)."""
+    f, r = make_pair(k, mode, "gpt")
+    attn = f if fused else r
+    B, N = 2, 12
+    x = torch.randn(B, N, DIM, dtype=torch.float64)
+    full = attn(x, is_causal=True, rope=rope_table(0, N))
+    cache = KVCache(1, B, HEADS, HEAD_DIM, max_len=N, dtype=torch.float64)
+    pieces, t = [], 0
+    for n in [5, 3] + [1] * (N - 8):  # prompt, chunk, single tokens
+        pieces.append(attn(x[:, t:t + n], is_causal=True, rope=rope_table(t, n),
+                           kv_cache=cache, layer_idx=0))
+        cache.advance(n)
+        t += n
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(0, torch.zeros(B, HEADS, 1, HEAD_DIM), torch.zeros(B, HEADS, 1, HEAD_DIM))
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match=r"num_laplacian_heads=5 is outside 0\.\.4"):
+        Attention(DIM, HEADS, 5)
+    with pytest.raises(ValueError, match=r"num_laplacian_heads=-1 is outside"):
+        Attention(DIM, HEADS, -1)
+    with pytest.raises(ValueError, match="laplacian_mode='bogus'"):
+        Attention(DIM, HEADS, 1, laplacian_mode="bogus")
+    with pytest.raises(ValueError, match="not divisible"):
+        Attention(30, HEADS)
+    vit = dict(img_size=16, patch_size=8, embed_dim=DIM, depth=3, num_heads=HEADS)
+    with pytest.raises(ValueError, match="2 entries but the model has 3 layers"):
+        VisionTransformer(num_laplacian_heads=[1, 2], **vit)
+    with pytest.raises(ValueError, match=r"num_laplacian_heads=5 in layer 1 is outside 0\.\.4"):
+        VisionTransformer(num_laplacian_heads=[0, 5, 1], **vit)
+    with pytest.raises(ValueError, match="laplacian_mode"):
+        VisionTransformer(laplacian_mode="sometimes", **vit)
+    with pytest.raises(ValueError, match="4 entries but the model has 2 layers"):
+        GPT(vocab_size=16, depth=2, width=DIM, num_heads=HEADS, num_laplacian_heads=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"-1 in layer 0"):
+        GPT(vocab_size=16, depth=2, width=DIM, num_heads=HEADS, num_laplacian_heads=-1)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random non-trivial weights: the models' zero / 1e-6 inits (nanochat's zero output
+    layers, DeiT-III's LayerScale) would make blocks near-identities and hide differences."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _tiny_vit(counts, fused, mode="fixed"):
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=16, patch_size=4, embed_dim=DIM, depth=len(counts),
+                             num_heads=HEADS, num_classes=5, num_laplacian_heads=counts,
+                             laplacian_mode=mode, fused_attn=fused)
+
+
+def _tiny_gpt(counts, fused, mode="fixed"):
+    torch.manual_seed(0)
+    return GPT(vocab_size=37, depth=len(counts), width=DIM, num_heads=HEADS,
+               num_laplacian_heads=counts, laplacian_mode=mode, max_seq_len=64, fused_attn=fused)
+
+
+def _check_counts(model, counts):
+    assert model.num_laplacian_heads == counts
+    for i, (blk, k) in enumerate(zip(model.blocks, counts)):
+        assert blk.attn.num_laplacian_heads == k, i
+        # The Laplacian heads are the LAST k of the layer.
+        expected = torch.tensor([0.0] * (HEADS - k) + [1.0] * k)
+        assert torch.equal(blk.attn.is_laplacian, expected), i
+
+
+def test_per_layer_counts_vit_fused_matches_reference():
+    counts = [0, 1, 4, 2]
+    fused = randomize_(_tiny_vit(counts, True)).double()
+    ref = _tiny_vit(counts, False).double()
+    ref.load_state_dict(fused.state_dict())
+    _check_counts(fused, counts)
+    _check_counts(ref, counts)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    outs, grads = [], []
+    for m in (fused, ref):
+        m(x).square().sum().backward()
+        outs.append(m(x).detach())
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-10)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-8, atol=1e-10, msg=n)
+    # The per-layer list is honoured, not replaced by a uniform count.
+    uniform = _tiny_vit([2] * 4, True).double()
+    uniform.load_state_dict(fused.state_dict())
+    assert not torch.allclose(uniform(x), outs[0])
+
+
+def test_per_layer_counts_gpt_fused_matches_reference():
+    counts = [4, 0, 3]
+    fused = randomize_(_tiny_gpt(counts, True)).double()
+    ref = _tiny_gpt(counts, False).double()
+    ref.load_state_dict(fused.state_dict())
+    _check_counts(fused, counts)
+    _check_counts(ref, counts)
+    idx = torch.randint(0, 37, (2, 9))
+    losses = [m(idx, targets=idx.roll(-1, dims=1)) for m in (fused, ref)]
+    torch.testing.assert_close(fused(idx), ref(idx), rtol=1e-9, atol=1e-10)
+    for loss in losses:
+        loss.backward()
+    for (n, p), (_, q) in zip(fused.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-8, atol=1e-10, msg=n)
+
+
+def _n_params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+def test_laplacian_heads_add_no_parameters():
+    a0, a_all = Attention(DIM, HEADS, 0), Attention(DIM, HEADS, HEADS)
+    assert _n_params(a0) == _n_params(a_all)
+    assert a0.state_dict().keys() == a_all.state_dict().keys()
+    for build in (_tiny_vit, _tiny_gpt):
+        m0, m_all = build([0] * 3, True), build([HEADS] * 3, True)
+        assert _n_params(m0) == _n_params(m_all)
+        assert m0.state_dict().keys() == m_all.state_dict().keys()
+        # Learned mode: one gate per head per layer, nothing else.
+        learned = build([2] * 3, True, mode="learned")
+        assert _n_params(learned) - _n_params(m0) == 3 * HEADS
+        extra = set(learned.state_dict()) - set(m0.state_dict())
+        assert extra == {f"blocks.{i}.attn.laplacian_gate" for i in range(3)}
+        # The gates start near the fixed assignment: last 2 heads ~Laplacian.
+        a = torch.sigmoid(learned.blocks[0].attn.laplacian_gate)
+        assert (a[:2] < 0.05).all() and (a[2:] > 0.95).all()
