@@ -22,7 +22,8 @@ def get_trainer(name: str):
 
 # Overrides that do not change what is trained, so they do not change the run directory
 # (running with more workers or another logger must resume the same run).
-_NAME_IGNORES = ("run_dir", "paths.", "logger", "trainer.device", "trainer.num_workers",
+_NAME_IGNORES = ("run_dir", "paths.", "logger", "data.root", "data.cache_dir", "data.download",
+                 "trainer.device", "trainer.num_workers",
                  "trainer.progress", "trainer.stop_after", "trainer.log_every", "hydra.")
 
 

@@ -41,8 +41,9 @@ class Trainer:
             run_dir). `cfg.run_dir` must be set (train.py derives it from the command line).
     """
 
-    #: what one training example is called in the throughput figure
+    #: what the throughput figure counts, and how many of them one training example holds
     unit = "samples"
+    units_per_sample = 1
 
     def __init__(self, cfg: DictConfig):
         self.cfg, tc = cfg, cfg.trainer
@@ -125,14 +126,19 @@ class Trainer:
                           **self._loader_kwargs())
 
     def _batches(self) -> Iterator:
-        """Micro-batches forever, epoch after epoch, keeping `state` at what was consumed."""
+        """Micro-batches forever, epoch after epoch, keeping `state` at what was consumed.
+
+        The epoch counter moves on with the last batch of an epoch (not when the next one is
+        asked for), so a checkpoint taken right after it resumes at the next epoch's start."""
+        per_epoch = len(self.sampler.inner) // self.micro_bs
         while True:
             self.sampler.set_epoch(self.state["epoch"], self.state["micro_in_epoch"] * self.micro_bs)
             for batch in self.train_loader:
                 self.state["micro_in_epoch"] += 1
+                if self.state["micro_in_epoch"] == per_epoch:
+                    self.state["epoch"] += 1
+                    self.state["micro_in_epoch"] = 0
                 yield batch
-            self.state["epoch"] += 1
-            self.state["micro_in_epoch"] = 0
 
     def to_device(self, x):
         if isinstance(x, torch.Tensor):
@@ -220,7 +226,7 @@ class Trainer:
                 loss_sum += loss.detach().float() / self.accum
                 for k, v in extra.items():
                     extras[k] = extras.get(k, 0.0) + v / self.accum
-                seen += self.micro_bs * self.dist.world_size
+                seen += self.micro_bs * self.dist.world_size * self.units_per_sample
             if o.grad_clip:
                 extras["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
             self.optimizer.step()
@@ -230,6 +236,9 @@ class Trainer:
 
             if step % tc.log_every == 0 or step == stop_at:
                 dt = time.perf_counter() - t0
+                # Averaged over ranks (all reach this line at the same step): the logged loss is
+                # the global batch's, whatever the world size.
+                window_loss = dist.all_reduce_mean(torch.as_tensor(window_loss, device=self.device))
                 mean_loss = float(window_loss) / window_n
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(f"training loss is {mean_loss} at step {step}; lower "

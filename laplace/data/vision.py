@@ -1,20 +1,79 @@
-"""Build an image classification split from the Hydra `data` node (digits, CIFAR, ImageNet)."""
+"""Build an image classification split from the Hydra `data` node (digits, CIFAR, ImageNet).
+
+`data.augment` picks the training transform:
+    three_augment        DeiT-III pre-training: random resized crop + flip, one of {grayscale,
+                         solarize, blur}, colour jitter (laplace.data.transforms)
+    simple_random_crop   the same after DeiT's `--src` crop (resize + reflect-pad-4 random crop)
+    randaugment          DeiT-III fine-tuning: timm's random resized crop + flip + RandAugment
+                         `data.auto_augment` (rand-m9-mstd0.5-inc1), no colour jitter
+    none                 the evaluation transform (resize + centre crop)
+"""
 from __future__ import annotations
 
-from .transforms import eval_transform, three_augment
+import random
+
+import numpy as np
+import torch
+from torchvision import transforms as T
+
+from .transforms import ToRGB, eval_transform, three_augment
 
 NAMES = ("digits", "cifar10", "cifar100", "imagenet")
+AUGMENTS = ("three_augment", "simple_random_crop", "randaugment", "none")
+
+
+class TorchSeeded:
+    """Run a transform that draws from Python's `random` and NumPy's global RNGs (timm's
+    RandAugment and RandomResizedCropAndInterpolation do) with both seeded from torch's RNG,
+    and restore them afterwards.
+
+    So the sample's augmentation is a function of torch's RNG alone, which `SeededDataset`
+    seeds per sample (exact resume), and loading in the main process leaves the NumPy stream
+    of Mixup untouched.
+    """
+
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __call__(self, img):
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        py_state, np_state = random.getstate(), np.random.get_state()
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            return self.transform(img)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.transform!r})"
+
+
+def rand_augment(cfg, mean, std) -> T.Compose:
+    """DeiT-III's fine-tuning transform: timm's create_transform with RandAugment `auto_augment`."""
+    from timm.data import create_transform
+
+    policy = cfg.get("auto_augment")
+    if not policy:
+        raise ValueError(f"data.augment=randaugment needs a RandAugment policy: set "
+                         f"+data.auto_augment=rand-m9-mstd0.5-inc1 (data={cfg.name})")
+    # timm turns colour jitter off under RandAugment, as in DeiT's fine-tuning runs.
+    tf = create_transform(cfg.img_size, is_training=True, color_jitter=cfg.get("color_jitter", 0.3),
+                          auto_augment=policy, interpolation="bicubic", re_prob=0.0,
+                          mean=mean, std=std)
+    return T.Compose([ToRGB(), TorchSeeded(tf)])
 
 
 def build_transform(cfg, train: bool):
-    """Training: `data.augment` = three_augment | simple_random_crop (3-Augment after DeiT's
-    `--src` crop) | none (the eval transform). Evaluation: resize + centre crop."""
+    """The training (augmented, `data.augment`) or evaluation (resize + centre crop) transform."""
     mean, std = tuple(cfg.mean), tuple(cfg.std)
     if not train or cfg.augment == "none":
         return eval_transform(cfg.img_size, cfg.get("eval_crop_pct", 1.0), mean, std)
-    if cfg.augment not in ("three_augment", "simple_random_crop"):
-        raise ValueError(f"data.augment={cfg.augment!r}: choose three_augment, "
-                         f"simple_random_crop or none")
+    if cfg.augment not in AUGMENTS:
+        raise ValueError(f"data.augment={cfg.augment!r}: choose one of {', '.join(AUGMENTS)}")
+    if cfg.augment == "randaugment":
+        return rand_augment(cfg, mean, std)
     return three_augment(cfg.img_size, cfg.get("color_jitter", 0.3),
                          simple_random_crop=cfg.augment == "simple_random_crop", mean=mean, std=std)
 
