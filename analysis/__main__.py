@@ -1,0 +1,220 @@
+"""`python -m analysis`: the paper's token-geometry measurements of saved checkpoints.
+
+    python -m analysis checkpoint=runs/deit3/digits/vitt_3L_s0/ckpt/last.pt
+    python -m analysis checkpoint=[runs/.../vitt_0L_s0/ckpt/last.pt,runs/.../vitt_3L_s0/ckpt/last.pt] \\
+        analysis_out=runs/compare pca_maps=8
+    python -m analysis checkpoint=... data=cifar100 data.root=/data/cifar max_tokens=1000000 device=cuda
+    python -m analysis checkpoint=... metrics=[anova,spectral] layers=[0,5,-1] batch_size=256
+
+Every default lives in configs/analysis.yaml. Each checkpoint is rebuilt by
+`laplace.checkpoint.load_model` and evaluated on the validation split of its own data node
+(or `data=`); what is measured per layer and token kind is in analysis/features.py.
+
+Output, for a checkpoint <dir>/<name>.pt (a folder per checkpoint, so last.pt and step_N.pt
+beside each other do not overwrite each other's results):
+    <dir>/<name>_analysis/analysis.json      model, Laplacian heads, data node, settings, n tokens,
+                                             throughput, results[kind][layer][metric group]
+    <dir>/<name>_analysis/{anova,collapse,spectrum}.{png,pdf}
+With several checkpoints, the same figures with all of them on shared axes and summary.json
+(headline numbers per checkpoint) go to `analysis_out` (default <dir of the first>/compare_analysis);
+pca_maps.{png,pdf} go there too (one checkpoint: its own folder). stdout has one line per
+checkpoint with its throughput and headline numbers, then `[analysis] wrote <.../analysis.json>`.
+Bad input (missing checkpoint, unknown metric, bad layer) exits with one `error: ...` line.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, ListConfig
+from omegaconf.errors import MissingMandatoryValue
+
+from analysis.features import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
+from laplace.data import DatasetNotFoundError
+
+USER_ERRORS = (ValueError, DatasetNotFoundError)  # CheckpointError and UnknownModelError are ValueErrors
+
+
+def analysis_dir(checkpoint) -> Path:
+    """Where the analysis of one checkpoint goes: beside it, named after it."""
+    p = Path(checkpoint)
+    return p.parent / f"{p.stem}_analysis"
+
+
+def headline(res: dict) -> dict:
+    """The quick start's columns, all at the final-norm layer: within-sequence share and
+    n_pcs_0.99 of the patch tokens (GPT: all tokens), NC1 of the class token (GPT: CDNV)."""
+    kind = "patch" if res["arch"] == "vit" else "tokens"
+    norm = res["results"][kind].get("norm", {})
+    out = {"within_seq_share": norm.get("anova", {}).get("within_seq_share"),
+           "n_pcs_0.99": norm.get("spectral", {}).get("n_pcs_0.99")}
+    if res["arch"] == "vit":
+        out["nc1"] = res["results"]["cls"].get("norm", {}).get("nc", {}).get("nc1")
+    else:
+        out["lc_cdnv_mean"] = norm.get("lc", {}).get("lc_cdnv_mean")
+    return out
+
+
+def _plain(x):
+    """JSON-safe: NaN / inf become null (strict JSON readers refuse NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def write_json(obj, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_plain(obj), indent=1))
+    return path
+
+
+def _checkpoints(cfg) -> list[Path]:
+    try:
+        value = cfg.checkpoint
+    except MissingMandatoryValue:
+        raise ValueError("checkpoint is required: python -m analysis checkpoint=PATH "
+                         "(or checkpoint=[PATH1,PATH2] to compare)") from None
+    paths = [Path(p) for p in (value if isinstance(value, ListConfig) else [value])]
+    for p in paths:
+        if not p.is_file():
+            raise ValueError(f"checkpoint={p}: no such file; pass checkpoint=PATH to a laplace checkpoint, "
+                             f"e.g. runs/<trainer>/<data>/<run>/ckpt/last.pt")
+    if not paths:
+        raise ValueError("checkpoint=[]: give at least one checkpoint path")
+    return paths
+
+
+def _labels(runs: list[dict]) -> list[str]:
+    """Legend labels (set as r["label"]); the run folder is added where two checkpoints share a
+    model name. `runs` need model, num_heads, num_laplacian_heads and checkpoint."""
+    from analysis.plots import run_label
+
+    names = [r["model"] for r in runs]
+    for r in runs:
+        r.pop("label", None)
+        if names.count(r["model"]) > 1:
+            r["label"] = f"{run_label(r)} {Path(r['checkpoint']).parent.parent.name}"
+    return [run_label(r) for r in runs]
+
+
+def _facts(path, model, ckpt) -> dict:
+    """What a legend needs about a checkpoint, when no metrics were measured."""
+    k = list(model.num_laplacian_heads)
+    return {"model": ckpt["config"]["model"]["name"], "checkpoint": str(Path(path).resolve()),
+            "num_heads": model.blocks[0].attn.num_heads, "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
+
+
+def _print_run(res: dict) -> None:
+    thr = res["throughput"]
+    heads = ", ".join(f"{k}={v:.4g}" for k, v in headline(res).items() if v is not None)
+    mem = f", peak CUDA {thr['peak_cuda_mib']:,.0f} MiB" if "peak_cuda_mib" in thr else ""
+    print(f"[analysis] {res['model']}: {res['n_tokens']:,} tokens ({res['n_sequences']:,} sequences) in "
+          f"{thr['seconds']:.1f} s = {thr['tokens_per_s']:,.0f} tokens/s on {thr['device']}, peak RSS "
+          f"{thr['peak_rss_mib']:,.0f} MiB{mem}" + (f"; at norm: {heads}" if heads else ""), flush=True)
+
+
+def _pca_images(model, data_node, cfg):
+    """The first pca_maps images of the fixed order (the same for every checkpoint)."""
+    import torch
+
+    dataset, _ = eval_split(model, data_node, cfg.seed, None)
+    n = min(int(cfg.pca_maps), len(dataset))
+    items = [dataset[i] for i in range(n)]
+    return torch.stack([x for x, _ in items]), [int(y) for _, y in items]
+
+
+def _out_dir(cfg, paths: list[Path]) -> Path:
+    """Comparison figures and PCA maps: analysis_out, else beside the (first) checkpoint."""
+    if cfg.analysis_out:
+        return Path(cfg.analysis_out)
+    return analysis_dir(paths[0]) if len(paths) == 1 else paths[0].parent / "compare_analysis"
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Analyse every checkpoint, write analysis.json and figures; return the results."""
+    from analysis import plots
+    from analysis.pca_maps import denormalize, draw_pca_grid, model_maps
+    from laplace.vit import VisionTransformer
+
+    metrics = check_metrics(list(cfg.metrics))
+    paths = _checkpoints(cfg)
+    if cfg.cpu_threads:
+        import torch
+
+        torch.set_num_threads(int(cfg.cpu_threads))
+    layers = cfg.layers if isinstance(cfg.layers, (str, int)) else list(cfg.layers)
+    if not metrics and not cfg.pca_maps:
+        raise ValueError("metrics=[] and pca_maps=0: nothing to do; ask for metrics or pca_maps=<n>")
+    runs, maps, map_facts, pca_images, kinds = [], [], [], None, set()
+    for p in paths:
+        loaded = load_for_analysis(p, cfg.get("data"), cfg.device)
+        model, ckpt, data_node = loaded
+        vit = isinstance(model, VisionTransformer)
+        kinds.add((vit, data_node["name"]))
+        if len(kinds) > 1:  # fail before the long part, not after it
+            raise ValueError("checkpoint=[...]: compare like with like: the checkpoints mix architectures or "
+                             "datasets; pass data=<name> to evaluate all on one split, or analyse them apart")
+        measured = layer_names(model, layers)[1]
+        for key in ("spectrum_layer", "pca_layer"):
+            if cfg[key] not in measured:
+                raise ValueError(f"{key}={cfg[key]}: not a measured layer; choose one of {measured}")
+        if metrics:
+            res = analyze_checkpoint(p, metrics=metrics, layers=layers, max_tokens=cfg.max_tokens,
+                                     batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed,
+                                     min_count=cfg.min_count, thresholds=list(cfg.thresholds),
+                                     progress=cfg.progress, loaded=loaded)
+            runs.append(res)
+            _print_run(res)
+            print(f"[analysis] wrote {write_json(res, analysis_dir(p) / 'analysis.json')}", flush=True)
+            if cfg.figures:
+                plots.draw_all([res], analysis_dir(p), cfg.spectrum_layer)
+        if cfg.pca_maps and vit:
+            images, labels = _pca_images(model, data_node, cfg)
+            if pca_images is None:  # the image column: the same images for every checkpoint
+                pca_images = (denormalize(images, data_node["mean"], data_node["std"]), labels)
+            maps.append(model_maps(model, images, cfg.pca_layer))
+            map_facts.append(_facts(p, model, ckpt))
+        elif cfg.pca_maps:
+            print(f"[analysis] pca_maps: skipped for {p}, not a ViT", flush=True)
+        del model, loaded
+    if len(runs) > 1:
+        _compare(runs, cfg, _out_dir(cfg, paths))
+    if maps:
+        stem = _out_dir(cfg, paths) / "pca_maps"
+        draw_pca_grid(pca_images[0], dict(zip(_labels(map_facts), maps)), stem, pca_images[1], cfg.pca_layer)
+        print(f"[analysis] wrote {stem.with_suffix('.png')}", flush=True)
+    return runs
+
+
+def _compare(runs: list[dict], cfg, out: Path) -> None:
+    """Several checkpoints on the same axes, and a summary of their headline numbers."""
+    from analysis import plots
+
+    _labels(runs)
+    if cfg.figures:
+        plots.draw_all(runs, out, cfg.spectrum_layer)
+    summary = [{"label": plots.run_label(r), "model": r["model"], "checkpoint": r["checkpoint"],
+                "analysis": str(analysis_dir(r["checkpoint"]) / "analysis.json"), **headline(r)} for r in runs]
+    print(f"[analysis] wrote {write_json({'runs': summary}, out / 'summary.json')}", flush=True)
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="analysis")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except USER_ERRORS as e:  # bad input: one line; HYDRA_FULL_ERROR=1 shows the traceback
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        sys.exit(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+
+if __name__ == "__main__":
+    main()

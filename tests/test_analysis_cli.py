@@ -1,0 +1,205 @@
+"""`python -m analysis` on tiny checkpoints: the analysis.json layout, the ANOVA identities, the
+streamed per-layer values against the in-memory metrics on the same features, the figures, the
+one-line errors, and the quick start's geometry columns."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from analysis import metrics as m
+from analysis.__main__ import analysis_dir, run as analysis_run
+from analysis.features import eval_split, load_for_analysis
+from conftest import CONFIGS, ROOT, TINY_VIT
+from laplace.checkpoint import save_checkpoint
+from laplace.config import model_node, register_model_configs
+from laplace.zoo import create_model
+from train import run as train_run
+
+VIT_ARGS = ["max_tokens=1100", "batch_size=24", "pca_maps=2"]  # 64 images of 17 tokens, 3 uneven batches
+FIGURES = ("anova", "collapse", "spectrum")
+
+
+def _analysis(*args):
+    return subprocess.run([sys.executable, "-m", "analysis", *args, "cpu_threads=1", "progress=false"],
+                          cwd=ROOT, capture_output=True, text=True)
+
+
+def _train_vit(model: str, tmp) -> str:
+    register_model_configs([model])
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={model}", *TINY_VIT, "trainer.max_steps=2",
+                                           f"paths.runs_dir={tmp / 'runs'}"])
+    with open_dict(cfg):
+        cfg.run_dir = str(tmp / model)
+    train_run(cfg)
+    return str(tmp / model / "ckpt" / "last.pt")
+
+
+def _save_gpt(path) -> str:
+    """An untrained tiny GPT; out-projections and lm_head made non-zero so tokens mix and the
+    unembedding is defined (nanochat's init zeroes them)."""
+    node = model_node("gpt_d2_1L")
+    node.update(vocab_size=257, max_seq_len=64)
+    torch.manual_seed(0)
+    model = create_model(**node)
+    for p in [model.lm_head.weight] + [w for b in model.blocks for w in (b.attn.proj.weight, b.mlp.c_proj.weight)]:
+        torch.nn.init.normal_(p, std=0.05)
+    cfg = {"model": node, "data": {"name": "pydoc_text", "vocab_size": 257, "seq_len": 64}}
+    return str(save_checkpoint(path, model=model, config=cfg))
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    """Two 2-step tiny ViTs (0 and 3 Laplacian heads) analysed in one call."""
+    tmp = tmp_path_factory.mktemp("vit")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before conftest's per-test thread setting
+    try:
+        ckpts = [_train_vit(name, tmp) for name in ("vitt_0L", "vitt_3L")]
+    finally:
+        torch.set_num_threads(threads)
+    proc = _analysis(f"checkpoint=[{','.join(ckpts)}]", f"analysis_out={tmp / 'compare'}", *VIT_ARGS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads((analysis_dir(c) / "analysis.json").read_text()) for c in ckpts]
+    return {"ckpts": ckpts, "results": results, "compare": tmp / "compare", "stdout": proc.stdout}
+
+
+def _approx(a, b, rel=1e-4):
+    assert a == pytest.approx(b, rel=rel, abs=1e-8)
+
+
+def test_vit_analysis_json_layout(vit):
+    r0, r3 = vit["results"]
+    assert (r0["model"], r0["num_laplacian_heads"], r3["num_laplacian_heads"]) == ("vitt_0L", 0, 3)
+    assert r0["arch"] == "vit" and r0["layers"] == ["blocks.0", "blocks.1", "norm"]
+    assert r0["n_sequences"] == 64 and r0["n_tokens"] == 64 * 17 == r0["throughput"]["tokens"]
+    assert r0["throughput"]["tokens_per_s"] > 0 and r0["throughput"]["peak_rss_mib"] > 0
+    for layer in r0["layers"]:
+        patch, cls = r0["results"]["patch"][layer], r0["results"]["cls"][layer]
+        assert set(patch) == {"anova", "cdnv", "spectral", "spectral_within", "nc"}
+        assert set(cls) == {"nc", "cdnv", "spectral"}
+        a = patch["anova"]
+        _approx(a["within_seq"] + a["between_seq"], a["total"], rel=1e-10)
+        _approx(a["within_class"] + a["between_class"], a["between_seq"], rel=1e-10)
+        _approx(a["within_seq_share"] + a["within_class_share"] + a["between_class_share"], 1.0, rel=1e-10)
+        assert len(patch["spectral"]["spectrum"]) == 48 and cls["nc"]["num_classes"] == 10
+    assert "within_seq_share=" in vit["stdout"] and "tokens/s" in vit["stdout"]
+
+
+def test_vit_streamed_equals_in_memory(vit):
+    """Every layer's JSON values == analysis.metrics on the same features, computed here."""
+    torch.set_num_threads(1)  # as the CLI ran: the same float32 reductions
+    ckpt, res = vit["ckpts"][1], vit["results"][1]
+    model, _, data = load_for_analysis(ckpt, device="cpu")
+    ds, _ = eval_split(model, data, seed=0, max_tokens=1100)
+    x = torch.stack([ds[i][0] for i in range(len(ds))])
+    y = torch.tensor([ds[i][1] for i in range(len(ds))])
+    with torch.no_grad():
+        feats = model.forward_features(x)
+    W, b = model.head.weight, model.head.bias
+    for layer in ("blocks.0", "norm"):
+        f = feats[layer].double()
+        patches, cls = f[:, 1:], f[:, 0]
+        P = patches.shape[1]
+        seq, lab = torch.arange(64).repeat_interleave(P), y.repeat_interleave(P)
+        got_patch, got_cls = res["results"]["patch"][layer], res["results"]["cls"][layer]
+        ref = {"anova": m.anova(patches, seq, lab), "cdnv": m.cdnv(patches, lab),
+               "spectral": m.spectral_decay(patches),
+               "spectral_within": m.spectral_decay(patches, seq_ids=seq, center="sequence"),
+               "nc": m.neural_collapse(patches.mean(1), y, W, b)}
+        ref_cls = {"nc": m.neural_collapse(cls, y, W, b), "cdnv": m.cdnv(cls, y), "spectral": m.spectral_decay(cls)}
+        for got, want in ((got_patch, ref), (got_cls, ref_cls)):
+            for group, values in want.items():
+                for key, v in values.items():
+                    if key == "spectrum":
+                        assert got[group][key][:5] == pytest.approx(v[:5], rel=1e-4)
+                    elif key.startswith("n_pcs_") or key == "num_classes":
+                        assert got[group][key] == v, (layer, group, key)
+                    else:
+                        _approx(got[group][key], v)
+
+
+def test_vit_figures(vit):
+    for folder in [analysis_dir(c) for c in vit["ckpts"]] + [vit["compare"]]:
+        for name in FIGURES:
+            for ext in ("png", "pdf"):
+                assert (folder / f"{name}.{ext}").stat().st_size > 5000, folder / f"{name}.{ext}"
+    assert (vit["compare"] / "pca_maps.png").stat().st_size > 5000
+    summary = json.loads((vit["compare"] / "summary.json").read_text())
+    assert [r["model"] for r in summary["runs"]] == ["vitt_0L", "vitt_3L"]
+    assert all(r["nc1"] > 0 and 0 < r["within_seq_share"] < 1 for r in summary["runs"])
+
+
+def test_gpt_checkpoint(tmp_path):
+    ckpt = _save_gpt(tmp_path / "gpt" / "ckpt" / "last.pt")
+    proc = _analysis(f"checkpoint={ckpt}", "max_tokens=2048", "batch_size=12", "min_count=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((analysis_dir(ckpt) / "analysis.json").read_text())
+    assert res["arch"] == "gpt" and res["num_laplacian_heads"] == 1 and res["n_tokens"] == 32 * 64
+    assert set(res["results"]) == {"tokens"} and res["layers"] == ["blocks.0", "blocks.1", "norm"]
+    for name in FIGURES:
+        assert (analysis_dir(ckpt) / f"{name}.png").stat().st_size > 5000
+
+    torch.set_num_threads(1)
+    model, _, data = load_for_analysis(ckpt, device="cpu")
+    ds, _ = eval_split(model, data, seed=0, max_tokens=2048)
+    x = torch.stack([ds[i][0] for i in range(len(ds))])
+    nxt = torch.stack([ds[i][1] for i in range(len(ds))]).reshape(-1)
+    with torch.no_grad():
+        f = model.forward_features(x)["norm"].double()
+    seq = torch.arange(len(ds)).repeat_interleave(64)
+    got = res["results"]["tokens"]["norm"]
+    assert set(got) == {"anova", "lc", "spectral"}
+    for key, v in m.anova(f, seq).items():
+        _approx(got["anova"][key], v)
+    lc = m.linguistic_collapse(f, nxt, unembedding=model.lm_head.weight, min_count=2)
+    for key in ("lc_num_classes", "lc_cdnv_mean", "lc_equinorm", "lc_coherence_std", "lc_self_duality"):
+        _approx(got["lc"][key], lc[key])
+    assert got["spectral"]["n_pcs_0.99"] == m.spectral_decay(f)["n_pcs_0.99"]
+
+
+def test_missing_checkpoint_is_one_line(tmp_path):
+    proc = _analysis(f"checkpoint={tmp_path / 'nope.pt'}")
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and err and err[-1].startswith("error: checkpoint=")
+    assert "no such file" in err[-1] and "ckpt/last.pt" in err[-1], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    ([], "checkpoint is required"),
+    (["checkpoint=x.pt", "metrics=[anova,nc9]"], "unknown metric 'nc9'"),
+    (["checkpoint=GPT", "layers=[5]"], "layers=[5]: 5 is not a block index"),
+    (["checkpoint=GPT", "metrics=[]"], "nothing to do"),
+    (["checkpoint=GPT", "spectrum_layer=blocks.7"], "spectrum_layer=blocks.7: not a measured layer"),
+])
+def test_bad_input_messages(overrides, expect, tmp_path):
+    ckpt = _save_gpt(tmp_path / "last.pt")
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("analysis", overrides=[o.replace("GPT", ckpt) for o in overrides] + ["progress=false"])
+    with pytest.raises(ValueError, match=expect.replace("[", r"\[").replace("]", r"\]")):
+        analysis_run(cfg)
+
+
+@pytest.mark.slow
+def test_quickstart_prints_geometry(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/quickstart.py", "trainer.max_steps=2",
+                           f"paths.runs_dir={tmp_path}", "model.depth=2", "model.embed_dim=48",
+                           "trainer.global_batch_size=32", "trainer.num_workers=0",
+                           "analysis.max_tokens=1000", "analysis.cpu_threads=1"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("model "))
+    assert all(c in lines[header] for c in ("within-seq share", "NC1 (cls)", "n_pcs_0.99"))
+    rows = [ln.split() for ln in lines[header + 1:header + 3]]
+    assert [r[0] for r in rows] == ["vitt_0L", "vitt_3L"]
+    for r in rows:
+        share, nc1, npcs = float(r[4]), float(r[5]), float(r[6])
+        assert 0 < share < 1 and nc1 > 0 and 1 <= npcs <= 48
+    assert (tmp_path / "quickstart" / "analysis" / "spectrum.png").exists()
