@@ -1,6 +1,7 @@
 """Shared fixtures: compose the real Hydra configs (the same files train.py uses)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,16 @@ def make_cfg(tmp_path):
         return cfg
 
     return _make
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random non-trivial weights. nanochat zero-inits the output layers and DeiT-III starts
+    LayerScale at 1e-6: with those inits blocks are (near) identities and tests prove little."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+    return model

@@ -15,6 +15,7 @@ import torch
 from laplace.attention import Attention, KVCache
 from laplace.gpt import GPT
 from laplace.vit import VisionTransformer
+from conftest import randomize_
 
 DIM, HEADS = 32, 4
 HEAD_DIM = DIM // HEADS
@@ -204,19 +205,6 @@ def test_bad_arguments_raise_clear_errors():
         GPT(vocab_size=16, depth=2, width=DIM, num_heads=HEADS, num_laplacian_heads=[0, 1, 2, 3])
     with pytest.raises(ValueError, match=r"-1 in layer 0"):
         GPT(vocab_size=16, depth=2, width=DIM, num_heads=HEADS, num_laplacian_heads=-1)
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Random non-trivial weights: the models' zero / 1e-6 inits (nanochat's zero output
-    layers, DeiT-III's LayerScale) would make blocks near-identities and hide differences."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
-            else:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def _tiny_vit(counts, fused, mode="fixed"):

@@ -21,19 +21,7 @@ import laplace
 from laplace.attention import rms_norm
 from laplace.gpt import GPT
 from laplace.vit import load_timm_state_dict
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Random non-trivial weights. nanochat zero-inits the output layers and DeiT-III starts
-    LayerScale at 1e-6: with those inits blocks are (near) identities and tests prove little."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
-            else:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-    return model
+from conftest import randomize_
 
 
 def random_timm_state_dict(timm_model: torch.nn.Module, seed: int = 0) -> dict:
