@@ -1,6 +1,7 @@
 """The shared engine: exact resume, atomic checkpoints, the one-line errors, load_model."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -127,3 +128,14 @@ def test_cli_trains_and_resumes_same_run_dir(tmp_path):
     again = _cli(*args, "trainer.num_workers=1")  # workers do not change the run's identity
     assert again.returncode == 0 and "resumed at step 2" in again.stdout
     assert os.listdir(run_dir) == [name]
+
+
+def test_cli_multirun_sweeps_laplacian_heads(tmp_path):
+    """`python train.py -m model=a,b`: one run directory (and results.json) per swept model."""
+    proc = _cli("-m", "model=vitt_0L,vitt_3L", "model.depth=1", "model.embed_dim=48", "trainer.max_steps=1",
+                "trainer.global_batch_size=16", "trainer.num_workers=0", "trainer.progress=false",
+                f"paths.runs_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = sorted((tmp_path / "deit3/digits").glob("*/results.json"))
+    assert [p.parent.name.split("_s0")[0] for p in results] == ["vitt_0L", "vitt_3L"]
+    assert [json.loads(p.read_text())["num_laplacian_heads"] for p in results] == [0, 3]
