@@ -42,7 +42,8 @@ from torch.utils.data import DataLoader, Subset
 
 from analysis.metrics import cdnv, neural_collapse, spectral_decay
 from analysis.streaming import GeometryAccumulator
-from laplace.checkpoint import load_checkpoint, load_model
+from laplace.checkpoint import load_checkpoint, model_from_checkpoint
+from laplace.dist import resolve_device
 from laplace.vit import VisionTransformer
 
 METRICS = ("anova", "nc", "cdnv", "spectral")
@@ -56,14 +57,6 @@ def check_metrics(metrics: Sequence[str]) -> list[str]:
         raise ValueError(f"metrics: unknown metric {bad[0]!r}; choose from {list(METRICS)}, "
                          f"e.g. metrics=[anova,spectral]")
     return list(dict.fromkeys(metrics))
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device}: no CUDA device here; use device=cpu or device=auto")
-    return torch.device(device)
 
 
 def checkpoint_data_node(ckpt_config: dict, data=None) -> dict:
@@ -278,10 +271,9 @@ def load_for_analysis(path, data=None, device: str = "auto"):
         data: a data node (Hydra node or dict) to evaluate on; None: the checkpoint's own.
         device: auto | cpu | cuda.
     """
-    dev = resolve_device(device)
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path)  # read once: the model is built from the same dict
     data_node = checkpoint_data_node(ckpt["config"], data)
-    return load_model(path, map_location=dev), ckpt, data_node
+    return model_from_checkpoint(ckpt, resolve_device(device)), ckpt, data_node
 
 
 def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, layers="all",

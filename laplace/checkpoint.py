@@ -118,48 +118,80 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict,
     return path
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
-    """Read and validate a checkpoint; a foreign or corrupt file raises CheckpointError."""
-    path = Path(path)
+def _read(path: Path, what: str, map_location: Any = "cpu") -> Any:
+    """torch.load(weights_only=True) (or safetensors), every failure as one CheckpointError line."""
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}")
+        raise CheckpointError(f"no {what} at {path}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path), device=str(map_location))
+        return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for truncated / foreign pickles
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} is not a readable checkpoint (corrupt, truncated or "
-                              f"not saved by laplace): {first[:200]}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a laplace checkpoint (no format={FORMAT!r} tag); "
-                              f"for timm weights use laplace.vit.load_timm_state_dict")
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{path} is not a readable {what} (corrupt, truncated or not "
+                              f"saved by laplace / timm): {first[:200]}") from None
+
+
+def _validate(ckpt, path: Path) -> dict:
     if ckpt.get("version", 0) > VERSION:
         raise CheckpointError(f"{path} has checkpoint version {ckpt['version']}, newer than this "
                               f"code ({VERSION}); update laplace")
     return ckpt
 
 
-def model_kwargs(config: dict) -> dict:
-    """The `create_model` arguments recorded in a run config's `model` node."""
-    return {k: v for k, v in config["model"].items()}
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+    """Read and validate a checkpoint; a foreign or corrupt file raises CheckpointError."""
+    path = Path(path)
+    ckpt = _read(path, "checkpoint", map_location)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a laplace checkpoint (no format={FORMAT!r} tag); "
+                              f"for timm weights use laplace.vit.load_timm_state_dict")
+    return _validate(ckpt, path)
 
 
-def load_model(path: str | os.PathLike, map_location: Any = "cpu", eval_mode: bool = True,
-               **overrides) -> nn.Module:
-    """Rebuild the model of a checkpoint from the checkpoint alone and load its weights strictly.
+def load_weights(path: str | os.PathLike) -> tuple[dict, Optional[dict]]:
+    """(state dict, model node or None) of a laplace checkpoint or a timm / DeiT weights file
+    (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1`/`gamma_2` LayerScale
+    names too): what fine-tuning (`trainer.init_from`) starts from."""
+    path = Path(path)
+    obj = _read(path, "weights file")
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        return _validate(obj, path)["model"], obj["config"]["model"]
+    sd = obj
+    for key in ("model", "state_dict"):  # DeiT's main.py saves {"model": ..., "optimizer": ...}
+        if isinstance(sd, dict) and isinstance(sd.get(key), dict):
+            sd = sd[key]
+    if not (isinstance(sd, dict) and sd and all(torch.is_tensor(v) for v in sd.values())):
+        raise CheckpointError(f"{path} holds no state dict (expected a laplace checkpoint, a "
+                              f"timm state dict or DeiT's {{'model': state_dict}})")
+    # DeiT's own models name LayerScale `gamma_1`/`gamma_2`; timm (and we) say `ls1.gamma`.
+    return {k.replace(".gamma_1", ".ls1.gamma").replace(".gamma_2", ".ls2.gamma"): v
+            for k, v in clean_state_dict(sd).items()}, None
+
+
+def model_from_checkpoint(ckpt: dict, device: Any = "cpu", eval_mode: bool = True,
+                          **overrides) -> nn.Module:
+    """Build the model recorded in a loaded checkpoint and load its weights strictly.
 
     `overrides` change constructor arguments that do not alter the weights' shapes
     (e.g. fused_attn=False for attention maps, drop_path_rate=0.0).
     """
     from .zoo import create_model  # late import: zoo imports models, models need no checkpoint
 
-    ckpt = load_checkpoint(path, map_location)
-    kwargs = model_kwargs(ckpt["config"])
-    kwargs.update(overrides)
+    kwargs = {**ckpt["config"]["model"], **overrides}
     model = create_model(**kwargs)
     try:
         model.load_state_dict(ckpt["model"], strict=True)
     except RuntimeError as e:
-        raise CheckpointError(f"{path}: weights do not match model {kwargs['name']!r}: "
+        raise CheckpointError(f"weights do not match model {kwargs['name']!r}: "
                               f"{str(e).splitlines()[0]}") from None
-    model.to(map_location if isinstance(map_location, (str, torch.device)) else "cpu")
+    model.to(device)
     return model.eval() if eval_mode else model
+
+
+def load_model(path: str | os.PathLike, map_location: Any = "cpu", eval_mode: bool = True,
+               **overrides) -> nn.Module:
+    """Rebuild the model of a checkpoint from the checkpoint alone (see model_from_checkpoint)."""
+    return model_from_checkpoint(load_checkpoint(path), map_location, eval_mode, **overrides)

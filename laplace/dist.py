@@ -47,6 +47,17 @@ def _env_ranks() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
+def resolve_device(device: str = "auto", index: int = 0) -> torch.device:
+    """"auto" -> CUDA when available, else CPU; asking for CUDA without one is a one-line error."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device} but no CUDA device is visible; use cpu or auto")
+        return torch.device("cuda", index) if device == "cuda" else torch.device(device)
+    return torch.device(device)
+
+
 def setup(device: str = "auto") -> DistInfo:
     """Initialise the process group when launched with several processes; pick the device.
 
@@ -54,15 +65,9 @@ def setup(device: str = "auto") -> DistInfo:
         device: "auto" (CUDA when available, else CPU), "cpu", or "cuda".
     """
     rank, world, local_rank = _env_ranks()
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device(device)
+    dev = resolve_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
     return DistInfo(rank, world, local_rank, dev)
@@ -85,12 +90,15 @@ def barrier():
         dist.barrier()
 
 
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         t = t.clone()
         dist.all_reduce(t)
-        t /= dist.get_world_size()
     return t
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(t) / (dist.get_world_size() if dist.is_initialized() else 1)
 
 
 def all_gather_object(obj) -> list:

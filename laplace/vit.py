@@ -140,7 +140,7 @@ def load_timm_state_dict(model: VisionTransformer, state_dict: dict) -> None:
     pos = sd.get("pos_embed")
     want = model.pos_embed.shape
     if pos is not None and pos.shape != want:
-        old_n, new_n = pos.shape[1], want[1]
+        old_n = pos.shape[1]
         if int(old_n ** 0.5) ** 2 != old_n:
             raise ValueError(f"pos_embed of shape {tuple(pos.shape)} covers a class token or a "
                              f"non-square grid; expected DeiT-III style {tuple(want)}")

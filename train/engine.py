@@ -8,7 +8,6 @@ of one micro-batch and its evaluation:
 
     class MyTrainer(Trainer):
         def build_datasets(self): return train_set, val_set
-        def build_model(self): return laplace.create_model(**self.cfg.model)
         def train_step(self, batch): return loss, {"extra": value}
         def evaluate(self): return {"val_loss": ...}
 """
@@ -26,7 +25,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from laplace import dist
+from laplace import create_model, dist
 from laplace.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from laplace.data.sampler import ResumableSampler, SeededDataset, epoch_sampler
 from laplace.logger import MetricsLogger
@@ -87,7 +86,8 @@ class Trainer:
         raise NotImplementedError
 
     def build_model(self) -> nn.Module:
-        raise NotImplementedError
+        """The zoo model of the `model` node (a trainer may load weights into it)."""
+        return create_model(**self.cfg.model)
 
     def train_step(self, batch) -> tuple[torch.Tensor, dict]:
         """Loss of one micro-batch (under autocast) and extra floats to log."""
@@ -275,9 +275,15 @@ class Trainer:
         return metrics
 
     def write_results(self, results: dict):
-        """results.json in the run dir (rank 0): what the tables read."""
+        """results.json in the run dir (rank 0): what the tables read. The fields every
+        trainer shares come first; `results` adds the trainer's own."""
         if self.dist.is_main:
+            m = self.cfg.model
+            record = {"model": m.name, "num_laplacian_heads": m.num_laplacian_heads,
+                      "laplacian_mode": m.laplacian_mode, "dataset": self.cfg.data.name,
+                      "seed": self.cfg.seed, "steps": self.state["step"],
+                      "epochs": self.state["epoch"], "checkpoint": str(self.ckpt_path), **results}
             path = self.run_dir / "results.json"
             tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(results, indent=2) + "\n")
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
             tmp.replace(path)

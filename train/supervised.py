@@ -35,10 +35,9 @@ from timm.data import Mixup
 from timm.data.distributed_sampler import RepeatAugSampler
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
 
-from laplace import create_model
-from laplace.checkpoint import FORMAT, VERSION, CheckpointError, clean_state_dict
+from laplace.checkpoint import CheckpointError, load_weights
 from laplace.data.vision import build_vision_dataset
-from laplace.dist import all_reduce_mean
+from laplace.dist import all_reduce_sum
 from laplace.vit import load_timm_state_dict
 
 from .engine import Trainer
@@ -91,39 +90,6 @@ class SeededRepeatAugSampler(RepeatAugSampler):
 
 
 # ---- fine-tuning from a checkpoint ----------------------------------------------------------
-def _read_weights(path: Path) -> tuple[dict, dict | None]:
-    """(state dict, model config or None) from a laplace checkpoint or a timm/DeiT weights file."""
-    if not path.is_file():
-        raise CheckpointError(f"trainer.init_from: no file at {path}")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            obj = load_file(str(path))
-        else:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated pickles, foreign formats, ... raise many types
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"trainer.init_from: {path} is not a readable weights file "
-                              f"(laplace checkpoint or timm/DeiT state dict): {first[:200]}") from None
-    if isinstance(obj, dict) and obj.get("format") == FORMAT:
-        if obj.get("version", 0) > VERSION:
-            raise CheckpointError(f"{path} has checkpoint version {obj['version']}, newer than "
-                                  f"this code ({VERSION}); update laplace")
-        return obj["model"], obj["config"]["model"]
-    sd = obj
-    for key in ("model", "state_dict"):  # DeiT's main.py saves {"model": ..., "optimizer": ...}
-        if isinstance(sd, dict) and isinstance(sd.get(key), dict):
-            sd = sd[key]
-    if not (isinstance(sd, dict) and sd and all(torch.is_tensor(v) for v in sd.values())):
-        raise CheckpointError(f"trainer.init_from: {path} holds no state dict (expected a laplace "
-                              f"checkpoint, a timm state dict or DeiT's {{'model': state_dict}})")
-    # DeiT's own models name LayerScale `gamma_1`/`gamma_2`; timm (and we) say `ls1.gamma`.
-    sd = {k.replace(".gamma_1", ".ls1.gamma").replace(".gamma_2", ".ls2.gamma"): v
-          for k, v in clean_state_dict(sd).items()}
-    return sd, None
-
-
 def init_from_pretrained(model: nn.Module, path, model_cfg, head: str = "auto") -> str:
     """Load pre-trained weights into `model` for fine-tuning; returns a one-line summary.
 
@@ -136,7 +102,12 @@ def init_from_pretrained(model: nn.Module, path, model_cfg, head: str = "auto") 
     if head not in ("auto", "reset"):
         raise ValueError(f"trainer.init_head={head!r}: choose auto or reset")
     path = Path(path)
-    sd, src_cfg = _read_weights(path)
+    if not path.is_file():
+        raise CheckpointError(f"trainer.init_from: no file at {path}")
+    try:
+        sd, src_cfg = load_weights(path)
+    except CheckpointError as e:  # name the config key that pointed at the file
+        raise CheckpointError(f"trainer.init_from: {e}") from None
     if src_cfg is not None:
         got = (src_cfg.get("num_laplacian_heads"), src_cfg.get("laplacian_mode", "fixed"))
         k = model_cfg.num_laplacian_heads
@@ -184,7 +155,7 @@ class SupervisedTrainer(Trainer):
         return SeededRepeatAugSampler(dataset, self.dist.world_size, self.dist.rank, n, self.cfg.seed)
 
     def build_model(self):
-        model = create_model(**self.cfg.model)
+        model = super().build_model()
         tc = self.cfg.trainer
         if tc.init_from == "required":  # what the fine-tuning experiments say
             raise ValueError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
@@ -215,7 +186,7 @@ class SupervisedTrainer(Trainer):
             hit = top5 == y[:, None]
             sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
                                  hit[:, 0].sum(), hit.any(1).sum(), torch.tensor(len(y))]).double()
-        sums = all_reduce_mean(sums) * self.dist.world_size
+        sums = all_reduce_sum(sums)
         loss, top1, top5, n = sums.tolist()
         return {"val_loss": loss / n, "val_acc1": 100 * top1 / n, "val_acc5": 100 * top5 / n}
 
@@ -224,17 +195,13 @@ class SupervisedTrainer(Trainer):
         for rec in self._val_history():
             if rec.get("val_acc1", -1) > best.get("val_acc1", -1):
                 best = rec
-        m, d, tc = self.cfg.model, self.cfg.data, self.cfg.trainer
+        d, tc = self.cfg.data, self.cfg.trainer
         keys = ("val_acc1", "val_acc5", "val_loss")
         self.write_results({
-            "model": m.name, "num_laplacian_heads": m.num_laplacian_heads,
-            "laplacian_mode": m.laplacian_mode, "dataset": d.name, "seed": self.cfg.seed,
             "img_size": d.img_size, "patch_size": d.patch_size,
-            "global_batch_size": tc.global_batch_size, "loss": tc.loss,
-            "init_from": tc.init_from, "steps": self.state["step"], "epochs": self.state["epoch"],
+            "global_batch_size": tc.global_batch_size, "loss": tc.loss, "init_from": tc.init_from,
             "final": {k: final_metrics[k] for k in keys},
             "best": {k: best[k] for k in keys} | {"step": best.get("step", self.state["step"])},
-            "checkpoint": str(self.ckpt_path),
         })
 
     def _val_history(self) -> list[dict]:
