@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import hydra
@@ -34,10 +32,7 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from analysis.features import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
-from laplace.data import DatasetNotFoundError
-
-USER_ERRORS = (ValueError, DatasetNotFoundError)  # CheckpointError and UnknownModelError are ValueErrors
-
+from laplace.errors import ConfigError, cli_errors
 
 def analysis_dir(checkpoint) -> Path:
     """Where the analysis of one checkpoint goes: beside it, named after it."""
@@ -80,15 +75,15 @@ def _checkpoints(cfg) -> list[Path]:
     try:
         value = cfg.checkpoint
     except MissingMandatoryValue:
-        raise ValueError("checkpoint is required: python -m analysis checkpoint=PATH "
-                         "(or checkpoint=[PATH1,PATH2] to compare)") from None
+        raise ConfigError("checkpoint is required: python -m analysis checkpoint=PATH "
+                          "(or checkpoint=[PATH1,PATH2] to compare)") from None
     paths = [Path(p) for p in (value if isinstance(value, ListConfig) else [value])]
     for p in paths:
         if not p.is_file():
-            raise ValueError(f"checkpoint={p}: no such file; pass checkpoint=PATH to a laplace checkpoint, "
-                             f"e.g. runs/<trainer>/<data>/<run>/ckpt/last.pt")
+            raise ConfigError(f"checkpoint={p}: no such file; pass checkpoint=PATH to a laplace checkpoint, "
+                              f"e.g. runs/<trainer>/<data>/<run>/ckpt/last.pt")
     if not paths:
-        raise ValueError("checkpoint=[]: give at least one checkpoint path")
+        raise ConfigError("checkpoint=[]: give at least one checkpoint path")
     return paths
 
 
@@ -152,7 +147,7 @@ def run(cfg: DictConfig) -> list[dict]:
         torch.set_num_threads(int(cfg.cpu_threads))
     layers = cfg.layers if isinstance(cfg.layers, (str, int)) else list(cfg.layers)
     if not metrics and not cfg.pca_maps:
-        raise ValueError("metrics=[] and pca_maps=0: nothing to do; ask for metrics or pca_maps=<n>")
+        raise ConfigError("metrics=[] and pca_maps=0: nothing to do; ask for metrics or pca_maps=<n>")
     runs, maps, map_facts, pca_images, kinds = [], [], [], None, set()
     for p in paths:
         loaded = load_for_analysis(p, cfg.get("data"), cfg.device)
@@ -160,12 +155,12 @@ def run(cfg: DictConfig) -> list[dict]:
         vit = isinstance(model, VisionTransformer)
         kinds.add((vit, data_node["name"]))
         if len(kinds) > 1:  # fail before the long part, not after it
-            raise ValueError("checkpoint=[...]: compare like with like: the checkpoints mix architectures or "
-                             "datasets; pass data=<name> to evaluate all on one split, or analyse them apart")
+            raise ConfigError("checkpoint=[...]: compare like with like: the checkpoints mix architectures or "
+                              "datasets; pass data=<name> to evaluate all on one split, or analyse them apart")
         measured = layer_names(model, layers)[1]
         for key in ("spectrum_layer", "pca_layer"):
             if cfg[key] not in measured:
-                raise ValueError(f"{key}={cfg[key]}: not a measured layer; choose one of {measured}")
+                raise ConfigError(f"{key}={cfg[key]}: not a measured layer; choose one of {measured}")
         if metrics:
             res = analyze_checkpoint(p, metrics=metrics, layers=layers, max_tokens=cfg.max_tokens,
                                      batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed,
@@ -208,12 +203,8 @@ def _compare(runs: list[dict], cfg, out: Path) -> None:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="analysis")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except USER_ERRORS as e:  # bad input: one line; HYDRA_FULL_ERROR=1 shows the traceback
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        sys.exit(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    # Bad input: one `error:` line (HYDRA_FULL_ERROR=1: traceback); a bug: its traceback.
+    cli_errors(run)(cfg)
 
 
 if __name__ == "__main__":

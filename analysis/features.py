@@ -44,6 +44,7 @@ from analysis.metrics import cdnv, neural_collapse, spectral_decay
 from analysis.streaming import GeometryAccumulator
 from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.dist import resolve_device
+from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
 
 METRICS = ("anova", "nc", "cdnv", "spectral")
@@ -54,8 +55,8 @@ _ANOVA_KEYS = ("total", "within_seq", "between_seq", "within_class", "between_cl
 def check_metrics(metrics: Sequence[str]) -> list[str]:
     bad = [m for m in metrics if m not in METRICS]
     if bad:
-        raise ValueError(f"metrics: unknown metric {bad[0]!r}; choose from {list(METRICS)}, "
-                         f"e.g. metrics=[anova,spectral]")
+        raise ConfigError(f"metrics: unknown metric {bad[0]!r}; choose from {list(METRICS)}, "
+                          f"e.g. metrics=[anova,spectral]")
     return list(dict.fromkeys(metrics))
 
 
@@ -65,7 +66,7 @@ def checkpoint_data_node(ckpt_config: dict, data=None) -> dict:
     if data is not None:
         return OmegaConf.to_container(data, resolve=True) if OmegaConf.is_config(data) else dict(data)
     if not ckpt_config.get("data"):
-        raise ValueError("the checkpoint's config has no data node; pass data=<name> (e.g. data=digits)")
+        raise ConfigError("the checkpoint's config has no data node; pass data=<name> (e.g. data=digits)")
     return dict(ckpt_config["data"])
 
 
@@ -80,14 +81,14 @@ def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = Non
 
         want = model.patch_embed.img_size[0]
         if data.get("img_size", want) != want:
-            raise ValueError(f"data.img_size={data['img_size']} but the checkpoint's model takes "
-                             f"{want} px images; set data.img_size={want}")
+            raise ConfigError(f"data.img_size={data['img_size']} but the checkpoint's model takes "
+                              f"{want} px images; set data.img_size={want}")
         ds = build_vision_dataset(OmegaConf.create(data), train=False)
         per_seq = model.patch_embed.num_patches + 1
     else:
         if data.get("name") != "pydoc_text":
-            raise ValueError(f"data={data.get('name')}: GPT checkpoints are analysed on data=pydoc_text "
-                             f"(the only text split available offline)")
+            raise ConfigError(f"data={data.get('name')}: GPT checkpoints are analysed on data=pydoc_text "
+                              f"(the only text split available offline)")
         from laplace.data.text import build_pydoc_text
 
         ds = build_pydoc_text(False, int(data["seq_len"]))
@@ -105,8 +106,8 @@ def layer_names(model, layers="all") -> tuple[Optional[list[int]], list[str]]:
     idx = [layers] if isinstance(layers, int) else list(layers)
     for i in idx:
         if not isinstance(i, int) or not -depth <= i < depth:
-            raise ValueError(f"layers={list(idx)}: {i!r} is not a block index of this {depth}-block "
-                             f"model; use layers=all or integers in -{depth}..{depth - 1}")
+            raise ConfigError(f"layers={list(idx)}: {i!r} is not a block index of this {depth}-block "
+                              f"model; use layers=all or integers in -{depth}..{depth - 1}")
     ids = sorted({i % depth for i in idx})
     return ids, [f"blocks.{i}" for i in ids] + ["norm"]
 
@@ -258,7 +259,7 @@ def _finish_gpt(acc, unembedding, metrics, min_count, thresholds):
         out = acc.compute(unembedding=unembedding, min_count=min_count, thresholds=thresholds)
     except ValueError as e:
         if "min_count" in str(e) or "or more rows" in str(e):
-            raise ValueError(f"min_count={min_count}: {e}; lower min_count or raise max_tokens") from None
+            raise ConfigError(f"min_count={min_count}: {e}; lower min_count or raise max_tokens") from None
         raise
     return group_metrics(out)
 

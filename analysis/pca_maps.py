@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from analysis.plots import plt, save
+from laplace.errors import ConfigError
 
 
 def pca_rgb(patches: torch.Tensor, grid: tuple[int, int]) -> np.ndarray:
@@ -59,7 +60,7 @@ def model_maps(model, images: torch.Tensor, layer: str = "norm") -> list[np.ndar
     block = None if layer == "norm" else [int(layer.split(".")[1])]
     feats = model.forward_features(images.to(dev), layers=block)
     if layer not in feats:
-        raise ValueError(f"pca_layer={layer}: use norm or blocks.<i> with i < {len(model.blocks)}")
+        raise ConfigError(f"pca_layer={layer}: use norm or blocks.<i> with i < {len(model.blocks)}")
     grid = tuple(model.patch_embed.grid_size)
     H, W = images.shape[-2:]
     maps = []

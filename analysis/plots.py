@@ -26,6 +26,8 @@ matplotlib.use("Agg")  # files only; no display on servers / CI
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from laplace.errors import ConfigError  # noqa: E402
+
 _COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 FIGURES = ("anova", "collapse", "spectrum")
 
@@ -175,7 +177,7 @@ def draw_spectrum(runs: list[dict], stem: Path, layer: str = "norm") -> list[Pat
     for c, res in enumerate(runs):
         spec = res["results"][kind].get(layer, {}).get("spectral")
         if spec is None:
-            raise ValueError(f"spectrum_layer={layer}: not among the measured layers {res['layers']}")
+            raise ConfigError(f"spectrum_layer={layer}: not among the measured layers {res['layers']}")
         p = spec["spectrum"]
         ks = range(1, len(p) + 1)
         color = _COLORS[c % len(_COLORS)]

@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import ConfigError
+
 LAPLACIAN_MODES = ("fixed", "learned")
 
 
@@ -83,12 +85,12 @@ def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[in
     else:
         counts = [int(k) for k in num_laplacian_heads]
         if len(counts) != depth:
-            raise ValueError(f"num_laplacian_heads has {len(counts)} entries but the model has "
-                             f"{depth} layers: give one count per layer or a single int")
+            raise ConfigError(f"num_laplacian_heads has {len(counts)} entries but the model has "
+                              f"{depth} layers: give one count per layer or a single int")
     for i, k in enumerate(counts):
         if not 0 <= k <= num_heads:
-            raise ValueError(f"num_laplacian_heads={k} in layer {i} is outside 0..{num_heads} "
-                             f"(this model has {num_heads} heads per layer)")
+            raise ConfigError(f"num_laplacian_heads={k} in layer {i} is outside 0..{num_heads} "
+                              f"(this model has {num_heads} heads per layer)")
     return counts
 
 
@@ -125,12 +127,12 @@ class Attention(nn.Module):
                  fused: bool = True):
         super().__init__()
         if dim % num_heads:
-            raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
+            raise ConfigError(f"dim={dim} is not divisible by num_heads={num_heads}")
         if not 0 <= num_laplacian_heads <= num_heads:
-            raise ValueError(f"num_laplacian_heads={num_laplacian_heads} is outside "
-                             f"0..{num_heads} (num_heads)")
+            raise ConfigError(f"num_laplacian_heads={num_laplacian_heads} is outside "
+                              f"0..{num_heads} (num_heads)")
         if laplacian_mode not in LAPLACIAN_MODES:
-            raise ValueError(f"laplacian_mode={laplacian_mode!r}: choose one of {LAPLACIAN_MODES}")
+            raise ConfigError(f"laplacian_mode={laplacian_mode!r}: choose one of {LAPLACIAN_MODES}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim ** -0.5

@@ -25,12 +25,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .errors import UserError
+
 FORMAT = "laplace-checkpoint"
 VERSION = 1
 _PREFIXES = ("_orig_mod.", "module.")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A file that is not a laplace checkpoint, or is truncated / corrupt."""
 
 

@@ -16,6 +16,7 @@ import re
 
 import torch.nn as nn
 
+from .errors import ConfigError
 from .gpt import GPT, gpt_dims
 from .vit import VisionTransformer
 
@@ -29,8 +30,8 @@ GPT_LISTED_DEPTHS = (2, 12, 20, 26)  # listed by list_models(); any depth >= 1 i
 _NAME = re.compile(r"^(?:(?P<vit>vit[tsb])|gpt_d(?P<depth>\d+))_(?P<k>\d+)L$")
 
 
-class UnknownModelError(ValueError):
-    pass
+class UnknownModelError(ConfigError):
+    """A model name the zoo does not know (or too many Laplacian heads for it)."""
 
 
 def _valid_names_hint() -> str:
@@ -70,8 +71,8 @@ def create_model(name: str, **overrides) -> nn.Module:
     accepted = inspect.signature(cls).parameters
     unknown = sorted(set(cfg) - set(accepted))
     if unknown:
-        raise ValueError(f"model {name!r} takes no argument {unknown[0]!r}; valid: "
-                         f"{', '.join(accepted)}")
+        raise ConfigError(f"model {name!r} takes no argument {unknown[0]!r}; valid: "
+                          f"{', '.join(accepted)}")
     return cls(**cfg)
 
 

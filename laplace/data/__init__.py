@@ -3,6 +3,9 @@ paper's real ones (CIFAR-10/100, ImageNet-1k, FineWeb-Edu), built by name from t
 config group."""
 
 
-class DatasetNotFoundError(FileNotFoundError):
+from laplace.errors import UserError
+
+
+class DatasetNotFoundError(UserError, FileNotFoundError):
     """A dataset is not where the config says. The message is one line: what was looked for,
     where, and how to get it (which config key to set)."""

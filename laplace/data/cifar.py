@@ -21,6 +21,7 @@ from collections.abc import Callable
 from torchvision import datasets
 
 from laplace.data import DatasetNotFoundError
+from laplace.errors import ConfigError
 
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 
@@ -68,7 +69,7 @@ def build_cifar(
         verify_md5: also check every file's md5 against the official archive's.
     """
     if name not in _CLASSES:
-        raise ValueError(f"unknown CIFAR dataset {name!r}; expected one of {sorted(_CLASSES)}")
+        raise ConfigError(f"unknown CIFAR dataset {name!r}; expected one of {sorted(_CLASSES)}")
     cls = _CLASSES[name]
     root = os.path.abspath(os.path.expanduser(root))
     folder = os.path.join(root, cls.base_folder)

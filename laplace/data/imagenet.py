@@ -28,6 +28,7 @@ from PIL import Image
 from torchvision import datasets as tv_datasets
 
 from laplace.data import DatasetNotFoundError
+from laplace.errors import ConfigError
 
 NUM_CLASSES = 1000
 _FOLDER_SPLIT = {True: "train", False: "val"}
@@ -91,7 +92,7 @@ def build_imagenet(
         cache_dir: Arrow cache directory for the parquet layout (None: HF default).
     """
     if fmt not in ("auto", "folder", "parquet"):
-        raise ValueError(f"unknown ImageNet format {fmt!r}; expected 'auto', 'folder' or 'parquet'")
+        raise ConfigError(f"unknown ImageNet format {fmt!r}; expected 'auto', 'folder' or 'parquet'")
     root = os.path.abspath(os.path.expanduser(root))
     folder = os.path.join(root, _FOLDER_SPLIT[train])
     if fmt in ("auto", "folder") and os.path.isdir(folder):

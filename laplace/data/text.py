@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from laplace.errors import ConfigError
+
 BOS = 256
 VOCAB_SIZE = 257
 
@@ -53,7 +55,7 @@ class TokenWindows(Dataset):
         self.seq_len = seq_len
         self.n = (len(ids) - 1) // seq_len
         if self.n == 0:
-            raise ValueError(f"data.seq_len={seq_len} is longer than the text ({len(ids)} tokens)")
+            raise ConfigError(f"data.seq_len={seq_len} is longer than the text ({len(ids)} tokens)")
 
     def __len__(self):
         return self.n

@@ -1,0 +1,90 @@
+"""The project's own input errors: the only exceptions the command lines shorten to one line.
+
+A bad model name, config key, data path or checkpoint is the user's to fix, so `train.py`,
+`python -m analysis` and the evaluations print `error: <message>` and exit; any other
+exception is a bug (ours or a library's) and keeps its full traceback. Raise a subclass of
+`UserError` only where the message names the offending key or path and how to fix it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import traceback
+
+
+class UserError(Exception):
+    """Bad input: a config value, a path, a file. The message is one line."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value (or a combination of values) that cannot work; names the key."""
+
+
+def hard_exit(code: int) -> None:
+    """Flush stdout / stderr and end the process now, skipping interpreter shutdown.
+
+    After a failure, shutdown can hang: joining data-loader workers, torch.compile's worker
+    pool or a process group whose peers are gone. On a cluster a hung job burns its slot and
+    is never requeued, so every non-zero exit of a command line goes through here.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing more to say
+            pass
+    _kill_children()
+    os._exit(code)
+
+
+def _kill_children() -> None:
+    """SIGKILL this process's children (data-loader workers, torch.compile's worker pool).
+
+    Orphaned workers notice their parent is gone only every few seconds, and until then they
+    hold the job's stdout / stderr open, so a launcher waiting on those waits for them too."""
+    me = str(os.getpid())
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:  # no /proc (not Linux): nothing to look at
+        return
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]  # field 4; the name may hold spaces
+            if ppid == me:
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError):  # gone meanwhile, or not ours to kill
+            continue
+
+
+def cli_errors(fn):
+    """Wrap a command-line entry point: a `UserError` prints as `error: <one line>`, any
+    other exception keeps its traceback (a bug to report), and every failure exits non-zero
+    at once through `hard_exit`. `HYDRA_FULL_ERROR=1` shows user errors' tracebacks too."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit as e:  # sys.exit(status) inside, e.g. a preempted run's requeue status
+            if e.code in (0, None):
+                raise
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            hard_exit(e.code if isinstance(e.code, int) else 1)
+        except UserError as e:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                traceback.print_exc()
+            else:
+                lines = str(e).strip().splitlines()
+                print(f"error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
+            hard_exit(1)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            hard_exit(130)
+        except BaseException:  # a bug: the whole traceback, then out
+            traceback.print_exc()
+            hard_exit(1)
+
+    return wrapped
