@@ -1,19 +1,23 @@
 """Device and distributed set-up shared by every trainer.
 
 Works under torchrun (RANK / WORLD_SIZE / LOCAL_RANK), under SLURM's srun (SLURM_PROCID /
-SLURM_NTASKS / SLURM_LOCALID, with MASTER_ADDR from the first node of the allocation) and as a
-plain single process. gloo on CPU, nccl on CUDA.
+SLURM_STEP_NUM_TASKS / SLURM_LOCALID, with MASTER_ADDR from the first node of the allocation)
+and as a plain single process. gloo on CPU, nccl on CUDA. A plain `python train.py` in the
+batch script of a multi-task job (SLURM_NTASKS > 1, but no srun step) runs as one process.
 """
 from __future__ import annotations
 
 import os
 import random
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from laplace.errors import ConfigError
 
 
 @dataclass
@@ -35,8 +39,11 @@ class DistInfo:
 def _env_ranks() -> tuple[int, int, int]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:  # srun
-        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    # srun exports SLURM_STEP_NUM_TASKS to the tasks of a step only. The batch script (or salloc shell) of a
+    # multi-task job also has SLURM_NTASKS > 1 and SLURM_PROCID=0 but is one process: a group there never fills.
+    world = int(os.environ.get("SLURM_STEP_NUM_TASKS", 1))
+    if world > 1:  # srun
+        rank = int(os.environ["SLURM_PROCID"])
         if "MASTER_ADDR" not in os.environ:
             nodes = subprocess.check_output(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]])
             os.environ["MASTER_ADDR"] = nodes.decode().split()[0]
@@ -44,17 +51,25 @@ def _env_ranks() -> tuple[int, int, int]:
         os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", 0)) % 20000))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
         return rank, world, int(os.environ.get("SLURM_LOCALID", 0))
+    if int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+        print(f"laplace: SLURM_NTASKS={os.environ['SLURM_NTASKS']} but not inside an srun step: running as one "
+              "process; launch with `srun python ...` to use every task", file=sys.stderr)
     return 0, 1, 0
 
 
 def resolve_device(device: str = "auto", index: int = 0) -> torch.device:
-    """"auto" -> CUDA when available, else CPU; asking for CUDA without one is a one-line error."""
+    """"auto" -> CUDA when available, else CPU; asking for CUDA without one is a one-line error.
+
+    index is the local rank; it is taken modulo the visible GPUs because Slurm's --gpus-per-task /
+    --gpu-bind give each task its own CUDA_VISIBLE_DEVICES (one GPU, index 0), while --gpus=N or
+    torchrun show every GPU of the node to every process (index = local rank).
+    """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ValueError(f"device={device} but no CUDA device is visible; use cpu or auto")
-        return torch.device("cuda", index) if device == "cuda" else torch.device(device)
+            raise ConfigError(f"device={device} but no CUDA device is visible; use cpu or auto")
+        return torch.device("cuda", index % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
     return torch.device(device)
 
 
@@ -74,8 +89,10 @@ def setup(device: str = "auto") -> DistInfo:
 
 
 def cleanup():
+    global _CPU_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
+    _CPU_GROUP = None
 
 
 def seed_everything(seed: int):
@@ -115,3 +132,21 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+_CPU_GROUP = None
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (e.g. a stop signal one rank received).
+
+    Goes through a gloo group on the CPU, created on the first call (every rank calls this at
+    the same point of the loop), so asking every step costs no GPU synchronisation."""
+    global _CPU_GROUP
+    if not dist.is_initialized():
+        return bool(flag)
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    t = torch.tensor([int(bool(flag))], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CPU_GROUP)
+    return bool(t.item())

@@ -19,6 +19,7 @@ def test_slurm_environment_gives_ranks(monkeypatch):
         monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")  # srun sets it in step tasks only
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("MASTER_ADDR", "node0")  # set: no scontrol call
