@@ -1,0 +1,265 @@
+"""Token shards on disk and the streaming, resumable feed of fixed-length windows read from them.
+
+A shard is one `.npy` file holding a 1-D array of token ids (uint16 when the vocabulary has at
+most 2**16 ids, else uint32), written by `write_shard` and found by `list_shards`. The GPT
+pipeline writes FineWeb-Edu this way, with <|bos|> before every document.
+
+`TokenStream` reads the shards, in order, as one concatenated stream through memory maps (only
+the pages a batch touches are read) and yields (x, y) micro-batches forever. Its position is two
+ints (`state_dict`) that are saved in checkpoints, so a resumed run sees exactly the tokens it
+would have seen, also at another world size:
+
+    stream = TokenStream(list_shards(cfg.data.root, "train"), seq_len=1024,
+                         micro_batch_size=16, rank=rank, world_size=world_size)
+    stream.load_state_dict(ckpt["data"])          # optional
+    for x, y in stream:                            # x, y: int64 [B, T]
+        ...
+        ckpt["data"] = stream.state_dict()
+
+Validation is one pass that does not loop: `validation_pass(files, seq_len, micro_batch_size,
+rank, world_size)`.
+"""
+from __future__ import annotations
+
+import bisect
+import glob
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from laplace.data import DatasetNotFoundError
+from laplace.errors import ConfigError
+
+
+def shard_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds ids 0 .. vocab_size - 1."""
+    if not 0 < vocab_size <= 2**32:
+        raise ValueError(f"vocab_size={vocab_size} must be in 1 .. 2**32")
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
+                vocab_size: int) -> Path:
+    """Save `tokens` as a shard at `path` (".npy" is appended if missing, as np.save does).
+
+    The write is atomic: the array goes to a hidden temp file in the same folder, is fsynced and
+    then renamed, so a crash never leaves a half-written shard under its final name (and
+    `list_shards` skips the hidden leftovers). Returns the shard's path.
+
+    Args:
+        path: where the shard goes; parent folders are created.
+        tokens: 1-D integer token ids.
+        vocab_size: ids must be in 0 .. vocab_size - 1; picks uint16 (<= 2**16) or uint32.
+    """
+    dtype = shard_dtype(vocab_size)
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        arr = arr.astype(dtype)  # np.asarray([]) is float64
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise ValueError(f"token ids must be in 0 .. {vocab_size - 1} (vocab_size={vocab_size}), "
+                         f"got min {arr.min()} and max {arr.max()}")
+    path = Path(path)
+    if path.suffix != ".npy":
+        path = path.with_name(path.name + ".npy")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr.astype(dtype, copy=False))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    # Make the rename itself durable (POSIX only; Windows cannot open a folder).
+    if hasattr(os, "O_DIRECTORY"):
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return path
+
+
+def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) -> list[Path]:
+    """The shard files, sorted by name; hidden files (temp files of `write_shard`) are skipped.
+
+    `root_or_pattern` is a folder (its `*.npy`) or a glob pattern. With `split` ("train", "val"),
+    a folder's subfolder `<split>/` is used if it exists, else the files whose name contains the
+    split; a pattern's matches are filtered the same way. Raises DatasetNotFoundError if none.
+    """
+    where = os.path.expanduser(os.fspath(root_or_pattern))
+    if not glob.has_magic(where):
+        where = os.path.abspath(where)
+        if not os.path.isdir(where):
+            raise DatasetNotFoundError(
+                f"token shards not found: folder {where} does not exist; "
+                f"set data.root to the folder holding the *.npy shards")
+        if split is not None and os.path.isdir(os.path.join(where, split)):
+            where, split = os.path.join(where, split), None
+        where = os.path.join(where, "*.npy")
+    files = sorted(Path(p) for p in glob.glob(where)
+                   if p.endswith(".npy") and not os.path.basename(p).startswith(".")
+                   and (split is None or split in os.path.basename(p)) and os.path.isfile(p))
+    if not files:
+        raise DatasetNotFoundError(
+            f"no token shards found: looked for {where}"
+            f"{f' with {split!r} in the name' if split else ''}; "
+            f"set data.root to the folder holding the *.npy shards")
+    return files
+
+
+class TokenStream:
+    """Fixed-length windows of a concatenated token stream, split over ranks, resumable.
+
+    The shards, in the given order, are one stream of N tokens. Global window g < G, with
+    G = (N - 1) // seq_len (capped at `max_windows`), is tokens [g*T, g*T + T + 1): x is its first
+    T tokens, y its last T, so windows overlap by one token (as `TokenWindows`) and may span
+    shards. Each micro-batch round consumes W*B consecutive windows from the global position p;
+    rank r gets windows p + r + W*j, j < B. The rounds, and so the optimizer steps, hold the same
+    windows however W*B is split: rank r's rows are rows r::W of one rank with micro batch W*B.
+    An epoch ends when fewer than W*B windows remain (dropped, like drop_last); then the stream
+    starts again at window 0 of epoch + 1, or stops if `loop` is False.
+
+    The state is (epoch, position = windows consumed this epoch), independent of the world size:
+    a run resumed with W' ranks and micro batch B' continues at the same global window, and its
+    steps hold the same windows as before when W'*B' (times accumulation steps) equals W*B.
+    The position is advanced just before each batch is yielded, so after k yields the state
+    says k rounds consumed: save it after the step that used the batch. The order is not
+    shuffled: shards are expected to be shuffled when written.
+
+    Args:
+        files: shard paths, in stream order (e.g. from `list_shards`).
+        seq_len: T, the model's context.
+        micro_batch_size: B, windows per micro-batch of this process.
+        rank: this process's rank.
+        world_size: W, the number of processes that consume the stream in lockstep.
+        loop: start again after the last window (training); False stops after one pass.
+        max_windows: use at most the first this many windows (e.g. a validation budget).
+    """
+
+    def __init__(self, files: Sequence[str | os.PathLike], seq_len: int, micro_batch_size: int,
+                 rank: int = 0, world_size: int = 1, loop: bool = True,
+                 max_windows: int | None = None):
+        if isinstance(files, (str, os.PathLike)):
+            files = [files]
+        self.files = [Path(f) for f in files]
+        if not self.files:
+            raise ValueError("TokenStream needs at least one shard file")
+        if seq_len < 1 or micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"bad TokenStream arguments: seq_len={seq_len}, micro_batch_size="
+                             f"{micro_batch_size}, rank={rank}, world_size={world_size}")
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.rank, self.world_size, self.loop = rank, world_size, loop
+        # Shard lengths from the .npy headers (mapping reads no data); cum[i] = first token of i.
+        self._cum = [0]
+        for f in self.files:
+            a = np.load(f, mmap_mode="r")
+            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"{f} is not a token shard (1-D integer array), "
+                                 f"got shape {a.shape} and dtype {a.dtype}")
+            self._cum.append(self._cum[-1] + len(a))
+            del a
+        self.num_tokens = self._cum[-1]
+        self._windows = max(self.num_tokens - 1, 0) // seq_len
+        if max_windows is not None:
+            self._windows = min(self._windows, max_windows)
+        per_round = world_size * micro_batch_size
+        if self._windows < per_round:
+            cap = f" (max_windows={max_windows})" if max_windows is not None else ""
+            raise ConfigError(
+                f"too little data: data.seq_len={seq_len} x micro batch {micro_batch_size} x "
+                f"world size {world_size} needs {per_round * seq_len + 1} tokens, the shards hold "
+                f"{self.num_tokens} tokens ({self._windows} windows{cap})")
+        self._epoch, self._position = 0, 0
+        self._maps: dict[int, np.ndarray] = {}  # opened on first use, see _map
+
+    @property
+    def windows_per_epoch(self) -> int:
+        return self._windows
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Micro-batches each rank yields in a full epoch (the remainder is dropped)."""
+        return self._windows // (self.world_size * self.micro_batch_size)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    def state_dict(self) -> dict:
+        return {"epoch": int(self._epoch), "position": int(self._position)}
+
+    def load_state_dict(self, state: dict) -> None:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self._windows:
+            raise ValueError(f"bad TokenStream state {state}: position must be in 0 .. "
+                             f"{self._windows} (windows per epoch) and epoch >= 0")
+        self._epoch, self._position = epoch, position
+
+    def __getstate__(self):
+        # Pickle paths and lengths only; each process maps the shards itself.
+        return {**self.__dict__, "_maps": {}}
+
+    def _map(self, i: int) -> np.ndarray:
+        # A touched shard stays mapped (one file descriptor); the OS evicts pages not read.
+        if i not in self._maps:
+            self._maps[i] = np.load(self.files[i], mmap_mode="r")
+        return self._maps[i]
+
+    def _read(self, start: int, out: np.ndarray) -> None:
+        """Copy tokens [start, start + len(out)) of the stream into out, across shards."""
+        # The last shard that starts at or before `start` (skips empty shards).
+        i = bisect.bisect_right(self._cum, start) - 1
+        done = 0
+        while done < len(out):
+            lo = start + done - self._cum[i]
+            n = min(len(out) - done, self._cum[i + 1] - self._cum[i] - lo)
+            out[done:done + n] = self._map(i)[lo:lo + n]
+            done, i = done + n, i + 1
+
+    def _batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        T, W = self.seq_len, self.world_size
+        buf = np.empty((self.micro_batch_size, T + 1), dtype=np.int64)
+        for j in range(self.micro_batch_size):
+            self._read((position + self.rank + W * j) * T, buf[j])
+        chunk = torch.from_numpy(buf)
+        # Contiguous x and y: one block each for pin_memory / non_blocking copies.
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield (x, y), int64 [B, T], from the current state on (one iterator at a time)."""
+        per_round = self.world_size * self.micro_batch_size
+        while True:
+            while self._position + per_round <= self._windows:
+                batch = self._batch(self._position)
+                self._position += per_round
+                yield batch
+            if not self.loop:
+                return
+            self._epoch, self._position = self._epoch + 1, 0
+
+
+def validation_pass(files: Sequence[str | os.PathLike], seq_len: int, micro_batch_size: int,
+                    rank: int = 0, world_size: int = 1,
+                    max_windows: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One pass over the windows, split over ranks as in training, from window 0.
+
+    Every rank yields the same number of batches (collectives stay in step); the last fewer
+    than world_size * micro_batch_size windows are skipped.
+    """
+    return iter(TokenStream(files, seq_len, micro_batch_size, rank=rank, world_size=world_size,
+                            loop=False, max_windows=max_windows))
