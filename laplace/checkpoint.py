@@ -2,16 +2,23 @@
 
 A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
 
-    {"format": "laplace-checkpoint", "version": 1,
-     "model": state dict (no `_orig_mod.` / `module.` prefixes),
-     "optimizer": optimizer state dict or None,
-     "loop": {"step", "epoch", "micro_in_epoch", ...}   # where the data loop stands
-     "rng": [per-rank RNG states],                        # python, numpy, torch, cuda
-     "config": the resolved run config as a plain dict,
-     "git_rev": the code revision that wrote it}
+    {"format": "laplace-checkpoint", "version": 2,
+     "model": state dict of the network `load_model` rebuilds (no `_orig_mod.` / `module.`
+              prefixes): the trained model, or what its trainer exports (DINO: the teacher
+              backbone),
+     "config": the resolved run config as a plain dict (its `model` node describes "model"),
+     "git_rev": the code revision that wrote it,
+     # written by the training engine, for exact resume:
+     "train_model": state dict of the trained module when it is not "model" itself,
+     "optimizer": {name: optimizer state dict},
+     "trainer": the trainer's own state (EMA teacher, loss centre, ...),
+     "loop": {"step", "feed": the data position, "world_size"},
+     "rng": [per-rank RNG states and per-rank trainer state]}
 
 Writes are atomic (temp file in the same folder, fsync, rename), so a kill during a save never
-leaves a broken `last.pt`. `load_model(path)` rebuilds the model from the checkpoint alone.
+leaves a broken `last.pt`; the temp file of a killed writer is removed by the next save.
+`load_model(path)` rebuilds the model from the checkpoint alone; `load_pretrained` loads a
+checkpoint or a timm / DeiT state dict into a model for fine-tuning.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch.nn as nn
 from .errors import UserError
 
 FORMAT = "laplace-checkpoint"
-VERSION = 1
+VERSION = 2
 _PREFIXES = ("_orig_mod.", "module.")
 
 
@@ -90,23 +97,34 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict,
-                    optimizer: Optional[torch.optim.Optimizer] = None,
-                    loop: Optional[dict] = None, rng: Optional[list] = None,
-                    extra: Optional[dict] = None) -> Path:
-    """Write a checkpoint atomically. Call on one rank only (the states are gathered)."""
+def _plain_state(obj):
+    """Optimizers (one, or a {name: optimizer} dict) as state dicts; anything else as it is."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return obj.state_dict()
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.optim.Optimizer) for v in obj.values()):
+        return {k: v.state_dict() for k, v in obj.items()}
+    return obj
+
+
+def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, **entries) -> Path:
+    """Write a checkpoint atomically. Call on one rank only (gather per-rank states first).
+
+    Args:
+        path: the file to (over)write.
+        model: the network `load_model` must rebuild (wrappers are removed).
+        config: the resolved run config as a plain dict (with the `model` node).
+        **entries: plain data stored beside it (optimizer: an optimizer or {name: optimizer}
+            is stored as state dicts; loop, rng, trainer, ...).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": FORMAT, "version": VERSION,
-        "model": clean_state_dict(unwrap(model).state_dict()),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "loop": dict(loop or {}),
-        "rng": rng,
-        "config": config,
-        "git_rev": git_revision(),
-        **(extra or {}),
-    }
+    payload = {"format": FORMAT, "version": VERSION,
+               "model": clean_state_dict(unwrap(model).state_dict()), "config": config,
+               "git_rev": git_revision(), **{k: _plain_state(v) for k, v in entries.items()}}
+    # A writer killed mid-save (SIGKILL, node failure) leaves its full-size temp file behind:
+    # one writer per run directory, so any temp file of this name is stale.
+    for stale in path.parent.glob(f".{path.name}.tmp*"):
+        stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -118,6 +136,14 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict,
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def resume_candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints a run can resume from, best first: last.pt, then step_<N>.pt newest first."""
+    ckpt_dir = Path(ckpt_dir)
+    steps = sorted(ckpt_dir.glob("step_*.pt"),
+                   key=lambda p: int(p.stem[5:]) if p.stem[5:].isdigit() else -1, reverse=True)
+    return [p for p in [ckpt_dir / "last.pt", *steps] if p.is_file()]
 
 
 def _read(path: Path, what: str, map_location: Any = "cpu") -> Any:
@@ -197,3 +223,60 @@ def load_model(path: str | os.PathLike, map_location: Any = "cpu", eval_mode: bo
                **overrides) -> nn.Module:
     """Rebuild the model of a checkpoint from the checkpoint alone (see model_from_checkpoint)."""
     return model_from_checkpoint(load_checkpoint(path), map_location, eval_mode, **overrides)
+
+
+_HEADS = ("head.", "lm_head.")  # the classifier of a ViT, the output layer of a GPT
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: str = "auto") -> str:
+    """Load pre-trained weights into a freshly built zoo model (fine-tuning, `trainer.init_from`);
+    returns a one-line summary.
+
+    All tensors load strictly except two: a ViT's position embedding is resampled (bicubic)
+    when the patch grid differs, and the head (`head.` / `lm_head.`) is kept only when its
+    shape fits the model and `head="auto"`; otherwise it keeps its fresh initialisation.
+
+    Args:
+        model: the freshly built model.
+        path: a laplace checkpoint, or (ViT) a timm / DeiT-III state dict file.
+        model_cfg: the run's `model` node (its Laplacian heads must match a laplace checkpoint's).
+        head: "auto" keeps the loaded head when its shape fits the model, "reset" never does.
+    """
+    from .errors import ConfigError
+    from .vit import VisionTransformer, load_timm_state_dict
+
+    if head not in ("auto", "reset"):
+        raise ConfigError(f"trainer.init_head={head!r}: choose auto or reset")
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"trainer.init_from: no file at {path}")
+    try:
+        sd, src_cfg = load_weights(path)
+    except CheckpointError as e:  # name the config key that pointed at the file
+        raise CheckpointError(f"trainer.init_from: {e}") from None
+    if src_cfg is not None:
+        got = (src_cfg.get("num_laplacian_heads"), src_cfg.get("laplacian_mode", "fixed"))
+        k = model_cfg.num_laplacian_heads
+        want = (k if isinstance(k, int) else list(k), model_cfg.laplacian_mode)
+        if got != want:  # Laplacian heads add no parameters: a mismatch would load silently
+            raise CheckpointError(f"{path} was trained as {src_cfg['name']} ({got[0]} {got[1]} "
+                                  f"Laplacian heads) but the model is {model_cfg.name} ({want[0]} "
+                                  f"{want[1]}); fine-tune each model from its own pre-training")
+    own = model.state_dict()
+    for k in [k for k in sd if k.startswith(_HEADS) and k not in own]:
+        del sd[k]  # the checkpoint has a head, the model (num_classes=0) does not
+    head_keys = [k for k in own if k.startswith(_HEADS)]
+    fits = all(k in sd and sd[k].shape == own[k].shape for k in head_keys)
+    reset = bool(head_keys) and (head == "reset" or not fits)
+    if reset:
+        sd.update({k: own[k] for k in head_keys})  # keep the fresh initialisation
+    try:
+        if isinstance(model, VisionTransformer):
+            load_timm_state_dict(model, sd)  # strict; resamples pos_embed to the model's grid
+        else:
+            model.load_state_dict(sd, strict=True)
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"trainer.init_from: {path} does not fit model {model_cfg.name}: "
+                              f"{' '.join(str(e).split())[:300]}") from None
+    kind = "laplace checkpoint" if src_cfg is not None else "timm/DeiT state dict"
+    return f"initialised from {kind} {path}" + ("; head re-initialised" if reset else "; head loaded")

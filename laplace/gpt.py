@@ -173,8 +173,13 @@ class GPT(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, use_cache: bool = True,
                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Sample `max_new_tokens` after the prompt idx [B, T]; temperature 0 is greedy.
-        With `use_cache` the prompt is encoded once and each step feeds one token."""
+        """Sample `max_new_tokens` after the prompt idx [B, T]; temperature 0 is greedy,
+        `top_k` None or 0 samples from the whole vocabulary. With `use_cache` the prompt is
+        encoded once and each step feeds one token."""
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature}: use 0 (greedy) or a positive value")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"top_k={top_k}: use a positive count, or 0 / None for no top-k")
         cache = self.new_kv_cache(idx.shape[0], idx.shape[1] + max_new_tokens) if use_cache else None
         out, step_in = idx, idx
         for _ in range(max_new_tokens):
@@ -183,7 +188,7 @@ class GPT(nn.Module):
                 nxt = z.argmax(dim=-1, keepdim=True)
             else:
                 z = z / temperature
-                if top_k is not None:
+                if top_k:  # None or 0: no top-k filtering
                     kth = torch.topk(z, min(top_k, z.size(-1))).values[:, -1:]
                     z = z.masked_fill(z < kth, float("-inf"))
                 nxt = torch.multinomial(z.softmax(dim=-1), 1, generator=generator)

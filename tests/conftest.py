@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ from laplace.config import register_model_configs
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = str(ROOT / "configs")
+# Tests marked `cuda` run on this device: scripts/gpu_check.sh sets LAPLACE_TEST_DEVICE=cuda
+# (CPU-only CI runs them on the CPU like every other test).
+TEST_DEVICE = os.environ.get("LAPLACE_TEST_DEVICE", "cpu")
 
 # A tiny ViT on digits that trains a step in well under a second on CPU.
 TINY_VIT = ["model.depth=2", "model.embed_dim=48", "trainer.num_workers=0", "trainer.progress=false",
@@ -26,14 +30,22 @@ def _torch_threads():
 
 
 @pytest.fixture
+def device() -> torch.device:
+    """The device of `cuda`-marked tests (LAPLACE_TEST_DEVICE, default cpu)."""
+    return torch.device(TEST_DEVICE)
+
+
+@pytest.fixture
 def make_cfg(tmp_path):
-    """make_cfg(*overrides, run_dir=...) -> the composed config, run_dir set under tmp_path."""
+    """make_cfg(*overrides, run_dir=...) -> the composed config, run_dir set under tmp_path
+    (trainer.device is LAPLACE_TEST_DEVICE's when that is set)."""
 
     def _make(*overrides, run_dir=None):
         models = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
         register_model_configs(models)
+        dev = [f"trainer.device={TEST_DEVICE}"] if TEST_DEVICE != "cpu" else []
         with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-            cfg = compose("config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", *overrides])
+            cfg = compose("config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", *dev, *overrides])
         with open_dict(cfg):
             cfg.run_dir = str(run_dir or tmp_path / "run")
         return cfg

@@ -223,6 +223,7 @@ def assert_same(a, b):
         np.testing.assert_allclose(a[k], b[k], rtol=1e-8, atol=1e-12, err_msg=k)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("kind", INPUTS)
 def test_streaming_equals_in_memory(kind):
     x, s, y = make_tokens(seed=7, n_seq=15, n_cls=5, offset=50.0)

@@ -59,17 +59,18 @@ def forward_and_grads(module, x, causal, rope, w):
     return out.detach(), grads
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("config", ["vit", "gpt"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("k,mode", [(0, "fixed"), (1, "fixed"), (3, "fixed"), (HEADS, "fixed"),
                                     (2, "learned")])
-def test_fused_matches_reference_forward_and_grads(config, causal, k, mode):
-    fused, ref = make_pair(k, mode, config)
+def test_fused_matches_reference_forward_and_grads(config, causal, k, mode, device):
+    fused, ref = (m.to(device) for m in make_pair(k, mode, config))
     torch.manual_seed(1)
     B, N = 2, 7
-    x = torch.randn(B, N, DIM, dtype=torch.float64)
-    w = torch.randn(B, N, DIM, dtype=torch.float64)
-    rope = rope_table(0, N) if config == "gpt" else None
+    x = torch.randn(B, N, DIM, dtype=torch.float64).to(device)
+    w = torch.randn(B, N, DIM, dtype=torch.float64).to(device)
+    rope = tuple(t.to(device) for t in rope_table(0, N)) if config == "gpt" else None
     out_f, g_f = forward_and_grads(fused, x, causal, rope, w)
     out_r, g_r = forward_and_grads(ref, x, causal, rope, w)
     torch.testing.assert_close(out_f, out_r, rtol=1e-10, atol=1e-12)

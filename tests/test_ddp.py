@@ -4,10 +4,11 @@ What must match, and why it does: with repeated augmentation (as with torch's
 DistributedSampler) rank r takes positions r, r + 2, ... of the one epoch order, so the 16
 samples of optimizer step s are positions 16s .. 16s + 15 whether one process takes them as one
 micro batch or two processes take 4 + 4 twice (accumulation under DDP's no_sync). A ViT has no
-batch statistics, so with no randomness in the forward pass (drop-path 0, no Mixup, digits'
-deterministic eval transform) the averaged gradients, LAMB's updates, the logged losses (the
-engine averages them over ranks) and the validation metrics agree to float rounding. Per-sample
-augmentation seeds depend on the rank and Mixup draws per rank, so those stay off here.
+batch statistics, so with no randomness in the forward pass (drop-path 0, no Mixup) the averaged
+gradients, LAMB's updates, the logged losses (the engine averages them over ranks) and the
+validation metrics agree to float rounding. 3-Augment stays on: a sample's augmentation seed
+is fixed by its global position in the epoch, not by the rank that loads it. Drop-path and
+Mixup draw per rank, so they stay off here.
 """
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ import torch
 
 from conftest import ROOT, TINY_VIT
 from laplace.checkpoint import load_checkpoint
-from laplace.logger import read_metrics
+from train.logger import read_metrics
 from train import run
 
 RECIPE = [*TINY_VIT, "model=vitt_3L", "optim=lamb", "trainer.loss=bce", "trainer.repeated_aug=3",
-          "model.drop_path_rate=0.0", "trainer.mixup=0.0", "trainer.cutmix=0.0", "data.augment=none",
+          "model.drop_path_rate=0.0", "trainer.mixup=0.0", "trainer.cutmix=0.0", "data.augment=three_augment",
           "trainer.device=cpu", "trainer.global_batch_size=16", "trainer.max_steps=4",
-          "trainer.eval_every=2", "optim.warmup_steps=1"]
+          "trainer.eval_every=2", "optim.schedules.lr.warmup=1"]
 
 
 def _records(run_dir, split):

@@ -21,13 +21,13 @@ from timm.loss import SoftTargetCrossEntropy
 
 from conftest import CONFIGS, ROOT
 from laplace import create_model
-from laplace.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from laplace.checkpoint import CheckpointError, load_checkpoint, load_pretrained, save_checkpoint
 from laplace.config import model_node
 from laplace.data.vision import build_transform
-from laplace.logger import read_metrics
+from train.logger import read_metrics
 from train import run
-from train.supervised import (SeededRepeatAugSampler, build_criterion, build_mixup,
-                              init_from_pretrained)
+from train.feeds import SeededDataset
+from train.supervised import SeededRepeatAugSampler, build_criterion, build_mixup
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs/experiment").glob("deit3_*.yaml"))
 # A 2-layer, 48-wide ViT-B (12 heads of 4 dims) at 32 px with 8 px patches: steps in milliseconds.
@@ -138,25 +138,46 @@ def test_repeat_aug_sampler_order():
     assert [v for pair in zip(a, b) for v in pair] == order
 
 
-# ---------------------------------------------------------------- RandAugment (fine-tuning)
+# ---------------------------------------------------------------- augmentation seeding
 
 
-def test_randaugment_is_a_function_of_the_torch_seed():
-    cfg = OmegaConf.merge(OmegaConf.load(f"{CONFIGS}/data/cifar10.yaml"),
-                          {"augment": "randaugment", "root": "unused"})
+@pytest.mark.parametrize("augment", ["randaugment", "three_augment"])
+def test_augmentation_is_a_function_of_the_sample_seed(augment):
+    """RandAugment draws from Python's `random` and NumPy, 3-Augment's RandomChoice from
+    `random`: under the training feed's SeededDataset the augmented image depends on the
+    sample's seed alone (not on what the process drew before), and the global streams are
+    left where they were (Mixup draws from NumPy's)."""
+    cfg = OmegaConf.merge(OmegaConf.load(f"{CONFIGS}/data/cifar10.yaml"), {"augment": augment, "root": "unused"})
     tf = build_transform(cfg, train=True)
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    ds = SeededDataset(_OneImage(img, tf))
     random.seed(123)
     np.random.seed(123)
-    py, npy = random.getstate(), np.random.get_state()[1].copy()
+    torch.manual_seed(5)
+    py, npy, pt = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
     outs = []
     for seed in (7, 7, 8):
-        torch.manual_seed(seed)
-        outs.append(tf(img))
+        outs.append(ds[(0, seed)][0])
+        random.random(), np.random.rand(), torch.rand(1)  # other draws between samples change nothing
+    random.setstate(py)
+    np.random.seed(123)
+    torch.set_rng_state(pt)
+    again = ds[(0, 7)][0]
     assert outs[0].shape == (3, 32, 32)
-    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
-    # Python's and NumPy's streams (Mixup draws from NumPy's) are left where they were.
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], again) and not torch.equal(outs[0], outs[2])
     assert random.getstate() == py and np.array_equal(np.random.get_state()[1], npy)
+    assert torch.equal(torch.get_rng_state(), pt)
+
+
+class _OneImage(torch.utils.data.Dataset):
+    def __init__(self, img, tf):
+        self.img, self.tf = img, tf
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        return self.tf(self.img), 0
 
 
 # ---------------------------------------------------------------- experiments end to end
@@ -177,6 +198,7 @@ def tiny_data(tmp_path):
     return root, ckpt
 
 
+@pytest.mark.cuda  # evaluation, Mixup, BCE and fine-tuning on the device
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_trains_two_steps(experiment, tiny_data, make_cfg, tmp_path):
     root, ckpt = tiny_data
@@ -225,7 +247,7 @@ def test_resume_mid_epoch_under_the_full_recipe(tiny_data, make_cfg, tmp_path):
     assert cfg.trainer.mixup == 0.8 and cfg.trainer.repeated_aug == 3 and cfg.model.drop_path_rate == 0.2
     run(cfg)
     run(make_cfg(*common, "trainer.stop_after=3", run_dir=tmp_path / "resumed"))
-    assert load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["loop"]["micro_in_epoch"] == 1
+    assert load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["loop"]["feed"] == {"epoch": 1, "position": 8}
     run(make_cfg(*common, run_dir=tmp_path / "resumed"))
 
     straight, resumed = _train_losses(tmp_path / "straight"), _train_losses(tmp_path / "resumed")
@@ -254,7 +276,7 @@ def test_init_from_laplace_checkpoint_resamples_pos_embed(tmp_path):
     for classes, head, kept in ((10, "auto", True), (10, "reset", False), (100, "auto", False)):
         node = _node(img_size=48, num_classes=classes)
         model = create_model(**node)
-        msg = init_from_pretrained(model, path, node, head)
+        msg = load_pretrained(model, path, node, head)
         got = model.state_dict()
         want_pos = resample_abs_pos_embed(s["pos_embed"], new_size=[6, 6], num_prefix_tokens=0)
         torch.testing.assert_close(got["pos_embed"], want_pos)  # 4x4 grid -> 6x6 grid
@@ -281,7 +303,7 @@ def test_init_from_timm_and_deit_state_dicts(tmp_path):
     for fname in ("timm.pth", "deit.pth", "timm.safetensors"):
         node = _node(img_size=32, num_classes=10)
         model = create_model(**node).eval()
-        assert "timm/DeiT state dict" in init_from_pretrained(model, tmp_path / fname, node)
+        assert "timm/DeiT state dict" in load_pretrained(model, tmp_path / fname, node)
         torch.testing.assert_close(model(x), ref(x))
 
 
@@ -297,7 +319,7 @@ def test_init_from_wrong_files_are_one_line_errors(tmp_path):
              ("baseline.pt", _node("vitb_12L", img_size=32, num_classes=10), "trained as vitb_0L")]
     for fname, n, expect in cases:
         with pytest.raises(CheckpointError) as e:
-            init_from_pretrained(create_model(**n), tmp_path / fname, n)
+            load_pretrained(create_model(**n), tmp_path / fname, n)
         assert expect in str(e.value) and "\n" not in str(e.value)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from laplace.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
-from laplace.logger import read_metrics
+from train.logger import read_metrics
 from conftest import ROOT, TINY_VIT
 from train import run
 
@@ -42,6 +42,7 @@ def test_resume_equals_uninterrupted(make_cfg, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.cuda  # a checkpoint written on the device loads anywhere
 def test_checkpoint_contents_and_load_model(make_cfg, tmp_path):
     cfg = make_cfg(*TINY_VIT, "model=vitt_2L", "trainer.max_steps=2")
     run(cfg)
@@ -99,6 +100,8 @@ def test_save_killed_half_way_keeps_previous_last(tmp_path):
     assert load_checkpoint(path)["loop"]["step"] == 1
     leftovers = [p for p in os.listdir(tmp_path) if p != "last.pt"]
     assert leftovers and all(p.startswith(".last.pt.tmp") for p in leftovers)  # only the dead temp
+    save_checkpoint(path, model=torch.nn.Linear(8, 8), config={"model": {}}, loop={"step": 3})
+    assert os.listdir(tmp_path) == ["last.pt"]  # the next save removed the dead writer's temp file
 
 
 def _cli(*args, cwd=ROOT):
@@ -139,3 +142,78 @@ def test_cli_multirun_sweeps_laplacian_heads(tmp_path):
     results = sorted((tmp_path / "deit3/digits").glob("*/results.json"))
     assert [p.parent.name.split("_s0")[0] for p in results] == ["vitt_0L", "vitt_3L"]
     assert [json.loads(p.read_text())["num_laplacian_heads"] for p in results] == [0, 3]
+
+
+# ---------------------------------------------------------------- resume: what it refuses and recovers
+
+
+def test_resume_refuses_a_checkpoint_of_another_configuration(make_cfg, tmp_path):
+    base = [*TINY_VIT, "model.depth=1", "trainer.max_steps=2"]
+    run(make_cfg(*base, "model=vitt_0L", "trainer.stop_after=1"))
+    # Laplacian heads add no parameters: only the config tells vitt_0L from vitt_3L.
+    with pytest.raises(CheckpointError) as e:
+        run(make_cfg(*base, "model=vitt_3L"))
+    msg = str(e.value)
+    assert "belongs to another configuration" in msg and "model.name: vitt_0L -> vitt_3L" in msg
+    assert "model.num_laplacian_heads: 0 -> 3" in msg and "trainer.resume=force" in msg and "\n" not in msg
+    # Execution settings (workers, cadences, micro batch) are not part of the recipe.
+    run(make_cfg(*base, "model=vitt_0L", "trainer.num_workers=1", "trainer.eval_every=7", "trainer.stop_after=1"))
+    with pytest.raises(CheckpointError, match="does not fit model vitt_0L"):  # forced, but other shapes
+        run(make_cfg(*base, "model=vitt_0L", "model.depth=2", "trainer.resume=force"))
+    run(make_cfg(*base, "model=vitt_3L", "trainer.resume=force"))  # the user said so
+    assert load_checkpoint(tmp_path / "run/ckpt/last.pt")["loop"]["step"] == 2
+
+
+def test_resume_falls_back_to_the_newest_good_step_checkpoint(make_cfg, tmp_path, capsys):
+    common = [*TINY_VIT, "model=vitt_0L", "model.depth=1", "trainer.max_steps=6", "trainer.eval_every=100",
+              "trainer.ckpt_every=2", "trainer.keep_every=2"]
+    run(make_cfg(*common, run_dir=tmp_path / "straight"))
+    run(make_cfg(*common, "trainer.stop_after=4", run_dir=tmp_path / "r"))
+    last = tmp_path / "r/ckpt/last.pt"
+    last.write_bytes(last.read_bytes()[:1000])  # a torn last.pt (disk full, a kill during copy)
+    (tmp_path / "r/ckpt/step_4.pt").write_bytes(b"garbage")
+    with open(tmp_path / "r/metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "split": "tra')  # a kill in the middle of a log line
+    run(make_cfg(*common, run_dir=tmp_path / "r"))
+    err = capsys.readouterr().err
+    assert "cannot resume from it" in err and "resumed from" in err and "step_2.pt" in err
+    assert _train_losses(tmp_path / "r") == _train_losses(tmp_path / "straight")
+
+
+def test_no_readable_checkpoint_is_one_line(make_cfg, tmp_path):
+    cfg = make_cfg(*TINY_VIT, "model=vitt_0L", "model.depth=1", "trainer.max_steps=1")
+    (tmp_path / "run/ckpt").mkdir(parents=True)
+    (tmp_path / "run/ckpt/last.pt").write_bytes(b"\x00" * 100)
+    with pytest.raises(CheckpointError, match=r"no readable checkpoint in .*run/ckpt \(last.pt\); move them away"):
+        run(cfg)
+
+
+def test_a_damaged_metrics_line_names_the_file(tmp_path):
+    from laplace.errors import UserError
+    from train.logger import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(UserError, match=r"metrics.jsonl:2 is not a JSON line"):
+        read_metrics(tmp_path)
+
+
+def test_run_dir_names_stay_short_stable_and_distinct(make_cfg):
+    from train import MAX_NAME, run_dir_from_overrides
+
+    cfg = make_cfg("model=vitb_12L")
+    many = [f"trainer.init_from=/very/long/path/{'x' * 200}/ckpt/last.pt", "optim.lr=1e-4", "seed=3"]
+    a = run_dir_from_overrides(cfg, many)
+    b = run_dir_from_overrides(cfg, many[:1] + ["optim.lr=2e-4"])
+    name = os.path.basename(a)
+    assert len(name) <= MAX_NAME and name.startswith("vitb_12L_s0_") and a == run_dir_from_overrides(cfg, many)
+    assert a != b
+    assert os.path.basename(run_dir_from_overrides(cfg, ["optim.lr=1e-4"])) == "vitb_12L_s0_optim.lr=1e-4"
+
+
+def test_wandb_ids_differ_between_stages_of_one_experiment(tmp_path):
+    from train.logger import wandb_run_id
+
+    stage1 = tmp_path / "deit3/deit3_in1k/vitb_12L_s0"
+    stage2 = tmp_path / "deit3/deit3_in1k_ft224/vitb_12L_s0"
+    assert wandb_run_id(stage1) != wandb_run_id(stage2)
+    assert wandb_run_id(stage1) == wandb_run_id(str(stage1)) and wandb_run_id(stage1).startswith("vitb_12L_s0-")

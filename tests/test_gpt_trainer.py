@@ -5,7 +5,7 @@ import torch
 
 from laplace.checkpoint import load_model
 from laplace.data.text import BOS, VOCAB_SIZE, build_pydoc_text, decode
-from laplace.logger import read_metrics
+from train.logger import read_metrics
 from train import run
 
 TINY_GPT = ["experiment=gpt_pydoc", "model=gpt_d2_1L", "data.seq_len=32", "trainer.global_batch_size=8",
@@ -40,3 +40,20 @@ def test_gpt_trainer_resumes_exactly_and_generates(make_cfg, tmp_path):
     out = model.generate(prompt, 8, temperature=0)
     assert out.shape == (1, 13) and torch.equal(out[:, :5], prompt)
     assert torch.equal(out, model.generate(prompt, 8, temperature=0, use_cache=False))
+
+
+def test_init_from_works_for_the_gpt_trainer(make_cfg, tmp_path):
+    """trainer.init_from is the engine's: a GPT run starts from another GPT's checkpoint (lm_head
+    kept, same vocabulary); Laplacian heads must match."""
+    import pytest
+    from laplace.checkpoint import CheckpointError, load_checkpoint
+
+    run(make_cfg(*TINY_GPT, "trainer.max_steps=2", run_dir=tmp_path / "pre"))
+    src = tmp_path / "pre/ckpt/last.pt"
+    run(make_cfg(*TINY_GPT, "trainer.max_steps=1", f"trainer.init_from={src}", run_dir=tmp_path / "ft"))
+    a, b = load_checkpoint(src)["model"], load_checkpoint(tmp_path / "ft/ckpt/last.pt")["model"]
+    for k in ("wte.weight", "lm_head.weight", "blocks.1.attn.qkv.weight"):  # one step at lr 1e-6
+        torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=0)
+    with pytest.raises(CheckpointError, match="trained as gpt_d2_1L"):
+        baseline = [a for a in TINY_GPT if not a.startswith("model=")] + ["model=gpt_d2_0L"]
+        run(make_cfg(*baseline, f"trainer.init_from={src}", run_dir=tmp_path / "bad"))

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from laplace import dist
-from laplace.logger import MetricsLogger, read_metrics
+from train.logger import MetricsLogger, read_metrics
 from conftest import TINY_VIT
 from train import run
 

@@ -149,11 +149,12 @@ def test_gpt_is_causal_with_laplacian_heads(variant, fused):
             assert (z[:, t + 1:] - base[:, t + 1:]).abs().max() > 1e-3  # the change is seen
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("variant", list(GPT_VARIANTS))
-def test_gpt_kv_cache_logits_match_full_forward(variant):
+def test_gpt_kv_cache_logits_match_full_forward(variant, device):
     name, kw = GPT_VARIANTS[variant]
-    model = small_gpt(name, **kw).double()
-    idx = torch.randint(0, 32, (2, 13))
+    model = small_gpt(name, **kw).double().to(device)
+    idx = torch.randint(0, 32, (2, 13), device=device)
     with torch.no_grad():
         full = model(idx)
         cache = model.new_kv_cache(batch_size=2, max_len=13)

@@ -1,54 +1,75 @@
-"""The three trainers, selected by `trainer=` (deit3 | gpt | dino), on one shared engine."""
+"""The trainers, selected by `trainer.name` (deit3 | gpt | module:Class), on one shared engine."""
 from __future__ import annotations
 
+import hashlib
+import importlib
 import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from laplace.errors import ConfigError
+
+# name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
+# outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
+TRAINERS = {"deit3": "train.supervised:SupervisedTrainer", "gpt": "train.gpt:GPTTrainer"}
+
+# Config keys that say how a run executes, not what it trains: they do not change the run
+# directory's name (more workers or another logger must resume the same run) and a resume
+# does not compare them with the checkpoint's config.
+EXECUTION_KEYS = ("run_dir", "paths.", "logger", "hydra.", "data.root", "data.cache_dir", "data.download",
+                  "trainer.device", "trainer.num_workers", "trainer.progress", "trainer.stop_after",
+                  "trainer.log_every", "trainer.eval_every", "trainer.ckpt_every", "trainer.keep_every",
+                  "trainer.micro_batch_size", "trainer.amp", "trainer.compile", "trainer.resume")
+MAX_NAME = 120  # characters of a run directory's last component (file systems allow 255)
+
 
 def get_trainer(name: str):
-    """The Trainer class for `trainer.name` (imported lazily: each pulls its own data stack)."""
-    if name == "deit3":
-        from .supervised import SupervisedTrainer
-
-        return SupervisedTrainer
-    if name == "gpt":
-        from .gpt import GPTTrainer
-
-        return GPTTrainer
-    raise ValueError(f"trainer={name!r} is not available; choose one of: deit3, gpt")
-
-
-# Overrides that do not change what is trained, so they do not change the run directory
-# (running with more workers or another logger must resume the same run).
-_NAME_IGNORES = ("run_dir", "paths.", "logger", "data.root", "data.cache_dir", "data.download",
-                 "trainer.device", "trainer.num_workers",
-                 "trainer.progress", "trainer.stop_after", "trainer.log_every", "hydra.")
+    """The Trainer class for `trainer.name`."""
+    target = TRAINERS.get(name, name if ":" in name else None)
+    if target is None:
+        raise ConfigError(f"trainer.name={name!r} is not a trainer; choose one of: {', '.join(TRAINERS)} "
+                          f"(or give module:Class)")
+    module, cls = target.split(":", 1)
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        if name in TRAINERS:
+            raise  # our own trainer failing to import is a bug: keep the traceback
+        raise ConfigError(f"trainer.name={name!r}: cannot import it ({e})") from None
 
 
 def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
-    """<runs_dir>/<trainer>/<experiment or data>/<model>_s<seed>[_<other overrides>]."""
+    """<runs_dir>/<trainer>/<experiment or data>/<model>_s<seed>[_<other overrides>].
+
+    A name longer than MAX_NAME keeps its readable start and ends in a hash of the whole,
+    so it stays unique and the same command finds the same directory again."""
     keep = []
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
-        if key in ("model", "data", "trainer", "seed", "experiment") or key.startswith(_NAME_IGNORES):
+        if key in ("model", "data", "trainer", "seed", "experiment") or key.startswith(EXECUTION_KEYS):
             continue
         keep.append(re.sub(r"[^A-Za-z0-9_.,=+-]", "-", o))
     exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
     name = f"{cfg.model.name}_s{cfg.seed}" + ("_" + ",".join(sorted(keep)) if keep else "")
-    return str(Path(cfg.paths.runs_dir) / cfg.trainer.name / (exp or cfg.data.name) / name)
+    if len(name) > MAX_NAME:
+        name = f"{name[:MAX_NAME - 11]}~{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+    trainer = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.trainer.name)
+    return str(Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name) / name)
 
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config (also the entry used by tests and sweeps)."""
     from laplace import dist
 
-    trainer = get_trainer(cfg.trainer.name)(cfg)
+    cls = get_trainer(cfg.trainer.name)
+    cls.check_config(cfg)  # before anything resolves: wrong combinations get one line
+    trainer = cls(cfg)
     if trainer.dist.is_main:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, Path(cfg.run_dir) / "config.yaml", resolve=True)
-    try:
-        return trainer.fit()
-    finally:
-        dist.cleanup()
+    metrics = trainer.fit()
+    # Only after success: after a failure a peer may be gone, and tearing the group down
+    # could wait for it (the command line exits at once instead, see laplace.errors).
+    dist.cleanup()
+    return metrics

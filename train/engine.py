@@ -1,35 +1,58 @@
 """The shared training engine: every trainer (deit3, gpt, dino) is a subclass of `Trainer`.
 
 The engine owns what is the same for all of them: device and distributed set-up, seeding,
-batch arithmetic (global batch = micro batch x world size x accumulation), the optimizer and
-its per-step learning-rate schedule, bf16 autocast and torch.compile, evaluation and
-checkpoint cadence, exact resume and logging. A subclass supplies the data, the model, the loss
-of one micro-batch and its evaluation:
+batch arithmetic (global batch = micro batch x world size x accumulation), the optimizers'
+schedules, gradient clipping, bf16 autocast and torch.compile, evaluation and checkpoint
+cadence, exact resume, preemption and logging. A trainer supplies its pieces:
 
     class MyTrainer(Trainer):
-        def build_datasets(self): return train_set, val_set
+        model_archs, data_modality = ("vit",), "image"           # what it trains (checked first)
+        def build_datasets(self): return train_set, val_set      # map-style sets or a feed
+        def build_model(self): ...                                # default: the zoo model of `model`
+        def configure_optimizers(self): return {"adamw": ...}    # default: one, from `optim`
         def train_step(self, batch): return loss, {"extra": value}
         def evaluate(self): return {"val_loss": ...}
+      # optional hooks:
+        def before_optimizer_step(self): ...   # default: clips gradients (optim.grad_clip)
+        def after_optimizer_step(self): ...    # e.g. the EMA teacher update
+        def state_dict(self) / load_state_dict(state)            # e.g. teacher, loss centre
+        def rank_state_dict(self) / load_rank_state_dict(state)  # per-rank, e.g. an own RNG
+        def export_model(self): ...            # the network load_model rebuilds (default: model)
+        def init_from_pretrained(self, path)   # trainer.init_from (default: load_pretrained)
+
+Schedules (train/optim.py) come from the config: `optim.schedules` set hyper-parameters of
+the parameter groups, `trainer.schedules` values the trainer reads from `self.hparams` (a
+trainer lists those it reads in `scheduled_values`). Both are set before every step.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from laplace import create_model, dist
-from laplace.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from laplace.data.sampler import ResumableSampler, SeededDataset, epoch_sampler
-from laplace.logger import MetricsLogger
-from laplace.optim import build_optimizer, lr_at, set_lr
+from laplace import create_model, dist, model_defaults
+from laplace.checkpoint import (CheckpointError, clean_state_dict, load_checkpoint, load_pretrained,
+                                resume_candidates, rng_state, save_checkpoint, set_rng_state)
+from laplace.errors import ConfigError
+
+from . import EXECUTION_KEYS, TRAINERS, get_trainer
+from .feeds import MapFeed, epoch_sampler
+from .logger import MetricsLogger
+from .optim import (apply_group_schedules, build_optimizer, build_schedules, check_group_schedules,
+                    clip_gradients)
+from .signals import EXIT_REQUEUE, Preempted, StopRequest
+
+ARCH_NAMES = {"vit": "ViT", "gpt": "GPT"}
+# Resume does not compare these either: they only act on a fresh run.
+_FRESH_ONLY_KEYS = ("trainer.init_from", "trainer.init_head")
 
 
 class Trainer:
@@ -43,6 +66,26 @@ class Trainer:
     #: what the throughput figure counts, and how many of them one training example holds
     unit = "samples"
     units_per_sample = 1
+    #: zoo architectures and data modality the trainer accepts (empty / None: any)
+    model_archs: tuple[str, ...] = ()
+    data_modality: str | None = None
+    #: a command line that fits, shown when a model or data does not
+    example = ""
+    #: names in trainer.schedules the trainer reads from self.hparams
+    scheduled_values: tuple[str, ...] = ()
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig):
+        """One-line errors for combinations this trainer cannot train (run before anything
+        resolves, so an interpolation the wrong data node lacks is never reached)."""
+        arch = model_defaults(cfg.model.name)["arch"]  # the zoo's one-line error if unknown
+        modality, name = cfg.data.get("modality"), cfg.trainer.name
+        if cls.data_modality and modality and modality != cls.data_modality:  # a node without one: trusted
+            raise ConfigError(f"data={cfg.data.name} holds {modality} data but trainer={name} "
+                              f"trains on {cls.data_modality}; {_fitting(modality=modality)}")
+        if cls.model_archs and arch not in cls.model_archs:
+            raise ConfigError(f"model={cfg.model.name} is a {ARCH_NAMES[arch]} but trainer={name} trains "
+                              f"{'/'.join(ARCH_NAMES[a] for a in cls.model_archs)}s; {_fitting(arch=arch)}")
 
     def __init__(self, cfg: DictConfig):
         self.cfg, tc = cfg, cfg.trainer
@@ -57,37 +100,58 @@ class Trainer:
         world = self.dist.world_size
         self.micro_bs = tc.micro_batch_size or tc.global_batch_size // world
         if self.micro_bs < 1 or tc.global_batch_size % (self.micro_bs * world):
-            raise ValueError(f"trainer.global_batch_size={tc.global_batch_size} is not a multiple of "
-                             f"micro_batch_size ({self.micro_bs}) x world size ({world})")
+            raise ConfigError(f"trainer.global_batch_size={tc.global_batch_size} is not a multiple of "
+                              f"micro_batch_size ({self.micro_bs}) x world size ({world})")
         self.accum = tc.global_batch_size // (self.micro_bs * world)
 
         self.train_set, self.val_set = self.build_datasets()
-        self.model = self.build_model().to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.train_loader = self._train_loader(self.train_set)
-        self.steps_per_epoch = max(1, len(self.train_loader) // self.accum)
+        self.feed = self.build_feed(self.train_set)
+        if self.feed.micro_batches_per_epoch < 1:  # else the loop would wait forever for a batch
+            raise ConfigError(f"data={cfg.data.name}: an epoch gives each of the {world} process(es) "
+                              f"fewer than one micro batch of {self.micro_bs} ({_size(self.train_set)}); "
+                              f"lower trainer.global_batch_size={tc.global_batch_size} or use more data")
+        self.steps_per_epoch = max(1, self.feed.micro_batches_per_epoch // self.accum)
         self.total_steps = tc.max_steps or tc.epochs * self.steps_per_epoch
-        o = cfg.optim
-        self.warmup_steps = (o.warmup_steps if o.warmup_steps is not None
-                             else round(o.warmup_epochs * self.steps_per_epoch))
-        self.state = {"step": 0, "epoch": 0, "micro_in_epoch": 0}
-        self.resumed = self._maybe_resume()
 
-        # Wrappers last: the optimizer and checkpoints see the bare module (laplace.checkpoint.unwrap).
-        self.net: nn.Module = self.model
-        if self.dist.distributed:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.net = nn.parallel.DistributedDataParallel(self.net, device_ids=ids)
-        if tc.compile:
-            self.net = torch.compile(self.net)
+        if tc.get("init_from") == "required":  # what the fine-tuning experiments say
+            raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
+                              "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
+        self.model = self.build_model().to(self.device)
+        resume = self._find_checkpoint()
+        if tc.get("init_from") and resume is None:  # a resumed run restores its own weights
+            msg = self.init_from_pretrained(tc.init_from)
+            if self.dist.is_main:
+                print(f"[laplace] {msg}")
+        self.optimizers = self.configure_optimizers()
+        self.schedules = build_schedules(cfg.optim.get("schedules"), "optim.schedules",
+                                         self.total_steps, self.steps_per_epoch)
+        check_group_schedules(self.optimizers, self.schedules)
+        self.value_schedules = build_schedules(tc.get("schedules"), "trainer.schedules",
+                                               self.total_steps, self.steps_per_epoch)
+        missing = set(self.scheduled_values) ^ set(self.value_schedules)
+        if missing:
+            raise ConfigError(f"trainer.schedules.{sorted(missing)[0]}: trainer={tc.name} reads "
+                              f"{sorted(self.scheduled_values) or 'no schedules'}; give exactly those")
+        self.hparams: dict[str, float] = {}
+        self.step = 0
+        self.resumed = resume is not None
+        if resume is not None:
+            self._restore(*resume)
+        self.net = self.wrap_model(self.model)
 
     # ---- to implement in a trainer -------------------------------------------------------
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
+        """(training set, validation set or None). The training set is a map-style dataset
+        (served by MapFeed) or a feed itself (laplace.data.shards.TokenStream)."""
         raise NotImplementedError
 
     def build_model(self) -> nn.Module:
-        """The zoo model of the `model` node (a trainer may load weights into it)."""
+        """The zoo model of the `model` node (or a module holding it, e.g. student + teacher)."""
         return create_model(**self.cfg.model)
+
+    def configure_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """{name: optimizer}, each with its own parameter groups; default: `optim` over the model."""
+        return {self.cfg.optim.name: build_optimizer(self.model, self.cfg.optim)}
 
     def train_step(self, batch) -> tuple[torch.Tensor, dict]:
         """Loss of one micro-batch (under autocast) and extra floats to log."""
@@ -96,9 +160,57 @@ class Trainer:
     def evaluate(self) -> dict:
         return {}
 
+    def before_optimizer_step(self) -> dict:
+        """After the gradients of a step are complete, before the optimizers step: clips
+        them (optim.grad_clip, optim.grad_clip_mode). Returns values to log."""
+        o = self.cfg.optim
+        norm = clip_gradients(self.optimizers, o.get("grad_clip"), o.get("grad_clip_mode") or "global")
+        return {} if norm is None else {"grad_norm": norm}
+
+    def after_optimizer_step(self):
+        """After every optimizer stepped (gradients still there): e.g. an EMA update."""
+
+    def state_dict(self) -> dict:
+        """The trainer's own state, the same on every rank (saved from rank 0); plain data."""
+        return {}
+
+    def load_state_dict(self, state: dict):
+        pass
+
+    def rank_state_dict(self) -> dict:
+        """State that differs between ranks (gathered from each); small plain data."""
+        return {}
+
+    def load_rank_state_dict(self, state: dict):
+        pass
+
+    def export_model(self) -> nn.Module:
+        """The network saved as the checkpoint's "model" (what load_model rebuilds from the
+        config's `model` node): the trained model unless a trainer says otherwise."""
+        return self.model
+
+    def init_from_pretrained(self, path) -> str:
+        """trainer.init_from: load pre-trained weights into a fresh run's model."""
+        return load_pretrained(self.model, path, self.cfg.model, self.cfg.trainer.get("init_head", "auto"))
+
     def build_sampler(self, dataset: Dataset):
         """The epoch-seeded order of training samples (the DeiT trainer swaps in RepeatAug)."""
         return epoch_sampler(dataset, True, self.cfg.seed, self.dist.rank, self.dist.world_size)
+
+    def build_feed(self, train_set):
+        """Micro-batches of the training set (a MapFeed unless the set is a feed already)."""
+        if hasattr(train_set, "state_dict") and hasattr(train_set, "micro_batches_per_epoch"):
+            return train_set
+        return MapFeed(train_set, self.build_sampler(train_set), self.micro_bs, self.cfg.seed,
+                       self.dist.rank, self.dist.world_size, **self._loader_kwargs())
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """DDP and torch.compile around the model; optimizers and checkpoints keep the bare one."""
+        net = model
+        if self.dist.distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            net = nn.parallel.DistributedDataParallel(net, device_ids=ids)
+        return torch.compile(net) if self.cfg.trainer.compile else net
 
     def collate(self, items):
         return torch.utils.data.default_collate(items)
@@ -106,7 +218,7 @@ class Trainer:
     def on_fit_end(self, final_metrics: dict):
         """Called on every rank once training reached total_steps."""
 
-    # ---- data ----------------------------------------------------------------------------
+    # ---- helpers for trainers ------------------------------------------------------------
     def _loader_kwargs(self) -> dict:
         w = self.cfg.trainer.num_workers
         # An own generator: creating a loader iterator then draws no number from the global
@@ -114,31 +226,11 @@ class Trainer:
         return dict(num_workers=w, pin_memory=self.device.type == "cuda", persistent_workers=w > 0,
                     collate_fn=self.collate, generator=torch.Generator().manual_seed(self.cfg.seed))
 
-    def _train_loader(self, dataset: Dataset) -> DataLoader:
-        self.sampler = ResumableSampler(self.build_sampler(dataset), self.cfg.seed, self.dist.rank)
-        return DataLoader(SeededDataset(dataset), batch_size=self.micro_bs, sampler=self.sampler,
-                          drop_last=True, **self._loader_kwargs())
-
     def eval_loader(self, dataset: Dataset, batch_size: int | None = None) -> DataLoader:
         """Each rank gets every world_size-th sample (no padding, so sums over ranks are exact)."""
         shard = torch.utils.data.Subset(dataset, range(self.dist.rank, len(dataset), self.dist.world_size))
         return DataLoader(shard, batch_size=batch_size or self.micro_bs, shuffle=False,
                           **self._loader_kwargs())
-
-    def _batches(self) -> Iterator:
-        """Micro-batches forever, epoch after epoch, keeping `state` at what was consumed.
-
-        The epoch counter moves on with the last batch of an epoch (not when the next one is
-        asked for), so a checkpoint taken right after it resumes at the next epoch's start."""
-        per_epoch = len(self.sampler.inner) // self.micro_bs
-        while True:
-            self.sampler.set_epoch(self.state["epoch"], self.state["micro_in_epoch"] * self.micro_bs)
-            for batch in self.train_loader:
-                self.state["micro_in_epoch"] += 1
-                if self.state["micro_in_epoch"] == per_epoch:
-                    self.state["epoch"] += 1
-                    self.state["micro_in_epoch"] = 0
-                yield batch
 
     def to_device(self, x):
         if isinstance(x, torch.Tensor):
@@ -152,114 +244,169 @@ class Trainer:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
+    @property
+    def epoch(self) -> int:
+        return self.feed.epoch
+
     # ---- checkpoints ---------------------------------------------------------------------
     def plain_config(self) -> dict:
         return OmegaConf.to_container(self.cfg, resolve=True)
 
     def save(self):
-        rngs = dist.all_gather_object(rng_state())
+        per_rank = dist.all_gather_object({"rng": rng_state(), "trainer": self.rank_state_dict()})
         if self.dist.is_main:
-            loop = dict(self.state, world_size=self.dist.world_size)
-            save_checkpoint(self.ckpt_path, model=self.model, optimizer=self.optimizer,
-                            loop=loop, rng=rngs, config=self.plain_config())
+            exported = self.export_model()
+            entries = dict(
+                optimizer=self.optimizers, trainer=self.state_dict(),
+                loop={"step": self.step, "epoch": self.epoch, "feed": self.feed.state_dict(),
+                      "world_size": self.dist.world_size},
+                rng=[r["rng"] for r in per_rank], rank_state=[r["trainer"] for r in per_rank])
+            if exported is not self.model:
+                entries["train_model"] = clean_state_dict(self.model.state_dict())
+            save_checkpoint(self.ckpt_path, model=exported, config=self.plain_config(), **entries)
             keep = self.cfg.trainer.keep_every
-            if keep and self.state["step"] % keep == 0:
-                save_checkpoint(self.ckpt_path.with_name(f"step_{self.state['step']}.pt"),
-                                model=self.model, optimizer=self.optimizer, loop=loop, rng=rngs,
-                                config=self.plain_config())
+            if keep and self.step % keep == 0:
+                save_checkpoint(self.ckpt_path.with_name(f"step_{self.step}.pt"), model=exported,
+                                config=self.plain_config(), **entries)
         dist.barrier()
 
-    def _maybe_resume(self) -> bool:
-        if not self.ckpt_path.exists():
-            return False
-        ckpt = load_checkpoint(self.ckpt_path, map_location="cpu")
-        self.model.load_state_dict(ckpt["model"], strict=True)
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        loop = dict(ckpt["loop"])
-        saved_world = loop.pop("world_size", 1)
-        self.state.update(loop)
-        if ckpt.get("rng") and saved_world == self.dist.world_size:
+    def _find_checkpoint(self) -> tuple[Path, dict] | None:
+        """The newest readable checkpoint of the run dir (last.pt, else the newest step_N.pt),
+        or None for a fresh run. Corrupt or truncated files are skipped with a warning."""
+        candidates = resume_candidates(self.ckpt_path.parent)
+        for path in candidates:
+            try:
+                return path, load_checkpoint(path, map_location="cpu")
+            except CheckpointError as e:
+                if self.dist.is_main:
+                    print(f"[laplace] cannot resume from it: {e}", file=sys.stderr)
+        if candidates:
+            raise CheckpointError(f"no readable checkpoint in {self.ckpt_path.parent} ("
+                                  f"{', '.join(p.name for p in candidates)}); move them away to "
+                                  f"start this run afresh")
+        return None
+
+    def _restore(self, path: Path, ckpt: dict):
+        if ckpt.get("version", 1) < 2:
+            raise CheckpointError(f"{path} was written by an older laplace (checkpoint version 1, "
+                                  f"revision {ckpt.get('git_rev', '?')[:10]}): load_model still reads it, "
+                                  f"but resume it with that revision or start a new run_dir")
+        diffs = config_differences(ckpt.get("config") or {}, self.plain_config())
+        if diffs and self.cfg.trainer.get("resume", "auto") != "force":
+            more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+            raise CheckpointError(f"{path} belongs to another configuration ({'; '.join(diffs[:3])}{more}); "
+                                  f"use another run_dir for a new run, or trainer.resume=force to continue anyway")
+        try:
+            self.model.load_state_dict(ckpt.get("train_model", ckpt["model"]), strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"{path} does not fit model {self.cfg.model.name}: "
+                                  f"{' '.join(str(e).split())[:300]}") from None
+        states = ckpt["optimizer"]
+        if set(states) != set(self.optimizers):
+            raise CheckpointError(f"{path} holds optimizers {sorted(states)} but this run has "
+                                  f"{sorted(self.optimizers)}")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(states[name])
+        self.load_state_dict(ckpt.get("trainer") or {})
+        loop = ckpt["loop"]
+        self.step = loop["step"]
+        self.feed.load_state_dict(loop["feed"])
+        if loop.get("world_size") == self.dist.world_size:
             set_rng_state(ckpt["rng"][self.dist.rank])
-        else:  # a different world size cannot continue each rank's stream; reseed by step
-            dist.seed_everything(self.cfg.seed + self.dist.rank + 7919 * self.state["step"])
-        return True
+            self.load_rank_state_dict(ckpt["rank_state"][self.dist.rank])
+        else:  # each rank's stream cannot continue on another world size: reseed by step
+            dist.seed_everything(self.cfg.seed + self.dist.rank + 7919 * self.step)
+        if self.dist.is_main and path.name != "last.pt":
+            print(f"[laplace] resumed from {path} (last.pt was missing or unreadable)", file=sys.stderr)
 
     # ---- the loop ------------------------------------------------------------------------
+    def _set_schedules(self, step: int):
+        self.hparams = {**apply_group_schedules(self.optimizers, self.schedules, step),
+                        **{k: s(step) for k, s in self.value_schedules.items()}}
+
     def fit(self) -> dict:
         cfg, tc = self.cfg, self.cfg.trainer
         main = self.dist.is_main
         logger = MetricsLogger(self.run_dir, enabled=main,
                                wandb_cfg=OmegaConf.to_container(cfg.logger.wandb) if cfg.logger.get("wandb") else None,
-                               config=self.plain_config(),
-                               resume_step=self.state["step"] if self.resumed else None)
+                               config=self.plain_config(), resume_step=self.step if self.resumed else None)
         if main:
-            print(f"[laplace] run_dir={self.run_dir} {'resumed at step ' + str(self.state['step']) if self.resumed else 'new run'}; "
+            print(f"[laplace] run_dir={self.run_dir} {'resumed at step ' + str(self.step) if self.resumed else 'new run'}; "
                   f"{self.total_steps} steps ({self.steps_per_epoch}/epoch), global batch "
                   f"{tc.global_batch_size} = {self.micro_bs} x {self.dist.world_size} x {self.accum} accum, "
-                  f"device {self.device}, bf16 {self.amp}")
+                  f"device {self.device}, bf16 {self.amp}", flush=True)
         eval_every = tc.eval_every or self.steps_per_epoch
         ckpt_every = tc.ckpt_every or self.steps_per_epoch
-        stop_at = self.total_steps if not tc.get("stop_after") else min(
-            self.total_steps, self.state["step"] + tc.stop_after)
+        stop_at = min(self.total_steps, self.step + tc.stop_after) if tc.get("stop_after") else self.total_steps
         bar = None
         if main and tc.progress:
             from tqdm import tqdm
-            bar = tqdm(total=self.total_steps, initial=self.state["step"], dynamic_ncols=True)
-        batches = self._batches()
-        o = cfg.optim
+            bar = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True)
+        batches = iter(self.feed)
         t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
         metrics = {}
-        while self.state["step"] < stop_at:
-            step = self.state["step"]
-            self.net.train()
-            lr = lr_at(step, lr=o.lr, total_steps=self.total_steps, warmup_steps=self.warmup_steps,
-                       warmup_lr=o.warmup_lr, min_lr=o.min_lr, schedule=o.schedule)
-            set_lr(self.optimizer, lr)
-            # Losses stay on the device until logged: no host sync per micro-batch.
-            loss_sum, extras = torch.zeros((), device=self.device), {}
-            for micro in range(self.accum):
-                batch = self.to_device(next(batches))
-                sync = micro == self.accum - 1 or not self.dist.distributed
-                with (contextlib.nullcontext() if sync else self.net.no_sync()), self.autocast():
-                    loss, extra = self.train_step(batch)
-                (loss / self.accum).backward()
-                loss_sum += loss.detach().float() / self.accum
-                for k, v in extra.items():
-                    extras[k] = extras.get(k, 0.0) + v / self.accum
-                seen += self.micro_bs * self.dist.world_size * self.units_per_sample
-            if o.grad_clip:
-                extras["grad_norm"] = nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.state["step"] = step = step + 1
-            window_loss, window_n = window_loss + loss_sum, window_n + 1
+        with StopRequest() as stop:
+            while self.step < stop_at:
+                self.net.train()
+                self._set_schedules(self.step)
+                # Losses stay on the device until logged: no host sync per micro-batch.
+                loss_sum, extras = torch.zeros((), device=self.device), {}
+                for micro in range(self.accum):
+                    batch = self.to_device(next(batches))
+                    sync = micro == self.accum - 1 or not self.dist.distributed
+                    with (contextlib.nullcontext() if sync else self.net.no_sync()), self.autocast():
+                        loss, extra = self.train_step(batch)
+                    (loss / self.accum).backward()
+                    loss_sum += loss.detach().float() / self.accum
+                    for k, v in extra.items():
+                        extras[k] = extras.get(k, 0.0) + v / self.accum
+                    seen += self.micro_bs * self.dist.world_size * self.units_per_sample
+                extras.update(self.before_optimizer_step() or {})
+                for opt in self.optimizers.values():
+                    opt.step()
+                self.after_optimizer_step()
+                for opt in self.optimizers.values():
+                    opt.zero_grad(set_to_none=True)
+                self.step = step = self.step + 1
+                window_loss, window_n = window_loss + loss_sum, window_n + 1
 
-            if step % tc.log_every == 0 or step == stop_at:
-                dt = time.perf_counter() - t0
-                # Averaged over ranks (all reach this line at the same step): the logged loss is
-                # the global batch's, whatever the world size.
-                window_loss = dist.all_reduce_mean(torch.as_tensor(window_loss, device=self.device))
-                mean_loss = float(window_loss) / window_n
-                if not math.isfinite(mean_loss):
-                    raise FloatingPointError(f"training loss is {mean_loss} at step {step}; lower "
-                                             f"optim.lr or set optim.grad_clip")
-                rec = {"loss": mean_loss, "lr": lr, f"{self.unit}_per_s": seen / dt,
-                       "epoch": self.state["epoch"], **{k: float(v) for k, v in extras.items()}}
-                logger.log(step, rec, split="train")
+                if step % tc.log_every == 0 or step == stop_at:
+                    dt = time.perf_counter() - t0
+                    # Averaged over ranks (all reach this line at the same step): the logged loss
+                    # is the global batch's, whatever the world size.
+                    window_loss = dist.all_reduce_mean(torch.as_tensor(window_loss, device=self.device))
+                    mean_loss = float(window_loss) / window_n
+                    if not math.isfinite(mean_loss):
+                        raise FloatingPointError(f"training loss is {mean_loss} at step {step}; lower "
+                                                 f"the learning rate or set optim.grad_clip")
+                    rec = {"loss": mean_loss, **self.hparams, f"{self.unit}_per_s": seen / dt,
+                           "step_ms": 1000 * dt / window_n, "epoch": self.epoch,
+                           **{k: float(v) for k, v in extras.items()}}
+                    logger.log(step, rec, split="train")
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}/s": f"{seen / dt:.0f}"})
+                    t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
                 if bar is not None:
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}/s": f"{seen / dt:.0f}"})
-                t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
-            if bar is not None:
-                bar.update(1)
-            if step % eval_every == 0 or step == self.total_steps:
-                metrics = self._evaluate(logger, step)
-            if step % ckpt_every == 0 or step == stop_at:
-                self.save()
+                    bar.update(1)
+                if step % eval_every == 0 or step == self.total_steps:
+                    metrics = self._evaluate(logger, step)
+                saved = step % ckpt_every == 0 or step == stop_at
+                if saved:
+                    self.save()
+                # Every rank stops at the same step, whichever got the signal.
+                if dist.any_rank(stop.signum is not None) and step < stop_at:
+                    if not saved:
+                        self.save()
+                    if main:
+                        print(f"[laplace] stop requested (signal): saved step {step}, exiting with "
+                              f"status {EXIT_REQUEUE} to be requeued", flush=True)
+                    logger.finish()
+                    raise Preempted(step, stop.signum or 0)
         if bar is not None:
             bar.close()
-        if self.state["step"] >= self.total_steps:
+        if self.step >= self.total_steps:
             if not metrics:  # resumed at the very end: evaluate the final weights once more
-                metrics = self._evaluate(logger, self.state["step"])
+                metrics = self._evaluate(logger, self.step)
             self.on_fit_end(metrics)
         logger.finish()
         return metrics
@@ -269,21 +416,58 @@ class Trainer:
         with torch.no_grad(), self.autocast():
             metrics = self.evaluate()
         if metrics:
-            logger.log(step, metrics, split="val", epoch=self.state["epoch"])
+            logger.log(step, metrics, split="val", epoch=self.epoch)
             if self.dist.is_main and not self.cfg.trainer.progress:
-                print(f"[laplace] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+                print(f"[laplace] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
         return metrics
 
     def write_results(self, results: dict):
         """results.json in the run dir (rank 0): what the tables read. The fields every
         trainer shares come first; `results` adds the trainer's own."""
         if self.dist.is_main:
-            m = self.cfg.model
-            record = {"model": m.name, "num_laplacian_heads": m.num_laplacian_heads,
-                      "laplacian_mode": m.laplacian_mode, "dataset": self.cfg.data.name,
-                      "seed": self.cfg.seed, "steps": self.state["step"],
-                      "epochs": self.state["epoch"], "checkpoint": str(self.ckpt_path), **results}
+            m = self.plain_config()["model"]  # plain: a per-layer list is a list, not a ListConfig
+            record = {"model": m["name"], "num_laplacian_heads": m["num_laplacian_heads"],
+                      "laplacian_mode": m["laplacian_mode"], "dataset": self.cfg.data.name,
+                      "seed": self.cfg.seed, "steps": self.step, "epochs": self.epoch,
+                      "checkpoint": str(self.ckpt_path), **results}
             path = self.run_dir / "results.json"
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(record, indent=2) + "\n")
             tmp.replace(path)
+
+
+def _flatten(d, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """'key: checkpoint value -> this run's value' for every training-relevant difference
+    (execution keys such as workers, devices or cadences are not compared)."""
+    a, b = _flatten(saved), _flatten(current)
+    missing = "<unset>"
+    return [f"{k}: {a.get(k, missing)} -> {b.get(k, missing)}" for k in sorted(set(a) | set(b))
+            if not k.startswith(EXECUTION_KEYS + _FRESH_ONLY_KEYS) and a.get(k, missing) != b.get(k, missing)]
+
+
+def _size(dataset) -> str:
+    try:
+        return f"the training set has {len(dataset)} samples"
+    except TypeError:
+        return "a streamed training set"
+
+
+def _fitting(arch: str | None = None, modality: str | None = None) -> str:
+    """'use trainer=X (e.g. ...)' for the registered trainers that accept this model / data."""
+    fits = []
+    for name in TRAINERS:
+        cls = get_trainer(name)
+        if (arch is None or arch in cls.model_archs) and (modality is None or modality == cls.data_modality):
+            fits.append(f"trainer={name} (e.g. {cls.example})" if cls.example else f"trainer={name}")
+    return f"use {' or '.join(fits)}" if fits else "no trainer here fits it"

@@ -13,18 +13,21 @@ import math
 import torch
 
 from laplace.dist import all_reduce_sum
+from laplace.errors import ConfigError
 
 from .engine import Trainer
 
 
 class GPTTrainer(Trainer):
     unit = "tok"
+    model_archs, data_modality = ("gpt",), "text"
+    example = "python train.py experiment=gpt_pydoc model=gpt_d2_1L"
 
     def build_datasets(self):
         d = self.cfg.data
         self.units_per_sample = d.seq_len
         if d.name != "pydoc_text":
-            raise ValueError(f"trainer=gpt supports data=pydoc_text for now, got data={d.name!r}")
+            raise ConfigError(f"trainer=gpt supports data=pydoc_text for now, got data={d.name!r}")
         from laplace.data.text import build_pydoc_text
 
         return build_pydoc_text(True, d.seq_len), build_pydoc_text(False, d.seq_len)

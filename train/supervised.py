@@ -17,16 +17,12 @@ The `experiment=deit3_*` files set these; the trainer's own defaults are plain c
 so the digits quick start stays a quick start. Mixing happens on the micro batch (what one
 process sees per forward, as DeiT mixes each GPU's batch), which must therefore be even.
 
-Fine-tuning (`trainer.init_from=PATH`, fresh runs only: a resumed run restores last.pt):
-PATH is a laplace checkpoint or a timm / DeiT-III state dict (.pth, .bin, .safetensors; the
-original DeiT `{"model": ...}` files with `gamma_1`/`gamma_2` LayerScale names too). All
-tensors load strictly except two: the position embedding is resampled (bicubic) when the patch
-grid differs, and the classifier head is kept only if its shape fits the model (same number
-of classes) and `trainer.init_head=auto`; otherwise it keeps its fresh initialisation.
+Fine-tuning (`trainer.init_from=PATH`, an engine option, fresh runs only) takes a laplace
+checkpoint or a timm / DeiT-III state dict (.pth, .bin, .safetensors; the original DeiT
+`{"model": ...}` files with `gamma_1`/`gamma_2` LayerScale names too): see
+`laplace.checkpoint.load_pretrained` (position embeddings resampled, head kept when it fits).
 """
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -35,10 +31,9 @@ from timm.data import Mixup
 from timm.data.distributed_sampler import RepeatAugSampler
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
 
-from laplace.checkpoint import CheckpointError, load_weights
 from laplace.data.vision import build_vision_dataset
 from laplace.dist import all_reduce_sum
-from laplace.vit import load_timm_state_dict
+from laplace.errors import ConfigError
 
 from .engine import Trainer
 
@@ -61,14 +56,14 @@ def build_criterion(tc, num_classes: int) -> nn.Module:
         thresh = tc.bce_target_thresh
         if thresh is not None and ls / num_classes > thresh:
             # Every smoothed off-target would exceed the threshold and become a positive.
-            raise ValueError(f"trainer.loss=bce with bce_target_thresh={thresh} makes every class a "
-                             f"positive when label_smoothing={ls}; set trainer.label_smoothing=0")
+            raise ConfigError(f"trainer.loss=bce with bce_target_thresh={thresh} makes every class a "
+                              f"positive when label_smoothing={ls}; set trainer.label_smoothing=0")
         return BinaryCrossEntropy(smoothing=ls, target_threshold=thresh)
     if tc.loss == "ce":
         if tc.mixup > 0 or tc.cutmix > 0:
             return SoftTargetCrossEntropy()  # the smoothing is already in the mixed targets
         return nn.CrossEntropyLoss(label_smoothing=ls)
-    raise ValueError(f"trainer.loss={tc.loss!r}: choose ce or bce")
+    raise ConfigError(f"trainer.loss={tc.loss!r}: choose ce or bce")
 
 
 class SeededRepeatAugSampler(RepeatAugSampler):
@@ -89,60 +84,18 @@ class SeededRepeatAugSampler(RepeatAugSampler):
         super().set_epoch(self.seed + epoch)
 
 
-# ---- fine-tuning from a checkpoint ----------------------------------------------------------
-def init_from_pretrained(model: nn.Module, path, model_cfg, head: str = "auto") -> str:
-    """Load pre-trained weights into `model` for fine-tuning; returns a one-line summary.
-
-    Args:
-        model: the freshly built VisionTransformer.
-        path: a laplace checkpoint or a timm / DeiT-III state dict file.
-        model_cfg: the run's `model` node (its Laplacian heads must match a laplace checkpoint's).
-        head: "auto" keeps the loaded head when its shape fits the model, "reset" never does.
-    """
-    if head not in ("auto", "reset"):
-        raise ValueError(f"trainer.init_head={head!r}: choose auto or reset")
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"trainer.init_from: no file at {path}")
-    try:
-        sd, src_cfg = load_weights(path)
-    except CheckpointError as e:  # name the config key that pointed at the file
-        raise CheckpointError(f"trainer.init_from: {e}") from None
-    if src_cfg is not None:
-        got = (src_cfg.get("num_laplacian_heads"), src_cfg.get("laplacian_mode", "fixed"))
-        k = model_cfg.num_laplacian_heads
-        want = (k if isinstance(k, int) else list(k), model_cfg.laplacian_mode)
-        if got != want:  # Laplacian heads add no parameters: a mismatch would load silently
-            raise CheckpointError(f"{path} was trained as {src_cfg['name']} ({got[0]} {got[1]} "
-                                  f"Laplacian heads) but the model is {model_cfg.name} ({want[0]} "
-                                  f"{want[1]}); fine-tune each model from its own pre-training")
-    own = model.state_dict()
-    for k in [k for k in sd if k.startswith("head.") and k not in own]:
-        del sd[k]  # the checkpoint has a head, the model (num_classes=0) does not
-    head_keys = [k for k in own if k.startswith("head.")]
-    fits = all(k in sd and sd[k].shape == own[k].shape for k in head_keys)
-    reset = bool(head_keys) and (head == "reset" or not fits)
-    if reset:
-        sd.update({k: own[k] for k in head_keys})  # keep the fresh initialisation
-    try:
-        load_timm_state_dict(model, sd)  # strict; resamples pos_embed to the model's grid
-    except (RuntimeError, ValueError) as e:
-        raise CheckpointError(f"trainer.init_from: {path} does not fit model {model_cfg.name}: "
-                              f"{' '.join(str(e).split())[:300]}") from None
-    kind = "laplace checkpoint" if src_cfg is not None else "timm/DeiT state dict"
-    return (f"initialised from {kind} {path}" + ("; head re-initialised" if reset else "; head loaded"))
-
-
 class SupervisedTrainer(Trainer):
     unit = "img"
+    model_archs, data_modality = ("vit",), "image"
+    example = "python train.py experiment=deit3_cifar100 model=vitb_12L"
 
     def __init__(self, cfg):
         super().__init__(cfg)
         tc, nc = cfg.trainer, cfg.data.num_classes
         self.mixup = build_mixup(tc, nc)
         if self.mixup is not None and self.micro_bs % 2:
-            raise ValueError(f"Mixup/CutMix pair each image with the flipped batch: the micro batch "
-                             f"({self.micro_bs}) must be even; change trainer.micro_batch_size")
+            raise ConfigError(f"Mixup/CutMix pair each image with the flipped batch: the micro batch "
+                              f"({self.micro_bs}) must be even; change trainer.micro_batch_size")
         self.criterion = build_criterion(tc, nc).to(self.device)
 
     def build_datasets(self):
@@ -153,19 +106,6 @@ class SupervisedTrainer(Trainer):
         if not n or n <= 1:
             return super().build_sampler(dataset)
         return SeededRepeatAugSampler(dataset, self.dist.world_size, self.dist.rank, n, self.cfg.seed)
-
-    def build_model(self):
-        model = super().build_model()
-        tc = self.cfg.trainer
-        if tc.init_from == "required":  # what the fine-tuning experiments say
-            raise ValueError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
-                             "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
-        # A resumed run restores its own weights from last.pt; init_from seeds fresh runs only.
-        if tc.init_from and not self.ckpt_path.exists():
-            msg = init_from_pretrained(model, tc.init_from, self.cfg.model, tc.init_head)
-            if self.dist.is_main:
-                print(f"[laplace] {msg}")
-        return model
 
     def train_step(self, batch):
         x, y = batch
@@ -185,7 +125,7 @@ class SupervisedTrainer(Trainer):
             top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
             hit = top5 == y[:, None]
             sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
-                                 hit[:, 0].sum(), hit.any(1).sum(), torch.tensor(len(y))]).double()
+                                 hit[:, 0].sum(), hit.any(1).sum(), torch.tensor(len(y), device=self.device)]).double()
         sums = all_reduce_sum(sums)
         loss, top1, top5, n = sums.tolist()
         return {"val_loss": loss / n, "val_acc1": 100 * top1 / n, "val_acc5": 100 * top5 / n}
@@ -201,11 +141,11 @@ class SupervisedTrainer(Trainer):
             "img_size": d.img_size, "patch_size": d.patch_size,
             "global_batch_size": tc.global_batch_size, "loss": tc.loss, "init_from": tc.init_from,
             "final": {k: final_metrics[k] for k in keys},
-            "best": {k: best[k] for k in keys} | {"step": best.get("step", self.state["step"])},
+            "best": {k: best[k] for k in keys} | {"step": best.get("step", self.step)},
         })
 
     def _val_history(self) -> list[dict]:
-        from laplace.logger import read_metrics
+        from .logger import read_metrics
 
         if not self.dist.is_main or not (self.run_dir / "metrics.jsonl").exists():
             return []

@@ -16,8 +16,9 @@ Usage:
     eval_tf = eval_transform(224)                        # DeiT-III evaluates at crop ratio 1.0
 
 Both take PIL images of any mode (converted to RGB first) and return float tensors [3, S, S].
-All randomness comes from torch's global RNG (the blur radius too), so `SeededDataset`
-(laplace.data.sampler) makes each sample's augmentation a function of its seed alone.
+Randomness comes from torch's global RNG (the blur radius too) and, in torchvision's
+RandomChoice, from Python's `random`: the training feed (train/feeds.py, `SeededDataset`)
+seeds both per sample, so each sample's augmentation is a function of its seed alone.
 """
 
 

@@ -10,44 +10,14 @@
 """
 from __future__ import annotations
 
-import random
-
-import numpy as np
-import torch
 from torchvision import transforms as T
+
+from laplace.errors import ConfigError
 
 from .transforms import ToRGB, eval_transform, three_augment
 
 NAMES = ("digits", "cifar10", "cifar100", "imagenet")
 AUGMENTS = ("three_augment", "simple_random_crop", "randaugment", "none")
-
-
-class TorchSeeded:
-    """Run a transform that draws from Python's `random` and NumPy's global RNGs (timm's
-    RandAugment and RandomResizedCropAndInterpolation do) with both seeded from torch's RNG,
-    and restore them afterwards.
-
-    So the sample's augmentation is a function of torch's RNG alone, which `SeededDataset`
-    seeds per sample (exact resume), and loading in the main process leaves the NumPy stream
-    of Mixup untouched.
-    """
-
-    def __init__(self, transform):
-        self.transform = transform
-
-    def __call__(self, img):
-        seed = int(torch.randint(0, 2**31 - 1, ()))
-        py_state, np_state = random.getstate(), np.random.get_state()
-        random.seed(seed)
-        np.random.seed(seed)
-        try:
-            return self.transform(img)
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.transform!r})"
 
 
 def rand_augment(cfg, mean, std) -> T.Compose:
@@ -56,13 +26,14 @@ def rand_augment(cfg, mean, std) -> T.Compose:
 
     policy = cfg.get("auto_augment")
     if not policy:
-        raise ValueError(f"data.augment=randaugment needs a RandAugment policy: set "
-                         f"+data.auto_augment=rand-m9-mstd0.5-inc1 (data={cfg.name})")
+        raise ConfigError(f"data.augment=randaugment needs a RandAugment policy: set "
+                          f"+data.auto_augment=rand-m9-mstd0.5-inc1 (data={cfg.name})")
     # timm turns colour jitter off under RandAugment, as in DeiT's fine-tuning runs.
     tf = create_transform(cfg.img_size, is_training=True, color_jitter=cfg.get("color_jitter", 0.3),
                           auto_augment=policy, interpolation="bicubic", re_prob=0.0,
                           mean=mean, std=std)
-    return T.Compose([ToRGB(), TorchSeeded(tf)])
+    # It draws from Python's `random` and NumPy: the training feed seeds both per sample.
+    return T.Compose([ToRGB(), tf])
 
 
 def build_transform(cfg, train: bool):
@@ -71,7 +42,7 @@ def build_transform(cfg, train: bool):
     if not train or cfg.augment == "none":
         return eval_transform(cfg.img_size, cfg.get("eval_crop_pct", 1.0), mean, std)
     if cfg.augment not in AUGMENTS:
-        raise ValueError(f"data.augment={cfg.augment!r}: choose one of {', '.join(AUGMENTS)}")
+        raise ConfigError(f"data.augment={cfg.augment!r}: choose one of {', '.join(AUGMENTS)}")
     if cfg.augment == "randaugment":
         return rand_augment(cfg, mean, std)
     return three_augment(cfg.img_size, cfg.get("color_jitter", 0.3),
@@ -94,4 +65,4 @@ def build_vision_dataset(cfg, train: bool):
 
         return build_imagenet(cfg.root, train, tf, fmt=cfg.get("format", "auto"),
                               cache_dir=cfg.get("cache_dir"))
-    raise ValueError(f"data={cfg.name!r} is not an image dataset; choose one of {NAMES}")
+    raise ConfigError(f"data={cfg.name!r} is not an image dataset; choose one of {NAMES}")

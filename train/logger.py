@@ -2,10 +2,24 @@
 on rank 0 when `logger=wandb`."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Optional
+
+from laplace.errors import UserError
+
+
+def wandb_run_id(run_dir: str | os.PathLike) -> str:
+    """A W&B run id unique to the run directory and stable across resumes: its last component
+    (readable) plus a hash of the whole absolute path, so that two stages of one experiment
+    (deit3_in1k/vitb_12L_s0 and deit3_in1k_ft224/vitb_12L_s0) never share a W&B run."""
+    path = str(Path(run_dir).resolve())
+    readable = re.sub(r"[^A-Za-z0-9_-]", "-", Path(path).name)[:48]
+    return f"{readable}-{hashlib.sha1(path.encode()).hexdigest()[:10]}"
 
 
 class MetricsLogger:
@@ -14,7 +28,7 @@ class MetricsLogger:
     Args:
         run_dir: the run directory.
         enabled: False on ranks other than 0: every call is then a no-op.
-        wandb_cfg: None, or the `logger` config with project / entity / mode / name.
+        wandb_cfg: None, or the `logger` config with project / entity / mode / name / id.
         config: the resolved run config, sent to wandb.
         resume_step: on resume, lines logged after this step (written after the last
             checkpoint by the interrupted run) are dropped, so the file reads as one run.
@@ -29,16 +43,17 @@ class MetricsLogger:
         if not enabled:
             return
         if resume_step is not None and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            kept = [json.dumps(r) for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            tmp.replace(self.path)
         if wandb_cfg:
             import wandb  # only when asked: wandb's import is slow
 
             os.environ.setdefault("WANDB_MODE", wandb_cfg.get("mode") or "offline")
             self.wandb = wandb.init(project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"),
                                     name=wandb_cfg.get("name") or Path(run_dir).name,
-                                    id=wandb_cfg.get("id") or Path(run_dir).name.replace("/", "_"),
+                                    id=wandb_cfg.get("id") or wandb_run_id(run_dir),
                                     resume="allow", dir=str(run_dir), config=config)
 
     def log(self, step: int, metrics: dict, **tags):
@@ -62,6 +77,20 @@ def _plain(v):
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """All records of a run's metrics.jsonl."""
+    """All records of a run's metrics.jsonl.
+
+    A torn last line (the process was killed mid-write) is skipped with a warning; a broken
+    line anywhere else means the file was damaged and raises, naming the file and line."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    lines = path.read_text().splitlines()
+    records = []
+    for i, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        try:
+            records.append(json.loads(ln))
+        except json.JSONDecodeError:
+            if i < len(lines):
+                raise UserError(f"{path}:{i} is not a JSON line; repair or remove that line") from None
+            print(f"[laplace] {path}:{i}: skipped a torn last line (a kill during a write)", file=sys.stderr)
+    return records

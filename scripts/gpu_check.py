@@ -1,0 +1,246 @@
+"""What only a GPU shows, checked in one command on one GPU node (scripts/gpu_check.sh).
+
+    bash scripts/gpu_check.sh                          # CUDA, bf16 autocast + torch.compile
+    bash scripts/gpu_check.sh --device cpu --no-compile --tiny   # dry run of the script itself
+
+Every trainer and experiment family trains a few steps at small size as a user runs it
+(`python train.py ...`, data workers on), stops part-way and resumes; fine-tuning starts
+from a CUDA checkpoint; a run signalled with SIGUSR1 checkpoints, exits with the requeue
+status and resumes; a bug inside train_step exits non-zero within seconds; `python -m
+analysis` measures CUDA checkpoints; the tests marked `cuda` run on the device; the
+benchmark prints its table. One line per check (PASS / FAIL, seconds, what it measured, step
+times from metrics.jsonl); the exit status is 1 if any check failed. Logs of every command
+go to --out (default: a fresh temporary folder), named after the check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # fakedata: tiny datasets in the real on-disk formats
+
+
+class Check:
+    """Runs the commands of the checks, with logs and timeouts, in one output folder."""
+
+    def __init__(self, args):
+        self.args, self.out = args, Path(args.out or tempfile.mkdtemp(prefix="gpu_check_"))
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                                                 os.environ.get("PYTHONPATH", "")]),
+                        PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+        self.common = [f"trainer.device={args.device}", f"trainer.compile={str(args.compile).lower()}",
+                       "trainer.progress=false", "trainer.log_every=1", f"paths.runs_dir={self.out / 'runs'}"]
+        self.failed = []
+
+    def sh(self, name: str, cmd: list[str], expect: int | None = 0, timeout: int = 300, env=None,
+           wait=True) -> subprocess.CompletedProcess | subprocess.Popen:
+        """Run cmd (logged to <out>/<name>.log); a status other than `expect` raises."""
+        log = open(self.out / f"{name}.log", "a")
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        if not wait:
+            return proc
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise RuntimeError(f"timed out after {timeout} s (log: {log.name})") from None
+        if expect is not None and proc.returncode != expect:
+            raise RuntimeError(f"exit status {proc.returncode}, expected {expect}: "
+                               f"{tail(Path(log.name))} (log: {log.name})")
+        return proc
+
+    def train(self, name: str, args: list[str], **kw):
+        return self.sh(name, [sys.executable, "train.py", *args, *self.common], **kw)
+
+    def run(self, name: str, fn):
+        t0 = time.time()
+        try:
+            what = fn()
+            print(f"PASS {name:<34} {time.time() - t0:6.1f} s  {what}", flush=True)
+        except Exception as e:  # a failed check is reported, the others still run
+            self.failed.append(name)
+            print(f"FAIL {name:<34} {time.time() - t0:6.1f} s  {type(e).__name__}: {e}", flush=True)
+            with open(self.out / f"{name}.log", "a") as log:
+                traceback.print_exc(file=log)
+
+
+def tail(path: Path, n: int = 1) -> str:
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])[-300:]
+
+
+def records(run_dir: Path, split: str = "train") -> list[dict]:
+    from train.logger import read_metrics
+
+    return [r for r in read_metrics(run_dir) if r.get("split") == split]
+
+
+def step_ms(run_dir: Path) -> str:
+    """Median step time of the logged steps after the first two (compilation, warm-up)."""
+    times = [r["step_ms"] for r in records(run_dir)[2:]]
+    return f"{statistics.median(times):.1f} ms/step" if times else "n/a ms/step"
+
+
+def stop_and_resume(c: Check, name: str, args: list[str], steps: int, batch: int) -> str:
+    """Train `steps` steps in two invocations (stop at half, resume); check the resume."""
+    run_dir = c.out / "runs" / name
+    args = [*args, f"run_dir={run_dir}", f"trainer.max_steps={steps}", f"trainer.global_batch_size={batch}"]
+    c.train(name, [*args, f"trainer.stop_after={steps // 2}"])
+    c.train(name, args)
+    if f"resumed at step {steps // 2}" not in (c.out / f"{name}.log").read_text():
+        raise RuntimeError(f"the second invocation did not resume at step {steps // 2}")
+    logged = [r["step"] for r in records(run_dir)]
+    if logged != list(range(1, steps + 1)):
+        raise RuntimeError(f"expected steps 1..{steps} in metrics.jsonl, got {logged}")
+    val = records(run_dir, "val")
+    metric = ", ".join(f"{k}={v:.3f}" for k, v in val[-1].items() if k.startswith("val_")) if val else "no eval"
+    return f"stop@{steps // 2} + resume -> {steps}; {metric}; {step_ms(run_dir)}"
+
+
+def preemption(c: Check, gpt: str) -> str:
+    """SIGUSR1 part-way: last.pt, the requeue status, then the same command finishes the run."""
+    from train.signals import EXIT_REQUEUE
+
+    run_dir, steps = c.out / "runs" / "preempt", 60
+    args = ["experiment=gpt_pydoc", f"model={gpt}", f"run_dir={run_dir}", f"trainer.max_steps={steps}",
+            "trainer.eval_every=1000", "trainer.ckpt_every=1000", "trainer.num_workers=2"]
+    proc = c.train("preempt", args, wait=False)
+    t0 = time.time()
+    while not (run_dir / "metrics.jsonl").exists() or len(records(run_dir)) < 3:
+        if proc.poll() is not None or time.time() - t0 > 300:
+            proc.kill()
+            raise RuntimeError(f"no step 3 logged (status {proc.poll()}): {tail(c.out / 'preempt.log')}")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    code = proc.wait(timeout=120)
+    if code != EXIT_REQUEUE:
+        raise RuntimeError(f"exit status {code}, expected {EXIT_REQUEUE}: {tail(c.out / 'preempt.log')}")
+    from laplace.checkpoint import load_checkpoint
+
+    stopped = load_checkpoint(run_dir / "ckpt/last.pt")["loop"]["step"]
+    c.train("preempt", args)
+    done = [r["step"] for r in records(run_dir)]
+    if done != list(range(1, steps + 1)):
+        raise RuntimeError(f"after the requeue, steps logged were {done[:5]}...{done[-3:]}")
+    return f"signal at step ~3 -> saved step {stopped}, status {code}; requeued run finished {steps} steps"
+
+
+def crash(c: Check, vit) -> str:
+    """A bug in train_step with data workers (and compile) on: non-zero within seconds."""
+    run_dir = c.out / "runs" / "crash"
+    env = dict(c.env, CRASH_AT_STEP="3")
+    c.train("crash", ["trainer.name=toy_trainers:Crashing", "model=vitt_0L", *vit, f"run_dir={run_dir}",
+                      "trainer.num_workers=8", "trainer.max_steps=50", "trainer.global_batch_size=32"],
+            expect=1, env=env, timeout=300)
+    delay = time.time() - float((run_dir / "crash_time").read_text())
+    if delay > 10:
+        raise RuntimeError(f"exited {delay:.1f} s after the crash")
+    if "ValueError: injected bug inside train_step" not in tail(c.out / "crash.log", 3):
+        raise RuntimeError("the traceback of the bug is missing")
+    return f"status 1, {delay:.1f} s after the exception, traceback kept"
+
+
+def analysis(c: Check, device: str) -> str:
+    out = []
+    for name, extra in (("deit3_in1k", ["pca_maps=4"]), ("gpt_pydoc", [])):
+        ckpt = c.out / "runs" / name / "ckpt/last.pt"
+        c.sh("analysis", [sys.executable, "-m", "analysis", f"checkpoint={ckpt}", f"device={device}",
+                          "max_tokens=20000", "progress=false", *extra], timeout=600)
+        res = json.loads((ckpt.parent / "last_analysis" / "analysis.json").read_text())
+        thr = res["throughput"]
+        out.append(f"{name}: {res['n_tokens']:,} tokens at {thr['tokens_per_s']:,.0f}/s on {thr['device']}")
+    return "; ".join(out)
+
+
+def benchmark(c: Check, args) -> str:
+    cmd = [sys.executable, "scripts/benchmark.py", "--device", args.device]
+    cmd += ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--gpt-depth", "2", "--seq-len", "64"] \
+        if args.tiny else ["--steps", "10", "--warmup", "3"]
+    c.sh("benchmark", cmd, timeout=600)
+    return "\n     " + "\n     ".join((c.out / "benchmark.log").read_text().strip().splitlines()[-12:])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--tiny", action="store_true", help="smallest models (a CPU dry run)")
+    p.add_argument("--out", default=None, help="folder for logs and runs (default: a temp folder)")
+    p.add_argument("--only", nargs="*", default=None, help="run only these checks (first word of the name)")
+    args = p.parse_args()
+    c = Check(args)
+    print(f"[gpu_check] device={args.device} compile={args.compile} tiny={args.tiny} out={c.out}", flush=True)
+    import fakedata
+    from test_trainer_contract import write_token_shards
+
+    data = c.out / "data"
+    fakedata.write_imagenet_folder(data / "imagenet", n_classes=4, per_class=16)
+    fakedata.write_cifar(data / "cifar", "cifar100", n_train=64, n_test=16)
+    write_token_shards(data / "shards", tokens=40000)
+    vit = ["model.depth=1", "model.embed_dim=96"] if args.tiny else ["model.depth=2"]
+    gpt = "gpt_d2_1L" if args.tiny else "gpt_d12_6L"
+    workers = f"trainer.num_workers={2 if args.tiny else 8}"
+    in1k_ckpt = c.out / "runs" / "deit3_in1k" / "ckpt/last.pt"
+
+    def probe():
+        code = ("import torch; d = torch.device(%r); print('torch', torch.__version__, d, "
+                "torch.cuda.get_device_name(d) if d.type == 'cuda' else 'cpu', "
+                "'bf16' if d.type != 'cuda' or torch.cuda.is_bf16_supported() else 'no-bf16')" % args.device)
+        c.sh("probe", [sys.executable, "-c", code], timeout=120)
+        return tail(c.out / "probe.log")
+
+    def tests():
+        c.sh("tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"],
+             env=dict(c.env, LAPLACE_TEST_DEVICE=args.device), timeout=600)
+        return tail(c.out / "tests.log")
+
+    checks = {
+        "probe": probe,
+        "tests -m cuda": tests,
+        "deit3_in1k": lambda: stop_and_resume(c, "deit3_in1k", [
+            "experiment=deit3_in1k", "model=vitb_12L", *vit, f"data.root={data / 'imagenet'}",
+            "data.img_size=64", "trainer.eval_every=2", workers], 6, 32),
+        "deit3_in1k_ft224 (init_from a CUDA run)": lambda: stop_and_resume(c, "deit3_in1k_ft224", [
+            "experiment=deit3_in1k_ft224", "model=vitb_12L", *vit, f"data.root={data / 'imagenet'}",
+            "data.img_size=80", f"trainer.init_from={in1k_ckpt}", "trainer.eval_every=2", workers], 4, 32),
+        "deit3_cifar100": lambda: stop_and_resume(c, "deit3_cifar100", [
+            "experiment=deit3_cifar100", "model=vits_5L", *vit, f"data.root={data / 'cifar'}",
+            "trainer.eval_every=2", workers], 4, 32),
+        "gpt_pydoc": lambda: stop_and_resume(c, "gpt_pydoc", [
+            "experiment=gpt_pydoc", f"model={gpt}", "trainer.eval_every=3", "trainer.num_workers=2"], 6, 32),
+        "toy: 2 optimizers + EMA teacher": lambda: stop_and_resume(c, "ema_toy", [
+            "trainer.name=toy_trainers:EMAToy", "model=vitt_1L", *vit, "trainer.eval_every=2",
+            "+optim.schedules.weight_decay={value:0.05,shape:cosine,end:0.2}",
+            "trainer.schedules={ema_momentum:{value:0.9,shape:linear,end:0.99}}", workers], 4, 32),
+        "toy: streamed token shards": lambda: stop_and_resume(c, "stream_toy", [
+            "trainer.name=toy_trainers:StreamLM", "trainer=gpt", "data=pydoc_text", f"model={gpt}",
+            f"+data.root={data / 'shards'}", "data.seq_len=128", "trainer.num_workers=0"], 6, 16),
+        "preemption (SIGUSR1)": lambda: preemption(c, gpt),
+        "crash exits fast": lambda: crash(c, vit),
+        "analysis of CUDA checkpoints": lambda: analysis(c, args.device),
+        "benchmark": lambda: benchmark(c, args),
+    }
+    for name, fn in checks.items():
+        if args.only is None or name.split()[0].rstrip(":") in args.only:
+            c.run(name, fn)
+    ran = len(checks) if args.only is None else sum(n.split()[0].rstrip(":") in args.only for n in checks)
+    print(f"[gpu_check] {ran - len(c.failed)}/{ran} passed" +
+          (f"; FAILED: {', '.join(c.failed)}" if c.failed else ""), flush=True)
+    sys.exit(1 if c.failed else 0)
+
+
+if __name__ == "__main__":
+    main()

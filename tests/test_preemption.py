@@ -1,0 +1,157 @@
+"""Runs as a cluster sees them, through `python train.py` in subprocesses: a signalled run
+checkpoints, exits with the requeue status and resumes exactly (1 process with data workers,
+and 2 gloo processes with only one of them signalled); a bug exits non-zero within seconds
+with its traceback while data workers run; wrong combinations are one line."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY_VIT
+from laplace.checkpoint import load_checkpoint
+from test_trainer_contract import STREAM, write_token_shards
+from train.logger import read_metrics
+from train.signals import EXIT_REQUEUE
+
+ENV = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1")
+
+
+def _train(run_dir, key="loss"):
+    return [(r["step"], r[key]) for r in read_metrics(run_dir) if r.get("split") == "train"]
+
+
+def _cmd(*args):
+    return [sys.executable, str(ROOT / "train.py"), *args]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args, world=1, env=None):
+    """`world` processes of train.py as srun / torchrun would start them."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        e = dict(env or ENV)
+        if world > 1:
+            e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(_cmd(*args), cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _finish(procs, timeout=300):
+    out = [p.communicate(timeout=timeout) for p in procs]
+    return [p.returncode for p in procs], out
+
+
+def _wait_for_step(run_dir: Path, step: int, procs, timeout=120):
+    log, t0 = run_dir / "metrics.jsonl", time.time()
+    while time.time() - t0 < timeout:
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a process ended before step {step}: {_finish(procs)}")
+        if log.exists() and any(f'"step": {step},' in ln for ln in log.read_text().splitlines()):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def _signal_resume_and_compare(args, tmp_path, world, signalled_ranks):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    codes, out = _finish(_launch([*args, f"run_dir={straight}"], world))
+    assert codes == [0] * world, out
+
+    procs = _launch([*args, f"run_dir={resumed}"], world)
+    _wait_for_step(resumed, 2, procs)
+    for r in signalled_ranks:
+        procs[r].send_signal(signal.SIGUSR1)
+    codes, out = _finish(procs)
+    assert codes == [EXIT_REQUEUE] * world, out
+    stopped = load_checkpoint(resumed / "ckpt/last.pt")["loop"]["step"]
+    total = len(_train(straight))
+    assert 2 <= stopped < total, "the signal should land part-way"
+    assert "stop requested" in out[0][0]
+
+    codes, out = _finish(_launch([*args, f"run_dir={resumed}"], world))  # the requeued job
+    assert codes == [0] * world, out
+    assert f"resumed at step {stopped}" in out[0][0]
+    assert _train(resumed) == _train(straight)  # the same losses, exactly
+    return straight, resumed
+
+
+@pytest.mark.slow
+def test_signal_checkpoints_requeues_and_resumes_exactly_with_workers(tmp_path):
+    """One process, one data worker, 3-Augment and drop-path: SIGUSR1 mid-run."""
+    args = [*TINY_VIT, "model=vitt_1L", "model.depth=1", "trainer.num_workers=1", "data.augment=three_augment",
+            "model.drop_path_rate=0.1", "trainer.max_steps=40", "trainer.eval_every=1000",
+            "trainer.ckpt_every=1000", f"paths.runs_dir={tmp_path / 'runs'}"]
+    _signal_resume_and_compare(args, tmp_path, world=1, signalled_ranks=[0])
+
+
+@pytest.mark.slow
+def test_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
+    """2 gloo processes on streamed token shards; only rank 1 gets the signal (as when a
+    scheduler's warning reaches the ranks at different times)."""
+    root = write_token_shards(tmp_path / "shards", tokens=20000)
+    args = [*STREAM, f"+data.root={root}", "trainer.max_steps=40", "trainer.device=cpu",
+            f"paths.runs_dir={tmp_path / 'runs'}"]
+    straight, resumed = _signal_resume_and_compare(args, tmp_path, world=2, signalled_ranks=[1])
+    assert _train(resumed, "first_token") == _train(straight, "first_token")
+    assert load_checkpoint(resumed / "ckpt/last.pt")["loop"]["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_a_bug_with_data_workers_running_exits_within_seconds(tmp_path):
+    env = dict(ENV, CRASH_AT_STEP="2")
+    run_dir = tmp_path / "crash"
+    (proc,) = _launch([*TINY_VIT, "model=vitt_0L", "model.depth=1", "trainer.name=toy_trainers:Crashing",
+                       "trainer.num_workers=2", "trainer.max_steps=50", f"run_dir={run_dir}",
+                       f"paths.runs_dir={tmp_path / 'runs'}"], env=env)
+    (code,), ((_, err),) = _finish([proc], timeout=120)
+    ended = time.time()
+    assert code == 1
+    # A bug is not shortened: the traceback and the real exception type stay.
+    assert "Traceback" in err and err.strip().splitlines()[-1] == "ValueError: injected bug inside train_step"
+    assert ended - float((run_dir / "crash_time").read_text()) < 5.0
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["data=pydoc_text"], "data=pydoc_text holds text data but trainer=deit3 trains on image; use trainer=gpt"),
+    (["model=gpt_d2_0L"], "model=gpt_d2_0L is a GPT but trainer=deit3 trains ViTs; use trainer=gpt"),
+    (["experiment=gpt_pydoc", "model=vitt_0L"], "model=vitt_0L is a ViT but trainer=gpt trains GPTs; use trainer=deit3"),
+    (["trainer.name=dino"], "trainer.name='dino' is not a trainer"),
+])
+def test_wrong_combinations_are_one_line(args, expect, tmp_path):
+    proc = subprocess.run(_cmd(*args, f"paths.runs_dir={tmp_path}"), cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expect in err[0], proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_training_set_smaller_than_a_batch_is_one_line(tmp_path):
+    """96 images, batch 512 with repeated augmentation: an epoch holds no batch (this used to
+    spin at 100% CPU forever)."""
+    import fakedata
+
+    fakedata.write_cifar(tmp_path / "cifar", "cifar100", n_train=96, n_test=10)
+    proc = subprocess.run(_cmd("experiment=deit3_cifar100", f"data.root={tmp_path / 'cifar'}",
+                               "trainer.num_workers=0", f"paths.runs_dir={tmp_path / 'runs'}"),
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data=cifar100: an epoch gives each of the 1 process(es) fewer than one "
+                           "micro batch of 512 (the training set has 96 samples)"), proc.stderr[-2000:]
+    assert "trainer.global_batch_size=512" in last

@@ -1,0 +1,125 @@
+"""Trainers that exercise the engine's contract the way the DINO and GPT trainers will, named
+by import path: `trainer.name=toy_trainers:EMAToy` (the tests folder is on the path).
+
+    EMAToy      a student ViT and its EMA teacher in one module (DINO's meta-architecture):
+                two optimizers (AdamW for the blocks, SGD with momentum for the rest),
+                scheduled lr / weight decay / momentum, a scheduled EMA momentum read from
+                `trainer.schedules`, the head frozen for the first steps, a loss centre as
+                trainer state, an own per-rank generator, the teacher exported as the model
+    StreamLM    a GPT fed by laplace.data.shards.TokenStream (shards under data.root)
+    Crashing    the supervised trainer whose train_step fails at a given step
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from laplace import create_model
+from laplace.data.shards import TokenStream, list_shards
+from train.engine import Trainer
+from train.supervised import SupervisedTrainer
+
+FREEZE_STEPS = 2  # the head gets no update in the first steps (DINO: the last layer, 1 epoch)
+
+
+class EMAToy(SupervisedTrainer):
+    scheduled_values = ("ema_momentum",)
+
+    def __init__(self, cfg):
+        self.gen = torch.Generator().manual_seed(1000 + int(os.environ.get("RANK", 0)))
+        self.center = torch.zeros(cfg.data.num_classes)
+        super().__init__(cfg)
+        self.center = self.center.to(self.device)
+
+    def build_model(self):
+        student = create_model(**self.cfg.model)
+        return nn.ModuleDict({"student": student, "teacher": copy.deepcopy(student).requires_grad_(False)})
+
+    def wrap_model(self, model):
+        return super().wrap_model(model["student"])  # DDP / compile around the student only
+
+    def export_model(self):
+        return self.model["teacher"]
+
+    def configure_optimizers(self):
+        o, student = self.cfg.optim, self.model["student"]
+        decay, no_decay = [], []
+        for n, p in student.blocks.named_parameters():
+            (no_decay if p.ndim < 2 else decay).append(p)
+        rest = [p for n, p in student.named_parameters() if not n.startswith("blocks.")]
+        return {"adamw": torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=o.lr, weight_decay=o.weight_decay),
+                "sgd": torch.optim.SGD(rest, lr=o.lr, momentum=0.9, weight_decay=o.weight_decay)}
+
+    def train_step(self, batch):
+        x, y = batch
+        logits = self.net(x)
+        # A DINO-like centre (same on every rank) and noise from this rank's own generator.
+        self.center.mul_(0.9).add_(logits.detach().float().mean(0), alpha=0.1)
+        noise = torch.rand((), generator=self.gen).to(self.device)
+        loss = F.cross_entropy(logits.float() - self.center, y) * (1 + 0.01 * noise)
+        return loss, {"noise": noise}
+
+    def before_optimizer_step(self):
+        logs = super().before_optimizer_step()
+        if self.step < FREEZE_STEPS:
+            for p in self.model["student"].head.parameters():
+                p.grad = None
+        return logs
+
+    @torch.no_grad()
+    def after_optimizer_step(self):
+        m = self.hparams["ema_momentum"]
+        t, s = list(self.model["teacher"].parameters()), list(self.model["student"].parameters())
+        torch._foreach_lerp_(t, s, 1.0 - m)
+
+    def evaluate(self):
+        return {}
+
+    def on_fit_end(self, final_metrics):
+        pass
+
+    def state_dict(self):
+        return {"center": self.center.cpu()}
+
+    def load_state_dict(self, state):
+        self.center = state["center"].to(self.device)
+
+    def rank_state_dict(self):
+        return {"gen": self.gen.get_state()}
+
+    def load_rank_state_dict(self, state):
+        self.gen.set_state(state["gen"])
+
+
+class StreamLM(Trainer):
+    """Next-token loss on a TokenStream: data.root holds train/*.npy shards."""
+
+    unit = "tok"
+    model_archs, data_modality = ("gpt",), "text"
+
+    def build_datasets(self):
+        d = self.cfg.data
+        self.units_per_sample = d.seq_len
+        return TokenStream(list_shards(d.root, "train"), d.seq_len, self.micro_bs, self.dist.rank,
+                           self.dist.world_size), None
+
+    def train_step(self, batch):
+        x, y = batch
+        return self.net(x, targets=y), {"first_token": x[0, 0].float()}
+
+
+class Crashing(SupervisedTrainer):
+    """Raises a plain ValueError (a bug, not bad input) in train_step at step CRASH_AT_STEP,
+    after writing the time of the crash to <run_dir>/crash_time."""
+
+    def train_step(self, batch):
+        if self.step == int(os.environ.get("CRASH_AT_STEP", 2)):
+            (self.run_dir / "crash_time").write_text(repr(time.time()))
+            raise ValueError("injected bug inside train_step")
+        return super().train_step(batch)

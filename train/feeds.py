@@ -1,0 +1,145 @@
+"""Feeds: where a trainer's micro-batches come from, with a position that checkpoints keep.
+
+The engine asks a feed for micro-batches forever and saves `feed.state_dict()` with every
+checkpoint. Two kinds serve every trainer:
+
+    MapFeed       a map-style dataset (images) through an epoch-seeded sampler and a DataLoader
+    TokenStream   fixed-length token windows from memory-mapped shards (laplace.data.shards)
+
+A feed has `__iter__` (micro-batches, forever), `state_dict()` / `load_state_dict()` (plain
+ints), `epoch` and `micro_batches_per_epoch` (per process). Positions are global, i.e.
+counted over all ranks, so a run resumed on another number of processes continues where the
+old one stopped instead of skipping part of the epoch.
+
+Exact resume of a map-style dataset needs two things the stock samplers do not give:
+starting an epoch part-way, and augmentation randomness that does not depend on the process,
+the data-loader worker or the interruption. `ResumableSampler` skips what was consumed and
+pairs each index with a seed fixed by (run seed, epoch, global position); `SeededDataset`
+seeds torch's, Python's and NumPy's generators with it around the dataset's __getitem__, so
+sample i of epoch e is augmented identically whatever the number of workers or processes.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+
+class ResumableSampler(Sampler):
+    """Yield (index, seed) pairs from `inner`, starting `start` samples into this rank's share.
+
+    `inner` deals one global, world-size independent order to the ranks in turn (rank r takes
+    positions r, r + W, ...): torch's DistributedSampler and timm's RepeatAugSampler do.
+
+    Args:
+        inner: a sampler with `set_epoch` whose order depends only on its seed and the epoch.
+        seed: base seed of the per-sample augmentation seeds.
+        rank, world_size: this process's place, to turn its positions into global ones.
+    """
+
+    def __init__(self, inner: Sampler, seed: int = 0, rank: int = 0, world_size: int = 1):
+        self.inner, self.seed, self.rank, self.world_size = inner, seed, rank, world_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0):
+        self.epoch, self.start = epoch, start
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        for pos, idx in enumerate(self.inner):
+            if pos < self.start:
+                continue
+            # A 63-bit seed fixed by the sample's global slot in the run, not by the rank.
+            g = pos * self.world_size + self.rank
+            yield int(idx), ((self.seed * 1_000_003 + self.epoch) * 1_000_003 + g) % (2**63 - 1)
+
+    def __len__(self):
+        return len(self.inner) - self.start
+
+
+class SeededDataset(Dataset):
+    """Wraps a dataset so that item (index, seed) is produced with torch's CPU generator,
+    Python's `random` and NumPy's global generator all seeded by `seed` (torchvision's
+    RandomChoice draws from `random`, timm's RandAugment from `random` and NumPy).
+
+    The three states are restored afterwards, so loading in the main process leaves the
+    model's randomness (drop-path: torch; Mixup: NumPy) where it was.
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        idx, seed = key
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            # The CPU generator only: torch.manual_seed would also queue a lazy CUDA seeding,
+            # 15x slower per sample, and transforms draw from the CPU generator anyway.
+            torch.default_generator.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            try:
+                return self.dataset[idx]
+            finally:
+                random.setstate(py_state)
+                np.random.set_state(np_state)
+
+
+def epoch_sampler(n_or_dataset, shuffle: bool, seed: int, rank: int, world_size: int,
+                  drop_last: bool = True) -> DistributedSampler:
+    """torch's DistributedSampler, used with world_size 1 too: one code path, seeded by epoch."""
+    return DistributedSampler(n_or_dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
+                              seed=seed, drop_last=drop_last)
+
+
+class MapFeed:
+    """Micro-batches of a map-style dataset, epoch after epoch, resumable mid-epoch.
+
+    Args:
+        dataset: the training set (items are augmented under SeededDataset).
+        sampler: this rank's epoch-seeded sampler (see ResumableSampler).
+        micro_batch_size: samples per process per forward.
+        seed, rank, world_size: the run's seed and this process's place.
+        **loader_kwargs: DataLoader options (workers, pinning, collate_fn, generator).
+    """
+
+    def __init__(self, dataset: Dataset, sampler: Sampler, micro_batch_size: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, **loader_kwargs):
+        self.sampler = ResumableSampler(sampler, seed, rank, world_size)
+        self.micro_batch_size, self.world_size = micro_batch_size, world_size
+        self.loader = DataLoader(SeededDataset(dataset), batch_size=micro_batch_size,
+                                 sampler=self.sampler, drop_last=True, **loader_kwargs)
+        self.epoch, self.position = 0, 0  # position: samples consumed in the epoch, all ranks
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return len(self.sampler.inner) // self.micro_batch_size
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict):
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def __iter__(self):
+        """The epoch counter moves on with the last batch of an epoch (not when the next one
+        is asked for), so a checkpoint taken right after it resumes at the next epoch's start."""
+        W, B = self.world_size, self.micro_batch_size
+        while True:
+            # Rank r took global positions r, r + W, ...: it skips position / W of its own.
+            skip = self.position // W
+            self.sampler.set_epoch(self.epoch, skip)
+            left = (len(self.sampler.inner) - skip) // B
+            for i, batch in enumerate(self.loader):
+                if i == left - 1:
+                    self.epoch, self.position = self.epoch + 1, 0
+                else:
+                    self.position += B * W
+                yield batch
+            if left <= 0:  # resumed exactly at an epoch's end
+                self.epoch, self.position = self.epoch + 1, 0

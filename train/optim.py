@@ -1,0 +1,180 @@
+"""Optimizers, schedules and gradient clipping: what the engine does around `optimizer.step()`.
+
+A trainer declares its optimizers (`Trainer.configure_optimizers`, one or several, each with
+its own parameter groups); the config declares schedules, i.e. any hyper-parameter of those
+groups (`optim.schedules`) or any value the trainer reads (`trainer.schedules`) as a function
+of the optimizer step:
+
+    optim.schedules.lr:               {value: 3.0e-3, warmup: 5ep, start: 1.0e-6, shape: cosine, end: 1.0e-5}  # DeiT-III
+    optim.schedules.lr:               {value: 1.0, warmdown: 20%, shape: linear, end: 0.0}  # nanochat (x each group's lr_scale)
+    optim.schedules.momentum:         {value: 0.95, warmup: 300, start: 0.85}               # nanochat's Muon momentum
+    optim.schedules.weight_decay:     {value: 0.04, shape: cosine, end: 0.4}                # DINO
+    trainer.schedules.teacher_temp:   {value: 0.07, warmup: 30ep, start: 0.04}              # DINO
+    trainer.schedules.teacher_momentum: {value: 0.996, shape: cosine, end: 1.0}             # DINO
+
+Over the run's T optimizer steps a schedule rises linearly from `start` to `value` during
+`warmup`, holds `value`, then goes from `value` to `end` during the last `warmdown` steps
+(default: every step after the warm-up) with `shape` cosine | linear | constant (constant:
+stays at `value`). Lengths are steps (`300`), epochs (`5ep`) or a share of the run (`20%`).
+Every schedule is a pure function of the step, so a resumed run needs only the step.
+
+A scheduled group hyper-parameter is set to `schedule(step) * group[name + "_scale"]`. The
+scale defaults to 1, or to 0 in a group built with the value 0 (biases and norms that timm
+keeps out of weight decay stay out of a weight-decay schedule). Trainers set scales per group:
+timm's layer decay sets `lr_scale`; nanochat's per-group learning rates are `lr_scale`s of a
+1.0 multiplier.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from timm.optim import create_optimizer_v2
+
+from laplace.errors import ConfigError
+
+SHAPES = ("cosine", "linear", "constant")
+_KEYS = {"value", "start", "end", "warmup", "warmdown", "shape"}
+
+
+def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+    """The optimizer named by `cfg.name`, from timm's factory (adamw, lamb, sgd, ...).
+
+    timm's factory keeps biases, norms and the model's `no_weight_decay()` set (class token,
+    position embedding) out of weight decay, as DeiT does.
+    """
+    kwargs = {}
+    if cfg.get("betas") is not None:
+        kwargs["betas"] = tuple(cfg.betas)
+    if cfg.get("eps") is not None:
+        kwargs["eps"] = cfg.eps
+    if cfg.get("momentum") is not None:
+        kwargs["momentum"] = cfg.momentum
+    return create_optimizer_v2(model, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay, **kwargs)
+
+
+def parse_length(value, key: str, steps_per_epoch: int, total_steps: int) -> int:
+    """Steps in a length: an int (steps), "<n>ep" (epochs) or "<p>%" (of the run)."""
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        steps = value
+    else:
+        m = re.fullmatch(r"\s*([0-9.]+)\s*(ep|%)\s*", str(value))
+        if m is None:
+            raise ConfigError(f"{key}={value!r}: give steps (300), epochs (5ep) or a share of the run (20%)")
+        n = float(m[1])
+        steps = round(n * steps_per_epoch) if m[2] == "ep" else round(n / 100 * total_steps)
+    if steps < 0:
+        raise ConfigError(f"{key}={value!r} is negative")
+    return steps
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A value as a function of the optimizer step (see the module docstring)."""
+
+    value: float
+    total_steps: int
+    warmup: int = 0
+    start: float = 0.0
+    warmdown: int | None = None  # None: every step after the warm-up
+    end: float | None = None  # None: `value`
+    shape: str = "constant"
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.start + (self.value - self.start) * step / self.warmup
+        end = self.value if self.end is None else self.end
+        # The decay starts after the warm-up at the earliest (very short test runs).
+        begin = self.warmup if self.warmdown is None else max(self.warmup, self.total_steps - self.warmdown)
+        if self.shape == "constant" or step < begin:
+            return self.value
+        p = min(1.0, (step - begin) / max(1, self.total_steps - begin))
+        if self.shape == "linear":
+            return self.value + (end - self.value) * p
+        return end + 0.5 * (self.value - end) * (1.0 + math.cos(math.pi * p))
+
+    @classmethod
+    def from_config(cls, node, key: str, total_steps: int, steps_per_epoch: int) -> "Schedule":
+        """Build from a config dict; `key` (e.g. "optim.schedules.lr") names it in errors."""
+        node = dict(node)
+        unknown = sorted(set(node) - _KEYS)
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}: unknown schedule key; use {sorted(_KEYS)}")
+        if node.get("value") is None:
+            raise ConfigError(f"{key}.value is required (the value after the warm-up)")
+        shape = node.get("shape") or ("cosine" if node.get("end") is not None else "constant")
+        if shape not in SHAPES:
+            raise ConfigError(f"{key}.shape={shape!r}: choose one of {', '.join(SHAPES)}")
+        length = lambda k: parse_length(node.get(k), f"{key}.{k}", steps_per_epoch, total_steps)  # noqa: E731
+        return cls(value=float(node["value"]), total_steps=total_steps, warmup=length("warmup"),
+                   start=float(node.get("start") or 0.0),
+                   warmdown=None if node.get("warmdown") is None else length("warmdown"),
+                   end=None if node.get("end") is None else float(node["end"]), shape=shape)
+
+
+def build_schedules(nodes, prefix: str, total_steps: int, steps_per_epoch: int) -> dict[str, Schedule]:
+    """{name: Schedule} of a `schedules` config node (None or empty: none)."""
+    return {name: Schedule.from_config(node, f"{prefix}.{name}", total_steps, steps_per_epoch)
+            for name, node in (nodes or {}).items() if node is not None}
+
+
+def check_group_schedules(optimizers: dict[str, torch.optim.Optimizer], schedules: dict[str, Schedule]):
+    """Every scheduled hyper-parameter must exist in some parameter group (a typo otherwise)."""
+    for name in schedules:
+        if not any(name in g for opt in optimizers.values() for g in opt.param_groups):
+            raise ConfigError(f"optim.schedules.{name}: no parameter group of the optimizers "
+                              f"({', '.join(optimizers)}) has a {name!r} hyper-parameter")
+
+
+def apply_group_schedules(optimizers: dict[str, torch.optim.Optimizer], schedules: dict[str, Schedule],
+                          step: int) -> dict[str, float]:
+    """Set every scheduled hyper-parameter of every group for `step`; returns the values."""
+    values = {name: s(step) for name, s in schedules.items()}
+    for opt in optimizers.values():
+        for g in opt.param_groups:
+            for name, v in values.items():
+                if name not in g:  # e.g. Muon's momentum is not a key of AdamW's groups
+                    continue
+                scale = g.setdefault(f"{name}_scale", 0.0 if g[name] == 0 else 1.0)
+                g[name] = v * scale
+    return values
+
+
+@torch.no_grad()
+def clip_gradients(optimizers: dict[str, torch.optim.Optimizer], max_norm: float | None,
+                   mode: str = "global") -> torch.Tensor | None:
+    """Clip gradients in place; returns the total gradient norm before clipping.
+
+    mode: "global" (one norm over every parameter, torch's clip_grad_norm_), "group" (each
+    parameter group's norm separately, at the group's `grad_clip` if it has one, else
+    max_norm) or "param" (each tensor separately: DINO's clip_gradients).
+    """
+    groups = [g for opt in optimizers.values() for g in opt.param_groups]
+    grads_of = lambda g: [p.grad for p in g["params"] if p.grad is not None]  # noqa: E731
+    if mode == "global":
+        if not max_norm:
+            return None
+        params = [p for g in groups for p in g["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if mode not in ("group", "param"):
+        raise ConfigError(f"optim.grad_clip_mode={mode!r}: choose global, group or param")
+    sq = []
+    for g in groups:
+        grads, limit = grads_of(g), g.get("grad_clip", max_norm)
+        if not grads:
+            continue
+        norms = torch.stack(torch._foreach_norm(grads))  # one kernel for all tensors of the group
+        sq.append(norms.square().sum())
+        if not limit:
+            continue
+        if mode == "param":
+            coefs = (limit / (norms + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, list(coefs.unbind()))
+        else:
+            coef = (limit / (norms.square().sum().sqrt() + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef)
+    return torch.stack(sq).sum().sqrt() if sq else None
