@@ -1,13 +1,18 @@
 # Sourced by the sbatch scripts. `run_or_requeue CMD...` runs CMD (an srun line). A run stopped
 # by the scheduler's warning signal (#SBATCH --signal=USR1@120, which reaches the srun tasks) or
-# by SIGTERM finishes its step, writes last.pt and exits with 75 (train/signals.py EXIT_REQUEUE):
-# then this job is requeued and ends; the requeued job runs the same command and resumes.
+# by a SIGTERM that reaches the tasks finishes its step, writes last.pt and exits with 75
+# (train/signals.py EXIT_REQUEUE): then this job is requeued and ends; the requeued job runs
+# the same command and resumes. A signal that lands before Python has installed its handlers
+# (while it imports) kills the tasks with 128 + signal (138 USR1, 143 TERM): requeued too, the
+# new job resumes from whatever last.pt exists. Seen on Slurm 22.05: srun returns the tasks'
+# highest status. A whole-job cancel (scancel --full, or the time limit itself) SIGKILLs the
+# tasks after KillWait: no checkpoint, no requeue; hence the warning signal well before it.
 EXIT_REQUEUE=75
 
 run_or_requeue() {
   local rc=0
   "$@" || rc=$?
-  if [ "$rc" -eq "$EXIT_REQUEUE" ]; then
+  if [ "$rc" -eq "$EXIT_REQUEUE" ] || [ "$rc" -eq 138 ] || [ "$rc" -eq 143 ]; then
     echo "[laplace] stopped on a signal with last.pt written: requeueing job ${SLURM_JOB_ID:-?}"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0

@@ -155,3 +155,16 @@ def test_training_set_smaller_than_a_batch_is_one_line(tmp_path):
     assert last.startswith("error: data=cifar100: an epoch gives each of the 1 process(es) fewer than one "
                            "micro batch of 512 (the training set has 96 samples)"), proc.stderr[-2000:]
     assert "trainer.global_batch_size=512" in last
+
+
+def test_a_signal_during_set_up_stops_after_the_first_step(make_cfg, tmp_path):
+    """The handlers are installed before the trainer is built: an early warning is kept (not a
+    kill by the default SIGUSR1 action) and the run saves and exits after its first step."""
+    from train import run
+
+    cfg = make_cfg(*TINY_VIT, "model=vitt_0L", "model.depth=1", "trainer.name=toy_trainers:SignalledDuringSetup",
+                   "trainer.max_steps=5", "trainer.eval_every=100")
+    with pytest.raises(SystemExit) as e:
+        run(cfg)
+    assert e.value.code == EXIT_REQUEUE
+    assert load_checkpoint(tmp_path / "run/ckpt/last.pt")["loop"]["step"] == 1

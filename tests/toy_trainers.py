@@ -8,6 +8,7 @@ by import path: `trainer.name=toy_trainers:EMAToy` (the tests folder is on the p
                 trainer state, an own per-rank generator, the teacher exported as the model
     StreamLM    a GPT fed by laplace.data.shards.TokenStream (shards under data.root)
     Crashing    the supervised trainer whose train_step fails at a given step
+    SignalledDuringSetup  the supervised trainer, sent SIGUSR1 before its first step
 """
 from __future__ import annotations
 
@@ -123,3 +124,13 @@ class Crashing(SupervisedTrainer):
             (self.run_dir / "crash_time").write_text(repr(time.time()))
             raise ValueError("injected bug inside train_step")
         return super().train_step(batch)
+
+
+class SignalledDuringSetup(SupervisedTrainer):
+    """Gets SIGUSR1 while it builds its data, as when a preemption warning comes early."""
+
+    def build_datasets(self):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return super().build_datasets()

@@ -62,13 +62,18 @@ def run(cfg: DictConfig) -> dict:
     """Train with a composed config (also the entry used by tests and sweeps)."""
     from laplace import dist
 
+    from .signals import StopRequest
+
     cls = get_trainer(cfg.trainer.name)
     cls.check_config(cfg)  # before anything resolves: wrong combinations get one line
-    trainer = cls(cfg)
-    if trainer.dist.is_main:
-        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, Path(cfg.run_dir) / "config.yaml", resolve=True)
-    metrics = trainer.fit()
+    # Signal handlers from the start: a preemption warning during set-up (data, compile) is
+    # kept and honoured after the first step instead of killing the process.
+    with StopRequest() as stop:
+        trainer = cls(cfg)
+        if trainer.dist.is_main:
+            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(cfg, Path(cfg.run_dir) / "config.yaml", resolve=True)
+        metrics = trainer.fit(stop)
     # Only after success: after a failure a peer may be gone, and tearing the group down
     # could wait for it (the command line exits at once instead, see laplace.errors).
     dist.cleanup()

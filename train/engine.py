@@ -324,7 +324,13 @@ class Trainer:
         self.hparams = {**apply_group_schedules(self.optimizers, self.schedules, step),
                         **{k: s(step) for k, s in self.value_schedules.items()}}
 
-    def fit(self) -> dict:
+    def fit(self, stop: StopRequest | None = None) -> dict:
+        """Train to total_steps (or trainer.stop_after more steps); returns the last metrics.
+        `stop` is the signal flag (train.run installs it before set-up); None: fit's own."""
+        with contextlib.nullcontext(stop) if stop is not None else StopRequest() as stop:
+            return self._fit(stop)
+
+    def _fit(self, stop: StopRequest) -> dict:
         cfg, tc = self.cfg, self.cfg.trainer
         main = self.dist.is_main
         logger = MetricsLogger(self.run_dir, enabled=main,
@@ -345,63 +351,62 @@ class Trainer:
         batches = iter(self.feed)
         t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
         metrics = {}
-        with StopRequest() as stop:
-            while self.step < stop_at:
-                self.net.train()
-                self._set_schedules(self.step)
-                # Losses stay on the device until logged: no host sync per micro-batch.
-                loss_sum, extras = torch.zeros((), device=self.device), {}
-                for micro in range(self.accum):
-                    batch = self.to_device(next(batches))
-                    sync = micro == self.accum - 1 or not self.dist.distributed
-                    with (contextlib.nullcontext() if sync else self.net.no_sync()), self.autocast():
-                        loss, extra = self.train_step(batch)
-                    (loss / self.accum).backward()
-                    loss_sum += loss.detach().float() / self.accum
-                    for k, v in extra.items():
-                        extras[k] = extras.get(k, 0.0) + v / self.accum
-                    seen += self.micro_bs * self.dist.world_size * self.units_per_sample
-                extras.update(self.before_optimizer_step() or {})
-                for opt in self.optimizers.values():
-                    opt.step()
-                self.after_optimizer_step()
-                for opt in self.optimizers.values():
-                    opt.zero_grad(set_to_none=True)
-                self.step = step = self.step + 1
-                window_loss, window_n = window_loss + loss_sum, window_n + 1
+        while self.step < stop_at:
+            self.net.train()
+            self._set_schedules(self.step)
+            # Losses stay on the device until logged: no host sync per micro-batch.
+            loss_sum, extras = torch.zeros((), device=self.device), {}
+            for micro in range(self.accum):
+                batch = self.to_device(next(batches))
+                sync = micro == self.accum - 1 or not self.dist.distributed
+                with (contextlib.nullcontext() if sync else self.net.no_sync()), self.autocast():
+                    loss, extra = self.train_step(batch)
+                (loss / self.accum).backward()
+                loss_sum += loss.detach().float() / self.accum
+                for k, v in extra.items():
+                    extras[k] = extras.get(k, 0.0) + v / self.accum
+                seen += self.micro_bs * self.dist.world_size * self.units_per_sample
+            extras.update(self.before_optimizer_step() or {})
+            for opt in self.optimizers.values():
+                opt.step()
+            self.after_optimizer_step()
+            for opt in self.optimizers.values():
+                opt.zero_grad(set_to_none=True)
+            self.step = step = self.step + 1
+            window_loss, window_n = window_loss + loss_sum, window_n + 1
 
-                if step % tc.log_every == 0 or step == stop_at:
-                    dt = time.perf_counter() - t0
-                    # Averaged over ranks (all reach this line at the same step): the logged loss
-                    # is the global batch's, whatever the world size.
-                    window_loss = dist.all_reduce_mean(torch.as_tensor(window_loss, device=self.device))
-                    mean_loss = float(window_loss) / window_n
-                    if not math.isfinite(mean_loss):
-                        raise FloatingPointError(f"training loss is {mean_loss} at step {step}; lower "
-                                                 f"the learning rate or set optim.grad_clip")
-                    rec = {"loss": mean_loss, **self.hparams, f"{self.unit}_per_s": seen / dt,
-                           "step_ms": 1000 * dt / window_n, "epoch": self.epoch,
-                           **{k: float(v) for k, v in extras.items()}}
-                    logger.log(step, rec, split="train")
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}/s": f"{seen / dt:.0f}"})
-                    t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
+            if step % tc.log_every == 0 or step == stop_at:
+                dt = time.perf_counter() - t0
+                # Averaged over ranks (all reach this line at the same step): the logged loss
+                # is the global batch's, whatever the world size.
+                window_loss = dist.all_reduce_mean(torch.as_tensor(window_loss, device=self.device))
+                mean_loss = float(window_loss) / window_n
+                if not math.isfinite(mean_loss):
+                    raise FloatingPointError(f"training loss is {mean_loss} at step {step}; lower "
+                                             f"the learning rate or set optim.grad_clip")
+                rec = {"loss": mean_loss, **self.hparams, f"{self.unit}_per_s": seen / dt,
+                       "step_ms": 1000 * dt / window_n, "epoch": self.epoch,
+                       **{k: float(v) for k, v in extras.items()}}
+                logger.log(step, rec, split="train")
                 if bar is not None:
-                    bar.update(1)
-                if step % eval_every == 0 or step == self.total_steps:
-                    metrics = self._evaluate(logger, step)
-                saved = step % ckpt_every == 0 or step == stop_at
-                if saved:
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}/s": f"{seen / dt:.0f}"})
+                t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
+            if bar is not None:
+                bar.update(1)
+            if step % eval_every == 0 or step == self.total_steps:
+                metrics = self._evaluate(logger, step)
+            saved = step % ckpt_every == 0 or step == stop_at
+            if saved:
+                self.save()
+            # Every rank stops at the same step, whichever got the signal.
+            if dist.any_rank(stop.signum is not None) and step < stop_at:
+                if not saved:
                     self.save()
-                # Every rank stops at the same step, whichever got the signal.
-                if dist.any_rank(stop.signum is not None) and step < stop_at:
-                    if not saved:
-                        self.save()
-                    if main:
-                        print(f"[laplace] stop requested (signal): saved step {step}, exiting with "
-                              f"status {EXIT_REQUEUE} to be requeued", flush=True)
-                    logger.finish()
-                    raise Preempted(step, stop.signum or 0)
+                if main:
+                    print(f"[laplace] stop requested (signal): saved step {step}, exiting with "
+                          f"status {EXIT_REQUEUE} to be requeued", flush=True)
+                logger.finish()
+                raise Preempted(step, stop.signum or 0)
         if bar is not None:
             bar.close()
         if self.step >= self.total_steps:
