@@ -116,6 +116,9 @@ class Trainer:
         if tc.get("init_from") == "required":  # what the fine-tuning experiments say
             raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
                               "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
+        if tc.get("resume", "auto") not in ("auto", "force"):
+            raise ConfigError(f"trainer.resume={tc.resume!r}: choose auto (refuse another configuration's "
+                              f"checkpoint) or force")
         self.model = self.build_model().to(self.device)
         resume = self._find_checkpoint()
         if tc.get("init_from") and resume is None:  # a resumed run restores its own weights
