@@ -217,3 +217,15 @@ def test_wandb_ids_differ_between_stages_of_one_experiment(tmp_path):
     stage2 = tmp_path / "deit3/deit3_in1k_ft224/vitb_12L_s0"
     assert wandb_run_id(stage1) != wandb_run_id(stage2)
     assert wandb_run_id(stage1) == wandb_run_id(str(stage1)) and wandb_run_id(stage1).startswith("vitb_12L_s0-")
+
+
+def test_run_dir_keeps_a_log_with_tracebacks(make_cfg, tmp_path):
+    """train.log in the run directory: rank 0's output, appended by every invocation, with the
+    full traceback of a failure even when the terminal shows one line."""
+    run(make_cfg(*TINY_VIT, "model=vitt_0L", "model.depth=1", "trainer.max_steps=2"))
+    log = (tmp_path / "run/train.log").read_text()
+    assert "[laplace] run_dir=" in log and "step 2: val_loss=" in log
+    with pytest.raises(CheckpointError):
+        run(make_cfg(*TINY_VIT, "model=vitt_3L", "model.depth=1", "trainer.max_steps=4"))
+    log = (tmp_path / "run/train.log").read_text()
+    assert log.count("[laplace] run_dir=") == 1 and "Traceback" in log and "belongs to another configuration" in log

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -62,18 +63,29 @@ def run(cfg: DictConfig) -> dict:
     """Train with a composed config (also the entry used by tests and sweeps)."""
     from laplace import dist
 
-    from .signals import StopRequest
+    from .logger import RunLog
+    from .signals import Preempted, StopRequest
 
     cls = get_trainer(cfg.trainer.name)
     cls.check_config(cfg)  # before anything resolves: wrong combinations get one line
-    # Signal handlers from the start: a preemption warning during set-up (data, compile) is
-    # kept and honoured after the first step instead of killing the process.
-    with StopRequest() as stop:
-        trainer = cls(cfg)
-        if trainer.dist.is_main:
-            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(cfg, Path(cfg.run_dir) / "config.yaml", resolve=True)
-        metrics = trainer.fit(stop)
+    # Rank 0 (torchrun's RANK, srun's SLURM_PROCID) copies its output into the run directory.
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)) or 0)
+    log = RunLog(cfg.run_dir) if rank == 0 else None
+    try:
+        # Signal handlers from the start: a preemption warning during set-up (data, compile)
+        # is kept and honoured after the first step instead of killing the process.
+        with StopRequest() as stop:
+            trainer = cls(cfg)
+            if trainer.dist.is_main:
+                OmegaConf.save(cfg, Path(cfg.run_dir) / "config.yaml", resolve=True)
+            metrics = trainer.fit(stop)
+    except BaseException as e:
+        if log is not None and not isinstance(e, Preempted):
+            log.exception(e)  # the whole traceback, also when the terminal shows one line
+        raise
+    finally:
+        if log is not None:
+            log.close()
     # Only after success: after a failure a peer may be gone, and tearing the group down
     # could wait for it (the command line exits at once instead, see laplace.errors).
     dist.cleanup()

@@ -94,3 +94,47 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
                 raise UserError(f"{path}:{i} is not a JSON line; repair or remove that line") from None
             print(f"[laplace] {path}:{i}: skipped a torn last line (a kill during a write)", file=sys.stderr)
     return records
+
+
+class _Tee:
+    """A text stream that writes to `stream` and to an open log file (progress-bar redraws,
+    which carry a carriage return, go to the terminal only)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, s: str) -> int:
+        if "\r" not in s:
+            self.log.write(s)
+        return self.stream.write(s)
+
+    def flush(self):
+        self.log.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ... of the real stream
+        return getattr(self.stream, name)
+
+
+class RunLog:
+    """Copy this process's stdout and stderr into <run_dir>/train.log (appending, so a resumed
+    or requeued run continues the same file), until `close`.
+
+    The file is line-buffered: a process that ends in os._exit (laplace.errors.hard_exit) has
+    written every complete line. `exception` records a failure's traceback in the file.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.file = open(Path(run_dir) / "train.log", "a", buffering=1)
+        self.saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self.file), _Tee(sys.stderr, self.file)
+
+    def exception(self, e: BaseException):
+        import traceback
+
+        self.file.write("".join(traceback.format_exception(e)))
+
+    def close(self):
+        sys.stdout, sys.stderr = self.saved
+        self.file.close()
