@@ -234,3 +234,30 @@ def draw_all(runs: list[dict], out_dir, spectrum_layer: str = "norm") -> list[Pa
             if stale not in paths and stale.exists():
                 stale.unlink()
     return paths
+
+
+def layer_positions(layers: Sequence[str]):
+    """x positions and tick labels of layer names ("blocks.<i>", then "norm" one step on)."""
+    return _x(layers)
+
+
+def color(i: int) -> str:
+    """The i-th colour of the shared cycle (the same k gets the same colour in every figure)."""
+    return _COLORS[i % len(_COLORS)]
+
+
+def mean_band(ax, xs, series: Sequence[Sequence[float]], color: str, label: str, marker: str = "o"):
+    """The mean over runs (e.g. seeds) as a line and +-1 sample std as a band around it (no
+    band for one run). NaN entries are left out of their position's mean."""
+    import numpy as np
+
+    y = np.array(series, dtype=float).reshape(len(series), -1)
+    ok = ~np.isnan(y)
+    n = ok.sum(0)
+    mean = np.where(n > 0, np.nansum(y, 0) / np.maximum(n, 1), np.nan)
+    ax.plot(xs, mean, "-", color=color, marker=marker, ms=3, label=label)
+    if len(series) > 1:
+        dev = np.where(ok, y - mean, 0.0)
+        std = np.where(n > 1, np.sqrt((dev ** 2).sum(0) / np.maximum(n - 1, 1)), 0.0)
+        ax.fill_between(xs, mean - std, mean + std, color=color, alpha=0.2, lw=0)
+    return mean

@@ -1,0 +1,273 @@
+"""The paper's figures from a folder of runs: one command, PNG + PDF.
+
+    python -m analysis.figures runs=runs/deit3/digits
+    python -m analysis.figures runs=[runs/deit3,runs/gpt] out=reports/figures pca_maps=8 device=cuda
+
+Runs are found and pooled over seeds as by `python -m analysis.tables` (analysis/runs.py);
+the per-layer figures read each run's ckpt/last_analysis/analysis.json, so run
+`python -m analysis checkpoint=<run>/ckpt/last.pt` on the runs first. Written to `out`
+(default <first runs folder>/figures), one experiment = trainer x dataset x model family x
+recipe, named <dataset>_<family>:
+
+    vs_k                  accuracy (GPT: val bits per byte) vs the number of Laplacian heads k,
+                          one panel per experiment: each seed a dot, the mean a line, +-1 std bars
+    anova_<exp>           ANOVA shares vs layer (within-sequence, between-class), a line per k
+                          (mean over seeds, +-1 std band)
+    spectrum_<exp>        cumulative explained variance at the final norm with the 99% line, and
+                          n_pcs_0.99 vs layer, a line per k
+    collapse_<exp>        ViT: NC1-NC4 of the class token vs layer; GPT: linguistic collapse (CDNV, ...)
+    pca_maps_<exp>        ViT: PCA maps of `pca_maps` images, one checkpoint (the lowest seed) per k
+
+A figure without data is skipped with a printed note; stdout ends with one `[figures] wrote`
+line per file.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from analysis import plots
+from analysis.plots import plt, save
+from analysis.runs import aggregate, collect, runs_roots, sort_key
+from laplace.errors import cli_errors
+
+
+def experiments(records: list[dict]) -> dict[str, list[dict]]:
+    """Records by experiment (trainer, dataset, family, recipe): {"<dataset>_<family>": [...]}.
+    A second recipe of the same dataset and family gets its recipe id in the name."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["trainer"], r["dataset"], r["family"], r["recipe_id"]), []).append(r)
+    names, out = {}, {}
+    for key in sorted(groups, key=lambda k: tuple(map(str, k))):
+        base = f"{key[1]}_{key[2]}"
+        name = base if base not in names else f"{base}_{key[3]}"
+        names[name] = key
+        out[name] = groups[key]
+    return out
+
+
+def _lines(records: list[dict]) -> list[tuple[str, list[dict]]]:
+    """(label, analysis.json contents of its seeds) per (k, mode), in k order: the lines."""
+    by: dict = {}
+    for r in records:
+        if r.get("analysis"):
+            by.setdefault((r["k"], r["mode"]), []).append((r, json.loads(Path(r["analysis"]).read_text())))
+    lines = []
+    for k, mode in sorted(by, key=lambda km: (sort_key(km[0]), km[1])):
+        runs = by[(k, mode)]
+        label = f"k={runs[0][0]['k_label']}" + ("" if mode == "fixed" else f" {mode}")
+        lines.append((label, [res for _, res in runs]))
+    return lines
+
+
+def _series(res: dict, kind: str, group: str, key: str) -> list[float]:
+    per_layer = res["results"].get(kind, {})
+    vals = [per_layer.get(n, {}).get(group, {}).get(key) for n in res["layers"]]
+    return [float("nan") if v is None else v for v in vals]
+
+
+def _layer_panels(lines, panels, title: str, stem: Path, cols: int = 3) -> list[Path]:
+    """One panel per (kind, group, key, title, log): a line per k, mean +-1 std over seeds."""
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.7 * rows), squeeze=False)
+    axes = axes.ravel()
+    for ax, (kind, group, key, sub, log) in zip(axes, panels):
+        for c, (label, seeds) in enumerate(lines):
+            # seeds analysed over other layers (layers=[...]) cannot share a mean: left out
+            layers = seeds[0]["layers"]
+            xs, ticks = plots.layer_positions(layers)
+            series = [_series(s, kind, group, key) for s in seeds if s["layers"] == layers]
+            plots.mean_band(ax, xs, series, plots.color(c), f"{label} (n={len(series)})")
+            ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
+        if log:  # NC1 and CDNV span decades over depth
+            ax.set_yscale("log")
+        ax.set_title(sub, fontsize=9)
+        ax.set_xlabel("layer", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    # below the axes whatever the figure height; save()'s tight bounding box grows to fit it
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4), fontsize=8, bbox_to_anchor=(0.5, 0.0))
+    return save(fig, stem)
+
+
+def draw_anova(lines, stem: Path, name: str) -> list[Path]:
+    vit = lines[0][1][0]["arch"] == "vit"
+    panels = ([("patch", "anova", "within_seq_share", "within-image share", False),
+               ("patch", "anova", "within_class_share", "within-class share", False),
+               ("patch", "anova", "between_class_share", "between-class share", False)] if vit else
+              [("tokens", "anova", "within_seq_share", "within-window share", False),
+               ("tokens", "anova", "between_seq_share", "between-window share", False)])
+    return _layer_panels(lines, panels, f"{name}: ANOVA of token representations vs layer", stem)
+
+
+def draw_collapse(lines, stem: Path, name: str) -> list[Path]:
+    if lines[0][1][0]["arch"] == "vit":
+        panels = [("cls", "nc", "nc1", "NC1 (class token)", True), ("cls", "nc", "nc2_equinorm", "NC2 equinorm", False),
+                  ("cls", "nc", "nc2_equiangular", "NC2 equiangular", False),
+                  ("cls", "nc", "nc3", "NC3 (vs classifier)", False), ("cls", "nc", "nc4", "NC4 (head != NCC)", False),
+                  ("patch", "nc", "nc1", "NC1 (image means of patches)", True)]
+        title = f"{name}: Neural Collapse vs layer"
+    else:
+        panels = [("tokens", "lc", "lc_cdnv_mean", "CDNV (next-token classes)", True),
+                  ("tokens", "lc", "lc_equinorm", "equinorm", False),
+                  ("tokens", "lc", "lc_self_duality", "self-duality 1 - cos(mu_c, w_c)", False)]
+        title = f"{name}: linguistic collapse vs layer"
+    return _layer_panels(lines, panels, title, stem)
+
+
+def draw_spectrum(lines, stem: Path, name: str) -> list[Path]:
+    """Cumulative explained variance at the final norm (mean over seeds) and n_pcs_0.99 vs layer."""
+    import numpy as np
+
+    kind = "patch" if lines[0][1][0]["arch"] == "vit" else "tokens"
+    fig, (ax_c, ax_l) = plt.subplots(1, 2, figsize=(8, 3))
+    for c, (label, seeds) in enumerate(lines):
+        specs = [s["results"][kind]["norm"]["spectral"] for s in seeds if "spectral" in s["results"][kind]["norm"]]
+        if not specs or len({len(s["spectrum"]) for s in specs}) > 1:  # not measured, or widths differ
+            continue
+        cum = np.cumsum(np.array([s["spectrum"] for s in specs]), axis=1)
+        ks = np.arange(1, cum.shape[1] + 1)
+        n99 = np.mean([s["n_pcs_0.99"] for s in specs])
+        plots.mean_band(ax_c, ks, list(cum), plots.color(c), f"{label}: {n99:.1f} PCs", marker="")
+        ax_c.axvline(n99, color=plots.color(c), ls=":", lw=1)
+        xs, ticks = plots.layer_positions(seeds[0]["layers"])
+        plots.mean_band(ax_l, xs, [_series(s, kind, "spectral", "n_pcs_0.99") for s in seeds], plots.color(c), label)
+        ax_l.set_xticks(xs, ticks, fontsize=8)
+    ax_c.axhline(0.99, color="grey", ls="--", lw=1)
+    ax_c.set(xscale="log", xlabel="principal components k", ylabel="explained variance")
+    ax_c.set_title("cumulative explained variance at norm", fontsize=9)
+    ax_c.legend(fontsize=7, loc="lower right")
+    ax_l.set(xlabel="layer", ylabel="PCs for 99% of the variance")
+    ax_l.set_title("n_pcs_0.99 vs layer", fontsize=9)
+    for ax in (ax_c, ax_l):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{name}: spectral decay of token representations", fontsize=10)
+    fig.tight_layout()
+    return save(fig, stem)
+
+
+def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
+    """Metric vs k, one panel per experiment: seeds as dots, the mean as a line with +-1 std
+    bars, a line per mode. `metrics`: {trainer: {metric, label}}. Per-layer lists of k are
+    left out (no single x)."""
+    panels = []
+    for name, recs in experiments(records).items():
+        spec = metrics.get(recs[0]["trainer"])
+        rows = [g for g in aggregate(recs, spec["metric"]) if isinstance(g["k"], int)] if spec else []
+        if rows:
+            panels.append((name, spec, rows))
+    if not panels:
+        return []
+    cols = min(len(panels), 4)
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.9 * nrows), squeeze=False)
+    for ax in axes.ravel()[len(panels):]:
+        ax.axis("off")
+    for ax, (name, spec, rows) in zip(axes.ravel(), panels):
+        for c, mode in enumerate(sorted({g["mode"] for g in rows})):
+            g_m = sorted((g for g in rows if g["mode"] == mode), key=lambda g: g["k"])
+            ks = [g["k"] for g in g_m]
+            col = plots.color(c)
+            for g in g_m:  # every seed, so a mean of two far-apart runs is not mistaken for a trend
+                ax.plot([g["k"]] * g["n"], g["values"], "o", color=col, alpha=0.45, ms=4, mec="none")
+            ax.errorbar(ks, [g["mean"] for g in g_m], yerr=[g["std"] or 0.0 for g in g_m], color=col,
+                        marker="s", ms=4, capsize=3, label=f"{mode}: mean ± std over seeds")
+        ax.set_xticks(sorted({g["k"] for g in rows}))
+        ax.set(xlabel="Laplacian heads per layer k", ylabel=spec["label"])
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, stem)
+
+
+def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Path, seed: int = 0) -> list[Path]:
+    """PCA maps of the first `n` images of the split (the order `python -m analysis` uses),
+    one column per k: the lowest-seed checkpoint of each."""
+    import torch
+
+    from analysis.features import eval_split, load_for_analysis
+    from analysis.pca_maps import denormalize, draw_pca_grid, model_maps
+
+    picks: dict = {}  # (k, mode) -> its lowest-seed run with a checkpoint
+    for r in sorted(records, key=lambda r: (sort_key(r["k"]), r["mode"], sort_key(r["seed"]))):
+        if Path(r["checkpoint"]).is_file():
+            picks.setdefault((r["k"], r["mode"]), r)
+    if not picks:
+        return []
+    maps, images = {}, None
+    for (k, mode), r in picks.items():
+        # one model in memory at a time: ViT-B checkpoints on a laptop add up
+        model, _, data = load_for_analysis(r["checkpoint"], device=device)
+        if images is None:  # the same images in every column
+            ds, _ = eval_split(model, data, seed, None)
+            items = [ds[i] for i in range(min(n, len(ds)))]
+            x, labels = torch.stack([im for im, _ in items]), [int(y) for _, y in items]
+            images = denormalize(x, data["mean"], data["std"])
+        maps[f"k={r['k_label']}" + ("" if mode == "fixed" else f" {mode}") + f" (seed {r['seed']})"] = \
+            model_maps(model, x, layer)
+        del model
+    return draw_pca_grid(images, maps, stem, labels, layer)
+
+
+def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_layer: str = "norm",
+                 device: str = "auto", seed: int = 0) -> list[Path]:
+    """Every figure the records support (see the module docstring); returns the paths.
+
+    Args:
+        records: finished runs from `analysis.runs.collect`.
+        out: output folder.
+        vs_k: {trainer: {metric, label}} for the metric-vs-k figure.
+        pca_maps: images per PCA-map grid (0: none); pca_layer: the layer they show.
+        device: where the PCA-map models run; seed: the fixed image order.
+    """
+    out = Path(out)
+    paths = draw_vs_k(records, vs_k, out / "vs_k")
+    if not paths:
+        print(f"[figures] skipped vs_k: no finished run of a trainer in vs_k ({', '.join(vs_k)}) has its metric",
+              flush=True)
+    for name, recs in experiments(records).items():
+        # per-layer figures need python -m analysis's output; PCA maps only the checkpoints
+        lines = _lines(recs)
+        if not lines:
+            print(f"[figures] skipped the layer figures of {name}: no analysis.json (run python -m analysis "
+                  f"checkpoint=<run>/ckpt/last.pt on its runs)", flush=True)
+        else:
+            for draw in (draw_anova, draw_spectrum, draw_collapse):
+                paths += draw(lines, out / f"{draw.__name__[5:]}_{name}", name)
+        if pca_maps and recs[0]["arch"] == "vit":
+            got = draw_pca_maps(recs, pca_maps, pca_layer, device, out / f"pca_maps_{name}", seed)
+            if not got:
+                print(f"[figures] skipped pca_maps_{name}: no checkpoint found", flush=True)
+            paths += got
+    return paths
+
+
+def run(cfg: DictConfig) -> list[Path]:
+    """Collect the runs of cfg.runs and draw every figure; returns the written paths."""
+    roots = runs_roots(cfg, "analysis.figures")
+    records = [r for r in collect(roots) if r["finished"]]
+    print(f"[figures] {len(records)} finished runs under {', '.join(map(str, roots))}", flush=True)
+    out = Path(cfg.out) if cfg.out else roots[0] / "figures"
+    paths = draw_figures(records, out, OmegaConf.to_container(cfg.vs_k, resolve=True), int(cfg.pca_maps),
+                         cfg.pca_layer, cfg.device, int(cfg.seed))
+    for p in paths:
+        print(f"[figures] wrote {p}", flush=True)
+    return paths
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="figures")
+def main(cfg: DictConfig) -> None:
+    cli_errors(run)(cfg)  # bad input: one `error:` line; a bug: its traceback
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Runs found under folders and pooled over seeds: what the tables, the figures and the
+miniature reproduction read.
+
+    from analysis.runs import aggregate, collect
+    records = collect(["runs/deit3/digits"])      # one flat record per run directory
+    aggregate(records, "final.val_acc1")          # [{family, k, mode, ..., mean, std, n}, ...]
+
+Every folder that holds a run's config.yaml (or a results.json) is one run; its results.json,
+and ckpt/last_analysis/analysis.json when `python -m analysis` has measured it, become one
+flat record (`collect`). Runs that differ only in their seed are pooled (`aggregate`: mean,
+sample std, n); runs of another recipe never are (recipe_id).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import statistics
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
+
+from omegaconf import ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from laplace.errors import ConfigError
+
+# Runs sharing all of these are seeds of one experiment (recipe_id: the config without seeds).
+GROUP_KEYS = ("trainer", "dataset", "family", "k", "mode", "recipe_id")
+_SKIP_DIRS = {"__pycache__", "wandb"}
+Metric = Union[str, Iterable[str], Callable[[dict], Optional[float]]]
+
+
+# ----------------------------------------------------------------------------- collecting
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, or being written by a live run: treat as absent
+        return None
+
+
+def _read_yaml(path: Path) -> Optional[dict]:
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:  # noqa: BLE001 (not ours, or not YAML: not a run)
+        return None
+
+
+def find_runs(roots: Iterable) -> list[Path]:
+    """Run directories under `roots`: folders with a run's config.yaml (one with a `model`
+    node), or a results.json outside any such folder. Sorted, duplicates removed."""
+    runs, seen = [], set()
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
+            d = Path(dirpath).resolve()  # overlapping roots (runs=[runs,runs/deit3]) count a run once
+            is_run = "config.yaml" in filenames and "model" in (_read_yaml(d / "config.yaml") or {})
+            # a results.json inside a run (e.g. an evaluation's) belongs to that run
+            inside = any(p in seen for p in d.parents)
+            if (is_run or ("results.json" in filenames and not inside)) and d not in seen:
+                seen.add(d)
+                runs.append(d)
+    return sorted(runs)
+
+
+def flat_metrics(obj: dict, prefix: str = "") -> dict:
+    """Numeric leaves of a results.json: flat fields as they are, nested blocks dotted
+    ("final.val_acc1"), a list of {"task", "metric", "value"} records as "task/metric"."""
+    out = {}
+    for key, v in obj.items():
+        if isinstance(v, bool) or v is None:  # a bool is an int to Python, not a metric
+            continue
+        if isinstance(v, (int, float)):
+            if math.isfinite(v):
+                out[f"{prefix}{key}"] = float(v)
+        elif isinstance(v, dict):
+            out.update(flat_metrics(v, f"{prefix}{key}."))
+        elif isinstance(v, list):
+            for item in v:
+                if isinstance(item, dict) and "task" in item and isinstance(item.get("value"), (int, float)):
+                    name = f"{item['task']}/{item['metric']}" if item.get("metric") else str(item["task"])
+                    out[name] = float(item["value"])
+    return out
+
+
+def geometry(analysis: dict) -> dict:
+    """Headline token geometry at the final norm of one analysis.json: ANOVA shares and
+    spectra of the patch tokens (GPT: all tokens), NC of the class token (nc1, ...; the patch
+    image means' NC as patch_nc1, ...), per-image spectra as within_n_pcs_*; GPT: lc_*."""
+    vit = analysis.get("arch") == "vit"
+    res = analysis.get("results", {})
+    norm = res.get("patch" if vit else "tokens", {}).get("norm", {})
+    g = {k: v for k, v in norm.get("anova", {}).items() if k.endswith("_share")}
+    g.update({k: v for k, v in norm.get("spectral", {}).items() if k != "spectrum"})
+    g.update({f"within_{k}": v for k, v in norm.get("spectral_within", {}).items() if k.startswith("n_pcs")})
+    g.update(norm.get("lc", {}))
+    if vit:
+        g.update({f"patch_{k}": v for k, v in norm.get("nc", {}).items() if k.startswith("nc")})
+        cls = res.get("cls", {}).get("norm", {})
+        g.update({k: v for k, v in cls.get("nc", {}).items() if k != "num_classes"})
+        g.update({k: v for k, v in cls.get("cdnv", {}).items()})
+    return {k: float(v) for k, v in g.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def model_family(name: str, model_cfg: dict) -> str:
+    """The zoo name without its _{k}L suffix, tagged where the config changed the shape
+    (vitt_3L with model.depth=2 embed_dim=48 -> "vitt_d2_w48"), so shapes never pool."""
+    from laplace.zoo import model_defaults
+
+    base = re.sub(r"_\d+L$", "", name)
+    try:
+        zoo = model_defaults(name)
+    except ConfigError:  # not a zoo name (an outside trainer's model): the name is the family
+        return base
+    if zoo["arch"] == "gpt":  # the depth is in the name, and sets the width
+        depth = model_cfg.get("depth", zoo["depth"])
+        return base if depth == zoo["depth"] else f"gpt_d{depth}"
+    tags = [f"_{t}{model_cfg[key]}" for key, t in (("depth", "d"), ("embed_dim", "w"), ("num_heads", "h"))
+            if key in model_cfg and model_cfg[key] != zoo[key]]
+    return base + "".join(tags)
+
+
+def _recipe_id(cfg: dict) -> str:
+    """A hash of the config without what may vary between pooled runs: seed, where things
+    are written or read from, how they execute, and the row's model name, k and mode."""
+    from train import EXECUTION_KEYS
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    skip = EXECUTION_KEYS + ("seed", "model.name", "model.num_laplacian_heads", "model.laplacian_mode",
+                             "trainer.init_from")  # stage-1 paths carry the seed
+    kept = {k: v for k, v in flat(cfg) if not k.startswith(skip)}
+    # whether a run fine-tunes still matters: stage 1 and stage 2 of one recipe never pool
+    kept["finetuned"] = bool(cfg.get("trainer", {}).get("init_from"))
+    return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def _pretrain(init_from) -> Optional[dict]:
+    """Epochs / batch of the run a fine-tuning started from, when its folder is still there."""
+    if not init_from:
+        return None
+    p = Path(str(init_from))
+    for d in (p.parent.parent, p.parent):  # <run>/ckpt/last.pt, or a weights file in the run
+        res = _read_json(d / "results.json")
+        if res is not None:
+            cfg = _read_yaml(d / "config.yaml") or {}
+            step_limited = cfg.get("trainer", {}).get("max_steps") is not None
+            return {"epochs": None if step_limited else res.get("epochs"), "steps": res.get("steps"),
+                    "global_batch_size": res.get("global_batch_size")}
+    return None
+
+
+def read_run(run_dir) -> Optional[dict]:
+    """One run's flat record (see `collect`), or None when it names no model."""
+    d = Path(run_dir)
+    cfg = _read_yaml(d / "config.yaml") or {}
+    res = _read_json(d / "results.json")
+    mcfg, tcfg = cfg.get("model") or {}, cfg.get("trainer") or {}
+    r = res or {}
+    name = r.get("model") or mcfg.get("name")
+    if not name:
+        return None
+    metrics = {}
+    for sub in sorted(d.rglob("results.json"), key=lambda p: (len(p.parts), p)):  # its own first, then evaluations
+        nested_run = sub.parent != d and (sub.parent / "config.yaml").exists()
+        if "ckpt" not in sub.relative_to(d).parts[:-1] and not nested_run:
+            extra = _read_json(sub) or {}
+            metrics.update({k: v for k, v in flat_metrics(extra).items() if k not in metrics})
+    k = r.get("num_laplacian_heads", mcfg.get("num_laplacian_heads"))
+    k = tuple(k) if isinstance(k, list) else k  # hashable: per-layer counts group like ints
+    ckpt_stem = Path(str(r.get("checkpoint") or "last.pt")).stem
+    analysis_path = d / "ckpt" / f"{ckpt_stem}_analysis" / "analysis.json"
+    analysis = _read_json(analysis_path)
+    notes = []
+    # an analysis of an earlier last.pt (the run resumed since) would mislabel the final model
+    if analysis and res and analysis.get("step") not in (None, r.get("steps")):
+        notes.append(f"{analysis_path}: of step {analysis.get('step')}, the run ended at step {r.get('steps')}; "
+                     f"left out (re-run python -m analysis)")
+        analysis = None
+    init_from = tcfg.get("init_from") or r.get("init_from")
+    img = r.get("img_size", (cfg.get("data") or {}).get("img_size"))
+    dataset = r.get("dataset") or (cfg.get("data") or {}).get("name")
+    return {
+        "run_dir": str(d), "trainer": tcfg.get("name") or r.get("trainer"), "dataset": dataset,
+        "model": name, "arch": "gpt" if name.startswith("gpt") else (analysis or {}).get("arch", "vit"),
+        "family": model_family(name, mcfg), "k": k,
+        "k_label": "[" + ",".join(map(str, k)) + "]" if isinstance(k, tuple) else str(k),
+        "mode": r.get("laplacian_mode") or mcfg.get("laplacian_mode") or "fixed",
+        "seed": r.get("seed", cfg.get("seed")), "steps": r.get("steps"), "epochs": r.get("epochs"),
+        "max_steps": tcfg.get("max_steps"),
+        "global_batch_size": r.get("global_batch_size", tcfg.get("global_batch_size")),
+        "img_size": img, "init_from": init_from, "pretrain": _pretrain(init_from),
+        "finished": res is not None, "recipe_id": _recipe_id(cfg) if cfg else "",
+        "metrics": metrics, "geometry": geometry(analysis) if analysis else {},
+        "checkpoint": str(d / "ckpt" / f"{ckpt_stem}.pt"),  # here, not where it was written (runs move)
+        "analysis": str(analysis_path) if analysis else None, "notes": notes,
+    }
+
+
+def recipe_tag(r: dict) -> str:
+    """Short human tag of a record's recipe, e.g. 'deit3, 3 steps, batch 32, 32 px #1a2b3c4d'."""
+    length = f"{r['steps']} steps" if r.get("max_steps") is not None or r.get("epochs") is None \
+        else f"{r['epochs']} epochs"
+    parts = [r.get("trainer") or "?", length]
+    if r.get("global_batch_size"):
+        parts.append(f"batch {r['global_batch_size']}")
+    if r.get("arch") == "vit" and r.get("img_size"):
+        parts.append(f"{r['img_size']} px" + (" fine-tuned" if r.get("init_from") else ""))
+    return ", ".join(parts) + (f" #{r['recipe_id']}" if r.get("recipe_id") else "")
+
+
+def collect(roots) -> list[dict]:
+    """Every run under `roots` as one flat record.
+
+    Args:
+        roots: a folder or a list of folders, searched recursively (see `find_runs`).
+    Returns records with: run_dir, trainer, dataset, model, arch, family, k (int, or a tuple
+    for per-layer counts) and k_label, mode, seed, steps, epochs, max_steps,
+    global_batch_size, img_size, init_from, pretrain (facts of the run fine-tuned from),
+    finished (results.json exists), recipe_id, recipe (a readable tag), metrics
+    ({key: float}, see `flat_metrics`), geometry ({key: float} at the final norm, see
+    `geometry`; {} when not analysed), analysis (its path) and notes.
+    """
+    roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
+    records = [r for r in map(read_run, find_runs(roots)) if r is not None]
+    for r in records:
+        r["recipe"] = recipe_tag(r)
+    return records
+
+
+# ----------------------------------------------------------------------------- pooling seeds
+
+def metric_value(record: dict, metric: Metric) -> Optional[float]:
+    """A record's value of `metric`: a metrics key, "geometry.<key>", a list of keys (the first
+    present), or a function of the record. None when absent or not finite."""
+    if callable(metric):
+        v = metric(record)
+        return v if v is None or math.isfinite(v) else None
+    for key in ([metric] if isinstance(metric, str) else metric):
+        v = (record["geometry"].get(key[len("geometry."):]) if key.startswith("geometry.")
+             else record["metrics"].get(key))
+        if v is not None and math.isfinite(v):
+            return float(v)
+    return None
+
+
+def sort_key(v):
+    """Sort key that puts None, numbers, strings and tuples apart (they do not compare)."""
+    if v is None:
+        return (0, 0)
+    if isinstance(v, (int, float)):
+        return (1, v)
+    return (3, v) if isinstance(v, tuple) else (2, str(v))
+
+
+def aggregate(records: list[dict], metric: Metric, by: tuple = GROUP_KEYS) -> list[dict]:
+    """Pool the runs that share `by` (by default all but the seed) over their seeds.
+
+    Args:
+        records: from `collect`.
+        metric: as in `metric_value`; runs without it are left out.
+        by: record fields that define a group.
+    Returns one row per group, sorted: the `by` fields, mean, std (sample std, ddof=1; None
+    when n = 1), n, values, seeds, run_dirs, and recipe / k_label / arch of its first run.
+    """
+    groups: dict = {}
+    for r in records:
+        v = metric_value(r, metric)
+        if v is not None:
+            groups.setdefault(tuple(r.get(f) for f in by), []).append((r, v))
+    rows = []
+    for key, items in groups.items():
+        vals = [v for _, v in items]
+        first = items[0][0]
+        # the sample std (ddof=1): seeds are a sample of the runs the recipe could give
+        rows.append({**dict(zip(by, key)), "mean": statistics.fmean(vals),
+                     "std": statistics.stdev(vals) if len(vals) > 1 else None, "n": len(vals),
+                     "values": vals, "seeds": [r.get("seed") for r, _ in items],
+                     "run_dirs": [r["run_dir"] for r, _ in items], "runs": [r for r, _ in items],
+                     "recipe": first.get("recipe"), "k_label": first.get("k_label"),
+                     "arch": first.get("arch")})
+    return sorted(rows, key=lambda row: tuple(sort_key(row[f]) for f in by))
+
+
+def runs_roots(cfg, command: str = "analysis.tables") -> list[Path]:
+    """The folders of `runs=` (a path or a list), each checked to exist."""
+    try:
+        value = cfg.runs
+    except MissingMandatoryValue:
+        raise ConfigError(f"runs is required: python -m {command} runs=DIR "
+                          "(or runs=[DIR1,DIR2]), a folder holding run directories") from None
+    roots = [Path(str(p)) for p in (value if isinstance(value, (ListConfig, list)) else [value])]
+    if not roots:
+        raise ConfigError("runs=[]: give at least one folder of runs")
+    for p in roots:
+        if not p.is_dir():
+            raise ConfigError(f"runs={p}: no such folder; pass runs=DIR holding run directories "
+                              f"(each with config.yaml / results.json), e.g. runs=runs/deit3/digits")
+    return roots

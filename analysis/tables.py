@@ -1,0 +1,368 @@
+"""The paper's tables from a folder of runs: one command, Markdown + LaTeX + CSV.
+
+    python -m analysis.tables runs=runs/deit3/digits
+    python -m analysis.tables runs=[runs/deit3,runs/gpt] out=reports/tables only=[supervised,lm]
+
+Runs are found and pooled over seeds by analysis/runs.py (`collect`, `aggregate`). Each table of configs/tables.yaml is written to
+`out/<name>.{md,tex,csv}`: rows = model family x number of Laplacian heads k (x mode when
+learned), cells "mean ± std (n)", the paper's number and our delta beside every cell the paper
+reports (analysis/paper.yaml), a dagger on runs whose recipe is not the paper's. stdout: the
+Markdown tables, then one `[tables] wrote <path>` line per file.
+
+From Python (the miniature reproduction):
+
+    from analysis.runs import collect
+    from analysis.tables import render_tables
+    render_tables(collect(["runs/deit3/digits"]), "reports/tables")
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Callable, Optional
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from analysis.runs import aggregate, collect, metric_value, runs_roots, sort_key
+from laplace.errors import ConfigError, cli_errors
+
+ROOT = Path(__file__).resolve().parent.parent
+PAPER = Path(__file__).with_name("paper.yaml")
+SPECS = ROOT / "configs" / "tables.yaml"
+
+
+# ----------------------------------------------------------------------------- recipes
+
+def recipe_differences(facts: dict, recipe: dict) -> list[str]:
+    """How a run's recipe differs from the paper's (`recipe`: family, dataset, epochs,
+    global_batch_size, finetune; a key it leaves out is not compared)."""
+    diffs = []
+    if "family" in recipe and facts.get("family") != recipe["family"]:
+        diffs.append(f"model {facts.get('family')}")
+    allowed = recipe.get("dataset")
+    if allowed is not None and facts.get("dataset") not in (allowed if isinstance(allowed, list) else [allowed]):
+        diffs.append(f"dataset {facts.get('dataset')}")
+    ft = f"ft{facts['img_size']}" if facts.get("init_from") else None  # DeiT-III's stage 2: "ft224"
+    # a fine-tuned run is judged by the run it started from (the paper's 800 epochs)
+    src, what = (facts.get("pretrain"), "pre-training ") if ft else (facts, "")
+    if ("epochs" in recipe or "global_batch_size" in recipe) and src is None:
+        diffs.append("pre-training run not found")
+    elif src is not None:
+        step_limited = src.get("epochs") is None or (src is facts and facts.get("max_steps") is not None)
+        if "epochs" in recipe and (step_limited or src.get("epochs") != recipe["epochs"]):
+            diffs.append(f"{what}{src.get('steps')} steps" if step_limited else f"{what}{src['epochs']} epochs")
+        if "global_batch_size" in recipe and src.get("global_batch_size") != recipe["global_batch_size"]:
+            diffs.append(f"{what}batch {src.get('global_batch_size')}")
+    if "finetune" in recipe and ft != recipe["finetune"]:
+        diffs.append(f"fine-tuned at {facts.get('img_size')} px" if ft else f"no {recipe['finetune']} stage")
+    return diffs
+
+
+def load_paper(path=None) -> dict:
+    """analysis/paper.yaml (or `path`) as plain data: source, recipes, tables, entries."""
+    p = Path(path) if path else PAPER
+    if not p.is_file():
+        raise ConfigError(f"paper={p}: no such file; leave paper=null for analysis/paper.yaml")
+    paper = OmegaConf.to_container(OmegaConf.load(p), resolve=True)
+    for e in paper.get("entries", []):
+        e.setdefault("mode", "fixed")
+    return paper
+
+
+def load_specs(only=None, specs=None) -> dict:
+    """The table specs of configs/tables.yaml (or `specs`), restricted to `only`."""
+    specs = specs if specs is not None else OmegaConf.to_container(OmegaConf.load(SPECS))["tables"]
+    if only:
+        bad = [n for n in only if n not in specs]
+        if bad:
+            raise ConfigError(f"only={list(only)}: no table {bad[0]!r}; tables: {', '.join(specs)}")
+        specs = {n: specs[n] for n in only}
+    return specs
+
+
+# ----------------------------------------------------------------------------- building a table
+
+def _matches(record: dict, where: dict) -> bool:
+    for field, want in (where or {}).items():
+        allowed = want if isinstance(want, list) else [want]
+        if str(record.get(field)) not in map(str, allowed):
+            return False
+    return True
+
+
+def _columns(spec: dict, recs: list[dict], entries: list[dict]) -> list[dict]:
+    """The column specs: as listed, or one per value of a record field (`from:`), the
+    `order` ones first, then the paper's, then the rest sorted."""
+    cols = spec["columns"]
+    if isinstance(cols, list):
+        return [dict(c) for c in cols]
+    field, labels = cols["from"], cols.get("labels") or {}
+    values = list(cols.get("order") or [])
+    values += [e["column"] for e in entries if e["column"] not in values]
+    values += sorted({str(r.get(field)) for r in recs} - set(values))
+    return [{"name": v, "label": labels.get(v, v), "metric": cols["metric"], "scale": cols.get("scale", 1),
+             "fmt": cols.get("fmt"), "where": {field: v}} for v in values]
+
+
+def _column_value(col: dict, by_name: dict) -> Callable[[dict], Optional[float]]:
+    """A record -> the column's number: its metric x scale, else the mean of `mean_of`."""
+    parts = col.get("mean_of") or []
+    for n in parts:
+        if n not in by_name:
+            raise ConfigError(f"tables: column {col['name']!r} has mean_of [{n}], not a column of its table")
+
+    def value(r):
+        v = metric_value(r, col["metric"]) if col.get("metric") else None
+        if v is not None:
+            return v * col.get("scale", 1)
+        vals = [_column_value(by_name[n], by_name)(r) for n in parts]
+        return statistics.fmean(vals) if vals and None not in vals else None
+    return value
+
+
+def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict:
+    """One table as plain data: columns, rows of cells {mean, std, n, seeds, paper, delta,
+    marks}, footnotes. Rows are keyed by (rows_by fields, family, mode, k); the paper's rows
+    are added where no run fills them.
+
+    Args:
+        name: the table's name (paper entries refer to it).
+        spec: its spec (see configs/tables.yaml).
+        records: finished runs from `collect`.
+        paper: from `load_paper`.
+    """
+    recs = [r for r in records if _matches(r, spec.get("where"))]
+    entries = [e for e in paper.get("entries", []) if e["table"] == name]
+    rows_by = list(spec.get("rows_by") or [])
+    columns = _columns(spec, recs, entries)
+    by_name = {c["name"]: c for c in columns}
+    groups: dict = {}  # (row key, column) -> aggregate rows
+    # a row: (rows_by fields, family, mode, k); families and datasets never share a row
+    for col in columns:
+        col_recs = [r for r in recs if _matches(r, col.get("where"))]
+        for g in aggregate(col_recs, _column_value(col, by_name)):
+            key = (*[g["runs"][0].get(f) for f in rows_by], g["family"], g["mode"], g["k"])
+            groups.setdefault((key, col["name"]), []).append(g)
+    keys = {key for key, _ in groups}
+    for e in entries:  # a row for each paper number no run sits beside
+        fixed = {f: e["recipe"].get(f) for f in rows_by if not isinstance(e["recipe"].get(f), (list, type(None)))}
+        if not any(k[-3:] == (e["recipe"]["family"], e["mode"], e["k"])
+                   and all(k[rows_by.index(f)] == v for f, v in fixed.items()) for k in keys):
+            keys.add((*[fixed.get(f) for f in rows_by], e["recipe"]["family"], e["mode"], e["k"]))
+    notes: dict = {}
+
+    def mark(text):
+        return notes.setdefault(text, len(notes) + 1)
+
+    rows = []
+    for key in sorted(keys, key=lambda k: tuple(sort_key(v) for v in k)):
+        family, mode, k = key[-3:]
+        cells = {}
+        for col in columns:
+            # one recipe per cell: a fine-tuning (the later stage of a run here) first, then most seeds
+            found = sorted(groups.get((key, col["name"]), []), key=lambda g: (
+                bool(g["runs"][0].get("init_from")), g["n"], g["runs"][0].get("steps") or 0))
+            entry = next((e for e in entries if e["column"] == col["name"] and e["k"] == k and e["mode"] == mode), None)
+            cell = {"mean": None, "std": None, "n": None, "seeds": None, "paper": None, "delta": None,
+                    "marks": [], "recipe": None}
+            if found:
+                g = found.pop()  # the others are footnoted, never pooled
+                cell.update(mean=g["mean"], std=g["std"], n=g["n"], seeds=g["seeds"], recipe=g["recipe"])
+                recipe = (entry or next((e for e in entries if e["column"] == col["name"]), {})).get("recipe") \
+                    or paper.get("tables", {}).get(name)
+                diffs = recipe_differences(g["runs"][0], recipe) if recipe else []
+                if diffs:
+                    cell["marks"].append(mark(f"recipe differs: {', '.join(diffs)} (runs: {g['recipe']}); "
+                                              f"the paper's: {recipe.get('text', recipe)}"))
+                for other in found:
+                    cell["marks"].append(mark(f"not pooled with runs of another recipe ({other['recipe']}): "
+                                              f"{_stat(other, col.get('fmt') or spec.get('fmt', '.3f'))}"))
+            if entry and (cell["n"] or family == entry["recipe"].get("family")):
+                cell["paper"] = entry["value"]
+                cell["delta"] = None if cell["mean"] is None else cell["mean"] - entry["value"]
+            cells[col["name"]] = cell
+        # a mark every filled cell of a row carries is shown once, on the model name
+        filled = [c["marks"] for c in cells.values() if c["n"]]
+        common = [m for m in filled[0] if all(m in f for f in filled)] if len(filled) > 1 else []
+        rows.append({"fields": dict(zip([*rows_by, "model", "mode", "k"], key)), "cells": cells, "marks": common,
+                     "k_label": "[" + ",".join(map(str, k)) + "]" if isinstance(k, tuple) else str(k)})
+    # optional columns (benchmarks) appear once a run or the paper fills them
+    shown = [c for c in columns if not c.get("optional")
+             or any(r["cells"][c["name"]]["n"] or r["cells"][c["name"]]["paper"] is not None for r in rows)]
+    src = paper.get("source", {})
+    return {"name": name, "title": spec.get("title", name), "rows_by": rows_by, "columns": shown,
+            "fmt": spec.get("fmt", ".3f"), "spec": spec, "rows": rows, "notes": list(notes), "n_runs": len(recs),
+            "paper_source": f"arXiv:{src.get('arxiv')} {src.get('version', '')}".strip(),
+            "sources": list(dict.fromkeys(e.get("source", "") for e in entries if e.get("source")))}
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def _signed(v: float, fmt: str) -> str:
+    s = format(abs(v), fmt)  # the sign of what is printed: no "−0.00"
+    return ("−" if v < 0 and float(s) != 0 else "+") + s
+
+
+def _stat(cell: dict, fmt: str) -> str:
+    """'mean ± std (n)'; '' for a missing cell (never 0)."""
+    if not cell.get("n"):
+        return ""
+    std = f" ± {format(cell['std'], fmt)}" if cell.get("std") is not None else ""
+    return f"{format(cell['mean'], fmt)}{std} ({cell['n']})"
+
+
+def cell_text(cell: dict, fmt: str, skip=()) -> str:
+    """A cell as text: 'mean ± std (n)†1 · paper 81.45, Δ −0.12' (marks in `skip` left out)."""
+    text = _stat(cell, fmt) + "".join(f"†{m}" for m in cell["marks"] if m not in skip)
+    if cell["paper"] is not None:
+        p = f"paper {format(cell['paper'], fmt)}"
+        if cell["delta"] is not None:
+            p += f", Δ {_signed(cell['delta'], fmt)}"
+        text = f"{text} · {p}" if text else p
+    return text
+
+
+def _grid(table: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of text cells, shared by Markdown and LaTeX."""
+    show_mode = any(r["fields"]["mode"] != "fixed" for r in table["rows"])  # a column only when learned
+    head = [*table["rows_by"], "model", "k"] + (["mode"] if show_mode else [])
+    head += [c.get("label", c["name"]) for c in table["columns"]]
+    rows = []
+    for row in table["rows"]:
+        f = row["fields"]
+        vals = [f[b] for b in table["rows_by"]] + [f["model"] + "".join(f"†{m}" for m in row["marks"]),
+                                                   row["k_label"]] + ([f["mode"]] if show_mode else [])
+        rows.append(["" if v is None else str(v) for v in vals] + [
+            cell_text(row["cells"][c["name"]], c.get("fmt") or table["fmt"], row["marks"]) for c in table["columns"]])
+    return head, rows
+
+
+def _footer(table: dict) -> list[str]:
+    lines = [f"†{i} {text}" for i, text in enumerate(table["notes"], 1)]
+    if not table["n_runs"]:
+        where = ", ".join(f"{k}={v}" for k, v in (table["spec"].get("where") or {}).items())
+        lines.append(f"No runs found for this table ({where or 'any run'}): only the paper's numbers are shown.")
+    lines.append("Cells: mean ± sample std (number of seeds) of the runs that differ only in their seed.")
+    if table["sources"]:
+        lines.append(f"Paper ({table['paper_source']}): " + "; ".join(table["sources"]) + ".")
+    return lines
+
+
+def to_markdown(table: dict) -> str:
+    """The table as GitHub Markdown: a title, the grid, footnotes."""
+    head, rows = _grid(table)
+    out = [f"### {table['name']}: {table['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out + [""] + _footer(table)) + "\n"
+
+
+_TEX = [("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("#", r"\#"), ("_", r"\_"), ("±", r"$\pm$"),
+        ("Δ", r"$\Delta$"), ("−", r"$-$"), ("·", r"\quad"), ("~", r"\textasciitilde{}")]
+
+
+def _tex(text: str) -> str:
+    for a, b in _TEX:
+        text = text.replace(a, b)
+    return re.sub(r"†(\d+)", r"$^{\\dagger\1}$", text)
+
+
+def to_latex(table: dict) -> str:
+    """The table as a LaTeX `table` (booktabs), footnotes under the grid."""
+    head, rows = _grid(table)
+    n_fields = len(head) - len(table["columns"])
+    lines = [f"% {table['name']}: written by python -m analysis.tables; regenerate, do not edit",
+             r"\begin{table}[t]", r"\centering\small", rf"\caption{{{_tex(table['title'])}}}",
+             rf"\label{{tab:{table['name'].replace('_', '-')}}}",
+             r"\begin{tabular}{" + "l" * n_fields + "r" * len(table["columns"]) + "}", r"\toprule"]
+    lines += [" & ".join(map(_tex, r)) + r" \\" for r in [head]] + [r"\midrule"]
+    lines += [" & ".join(map(_tex, r)) + r" \\" for r in rows] + [r"\bottomrule", r"\end{tabular}"]
+    lines += [r"\par\footnotesize " + _tex(f) for f in _footer(table)]
+    return "\n".join(lines + [r"\end{table}"]) + "\n"
+
+
+def to_csv(table: dict) -> str:
+    """One line per cell (long format), full precision; a missing value is an empty field."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow([*table["rows_by"], "model", "k", "mode", "column", "mean", "std", "n", "seeds", "paper",
+                "delta", "notes", "recipe"])
+    for row in table["rows"]:
+        f = row["fields"]
+        for c in table["columns"]:
+            cell = row["cells"][c["name"]]
+            # repr: floats round-trip exactly, so the CSV equals the aggregates it came from
+            w.writerow([*["" if f[b] is None else f[b] for b in table["rows_by"]], f["model"], row["k_label"],
+                        f["mode"], c["name"], *("" if cell[x] is None else repr(cell[x]) for x in ("mean", "std")),
+                        cell["n"] or "", " ".join(map(str, cell["seeds"] or [])),
+                        "" if cell["paper"] is None else cell["paper"],
+                        "" if cell["delta"] is None else repr(cell["delta"]),
+                        " | ".join(table["notes"][m - 1] for m in cell["marks"]), cell["recipe"] or ""])
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------- the command
+
+def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper: Optional[dict] = None,
+                  only=None, echo: bool = True) -> list[Path]:
+    """Write every table of `specs` (default: configs/tables.yaml) to out/<name>.{md,tex,csv}.
+
+    Args:
+        records: from `collect` (unfinished runs are left out).
+        out: the output folder.
+        specs, paper: table specs and paper numbers (defaults: configs/tables.yaml, paper.yaml).
+        only: table names to render (None: all).
+        echo: print the Markdown tables to stdout.
+    Returns the written paths.
+    """
+    specs, paper = load_specs(only, specs), paper or load_paper()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = [r for r in records if r["finished"]]
+    paths = []
+    for name, spec in specs.items():
+        table = build_table(name, spec, done, paper)
+        md = to_markdown(table)
+        if echo:
+            print(md, flush=True)
+        for ext, text in (("md", md), ("tex", to_latex(table)), ("csv", to_csv(table))):
+            path = out / f"{name}.{ext}"
+            path.write_text(text)
+            paths.append(path)
+    return paths
+
+
+def run(cfg: DictConfig) -> list[Path]:
+    """Collect the runs of cfg.runs and write every table; returns the written paths."""
+    roots = runs_roots(cfg)
+    records = collect(roots)
+    unfinished = [r["run_dir"] for r in records if not r["finished"]]
+    print(f"[tables] {len(records)} runs under {', '.join(map(str, roots))}"
+          + (f" ({len(unfinished)} unfinished, left out)" if unfinished else ""), flush=True)
+    for r in records:
+        for note in r["notes"]:
+            print(f"[tables] note: {note}", flush=True)
+    specs = OmegaConf.to_container(cfg.tables, resolve=True)
+    out = Path(cfg.out) if cfg.out else roots[0] / "tables"
+    paths = render_tables(records, out, specs=specs, paper=load_paper(cfg.paper),
+                          only=list(cfg.only) if cfg.only else None)
+    rec_path = out / "records.json"  # what the tables were made from, for a later look
+    rec_path.write_text(json.dumps(records, indent=1, default=str))
+    for p in paths + [rec_path]:
+        print(f"[tables] wrote {p}", flush=True)
+    return paths
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="tables")
+def main(cfg: DictConfig) -> None:
+    # Bad input: one `error:` line (HYDRA_FULL_ERROR=1: traceback); a bug: its traceback.
+    cli_errors(run)(cfg)
+
+
+if __name__ == "__main__":
+    main()

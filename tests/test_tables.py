@@ -1,0 +1,252 @@
+"""`python -m analysis.tables` and `python -m analysis.figures` on a real folder of tiny runs:
+four 3-step ViTs (0 and 3 Laplacian heads x seeds 0, 1) and one GPT, each analysed, plus
+results.json files in the trainers' exact format for the paper's ImageNet and CIFAR-100 rows.
+Checks the records, the seed pooling against a hand computation, the written tables (paper
+numbers, deltas, empty cells, recipe marks), the one-line error and the figures."""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+from analysis import figures, runs as runs_mod, tables
+from analysis.__main__ import analysis_dir, write_json
+from analysis.features import analyze_checkpoint
+from conftest import CONFIGS, ROOT, TINY_VIT
+from laplace.config import register_model_configs
+from train import run as train_run
+
+TINY_GPT = ["experiment=gpt_pydoc", "model=gpt_d2_1L", "data.seq_len=32", "trainer.global_batch_size=8",
+            "trainer.num_workers=0", "trainer.progress=false", "trainer.max_steps=3"]
+BENCH = [("arc_easy", "acc", 0.40), ("arc_challenge", "acc", 0.28), ("mmlu", "acc", 0.31), ("gsm8k", "acc", 0.05),
+         ("humaneval", "pass@1", 0.08)]
+VIT_FAMILY = "vitt_d2_w48"  # TINY_VIT overrides depth and width: its own family, never pooled with vitt
+
+
+def _compose(*overrides, run_dir, config="config"):
+    register_model_configs([o.split("=", 1)[1] for o in overrides if o.startswith("model=")])
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose(config, overrides=list(overrides))
+    with open_dict(cfg):
+        cfg.run_dir = str(run_dir)
+    return cfg
+
+
+def _fake_run(run_dir: Path, overrides: list[str], acc1: float, steps: int, epochs: int) -> None:
+    """A finished supervised run as train.py leaves it, without training: the resolved
+    config.yaml and a results.json in SupervisedTrainer.on_fit_end's format."""
+    cfg = _compose(*overrides, run_dir=run_dir)
+    run_dir.mkdir(parents=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    m, d, t = cfg.model, cfg.data, cfg.trainer
+    block = {"val_acc1": acc1, "val_acc5": acc1 + 10, "val_loss": 1.0}
+    (run_dir / "results.json").write_text(json.dumps({
+        "model": m.name, "num_laplacian_heads": m.num_laplacian_heads, "laplacian_mode": m.laplacian_mode,
+        "dataset": d.name, "seed": cfg.seed, "steps": steps, "epochs": epochs,
+        "checkpoint": str(run_dir / "ckpt" / "last.pt"), "img_size": d.img_size, "patch_size": d.patch_size,
+        "global_batch_size": t.global_batch_size, "loss": t.loss, "init_from": t.init_from,
+        "final": block, "best": {**block, "step": steps}}, indent=2))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs/real: 4 tiny ViTs + 1 GPT, trained and analysed; runs/paper: fake paper-recipe runs."""
+    root = tmp_path_factory.mktemp("tables") / "runs"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before conftest's per-test thread setting
+    try:
+        for model in ("vitt_0L", "vitt_3L"):
+            for seed in (0, 1):
+                d = root / "real" / "deit3" / "digits" / f"{model}_s{seed}"
+                train_run(_compose(f"model={model}", *TINY_VIT, "trainer.max_steps=3", f"seed={seed}",
+                                   f"paths.runs_dir={root}", run_dir=d))
+                res = analyze_checkpoint(d / "ckpt" / "last.pt", max_tokens=17 * 48, progress=False)
+                write_json(res, analysis_dir(d / "ckpt" / "last.pt") / "analysis.json")
+        d = root / "real" / "gpt" / "gpt_pydoc" / "gpt_d2_1L_s0"
+        train_run(_compose(*TINY_GPT, f"paths.runs_dir={root}", run_dir=d))
+        res = analyze_checkpoint(d / "ckpt" / "last.pt", max_tokens=2048, min_count=2, progress=False)
+        write_json(res, analysis_dir(d / "ckpt" / "last.pt") / "analysis.json")
+        # a later evaluation's results.json inside the run: task records, fractions as nanochat writes
+        write_json({"model": "gpt_d2_1L", "records": [{"task": t, "metric": m, "value": v} for t, m, v in BENCH]},
+                   d / "eval" / "results.json")
+    finally:
+        torch.set_num_threads(threads)
+    # The paper's ImageNet recipe, two stages per seed: 800 epochs at 192 px, then ft224 from it.
+    imagenet = {}
+    for seed, acc in ((0, 81.30), (1, 81.40)):
+        stage1 = root / "paper" / "deit3" / "deit3_in1k" / f"vitb_0L_s{seed}"
+        _fake_run(stage1, ["experiment=deit3_in1k", "model=vitb_0L", f"seed={seed}"], 80.0, 500_000, 800)
+        _fake_run(root / "paper" / "deit3" / "deit3_in1k_ft224" / f"vitb_0L_s{seed}",
+                  ["experiment=deit3_in1k_ft224", "model=vitb_0L", f"seed={seed}",
+                   f"trainer.init_from={stage1 / 'ckpt' / 'last.pt'}"], acc, 50_000, 20)
+        imagenet[seed] = acc
+    _fake_run(root / "paper" / "deit3" / "deit3_cifar100" / "vitb_12L_s0",
+              ["experiment=deit3_cifar100", "model=vitb_12L"], 77.50, 80_000, 800)
+    out = root.parent / "tables_out"
+    tables.run(_compose(f"runs={root}", f"out={out}", run_dir=".", config="tables"))
+    return {"root": root, "out": out, "imagenet": imagenet}
+
+
+def _results(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "results.json").read_text())
+
+
+def _acc(runs, k) -> list[float]:
+    """final top-1 of the tiny ViTs with k Laplacian heads, read straight from results.json."""
+    return [_results(d)["final"]["val_acc1"] for d in sorted(runs["root"].glob(f"real/deit3/digits/vitt_{k}L_s*"))]
+
+
+def _csv(runs, name) -> list[dict]:
+    with open(runs["out"] / f"{name}.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _md_rows(runs, name) -> dict:
+    """Markdown table rows as {(model without marks, k): [cells]} plus the header."""
+    lines = (runs["out"] / f"{name}.md").read_text().splitlines()
+    grid = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines if ln.startswith("|")]
+    head = grid[0]
+    mi = head.index("model")
+    return {"head": head, **{(r[mi].split("†")[0], r[mi + 1]): r for r in grid[2:]}}
+
+
+def test_collect_finds_the_runs(runs):
+    recs = runs_mod.collect(runs["root"] / "real")
+    assert len(recs) == 5 and all(r["finished"] for r in recs)
+    vit = sorted((r["model"], r["k"], r["seed"], r["family"]) for r in recs if r["trainer"] == "deit3")
+    assert vit == [("vitt_0L", 0, 0, VIT_FAMILY), ("vitt_0L", 0, 1, VIT_FAMILY),
+                   ("vitt_3L", 3, 0, VIT_FAMILY), ("vitt_3L", 3, 1, VIT_FAMILY)]
+    gpt = next(r for r in recs if r["trainer"] == "gpt")
+    assert (gpt["family"], gpt["k"], gpt["arch"], gpt["dataset"]) == ("gpt_d2", 1, "gpt", "pydoc_text")
+    assert gpt["metrics"]["final.val_bpb"] > 0 and gpt["geometry"]["lc_cdnv_mean"] > 0
+    r = next(r for r in recs if r["model"] == "vitt_3L")
+    assert r["metrics"]["final.val_acc1"] == _results(r["run_dir"])["final"]["val_acc1"]
+    assert set(r["geometry"]) >= {"within_seq_share", "between_class_share", "nc1", "n_pcs_0.99"}
+    assert len({r["recipe_id"] for r in recs if r["trainer"] == "deit3"}) == 1  # seeds and k pool
+
+
+def test_aggregate_matches_hand_computation(runs):
+    recs = runs_mod.collect(runs["root"] / "real")
+    rows = runs_mod.aggregate(recs, "final.val_acc1")
+    assert [(g["family"], g["k"], g["n"]) for g in rows] == [(VIT_FAMILY, 0, 2), (VIT_FAMILY, 3, 2)]
+    for g in rows:
+        vals = _acc(runs, g["k"])
+        assert g["mean"] == pytest.approx(statistics.fmean(vals), abs=1e-12)
+        assert g["std"] == pytest.approx(statistics.stdev(vals), abs=1e-12) and sorted(g["seeds"]) == [0, 1]
+    one = runs_mod.aggregate([r for r in recs if r["seed"] == 0], "geometry.nc1")
+    assert all(g["n"] == 1 and g["std"] is None for g in one)
+
+
+def test_written_tables_and_csv_numbers(runs):
+    names = ("supervised", "lm", "ssl", "geometry", "geometry_lm")
+    for name in names:
+        for ext in ("md", "tex", "csv"):
+            assert (runs["out"] / f"{name}.{ext}").stat().st_size > 100, (name, ext)
+    recs = runs_mod.collect(runs["root"])
+    acc = {(g["family"], g["k"], g["dataset"]): g for g in runs_mod.aggregate(recs, "final.val_acc1")}
+    rows = {(r["model"], r["k"], r["column"]): r for r in _csv(runs, "supervised")}
+    for k in (0, 3):
+        row, g = rows[(VIT_FAMILY, str(k), "digits")], acc[(VIT_FAMILY, k, "digits")]
+        assert (float(row["mean"]), float(row["std"]), int(row["n"])) == (g["mean"], g["std"], g["n"])
+        assert row["seeds"] == "0 1" and row["paper"] == ""
+    nc1 = {g["k"]: g for g in runs_mod.aggregate(recs, "geometry.nc1")}
+    geo = {(r["model"], r["k"], r["column"]): r for r in _csv(runs, "geometry")}
+    assert float(geo[(VIT_FAMILY, "3", "nc1")]["mean"]) == nc1[3]["mean"]
+    assert "\\begin{tabular}" in (runs["out"] / "supervised.tex").read_text()
+    assert "| model | k | ImageNet-1k | CIFAR-100 | CIFAR-10 | digits |" in (runs["out"] / "supervised.md").read_text()
+
+
+def test_paper_numbers_and_deltas(runs):
+    rows = {(r["model"], r["k"], r["column"]): r for r in _csv(runs, "supervised")}
+    mean = statistics.fmean(runs["imagenet"].values())
+    inet = rows[("vitb", "0", "imagenet")]
+    assert float(inet["mean"]) == pytest.approx(mean) and float(inet["paper"]) == 81.45
+    assert float(inet["delta"]) == pytest.approx(mean - 81.45)
+    assert "recipe differs" not in inet["notes"]  # the paper's recipe: vitb, 800 epochs + ft224
+    assert "not pooled" in inet["notes"]  # the 192 px stage-1 runs share the cell, footnoted apart
+    cifar = rows[("vitb", "12", "cifar100")]
+    assert (float(cifar["paper"]), int(cifar["n"]), cifar["std"]) == (77.04, 1, "")
+    assert float(cifar["delta"]) == pytest.approx(77.50 - 77.04)
+    md = _md_rows(runs, "supervised")
+    col = md["head"].index("ImageNet-1k")
+    cell = md[("vitb", "0")][col]
+    assert cell.startswith("81.35 ± 0.07 (2)†") and cell.endswith(" · paper 81.45, Δ −0.10"), cell
+    assert md[("vitb", "12")][md["head"].index("CIFAR-100")] == "77.50 (1) · paper 77.04, Δ +0.46"
+    assert md[("vitb", "12")][col] == "paper 82.32"  # no run: the paper's number alone
+    lm = (runs["out"] / "geometry_lm.md").read_text()
+    assert "paper 547.7" in lm and "paper 430.4" in lm
+    assert "paper 30.06" in (runs["out"] / "lm.md").read_text()
+
+
+def test_missing_cells_are_empty(runs):
+    rows = {(r["model"], r["k"], r["column"]): r for r in _csv(runs, "supervised")}
+    for cell in (rows[(VIT_FAMILY, "0", "imagenet")], rows[("vitb", "0", "digits")], rows[("vitb", "0", "cifar10")]):
+        assert cell["mean"] == cell["std"] == cell["n"] == cell["delta"] == ""
+    md = _md_rows(runs, "supervised")
+    assert md[(VIT_FAMILY, "0")][md["head"].index("ImageNet-1k")] == ""
+    assert md[("vitb", "0")][md["head"].index("CIFAR-10")] == ""
+    ssl = (runs["out"] / "ssl.md").read_text()
+    assert "No runs found" in ssl and "paper 29.81" in ssl and "paper 32.27" in ssl
+
+
+def test_recipe_mark_on_miniature_runs(runs):
+    md = _md_rows(runs, "supervised")
+    text = (runs["out"] / "supervised.md").read_text()
+    digits = md[(VIT_FAMILY, "0")][md["head"].index("digits")]
+    assert digits.startswith(f"{statistics.fmean(_acc(runs, 0)):.2f} ± ") and "†" in digits
+    mark = digits.split("†")[1]
+    note = next(ln for ln in text.splitlines() if ln.startswith(f"†{mark} "))
+    assert "recipe differs" in note and "dataset digits" in note and "3 steps" in note and VIT_FAMILY in note
+    rows = {(r["model"], r["k"], r["column"]): r for r in _csv(runs, "supervised")}
+    assert "recipe differs" in rows[(VIT_FAMILY, "3", "digits")]["notes"]
+    geo = _md_rows(runs, "geometry")  # every cell of the row has it: shown once, on the model
+    assert "†" in geo[(VIT_FAMILY, "3")][geo["head"].index("model")]
+    assert "†" not in geo[(VIT_FAMILY, "3")][geo["head"].index("NC1 (cls)")]
+
+
+def test_benchmark_columns_plug_in(runs):
+    md = _md_rows(runs, "lm")
+    assert md["head"][3:] == ["val bpb", "ARC-E", "ARC-C", "MMLU", "GSM8K", "HumanEval", "average"]
+    row = md[("gpt_d2", "1")]
+    assert row[md["head"].index("ARC-E")].startswith("40.00 (1)")
+    assert row[md["head"].index("average")].startswith(f"{100 * statistics.fmean(v for *_, v in BENCH):.2f} (1)")
+    assert md[("gpt_d20", "5")][md["head"].index("average")] == "paper 30.06"
+    assert md[("gpt_d20", "5")][md["head"].index("ARC-E")] == ""
+
+
+def test_generic_results_fields():
+    got = runs_mod.flat_metrics({"model": "x", "steps": 5, "final": {"val_bpb": 1.5}, "ok": True,
+                               "results": {"arc_easy": {"acc,none": 0.4}},
+                               "records": [{"task": "mmlu", "metric": "acc", "value": 0.31}, {"task": "gsm8k", "value": 0.05}]})
+    assert got == {"steps": 5.0, "final.val_bpb": 1.5, "results.arc_easy.acc,none": 0.4, "mmlu/acc": 0.31, "gsm8k": 0.05}
+    assert runs_mod.model_family("gpt_d12_6L", {"depth": 12}) == "gpt_d12"
+    assert runs_mod.model_family("vitb_12L", {"depth": 12, "embed_dim": 768}) == "vitb"
+
+
+def test_bad_runs_path_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "analysis.tables", f"runs={tmp_path / 'nope'}"],
+                          cwd=ROOT, capture_output=True, text=True)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(err) == 1 and err[0].startswith("error: runs="), proc.stderr[-2000:]
+    assert "no such folder" in err[0]
+
+
+def test_figures(runs):
+    out = runs["root"].parent / "figures_out"
+    paths = figures.run(_compose(f"runs={runs['root']}", f"out={out}", "pca_maps=2", "device=cpu",
+                                 run_dir=".", config="figures"))
+    want = ["vs_k", f"anova_digits_{VIT_FAMILY}", f"spectrum_digits_{VIT_FAMILY}", f"collapse_digits_{VIT_FAMILY}",
+            f"pca_maps_digits_{VIT_FAMILY}", "anova_pydoc_text_gpt_d2", "spectrum_pydoc_text_gpt_d2",
+            "collapse_pydoc_text_gpt_d2"]
+    for stem in want:
+        for ext in ("png", "pdf"):
+            assert (out / f"{stem}.{ext}").stat().st_size > 5000, f"{stem}.{ext}"
+    assert len(paths) == 2 * len(want)  # the fake runs have no analysis / checkpoint: skipped, not drawn
