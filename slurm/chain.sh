@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# A dependent chain of jobs in one command: each stage starts when the one before has succeeded
+# (--dependency=afterok; a failed stage cancels the rest). Prints the job ids, one per line.
+#   bash slurm/chain.sh [--name NAME] [SBATCH FLAGS] :: STAGE :: STAGE ...
+# A STAGE is what slurm/submit.sh takes: [SBATCH FLAGS] SCRIPT [ARGS]. Every stage has a folder,
+# <LAPLACE_RUNS>/chains/<NAME>/<i>_<label> (label: its experiment=, else the script's name); a
+# training stage (train.sbatch, or a command with train.py) trains there unless it sets run_dir=.
+# In ARGS, {1}, {2}, ... stand for the folder of that stage and {prev} for the previous one's:
+#   bash slurm/chain.sh \
+#     :: train.sbatch experiment=deit3_in1k model=vitb_12L \
+#     :: train.sbatch experiment=deit3_in1k_ft224 model=vitb_12L 'trainer.init_from={1}/ckpt/last.pt' \
+#     :: analysis.sbatch 'checkpoint={2}/ckpt/last.pt'
+#   (slurm/chains/deit3_in1k.sh is this chain for any model.) Later stages plug in the same way:
+#     :: run.sbatch python -m <evaluation module> 'checkpoint={1}/ckpt/last.pt' ...
+# NAME defaults to stage 1's arguments (deit3_in1k_vitb_12L_s0 here): the same command names the
+# same folders, so re-submitting a chain resumes its unfinished stage (finished stages end at once).
+# SBATCH FLAGS before the first :: apply to every stage; a stage's own come after them and win.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/slurm/config.sh"
+usage="usage: bash slurm/chain.sh [--name NAME] [SBATCH FLAGS] :: [FLAGS] SCRIPT [ARGS] :: ..."
+
+name='' common=()
+while [ $# -gt 0 ] && [ "$1" != "::" ]; do
+  case $1 in
+    --name) name=$2; shift 2 ;;
+    --name=*) name=${1#*=}; shift ;;
+    -*) common+=("$1"); shift ;;
+    *) echo "chain.sh: '$1' before the first ::; $usage" >&2; exit 2 ;;
+  esac
+done
+[ $# -gt 1 ] || { echo "$usage" >&2; exit 2; }
+args=("$@")
+starts=()  # index in args of each stage's first word
+for i in "${!args[@]}"; do [ "${args[i]}" != "::" ] || starts+=($(( i + 1 ))); done
+starts+=($(( ${#args[@]} + 1 )))
+n=$(( ${#starts[@]} - 1 ))
+
+# value KEY WORDS...: the value of the first KEY=value word, or nothing.
+value() { local k=$1 w; shift; for w in "$@"; do [[ $w != "$k="* ]] || { echo "${w#*=}"; return; }; done; }
+
+if [ -z "$name" ]; then  # from stage 1's arguments: experiment and model values, s<seed>, other overrides
+  parts=()
+  for w in "${args[@]:${starts[0]}:$(( starts[1] - starts[0] - 1 ))}"; do
+    case $w in
+      -* | *.sbatch | run_dir=* | *'{'*) ;;
+      experiment=* | model=*) parts+=("${w#*=}") ;;
+      seed=*) parts+=("s${w#*=}") ;;
+      *=*) parts+=("$w") ;;
+    esac
+  done
+  name=$(IFS=_; echo "${parts[*]:-chain}" | tr -c 'A-Za-z0-9_.,=+\n-' '-')
+  [ ${#name} -le 100 ] || name="${name:0:89}~$(echo -n "$name" | sha1sum | cut -c1-10)"
+fi
+runs=$LAPLACE_RUNS
+dirs=() prev=''
+for (( s = 0; s < n; s++ )); do
+  stage=("${args[@]:${starts[s]}:$(( starts[s + 1] - starts[s] - 1 ))}")
+  flags=()
+  while [ ${#stage[@]} -gt 0 ] && [[ ${stage[0]} == -* ]]; do flags+=("${stage[0]}"); stage=("${stage[@]:1}"); done
+  [ ${#stage[@]} -gt 0 ] || { echo "chain.sh: stage $(( s + 1 )) names no script; $usage" >&2; exit 2; }
+  script=${stage[0]} rest=("${stage[@]:1}")
+  label=$(value experiment "${rest[@]}"); label=${label:-$(basename "$script" .sbatch)}
+  dir=$(value run_dir "${rest[@]}"); dir=${dir:-$runs/chains/$name/$(( s + 1 ))_$label}
+  dirs+=("$dir")
+  words=()
+  for w in "${rest[@]}"; do
+    [ -z "$prev" ] || w=${w//\{prev\}/${dirs[s - 1]}}
+    for (( j = 1; j <= s; j++ )); do w=${w//\{$j\}/${dirs[j - 1]}}; done
+    if [[ $w =~ \{(prev|[0-9]+)\} ]]; then echo "chain.sh: stage $(( s + 1 )): '$w' names no earlier stage" >&2; exit 2; fi
+    words+=("$w")
+  done
+  if [ "$(basename "$script")" = train.sbatch ] || [[ " ${rest[*]} " == *" train.py "* ]]; then
+    [ -n "$(value run_dir "${rest[@]}")" ] || words+=("run_dir=$dir")
+  fi
+  after=()
+  [ -z "$prev" ] || after=(--dependency="afterok:$prev" --kill-on-invalid-dep=yes)
+  prev=$(bash "$ROOT/slurm/submit.sh" --job-name="$label" "${after[@]}" "${common[@]}" "${flags[@]}" \
+    "$script" "${words[@]}")
+  echo "$prev"
+  echo "[chain] stage $(( s + 1 )): job $prev${after:+ (after ${after[0]#*:})}: $script ${words[*]}" >&2
+done
