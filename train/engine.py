@@ -309,7 +309,10 @@ class Trainer:
             raise CheckpointError(f"{path} holds optimizers {sorted(states)} but this run has "
                                   f"{sorted(self.optimizers)}")
         for name, opt in self.optimizers.items():
-            opt.load_state_dict(states[name])
+            try:
+                opt.load_state_dict(states[name])
+            except ValueError as e:  # another grouping of the parameters (a forced resume)
+                raise CheckpointError(f"{path}: optimizer {name!r} does not fit this run: {e}") from None
         self.load_state_dict(ckpt.get("trainer") or {})
         loop = ckpt["loop"]
         self.step = loop["step"]
