@@ -1,0 +1,210 @@
+"""ADE20K (SceneParse150) for semantic segmentation, its DINOv2 / mmseg pipelines, and a tiny
+ADE20K-layout set built from the built-in digits.
+
+The standard layout, as released (ADEChallengeData2016.zip):
+
+    <root>/ADEChallengeData2016/images/{training,validation}/*.jpg
+    <root>/ADEChallengeData2016/annotations/{training,validation}/*.png   (uint8: 0 = other, 1..150)
+
+`data.root` may point at the folder holding ADEChallengeData2016/ or at it. Labels follow
+mmseg's reduce-zero-label convention: 0 ("other") becomes 255 (ignored) and class c becomes
+c - 1, so the 150 classes are 0..149.
+
+Pipelines (mmseg's ADE20K config, as DINOv2's linear evaluation uses it):
+    train  short side to `scale` x U(0.5, 2.0) -> random crop `crop` (re-drawn up to 10 times
+           while one class covers more than 75% of it), padded with 0 / 255 -> horizontal flip
+           -> photometric distortion -> normalise
+    eval   short side to `scale` (the image only: predictions are resized back to the full-size
+           annotation, on which mIoU is computed)
+
+    ds = ADE20K("/data/ade", "training", SegTrainTransform(crop=512, scale=512))
+    img, label = ds[0]                      # float [3, 512, 512], int64 [512, 512] (255 = ignore)
+    write_digits_ade20k("data/digits_ade20k")   # the tiny built-in set, 10 classes
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+from laplace.data import DatasetNotFoundError
+
+IGNORE = 255
+FOLDER = "ADEChallengeData2016"
+SPLITS = ("training", "validation")
+
+
+def reduce_zero_label(mask: np.ndarray) -> np.ndarray:
+    """ADE20K's annotation (0 = other, 1..K) -> labels 0..K-1 with 255 for "other"."""
+    label = mask.astype(np.int64) - 1
+    label[mask == 0] = IGNORE
+    return label
+
+
+def find_root(root: str | os.PathLike) -> Path:
+    """The ADEChallengeData2016 folder given it or its parent; a one-line error if absent."""
+    root = Path(root).expanduser()
+    for cand in (root / FOLDER, root):
+        if (cand / "images").is_dir() and (cand / "annotations").is_dir():
+            return cand
+    raise DatasetNotFoundError(
+        f"ADE20K not found: looked for {root / FOLDER}/{{images,annotations}}/{{training,validation}}; "
+        f"unzip ADEChallengeData2016.zip (http://sceneparsing.csail.mit.edu) there, or set data.root")
+
+
+class ADE20K(Dataset):
+    """One split of an ADE20K-layout folder; items are transform(PIL RGB image, uint8 mask).
+
+    Args:
+        root: the folder holding ADEChallengeData2016/ (or that folder itself).
+        split: "training" or "validation".
+        transform: (image, mask) -> (image tensor, label tensor); labels reduced (see module).
+    """
+
+    def __init__(self, root, split: str, transform=None):
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}: choose one of {SPLITS}")
+        base = find_root(root)
+        images = sorted((base / "images" / split).glob("*.jpg"))
+        if not images:
+            raise DatasetNotFoundError(f"ADE20K {split} split is empty: no *.jpg in {base / 'images' / split}")
+        self.items = []
+        for img in images:
+            ann = base / "annotations" / split / f"{img.stem}.png"
+            if not ann.is_file():
+                raise DatasetNotFoundError(f"ADE20K annotation missing: {ann} (for {img.name})")
+            self.items.append((img, ann))
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        img_path, ann_path = self.items[i]
+        with Image.open(img_path) as im:
+            img = im.convert("RGB")
+        with Image.open(ann_path) as an:
+            mask = np.array(an)
+        if self.transform is None:
+            return img, torch.from_numpy(reduce_zero_label(mask))
+        return self.transform(img, mask)
+
+
+def _normalise(img: torch.Tensor, mean, std) -> torch.Tensor:
+    return TF.normalize(TF.to_dtype(img, torch.float32, scale=True), list(mean), list(std))
+
+
+class SegTrainTransform:
+    """mmseg's ADE20K training pipeline (module docstring). All draws come from torch's RNG,
+    which the training feed seeds per sample.
+
+    Args:
+        crop: side of the square training crop.
+        scale: base short side before the random ratio.
+        ratio_range: the random scale ratio's range.
+        cat_max_ratio: the largest share of the crop one class may cover (mmseg re-draws the
+            crop up to 10 times; hand-written: torchvision's RandomCrop has no such rule).
+        mean, std: normalisation constants.
+    """
+
+    def __init__(self, crop: int, scale: int, ratio_range=(0.5, 2.0), cat_max_ratio: float = 0.75,
+                 mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)):
+        self.crop, self.scale, self.ratio_range = crop, scale, tuple(ratio_range)
+        self.cat_max_ratio, self.mean, self.std = cat_max_ratio, mean, std
+        # mmseg's PhotoMetricDistortion: brightness +-32/255, contrast and saturation 0.5-1.5,
+        # hue +-18 degrees, each applied with probability 1/2.
+        self.photometric = v2.Compose([
+            v2.RandomApply([v2.ColorJitter(brightness=32 / 255)], p=0.5),
+            v2.RandomApply([v2.ColorJitter(contrast=(0.5, 1.5))], p=0.5),
+            v2.RandomApply([v2.ColorJitter(saturation=(0.5, 1.5))], p=0.5),
+            v2.RandomApply([v2.ColorJitter(hue=18 / 360)], p=0.5)])
+
+    def _crop_box(self, label: torch.Tensor) -> tuple[int, int]:
+        H, W = label.shape
+        for _ in range(10):
+            top = int(torch.randint(0, max(H - self.crop, 0) + 1, ()))
+            left = int(torch.randint(0, max(W - self.crop, 0) + 1, ()))
+            if self.cat_max_ratio >= 1:
+                break
+            window = label[top:top + self.crop, left:left + self.crop]
+            _, counts = torch.unique(window[window != IGNORE], return_counts=True)
+            if len(counts) > 1 and counts.max() / counts.sum() < self.cat_max_ratio:
+                break
+        return top, left
+
+    def __call__(self, img: Image.Image, mask: np.ndarray):
+        img = TF.pil_to_tensor(img)
+        label = torch.from_numpy(reduce_zero_label(mask))
+        lo, hi = self.ratio_range
+        short = round(self.scale * float(torch.empty(()).uniform_(lo, hi)))
+        img = TF.resize(img, short, interpolation=v2.InterpolationMode.BILINEAR, antialias=True)
+        label = TF.resize(label[None], short, interpolation=v2.InterpolationMode.NEAREST)[0]
+        top, left = self._crop_box(label)
+        img = img[:, top:top + self.crop, left:left + self.crop]
+        label = label[top:top + self.crop, left:left + self.crop]
+        pad_h, pad_w = self.crop - img.shape[1], self.crop - img.shape[2]
+        if pad_h or pad_w:  # images smaller than the crop: padded, the padding ignored
+            img = F.pad(img, (0, pad_w, 0, pad_h), value=0)
+            label = F.pad(label, (0, pad_w, 0, pad_h), value=IGNORE)
+        if torch.rand(()) < 0.5:
+            img, label = img.flip(-1), label.flip(-1)
+        return _normalise(self.photometric(img), self.mean, self.std), label
+
+
+class SegEvalTransform:
+    """The image's short side to `scale`, normalised; the label kept at full resolution."""
+
+    def __init__(self, scale: int, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)):
+        self.scale, self.mean, self.std = scale, mean, std
+
+    def __call__(self, img: Image.Image, mask: np.ndarray):
+        img = TF.resize(TF.pil_to_tensor(img), self.scale, interpolation=v2.InterpolationMode.BILINEAR,
+                        antialias=True)
+        return _normalise(img, self.mean, self.std), torch.from_numpy(reduce_zero_label(mask))
+
+
+def write_digits_ade20k(root, n_train: int = 300, n_val: int = 60, canvas: int = 64, seed: int = 0) -> Path:
+    """A tiny ADE20K-layout set from scikit-learn's digits (ships with the package): canvases
+    of 2 x 2 cells, each holding a digit (upsampled 8 -> canvas / 2 px) or nothing; the mask
+    is the digit's class + 1 on its pixels (intensity above half its maximum), 0 elsewhere.
+    Training canvases use the digits of `Digits(train=True)`, validation ones the held-out
+    digits, so a backbone trained on data=digits never saw the validation digits.
+
+    Written once (a marker file says it is complete); returns the ADEChallengeData2016 folder.
+    """
+    from .digits import Digits
+
+    base = Path(root) / FOLDER
+    if (base / ".complete").exists():
+        return base
+    rng = np.random.default_rng(seed)
+    cell = canvas // 2
+    for split, n, train in (("training", n_train, True), ("validation", n_val, False)):
+        (base / "images" / split).mkdir(parents=True, exist_ok=True)
+        (base / "annotations" / split).mkdir(parents=True, exist_ok=True)
+        digits = Digits(train)
+        for i in range(n):
+            img = np.zeros((canvas, canvas), np.float32)
+            mask = np.zeros((canvas, canvas), np.uint8)
+            for r in range(2):
+                for c in range(2):
+                    if rng.random() < 0.2:
+                        continue  # an empty cell: background only
+                    j = int(rng.integers(len(digits)))
+                    d = np.asarray(Image.fromarray(digits.images[j]).resize((cell, cell), Image.BICUBIC), np.float32)
+                    img[r * cell:(r + 1) * cell, c * cell:(c + 1) * cell] = d
+                    fg = d > 0.5 * max(d.max(), 1.0)
+                    mask[r * cell:(r + 1) * cell, c * cell:(c + 1) * cell][fg] = digits.targets[j] + 1
+            name = f"ADE_{split}_{i:08d}"
+            Image.fromarray(img.clip(0, 255).astype(np.uint8)).convert("RGB").save(
+                base / "images" / split / f"{name}.jpg", quality=95)
+            Image.fromarray(mask).save(base / "annotations" / split / f"{name}.png")
+    (base / ".complete").write_text("written by laplace.data.ade20k.write_digits_ade20k\n")
+    return base

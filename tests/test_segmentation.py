@@ -1,0 +1,161 @@
+"""Frozen-backbone segmentation (eval/segmentation.py, laplace/data/ade20k.py, eval/seg_metrics.py):
+the metric against a hand computation, sliding windows against whole-image inference, ADE20K's
+label convention and layout, the training pipeline, and the protocol end to end on the tiny
+ADE20K-layout digits set."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import ROOT, TINY_VIT
+from eval.seg_metrics import SegMetric
+from eval.segmentation import FrozenBackboneSeg, slide_inference
+from laplace import create_model
+from laplace.data import DatasetNotFoundError
+from laplace.data.ade20k import (ADE20K, IGNORE, SegEvalTransform, SegTrainTransform, reduce_zero_label,
+                                 write_digits_ade20k)
+from train import run
+
+
+def test_miou_of_a_planted_prediction_by_hand():
+    label = torch.tensor([[0, 0, 1, 1], [2, 2, 255, 255]])
+    pred = torch.tensor([[0, 1, 1, 1], [2, 0, 0, 3]])
+    m = SegMetric(num_classes=4)
+    m.update(pred, label)
+    out = m.compute()
+    # class 0: inter 1, label 2, pred 2 (one of them on an ignored pixel: not counted) -> union 3
+    # (labelled pixels only: pred 0 at (0,0), (1,1)); class 1: inter 2, label 2, pred 3 -> 2/3;
+    # class 2: inter 1, label 2, pred 1 -> 1/2; class 3: no label, predicted only on ignored -> NaN.
+    iou = [1 / 3, 2 / 3, 1 / 2]
+    assert out["IoU"][:3] == pytest.approx([100 * v for v in iou]) and math.isnan(out["IoU"][3])
+    assert out["mIoU"] == pytest.approx(100 * sum(iou) / 3)
+    assert out["aAcc"] == pytest.approx(100 * 4 / 6)
+    assert out["mAcc"] == pytest.approx(100 * (1 / 2 + 1 + 1 / 2) / 3)
+
+
+class PixelModel(torch.nn.Module):
+    """A per-pixel linear map of a fixed input size (what a sliding window feeds)."""
+
+    def __init__(self, size: int, k: int = 3):
+        super().__init__()
+        self.size, self.conv = size, torch.nn.Conv2d(3, k, 1)
+
+    def forward(self, x):
+        assert x.shape[-2:] == (self.size, self.size)
+        return self.conv(x)
+
+
+@pytest.mark.cuda
+def test_sliding_windows_equal_whole_image_inference(device):
+    torch.manual_seed(0)
+    model = PixelModel(16).to(device)
+    img = torch.randn(2, 3, 16, 16, device=device)
+    whole = model(img)
+    torch.testing.assert_close(slide_inference(model, img, 3, window=16, stride=11), whole)
+    # Overlapping windows on a larger image, and an image smaller than the window (padded):
+    # a per-pixel model gives the same logits everywhere, whatever the windows.
+    big = torch.randn(1, 3, 40, 27, device=device)
+    torch.testing.assert_close(slide_inference(model, big, 3, window=16, stride=11), model.conv(big))
+    small = torch.randn(1, 3, 10, 12, device=device)
+    torch.testing.assert_close(slide_inference(model, small, 3, window=16, stride=11), model.conv(small))
+
+
+def test_reduce_zero_label():
+    mask = np.array([[0, 1, 150], [2, 0, 3]], dtype=np.uint8)
+    assert reduce_zero_label(mask).tolist() == [[IGNORE, 0, 149], [1, IGNORE, 2]]
+
+
+def test_ade20k_layout_and_missing_data(tmp_path):
+    base = write_digits_ade20k(tmp_path / "ade", n_train=6, n_val=3)
+    assert base.name == "ADEChallengeData2016"
+    for root in (tmp_path / "ade", base):  # the parent or the folder itself
+        ds = ADE20K(root, "validation")
+        assert len(ds) == 3
+    img, label = ADE20K(base, "training")[0]
+    mask = np.array(Image.open(sorted((base / "annotations/training").glob("*.png"))[0]))
+    assert img.size == (64, 64) and label.tolist() == reduce_zero_label(mask).tolist()
+    assert set(np.unique(mask)) <= set(range(11)) and (mask > 0).any()  # digits 1..10, background 0
+    with pytest.raises(DatasetNotFoundError) as e:
+        ADE20K(tmp_path / "nowhere", "training")
+    assert "ADEChallengeData2016" in str(e.value) and "data.root" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_training_pipeline_crops_pads_and_ignores(tmp_path):
+    base = write_digits_ade20k(tmp_path / "ade", n_train=4, n_val=2)
+    ds = ADE20K(base, "training", SegTrainTransform(crop=48, scale=64, ratio_range=(0.5, 0.5)))
+    torch.manual_seed(0)
+    x, y = ds[0]
+    # 64 px at ratio 0.5 -> 32 px, padded to the 48 px crop: the padding is ignored.
+    assert x.shape == (3, 48, 48) and y.shape == (48, 48)
+    assert (y[32:, :] == IGNORE).all()
+    assert (y[:, 32:] == IGNORE).all() or (y[:, :16] == IGNORE).all()  # padded right, or flipped
+    x2, y2 = ADE20K(base, "validation", SegEvalTransform(scale=32))[0]
+    assert x2.shape == (3, 32, 32) and y2.shape == (64, 64)  # the label stays at full size
+
+
+def test_frozen_backbone_features_and_gradients():
+    node = dict(name="vitt_0L", depth=2, embed_dim=48, num_heads=3, num_laplacian_heads=0, img_size=32,
+                patch_size=8, num_classes=10)
+    vit = create_model(**node)
+    seg = FrozenBackboneSeg(vit, num_classes=10, layers=2, cls_token=True)
+    x = torch.randn(2, 3, 32, 32)
+    out = seg.train()(x)
+    assert out.shape == (2, 10, 32, 32) and not seg.backbone.training
+    out.sum().backward()
+    assert all(p.grad is None for p in seg.backbone.parameters())
+    assert seg.head.conv.weight.grad is not None and seg.head.bn.num_features == 48 * 2 * 2
+    feats = vit.forward_features(x, layers=[1], norm=True)["norm"][:, 1:]  # the last block, normed
+    got = seg.features(x)[:, :48]  # the first layer in the concatenation is block 0
+    ref = vit.norm(vit.forward_features(x, layers=[0], norm=False)["blocks.0"])[:, 1:]
+    torch.testing.assert_close(got.flatten(2).transpose(1, 2), ref)
+    torch.testing.assert_close(seg.features(x)[:, 96:144].flatten(2).transpose(1, 2), feats)
+
+
+@pytest.mark.slow
+def test_linear_protocol_end_to_end_on_digits(make_cfg, tmp_path):
+    """A backbone trained on digits, then `python -m eval.segmentation` for a few iterations on
+    8 canvases (the same ones every step, so the head can fit them): the loss falls, mIoU lands
+    in results.json beside the backbone's run."""
+    run(make_cfg(*TINY_VIT, "model=vitt_3L", "model.depth=2", "trainer.max_steps=5", run_dir=tmp_path / "bb"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "eval.segmentation", f"checkpoint={tmp_path / 'bb/ckpt/last.pt'}",
+         "eval=seg_digits_linear", "iters=24", "batch_size=8", "data.n_train=8", "data.n_val=4",
+         "trainer.eval_every=12", "trainer.log_every=1", "optim.schedules.lr.warmup=0", "optim.lr=1e-2",
+         f"paths.data_dir={tmp_path / 'data'}", "trainer.progress=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = tmp_path / "bb/eval/seg_digits_ade20k_l1"
+    res = json.loads((out / "results.json").read_text())
+    assert res["protocol"] == "linear" and 0 <= res["mIoU"] <= 100 and len(res["per_class_IoU"]) == 10
+    assert res["model"] == "vitt_3L" and res["num_laplacian_heads"] == 3 and res["iters"] == 24
+    losses = [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()
+              if '"split": "train"' in ln]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1  # the head learns (2.13 -> 1.86 seen)
+    # The checkpoint exports the frozen backbone (at the crop size), unchanged.
+    from laplace.checkpoint import load_checkpoint, load_model
+
+    bb = load_model(out / "ckpt/last.pt")
+    src = load_checkpoint(tmp_path / "bb/ckpt/last.pt")["model"]
+    assert bb.patch_embed.img_size == (64, 64)
+    assert torch.equal(bb.state_dict()["blocks.1.mlp.fc2.weight"], src["blocks.1.mlp.fc2.weight"])
+
+
+def test_segmentation_cli_errors_are_one_line(tmp_path):
+    gpt = tmp_path / "gpt.pt"
+    from laplace.checkpoint import save_checkpoint
+    from laplace.config import model_node
+
+    node = dict(model_node("gpt_d2_0L"), vocab_size=32, max_seq_len=16)
+    save_checkpoint(gpt, model=create_model(**node), config={"model": node})
+    for args, expect in ([f"checkpoint={tmp_path / 'none.pt'}"], "no such file"), ([f"checkpoint={gpt}"], "needs a ViT"):
+        proc = subprocess.run([sys.executable, "-m", "eval.segmentation", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(err) == 1 and expect in err[0], proc.stderr[-1000:]
