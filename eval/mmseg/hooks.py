@@ -1,0 +1,63 @@
+"""mmengine checkpoints that load with torch's `weights_only=True` default (resume included).
+
+torch >= 2.6 loads with weights_only=True by default, and mmengine 0.10.7 calls `torch.load`
+without the argument. Its checkpoints hold the message hub's log history as
+`mmengine.logging.HistoryBuffer` objects (numpy arrays inside) and numpy scalars (the ETA), so
+`Runner(resume=True)`, `load_from` and mmseg's `init_model` fail with "Weights only load
+failed ... Unsupported global: HistoryBuffer" (mmengine issue 1655). Allow-listing those
+globals would also mean allowing `numpy._core.multiarray._reconstruct` and `builtins.getattr`,
+which is what weights_only exists to refuse; turning weights_only off globally
+(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1) loses the protection for every file.
+
+So this hook makes the checkpoint plain data when it is written (a HistoryBuffer becomes a
+tagged dict of lists, numpy values become Python numbers or lists) and rebuilds the
+HistoryBuffers after loading, before the Runner hands them to the message hub. Our configs
+list it in `custom_hooks`; a checkpoint written without it still needs
+TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 to load, and only if you trust it.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mmengine.hooks import Hook
+from mmengine.logging import HistoryBuffer
+from mmseg.registry import HOOKS
+
+_TAG = "__history_buffer__"
+
+
+def _plain(obj):
+    """A copy of obj with HistoryBuffers as tagged dicts and numpy values as Python data."""
+    if isinstance(obj, HistoryBuffer):
+        log, count = obj.data
+        return {_TAG: True, "log": log.tolist(), "count": count.tolist(), "max_length": obj.max_length}
+    if isinstance(obj, dict):
+        return type(obj)((k, _plain(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return obj.tolist()
+    return obj
+
+
+def _rebuild(obj):
+    if isinstance(obj, dict):
+        if obj.get(_TAG):
+            return HistoryBuffer(obj["log"], obj["count"], obj["max_length"])
+        return type(obj)((k, _rebuild(v)) for k, v in obj.items())
+    return obj
+
+
+@HOOKS.register_module()
+class PlainCheckpointHook(Hook):
+    """Writes the message hub as plain data and restores it on load (module docstring)."""
+
+    priority = "VERY_LOW"  # last before a save: after every hook that adds to the checkpoint
+
+    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        for key in ("message_hub", "meta"):
+            if key in checkpoint:
+                checkpoint[key] = _plain(checkpoint[key])  # a new object: the live hub is untouched
+
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        if "message_hub" in checkpoint:
+            checkpoint["message_hub"] = _rebuild(checkpoint["message_hub"])
