@@ -136,8 +136,11 @@ def _out_dir(cfg, paths: list[Path]) -> Path:
 def run(cfg: DictConfig) -> list[dict]:
     """Analyse every checkpoint, write analysis.json and figures; return the results."""
     from analysis import plots
-    from analysis.pca_maps import denormalize, draw_pca_grid, model_maps
+    from analysis.pca_maps import check_options, denormalize, draw_pca_grid, model_maps
     from laplace.vit import VisionTransformer
+
+    # None: no foreground step; checked here, before the long part
+    pca_threshold = check_options(cfg.pca_foreground, cfg.pca_threshold, cfg.pca_upsample)
 
     metrics = check_metrics(list(cfg.metrics))
     paths = _checkpoints(cfg)
@@ -175,7 +178,7 @@ def run(cfg: DictConfig) -> list[dict]:
             images, labels = _pca_images(model, data_node, cfg)
             if pca_images is None:  # the image column: the same images for every checkpoint
                 pca_images = (denormalize(images, data_node["mean"], data_node["std"]), labels)
-            maps.append(model_maps(model, images, cfg.pca_layer))
+            maps.append(model_maps(model, images, cfg.pca_layer, pca_threshold, cfg.pca_upsample))
             map_facts.append(_facts(p, model, ckpt))
         elif cfg.pca_maps:
             print(f"[analysis] pca_maps: skipped for {p}, not a ViT", flush=True)
@@ -184,8 +187,12 @@ def run(cfg: DictConfig) -> list[dict]:
         _compare(runs, cfg, _out_dir(cfg, paths))
     if maps:
         stem = _out_dir(cfg, paths) / "pca_maps"
-        draw_pca_grid(pca_images[0], dict(zip(_labels(map_facts), maps)), stem, pca_images[1], cfg.pca_layer)
-        print(f"[analysis] wrote {stem.with_suffix('.png')}", flush=True)
+        models = [f["model"] for f in map_facts]  # file names: the model, + its run folder if shared
+        names = [m if models.count(m) == 1 else f"{m}_{Path(f['checkpoint']).parent.parent.name}"
+                 for m, f in zip(models, map_facts)]
+        draw_pca_grid(pca_images[0], dict(zip(_labels(map_facts), maps)), stem, pca_images[1], cfg.pca_layer,
+                      names, pca_threshold)
+        print(f"[analysis] wrote {stem.with_suffix('.png')} and full-resolution maps in {stem}/", flush=True)
     return runs
 
 

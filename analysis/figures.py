@@ -195,7 +195,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
     import torch
 
     from analysis.features import eval_split, load_for_analysis
-    from analysis.pca_maps import denormalize, draw_pca_grid, model_maps
+    from analysis.pca_maps import THRESHOLD, denormalize, draw_pca_grid, model_maps
 
     picks: dict = {}  # (k, mode) -> its lowest-seed run with a checkpoint
     for r in sorted(records, key=lambda r: (sort_key(r["k"]), r["mode"], sort_key(r["seed"]))):
@@ -203,7 +203,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
             picks.setdefault((r["k"], r["mode"]), r)
     if not picks:
         return []
-    maps, images = {}, None
+    maps, names, images = {}, [], None
     for (k, mode), r in picks.items():
         # one model in memory at a time: ViT-B checkpoints on a laptop add up
         model, _, data = load_for_analysis(r["checkpoint"], device=device)
@@ -212,10 +212,11 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
             items = [ds[i] for i in range(min(n, len(ds)))]
             x, labels = torch.stack([im for im, _ in items]), [int(y) for _, y in items]
             images = denormalize(x, data["mean"], data["std"])
-        maps[f"k={r['k_label']}" + ("" if mode == "fixed" else f" {mode}") + f" (seed {r['seed']})"] = \
-            model_maps(model, x, layer)
+        tag = f"k={r['k_label']}" + ("" if mode == "fixed" else f" {mode}")
+        maps[f"{r['model']} ({tag} Laplacian, seed {r['seed']})"] = model_maps(model, x, layer, THRESHOLD)
+        names.append(f"{r['model']}_{tag}_s{r['seed']}")
         del model
-    return draw_pca_grid(images, maps, stem, labels, layer)
+    return draw_pca_grid(images, maps, stem, labels, layer, names, THRESHOLD)  # DINOv2-style foreground maps
 
 
 def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_layer: str = "norm",

@@ -1,61 +1,136 @@
-"""PCA maps of ViT patch features: the first three principal components of one image's patch
-tokens shown as RGB on the patch grid (the paper's figure of sharper object boundaries with
-Laplacian heads, after DINO's PCA visualisations).
-
-A grid figure: one row per image, the input image in the first column, then one column per
-checkpoint. The images are the first `n` of the analysis subset (the same fixed random order for
-every checkpoint). Drawn by `python -m analysis` when `pca_maps=<n>` is set:
+"""PCA maps of ViT patch features (the paper's figure of sharper object boundaries with Laplacian
+heads, after DINO / DINOv2's PCA visualisations), drawn by `python -m analysis` when
+`pca_maps=<n>` is set and by `python -m analysis.figures`:
 
     python -m analysis checkpoint=[runs/a/ckpt/last.pt,runs/b/ckpt/last.pt] pca_maps=8 metrics=[]
+    python -m analysis checkpoint=... pca_maps=8 metrics=[] pca_foreground=false pca_upsample=bilinear
 
-which writes pca_maps.{png,pdf} next to the other figures (metrics=[] skips the metrics pass).
-The PCA is per image and per checkpoint: components are centred on that image's mean patch
-token, each component is min-max scaled to [0, 1] and the 3-channel map is upsampled to the
-image (nearest, so the patch grid stays visible). A component's sign is arbitrary; it is fixed
-so that its largest-magnitude projection is positive, which keeps the colours deterministic.
+Per image and per checkpoint, as in DINOv2 (Fig. 1; "background removed by removing patches
+with a negative score of the first PCA component"):
+  1. a PCA of the image's patch tokens; the first component, min-max scaled to [0, 1], is
+     thresholded: foreground = patches above `pca_threshold` (default 0.5);
+  2. a second PCA on the foreground patches only; its first 3 components, each min-max scaled
+     over the foreground, are the RGB; the background is black.
+With pca_foreground=false: the first 3 components of the one PCA of all patches as RGB.
+A component's sign is arbitrary, so it is fixed: the first component of step 1 points away
+from the image border (the border mean is negative: objects sit inside the frame, as the
+"background prior" of saliency methods assumes; on an exact tie the next rule decides); every
+other component has its largest-magnitude value positive (TokenCut's rule). The same features,
+or their negation, give the same map.
+
+Written (stem = <out>/pca_maps, or <out>/pca_maps_<exp> for analysis.figures):
+    <stem>.{png,pdf}          one row per image: the image, then one column per checkpoint
+                              titled with its model and Laplacian heads; the same images in
+                              every column (the first n of the fixed analysis order). Each cell
+                              is the image's size times an integer factor (>= 1), so a 224 px
+                              image gets a 224 px cell and a 32 px digit a 256 px one.
+    <stem>/image_<i>.png      the input image, at its own resolution
+    <stem>/<model>_<i>.png    each map at the image's resolution, to drop into a paper
+The maps are upsampled from the patch grid with `pca_upsample`: nearest (the patch grid stays
+visible) or bilinear.
 """
 from __future__ import annotations
 
+import re
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
-from analysis.plots import plt, save
+from analysis.plots import plt
 from laplace.errors import ConfigError
 
+DPI = 150          # of the PNG grid; cell sizes are computed in pixels at this dpi
+MIN_CELL_PX = 240  # small images are enlarged by an integer factor to about this many pixels
+UPSAMPLE = ("nearest", "bilinear")
+THRESHOLD = 0.5    # the default foreground threshold (configs/analysis.yaml pca_threshold)
 
-def pca_rgb(patches: torch.Tensor, grid: tuple[int, int]) -> np.ndarray:
+
+def check_options(foreground: bool, threshold, upsample: str) -> float | None:
+    """The threshold pca_rgb takes (None: pca_foreground=false); bad pca_threshold or pca_upsample
+    is a ConfigError (call it before any model runs)."""
+    if upsample not in UPSAMPLE:
+        raise ConfigError(f"pca_upsample={upsample}: one of {', '.join(UPSAMPLE)}")
+    if not foreground:
+        return None
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+        raise ConfigError(f"pca_threshold={threshold}: a number in [0, 1) on the min-max scaled first component "
+                          f"(or pca_foreground=false)")
+    return float(threshold)
+
+
+def _pca(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Centred projections [P, k] on the top-k components; rank-deficient ones are exact zeros
+    (their rounding noise would otherwise be min-max scaled into full-range colour)."""
+    x = x - x.mean(0)
+    _, S, Vh = torch.linalg.svd(x, full_matrices=False)
+    proj = x @ Vh[:k].T
+    proj[:, S[:k] <= 1e-6 * S[0].clamp_min(1e-30)] = 0
+    if proj.shape[1] < k:  # fewer patches or dims than k
+        proj = torch.cat([proj, proj.new_zeros(proj.shape[0], k - proj.shape[1])], 1)
+    peak = proj.gather(0, proj.abs().argmax(0, keepdim=True))  # largest-magnitude value per component
+    return torch.where(peak < 0, -proj, proj)
+
+
+def _minmax(proj: torch.Tensor, flat: float) -> torch.Tensor:
+    """Each column to [0, 1]; a constant column becomes `flat`."""
+    lo, hi = proj.min(0).values, proj.max(0).values
+    return torch.where(hi > lo, (proj - lo) / (hi - lo).clamp_min(1e-30), torch.full_like(proj, flat))
+
+
+def _border(grid: tuple[int, int]) -> torch.Tensor:
+    """Row-major [P] bool: patches on the edge of the grid."""
+    m = torch.ones(grid, dtype=torch.bool)
+    m[1:-1, 1:-1] = False
+    return m.flatten()
+
+
+def foreground_mask(patches: torch.Tensor, grid: tuple[int, int], threshold: float = 0.5) -> torch.Tensor:
+    """[gh, gw] bool: patches whose first component, oriented away from the border and min-max
+    scaled to [0, 1], is above `threshold`. patches: [P, D] row-major over the grid."""
+    s = _pca(patches.double(), 1)[:, 0]
+    edge = s[_border(grid)].mean()
+    if edge.abs() > 1e-9 * s.abs().max():  # else a tie: keep the largest-magnitude rule's sign
+        s = s if edge < 0 else -s
+    return (_minmax(s[:, None], 0.0)[:, 0] > threshold).reshape(grid)
+
+
+def pca_rgb(patches: torch.Tensor, grid: tuple[int, int], threshold: float | None = None) -> np.ndarray:
     """Patch features [P, D] of one image -> [gh, gw, 3] floats in [0, 1].
 
     Args:
         patches: one image's patch tokens, row-major over the patch grid.
         grid: (rows, cols) of the patch grid, rows * cols == P.
+        threshold: None: the first 3 components of all patches; a float: DINOv2's foreground
+            recipe (module docstring), background black.
     """
     x = patches.double()
-    x = x - x.mean(0)
-    _, _, Vh = torch.linalg.svd(x, full_matrices=False)
-    proj = x @ Vh[:3].T  # [P, <=3]
-    peak = proj.gather(0, proj.abs().argmax(0, keepdim=True))  # largest-magnitude value per component
-    proj = torch.where(peak < 0, -proj, proj)
-    lo, hi = proj.min(0).values, proj.max(0).values
-    rgb = (proj - lo) / (hi - lo).clamp_min(1e-12)
-    if rgb.shape[1] < 3:  # fewer than 3 patches or dims: pad with black channels
-        rgb = torch.cat([rgb, rgb.new_zeros(rgb.shape[0], 3 - rgb.shape[1])], 1)
+    if threshold is None:
+        return _minmax(_pca(x, 3), 0.0).reshape(*grid, 3).float().numpy()
+    fg = foreground_mask(x, grid, threshold).flatten()
+    rgb = x.new_zeros(x.shape[0], 3)
+    if fg.any():  # a constant component is mid-grey, so the foreground stays apart from black
+        rgb[fg] = _minmax(_pca(x[fg], 3), 0.5)
     return rgb.reshape(*grid, 3).float().numpy()
 
 
 @torch.no_grad()
-def model_maps(model, images: torch.Tensor, layer: str = "norm") -> list[np.ndarray]:
+def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: float | None = THRESHOLD,
+               upsample: str = "nearest") -> list[np.ndarray]:
     """PCA maps [H, W, 3] of a batch of normalised images [K, 3, H, W] at `layer`.
 
     Args:
         model: a VisionTransformer from `load_model`.
         images: already transformed (resized, normalised) as the model expects.
         layer: "norm" or "blocks.<i>".
+        threshold: pca_rgb's (None: no foreground step).
+        upsample: "nearest" or "bilinear", from the patch grid to the image's pixels.
     """
+    check_options(threshold is not None, threshold, upsample)
     dev = next(model.parameters()).device
     block = None if layer == "norm" else [int(layer.split(".")[1])]
     feats = model.forward_features(images.to(dev), layers=block)
@@ -65,8 +140,10 @@ def model_maps(model, images: torch.Tensor, layer: str = "norm") -> list[np.ndar
     H, W = images.shape[-2:]
     maps = []
     for f in feats[layer][:, 1:].float().cpu():  # patch tokens only
-        rgb = torch.from_numpy(pca_rgb(f, grid)).permute(2, 0, 1)[None]
-        maps.append(F.interpolate(rgb, size=(H, W), mode="nearest")[0].permute(1, 2, 0).numpy())
+        rgb = torch.from_numpy(pca_rgb(f, grid, threshold)).permute(2, 0, 1)[None]
+        kw = {} if upsample == "nearest" else {"align_corners": False}
+        up = F.interpolate(rgb, size=(H, W), mode=upsample, **kw).clamp(0, 1)
+        maps.append(up[0].permute(1, 2, 0).numpy())
     return maps
 
 
@@ -76,30 +153,80 @@ def denormalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float
     return (images.cpu() * s + m).clamp(0, 1).permute(0, 2, 3, 1).numpy()
 
 
+def grid_figure(images: np.ndarray, maps: dict[str, list[np.ndarray]], labels: Sequence[int] = (),
+                layer: str = "norm", threshold: float | None = None):
+    """The grid as a matplotlib figure (draw_pca_grid's arguments); each cell's axes is placed
+    by hand so that it spans exactly scale * (W, H) pixels at DPI."""
+    K, H, W = images.shape[:3]
+    cols = [("image", list(images))] + list(maps.items())
+    scale = max(1, round(MIN_CELL_PX / max(H, W)))
+    cw, ch, gap, left = scale * W / DPI, scale * H / DPI, 0.06, 0.3  # inches
+    titles = [textwrap.fill(t, max(12, int(cw * 72 / 4.8))) for t, _ in cols]  # ~4.8 pt a character at 8 pt
+    fw = left + len(cols) * (cw + gap)
+    how = f"foreground > {threshold:g} on PC1, then 3 PCs" if threshold is not None else "first 3 PCs"
+    sup = textwrap.fill(f"PCA of patch features at {layer}: {how} as RGB", max(20, int(fw * 72 / 5.4)))
+    top = 0.15 + 0.17 * (sup.count("\n") + 1) + 0.15 * max(t.count("\n") + 1 for t in titles)
+    fh = top + K * (ch + gap) + 0.05
+    fig = plt.figure(figsize=(fw, fh), dpi=DPI)
+    for j, (_, imgs) in enumerate(cols):
+        for i in range(K):
+            x0, y0 = left + j * (cw + gap), fh - top - (i + 1) * ch - i * gap
+            ax = fig.add_axes((x0 / fw, y0 / fh, cw / fw, ch / fh))
+            ax.imshow(imgs[i], interpolation="none")  # "none": the PDF embeds the pixels unresampled
+            ax.set_xticks([])
+            ax.set_yticks([])
+            for spine in ax.spines.values():
+                spine.set_visible(False)
+            if i == 0:
+                ax.set_title(titles[j], fontsize=8)
+            if j == 0 and len(labels) > i:
+                ax.set_ylabel(f"class {labels[i]}", fontsize=7)
+    fig.suptitle(sup, fontsize=9, y=1 - 0.06 / fh, va="top")
+    return fig
+
+
+def _file_names(titles: Sequence[str], names: Sequence[str] | None) -> list[str]:
+    """File-safe, unique stems for the map files."""
+    out = []
+    for j, n in enumerate(names or titles):
+        n = re.sub(r"[^A-Za-z0-9._-]+", "_", str(n)).strip("_") or "model"
+        out.append(n if n not in out and n != "image" else f"{n}_{j}")
+    return out
+
+
+def save_pngs(images: np.ndarray, maps: dict[str, list[np.ndarray]], folder: Path,
+              names: Sequence[str] | None = None) -> list[Path]:
+    """image_<i>.png and <name>_<i>.png at the image's own resolution; returns the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    cols = [("image", images)] + list(zip(_file_names(list(maps), names), maps.values()))
+    for name, imgs in cols:
+        for i, img in enumerate(imgs):
+            paths.append(folder / f"{name}_{i}.png")
+            Image.fromarray((np.asarray(img) * 255).round().astype(np.uint8)).save(paths[-1])
+    return paths
+
+
 def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: Path,
-                  labels: Sequence[int] = (), layer: str = "norm") -> list[Path]:
-    """Rows = images, columns = the image then one PCA map per checkpoint.
+                  labels: Sequence[int] = (), layer: str = "norm", names: Sequence[str] | None = None,
+                  threshold: float | None = None) -> list[Path]:
+    """Write <stem>.{png,pdf} (the grid) and the full-resolution files under <stem>/.
 
     Args:
         images: [K, H, W, 3] displayable images.
         maps: {column title: K maps [H, W, 3]} in column order.
-        stem: output path without suffix (.png and .pdf are written).
+        stem: output path without suffix.
         labels: class of each image, shown beside the row.
-        layer: named in the title.
+        layer: named in the title; threshold: the foreground threshold used (None: none).
+        names: file stems of the columns (default: the titles, made file-safe).
+    Returns the grid's two paths (the per-image files are listed by `save_pngs`).
     """
-    K, cols = len(images), 1 + len(maps)
-    fig, axes = plt.subplots(K, cols, figsize=(1.6 * cols + 0.4, 1.6 * K + 0.5), squeeze=False)
-    columns = [("image", list(images))] + list(maps.items())
-    for j, (title, imgs) in enumerate(columns):
-        for i in range(K):
-            ax = axes[i, j]
-            ax.imshow(imgs[i], interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if i == 0:
-                ax.set_title(title, fontsize=8)
-            if j == 0 and len(labels) > i:
-                ax.set_ylabel(f"class {labels[i]}", fontsize=7)
-    fig.suptitle(f"PCA of patch features at {layer}: first 3 components as RGB", fontsize=9)
-    fig.tight_layout()
-    return save(fig, stem)
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    fig = grid_figure(images, maps, labels, layer, threshold)
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
+    for p in paths:  # no bbox_inches="tight": it would move the cells off whole pixels
+        fig.savefig(p, dpi=DPI)
+    plt.close(fig)
+    save_pngs(images, maps, stem, names)
+    return paths
