@@ -1,0 +1,279 @@
+"""laplace.data.prepare: parquet in the FineWeb-Edu layout and the built-in text -> tokenizer,
+shards and meta.json; deterministic shards, resuming after a kill, one-line input errors."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+
+import laplace.data.prepare as prep
+from laplace.data import DatasetNotFoundError
+from laplace.data.shards import TokenStream, list_shards
+from laplace.errors import ConfigError, UserError
+from laplace.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("the model reads tokens and predicts the next one while attention heads mix "
+         "information across positions Laplacian graph spectrum eigenvalue café naïve 🙂 "
+         "def return 1234 5678 x = y + z").split()
+
+
+def make_docs(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"doc {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))
+            for i in range(n)]
+
+
+@pytest.fixture
+def fineweb(tmp_path) -> tuple[Path, list[str], list[str]]:
+    """3 parquet files (shard_0000{0,1,2}.parquet), row groups of 16 rows; the last is val."""
+    folder = tmp_path / "fineweb"
+    folder.mkdir()
+    files = [make_docs(70, 0), make_docs(50, 1), make_docs(30, 2)]
+    for k, docs in enumerate(files):
+        table = pa.table({"text": docs, "id": list(range(len(docs)))})
+        pq.write_table(table, folder / f"shard_{k:05d}.parquet", row_group_size=16)
+    return folder, files[0] + files[1], files[2]
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("prepare", overrides=["progress=false", "num_workers=2", *overrides])
+
+
+def parquet_cfg(src: Path, out: Path, *more: str):
+    return make_cfg(f"source={src}", f"out={out}", "vocab_size=320", "docs_per_shard=25",
+                    "val_docs=20", "batch_docs=7", *more)
+
+
+def split_docs(tokens: np.ndarray, bos: int) -> list[np.ndarray]:
+    starts = np.flatnonzero(tokens == bos)
+    assert starts[0] == 0  # every shard starts with a document
+    return np.split(tokens, starts[1:])
+
+
+def test_parquet_to_shards(fineweb, tmp_path):
+    src, train_docs, val_docs = fineweb
+    out = tmp_path / "out"
+    meta = prep.prepare(parquet_cfg(src, out))
+    tok = load_tokenizer(out / "tokenizer.json")
+    assert meta["tokenizer"] == str((out / "tokenizer.json").absolute()) and meta["vocab_size"] == 320
+    assert meta["dtype"] == "uint16" and meta["bos_id"] == tok.bos_id
+    # shard i = training documents [25 i, 25 i + 25): 120 documents -> 25, 25, 25, 25, 20
+    assert [s["docs"] for s in meta["train"]["shards"]] == [25, 25, 25, 25, 20]
+    files = list_shards(out, "train")
+    assert [f.name for f in files] == [f"shard_{i:05d}.npy" for i in range(5)]
+    decoded = []
+    for f, s in zip(files, meta["train"]["shards"]):
+        arr = np.load(f)
+        assert arr.dtype == np.uint16 and len(arr) == s["tokens"]
+        decoded += [tok.decode(d) for d in split_docs(arr, tok.bos_id)]
+    assert decoded == ["<|bos|>" + d for d in train_docs]
+    val = np.load(list_shards(out, "val")[0])
+    assert [tok.decode(d) for d in split_docs(val, tok.bos_id)] == ["<|bos|>" + d for d in val_docs[:20]]
+    assert meta["val"]["docs"] == 20 and meta["train"]["docs"] == 120
+    assert json.loads((out / "meta.json").read_text()) == meta
+    assert not [p for p in out.rglob(".*.tmp")]
+
+
+def test_max_docs_and_glob(fineweb, tmp_path):
+    src, train_docs, _ = fineweb
+    meta = prep.prepare(parquet_cfg(f"{src}/shard_*.parquet", tmp_path / "o", "max_docs=60",
+                                    "tokenizer=bytes"))
+    assert [s["docs"] for s in meta["train"]["shards"]] == [25, 25, 10]
+    arr = np.concatenate([np.load(f) for f in list_shards(tmp_path / "o", "train")])
+    assert arr.dtype == np.uint16 and meta["bos_id"] == 256 and meta["vocab_size"] == 265
+    assert bytes(arr[arr != 256].astype(np.uint8)) == "".join(train_docs[:60]).encode()
+
+
+def _identical(a: Path, b: Path) -> None:
+    names = sorted(p.relative_to(a) for p in a.rglob("*.npy"))
+    assert names == sorted(p.relative_to(b) for p in b.rglob("*.npy")) and names
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+
+
+def test_resume_after_kill_is_byte_identical(fineweb, tmp_path, monkeypatch):
+    src = fineweb[0]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    ref = prep.prepare(parquet_cfg(src, full))
+
+    real, calls = prep.write_shard, []
+
+    def dies_after_two(path, tokens, vocab_size):
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        calls.append(path)
+        return real(path, tokens, vocab_size)
+
+    monkeypatch.setattr(prep, "write_shard", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(parquet_cfg(src, killed))
+    assert not (killed / "meta.json").exists()
+    assert sorted(p.name for p in (killed / "train").glob("*.npy")) == ["shard_00000.npy", "shard_00001.npy"]
+    monkeypatch.setattr(prep, "write_shard", real)
+
+    # a stale temp file of write_shard (a kill during a write) is ignored and never used
+    (killed / "train" / ".shard_00002.npy.x1y2.tmp").write_bytes(b"\x93NUMPY garbage")
+    # the re-run must not tokenize the documents of the finished shards again
+    encoded = []
+    monkeypatch.setattr(prep, "encode_docs", lambda tok, docs, *a: (encoded.extend(docs),
+                                                                    real_encode(tok, docs, *a))[1])
+    meta = prep.prepare(parquet_cfg(src, killed))
+    assert len(encoded) == 120 - 50 + 20  # train shards 2..4 and the val shard
+    _identical(full, killed)
+    assert meta["train"] == ref["train"] and meta["val"] == ref["val"]
+    assert [f.name for f in list_shards(killed, "train")] == [f"shard_{i:05d}.npy" for i in range(5)]
+
+    # a third run finds everything done
+    encoded.clear()
+    assert prep.prepare(parquet_cfg(src, killed))["train"] == ref["train"] and not encoded
+
+
+real_encode = prep.encode_docs
+
+
+def test_resume_after_sigkill_subprocess(fineweb, tmp_path):
+    """A real kill: the process is SIGKILLed right after its second shard is renamed into place."""
+    src = fineweb[0]
+    prep.prepare(parquet_cfg(src, tmp_path / "full"))
+    out = tmp_path / "killed"
+    script = """
+import os, runpy, signal
+import laplace.data.shards as shards
+write_shard, n = shards.write_shard, []
+def write(*a):
+    p = write_shard(*a)
+    n.append(p)
+    if len(n) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return p
+shards.write_shard = write  # taken by `python -m laplace.data.prepare`'s own import
+runpy.run_module("laplace.data.prepare", run_name="__main__", alter_sys=True)
+"""
+    args = [f"source={src}", f"out={out}", "vocab_size=320", "docs_per_shard=25", "val_docs=20",
+            "batch_docs=7", "progress=false", "num_workers=2"]
+    r = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert r.returncode == -9, r.stderr
+    assert len(list((out / "train").glob("*.npy"))) == 2 and not (out / "meta.json").exists()
+    prep.prepare(parquet_cfg(src, out))
+    _identical(tmp_path / "full", out)
+
+
+def test_rerun_with_other_settings_is_refused(fineweb, tmp_path):
+    src, out = fineweb[0], tmp_path / "out"
+    prep.prepare(parquet_cfg(src, out, "tokenizer=bytes"))
+    with pytest.raises(ConfigError) as e:
+        prep.prepare(parquet_cfg(src, out, "tokenizer=bytes", "docs_per_shard=10"))
+    assert "docs_per_shard=10" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_token_stream_over_prepared_shards(fineweb, tmp_path):
+    out = tmp_path / "out"
+    meta = prep.prepare(parquet_cfg(fineweb[0], out))
+    files = list_shards(out, "train")
+    stream = TokenStream(files, seq_len=32, micro_batch_size=4)
+    assert stream.num_tokens == meta["train"]["tokens"]
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    state = stream.state_dict()
+    x_next, y_next = next(it)
+    assert x_next.shape == (4, 32) and (x_next[:, 1:] == y_next[:, :-1]).all()
+    resumed = TokenStream(files, seq_len=32, micro_batch_size=4)
+    resumed.load_state_dict(state)
+    x, y = next(iter(resumed))
+    assert (x == x_next).all() and (y == y_next).all()
+    stream_all = np.concatenate([np.load(f) for f in files]).astype(np.int64)
+    assert (x[0].numpy() == stream_all[3 * 4 * 32: 3 * 4 * 32 + 32]).all()
+
+
+def test_pydoc_source(tmp_path):
+    meta = prep.prepare(make_cfg("source=pydoc", f"paths.data_dir={tmp_path}", "vocab_size=512",
+                                 "max_docs=20", "docs_per_shard=8", "val_docs=3"))
+    out = tmp_path / "pydoc_bpe"
+    assert (out / "meta.json").is_file() and (out / "tokenizer.json").is_file()
+    assert [s["docs"] for s in meta["train"]["shards"]] == [8, 8, 4] and meta["val"]["docs"] == 3
+    from laplace.data.text import pydoc_documents
+
+    tok = load_tokenizer(out / "tokenizer.json")
+    val = np.load(list_shards(out, "val")[0])
+    assert tok.decode(val) == "".join("<|bos|>" + d for d in pydoc_documents(train=False)[:3])
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    assert isinstance(e.value, UserError) and "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_missing_source(tmp_path):
+    with pytest.raises(DatasetNotFoundError) as e:
+        prep.prepare(parquet_cfg(tmp_path / "nope", tmp_path / "out"))
+    assert str(tmp_path / "nope") in _one_line(e) and "source" in str(e.value)
+    with pytest.raises(DatasetNotFoundError) as e:
+        prep.prepare(parquet_cfg(f"{tmp_path}/nope/*.parquet", tmp_path / "out"))
+    assert "source=" in _one_line(e)
+
+
+def test_missing_text_column(fineweb, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        prep.prepare(parquet_cfg(fineweb[0], tmp_path / "out", "text_column=content"))
+    msg = _one_line(e)
+    assert "text_column=content" in msg and "'text'" in msg and "'id'" in msg
+
+
+def test_bad_values(fineweb, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        prep.prepare(parquet_cfg(fineweb[0], tmp_path / "out", "docs_per_shard=0"))
+    assert "docs_per_shard=0" in _one_line(e)
+    with pytest.raises(ConfigError) as e:
+        prep.prepare(parquet_cfg(fineweb[0], tmp_path / "out", "vocab_size=200"))
+    assert "vocab_size=200" in _one_line(e)
+    one = tmp_path / "one"
+    one.mkdir()
+    pq.write_table(pa.table({"text": ["a"]}), one / "shard_00000.parquet")
+    with pytest.raises(ConfigError) as e:
+        prep.prepare(parquet_cfg(one, tmp_path / "out"))
+    assert "at least two" in _one_line(e)
+
+
+def test_command_line_error_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "laplace.data.prepare", f"source={tmp_path}/nope",
+                        f"out={tmp_path}/out"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: ")
+
+
+def test_datasets_local_folder(tmp_path, monkeypatch):
+    """The `datasets` route (hub ids use the same code) on a local dataset folder, offline."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tmp_path / "ds" / "data"
+    folder.mkdir(parents=True)
+    docs = make_docs(30, 7)
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": d, "n": i}) + "\n"
+                                                for i, d in enumerate(docs)))
+    out = tmp_path / "out"
+    # no val_split: the first val_docs documents are the validation shard, train skips them
+    meta = prep.prepare(make_cfg(f"source={folder.parent}", f"out={out}", "tokenizer=bytes",
+                                 "docs_per_shard=10", "val_docs=4", "batch_docs=3"))
+    assert [s["docs"] for s in meta["train"]["shards"]] == [10, 10, 6] and meta["val"]["docs"] == 4
+    tok = load_tokenizer("bytes")
+    train = np.concatenate([np.load(f) for f in list_shards(out, "train")])
+    assert tok.decode(train) == "".join("<|bos|>" + d for d in docs[4:])
+    assert tok.decode(np.load(list_shards(out, "val")[0])) == "".join("<|bos|>" + d for d in docs[:4])
+    with pytest.raises(ConfigError) as e:
+        prep.prepare(make_cfg(f"source={folder.parent}", f"out={tmp_path / 'o2'}", "tokenizer=bytes",
+                              "text_column=body", "val_docs=4"))
+    assert "text_column=body" in _one_line(e) and "'n'" in str(e.value)
