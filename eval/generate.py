@@ -1,0 +1,148 @@
+"""`python -m eval.generate`: text from a GPT checkpoint, printed token by token as it is sampled.
+
+    python -m eval.generate checkpoint=runs/gpt/pydoc_text/gpt_d2_0L_s0/ckpt/last.pt prompt="The for"
+    python -m eval.generate checkpoint=... prompt="Lists are" temperature=0 max_new_tokens=64   # greedy
+    python -m eval.generate checkpoint=... chat=true prompt="What is a lambda?"                # one turn
+    python -m eval.generate checkpoint=... chat=true                                           # a chat on stdin
+    python -m eval.generate checkpoint=... 'prompt="Hi: there, you!"'    # punctuation: Hydra's quotes
+
+Every default lives in configs/generate.yaml. The model is rebuilt from the checkpoint alone
+(`laplace.checkpoint`) on `device` and its tokenizer from the checkpoint's config
+(`laplace.chat.tokenizer_from_config`: `data.tokenizer`, byte-level for runs without one).
+
+Plain mode continues `<|bos|> prompt` and prints the prompt, then the continuation as it comes.
+Chat mode (`chat=true`, nanochat's chat_cli): the prompt is a user turn rendered by
+`render_for_completion` (`... <|user_start|> prompt <|user_end|> <|assistant_start|>`) and the
+reply ends at `<|assistant_end|>`; without a prompt, user turns are read from stdin, one per
+line, and the conversation accumulates until EOF or "quit". Chat needs a model whose vocabulary
+holds the chat special tokens (an SFT / mid-trained model, or any run with a bpe tokenizer or
+`data.vocab_size=265` on bytes).
+
+Sampling is `laplace.sampling.stream_tokens` (KV cache, same ids as `GPT.generate` for the same
+seed); printing decodes everything generated so far and prints the new suffix, so multi-byte
+characters appear whole. Bad input (missing checkpoint, a ViT checkpoint, chat on a model
+without the chat tokens) exits with one `error: ...` line.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue
+
+from laplace.chat import render_for_completion, tokenizer_from_config
+from laplace.checkpoint import load_checkpoint, model_from_checkpoint
+from laplace.dist import resolve_device
+from laplace.errors import ConfigError, cli_errors
+from laplace.gpt import GPT
+from laplace.sampling import IncrementalDecoder, stream_tokens
+
+QUIT = ("quit", "exit")
+
+
+def _checkpoint(cfg) -> Path:
+    try:
+        value = cfg.checkpoint
+    except MissingMandatoryValue:
+        raise ConfigError("checkpoint is required: python -m eval.generate checkpoint=PATH "
+                          "prompt=\"...\"") from None
+    path = Path(str(value))
+    if not path.is_file():
+        raise ConfigError(f"checkpoint={value}: no such file; pass checkpoint=PATH to a GPT's laplace "
+                          f"checkpoint, e.g. runs/gpt/<data>/<run>/ckpt/last.pt")
+    return path
+
+
+def load_generator_model(path, device: str = "auto"):
+    """(GPT in eval mode on its device, its tokenizer) from a checkpoint file."""
+    ckpt = load_checkpoint(path)
+    name = ckpt["config"]["model"]["name"]
+    model = model_from_checkpoint(ckpt, resolve_device(device))
+    if not isinstance(model, GPT):
+        raise ConfigError(f"checkpoint={path} holds {name}, not a GPT: generation needs a language model")
+    return model, tokenizer_from_config(ckpt["config"])
+
+
+def _stream_print(tokens, tok, out: TextIO) -> str:
+    """Print a token stream as text as it arrives; return the whole text."""
+    dec = IncrementalDecoder(tok)
+    for t in tokens:
+        piece = dec.push(t)
+        if piece:
+            out.write(piece)
+            out.flush()
+    out.write(dec.flush())
+    out.flush()
+    return dec.printed
+
+
+def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:
+    """Run the command: print the generated text(s) and return them (one per reply)."""
+    stdin, out = stdin or sys.stdin, stdout or sys.stdout
+    model, tok = load_generator_model(_checkpoint(cfg), str(cfg.device))
+    device = model.wte.weight.device
+    top_k = int(cfg.top_k) if cfg.top_k else None
+    gen = torch.Generator(device=device).manual_seed(int(cfg.seed))
+
+    def sample(ids, stop_ids=()):
+        return stream_tokens(model, ids, int(cfg.max_new_tokens), float(cfg.temperature), top_k,
+                             stop_ids, gen)
+
+    prompt = None if cfg.prompt is None else str(cfg.prompt)
+    if not cfg.chat:
+        tokens = sample(tok.encode(prompt or "", prepend_bos=True))  # checked before printing
+        out.write(prompt or "")
+        text = _stream_print(tokens, tok, out)
+        out.write("\n")
+        return [text]
+
+    end = tok.special_id("<|assistant_end|>")  # a tokenizer without chat tokens: its one-line error
+    if end >= model.vocab_size:
+        raise ConfigError(f"chat=true: the model's vocabulary ({model.vocab_size} tokens) lacks the chat "
+                          f"tokens (<|assistant_end|> = {end}); it was not trained for chat, use chat=false")
+    stops = (end, tok.bos_id)  # <|bos|>: a model that starts a new document has stopped answering
+    messages: list[dict] = []
+    replies = []
+    turns = [prompt] if prompt is not None else None
+    interactive = turns is None
+    if interactive:
+        out.write("Chat: one user turn per line; \"quit\" or EOF (Ctrl-D) ends it.\n")
+    while True:
+        if interactive:
+            out.write("\nUser: ")
+            out.flush()
+            line = stdin.readline()
+            if not line:  # EOF
+                out.write("\n")
+                break
+            text = line.strip()
+            if text.lower() in QUIT:
+                break
+            if not text:
+                continue
+        else:
+            if not turns:
+                break
+            text = turns.pop(0)
+        messages.append({"role": "user", "content": text})
+        tokens = sample(render_for_completion(tok, {"messages": messages}), stops)
+        out.write("Assistant: " if interactive else "")
+        reply = _stream_print(tokens, tok, out)
+        out.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+        replies.append(reply)
+    return replies
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="generate")
+def main(cfg: DictConfig) -> None:
+    # Bad input: one `error:` line (HYDRA_FULL_ERROR=1: traceback); a bug: its traceback.
+    cli_errors(generate)(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Token-by-token sampling from a GPT: the streaming loop behind `python -m eval.generate`, and the
+few greedy samples the trainer logs at each evaluation.
+
+`stream_tokens` is `GPT.generate` (batch 1) turned into a Python generator: the prompt goes
+through the model once to fill a KV cache, then every step feeds the one new token, so a reply
+of n tokens costs n single-token forwards. Each step picks the token exactly as `GPT.generate`
+does (argmax at temperature 0; else logits / temperature, the top-k filter, then
+`torch.multinomial` with the caller's generator), so with the same seed both return the same
+ids; unlike it, the stream stops early at a stop token (a chat reply's `<|assistant_end|>`).
+
+Everything runs on the model's device under `torch.inference_mode`, applied per step by the
+decorator (a `with` block inside a generator would stay active in the caller between steps).
+A sampling generator must live on that device too: `torch.Generator(device=...)`.
+
+`IncrementalDecoder` prints a stream as it comes: it decodes all ids so far and returns the new
+suffix, holding back a trailing U+FFFD, which is a multi-byte character (or a BPE token cut
+inside one) still incomplete; so é, emoji and CJK characters appear whole.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .checkpoint import unwrap
+from .errors import ConfigError
+
+
+def _check(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float,
+           top_k: int | None) -> None:
+    if temperature is None or temperature < 0:
+        raise ConfigError(f"temperature={temperature}: use 0 (greedy) or a positive value")
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"top_k={top_k}: use a positive count, or 0 / null for no top-k")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens}: use a count >= 0")
+    if len(prompt_ids) == 0:
+        raise ConfigError("the prompt is empty: give at least one token (e.g. <|bos|>)")
+    top = max(int(i) for i in prompt_ids)
+    if top >= model.vocab_size or min(int(i) for i in prompt_ids) < 0:
+        raise ConfigError(f"prompt token id {top} is outside the model's vocabulary "
+                          f"(vocab_size={model.vocab_size}): the tokenizer does not match the model")
+    rope_len = getattr(model, "rope_len", None)
+    if rope_len is not None and len(prompt_ids) + max_new_tokens > rope_len:
+        raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens={max_new_tokens} exceeds "
+                          f"the model's longest sequence ({rope_len}); lower max_new_tokens")
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next ids [B, 1] from last-position logits [B, V], exactly as `GPT.generate` picks them."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k:  # None or 0: the whole vocabulary
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+
+
+@torch.inference_mode()
+def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, generator):
+    device = model.wte.weight.device
+    cache = model.new_kv_cache(1, len(prompt_ids) + max_new_tokens)
+    step_in = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    for _ in range(max_new_tokens):
+        logits = model(step_in, kv_cache=cache)[:, -1, :]
+        step_in = sample_next(logits, temperature, top_k, generator)
+        token = int(step_in)  # one host sync per token: the caller wants it now anyway
+        if token in stop_ids:
+            return
+        yield token
+
+
+def stream_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
+                  temperature: float = 0.0, top_k: int | None = None, stop_ids: Sequence[int] = (),
+                  generator: torch.Generator | None = None) -> Iterator[int]:
+    """Yield up to `max_new_tokens` new token ids after `prompt_ids`, one at a time.
+
+    Args:
+        model: a GPT (DDP / torch.compile wrappers are looked through: one-token steps would
+            recompile a compiled model at every new length).
+        prompt_ids: the prompt (with its <|bos|>), encoded once into the KV cache.
+        temperature: 0 is greedy; else the softmax temperature.
+        top_k: sample among the k most likely tokens (None or 0: all).
+        stop_ids: stop when one of these is sampled; it is not yielded.
+        generator: the sampling RNG, on the model's device (None: torch's global one).
+
+    Arguments are checked when this is called, not at the first step.
+    """
+    model = unwrap(model)
+    _check(model, prompt_ids, max_new_tokens, temperature, top_k)
+    return _stream(model, prompt_ids, max_new_tokens, temperature, top_k,
+                   frozenset(int(i) for i in stop_ids), generator)
+
+
+def sample_texts(model: nn.Module, tok, prompts: Sequence[str], max_new_tokens: int = 32) -> list[str]:
+    """Greedy completions of `prompts` (each after <|bos|>), decoded: what the trainer logs at
+    each evaluation to show what the model has learnt. A completion ends early at a <|bos|>
+    (the model starting a new document). Runs on the model's device; the model's train / eval
+    mode is left as it is (a GPT has no dropout, so it does not matter)."""
+    outs = []
+    for prompt in prompts:
+        ids = list(stream_tokens(model, tok.encode(prompt, prepend_bos=True), max_new_tokens,
+                                 stop_ids=(tok.bos_id,)))
+        outs.append(tok.decode(ids))
+    return outs
+
+
+class IncrementalDecoder:
+    """Text of a token stream as it grows: `push(id)` returns the text to print now."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.printed = tok, [], ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        text = self.tok.decode(self.ids)
+        stable = text.rstrip("\ufffd")  # an incomplete character at the end: wait for its bytes
+        if not stable.startswith(self.printed):  # a later token re-read earlier bytes
+            return ""
+        new, self.printed = stable[len(self.printed):], stable
+        return new
+
+    def flush(self) -> str:
+        """What is left at the end (a character that never completed prints as U+FFFD)."""
+        text = self.tok.decode(self.ids)
+        new = text[len(self.printed):] if text.startswith(self.printed) else ""
+        self.printed = text
+        return new

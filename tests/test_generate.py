@@ -1,0 +1,144 @@
+"""Sampling (laplace.sampling) and `python -m eval.generate` on checkpoints of the real trainer."""
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import CONFIGS, ROOT, randomize_
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from eval.generate import generate
+from laplace.chat import render_for_completion
+from laplace.checkpoint import load_model
+from laplace.config import register_model_configs
+from laplace.errors import ConfigError
+from laplace.sampling import IncrementalDecoder, sample_texts, stream_tokens
+from laplace.tokenizer import load_tokenizer
+from train import run as train_run
+
+TINY = ["experiment=gpt_pydoc", "model=gpt_d2_0L", "trainer.max_steps=2", "trainer.progress=false",
+        "trainer.num_workers=0", "data.seq_len=32", "trainer.global_batch_size=8"]
+
+
+def _train(tmp, name, *overrides) -> str:
+    register_model_configs(["gpt_d2_0L"])
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, *overrides, f"paths.runs_dir={tmp / 'runs'}"])
+    with open_dict(cfg):
+        cfg.run_dir = str(tmp / name)
+    train_run(cfg)
+    return str(tmp / name / "ckpt" / "last.pt")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Two 2-step runs of the real trainer: byte tokens (vocab 257, no room for the chat tokens)
+    and the same with data.vocab_size=265 (the bytes tokenizer's 9 specials fit)."""
+    tmp = tmp_path_factory.mktemp("gen")
+    return {"plain": _train(tmp, "plain"), "chat": _train(tmp, "chat", "data.vocab_size=265")}
+
+
+def _cli(*args, stdin: str | None = None):
+    return subprocess.run([sys.executable, "-m", "eval.generate", *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def _gen_cfg(*overrides):
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return compose("generate", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.0, None), (1.0, None), (0.8, 5)])
+def test_stream_tokens_matches_generate(ckpts, temperature, top_k):
+    model = randomize_(load_model(ckpts["chat"]), seed=1)  # trained 2 steps: near-uniform; randomize
+    prompt = [256] + list(b"The for statement")
+    n = 24
+    ref = model.generate(torch.tensor([prompt]), n, temperature=temperature, top_k=top_k,
+                         generator=torch.Generator().manual_seed(7))[0, len(prompt):].tolist()
+    got = list(stream_tokens(model, prompt, n, temperature, top_k, generator=torch.Generator().manual_seed(7)))
+    assert got == ref and len(set(got)) > 1
+    # A stop id ends the stream before it is yielded.
+    stop = ref[5]
+    first = ref.index(stop)
+    assert list(stream_tokens(model, prompt, n, temperature, top_k, stop_ids=(stop,),
+                              generator=torch.Generator().manual_seed(7))) == ref[:first]
+
+
+def test_stream_tokens_checks_its_arguments_at_the_call(ckpts):
+    model = load_model(ckpts["plain"])
+    for kwargs, match in [({"temperature": -1.0}, "temperature=-1.0"), ({"top_k": -2}, "top_k=-2"),
+                          ({"prompt_ids": [300]}, "prompt token id 300 .*vocab_size=257"),
+                          ({"prompt_ids": []}, "prompt is empty"),
+                          ({"max_new_tokens": 10**6}, "exceeds the model's longest sequence")]:
+        args = {"prompt_ids": [256, 65], "max_new_tokens": 4} | kwargs
+        with pytest.raises(ConfigError, match=match):
+            stream_tokens(model, **args)  # raised before the first next()
+
+
+def test_sample_texts_is_greedy_generate_decoded(ckpts):
+    model, tok = randomize_(load_model(ckpts["plain"]), seed=2), load_tokenizer("bytes")
+    texts = sample_texts(model, tok, ["The ", "Lists"], max_new_tokens=12)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    for prompt, text in zip(["The ", "Lists"], texts):
+        ids = [256] + list(prompt.encode())
+        out = model.generate(torch.tensor([ids]), 12, temperature=0)[0, len(ids):].tolist()
+        if 256 in out:  # the completion ends where the model starts a new document
+            out = out[:out.index(256)]
+        assert text == tok.decode(out)
+
+
+def test_incremental_decoder_prints_multibyte_characters_whole():
+    tok = load_tokenizer("bytes")
+    text = "naïve café → 日本 🙂!"
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push(b) for b in text.encode("utf-8")]
+    assert "".join(pieces) + dec.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert "🙂" in pieces  # printed once its 4th byte arrived
+
+
+def test_cli_plain_prints_the_continuation(ckpts):
+    proc = _cli(f"checkpoint={ckpts['plain']}", "prompt=The for", "max_new_tokens=8", "device=auto")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("The for") and len(proc.stdout.rstrip("\n")) > len("The for")
+
+
+def test_chat_turns_accumulate(ckpts, monkeypatch):
+    """In-process chat on stdin: blank lines are skipped, "quit" ends it, and each reply answers
+    the whole conversation so far (checked against stream_tokens on a randomized model)."""
+    cfg = _gen_cfg(f"checkpoint={ckpts['chat']}", "chat=true", "temperature=0", "max_new_tokens=6", "device=cpu")
+    out = io.StringIO()
+    replies = generate(cfg, stdin=io.StringIO("hello\n\nand then?\nquit\nnot read\n"), stdout=out)
+    assert len(replies) == 2 and out.getvalue().count("User: ") == 4 and out.getvalue().count("Assistant: ") == 2
+
+    import eval.generate as g
+
+    model, tok = randomize_(load_model(ckpts["chat"]), seed=3), load_tokenizer("bytes")
+    monkeypatch.setattr(g, "load_generator_model", lambda path, device: (model, tok))
+    replies = generate(cfg, stdin=io.StringIO("hello\nand then?\n"), stdout=io.StringIO())  # ends at EOF
+    end = tok.special_id("<|assistant_end|>")
+    messages = []
+    for turn, reply in zip(["hello", "and then?"], replies):
+        messages.append({"role": "user", "content": turn})
+        ids = render_for_completion(tok, {"messages": messages})
+        assert reply == tok.decode(list(stream_tokens(model, ids, 6, stop_ids=(end, tok.bos_id))))
+        messages.append({"role": "assistant", "content": reply})
+    assert len(replies) == 2 and replies[0] != replies[1]
+
+
+def test_cli_chat_with_a_prompt_and_errors(ckpts, tmp_path):
+    proc = _cli(f"checkpoint={ckpts['chat']}", "chat=true", "prompt=Hi there", "max_new_tokens=8", "seed=1")
+    assert proc.returncode == 0, proc.stderr
+    # A model without the chat tokens in its vocabulary: one line, non-zero exit.
+    proc = _cli(f"checkpoint={ckpts['plain']}", "chat=true", "prompt=Hi")
+    assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0
+    assert proc.stderr.startswith("error: chat=true: the model's vocabulary (257 tokens) lacks the chat tokens")
+    proc = _cli(f"checkpoint={tmp_path / 'missing.pt'}", "prompt=x")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == (f"error: checkpoint={tmp_path / 'missing.pt'}: no such file; pass "
+                                   f"checkpoint=PATH to a GPT's laplace checkpoint, e.g. "
+                                   f"runs/gpt/<data>/<run>/ckpt/last.pt")
