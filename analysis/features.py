@@ -86,13 +86,18 @@ def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = Non
         ds = build_vision_dataset(OmegaConf.create(data), train=False)
         per_seq = model.patch_embed.num_patches + 1
     else:
-        if data.get("name") != "pydoc_text":
-            raise ConfigError(f"data={data.get('name')}: GPT checkpoints are analysed on data=pydoc_text "
-                              f"(the only text split available offline)")
-        from laplace.data.text import build_pydoc_text
-
-        ds = build_pydoc_text(False, int(data["seq_len"]))
         per_seq = int(data["seq_len"])
+        if data.get("kind") == "shards":  # the validation shards of its pre-training data
+            from laplace.data.shards import ShardWindows, list_shards
+
+            ds = ShardWindows(list_shards(data["root"], "val"), per_seq)
+        elif data.get("name") == "pydoc_text":
+            from laplace.data.text import build_pydoc_text
+
+            ds = build_pydoc_text(False, per_seq)
+        else:
+            raise ConfigError(f"data={data.get('name')}: GPT checkpoints are analysed on token shards "
+                              f"(data=fineweb_edu, data=pydoc_bpe: set data.root) or data=pydoc_text")
     n = len(ds) if max_tokens is None else min(len(ds), max(1, int(max_tokens) // per_seq))
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:n]
     return Subset(ds, order.tolist()), per_seq

@@ -145,14 +145,17 @@ class GPT(nn.Module):
         return self.softcap * torch.tanh(z / self.softcap) if self.softcap else z
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, ignore_index: int = -1):
-        """idx [B, T] token ids. Returns logits [B, T, V], or the mean cross-entropy with
-        `targets` (positions equal to `ignore_index` are skipped)."""
+                kv_cache: Optional[KVCache] = None, ignore_index: int = -1, reduction: str = "mean"):
+        """idx [B, T] token ids. Returns logits [B, T, V], or with `targets` the cross-entropy
+        (`reduction` "mean" over the counted positions, or "none": [B, T], 0 where skipped);
+        positions whose target is `ignore_index` are skipped."""
         h, _ = self._run(idx, kv_cache)
         z = self.logits(h)
         if targets is None:
             return z
-        return F.cross_entropy(z.view(-1, z.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
+        loss = F.cross_entropy(z.view(-1, z.size(-1)), targets.reshape(-1), ignore_index=ignore_index,
+                               reduction=reduction)
+        return loss if reduction != "none" else loss.view(targets.shape)
 
     def forward_features(self, idx: torch.Tensor, layers: Optional[Sequence[int]] = None,
                          norm: bool = True) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ TRAINERS = {"deit3": "train.supervised:SupervisedTrainer", "gpt": "train.gpt:GPT
 # Config keys that say how a run executes, not what it trains: they do not change the run
 # directory's name (more workers or another logger must resume the same run) and a resume
 # does not compare them with the checkpoint's config.
-EXECUTION_KEYS = ("run_dir", "paths.", "logger", "hydra.", "data.root", "data.cache_dir", "data.download",
+EXECUTION_KEYS = ("run_dir", "paths.", "logger", "hydra.", "data.root", "data.tokenizer", "data.cache_dir", "data.download",
                   "trainer.device", "trainer.num_workers", "trainer.progress", "trainer.stop_after",
                   "trainer.log_every", "trainer.eval_every", "trainer.ckpt_every", "trainer.keep_every",
                   "trainer.micro_batch_size", "trainer.amp", "trainer.compile", "trainer.resume")

@@ -94,6 +94,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_path = self.run_dir / "ckpt" / "last.pt"
         self.amp = (tc.amp == "auto" and self.device.type == "cuda") or tc.amp is True
+        self.compile = (tc.compile == "auto" and self.device.type == "cuda") or tc.compile is True
         dist.seed_everything(cfg.seed + self.dist.rank)
 
         # Batch arithmetic: the global batch is a property of the recipe, not of the cluster.
@@ -111,7 +112,7 @@ class Trainer:
                               f"fewer than one micro batch of {self.micro_bs} ({_size(self.train_set)}); "
                               f"lower trainer.global_batch_size={tc.global_batch_size} or use more data")
         self.steps_per_epoch = max(1, self.feed.micro_batches_per_epoch // self.accum)
-        self.total_steps = tc.max_steps or tc.epochs * self.steps_per_epoch
+        self.total_steps = tc.max_steps or self.default_total_steps()
 
         if tc.get("init_from") == "required":  # what the fine-tuning experiments say
             raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
@@ -161,6 +162,15 @@ class Trainer:
         raise NotImplementedError
 
     def evaluate(self) -> dict:
+        return {}
+
+    def default_total_steps(self) -> int:
+        """Optimizer steps when trainer.max_steps is unset: trainer.epochs epochs (a language
+        model overrides it with a token budget)."""
+        return self.cfg.trainer.epochs * self.steps_per_epoch
+
+    def throughput_metrics(self, units_per_s: float) -> dict:
+        """Extra figures logged beside the throughput (e.g. the GPT's model FLOPs utilisation)."""
         return {}
 
     def before_optimizer_step(self) -> dict:
@@ -213,7 +223,7 @@ class Trainer:
         if self.dist.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             net = nn.parallel.DistributedDataParallel(net, device_ids=ids)
-        return torch.compile(net) if self.cfg.trainer.compile else net
+        return torch.compile(net) if self.compile else net
 
     def collate(self, items):
         return torch.utils.data.default_collate(items)
@@ -392,6 +402,7 @@ class Trainer:
                                              f"the learning rate or set optim.grad_clip")
                 rec = {"loss": mean_loss, **self.hparams, f"{self.unit}_per_s": seen / dt,
                        "step_ms": 1000 * dt / window_n, "epoch": self.epoch,
+                       **self.throughput_metrics(seen / dt),
                        **{k: float(v) for k, v in extras.items()}}
                 logger.log(step, rec, split="train")
                 if bar is not None:

@@ -1,52 +1,244 @@
-"""`trainer=gpt`: causal language-model pre-training on the shared engine.
+"""`trainer=gpt`: the language model, nanochat's pipeline on the shared engine.
 
-The core form: next-token cross-entropy on fixed windows of a token stream (`data=pydoc_text`,
-built in), the optimizer from `optim`, validation loss and bits per byte. nanochat's full
-pipeline (FineWeb-Edu shards, Muon, mid-training, SFT, benchmark evaluation) grows here.
+One trainer for the three stages; the `data` node says which (`data.kind`):
 
-    python train.py experiment=gpt_pydoc model=gpt_d2_1L trainer.max_steps=200
+    windows   byte windows of the built-in help text, in memory (data=pydoc_text; AdamW)
+    shards    pre-training on token shards (data=fineweb_edu, data=pydoc_bpe), memory-mapped
+              and streamed (laplace.data.shards.TokenStream), made by `python -m laplace.data.prepare`
+    chat      mid-training (packed rows) and SFT (one padded conversation per row) on a mixture
+              of conversation tasks (laplace.data.chat), loss on the assistant's tokens only;
+              they start from a pre-training checkpoint through trainer.init_from
+
+    python train.py experiment=gpt_d20 model=gpt_d20_5L data.root=/data/fineweb_edu   # the paper's run
+    python train.py experiment=gpt_tiny model=gpt_d4_2L                               # built-in text, CPU
+
+nanochat's recipe lives in the configs: Muon + AdamW (optim=muon, train/optim.py), the batch
+in tokens (global_batch_size x data.seq_len = 524,288 for d20), a token budget of
+`trainer.tokens_per_param` x parameters (Chinchilla's 20) unless trainer.max_steps or
+data.train_tokens is set. Logged: loss, validation bits per byte (nats over the true UTF-8
+bytes of the targets, special tokens excluded: nanochat's evaluate_bpb), tokens/s, model FLOPs
+utilisation, and greedy samples of fixed prompts at each evaluation (<run_dir>/samples.jsonl).
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
 
 import torch
+from omegaconf import open_dict
 
 from laplace.dist import all_reduce_sum
 from laplace.errors import ConfigError
 
 from .engine import Trainer
+from .optim import build_muon_adamw
+
+# bf16 dense peak of one GPU, for model FLOPs utilisation (trainer.peak_flops overrides).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
+                   "A100": 312e12, "A800": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token, nanochat's estimate: 6 x (parameters outside the embedding)
+    + the attention scores and mixing, 12 x layers x heads x head size x context."""
+    n = sum(p.numel() for p in model.parameters()) - model.wte.weight.numel()
+    return 6 * n + 12 * model.depth * model.num_heads * model.head_dim * seq_len
+
+
+def token_budget_steps(cfg) -> int:
+    """Pre-training steps of a config without trainer.max_steps: the token budget
+    (data.train_tokens, else trainer.tokens_per_param x parameters, nanochat's Chinchilla ratio
+    of 20) over the tokens of one step (global_batch_size x data.seq_len)."""
+    tc, d = cfg.trainer, cfg.data
+    budget = d.get("train_tokens")
+    if budget is None:
+        from laplace import create_model
+
+        with torch.device("meta"):  # shapes only: no memory, no init
+            budget = tc.tokens_per_param * sum(p.numel() for p in create_model(**cfg.model).parameters())
+    return max(1, int(budget) // (tc.global_batch_size * d.seq_len))
 
 
 class GPTTrainer(Trainer):
     unit = "tok"
     model_archs, data_modality = ("gpt",), "text"
-    example = "python train.py experiment=gpt_pydoc model=gpt_d2_1L"
+    example = "python train.py experiment=gpt_tiny model=gpt_d4_2L"
 
+    # ---- data ----------------------------------------------------------------------------
     def build_datasets(self):
         d = self.cfg.data
+        kind = d.get("kind", "windows")
+        if kind == "windows":
+            if d.name != "pydoc_text":
+                raise ConfigError(f"data.kind=windows serves data=pydoc_text only, got data={d.name!r}")
+            from laplace.data.text import build_pydoc_text
+
+            self.units_per_sample = d.seq_len
+            self.tokenizer = self._tokenizer()
+            return build_pydoc_text(True, d.seq_len), build_pydoc_text(False, d.seq_len)
+        if kind == "shards":
+            return self._shard_sets()
+        if kind == "chat":
+            return self._chat_sets()
+        raise ConfigError(f"data.kind={kind!r}: choose windows, shards or chat")
+
+    def _tokenizer(self):
+        """The data's tokenizer; its vocabulary must be the model's (data.vocab_size)."""
+        from laplace.tokenizer import load_tokenizer
+
+        d = self.cfg.data
+        if d.get("tokenizer") == "from_init":  # a fine-tuning run keeps its base model's tokenizer
+            self._tokenizer_from_init()
+        tok = load_tokenizer(d.get("tokenizer") or "bytes")
+        with open_dict(d):
+            d.tokenizer = tok.spec  # absolute: the checkpoint's config finds it from anywhere
+            if d.get("vocab_size") is None:
+                d.vocab_size = tok.vocab_size
+        if d.get("kind", "windows") != "windows" and d.vocab_size != tok.vocab_size:
+            raise ConfigError(f"data.vocab_size={d.vocab_size} but the tokenizer {tok.spec} has "
+                              f"{tok.vocab_size} ids; set data.vocab_size={tok.vocab_size} (or null)")
+        return tok
+
+    def _tokenizer_from_init(self):
+        """data.tokenizer=from_init: the tokenizer and vocabulary of trainer.init_from's run,
+        written into this run's config so that its checkpoints name them directly."""
+        from laplace.checkpoint import load_checkpoint
+
+        src = self.cfg.trainer.get("init_from")
+        if not src or src == "required":
+            raise ConfigError("data.tokenizer=from_init takes the tokenizer of trainer.init_from: set "
+                              "trainer.init_from=PATH (a GPT checkpoint) or data.tokenizer=<file|bytes>")
+        base = load_checkpoint(src).get("config") or {}
+        spec = (base.get("data") or {}).get("tokenizer") or "bytes"
+        with open_dict(self.cfg.data):
+            self.cfg.data.tokenizer = spec
+            self.cfg.data.vocab_size = (base.get("model") or {}).get("vocab_size")
+
+    def _shard_sets(self):
+        from laplace.data.shards import TokenStream, list_shards
+
+        d = self.cfg.data
+        self.tokenizer = self._tokenizer()
         self.units_per_sample = d.seq_len
-        if d.name != "pydoc_text":
-            raise ConfigError(f"trainer=gpt supports data=pydoc_text for now, got data={d.name!r}")
-        from laplace.data.text import build_pydoc_text
+        train = TokenStream(list_shards(d.root, "train"), d.seq_len, self.micro_bs,
+                            rank=self.dist.rank, world_size=self.dist.world_size)
+        self.val_files = list_shards(d.root, "val")
+        return train, None  # validation streams over val_files in evaluate()
 
-        return build_pydoc_text(True, d.seq_len), build_pydoc_text(False, d.seq_len)
+    def _chat_sets(self):
+        from laplace.data.chat import PackedChatDataset, SFTDataset, build_mixture, sft_collate
 
+        d = self.cfg.data
+        self.tokenizer = tok = self._tokenizer()
+        seed = self.cfg.seed
+        train_convs = build_mixture(d.train, seed, key="data.train")
+        val_convs = build_mixture(d.val, seed, key="data.val") if d.get("val") else None
+        if d.packed:  # mid-training: rows of seq_len tokens, several conversations each
+            self.units_per_sample = d.seq_len
+            make = lambda convs: PackedChatDataset(convs, tok, d.seq_len, masked=d.get("masked", True))  # noqa: E731
+        else:  # SFT: one conversation per row, padded to the longest of the batch
+            self.unit, self.units_per_sample = "conv", 1
+            self.collate = functools.partial(sft_collate, pad_id=tok.special_id("<|assistant_end|>"))
+            make = lambda convs: SFTDataset(convs, tok, d.seq_len)  # noqa: E731
+        return make(train_convs), (make(val_convs) if val_convs is not None else None)
+
+    def default_total_steps(self) -> int:
+        if self.cfg.data.get("kind") != "shards":
+            return super().default_total_steps()
+        return token_budget_steps(self.cfg)
+
+    # ---- model and optimizers ------------------------------------------------------------
+    def build_model(self):
+        model = super().build_model()
+        if self.dist.is_main:
+            n = sum(p.numel() for p in model.parameters())
+            tc, d = self.cfg.trainer, self.cfg.data
+            per_step = tc.global_batch_size * (d.seq_len if self.unit == "tok" else 1)
+            print(f"[laplace] {self.cfg.model.name}: {n:,} parameters; {per_step:,} {self.unit} per step",
+                  flush=True)
+        self.flops_per_token = flops_per_token(model, self.cfg.data.seq_len)
+        self.peak = self.cfg.trainer.get("peak_flops") or peak_flops(self.device)
+        return model
+
+    def configure_optimizers(self):
+        if self.cfg.optim.name == "muon":
+            return build_muon_adamw(self.model, self.cfg.optim)
+        return super().configure_optimizers()
+
+    def throughput_metrics(self, units_per_s: float) -> dict:
+        if self.unit != "tok" or not self.peak:
+            return {}
+        return {"mfu": units_per_s * self.flops_per_token / (self.peak * self.dist.world_size)}
+
+    # ---- steps and evaluation ------------------------------------------------------------
     def train_step(self, batch):
         x, y = batch
-        return self.net(x, targets=y), {}
+        # Mean over the counted targets; a row of SFT padding alone counts none (loss 0, not NaN).
+        return self.net(x, targets=y, reduction="sum") / (y >= 0).sum().clamp(min=1), {}
+
+    def _val_batches(self):
+        d = self.cfg.data
+        if d.get("kind") == "shards":
+            from laplace.data.shards import validation_pass
+
+            import numpy as np
+
+            tokens = sum(len(np.load(f, mmap_mode="r")) for f in self.val_files)  # headers only
+            windows = (tokens - 1) // d.seq_len
+            if d.get("val_tokens"):
+                windows = min(windows, d.val_tokens // d.seq_len)
+            # A small validation shard still gives every rank one batch (of fewer rows).
+            rows = max(1, min(self.micro_bs, windows // self.dist.world_size))
+            return validation_pass(self.val_files, d.seq_len, rows, self.dist.rank,
+                                   self.dist.world_size, max_windows=windows)
+        return self.eval_loader(self.val_set) if self.val_set is not None else None
 
     def evaluate(self) -> dict:
-        if self.val_set is None:
+        batches = self._val_batches()
+        if batches is None:
             return {}
-        sums = torch.zeros(2, device=self.device, dtype=torch.float64)  # summed nats, tokens
-        for x, y in self.eval_loader(self.val_set):
+        token_bytes = self.tokenizer.token_bytes().to(self.device)
+        if token_bytes.numel() < self.model.vocab_size:  # a tokenizer smaller than the embedding
+            token_bytes = torch.cat([token_bytes, token_bytes.new_zeros(self.model.vocab_size - token_bytes.numel())])
+        # Summed nats and counted tokens, and nats and UTF-8 bytes over tokens that have bytes.
+        sums = torch.zeros(4, device=self.device, dtype=torch.float64)
+        for x, y in batches:
             x, y = x.to(self.device), y.to(self.device)
-            loss = self.net(x, targets=y)
-            sums += torch.stack([loss.double() * y.numel(), torch.tensor(y.numel(), device=self.device)])
-        nats, n = all_reduce_sum(sums).tolist()
-        # Byte tokens: bits per byte = nats per token / ln 2 (BOS tokens are a 1/1000 minority).
-        return {"val_loss": nats / n, "val_bpb": nats / n / math.log(2)}
+            nats = self.net(x, targets=y, reduction="none").double()  # [B, T], 0 where y == -1
+            counted = y >= 0
+            nbytes = torch.where(counted, token_bytes[y.clamp(min=0)], 0)
+            sums += torch.stack([nats.sum(), counted.sum().double(),
+                                 (nats * (nbytes > 0)).sum(), nbytes.sum().double()])
+        nats, n, byte_nats, nbytes = all_reduce_sum(sums).tolist()
+        if n == 0:
+            return {}
+        metrics = {"val_loss": nats / n, "val_bpb": byte_nats / max(nbytes, 1) / math.log(2)}
+        self._write_samples()
+        return metrics
+
+    def _write_samples(self):
+        """Greedy completions of trainer.sample_prompts (rank 0), printed and appended to
+        <run_dir>/samples.jsonl: what the model says at this step."""
+        prompts = list(self.cfg.trainer.get("sample_prompts") or [])
+        if not prompts or not self.dist.is_main:
+            return
+        from laplace.sampling import sample_texts
+
+        texts = sample_texts(self.model, self.tokenizer, prompts,
+                             max_new_tokens=self.cfg.trainer.get("sample_tokens", 32))
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.step, "samples": dict(zip(prompts, texts))}) + "\n")
+        if not self.cfg.trainer.progress:
+            for p, t in zip(prompts, texts):
+                print(f"[sample] {p!r} -> {t!r}", flush=True)
 
     def on_fit_end(self, final_metrics: dict):
-        self.write_results({"final": final_metrics})
+        self.write_results({"final": final_metrics, "tokenizer": self.tokenizer.spec})

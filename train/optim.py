@@ -178,3 +178,43 @@ def clip_gradients(optimizers: dict[str, torch.optim.Optimizer], max_norm: float
             coef = (limit / (norms.square().sum().sqrt() + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef)
     return torch.stack(sq).sum().sqrt() if sq else None
+
+
+def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optimizer]:
+    """nanochat's optimizers for a GPT: Muon for the blocks' matrices, AdamW for the rest.
+
+    Routing: every 2-D parameter inside `model.blocks` (attention qkv / proj, MLP) -> Muon at
+    `matrix_lr`; the token embedding -> AdamW at `embedding_lr`; the output layer -> AdamW at
+    `unembedding_lr`; anything else (learned Laplacian gates) -> AdamW at `scalar_lr`. As in
+    nanochat, the AdamW learning rates scale with (width / 768) ** -0.5 (`lr_width_scale`), and
+    no parameter gets weight decay by default.
+
+    Muon is torch's `torch.optim.Muon`, which is nanochat's update (Keller Jordan's Muon):
+    Nesterov momentum as `buf.lerp_(g, 1 - m); g.lerp(buf, m)`, 5 quintic Newton-Schulz steps in
+    bf16 with coefficients (3.4445, -4.775, 2.0315) after scaling to unit Frobenius norm, and the
+    shape scale sqrt(max(1, rows / cols)) ("original"). Each group's base learning rate is its
+    `lr_scale`: `optim.schedules.lr` is a multiplier (1.0, warm-down to 0), and
+    `optim.schedules.momentum` sets Muon's momentum (nanochat: 0.85 -> 0.95 over 300 steps).
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or not hasattr(model, "wte") or not hasattr(model, "lm_head"):
+        raise ConfigError(f"optim.name={cfg.name}: Muon + AdamW routes a GPT's parameters (blocks, wte, "
+                          f"lm_head); this model is a {type(model).__name__}: use optim=adamw")
+    in_blocks = {id(p) for p in blocks.parameters()}
+    matrices = [p for p in blocks.parameters() if p.ndim == 2]
+    scalars = [p for p in model.parameters()
+               if id(p) not in {id(q) for q in matrices} and p is not model.wte.weight
+               and p is not model.lm_head.weight]
+    assert all(id(p) in in_blocks for p in scalars), "unrouted parameter outside the blocks"
+    width_scale = (model.width / 768) ** -0.5 if cfg.get("lr_width_scale", True) else 1.0
+    adam_groups = [("embedding", [model.wte.weight], cfg.embedding_lr * width_scale),
+                   ("unembedding", [model.lm_head.weight], cfg.unembedding_lr * width_scale),
+                   ("scalars", scalars, cfg.scalar_lr)]
+    adamw = torch.optim.AdamW(
+        [{"params": ps, "lr": lr, "lr_scale": lr, "name": name} for name, ps, lr in adam_groups if ps],
+        betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=None)
+    muon = torch.optim.Muon(
+        [{"params": matrices, "lr": cfg.matrix_lr, "lr_scale": cfg.matrix_lr, "name": "matrices"}],
+        lr=cfg.matrix_lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+        weight_decay=cfg.muon_weight_decay, adjust_lr_fn="original")
+    return {"muon": muon, "adamw": adamw}

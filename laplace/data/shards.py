@@ -253,6 +253,26 @@ class TokenStream:
             self._epoch, self._position = self._epoch + 1, 0
 
 
+class ShardWindows(torch.utils.data.Dataset):
+    """The windows of token shards as a map-style dataset: item g is (x, y) of global window g
+    (TokenStream's windows, one pass, no ranks). For code that indexes windows (the analyses)."""
+
+    def __init__(self, files: Sequence[str | os.PathLike], seq_len: int):
+        self._stream = TokenStream(files, seq_len, micro_batch_size=1, loop=False)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return self._stream.windows_per_epoch
+
+    def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= g < len(self):
+            raise IndexError(g)
+        buf = np.empty(self.seq_len + 1, dtype=np.int64)
+        self._stream._read(g * self.seq_len, buf)
+        chunk = torch.from_numpy(buf)
+        return chunk[:-1], chunk[1:]
+
+
 def validation_pass(files: Sequence[str | os.PathLike], seq_len: int, micro_batch_size: int,
                     rank: int = 0, world_size: int = 1,
                     max_windows: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
