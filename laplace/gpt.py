@@ -179,6 +179,8 @@ class GPT(nn.Module):
         """Sample `max_new_tokens` after the prompt idx [B, T]; temperature 0 is greedy,
         `top_k` None or 0 samples from the whole vocabulary. With `use_cache` the prompt is
         encoded once and each step feeds one token."""
+        from .sampling import sample_next  # the one token-picking rule (also the streaming sampler's)
+
         if temperature < 0:
             raise ValueError(f"temperature={temperature}: use 0 (greedy) or a positive value")
         if top_k is not None and top_k < 0:
@@ -186,15 +188,7 @@ class GPT(nn.Module):
         cache = self.new_kv_cache(idx.shape[0], idx.shape[1] + max_new_tokens) if use_cache else None
         out, step_in = idx, idx
         for _ in range(max_new_tokens):
-            z = self.forward(step_in, kv_cache=cache)[:, -1, :]
-            if temperature == 0:
-                nxt = z.argmax(dim=-1, keepdim=True)
-            else:
-                z = z / temperature
-                if top_k:  # None or 0: no top-k filtering
-                    kth = torch.topk(z, min(top_k, z.size(-1))).values[:, -1:]
-                    z = z.masked_fill(z < kth, float("-inf"))
-                nxt = torch.multinomial(z.softmax(dim=-1), 1, generator=generator)
+            nxt = sample_next(self.forward(step_in, kv_cache=cache)[:, -1, :], temperature, top_k, generator)
             out = torch.cat((out, nxt), dim=1)
             step_in = nxt if use_cache else out
         return out

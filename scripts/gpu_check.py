@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -165,6 +166,59 @@ def analysis(c: Check, device: str) -> str:
     return "; ".join(out)
 
 
+def gpt_pipeline(c: Check, data: Path, gpt: str, device: str) -> str:
+    """Built-in text -> BPE + shards -> Muon pre-training (stop + resume) -> SFT -> chat sampling."""
+    shards = data / "pydoc_bpe"
+    c.sh("gpt_tiny", [sys.executable, "-m", "laplace.data.prepare", "source=pydoc", "vocab_size=4096",
+                      f"out={shards}", "progress=false"], timeout=300)
+    pre = stop_and_resume(c, "gpt_tiny", ["experiment=gpt_tiny", f"model={gpt}", f"data.root={shards}",
+                                          "trainer.eval_every=3"], 6, 16)
+    sft_dir = c.out / "runs" / "gpt_tiny_sft"
+    c.train("gpt_tiny_sft", ["experiment=gpt_tiny_sft", f"model={gpt}", f"run_dir={sft_dir}", "trainer.max_steps=3",
+                             f"trainer.init_from={c.out / 'runs' / 'gpt_tiny' / 'ckpt/last.pt'}"])
+    c.sh("generate", [sys.executable, "-m", "eval.generate", f"checkpoint={sft_dir / 'ckpt/last.pt'}", "chat=true",
+                      "prompt=What is a class", "max_new_tokens=16", f"device={device}"], timeout=300)
+    return f"pre-training {pre}; SFT 3 steps, val_loss={records(sft_dir, 'val')[-1]['val_loss']:.3f}; chat sampled"
+
+
+def stdlib_parquet(folder: Path, files: int = 4) -> Path:
+    """Python's standard library sources as parquet files with a `text` column (FineWeb-Edu's
+    layout; the last file is validation): real text found on every machine, enough for a
+    65,536-token BPE (~160M characters)."""
+    import sysconfig
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    texts = [t for t in (f.read_text(errors="replace") for f in sources) if t.strip()]
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        pq.write_table(pa.table({"text": texts[i::files]}), folder / f"shard_{i:05d}.parquet")
+    return folder
+
+
+def gpt_d20(c: Check, data: Path, tiny: bool) -> str:
+    """A few steps of experiment=gpt_d20 as the paper runs it (560,988,160 parameters, 524,288
+    tokens per step, bf16, compile), on a 65,536-token BPE of Python's standard library."""
+    shards = data / "stdlib_bpe"
+    c.sh("gpt_d20", [sys.executable, "-m", "laplace.data.prepare", f"source={stdlib_parquet(data / 'stdlib')}",
+                     f"out={shards}", f"vocab_size={1024 if tiny else 65536}", "progress=false"], timeout=900)
+    run_dir = c.out / "runs" / "gpt_d20"
+    size = (["model=gpt_d2_1L", "data.vocab_size=1024", "data.seq_len=128",
+             "trainer.global_batch_size=8", "trainer.micro_batch_size=4"] if tiny else ["model=gpt_d20_5L"])
+    c.train("gpt_d20", ["experiment=gpt_d20", *size, f"data.root={shards}", f"run_dir={run_dir}", "trainer.max_steps=6",
+                        "trainer.eval_every=6", "trainer.log_every=1", "data.val_tokens=524288"], timeout=1200)
+    log = (c.out / "gpt_d20.log").read_text()
+    params = next(ln for ln in log.splitlines() if " parameters; " in ln).split("] ", 1)[1]
+    recs = records(run_dir)[2:]  # after compilation and warm-up
+    tok_s = statistics.median(r["tok_per_s"] for r in recs)
+    mfu = statistics.median(r.get("mfu", float("nan")) for r in recs)
+    mfu = f"MFU {100 * mfu:.1f}%" if math.isfinite(mfu) else "no MFU (no known GPU peak)"
+    return (f"{params}; {tok_s:,.0f} tokens/s, {mfu}, {step_ms(run_dir)}; "
+            f"val_bpb={records(run_dir, 'val')[-1]['val_bpb']:.3f}")
+
+
 def benchmark(c: Check, args) -> str:
     cmd = [sys.executable, "scripts/benchmark.py", "--device", args.device]
     cmd += ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--gpt-depth", "2", "--seq-len", "64"] \
@@ -228,6 +282,8 @@ def main():
         "toy: streamed token shards": lambda: stop_and_resume(c, "stream_toy", [
             "trainer.name=toy_trainers:StreamLM", "trainer=gpt", "data=pydoc_text", f"model={gpt}",
             f"+data.root={data / 'shards'}", "data.seq_len=128", "trainer.num_workers=0"], 6, 16),
+        "gpt pipeline: BPE, Muon, SFT, chat": lambda: gpt_pipeline(c, data, gpt, args.device),
+        "gpt_d20: paper-size steps": lambda: gpt_d20(c, data, args.tiny),
         "preemption (SIGUSR1)": lambda: preemption(c, gpt),
         "crash exits fast": lambda: crash(c, vit),
         "analysis of CUDA checkpoints": lambda: analysis(c, args.device),

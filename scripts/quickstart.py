@@ -1,18 +1,26 @@
-"""The quick start: baseline vs all-Laplacian tiny ViT on the built-in digits, side by side,
-with the paper's token-geometry measurements of both.
+"""The quick start: baseline vs all-Laplacian models of two paradigms on built-in data, side by
+side, with the paper's token-geometry measurements of each.
 
     python scripts/quickstart.py                       # the full quick start (CPU, minutes)
-    python scripts/quickstart.py trainer.max_steps=2   # any Hydra overrides, passed to both runs
+    python scripts/quickstart.py trainer.max_steps=2   # Hydra overrides for every training run
+    python scripts/quickstart.py vit.model.depth=2 lm.data.seq_len=64   # for one paradigm only
     python scripts/quickstart.py analysis.max_tokens=2000 analysis.pca_maps=8   # options of the analysis
 
-Each run is the plain `python train.py model=<name> ...` command; running this again resumes
-(or, when finished, just re-reads) the same run directories. Then one
-`python -m analysis checkpoint=[<both last.pt>]` measures both checkpoints on the validation
-split: overrides starting with `analysis.` go to it (without the prefix), `paths.*` go to all
-three commands. Its figures (both models on shared axes) land in <runs_dir>/quickstart/analysis.
-The table adds, at the final-norm layer: the within-image share of the patch-token variance,
-NC1 of the class token and the number of principal components for 99% of the patch-token
-variance (the paper: Laplacian heads lower the first two, and spectra decay faster).
+1. Supervised ViT (DeiT-III trainer) on the built-in digits: vitt_0L vs vitt_3L (every head of
+   ViT-Tiny Laplacian), `python train.py model=<name>`.
+2. Language model on Python's built-in help text: `python -m laplace.data.prepare source=pydoc
+   vocab_size=4096` (our BPE and token shards, seconds), then `python train.py experiment=gpt_tiny
+   model=<name>` with Muon for gpt_d2_0L vs gpt_d2_1L (its one head Laplacian).
+
+Each run is the plain command; running this again resumes (or, when finished, re-reads) the same
+run directories. Then `python -m analysis checkpoint=[<both last.pt>]` per paradigm measures both
+checkpoints on the validation split. Overrides: `vit.` / `lm.` prefixed ones go to that
+paradigm's training runs (without the prefix), `analysis.` ones to the analyses, `paths.*` to
+every command, the rest to every training run. Figures land in <runs_dir>/quickstart/<paradigm>/analysis.
+The tables add, at the final-norm layer: the within-sequence (image / window) share of the token
+variance, NC1 of the class token (ViT) or the next-token CDNV (LM), and the number of principal
+components for 99% of the token variance (the paper: Laplacian heads lower the share and the
+collapse measures, and spectra decay faster).
 """
 from __future__ import annotations
 
@@ -22,7 +30,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("vitt_0L", "vitt_3L")  # ViT-Tiny has 3 heads: 3L = every head Laplacian
+VIT_MODELS = ("vitt_0L", "vitt_3L")  # ViT-Tiny has 3 heads: 3L = every head Laplacian
+LM_MODELS = ("gpt_d2_0L", "gpt_d2_1L")  # a depth-2 GPT has one 128-wide head: 1L = all Laplacian
 
 
 def _run(cmd: list[str]) -> str:
@@ -42,40 +51,65 @@ def train(model: str, overrides: list[str]) -> Path:
     return ROOT / line.split("run_dir=", 1)[1].split()[0]
 
 
-def analyse(run_dirs: list[Path], overrides: list[str]) -> list[dict]:
+def analyse(run_dirs: list[Path], overrides: list[str], out_dir: Path) -> list[dict]:
     """`python -m analysis` on both checkpoints; returns their analysis.json contents."""
     ckpts = [d / "ckpt" / "last.pt" for d in run_dirs]
     out = _run([sys.executable, "-m", "analysis", f"checkpoint=[{','.join(map(str, ckpts))}]",
-                f"analysis_out={run_dirs[0].parent / 'analysis'}", "progress=false", *overrides])
+                f"analysis_out={out_dir}", "progress=false", *overrides])
     # one "[analysis] wrote <dir>/analysis.json" line per checkpoint, in order
     wrote = [ln.split("wrote ", 1)[1] for ln in out.splitlines()
              if ln.startswith("[analysis] wrote ") and ln.endswith("analysis.json")]
     return [json.loads(Path(p).read_text()) for p in wrote]
 
 
-def _norm_metric(res: dict, kind: str, group: str, key: str) -> float:
-    """A value at the final-norm layer; NaN when it was not measured (e.g. analysis.metrics=[...])."""
-    value = res["results"][kind].get("norm", {}).get(group, {}).get(key)
-    return float("nan") if value is None else value
+def _geo(res: dict, key: str) -> float:
+    """A headline geometry value at the final norm (analysis.runs.geometry); NaN if not measured."""
+    from analysis.runs import geometry
+
+    return geometry(res).get(key, float("nan"))
+
+
+# (header, format, value of (results.json, analysis.json)) per column of a paradigm's table.
+VIT_COLUMNS = [("val top-1 (%)", ".2f", lambda r, g: r["final"]["val_acc1"]),
+               ("best top-1 (%)", ".2f", lambda r, g: r["best"]["val_acc1"]),
+               ("within-seq share", ".4f", lambda r, g: _geo(g, "within_seq_share")),
+               ("NC1 (cls)", ".3f", lambda r, g: _geo(g, "nc1")),
+               ("n_pcs_0.99", ".0f", lambda r, g: _geo(g, "n_pcs_0.99"))]
+LM_COLUMNS = [("val bpb", ".4f", lambda r, g: r["final"]["val_bpb"]),
+              ("val loss", ".4f", lambda r, g: r["final"]["val_loss"]),
+              ("within-seq share", ".4f", lambda r, g: _geo(g, "within_seq_share")),
+              ("next-tok CDNV", ".3f", lambda r, g: _geo(g, "lc_cdnv_mean")),
+              ("n_pcs_0.99", ".0f", lambda r, g: _geo(g, "n_pcs_0.99"))]
+
+
+def table(title: str, columns, models, run_dirs, geometries):
+    print(f"\n{title}")
+    print(f"{'model':<10} {'Laplacian heads':>16} " + " ".join(f"{h:>{len(h) + 1}}" for h, _, _ in columns) + "  run dir")
+    for model, run_dir, geo in zip(models, run_dirs, geometries):
+        res = json.loads((run_dir / "results.json").read_text())
+        cells = " ".join(f"{fn(res, geo):>{len(h) + 1}{fmt}}" for h, fmt, fn in columns)
+        print(f"{model:<10} {res['num_laplacian_heads']:>16} {cells}  {run_dir}")
 
 
 def main(args: list[str]):
-    train_args = [a for a in args if not a.startswith("analysis.")]
-    analysis_args = [a.split(".", 1)[1] for a in args if a.startswith("analysis.")]
-    analysis_args += [a for a in args if a.startswith("paths.")]  # same runs_dir everywhere
-    run_dirs = [train(model, train_args) for model in MODELS]
-    geometry = analyse(run_dirs, analysis_args)
-    print()
-    print(f"{'model':<10} {'Laplacian heads':>16} {'val top-1 (%)':>14} {'best top-1 (%)':>15} "
-          f"{'within-seq share':>17} {'NC1 (cls)':>10} {'n_pcs_0.99':>11}  run dir")
-    for model, run_dir, geo in zip(MODELS, run_dirs, geometry):
-        res = json.loads((run_dir / "results.json").read_text())
-        print(f"{model:<10} {res['num_laplacian_heads']:>16} {res['final']['val_acc1']:>14.2f} "
-              f"{res['best']['val_acc1']:>15.2f} {_norm_metric(geo, 'patch', 'anova', 'within_seq_share'):>17.4f} "
-              f"{_norm_metric(geo, 'cls', 'nc', 'nc1'):>10.3f} "
-              f"{_norm_metric(geo, 'patch', 'spectral', 'n_pcs_0.99'):>11.0f}  {run_dir}")
-    print("(geometry at the final norm, on the validation split: within-image share of the patch-token "
-          "variance, NC1 of the class token, PCs for 99% of the patch-token variance)")
+    common = [a for a in args if not a.startswith(("analysis.", "vit.", "lm."))]
+    paths = [a for a in args if a.startswith("paths.")]  # same runs_dir / data_dir everywhere
+    only = lambda prefix: [a[len(prefix):] for a in args if a.startswith(prefix)]  # noqa: E731
+    analysis_args = only("analysis.") + paths
+
+    vit_dirs = [train(m, common + only("vit.")) for m in VIT_MODELS]
+    vit_geo = analyse(vit_dirs, analysis_args, vit_dirs[0].parent / "vit" / "analysis")
+    _run([sys.executable, "-m", "laplace.data.prepare", "source=pydoc", "vocab_size=4096",
+          "progress=false", *paths])
+    lm_dirs = [train(m, ["experiment=gpt_tiny", *common, *only("lm.")]) for m in LM_MODELS]
+    lm_geo = analyse(lm_dirs, analysis_args, lm_dirs[0].parent / "lm" / "analysis")
+
+    table("1. Supervised ViT-Tiny on the built-in digits (trainer=deit3)", VIT_COLUMNS, VIT_MODELS, vit_dirs, vit_geo)
+    table("2. GPT language model on the built-in help text (trainer=gpt, BPE 4096, Muon)", LM_COLUMNS,
+          LM_MODELS, lm_dirs, lm_geo)
+    print("(geometry at the final norm, on the validation split: within-image / within-window share of "
+          "the token variance, NC1 of the class token or the CDNV of next-token classes, PCs for 99% of "
+          "the token variance; bits per byte count the text's UTF-8 bytes)")
 
 
 if __name__ == "__main__":

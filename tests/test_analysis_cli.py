@@ -188,18 +188,28 @@ def test_bad_input_messages(overrides, expect, tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_prints_geometry(tmp_path):
+    """Both paradigms' tables: the ViT pair and the LM pair (BPE and shards prepared on the way)."""
     proc = subprocess.run([sys.executable, "scripts/quickstart.py", "trainer.max_steps=2",
-                           f"paths.runs_dir={tmp_path}", "model.depth=2", "model.embed_dim=48",
-                           "trainer.global_batch_size=32", "trainer.num_workers=0",
+                           f"paths.runs_dir={tmp_path}", f"paths.data_dir={tmp_path / 'data'}",
+                           "vit.model.depth=2", "vit.model.embed_dim=48", "vit.trainer.global_batch_size=32",
+                           "lm.data.seq_len=64", "trainer.num_workers=0",
                            "analysis.max_tokens=1000", "analysis.cpu_threads=1"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    header = next(i for i, ln in enumerate(lines) if ln.startswith("model "))
-    assert all(c in lines[header] for c in ("within-seq share", "NC1 (cls)", "n_pcs_0.99"))
-    rows = [ln.split() for ln in lines[header + 1:header + 3]]
+    vit, lm = [i for i, ln in enumerate(lines) if ln.startswith("model ")]
+    assert all(c in lines[vit] for c in ("within-seq share", "NC1 (cls)", "n_pcs_0.99"))
+    rows = [ln.split() for ln in lines[vit + 1:vit + 3]]
     assert [r[0] for r in rows] == ["vitt_0L", "vitt_3L"]
     for r in rows:
         share, nc1, npcs = float(r[4]), float(r[5]), float(r[6])
         assert 0 < share < 1 and nc1 > 0 and 1 <= npcs <= 48
-    assert (tmp_path / "quickstart" / "analysis" / "spectrum.png").exists()
+    assert all(c in lines[lm] for c in ("val bpb", "within-seq share", "next-tok CDNV"))
+    rows = [ln.split() for ln in lines[lm + 1:lm + 3]]
+    assert [(r[0], r[1]) for r in rows] == [("gpt_d2_0L", "0"), ("gpt_d2_1L", "1")]
+    for r in rows:
+        bpb, share = float(r[2]), float(r[4])
+        assert 0 < bpb < float(r[3]) and 0 < share < 1
+    assert (tmp_path / "data" / "pydoc_bpe" / "tokenizer.json").exists()
+    for paradigm in ("vit", "lm"):
+        assert (tmp_path / "quickstart" / paradigm / "analysis" / "spectrum.png").exists()
