@@ -39,7 +39,7 @@ from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.dist import resolve_device
 from laplace.errors import ConfigError, cli_errors
 from laplace.gpt import GPT
-from laplace.sampling import IncrementalDecoder, stream_tokens
+from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
 
 QUIT = ("quit", "exit")
 
@@ -88,9 +88,9 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
     top_k = int(cfg.top_k) if cfg.top_k else None
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed))
 
-    def sample(ids, stop_ids=()):
+    def sample(ids, stop_ids=(), tools=None):
         return stream_tokens(model, ids, int(cfg.max_new_tokens), float(cfg.temperature), top_k,
-                             stop_ids, gen)
+                             stop_ids, gen, tools)
 
     prompt = None if cfg.prompt is None else str(cfg.prompt)
     if not cfg.chat:
@@ -105,6 +105,7 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
         raise ConfigError(f"chat=true: the model's vocabulary ({model.vocab_size} tokens) lacks the chat "
                           f"tokens (<|assistant_end|> = {end}); it was not trained for chat, use chat=false")
     stops = (end, tok.bos_id)  # <|bos|>: a model that starts a new document has stopped answering
+    tools = Calculator(tok)  # as nanochat's chat: the model's calculator calls are answered
     messages: list[dict] = []
     replies = []
     turns = [prompt] if prompt is not None else None
@@ -129,7 +130,7 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
                 break
             text = turns.pop(0)
         messages.append({"role": "user", "content": text})
-        tokens = sample(render_for_completion(tok, {"messages": messages}), stops)
+        tokens = sample(render_for_completion(tok, {"messages": messages}), stops, tools)
         out.write("Assistant: " if interactive else "")
         reply = _stream_print(tokens, tok, out)
         out.write("\n")

@@ -180,6 +180,13 @@ def render_conversation(tok, conversation, max_tokens: int | None = 2048) -> tup
     return render_conversations(tok, [conversation], max_tokens)[0]
 
 
+def chat_prompt_text(user: str) -> str:
+    """A one-turn prompt as text with the special tokens' strings, what `render_for_completion`
+    gives for a conversation of this user turn (the lm-eval tasks' prompts; the `laplace` model
+    adapter maps the strings back to the ids)."""
+    return f"<|bos|><|user_start|>{user}<|user_end|><|assistant_start|>"
+
+
 def render_for_completion(tok, conversation) -> list[int]:
     """The prompt that makes the model answer the conversation's last user turn: a trailing
     assistant message (the reference answer of a task) is dropped and `<|assistant_start|>`

@@ -18,6 +18,9 @@ inside one) still incomplete; so é, emoji and CJK characters appear whole.
 """
 from __future__ import annotations
 
+import ast
+import operator
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -59,23 +62,80 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
 
 
+class Calculator:
+    """nanochat's tool use at sampling time: when the model closes `<|python_start|> expr
+    <|python_end|>`, the value of `expr` is forced into the stream as `<|output_start|> value
+    <|output_end|>` (the tokens SFT taught it to expect from GSM8K's calculator annotations),
+    and generation continues after it. `expr` is evaluated by `calculate`: arithmetic only."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.start, self.end = tok.special_id("<|python_start|>"), tok.special_id("<|python_end|>")
+        self.out_start, self.out_end = tok.special_id("<|output_start|>"), tok.special_id("<|output_end|>")
+
+    def output_tokens(self, code_ids: Sequence[int]) -> list[int]:
+        value = calculate(self.tok.decode(code_ids))
+        return [] if value is None else [self.out_start, *self.tok.encode(str(value)), self.out_end]
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def calculate(expr: str) -> int | float | None:
+    """The value of an arithmetic expression (numbers, + - * / // %, parentheses, unary minus;
+    commas in numbers are dropped), or None for anything else. nanochat evaluates such strings
+    with a restricted `eval` and a timeout; walking the syntax tree needs neither: nothing but
+    arithmetic can run, and powers (the one slow operation) are refused."""
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = ev(node.operand)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError("not arithmetic")
+
+    try:
+        value = ev(ast.parse(expr.replace(",", "").strip(), mode="eval"))
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, TypeError):
+        return None
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        value = int(value)  # 12 / 4 -> 3, as a person writes it
+    return round(value, 6) if isinstance(value, float) else value
+
+
 @torch.inference_mode()
-def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, generator):
+def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, generator, tools):
     device = model.wte.weight.device
     cache = model.new_kv_cache(1, len(prompt_ids) + max_new_tokens)
-    step_in = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    for _ in range(max_new_tokens):
-        logits = model(step_in, kv_cache=cache)[:, -1, :]
-        step_in = sample_next(logits, temperature, top_k, generator)
-        token = int(step_in)  # one host sync per token: the caller wants it now anyway
+    logits = model(torch.tensor([list(prompt_ids)], dtype=torch.long, device=device), kv_cache=cache)[:, -1, :]
+    forced: deque[int] = deque()  # tool output to feed before sampling again
+    code: list[int] | None = None  # ids since <|python_start|>, while the model writes code
+    for i in range(max_new_tokens):
+        # one host sync per token: the caller wants it now anyway
+        token = forced.popleft() if forced else int(sample_next(logits, temperature, top_k, generator))
         if token in stop_ids:
             return
         yield token
+        if tools is not None:
+            if token == tools.start:
+                code = []
+            elif token == tools.end and code is not None:
+                forced.extend(tools.output_tokens(code))
+                code = None
+            elif code is not None:
+                code.append(token)
+        if i + 1 < max_new_tokens:
+            logits = model(torch.tensor([[token]], dtype=torch.long, device=device), kv_cache=cache)[:, -1, :]
 
 
 def stream_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
                   temperature: float = 0.0, top_k: int | None = None, stop_ids: Sequence[int] = (),
-                  generator: torch.Generator | None = None) -> Iterator[int]:
+                  generator: torch.Generator | None = None, tools: Calculator | None = None) -> Iterator[int]:
     """Yield up to `max_new_tokens` new token ids after `prompt_ids`, one at a time.
 
     Args:
@@ -86,13 +146,15 @@ def stream_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: i
         top_k: sample among the k most likely tokens (None or 0: all).
         stop_ids: stop when one of these is sampled; it is not yielded.
         generator: the sampling RNG, on the model's device (None: torch's global one).
+        tools: a `Calculator`: its outputs are forced into the stream (and yielded; they count
+            towards max_new_tokens); None: every token is sampled.
 
     Arguments are checked when this is called, not at the first step.
     """
     model = unwrap(model)
     _check(model, prompt_ids, max_new_tokens, temperature, top_k)
     return _stream(model, prompt_ids, max_new_tokens, temperature, top_k,
-                   frozenset(int(i) for i in stop_ids), generator)
+                   frozenset(int(i) for i in stop_ids), generator, tools)
 
 
 def sample_texts(model: nn.Module, tok, prompts: Sequence[str], max_new_tokens: int = 32) -> list[str]:

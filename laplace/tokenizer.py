@@ -120,6 +120,12 @@ class Tokenizer:
                 ids.insert(0, self.bos_id)
         return batch
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Ids of `text` in which special-token strings ("<|bos|>", "<|user_start|>", ...) become
+        their special ids, the rest encoded as `encode` does: the inverse of `decode` on rendered
+        chat prompts. For evaluation prompts only (`eval.lm_adapter`), never for training text."""
+        return self.enc.encode(text, allowed_special="all")
+
     def decode(self, ids) -> str:
         """Text of ids (a list, tensor or array); specials decode to their strings and bytes that
         are not valid UTF-8 to U+FFFD."""
@@ -177,6 +183,12 @@ class ByteTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str], prepend_bos: bool = False,
                      num_threads: int | None = None) -> list[list[int]]:
         return [self.encode(t, prepend_bos) for t in texts]
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        specials = self.enc._special_tokens
+        pattern = "(" + "|".join(re.escape(name) for name in specials) + ")"
+        return [i for piece in re.split(pattern, text) if piece
+                for i in ([specials[piece]] if piece in specials else piece.encode("utf-8"))]
 
 
 def _as_list(ids) -> list[int]:

@@ -9,7 +9,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; 
   echo "[env] creating $VENV from pyproject.toml (a few minutes the first time)" >&2
   "${PYTHON:-python3}" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test]" >&2
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,lm]" >&2
   echo "$WANT" > "$STAMP"
 fi
 # shellcheck disable=SC1091

@@ -142,3 +142,52 @@ def test_cli_chat_with_a_prompt_and_errors(ckpts, tmp_path):
     assert proc.stderr.strip() == (f"error: checkpoint={tmp_path / 'missing.pt'}: no such file; pass "
                                    f"checkpoint=PATH to a GPT's laplace checkpoint, e.g. "
                                    f"runs/gpt/<data>/<run>/ckpt/last.pt")
+
+
+
+class _ScriptedGPT(torch.nn.Module):
+    """Greedy sampling from it writes `script`, one token per step, whatever it is fed; it
+    records every token it is fed (so forced tool output can be seen going in)."""
+
+    def __init__(self, script, vocab_size):
+        super().__init__()
+        self.wte = torch.nn.Embedding(1, 1)
+        self.script, self.vocab_size, self.rope_len, self.fed = list(script), vocab_size, 10_000, []
+
+    def new_kv_cache(self, batch_size, max_len):
+        return None
+
+    def forward(self, idx, kv_cache=None):
+        self.fed += idx[0].tolist()
+        step = len(self.fed) - self.prompt_len
+        logits = torch.zeros(1, idx.shape[1], self.vocab_size)
+        logits[0, -1, self.script[min(step, len(self.script) - 1)]] = 1.0
+        return logits
+
+
+def test_calculator_tool_is_arithmetic_only_and_forces_its_output():
+    """nanochat's tool use: the value of <|python_start|> expr <|python_end|> is forced into the
+    stream (and fed to the model); anything but arithmetic is refused."""
+    from laplace.sampling import Calculator, calculate, stream_tokens
+    from laplace.tokenizer import load_tokenizer
+
+    assert calculate("12/4") == 3 and calculate("1,200 * 3") == 3600 and calculate("-(2+3)*4.5") == -22.5
+    assert calculate("7 // 2 + 7 % 2") == 4 and calculate("1/3") == 0.333333
+    for bad in ("2**100000", "__import__('os')", "open('x')", "1/0", "a + 1", "[1]*3", ""):
+        assert calculate(bad) is None, bad
+
+    tok = load_tokenizer("bytes")
+    tools = Calculator(tok)
+    end = tok.special_id("<|assistant_end|>")
+    call = [tools.start, *tok.encode("2+3"), tools.end]
+    output = [tools.out_start, *tok.encode("5"), tools.out_end]
+    # The model writes the call, then (after the forced output) " ok" and the end of its turn.
+    model = _ScriptedGPT(call + [0] * len(output) + tok.encode(" ok") + [end], tok.vocab_size)
+    model.prompt_len = 1
+    got = list(stream_tokens(model, [tok.bos_id], 50, stop_ids=(end,), tools=tools))
+    assert got == call + output + tok.encode(" ok")
+    assert model.fed[1:] == got  # the forced tokens went into the model like sampled ones
+    # Without tools nothing is forced; a call that is not arithmetic gets no output either.
+    model.fed = []
+    assert list(stream_tokens(model, [tok.bos_id], 50, stop_ids=(end,))) == call + [0] * len(output) + tok.encode(" ok")
+    assert tools.output_tokens(tok.encode("import os")) == []

@@ -1,0 +1,207 @@
+"""The paper's LM protocol (nanochat's chat evaluation of a fine-tuned model) as lm-eval tasks.
+
+Every prompt is the chat rendering `laplace.chat.render_for_completion` gives, written with the
+special tokens' strings: `<|bos|><|user_start|>USER<|user_end|><|assistant_start|>` (the
+`laplace` model adapter maps those strings to their ids). Zero-shot, as nanochat's chat_eval.
+
+    ARC-Easy, ARC-Challenge, MMLU   the user turn is nanochat's `render_mc` prompt; the score is
+                                    the log-likelihood of each answer letter right after
+                                    `<|assistant_start|>` (nanochat compares those letters'
+                                    logits at that position: the same argmax); metric acc.
+    GSM8K                           greedy generation until `<|assistant_end|>`; acc = the number
+                                    after `####` in the reply equals the reference's (commas
+                                    removed), nanochat's GSM8K reward.
+    HumanEval                       the user turn is the function's prompt; the reply's code (the
+                                    first ```python block, or the whole reply) runs after the
+                                    prompt's imports with the test and `check(entry_point)` in a
+                                    subprocess with a timeout; acc = pass@1 (greedy).
+
+Data (`load_dataset`, the tasks' `custom_dataset`): the hub dataset through `datasets`
+(offline: HF_DATASETS_OFFLINE=1 with a filled HF cache), or with the TaskManager metadata
+`data_root=DIR` a local copy at `DIR/<repo name>` in the hub repo's layout (DIR/ai2_arc,
+DIR/mmlu, DIR/gsm8k, DIR/openai_humaneval, e.g. from `huggingface-cli download --repo-type
+dataset allenai/ai2_arc --local-dir DIR/ai2_arc`; parquet or jsonl), read by
+`laplace.data.chat.load_split`.
+
+Generated code runs only when asked: the HumanEval task is `unsafe_code` (lm-eval wants
+`confirm_run_unsafe_code=True`) and, besides, loading or scoring it raises unless the
+environment has LAPLACE_ALLOW_CODE_EXECUTION=1 (`python -m eval.lm allow_code_execution=true`
+sets it for its own run).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from laplace.data import DatasetNotFoundError
+from laplace.chat import chat_prompt_text
+from laplace.data.chat import render_mc
+from laplace.errors import UserError
+
+ALLOW_ENV = "LAPLACE_ALLOW_CODE_EXECUTION"
+MMLU_LETTERS = ("A", "B", "C", "D")
+TIMEOUT_S = 5.0          # nanochat's execute_code: 5 s per program
+MEMORY_BYTES = 1 << 30   # address-space cap of a program (nanochat: 256 MB; 1 GB: Python + numpy fit)
+
+
+class CodeExecutionRefused(UserError, RuntimeError):
+    """HumanEval asked for without the code-execution flag."""
+
+
+def code_execution_allowed() -> bool:
+    return os.environ.get(ALLOW_ENV, "") == "1"
+
+
+def require_code_execution(what: str = "laplace_chat_humaneval") -> None:
+    if not code_execution_allowed():
+        raise CodeExecutionRefused(
+            f"{what} runs model-generated code: pass allow_code_execution=true to python -m eval.lm "
+            f"(or set {ALLOW_ENV}=1 and confirm_run_unsafe_code=True), or leave the task out")
+
+
+# ---------------------------------------------------------------------------------- data
+
+def load_dataset(repo: str, subset: str | None = None, split: str = "test", data_root: str | None = None,
+                 **_metadata):
+    """{split: datasets.Dataset} of one hub dataset: `repo` from the hub (or its cache), or
+    the local copy `<data_root>/<repo name>` (hub layout, `laplace.data.chat.load_split`)."""
+    import datasets
+
+    from laplace.data.chat import load_split
+
+    if repo == "openai/openai_humaneval":  # refuse before any model work, not after generating
+        require_code_execution()
+    if data_root:
+        path = os.path.join(os.path.expanduser(str(data_root)), repo.split("/")[-1])
+        if not os.path.isdir(path):
+            raise DatasetNotFoundError(f"data_root={data_root}: no folder {path} (the copy of {repo}); make it "
+                                       f"with `huggingface-cli download --repo-type dataset {repo} --local-dir {path}`")
+        return datasets.DatasetDict({split: load_split(path, subset, split, key="data_root")})
+    try:
+        return datasets.DatasetDict({split: load_split(repo, subset, split, key="repo")})
+    except DatasetNotFoundError as e:
+        reason = str(e).split(": ", 2)[-1].split("; offline")[0]
+        name = repo.split("/")[-1]
+        raise DatasetNotFoundError(
+            f"{repo} ({subset}, {split}): {reason}; offline, fill the HF cache (HF_DATASETS_OFFLINE=1 then "
+            f"reads it) or download a copy, `huggingface-cli download --repo-type dataset {repo} "
+            f"--local-dir DIR/{name}`, and pass data_root=DIR") from None
+
+
+# ---------------------------------------------------------------------------------- prompts
+
+chat_prompt = chat_prompt_text  # one user turn, the assistant's opened (render_for_completion as text)
+
+
+def arc_letters(doc) -> list[str]:
+    return list(doc["choices"]["label"])  # the dataset's own labels (a few rows use 1-4), as nanochat
+
+
+def arc_prompt(doc) -> str:
+    return chat_prompt(render_mc(doc["question"], arc_letters(doc), doc["choices"]["text"]))
+
+
+def arc_target(doc) -> int:
+    return arc_letters(doc).index(doc["answerKey"])
+
+
+def mmlu_letters(doc) -> list[str]:
+    return list(MMLU_LETTERS[:len(doc["choices"])])
+
+
+def mmlu_prompt(doc) -> str:
+    return chat_prompt(render_mc(doc["question"], mmlu_letters(doc), doc["choices"]))
+
+
+def mmlu_target(doc) -> int:
+    return int(doc["answer"])
+
+
+def gsm8k_prompt(doc) -> str:
+    return chat_prompt(doc["question"])
+
+
+def humaneval_prompt(doc) -> str:
+    return chat_prompt(doc["prompt"])
+
+
+# ---------------------------------------------------------------------------------- GSM8K
+
+GSM_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """nanochat's `extract_answer`: the number after the first `#### `, commas removed."""
+    m = GSM_RE.search(text)
+    return m.group(1).strip().replace(",", "") if m else None
+
+
+def gsm8k_process_results(doc, results) -> dict:
+    ref = extract_gsm8k_answer(doc["answer"])
+    pred = extract_gsm8k_answer(results[0])
+    return {"acc": float(pred is not None and pred == ref)}
+
+
+# ---------------------------------------------------------------------------------- HumanEval
+
+_CODE_BLOCK = re.compile(r"```(?:python)?\s*\n(.*?)\n```", re.DOTALL)
+
+
+def extract_imports(prompt: str) -> str:
+    """The import lines at the top of a HumanEval prompt (nanochat's `extract_imports`)."""
+    imports = []
+    for line in prompt.split("\n"):
+        s = line.strip()
+        if s.startswith(("import ", "from ")):
+            imports.append(s)
+        elif s and not s.startswith("#"):
+            break
+    return "\n".join(imports)
+
+
+def extract_program(completion: str) -> str:
+    """The first ```python (or ```) block of a reply, else the whole reply (nanochat)."""
+    m = _CODE_BLOCK.findall(completion)
+    return (m[0] if m else completion).strip()
+
+
+def humaneval_program(doc, completion: str) -> str:
+    """imports + the reply's code + the test + check(entry_point), as nanochat assembles it."""
+    return (extract_imports(doc["prompt"]) + "\n\n" + extract_program(completion) + "\n\n"
+            + doc["test"] + "\n" + f"check({doc['entry_point']})")
+
+
+def _limit_memory():  # in the child, before exec
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def run_program(program: str, timeout: float = TIMEOUT_S) -> bool:
+    """Run a program in a fresh isolated Python (`-I`) in an empty temporary folder, with a
+    timeout and a memory cap; True when it exits 0. Refuses without the code-execution flag."""
+    require_code_execution()
+    with tempfile.TemporaryDirectory(prefix="laplace_humaneval_") as tmp:
+        path = os.path.join(tmp, "program.py")
+        with open(path, "w") as f:
+            f.write(program)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "HOME": tmp,
+               "OMP_NUM_THREADS": "1"}
+        try:
+            done = subprocess.run([sys.executable, "-I", path], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout, check=False,
+                                  preexec_fn=_limit_memory if os.name == "posix" else None)
+        except subprocess.TimeoutExpired:
+            return False
+        return done.returncode == 0
+
+
+def humaneval_process_results(doc, results) -> dict:
+    ok = float(run_program(humaneval_program(doc, results[0])))
+    return {"acc": ok, "pass@1": ok}
