@@ -14,7 +14,8 @@ from laplace.errors import ConfigError
 # name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
 # outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
 TRAINERS = {"deit3": "train.supervised:SupervisedTrainer", "gpt": "train.gpt:GPTTrainer",
-            "seg_linear": "eval.segmentation:SegLinearTrainer"}
+            "seg_linear": "eval.segmentation:SegLinearTrainer",
+            "dino": "train.dino:DINOTrainer"}
 
 # Config keys that say how a run executes, not what it trains: they do not change the run
 # directory's name (more workers or another logger must resume the same run) and a resume

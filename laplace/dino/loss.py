@@ -1,0 +1,58 @@
+"""DINO's loss (facebookresearch/dino main_dino.py `DINOLoss`).
+
+For teacher global crop i and student crop v != i:
+
+    q_i = softmax((t_i - center) / teacher_temp)     (no gradient)
+    l_iv = mean over the batch of  -sum_k q_i[k] log softmax(s_v / student_temp)[k]
+
+and the loss is the mean of l_iv over the pairs. After the loss, the centre moves towards the
+batch mean of the teacher outputs, averaged over every rank (all-reduced):
+center <- m * center + (1 - m) * mean(t). Computed in float32 whatever the autocast.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from laplace.dist import all_reduce_mean
+
+
+class DINOLoss(nn.Module):
+    """Args:
+        out_dim: head outputs.
+        n_global: global crops (the teacher's views; DINO: 2).
+        student_temp: student softmax temperature (DINO: 0.1).
+        center_momentum: momentum of the centre (DINO: 0.9).
+    """
+
+    def __init__(self, out_dim: int, n_global: int = 2, student_temp: float = 0.1,
+                 center_momentum: float = 0.9):
+        super().__init__()
+        self.n_global, self.student_temp, self.center_momentum = n_global, student_temp, center_momentum
+        self.register_buffer("center", torch.zeros(1, out_dim))
+
+    def forward(self, student_out: torch.Tensor, teacher_out: torch.Tensor,
+                teacher_temp: float) -> torch.Tensor:
+        """student_out: [n_crops * B, K] crop after crop (global crops first);
+        teacher_out: [n_global * B, K] for the global crops. Updates the centre."""
+        student_out, teacher_out = student_out.float(), teacher_out.detach().float()
+        n_crops = student_out.shape[0] // (teacher_out.shape[0] // self.n_global)
+        s = F.log_softmax(student_out / self.student_temp, dim=-1).chunk(n_crops)
+        q = F.softmax((teacher_out - self.center) / teacher_temp, dim=-1).chunk(self.n_global)
+        total, pairs = student_out.new_zeros(()), 0
+        for i, qi in enumerate(q):
+            for v, sv in enumerate(s):
+                if v == i:
+                    continue
+                total = total + torch.sum(-qi * sv, dim=-1).mean()
+                pairs += 1
+        self.update_center(teacher_out)
+        return total / pairs
+
+    @torch.no_grad()
+    def update_center(self, teacher_out: torch.Tensor):
+        # Every rank holds the same number of rows, so the mean of the ranks' means is the
+        # global batch mean (DINO: all-reduced sum / (rows x world size)).
+        batch_center = all_reduce_mean(teacher_out.float().mean(dim=0, keepdim=True))
+        self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)

@@ -1,0 +1,216 @@
+"""trainer=dino: multi-crop, head, loss and centre, EMA teacher, frozen last layer, exact
+resume, and the dino_in1k recipe end to end on a tiny ImageFolder (teacher backbone exported)."""
+from __future__ import annotations
+
+import math
+
+import fakedata
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from laplace import create_model
+from laplace.checkpoint import load_checkpoint, load_model
+from laplace.data.multicrop import (
+    GaussianBlur,
+    MultiCrop,
+    Solarization,
+    multicrop_collate,
+)
+from laplace.dino import DINOHead, DINOLoss, vit_class_token
+from laplace.errors import ConfigError
+from train import run
+from train.dino import DINOTrainer
+from train.logger import read_metrics
+
+# A 48-wide, 1-block ViT, a 64-way head, 2 local crops, 18 training digits (2 steps per epoch).
+TINY_DINO = ["experiment=dino_digits", "model.depth=1", "model.embed_dim=48", "trainer.num_workers=0",
+             "trainer.progress=false", "trainer.global_batch_size=8", "trainer.log_every=1",
+             "trainer.head.out_dim=64", "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16",
+             "trainer.multicrop.local_crops=2", "data.val_fraction=0.99"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # After conftest's 2 threads: on the shared 2 cores, 2 OpenMP threads ran these tiny steps
+    # 10-30x slower than one (spin-waiting against the other processes).
+    torch.set_num_threads(1)
+
+
+def _mc(**kw) -> MultiCrop:
+    base = {"global_size": 32, "local_size": 16, "global_scale": (1.0, 1.0), "local_crops": 3, "flip": 0.0,
+                "color_jitter_prob": 0.0, "grayscale": 0.0, "global_blur": (0.0, 0.0), "local_blur": 0.0,
+                "mean": (0.0, 0.0, 0.0), "std": (1.0, 1.0, 1.0)}
+    return MultiCrop(**{**base, **kw})
+
+
+def test_multicrop_counts_sizes_and_dino_defaults(make_cfg):
+    cfg = make_cfg("trainer=dino", "data=imagenet")
+    mc = MultiCrop.from_config(cfg.trainer.multicrop, cfg.data.mean, cfg.data.std)
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 70, 3), dtype=np.uint8))
+    crops = mc(img)
+    assert mc.n_global == 2 and mc.n_local == 8 and len(crops) == 10
+    assert [c.shape for c in crops] == [(3, 224, 224)] * 2 + [(3, 96, 96)] * 8
+    # DINO's composition: blur 1.0 / 0.1 on the global crops, solarize on the second only.
+    steps = lambda t: t.transforms
+    rrc = next(s for s in steps(mc.local_transform) if type(s).__name__ == "RandomResizedCrop")
+    assert rrc.scale == (0.05, 0.4) and rrc.size == (96, 96)
+    g_rrc = next(s for s in steps(mc.global_transforms[0]) if type(s).__name__ == "RandomResizedCrop")
+    assert g_rrc.scale == (0.4, 1.0)
+    blur = [[s.p for s in steps(t) if isinstance(s, GaussianBlur)] for t in [*mc.global_transforms, mc.local_transform]]
+    assert blur == [[1.0], [0.1], [0.5]]
+    sol = [[s.p for s in steps(t) if isinstance(s, Solarization)] for t in [*mc.global_transforms, mc.local_transform]]
+    assert sol == [[], [0.2], []]
+    jitter = next(s for s in steps(mc.local_transform) if type(s).__name__ == "RandomApply")
+    assert jitter.p == 0.8 and jitter.transforms[0].hue == (-0.1, 0.1)
+
+    batch = multicrop_collate([(mc(img), 3), (mc(img), 5)])
+    assert [tuple(b.shape) for b in batch] == [(2, 3, 224, 224)] * 2 + [(2, 3, 96, 96)] * 8
+
+
+def test_only_the_second_global_crop_is_solarised():
+    # Whole-image crops, no flip / jitter / blur: view 1 is the image, view 2 its solarisation
+    # when forced (p 1 from the config's global_solarize).
+    x = np.tile(np.linspace(0, 255, 32).round().astype(np.uint8), (32, 1))
+    img = Image.fromarray(np.stack([x, x.T, 255 - x], -1))
+    ref = torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255
+    sol = torch.where(ref * 255 >= 128, 1 - ref, ref)
+    g1, g2, *local = _mc(global_solarize=(0.0, 1.0))(img)
+    assert torch.allclose(g1, ref, atol=1 / 255) and torch.allclose(g2, sol, atol=1 / 255)
+    g1, g2, *_ = _mc(global_solarize=(0.0, 0.0))(img)
+    assert torch.allclose(g2, ref, atol=1 / 255)
+    # Local crops: at most 40% of the area (DINO's scale 0.05-0.4), resized to 16 px.
+    torch.manual_seed(0)
+    mc = _mc(local_scale=(0.05, 0.4))
+    rrc = mc.local_transform.transforms[1]
+    for _ in range(50):
+        _top, _left, h, w = rrc.get_params(img, rrc.scale, rrc.ratio)
+        assert 0.05 * 32 * 32 * 0.8 <= h * w <= 0.4 * 32 * 32 * 1.1
+    assert all(c.shape == (3, 16, 16) for c in local) and len(local) == 3
+
+
+def test_dino_loss_matches_a_hand_computation_and_updates_the_centre():
+    torch.manual_seed(0)
+    B, K, tt, st = 3, 5, 0.05, 0.1
+    student = torch.randn(4 * B, K)  # 2 global + 2 local crops
+    teacher = torch.randn(2 * B, K)
+    loss_fn = DINOLoss(K, n_global=2, student_temp=st, center_momentum=0.9)
+    c0 = torch.randn(1, K)
+    loss_fn.center.copy_(c0)
+    loss = loss_fn(student, teacher, tt)
+
+    total, pairs = 0.0, 0
+    for i in range(2):
+        for v in range(4):
+            if v == i:
+                continue
+            per_image = []
+            for b in range(B):
+                t = (teacher[i * B + b] - c0[0]) / tt
+                q = [math.exp(z) for z in t.tolist()]
+                q = [z / sum(q) for z in q]
+                s = (student[v * B + b] / st).tolist()
+                lse = math.log(sum(math.exp(z) for z in s))
+                per_image.append(-sum(qk * (sk - lse) for qk, sk in zip(q, s)))
+            total += sum(per_image) / B
+            pairs += 1
+    assert pairs == 6
+    assert loss.item() == pytest.approx(total / pairs, rel=1e-5)
+    assert torch.allclose(loss_fn.center, 0.9 * c0 + 0.1 * teacher.mean(0, keepdim=True), atol=1e-6)
+
+
+def test_head_and_any_crop_size_through_the_vit():
+    head = DINOHead(48, 64, hidden_dim=32, bottleneck_dim=16)
+    g = head.last_layer.parametrizations.weight.original0
+    assert not g.requires_grad and torch.all(g == 1)
+    w = head.last_layer.weight
+    assert torch.allclose(w.norm(dim=1), torch.ones(64), atol=1e-5)  # weight-normed rows
+    assert head(torch.randn(5, 48)).shape == (5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert head(torch.randn(5, 48)).dtype == torch.float32  # logits in float32 under autocast
+    vit = create_model("vits_2L", num_classes=0, depth=1, embed_dim=48, img_size=32, patch_size=8).eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(vit_class_token(vit, x), vit(x))  # the model's own size: the ViT's forward
+    assert vit_class_token(vit, torch.randn(2, 3, 16, 16)).shape == (2, 48)  # pos-embed resampled
+
+
+class Probe(DINOTrainer):
+    """Checks, at every step, the teacher EMA and that no gradient reaches the teacher."""
+
+    def before_optimizer_step(self):
+        assert all(p.grad is None for p in self.model.teacher.parameters())
+        logs = super().before_optimizer_step()
+        last = list(self.model.student.head.last_layer.parameters())
+        self.frozen_steps = getattr(self, "frozen_steps", []) + [all(p.grad is None for p in last)]
+        return logs
+
+    def after_optimizer_step(self):
+        before = [p.detach().clone() for p in self.model.teacher.parameters()]
+        super().after_optimizer_step()
+        m = self.hparams["teacher_momentum"]
+        assert 0.996 - 1e-9 <= m < 1.0
+        for t0, t1, s in zip(before, self.model.teacher.parameters(), self.model.student.parameters()):
+            assert torch.allclose(t1, m * t0 + (1 - m) * s, atol=1e-6)
+
+
+def test_ema_teacher_and_last_layer_frozen_in_the_first_epoch_only(make_cfg, tmp_path):
+    cfg = make_cfg(*TINY_DINO, "trainer.max_steps=4", "trainer.stop_after=2")
+    (tmp_path / "run").mkdir()  # train.run makes it; here the trainer is driven directly
+    t = Probe(cfg)
+    assert t.steps_per_epoch == 2 and t.freeze_steps == 2
+    last = lambda: [p.detach().clone() for p in t.model.student.head.last_layer.parameters()]
+    first = [p.detach().clone() for p in t.model.student.head.mlp.parameters()]
+    teacher0 = [p.detach().clone() for p in t.model.teacher.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(teacher0, t.model.student.parameters()))  # same init
+    w0 = last()
+    t.fit()  # epoch 0: steps 1-2
+    assert t.step == 2 and t.frozen_steps == [True, True]
+    assert all(torch.equal(a, b) for a, b in zip(w0, last()))  # last layer untouched
+    assert not torch.equal(first[0], t.model.student.head.mlp[0].weight)  # the rest trains
+    assert not torch.equal(teacher0[0], next(t.model.teacher.parameters()))  # teacher moved (EMA)
+    t.fit()  # epoch 1: steps 3-4
+    assert t.step == 4 and t.frozen_steps == [True, True, False, False]
+    assert not all(torch.equal(a, b) for a, b in zip(w0, last()))
+
+
+def test_dino_digits_resumes_exactly(make_cfg, tmp_path):
+    cfg = lambda *o, d: make_cfg(*TINY_DINO, "trainer.max_steps=4", *o, run_dir=tmp_path / d)
+    run(cfg(d="a"))
+    run(cfg("trainer.stop_after=2", d="b"))
+    mid = load_checkpoint(tmp_path / "b/ckpt/last.pt")
+    assert mid["loop"]["step"] == 2 and mid["trainer"]["center"].abs().sum() > 0
+    run(cfg(d="b"))
+    train = lambda d: [(r["step"], r["loss"], r["teacher_temp"], r["teacher_momentum"])
+                       for r in read_metrics(tmp_path / d) if r.get("split") == "train"]
+    assert [r[0] for r in train("a")] == [1, 2, 3, 4]
+    assert train("a") == train("b")
+    a, b = load_checkpoint(tmp_path / "a/ckpt/last.pt"), load_checkpoint(tmp_path / "b/ckpt/last.pt")
+    assert torch.equal(a["trainer"]["center"], b["trainer"]["center"])
+    assert all(torch.equal(a["train_model"][k], b["train_model"][k]) for k in a["train_model"])
+    # The exported model is the teacher backbone.
+    assert all(torch.equal(v, a["train_model"][f"teacher.backbone.{k}"]) for k, v in a["model"].items())
+
+
+def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path):
+    with pytest.raises(ConfigError, match="data.root"):  # the experiment names no data location
+        run(make_cfg("experiment=dino_in1k", "model=vits_5L", run_dir=tmp_path / "no_root"))
+    root = tmp_path / "imagenet"
+    fakedata.write_imagenet_folder(root, n_classes=2, per_class=4, size=40)
+    metrics = run(make_cfg(
+        "experiment=dino_in1k", "model=vits_5L", "model.depth=1", "model.embed_dim=48", f"data.root={root}",
+        "data.img_size=32", "trainer.multicrop.local_size=16", "trainer.global_batch_size=4",
+        "trainer.max_steps=2", "trainer.num_workers=0", "trainer.progress=false", "trainer.log_every=1",
+        "trainer.head.out_dim=64", "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16"))
+    assert metrics == {}
+    run_dir = tmp_path / "run"
+    losses = [r["loss"] for r in read_metrics(run_dir) if r.get("split") == "train"]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    ckpt = load_checkpoint(run_dir / "ckpt/last.pt")
+    assert ckpt["config"]["model"]["num_classes"] == 0 and ckpt["config"]["optim"]["lr"] == 2.0e-3
+    assert ckpt["config"]["trainer"]["multicrop"]["local_crops"] == 8
+    vit = load_model(run_dir / "ckpt/last.pt")
+    assert type(vit).__name__ == "VisionTransformer" and vit.num_laplacian_heads == [5]
+    feats = vit.forward_features(torch.randn(2, 3, 32, 32))
+    assert feats["norm"].shape == (2, 1 + 4, 48)
+    assert (run_dir / "results.json").exists()

@@ -1,0 +1,165 @@
+"""`trainer=dino`: self-supervised DINO pre-training of a zoo ViT on the shared engine.
+
+"Emerging Properties in Self-Supervised Vision Transformers" (Caron et al. 2021;
+facebookresearch/dino main_dino.py), the recipe of the paper's ViT-S/16 DINO runs:
+
+    student = ViT (no classifier) + DINOHead      laplace.dino (out_dim 65,536, hidden 2048,
+    teacher = a copy, updated by EMA only           bottleneck 256, weight-normed last layer)
+    multi-crop: 2 global (224 px, scale 0.4-1)    trainer.multicrop (laplace.data.multicrop)
+      + 8 local (96 px, scale 0.05-0.4) crops;
+      the teacher sees the global crops only
+    loss: cross-entropy teacher(i) -> student(v),  laplace.dino.DINOLoss, student temp 0.1,
+      v != i, centred teacher (momentum 0.9)        trainer.student_temp / center_momentum
+    teacher temperature 0.04 -> 0.07 over 30 ep    trainer.schedules.teacher_temp
+    teacher EMA momentum 0.996 -> 1 (cosine)       trainer.schedules.teacher_momentum
+    AdamW, lr 5e-4 x batch / 256, 10 warm-up ep,   optim.* (experiment=dino_*): param groups
+      cosine to 1e-6; weight decay 0.04 -> 0.4      as DINO's get_params_groups (biases and 1-D
+      (cosine), none on biases / norms              tensors without weight decay)
+    per-tensor gradient clipping at 3.0            optim.grad_clip=3.0, grad_clip_mode=param
+    last layer frozen during the first epoch       trainer.freeze_last_layer (epochs)
+    drop-path 0.1, bf16 autocast                   model.drop_path_rate, the engine's autocast
+
+The checkpoint's "model" is the TEACHER BACKBONE (a plain zoo ViT with num_classes=0, which
+the `model` node says), so `laplace.checkpoint.load_model` and every evaluation take it as
+any other ViT; the whole student/teacher pair is the checkpoint's "train_model" (resume).
+
+    python train.py experiment=dino_digits                        # CPU minutes
+    python train.py experiment=dino_in1k model=vits_5L data.root=/data/imagenet
+"""
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+
+from laplace import create_model
+from laplace.data.multicrop import MultiCrop, multicrop_collate
+from laplace.data.vision import build_vision_dataset
+from laplace.dino import DINOHead, DINOLoss, DINOModel
+from laplace.errors import ConfigError
+
+from .engine import Trainer
+
+
+def dino_param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """DINO's utils.get_params_groups: trainable biases and 1-D tensors (norms, LayerScale,
+    gates) get no weight decay; every other trainable tensor (also the class token and the
+    position embedding) does."""
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if name.endswith(".bias") or p.ndim == 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+class DINOTrainer(Trainer):
+    unit = "img"
+    model_archs, data_modality = ("vit",), "image"
+    example = "python train.py experiment=dino_digits model=vitt_3L"
+    scheduled_values = ("teacher_temp", "teacher_momentum")
+
+    def __init__(self, cfg):
+        tc = cfg.trainer
+        if cfg.model.get("num_classes") != 0:
+            # The exported backbone has no classifier: the saved config (load_model) must say so.
+            cfg.model.num_classes = 0
+        self.n_global = len(tc.multicrop.global_blur)
+        self.dino_loss = DINOLoss(tc.head.out_dim, self.n_global, tc.student_temp, tc.center_momentum)
+        super().__init__(cfg)
+        self.dino_loss.to(self.device)
+        self.freeze_steps = round(float(tc.freeze_last_layer) * self.steps_per_epoch)
+
+    # ---- data ----------------------------------------------------------------------------
+    def build_datasets(self):
+        d = self.cfg.data
+        mc = self.cfg.trainer.multicrop
+        p = d.patch_size
+        for key in ("global_size", "local_size"):
+            if mc[key] % p:
+                raise ConfigError(f"trainer.multicrop.{key}={mc[key]} is not a multiple of the patch "
+                                  f"size data.patch_size={p}")
+        if "root" in d and (OmegaConf.is_missing(d, "root") or d.root is None):  # experiment=dino_in1k
+            raise ConfigError(f"data={d.name} needs its location: set data.root=PATH")
+        self.multicrop = MultiCrop.from_config(mc, d.mean, d.std)
+        # The real on-disk loader of data=<name> (laplace.data.vision), its transform swapped for
+        # the multi-crop one (every loader there applies `.transform` to a PIL image). A plain,
+        # resolved copy of the node: its interpolations (paths.data_dir) need the whole config.
+        plain = OmegaConf.to_container(d, resolve=True)
+        train_set = build_vision_dataset(OmegaConf.create({**plain, "augment": "none"}), True)
+        if not hasattr(train_set, "transform"):
+            raise ConfigError(f"data={d.name}: its training set takes no transform; trainer=dino "
+                              f"needs one of digits, cifar10, cifar100, imagenet")
+        train_set.transform = self.multicrop
+        return train_set, None
+
+    def collate(self, items):
+        return multicrop_collate(items)
+
+    # ---- model and optimizer -------------------------------------------------------------
+    def build_model(self):
+        h = self.cfg.trainer.head
+        backbone = create_model(**self.cfg.model)
+        head = DINOHead(backbone.embed_dim, h.out_dim, h.hidden_dim, h.bottleneck_dim, h.nlayers,
+                        h.norm_last_layer)
+        return DINOModel(backbone, head)
+
+    def wrap_model(self, model):
+        # The teacher takes no gradient: outside DDP, compiled on its own when compile is on.
+        self.teacher_net = torch.compile(model.teacher) if self.compile else model.teacher
+        return super().wrap_model(model.student)  # DDP / compile around the student only
+
+    def export_model(self):
+        return self.model.teacher.backbone
+
+    def configure_optimizers(self):
+        o = self.cfg.optim
+        if o.name != "adamw":
+            raise ConfigError(f"trainer=dino trains with AdamW (DINO's default): set optim=adamw, "
+                              f"not optim={o.name}")
+        kwargs = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps}
+        return {"adamw": torch.optim.AdamW(dino_param_groups(self.model.student, o.weight_decay), **kwargs)}
+
+    # ---- the step ------------------------------------------------------------------------
+    def train_step(self, crops):
+        with torch.no_grad():
+            teacher_out = self.teacher_net(crops[:self.n_global])
+        student_out = self.net(crops)
+        return self.dino_loss(student_out, teacher_out, self.hparams["teacher_temp"]), {}
+
+    def before_optimizer_step(self):
+        logs = super().before_optimizer_step()  # per-tensor clipping (optim.grad_clip_mode=param)
+        # DINO's cancel_gradients_last_layer: no update of the last layer in the first epoch(s).
+        # Counted in steps: the feed's epoch moves on with the last batch of an epoch already.
+        if self.step < self.freeze_steps:
+            for p in self.model.student.head.last_layer.parameters():
+                p.grad = None
+        return logs
+
+    @torch.no_grad()
+    def after_optimizer_step(self):
+        m = self.hparams["teacher_momentum"]
+        teacher = list(self.model.teacher.parameters())
+        student = list(self.model.student.parameters())
+        torch._foreach_lerp_(teacher, student, 1.0 - m)  # t <- m t + (1 - m) s
+
+    # ---- state ---------------------------------------------------------------------------
+    def state_dict(self):
+        return {"center": self.dino_loss.center.detach().cpu().clone()}
+
+    def load_state_dict(self, state):
+        if "center" in state:
+            self.dino_loss.center.copy_(state["center"].to(self.dino_loss.center.device))
+
+    def on_fit_end(self, final_metrics: dict):
+        from .logger import read_metrics
+
+        if not self.dist.is_main:
+            return
+        train = [r for r in read_metrics(self.run_dir) if r.get("split") == "train"] \
+            if (self.run_dir / "metrics.jsonl").exists() else []
+        d, tc = self.cfg.data, self.cfg.trainer
+        self.write_results({
+            "img_size": d.img_size, "patch_size": d.patch_size, "global_batch_size": tc.global_batch_size,
+            "out_dim": tc.head.out_dim, "final": {"train_loss": train[-1]["loss"] if train else None},
+        })
