@@ -1,0 +1,273 @@
+"""Frozen-backbone features of an image split, shared by `python -m eval.knn` and `python -m eval.linear`.
+
+Two kinds of feature, DINO's (facebookresearch/dino eval_knn.py / eval_linear.py):
+    cls       the class token after the final norm, L2-normalised (k-NN)
+    last<n>   the class tokens of the last n blocks, each after the final norm (DINO's
+              `get_intermediate_layers` + norm), concatenated [B, n*D]; with `avgpool` the
+              average of the last block's normed patch tokens is appended [B, (n+1)*D]
+              (DINO interleaves the two for n=1, a permutation of the same numbers; DINOv2
+              appends). DINO's ViT-S recipe is n=4 without avgpool, its ViT-B n=1 with it.
+
+The backbone comes from any laplace checkpoint (`load_backbone`: a DINO teacher backbone, a
+DeiT-III model with a head, ...) or from a timm / DeiT-III state dict file with the
+architecture named by the `model=` config group. It is rebuilt at the data's image size
+(position embeddings resampled), without head, frozen, in eval mode.
+
+`extract_features` runs the model over a split once: each rank of a distributed launch takes
+the samples rank, rank + world, ... and the rows are all-gathered back into dataset order, so
+every rank ends with all features (one process works the same way). The result is cached at
+`<cache_dir>/features_<data>_<split>_<kind>.pt` with a key (checkpoint path, size, mtime and
+step, data and transform settings, feature kind, number of samples); a cache whose key differs
+is recomputed. On CUDA the forward runs under bf16 autocast; features and labels are returned
+as float32 / int64 tensors on the one device given.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from laplace.checkpoint import CheckpointError, load_checkpoint, load_weights
+from laplace.dist import DistInfo, all_gather_object, barrier
+from laplace.errors import ConfigError
+from laplace.vit import VisionTransformer, load_timm_state_dict
+from laplace.zoo import create_model
+
+CACHE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- the backbone
+
+
+def run_home(checkpoint: str | os.PathLike) -> Path:
+    """The run directory a checkpoint belongs to (`<run>/ckpt/last.pt` -> `<run>`; a loose
+    weights file -> its folder)."""
+    p = Path(checkpoint)
+    return p.parent.parent if p.parent.name == "ckpt" else p.parent
+
+
+def _plain(node) -> dict:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+def load_backbone(checkpoint, model_node=None, img_size: int | None = None,
+                  device: Any = "cpu") -> tuple[VisionTransformer, dict]:
+    """(frozen ViT without head at `img_size`, info) from a laplace checkpoint or a timm state dict.
+
+    Args:
+        checkpoint: a laplace checkpoint (its own model node is used; `model_node` is ignored),
+            or a timm / DeiT-III state dict file (.pth / .bin / .safetensors).
+        model_node: the architecture of a state dict file (the `model=` group's node).
+        img_size: the input size; None keeps the checkpoint's.
+    Returns info = {model, num_laplacian_heads, laplacian_mode, checkpoint, step, source}.
+    """
+    path = Path(str(checkpoint))
+    if not path.is_file():
+        raise ConfigError(f"checkpoint={path}: no such file; pass a laplace checkpoint (runs/.../ckpt/last.pt) "
+                          f"or a timm state dict with model=<zoo name>")
+    try:
+        ckpt = load_checkpoint(path)
+        sd, node, step, source = ckpt["model"], dict(ckpt["config"]["model"]), ckpt.get("loop", {}).get("step"), "laplace"
+    except CheckpointError as e:
+        if "not a laplace checkpoint" not in str(e):
+            raise
+        sd, _ = load_weights(path)  # a timm / DeiT state dict (CheckpointError if not one either)
+        if model_node is None:
+            raise ConfigError(f"checkpoint={path} is a state dict, not a laplace checkpoint: name its "
+                              f"architecture, e.g. model=vits_0L") from None
+        node, step, source = _plain(model_node), None, "timm"
+    if "embed_dim" not in node:
+        raise ConfigError(f"checkpoint={path} holds a {node.get('name')} model: k-NN / linear evaluation needs a ViT")
+    node.update(num_classes=0, drop_path_rate=0.0, **({"img_size": int(img_size)} if img_size else {}))
+    model = create_model(**node)
+    sd = {k: v for k, v in sd.items() if not k.startswith("head.")}  # a DeiT-III head is not a feature
+    try:
+        load_timm_state_dict(model, sd)
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint={path} does not fit model {node['name']}: "
+                              f"{' '.join(str(e).split())[:200]}") from None
+    model.requires_grad_(False).eval().to(device)
+    k = node.get("num_laplacian_heads", 0)
+    info = {"model": node["name"], "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
+            "laplacian_mode": node.get("laplacian_mode", "fixed"), "checkpoint": str(path), "step": step,
+            "source": source}
+    return model, info
+
+
+# ----------------------------------------------------------------------------- features of a batch
+
+
+def feature_kind(kind: str, n_last_blocks: int = 4, avgpool: bool = False) -> str:
+    """The cache-file name of a feature kind: "cls" or "last<n>[_avgpool]"."""
+    if kind == "cls":
+        return "cls"
+    if kind != "linear":
+        raise ConfigError(f"feature kind {kind!r}: use cls (k-NN) or linear")
+    return f"last{n_last_blocks}" + ("_avgpool" if avgpool else "")
+
+
+def batch_features(model: VisionTransformer, x: torch.Tensor, kind: str = "cls", n_last_blocks: int = 4,
+                   avgpool: bool = False) -> torch.Tensor:
+    """Features [B, F] of images [B, 3, H, W] (see the module docstring)."""
+    if kind == "cls":
+        out = model.forward_features(x, layers=[], norm=True)["norm"][:, 0].float()
+        return F.normalize(out, dim=-1, p=2)
+    depth = len(model.blocks)
+    if not 1 <= n_last_blocks <= depth:
+        raise ConfigError(f"n_last_blocks={n_last_blocks}: use 1..{depth} (the model's blocks)")
+    layers = list(range(depth - n_last_blocks, depth))
+    feats = model.forward_features(x, layers=layers, norm=False)
+    normed = [model.norm(feats[f"blocks.{i}"]) for i in layers]
+    out = [t[:, 0] for t in normed]
+    if avgpool:
+        out.append(normed[-1][:, 1:].mean(dim=1))
+    return torch.cat(out, dim=-1).float()
+
+
+# ----------------------------------------------------------------------------- a whole split
+
+
+def _gather_rows(local: torch.Tensor, n_total: int, info: DistInfo) -> torch.Tensor:
+    """Rows of every rank in dataset order; rank r holds samples r, r + W, r + 2W, ..."""
+    if not info.distributed:
+        return local
+    world = info.world_size
+    m = math.ceil(n_total / world)
+    pad = local.new_zeros((m - local.shape[0], *local.shape[1:]))
+    padded = torch.cat((local, pad)).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.stack(parts, dim=1).reshape(m * world, *local.shape[1:])[:n_total]
+
+
+def cache_key(info: dict, data_cfg, split: str, kind: str, n: int, crop_pct: float) -> dict:
+    """What a cached feature file must match: the weights (path, size, mtime, step), the data and
+    its evaluation transform, the feature kind and the number of samples."""
+    path = Path(info["checkpoint"])
+    st = path.stat() if path.is_file() else None
+    d = _plain(data_cfg)
+    return {"version": CACHE_VERSION, "checkpoint": str(path.resolve()), "size": st.st_size if st else None,
+            "mtime_ns": st.st_mtime_ns if st else None, "step": info.get("step"), "model": info.get("model"),
+            "data": d.get("name"), "root": str(d.get("root")), "split": split, "img_size": d.get("img_size"),
+            "crop_pct": float(crop_pct), "mean": list(d.get("mean", [])), "std": list(d.get("std", [])),
+            "kind": kind, "n": int(n)}
+
+
+def _load_cache(path: Path, key: dict, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not path.is_file():
+        return None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a truncated or foreign file: recompute
+        return None
+    if not isinstance(obj, dict) or obj.get("key") != key:
+        return None
+    return obj["features"].to(device), obj["labels"].to(device)
+
+
+def _save_cache(path: Path, key: dict, feats: torch.Tensor, labels: torch.Tensor) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save({"key": key, "features": feats.cpu(), "labels": labels.cpu()}, tmp)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def extract_features(model: nn.Module, dataset, *, kind: str = "cls", n_last_blocks: int = 4,
+                     avgpool: bool = False, device: Any = "cpu", batch_size: int = 256, num_workers: int = 0,
+                     dist_info: DistInfo | None = None, cache: Path | None = None,
+                     key: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [N, F] float32, labels [N] int64) of `dataset`, both on `device`.
+
+    Args:
+        model: the frozen backbone (on `device`).
+        dataset: yields (image tensor, int label).
+        kind, n_last_blocks, avgpool: the feature (see `batch_features`).
+        dist_info: the launch (laplace.dist.setup); None = one process.
+        cache: the cache file; with `key`, a file holding the same key is returned without
+            running the model, otherwise the features are computed and written (rank 0).
+    """
+    info = dist_info or DistInfo(device=torch.device(device))
+    device = torch.device(device)
+    use_cache = cache is not None and key is not None
+    if use_cache:
+        hit = _load_cache(Path(cache), key, device)
+        if all(all_gather_object(hit is not None)):  # every rank found it valid
+            return hit
+    shard = Subset(dataset, range(info.rank, len(dataset), info.world_size))
+    loader = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                        pin_memory=device.type == "cuda", drop_last=False)
+    feats, labels = [], []
+    for x, y in loader:
+        x = x.to(device, non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            f = batch_features(model, x, kind, n_last_blocks, avgpool)
+        feats.append(f.float())
+        labels.append(torch.as_tensor(y).to(device=device, dtype=torch.long))
+    dim = feats[0].shape[1] if feats else batch_features(model, dataset[0][0][None].to(device), kind,
+                                                         n_last_blocks, avgpool).shape[1]
+    local_f = torch.cat(feats) if feats else torch.zeros(0, dim, device=device)
+    local_y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=device)
+    out_f, out_y = _gather_rows(local_f, len(dataset), info), _gather_rows(local_y, len(dataset), info)
+    if use_cache:
+        if info.is_main:
+            _save_cache(Path(cache), key, out_f, out_y)
+        barrier()
+    return out_f, out_y
+
+
+def split_features(model, info: dict, data_cfg, split: str, *, kind: str, n_last_blocks: int, avgpool: bool,
+                   crop_pct: float | None, device, batch_size: int, num_workers: int,
+                   dist_info: DistInfo | None, cache_dir: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features of the `split` ("train" / "val") of the data node, with its evaluation transform
+    (resize + centre crop; `crop_pct` None: the node's eval_crop_pct), cached under `cache_dir`."""
+    from laplace.data.vision import build_vision_dataset
+
+    d = OmegaConf.create(_plain(data_cfg))
+    d.augment = "none"  # the evaluation transform for both splits (DINO: resize + centre crop)
+    if crop_pct is not None:
+        d.eval_crop_pct = float(crop_pct)
+    dataset = build_vision_dataset(d, train=split == "train")
+    name = feature_kind(kind, n_last_blocks, avgpool)
+    cache = key = None
+    if cache_dir is not None:
+        cache = Path(cache_dir) / f"features_{d.name}_{split}_{name}.pt"
+        key = cache_key(info, d, split, name, len(dataset), d.get("eval_crop_pct", 1.0))
+    return extract_features(model, dataset, kind=kind, n_last_blocks=n_last_blocks, avgpool=avgpool, device=device,
+                            batch_size=batch_size, num_workers=num_workers, dist_info=dist_info, cache=cache, key=key)
+
+
+def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False):
+    """Everything an entry point needs: (train (features, labels), val (features, labels), info,
+    dist_info, out_dir) for the entry config `cfg` (checkpoint, model, data, device, batch_size,
+    num_workers, crop_pct, cache, run_dir)."""
+    from laplace.dist import setup
+
+    dist_info = setup(cfg.get("device", "auto"))
+    model, info = load_backbone(cfg.checkpoint, cfg.get("model"), cfg.data.img_size, dist_info.device)
+    home = run_home(cfg.checkpoint)
+    cache_dir = (home / "eval") if cfg.get("cache", True) else None
+    common = dict(kind=kind, n_last_blocks=n_last_blocks, avgpool=avgpool, crop_pct=cfg.get("crop_pct"),
+                  device=dist_info.device, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                  dist_info=dist_info, cache_dir=cache_dir)
+    train = split_features(model, info, cfg.data, "train", **common)
+    val = split_features(model, info, cfg.data, "val", **common)
+    return train, val, info, dist_info, home
+
+
+def write_json(path: Path, record: dict) -> None:
+    """results.json, atomically."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)

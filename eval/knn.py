@@ -1,0 +1,112 @@
+"""Weighted k-NN classification on frozen class tokens, DINO's protocol (facebookresearch/dino eval_knn.py).
+
+    python -m eval.knn checkpoint=runs/dino/imagenet/vits_0L_s0/ckpt/last.pt data=imagenet data.root=/data/imagenet
+    python -m eval.knn checkpoint=runs/deit3/digits/vitt_0L_s0/ckpt/last.pt          # data=digits, any trainer's ViT
+    python -m eval.knn checkpoint=deit3_small_224.pth model=vits_0L data=imagenet    # a timm / DeiT-III state dict
+    torchrun --nproc_per_node=8 -m eval.knn checkpoint=... data=imagenet                # extraction split over ranks
+
+Every train and validation image goes through the evaluation transform (resize + centre crop)
+and the frozen backbone; its class token after the final norm, L2-normalised, is the feature
+(eval/features.py, cached beside the run). Each validation feature votes with its k nearest
+training features by cosine similarity, each neighbour's class weighted exp(sim / T), T = 0.07;
+the class with the largest sum is the prediction (top-5: the five largest). DINO reports
+k = 20 and prints 10, 20, 100, 200. The test features are processed in chunks, so memory stays
+at chunk x N_train similarities.
+
+results.json lands in `<the checkpoint's run>/eval/knn_<data>/` (run_dir= to change), with the
+shared fields (model, num_laplacian_heads, dataset, checkpoint, step), protocol "knn", k, T and
+the block `knn: {top1, top5, per_k: {k: {top1, top5}}}` in %; `python -m analysis.tables`
+reads it as `knn.top1` in the run's record.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from laplace.config import register_model_configs
+from laplace.dist import cleanup
+from laplace.errors import ConfigError, cli_errors
+
+from .features import eval_features, write_json
+
+
+@torch.no_grad()
+def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_feats: torch.Tensor,
+                 test_labels: torch.Tensor, ks=(10, 20, 100, 200), T: float = 0.07,
+                 num_classes: int | None = None, chunk: int = 256) -> dict[int, dict[str, float]]:
+    """DINO's weighted k-NN: {k: {"top1", "top5"}} in % for every k in `ks`.
+
+    Args:
+        train_feats, test_feats: L2-normalised features [N, D] / [M, D] (one device).
+        train_labels, test_labels: int64 [N] / [M].
+        ks: the neighbour counts (capped at N); one top-k search for the largest serves all.
+        T: the temperature of the weights exp(similarity / T).
+        num_classes: C (default: the largest label + 1).
+        chunk: test samples per similarity block.
+    """
+    if num_classes is None:
+        num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+    ks = sorted({min(int(k), len(train_feats)) for k in ks})
+    kmax = ks[-1]
+    correct = {k: [0, 0] for k in ks}
+    for s in range(0, len(test_feats), chunk):
+        q, y = test_feats[s:s + chunk], test_labels[s:s + chunk]
+        sim = q @ train_feats.T  # [b, N]
+        dist, idx = sim.topk(kmax, dim=1, largest=True, sorted=True)
+        neighbours = train_labels[idx]  # [b, kmax]
+        weights = (dist / T).exp()
+        for k in ks:
+            votes = torch.zeros(len(q), num_classes, device=q.device, dtype=weights.dtype)
+            votes.scatter_add_(1, neighbours[:, :k], weights[:, :k])
+            pred = votes.topk(min(5, k, num_classes), dim=1).indices  # DINO: the first min(5, k) predictions
+            hit = pred.eq(y[:, None])
+            correct[k][0] += int(hit[:, 0].sum())
+            correct[k][1] += int(hit.any(dim=1).sum())
+    n = max(len(test_feats), 1)
+    return {k: {"top1": 100.0 * c1 / n, "top5": 100.0 * c5 / n} for k, (c1, c5) in correct.items()}
+
+
+def evaluate_knn(cfg: DictConfig) -> dict:
+    """Extract (or reuse) the features, classify on rank 0, write results.json; returns it."""
+    ks = [int(k) for k in cfg.ks]
+    if int(cfg.k) not in ks:
+        ks.append(int(cfg.k))
+    if min(ks) < 1 or cfg.T <= 0:
+        raise ConfigError(f"ks={ks}, T={cfg.T}: need k >= 1 and T > 0")
+    (xtr, ytr), (xva, yva), info, dist_info, home = eval_features(cfg, "cls")
+    if not dist_info.is_main:
+        return {}
+    res = knn_classify(xtr, ytr, xva, yva, ks, float(cfg.T), int(cfg.data.num_classes), int(cfg.chunk))
+    k = min(int(cfg.k), len(xtr))
+    for kk, r in res.items():
+        print(f"[knn] {kk:>4}-NN T={cfg.T}: top1 {r['top1']:.2f}  top5 {r['top5']:.2f}")
+    record = {"model": info["model"], "num_laplacian_heads": info["num_laplacian_heads"],
+              "laplacian_mode": info["laplacian_mode"], "dataset": cfg.data.name, "protocol": "knn",
+              "checkpoint": info["checkpoint"], "step": info["step"], "weights": info["source"],
+              "k": int(cfg.k), "T": float(cfg.T), "feature": "cls_norm_l2",
+              "n_train": len(xtr), "n_val": len(xva),
+              "knn": {"top1": res[k]["top1"], "top5": res[k]["top5"],
+                      "per_k": {str(kk): r for kk, r in res.items()}}}
+    out = Path(cfg.run_dir) if cfg.run_dir else home / "eval" / f"knn_{cfg.data.name}"
+    write_json(out / "results.json", record)
+    return record
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="knn")
+def main(cfg: DictConfig) -> None:
+    cli_errors(_evaluate_and_clean_up)(cfg)
+
+
+def _evaluate_and_clean_up(cfg: DictConfig) -> dict:
+    try:
+        return evaluate_knn(cfg)
+    finally:
+        cleanup()  # the process group of a torchrun launch
+
+
+if __name__ == "__main__":
+    cli_errors(register_model_configs)()
+    main()
