@@ -130,7 +130,7 @@ def test_a_bug_with_data_workers_running_exits_within_seconds(tmp_path):
     (["data=pydoc_text"], "data=pydoc_text holds text data but trainer=deit3 trains on image; use trainer=gpt"),
     (["model=gpt_d2_0L"], "model=gpt_d2_0L is a GPT but trainer=deit3 trains ViTs; use trainer=gpt"),
     (["experiment=gpt_pydoc", "model=vitt_0L"], "model=vitt_0L is a ViT but trainer=gpt trains GPTs; use trainer=deit3"),
-    (["trainer.name=dino"], "trainer.name='dino' is not a trainer"),
+    (["trainer.name=mae"], "trainer.name='mae' is not a trainer"),
 ])
 def test_wrong_combinations_are_one_line(args, expect, tmp_path):
     proc = subprocess.run(_cmd(*args, f"paths.runs_dir={tmp_path}"), cwd=ROOT, env=ENV,
