@@ -93,7 +93,7 @@ def foreground_mask(patches: torch.Tensor, grid: tuple[int, int], threshold: flo
     """[gh, gw] bool: patches whose first component, oriented away from the border and min-max
     scaled to [0, 1], is above `threshold`. patches: [P, D] row-major over the grid."""
     s = _pca(patches.double(), 1)[:, 0]
-    edge = s[_border(grid)].mean()
+    edge = s[_border(grid).to(s.device)].mean()
     if edge.abs() > 1e-9 * s.abs().max():  # else a tie: keep the largest-magnitude rule's sign
         s = s if edge < 0 else -s
     return (_minmax(s[:, None], 0.0)[:, 0] > threshold).reshape(grid)
