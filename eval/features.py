@@ -263,11 +263,3 @@ def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False)
     return train, val, info, dist_info, home
 
 
-def write_json(path: Path, record: dict) -> None:
-    """results.json, atomically."""
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)

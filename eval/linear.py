@@ -42,7 +42,9 @@ from laplace.config import register_model_configs
 from laplace.dist import cleanup
 from laplace.errors import ConfigError, cli_errors
 
-from .features import eval_features, write_json
+from laplace.io import write_json
+
+from .features import eval_features
 
 
 class LinearGrid(nn.Module):

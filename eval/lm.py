@@ -40,13 +40,13 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import hydra
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from laplace.errors import ConfigError, cli_errors
+from laplace.io import write_json
 
 TASKS_DIR = Path(__file__).resolve().with_name("tasks")
 STANDARD_TASKS = ("arc_easy", "arc_challenge", "mmlu", "gsm8k", "humaneval")
@@ -276,12 +276,6 @@ def checkpoint_fields(path: Path) -> dict:
             "checkpoint": str(path), "step": (ckpt.get("loop") or {}).get("step")}
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Atomically: a temp file in the same folder, then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    tmp.replace(path)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ import torch
 
 from laplace.data import DatasetNotFoundError
 from laplace.errors import ConfigError
+from laplace.io import atomic_write
 
 # nanochat's special tokens: documents start with <|bos|>; the rest delimit chat turns and tool
 # calls for supervised fine-tuning. They follow the ordinary tokens, in this order.
@@ -159,7 +160,7 @@ class Tokenizer:
                "pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens,
                "ranks": [base64.b64encode(tok).decode("ascii") for tok, _ in ranks]}
         path = Path(path).expanduser().absolute()
-        _atomic_write(path, json.dumps(obj, indent=0).encode())
+        atomic_write(path, json.dumps(obj, indent=0).encode())
         if self.spec is None:
             self.spec = str(path)
         return path
@@ -197,21 +198,6 @@ def _as_list(ids) -> list[int]:
     if isinstance(ids, np.ndarray):
         return ids.reshape(-1).tolist()
     return [int(i) for i in ids]
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    # Temp file in the same folder + rename: a crash never leaves a truncated file under `path`.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _bpe(ranks: dict[bytes, int], pattern: str, spec: str | None) -> Tokenizer:

@@ -27,7 +27,6 @@ trainer lists those it reads in `scheduled_values`). Both are set before every s
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
@@ -42,6 +41,7 @@ from laplace import create_model, dist, model_defaults
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_checkpoint, load_pretrained,
                                 resume_candidates, rng_state, save_checkpoint, set_rng_state)
 from laplace.errors import ConfigError
+from laplace.io import write_json
 
 from . import EXECUTION_KEYS, TRAINERS, get_trainer
 from .feeds import MapFeed, epoch_sampler
@@ -452,10 +452,7 @@ class Trainer:
                       "laplacian_mode": m["laplacian_mode"], "dataset": self.cfg.data.name,
                       "seed": self.cfg.seed, "steps": self.step, "epochs": self.epoch,
                       "checkpoint": str(self.ckpt_path), **results}
-            path = self.run_dir / "results.json"
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(record, indent=2) + "\n")
-            tmp.replace(path)
+            write_json(self.run_dir / "results.json", record)
 
 
 def _flatten(d, prefix: str = "") -> dict:

@@ -56,10 +56,10 @@ from omegaconf import DictConfig, OmegaConf
 from laplace.data import DatasetNotFoundError
 from laplace.data.shards import shard_dtype, write_shard
 from laplace.errors import ConfigError, cli_errors
+from laplace.io import atomic_write
 from laplace.tokenizer import (
     MIN_VOCAB,
     Tokenizer,
-    _atomic_write,
     _cores,
     capped_texts,
     load_tokenizer,
@@ -475,7 +475,7 @@ def prepare(cfg: DictConfig) -> dict:
     if tok.kind == "bpe" and Path(tok.spec) != (out / "tokenizer.json").absolute():
         tok.save(out / "tokenizer.json")
         tok = load_tokenizer(out / "tokenizer.json")
-    _atomic_write(out / ".settings.json", json.dumps(settings, indent=1).encode())
+    atomic_write(out / ".settings.json", json.dumps(settings, indent=1).encode())
 
     print(f"[prepare] {src.describe()} -> {out} ({tok.kind} tokenizer, vocab {tok.vocab_size:,}, "
           f"{threads} threads)", flush=True)
@@ -494,7 +494,7 @@ def prepare(cfg: DictConfig) -> dict:
                       "tokens": sum(s["tokens"] for s in train), "shards": train},
             "val": {"docs": sum(s["docs"] for s in val),
                     "tokens": sum(s["tokens"] for s in val), "shards": val}}
-    _atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
+    atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
 
     tr, va = meta["train"], meta["val"]
     print(f"[prepare] train: {tr['docs']:,} documents, {tr['tokens']:,} tokens in "

@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import glob
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 
 from laplace.data import DatasetNotFoundError
 from laplace.errors import ConfigError
+from laplace.io import atomic_write
 
 
 def shard_dtype(vocab_size: int) -> np.dtype:
@@ -69,25 +69,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
     path = Path(path)
     if path.suffix != ".npy":
         path = path.with_name(path.name + ".npy")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr.astype(dtype, copy=False))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    # Make the rename itself durable (POSIX only; Windows cannot open a folder).
-    if hasattr(os, "O_DIRECTORY"):
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    return path
+    return atomic_write(path, lambda f: np.save(f, arr.astype(dtype, copy=False)))
 
 
 def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) -> list[Path]:
