@@ -129,3 +129,18 @@ def test_tokenizer_and_vocab_mismatch_are_one_line_errors(make_cfg, tmp_path, py
         run(make_cfg(*_pre(pydoc_shards, "data.vocab_size=4096"), run_dir=tmp_path / "x"))
     with pytest.raises(ConfigError, match="trainer.init_from"):
         run(make_cfg("experiment=gpt_tiny_sft", *TINY, "trainer.init_from=null", run_dir=tmp_path / "y"))
+
+
+@pytest.mark.parametrize("setting, compiled", [("auto", False), ("false", False), ("true", True)])
+def test_compile_auto_is_off_on_cpu(make_cfg, tmp_path, setting, compiled):
+    """trainer.compile=auto compiles on CUDA only; true always wraps the model."""
+    import torch
+
+    from train import get_trainer
+
+    cfg = make_cfg("experiment=gpt_pydoc", *TINY, f"trainer.compile={setting}", run_dir=tmp_path)
+    trainer = get_trainer("gpt")(cfg)
+    on_cuda = trainer.device.type == "cuda"
+    expect = compiled or (setting == "auto" and on_cuda)
+    assert trainer.compile is expect
+    assert isinstance(trainer.net, torch._dynamo.eval_frame.OptimizedModule) is expect

@@ -87,6 +87,28 @@ def wait_for_steps(run_dir: Path, n: int, timeout: float = 60):
 # ---------------------------------------------------------------- the scripts, with no cluster
 
 
+def test_gpt_d20_chain_stages_and_opt_in_code_execution(tmp_path):
+    """slurm/chains/gpt_d20.sh: pre-train -> mid -> SFT -> benchmarks (one GPU) -> analysis; data.root
+    reaches pre-training only; HumanEval (laplace_chat) only with --allow-code-execution."""
+    env = {**site_env(os.environ, tmp_path), "LAPLACE_DRY_RUN": "1", "LAPLACE_GPUS_PER_NODE": "8"}
+
+    def stages(*args):
+        proc = subprocess.run(["bash", "slurm/chains/gpt_d20.sh", "gpt_d20_5L", *args], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        return [ln for ln in proc.stderr.splitlines() if ln.startswith("sbatch")]
+
+    pre, mid, sft, bench, analysis = stages("data.root=/d", "seed=1")
+    assert "experiment=gpt_d20 model=gpt_d20_5L data.root=/d seed=1" in pre
+    assert "experiment=gpt_d20_mid" in mid and "data.root=/d" not in mid and "/1_gpt_d20/ckpt/last.pt" in mid
+    assert "experiment=gpt_d20_sft" in sft and "/2_gpt_d20_mid/ckpt/last.pt" in sft
+    assert "--gpus-per-node=1 --ntasks-per-node=1" in bench and "/3_gpt_d20_sft/ckpt/last.pt" in bench
+    assert "laplace_chat_gsm8k" in bench and "humaneval" not in bench and "allow_code_execution" not in bench
+    assert "analysis.sbatch" in analysis and "/1_gpt_d20/ckpt/last.pt" in analysis
+    bench = stages("--allow-code-execution", "data.root=/d")[3]
+    assert "tasks=\\[laplace_chat\\]" in bench and "allow_code_execution=true" in bench
+
+
 def test_submit_composes_site_flags_and_lets_the_command_line_win(tmp_path):
     env = {**site_env(os.environ, tmp_path), "LAPLACE_DRY_RUN": "1", "LAPLACE_GPUS_PER_NODE": "4",
            "LAPLACE_GPU_TYPE": "h100", "LAPLACE_PARTITION": "gpu", "LAPLACE_TIME": "48:00:00",
