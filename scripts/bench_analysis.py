@@ -2,52 +2,33 @@
 
 Feeds N random float32 tokens (D = 768, 1000 sequences spanning batch borders, 100 classes, one
 class per sequence; token = class mean + sequence offset + noise) in batches through GeometryAccumulator and prints tokens/s of update(),
-the time of compute() and the peak RSS. Each N runs in a fresh process so peaks do not mix.
+the same against the bare float64 X^T X matmul of those batches, the time of compute() and the
+peak RSS. Each N runs in a fresh process so peaks do not mix. The measurement is
+laplace.bench.pipeline.analysis_one, which `python -m laplace.bench` records as well.
 
     python scripts/bench_analysis.py                    # N = 1e5 and 1e6 on CPU (or CUDA)
     python scripts/bench_analysis.py --tokens 100000 --batch 8192 --device cpu
 """
 import argparse
-import resource
+import os
 import subprocess
 import sys
-import time
 
 import torch
 
-from analysis.streaming import GeometryAccumulator
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-METRICS = ("anova", "nc", "cdnv", "lc", "spectral")
+from laplace.bench.pipeline import analysis_one  # noqa: E402
 
 
 def run_one(N: int, D: int, n_seq: int, n_cls: int, batch: int, device: str):
-    torch.manual_seed(0)
-    seq_len = N // n_seq
-    seq_cls = torch.arange(n_seq, device=device) % n_cls
-    W = torch.randn(n_cls, D, device=device)
-    seq_mu = W[seq_cls] + 0.5 * torch.randn(n_seq, D, device=device)  # class + sequence offsets
-    base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # torch + data set-up
-    acc = GeometryAccumulator(D, metrics=METRICS, device=device)
-    t_update = 0.0
-    for start in range(0, N, batch):
-        idx = torch.arange(start, min(N, start + batch), device=device)
-        seq = idx // seq_len
-        x = torch.randn(idx.numel(), D, device=device) + seq_mu[seq]
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        acc.update(x, seq, seq_cls[seq])
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t_update += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = acc.compute(weight=W, unembedding=W)
-    t_compute = time.perf_counter() - t0
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    print(f"N={N:>9,d} D={D} seqs={n_seq} classes={n_cls} device={device} threads={torch.get_num_threads()}: "
-          f"update {N / t_update:,.0f} tokens/s ({t_update:.1f} s), compute {t_compute:.2f} s, "
-          f"peak RSS {rss_mb:,.0f} MiB (before the accumulator {base_mb:,.0f} MiB), within_seq_share {out['within_seq_share']:.4f}, "
-          f"n_pcs_0.99 {out['n_pcs_0.99']:.0f}", flush=True)
+    r = analysis_one(N, D, n_seq, n_cls, batch, device)
+    print(f"N={N:>9,d} D={D} seqs={n_seq} classes={n_cls} device={device} threads={r['threads']}: "
+          f"update {r['update_tokens_per_s']:,.0f} tokens/s ({r['update_s']:.1f} s; the bare X^T X "
+          f"{r['matmul_tokens_per_s']:,.0f} tokens/s, ratio {r['update_vs_matmul']:.2f}), compute "
+          f"{r['compute_s']:.2f} s, peak RSS {r['peak_rss_mib']:,.0f} MiB (before the accumulator "
+          f"{r['rss_before_accumulator_mib']:,.0f} MiB), within_seq_share {r['within_seq_share']:.4f}, "
+          f"n_pcs_0.99 {r['n_pcs_099']:.0f}", flush=True)
 
 
 def main():

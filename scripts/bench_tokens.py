@@ -10,30 +10,18 @@
 (b) A BPE trained on the built-in help text (laplace.data.text.pydoc_documents), then
     encode_batch over the help text repeated to --chars characters with 1, 2, ... threads:
     tokens/s and tokens/s per thread (python -m laplace.data.prepare prints the same figure).
+(a) is laplace.bench.pipeline.bench_stream, which `python -m laplace.bench` records as well.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import tempfile
+import sys
 import time
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-
-def mem() -> dict[str, float]:
-    """MiB from /proc/self/status: VmRSS (all), RssAnon (heap), RssFile (mapped files), VmHWM."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-                out[key] = int(value.split()[0]) / 1024
-    return out
-
-
-def fmt(m: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:,.0f} MiB" for k, v in m.items())
+from laplace.bench.pipeline import bench_stream, stream_lines  # noqa: E402
 
 
 def bench_tokenizer(vocab: int, chars: int, threads: list[int]) -> None:
@@ -58,37 +46,6 @@ def bench_tokenizer(vocab: int, chars: int, threads: list[int]) -> None:
               f"{n_tok / dt / n:,.0f} tokens/s per thread")
 
 
-def bench_stream(n_tokens: int, shard_tokens: int, seq_len: int, batch: int) -> None:
-    from laplace.data.shards import TokenStream, list_shards, write_shard
-
-    rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory(prefix="bench_tokens_") as root:
-        t = time.perf_counter()
-        for i, start in enumerate(range(0, n_tokens, shard_tokens)):
-            n = min(shard_tokens, n_tokens - start)
-            write_shard(os.path.join(root, "train", f"shard_{i:05d}.npy"),
-                        rng.integers(0, 2**16, n, dtype=np.uint16), vocab_size=2**16)
-        files = list_shards(root, "train")
-        size = sum(f.stat().st_size for f in files)
-        print(f"(a) {n_tokens:,} uint16 tokens in {len(files)} shards ({size / 2**20:,.0f} MiB) "
-              f"written in {time.perf_counter() - t:.1f} s")
-        before = mem()
-        stream = TokenStream(files, seq_len=seq_len, micro_batch_size=batch, loop=False)
-        t, delivered, checksum = time.perf_counter(), 0, 0
-        for x, y in stream:
-            delivered += x.numel()
-            checksum += int(x[0, 0])  # touch the batch
-        dt = time.perf_counter() - t
-        after = mem()
-        print(f"    TokenStream seq_len {seq_len}, micro batch {batch}: {delivered:,} tokens in "
-              f"{stream.micro_batches_per_epoch:,} batches, {dt:.2f} s = {delivered / dt:,.0f} tokens/s "
-              f"({delivered / dt / seq_len / batch:,.0f} batches/s)")
-        print(f"    memory before: {fmt(before)}")
-        print(f"    memory after:  {fmt(after)}")
-        print(f"    anonymous memory grew {after['RssAnon'] - before['RssAnon']:+,.1f} MiB over "
-              f"{size / 2**20:,.0f} MiB of shards")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vocab", type=int, default=4096)
@@ -101,7 +58,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"{os.cpu_count()} CPUs")
     # The stream first: its memory figures are then not those of (a)'s token lists.
-    bench_stream(args.tokens, args.shard_tokens, args.seq_len, args.batch)
+    print("\n".join(stream_lines(bench_stream(args.tokens, args.shard_tokens, args.seq_len, args.batch))))
     bench_tokenizer(args.vocab, args.chars, args.threads)
 
 

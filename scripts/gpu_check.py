@@ -8,8 +8,9 @@ Every trainer and experiment family trains a few steps at small size as a user r
 from a CUDA checkpoint; a run signalled with SIGUSR1 checkpoints, exits with the requeue
 status and resumes; a bug inside train_step exits non-zero within seconds; `python -m
 analysis` measures CUDA checkpoints; the tests marked `cuda` run on the device; the
-benchmark prints its table. One line per check (PASS / FAIL, seconds, what it measured, step
-times from metrics.jsonl); the exit status is 1 if any check failed. Logs of every command
+benchmark (`python -m laplace.bench`) writes its record to <out>/benchmarks. One line per
+check (PASS / FAIL, seconds, what it measured, step times from metrics.jsonl); the exit
+status is 1 if any check failed. Logs of every command
 go to --out (default: a fresh temporary folder), named after the check.
 """
 from __future__ import annotations
@@ -220,11 +221,20 @@ def gpt_d20(c: Check, data: Path, tiny: bool) -> str:
 
 
 def benchmark(c: Check, args) -> str:
-    cmd = [sys.executable, "scripts/benchmark.py", "--device", args.device]
-    cmd += ["--steps", "2", "--warmup", "1", "--batch-size", "2", "--gpt-depth", "2", "--seq-len", "64"] \
-        if args.tiny else ["--steps", "10", "--warmup", "3"]
-    c.sh("benchmark", cmd, timeout=600)
-    return "\n     " + "\n     ".join((c.out / "benchmark.log").read_text().strip().splitlines()[-12:])
+    """`python -m laplace.bench` (layer, training step, loader, analysis accumulator), eager; its
+    records go to <out>/benchmarks; returns the ratios to k = 0 and to timm with their verdicts."""
+    out = c.out / "benchmarks"
+    cmd = [sys.executable, "-m", "laplace.bench", "--device", args.device, "--out", str(out)]
+    cmd += ["--smoke"] if args.tiny else ["--steps", "10", "--warmup", "3", "--loader-tokens", "20000000"]
+    c.sh("benchmark", cmd, timeout=900)
+    record = max(out.glob("*.json"), key=lambda p: p.stat().st_mtime)
+    rec = json.loads(record.read_text())
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    met = lambda m: "n/a" if m is None else "met" if m else "NOT met"  # noqa: E731
+    lines = [f"{r['section']:<5} {r['mode']:<8} {r['num'] + ' / ' + r['den']:<34} time {fmt(r['time'])} "
+             f"({met(r['time_met'])}), memory {fmt(r['memory'])} {r['memory_basis']} "
+             f"({met(r['memory_met'])}), target <= {r['target']:.2f}" for r in rec["ratios"]]
+    return f"record {record} (+ .md)\n     " + "\n     ".join(lines)
 
 
 def main():
