@@ -1,7 +1,7 @@
 """`python -m laplace.bench`: the one benchmark of the project, written as comparable records.
 
     python -m laplace.bench --threads 1           # CPU defaults: a few minutes on 2 cores
-    python -m laplace.bench --device cuda          # issue 13's protocol (ViT-B 128 x 224, GPT d20 16 x 2048, bf16)
+    python -m laplace.bench --device cuda          # the GPU protocol (ViT-B 128 x 224, GPT d20 16 x 2048, bf16)
     python -m laplace.bench --device cuda --compile   # eager and torch.compile'd
     python -m laplace.bench --smoke --out /tmp/b   # everything tiny (CI, tests/test_bench.py)
 

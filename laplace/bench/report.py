@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-# The targets of issue 13: Laplacian heads cost at most 1% over k = 0 in time and memory, and
+# The project's targets: Laplacian heads cost at most 1% over k = 0 in time and memory, and
 # our implementation is no slower / larger than timm's.
 TARGET_VS_K0 = 1.01
 TARGET_VS_TIMM = 1.00
