@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from laplace.attention import Attention, KVCache
+from laplace.attention import Attention, KVCache, merge_heads
 from laplace.gpt import GPT
 from laplace.vit import VisionTransformer
 from conftest import randomize_
@@ -289,3 +289,83 @@ def test_laplacian_heads_add_no_parameters():
         # The gates start near the fixed assignment: last 2 heads ~Laplacian.
         a = torch.sigmoid(learned.blocks[0].attn.laplacian_gate)
         assert (a[:2] < 0.05).all() and (a[2:] > 0.95).all()
+
+
+# ---- LaplacianProjection: the fused path's merge + projection -------------------------------
+
+def _saved_bytes(module, fn) -> int:
+    """Bytes autograd keeps for backward of fn() (storages counted once, parameters left out)."""
+    from laplace.bench.timing import SavedBytes
+
+    with SavedBytes(module) as saved:
+        fn().sum()
+    return saved.bytes
+
+
+def _plain_autograd(m: Attention, x):
+    """The fused ViT path with the merge and projection in plain autograd (the old code)."""
+    B, N, C = x.shape
+    q, k, v = m.qkv(x).view(B, N, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return m.proj(merge_heads(o.transpose(1, 2), v.transpose(1, 2), HEADS - m.num_laplacian_heads))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", ["vit", "gpt"])
+def test_laplacian_heads_keep_no_extra_activation(config, device):
+    """A Laplacian head must not make autograd keep more than k = 0 does (plain autograd kept
+    the merged heads: +20% of a ViT attention layer's saved bytes, +5% of a training step)."""
+    x = torch.randn(2, 17, DIM, device=device)
+    rope = tuple(t.to(device) for t in rope_table(0, 17, dtype=torch.float32)) if config == "gpt" else None
+    sizes = {}
+    for k in (0, 1, HEADS):
+        torch.manual_seed(0)
+        m = Attention(DIM, HEADS, k, **CONFIGS[config]).to(device)
+        sizes[k] = _saved_bytes(m, lambda: m(x, rope=rope))
+    assert sizes[1] <= sizes[0] and sizes[HEADS] <= sizes[0], sizes
+    if config == "vit":  # the old plain-autograd merge did keep more: the test can tell
+        m = Attention(DIM, HEADS, HEADS, **CONFIGS[config]).to(device)
+        assert _saved_bytes(m, lambda: _plain_autograd(m, x)) > sizes[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", [1, HEADS])
+def test_laplacian_projection_under_bf16_autocast_matches_plain_autograd(k, device):
+    """Same dtypes and values as F.linear under autocast (a bf16 output, fp32 gradients of the
+    fp32 weights), within bf16 rounding."""
+    torch.manual_seed(0)
+    m = Attention(DIM, HEADS, k, **CONFIGS["vit"]).to(device)
+    x = torch.randn(2, 9, DIM, device=device)
+    w = torch.randn(2, 9, DIM, device=device)
+    results = []
+    for forward in (m, lambda xi: _plain_autograd(m, xi)):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = forward(xi)
+        (out.float() * w).sum().backward()
+        results.append((out, xi.grad, m.proj.weight.grad, m.proj.bias.grad, m.qkv.weight.grad))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    assert results[0][0].dtype == torch.bfloat16 and results[0][2].dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_compiled_attention_matches_eager():
+    """torch.compile traces LaplacianProjection: outputs and gradients as in eager mode."""
+    torch.manual_seed(0)
+    eager = Attention(DIM, HEADS, 2, **CONFIGS["vit"])
+    compiled = Attention(DIM, HEADS, 2, **CONFIGS["vit"])
+    compiled.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled)
+    x = torch.randn(2, 9, DIM)
+    w = torch.randn(2, 9, DIM)
+    grads = []
+    for m in (eager, compiled):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi)
+        (out * w).sum().backward()
+        grads.append((out.detach(), xi.grad, *[p.grad for p in m.parameters()]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
