@@ -135,15 +135,19 @@ class LaplacianProjection(torch.autograd.Function):
                 g_b = gy2.sum(0).to(weight.dtype)
             if need_out or need_v:
                 g_m = (gy @ weight.to(dt)).view(out.shape)  # d loss / d merged, [B, N, H, D]
-                if need_v:
-                    g_v = torch.zeros_like(v, dtype=dt) if n_std else g_m
+                if need_v:  # the identity term: the Laplacian heads' slice, zero elsewhere
                     if n_std:
+                        g_v = g_m.new_zeros(g_m.shape)
                         g_v[:, :, n_std:] = g_m[:, :, n_std:]
+                    else:
+                        g_v = g_m
                     g_v = g_v.to(v.dtype)
-                if need_out:
-                    g_out = g_m.clone() if n_std else -g_m
+                if need_out:  # -P V on the Laplacian heads; g_m is ours, negated in place
                     if n_std:
-                        g_out[:, :, n_std:].neg_()
+                        g_m[:, :, n_std:].neg_()
+                        g_out = g_m
+                    else:
+                        g_out = -g_m
                     g_out = g_out.to(out.dtype)
         return g_out, g_v, g_w, g_b, None
 
