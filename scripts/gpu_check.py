@@ -8,7 +8,8 @@ Every trainer and experiment family trains a few steps at small size as a user r
 from a CUDA checkpoint; a run signalled with SIGUSR1 checkpoints, exits with the requeue
 status and resumes; a bug inside train_step exits non-zero within seconds; `python -m
 analysis` measures CUDA checkpoints; the tests marked `cuda` run on the device; the
-benchmark (`python -m laplace.bench`) writes its record to <out>/benchmarks. One line per
+benchmark (`python -m laplace.bench`) writes its record to <out>/benchmarks; DINO's and the
+GPT's paper-size steps report images/s and tokens/s (MFU). One line per
 check (PASS / FAIL, seconds, what it measured, step times from metrics.jsonl); the exit
 status is 1 if any check failed. Logs of every command
 go to --out (default: a fresh temporary folder), named after the check.
@@ -220,6 +221,26 @@ def gpt_d20(c: Check, data: Path, tiny: bool) -> str:
             f"val_bpb={records(run_dir, 'val')[-1]['val_bpb']:.3f}")
 
 
+def dino_in1k(c: Check, data: Path, tiny: bool) -> str:
+    """A few steps of experiment=dino_in1k as the paper runs it per GPU (ViT-S/16 with 5
+    Laplacian heads, 2 x 224 px + 8 x 96 px crops, head to 65,536, bf16, compile, batch 64 per
+    GPU as DINO's 1024 on 16 GPUs, 8 loader workers) on ImageNet-sized JPEGs: images/s."""
+    folder = data / "imagenet_320px"
+    if not folder.exists():
+        import fakedata
+
+        fakedata.write_imagenet_folder(folder, n_classes=4, per_class=16 if tiny else 64, size=64 if tiny else 320)
+    run_dir = c.out / "runs" / "dino_in1k"
+    size = (["model.depth=1", "model.embed_dim=96", "data.img_size=64", "trainer.multicrop.local_size=32",
+             "trainer.head.out_dim=1024", "trainer.global_batch_size=16", "trainer.num_workers=2"] if tiny
+            else ["trainer.global_batch_size=64", "trainer.num_workers=8"])
+    c.train("dino_in1k", ["experiment=dino_in1k", "model=vits_5L", *size, f"data.root={folder}",
+                          f"run_dir={run_dir}", "trainer.max_steps=10", "trainer.log_every=1"], timeout=900)
+    recs = records(run_dir)[2:]  # after compilation and warm-up
+    img_s = statistics.median(r["img_per_s"] for r in recs)
+    return f"vits_5L: {img_s:,.0f} img/s (10 crops each), {step_ms(run_dir)}; loss {recs[-1]['loss']:.3f}"
+
+
 def benchmark(c: Check, args) -> str:
     """`python -m laplace.bench` (layer, training step, loader, analysis accumulator), eager; its
     records go to <out>/benchmarks; returns the ratios to k = 0 and to timm with their verdicts."""
@@ -294,6 +315,9 @@ def main():
             f"+data.root={data / 'shards'}", "data.seq_len=128", "trainer.num_workers=0"], 6, 16),
         "gpt pipeline: BPE, Muon, SFT, chat": lambda: gpt_pipeline(c, data, gpt, args.device),
         "gpt_d20: paper-size steps": lambda: gpt_d20(c, data, args.tiny),
+        "dino_digits": lambda: stop_and_resume(c, "dino_digits", [
+            "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
+        "dino_in1k: paper-size steps": lambda: dino_in1k(c, data, args.tiny),
         "preemption (SIGUSR1)": lambda: preemption(c, gpt),
         "crash exits fast": lambda: crash(c, vit),
         "analysis of CUDA checkpoints": lambda: analysis(c, args.device),

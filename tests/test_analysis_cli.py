@@ -188,16 +188,18 @@ def test_bad_input_messages(overrides, expect, tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_prints_geometry(tmp_path):
-    """Both paradigms' tables: the ViT pair and the LM pair (BPE and shards prepared on the way)."""
+    """The three paradigms' tables: the ViT pair, the LM pair (BPE and shards prepared on the
+    way) and the DINO pair with its k-NN accuracies and PCA maps."""
     proc = subprocess.run([sys.executable, "scripts/quickstart.py", "trainer.max_steps=2",
                            f"paths.runs_dir={tmp_path}", f"paths.data_dir={tmp_path / 'data'}",
                            "vit.model.depth=2", "vit.model.embed_dim=48", "vit.trainer.global_batch_size=32",
-                           "lm.data.seq_len=64", "trainer.num_workers=0",
+                           "lm.data.seq_len=64", "trainer.num_workers=0", "dino.model.depth=1",
+                           "dino.trainer.head.out_dim=64", "dino.trainer.head.hidden_dim=32",
                            "analysis.max_tokens=1000", "analysis.cpu_threads=1"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    vit, lm = [i for i, ln in enumerate(lines) if ln.startswith("model ")]
+    vit, lm, dino = [i for i, ln in enumerate(lines) if ln.startswith("model ")]
     assert all(c in lines[vit] for c in ("within-seq share", "NC1 (cls)", "n_pcs_0.99"))
     rows = [ln.split() for ln in lines[vit + 1:vit + 3]]
     assert [r[0] for r in rows] == ["vitt_0L", "vitt_3L"]
@@ -210,6 +212,13 @@ def test_quickstart_prints_geometry(tmp_path):
     for r in rows:
         bpb, share = float(r[2]), float(r[4])
         assert 0 < bpb < float(r[3]) and 0 < share < 1
+    assert all(c in lines[dino] for c in ("20-NN top-1 (%)", "within-seq share", "NC1 (cls)"))
+    rows = [ln.split() for ln in lines[dino + 1:dino + 3]]
+    assert [(r[0], r[1]) for r in rows] == [("vits_0L", "0"), ("vits_5L", "5")]
+    for r in rows:
+        top1, share = float(r[2]), float(r[4])
+        assert 0 <= top1 <= 100 and 0 < share < 1
     assert (tmp_path / "data" / "pydoc_bpe" / "tokenizer.json").exists()
-    for paradigm in ("vit", "lm"):
+    for paradigm in ("vit", "lm", "dino"):
         assert (tmp_path / "quickstart" / paradigm / "analysis" / "spectrum.png").exists()
+    assert (tmp_path / "quickstart" / "dino" / "analysis" / "pca_maps.png").exists()  # both models' rows

@@ -18,7 +18,7 @@ from laplace.data.multicrop import (
     Solarization,
     multicrop_collate,
 )
-from laplace.dino import DINOHead, DINOLoss, vit_class_token
+from laplace.dino import DINOHead, DINOLoss, DINOModel, vit_class_token
 from laplace.errors import ConfigError
 from train import run
 from train.dino import DINOTrainer
@@ -135,6 +135,28 @@ def test_head_and_any_crop_size_through_the_vit():
     assert vit_class_token(vit, torch.randn(2, 3, 16, 16)).shape == (2, 48)  # pos-embed resampled
 
 
+def test_batchnorm_head_and_the_teacher_modes():
+    """use_bn (DINO's --use_bn_in_head): BatchNorm before each hidden GELU. The teacher's
+    backbone stays in eval mode (no drop-path), its head follows the student's mode, so its
+    BatchNorm normalises with batch statistics during training as DINO's teacher does."""
+    head = DINOHead(48, 64, hidden_dim=32, bottleneck_dim=16, use_bn=True)
+    assert [type(m).__name__ for m in head.mlp] == ["Linear", "BatchNorm1d", "GELU", "Linear",
+                                                    "BatchNorm1d", "GELU", "Linear"]
+    vit = create_model("vits_2L", num_classes=0, depth=1, embed_dim=48, img_size=32, patch_size=8,
+                       drop_path_rate=0.5)
+    model = DINOModel(vit, head).train()
+    assert model.student.training and model.teacher.head.training and not model.teacher.backbone.training
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model.teacher.backbone(x), model.teacher.backbone(x))  # no drop-path
+        bn = model.teacher.head.mlp[1]
+        before = bn.running_mean.clone()
+        model.teacher(x)
+        assert not torch.equal(before, bn.running_mean)  # batch statistics: running stats move
+    model.eval()
+    assert not model.teacher.head.training and not model.student.training
+
+
 class Probe(DINOTrainer):
     """Checks, at every step, the teacher EMA and that no gradient reaches the teacher."""
 
@@ -149,7 +171,7 @@ class Probe(DINOTrainer):
         before = [p.detach().clone() for p in self.model.teacher.parameters()]
         super().after_optimizer_step()
         m = self.hparams["teacher_momentum"]
-        assert 0.996 - 1e-9 <= m < 1.0
+        assert self.cfg.trainer.schedules.teacher_momentum.value - 1e-9 <= m < 1.0
         for t0, t1, s in zip(before, self.model.teacher.parameters(), self.model.student.parameters()):
             assert torch.allclose(t1, m * t0 + (1 - m) * s, atol=1e-6)
 

@@ -101,10 +101,15 @@ class DINOTrainer(Trainer):
         h = self.cfg.trainer.head
         backbone = create_model(**self.cfg.model)
         head = DINOHead(backbone.embed_dim, h.out_dim, h.hidden_dim, h.bottleneck_dim, h.nlayers,
-                        h.norm_last_layer)
+                        h.norm_last_layer, h.use_bn)
         return DINOModel(backbone, head)
 
     def wrap_model(self, model):
+        if self.cfg.trainer.head.use_bn and self.dist.distributed and self.device.type == "cuda":
+            # DINO: batch statistics over the global batch (SyncBatchNorm runs on CUDA only; over
+            # gloo on CPU each rank normalises its own batch). The teacher is converted too.
+            model.student = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.student)
+            model.teacher = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)
         # The teacher takes no gradient: outside DDP, compiled on its own when compile is on.
         self.teacher_net = torch.compile(model.teacher) if self.compile else model.teacher
         return super().wrap_model(model.student)  # DDP / compile around the student only

@@ -1,6 +1,7 @@
 """DINO's network pieces (facebookresearch/dino, vision_transformer.py and utils.py).
 
-    DINOHead          MLP in -> hidden -> hidden -> bottleneck (GELU, no BN), L2-normalised
+    DINOHead          MLP in -> hidden -> hidden -> bottleneck (GELU; BatchNorm before each
+                      GELU with use_bn, DINO's --use_bn_in_head), L2-normalised
                       bottleneck, weight-normalised last layer to out_dim (weight_g fixed to 1
                       when norm_last_layer, DINO's default)
     vit_class_token   a zoo ViT's final-norm class token at ANY input size divisible by the
@@ -35,18 +36,23 @@ class DINOHead(nn.Module):
         hidden_dim, bottleneck_dim: MLP widths (DINO: 2048, 256).
         nlayers: linear layers of the MLP (DINO: 3).
         norm_last_layer: fix the weight-norm magnitude g to 1 (not trained; DINO's default).
+        use_bn: BatchNorm1d after each hidden linear layer (DINO's --use_bn_in_head; off by
+            default there and here; the small-data recipe experiment=dino_digits needs it, see
+            that config).
     """
 
     def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048, bottleneck_dim: int = 256,
-                 nlayers: int = 3, norm_last_layer: bool = True):
+                 nlayers: int = 3, norm_last_layer: bool = True, use_bn: bool = False):
         super().__init__()
         nlayers = max(nlayers, 1)
         if nlayers == 1:
             self.mlp = nn.Linear(in_dim, bottleneck_dim)
         else:
-            layers = [nn.Linear(in_dim, hidden_dim), nn.GELU()]
+            def hidden(d_in):
+                return [nn.Linear(d_in, hidden_dim), *([nn.BatchNorm1d(hidden_dim)] if use_bn else []), nn.GELU()]
+            layers = hidden(in_dim)
             for _ in range(nlayers - 2):
-                layers += [nn.Linear(hidden_dim, hidden_dim), nn.GELU()]
+                layers += hidden(hidden_dim)
             layers.append(nn.Linear(hidden_dim, bottleneck_dim))
             self.mlp = nn.Sequential(*layers)
         self.apply(self._init_weights)  # before the last layer exists, as DINO (it keeps torch's init)
@@ -125,16 +131,19 @@ class MultiCropWrapper(nn.Module):
 
 
 class DINOModel(nn.Module):
-    """Student (backbone + head) and teacher (a deep copy: same initial weights, no gradients,
-    kept in eval mode so a drop-path backbone runs deterministically, as DINO's teacher that is
-    built without drop-path)."""
+    """Student (backbone + head) and teacher (a deep copy: same initial weights, no gradients).
+    The teacher's backbone stays in eval mode, so a drop-path backbone runs deterministically
+    as DINO's teacher that is built without drop-path; its head follows the student's mode, so a
+    BatchNorm head (use_bn) normalises with batch statistics in training, as DINO's teacher,
+    which is never put in eval mode."""
 
     def __init__(self, backbone: nn.Module, head: nn.Module):
         super().__init__()
         self.student = MultiCropWrapper(backbone, head)
-        self.teacher = copy.deepcopy(self.student).requires_grad_(False).eval()
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+        self.teacher.backbone.eval()
 
     def train(self, mode: bool = True):
         super().train(mode)
-        self.teacher.eval()
+        self.teacher.backbone.eval()
         return self
