@@ -290,7 +290,8 @@ class Attention(nn.Module):
             # (1 - a) P V + a (V - P V), a per head in (0, 1).
             out = torch.lerp(out, v - out, self.laplacian_weight().view(-1, 1).to(out.dtype))
             out = self.proj(out.reshape(B, N, C))
-        elif n_std < self.num_heads and attn is None and torch.is_grad_enabled():
+        elif (n_std < self.num_heads and attn is None and torch.is_grad_enabled()
+              and torch.amp.is_autocast_available(x.device.type)):  # not on "meta"
             # Fused path with Laplacian heads: merge + projection keep no extra activation.
             out = LaplacianProjection.apply(out, v, self.proj.weight, self.proj.bias, n_std)
         else:  # k = 0, the reference path (plain autograd: the ground truth), or no grad
