@@ -36,8 +36,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from laplace.checkpoint import CheckpointError, load_checkpoint, load_weights
-from laplace.dist import DistInfo, all_gather_object, barrier
+from laplace.dist import DistInfo, all_gather_object, barrier, cleanup
 from laplace.errors import ConfigError
+from laplace.io import write_json
 from laplace.vit import VisionTransformer, load_timm_state_dict
 from laplace.zoo import create_model
 
@@ -263,3 +264,18 @@ def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False)
     return train, val, info, dist_info, home
 
 
+
+
+def write_results(cfg, home: Path, protocol: str, record: dict) -> Path:
+    """`record` as <run_dir or the checkpoint's run>/eval/<protocol>_<data>/results.json (atomic)."""
+    out = Path(cfg.run_dir) if cfg.run_dir else home / "eval" / f"{protocol}_{cfg.data.name}"
+    write_json(out / "results.json", record)
+    return out
+
+
+def run_and_clean_up(evaluate, cfg):
+    """evaluate(cfg), then the process group of a torchrun launch is destroyed, whatever happened."""
+    try:
+        return evaluate(cfg)
+    finally:
+        cleanup()

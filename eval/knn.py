@@ -20,19 +20,16 @@ reads it as `knn.top1` in the run's record.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig
 
 from laplace.config import register_model_configs
-from laplace.dist import cleanup
 from laplace.errors import ConfigError, cli_errors
 
-from laplace.io import write_json
 
-from .features import eval_features
+from .features import eval_features, run_and_clean_up, write_results
 
 
 @torch.no_grad()
@@ -92,21 +89,13 @@ def evaluate_knn(cfg: DictConfig) -> dict:
               "n_train": len(xtr), "n_val": len(xva),
               "knn": {"top1": res[k]["top1"], "top5": res[k]["top5"],
                       "per_k": {str(kk): r for kk, r in res.items()}}}
-    out = Path(cfg.run_dir) if cfg.run_dir else home / "eval" / f"knn_{cfg.data.name}"
-    write_json(out / "results.json", record)
+    write_results(cfg, home, "knn", record)
     return record
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="knn")
 def main(cfg: DictConfig) -> None:
-    cli_errors(_evaluate_and_clean_up)(cfg)
-
-
-def _evaluate_and_clean_up(cfg: DictConfig) -> dict:
-    try:
-        return evaluate_knn(cfg)
-    finally:
-        cleanup()  # the process group of a torchrun launch
+    cli_errors(run_and_clean_up)(evaluate_knn, cfg)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ grid (`grid`: each lr's held-out top-1 / top-5) and the block
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import hydra
 import torch
@@ -39,12 +38,10 @@ from omegaconf import DictConfig
 from torch import nn
 
 from laplace.config import register_model_configs
-from laplace.dist import cleanup
 from laplace.errors import ConfigError, cli_errors
 
-from laplace.io import write_json
 
-from .features import eval_features
+from .features import eval_features, run_and_clean_up, write_results
 
 
 class LinearGrid(nn.Module):
@@ -170,21 +167,13 @@ def evaluate_linear(cfg: DictConfig) -> dict:
               "grid": r["grid"],
               "linear": {"top1": r["top1"], "top5": r["top5"], "lr": r["lr"], "base_lr": r["base_lr"],
                          "heldout_top1": r["heldout_top1"]}}
-    out = Path(cfg.run_dir) if cfg.run_dir else home / "eval" / f"linear_{cfg.data.name}"
-    write_json(out / "results.json", record)
+    write_results(cfg, home, "linear", record)
     return record
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="linear")
 def main(cfg: DictConfig) -> None:
-    cli_errors(_evaluate_and_clean_up)(cfg)
-
-
-def _evaluate_and_clean_up(cfg: DictConfig) -> dict:
-    try:
-        return evaluate_linear(cfg)
-    finally:
-        cleanup()  # the process group of a torchrun launch
+    cli_errors(run_and_clean_up)(evaluate_linear, cfg)
 
 
 if __name__ == "__main__":
