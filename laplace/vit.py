@@ -145,5 +145,7 @@ def load_timm_state_dict(model: VisionTransformer, state_dict: dict) -> None:
             raise ValueError(f"pos_embed of shape {tuple(pos.shape)} covers a class token or a "
                              f"non-square grid; expected DeiT-III style {tuple(want)}")
         grid = model.patch_embed.grid_size
-        sd["pos_embed"] = resample_abs_pos_embed(pos, new_size=list(grid), num_prefix_tokens=0)
+        # Plain bicubic (torch's a = -0.75 kernel), as deit's --finetune and mmseg's resize do;
+        # timm's default antialias=True switches to the a = -0.5 kernel even when enlarging.
+        sd["pos_embed"] = resample_abs_pos_embed(pos, new_size=list(grid), num_prefix_tokens=0, antialias=False)
     model.load_state_dict(sd, strict=True)

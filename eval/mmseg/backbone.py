@@ -115,7 +115,7 @@ class LaplaceViT(BaseModule):
             return vit.embed(x), gw, (h, w)  # laplace's own embedding at the model's size
         x = F.pad(x, (0, w * p - W, 0, h * p - H))
         t = vit.patch_embed.norm(vit.patch_embed.proj(x).flatten(2).transpose(1, 2))  # [B, h*w, C]
-        pos = resample_abs_pos_embed(vit.pos_embed, new_size=[h, w], old_size=[gh, gw], num_prefix_tokens=0)
+        pos = resample_abs_pos_embed(vit.pos_embed, new_size=[h, w], old_size=[gh, gw], num_prefix_tokens=0, antialias=False)
         return torch.cat((vit.cls_token.expand(x.shape[0], -1, -1), t + pos), dim=1), w, (h, w)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,357 @@
+"""Recipe cards: a composed experiment beside the reference recipe it claims, row by row.
+
+    python -m train.recipe experiment=gpt_d20                  # print the card (Markdown)
+    python -m train.recipe experiment=deit3_in1k model=vitb_12L optim.lr=1e-3   # any overrides
+    python -m train.recipe --all                               # every card -> docs/recipes/
+
+A card's reference is a plain YAML file, configs/reference/<experiment>.yaml: the reference's
+values are facts written in our own files (where each comes from: `sources`), each row naming
+what of ours it is compared with:
+
+    - {name: LAMB lr, ours: optim.lr, ref: 3.0e-3, src: deit}             # a config value
+    - {name: lr at 5 epochs, ours: "@sched(optim.schedules.lr, 5ep)", ref: 3.0e-3, src: deit}
+    - {name: Muon on q, k, v, ours_is: separate, held_by: "tests/test_x.py::test_y", ...}
+
+`ours` is a dotted key of the composed config (`knn:crop_pct` for an evaluation's entry config)
+or `@<quantity>(args)` computed from it with the trainers' own code on the meta device (no data,
+no memory): parameter count, steps, schedules at a step, optimizer groups. A behaviour that no
+config value shows (`ours_is`) must name the test that holds it (`held_by`). A row whose values
+differ must say why: `deliberate: <reason>` (we differ on purpose) or `unknown: <reason>` (the
+reference is silent or cannot be known); a reason on an equal row is stale and flagged too.
+tests/test_recipes.py composes every experiment and fails on any such row.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from laplace.config import register_model_configs
+from laplace.errors import ConfigError, cli_errors
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+REFERENCES = CONFIGS / "reference"
+OUT = ROOT / "docs" / "recipes"
+ROW_KEYS = {"name", "ours", "ours_is", "held_by", "ref", "src", "note", "deliberate", "unknown"}
+
+
+def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """The config `python train.py <overrides>` (or another entry config) would run with."""
+    register_model_configs(extra=[o.split("=", 1)[1] for o in overrides if o.startswith("model=")])
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def parse_step(at, steps_per_epoch: int, total: int) -> int:
+    """A step given as an int, "<n>ep", "<p>%" or "end" (the last step)."""
+    s = str(at).strip()
+    if s == "end":
+        return total - 1
+    if s.endswith("ep"):
+        return round(float(s[:-2]) * steps_per_epoch)
+    if s.endswith("%"):
+        return round(float(s[:-1]) / 100 * total)
+    return int(s)
+
+
+class Recipe:
+    """What a composed experiment trains with, computed lazily with the trainers' own code.
+
+    Args:
+        cfg: the composed training config.
+        train_size: training examples per epoch of the reference's data (ImageNet-1k: 1,281,167),
+            for map-style data; token-budget runs ignore it.
+        eval_overrides: {entry config: overrides} for rows such as `knn:crop_pct`.
+    """
+
+    def __init__(self, cfg: DictConfig, train_size: int | None = None,
+                 eval_overrides: dict[str, list[str]] | None = None):
+        self.cfg, self.train_size = cfg, train_size
+        self.eval_overrides = eval_overrides or {}
+        self._cache: dict = {}
+
+    def _once(self, key, fn):
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    # ---- the trainer, built without data on the meta device ------------------------------
+    @property
+    def trainer(self):
+        def build():
+            from train import get_trainer
+
+            cls = get_trainer(self.cfg.trainer.name)
+            t = cls.__new__(cls)  # no __init__: no process group, no data, no run directory
+            t.cfg, t.device = self.cfg, torch.device("meta")
+            t.dist = SimpleNamespace(is_main=False, rank=0, world_size=1, distributed=False)
+            with torch.device("meta"):
+                t.model = t.build_model()
+            return t
+        return self._once("trainer", build)
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return self._once("optimizers", lambda: self.trainer.configure_optimizers())
+
+    def params(self) -> int:
+        return sum(p.numel() for p in self.trainer.export_model().parameters()) \
+            if self.cfg.trainer.name == "dino" else sum(p.numel() for p in self.trainer.model.parameters())
+
+    def micro_batch(self, world_size: int = 1) -> int:
+        """Examples per process per forward on `world_size` processes (as the engine computes it)."""
+        tc = self.cfg.trainer
+        return tc.micro_batch_size or tc.global_batch_size // int(world_size)
+
+    def accum(self, world_size: int = 1) -> int:
+        return self.cfg.trainer.global_batch_size // (self.micro_batch(world_size) * int(world_size))
+
+    def steps_per_epoch(self) -> int:
+        tc = self.cfg.trainer
+        if self.cfg.data.get("kind") == "shards":
+            return self.total_steps()  # a token budget, not epochs
+        if self.train_size is None:
+            raise ConfigError("this card needs `assume.train_size` (training examples per epoch)")
+        n = int(self.train_size)
+        reps = tc.get("repeated_aug") or 0
+        if reps > 1:  # timm's RepeatAugSampler (DeiT's RASampler): a multiple of 256 images per epoch
+            n = n // 256 * 256
+        return n // tc.global_batch_size
+
+    def total_steps(self) -> int:
+        tc = self.cfg.trainer
+        if tc.max_steps:
+            return int(tc.max_steps)
+        if self.cfg.data.get("kind") == "shards":
+            from train.gpt import token_budget_steps
+
+            return token_budget_steps(self.cfg)
+        return tc.epochs * self.steps_per_epoch()
+
+    def tokens_per_step(self) -> int:
+        return self.cfg.trainer.global_batch_size * self.cfg.data.seq_len
+
+    def schedule(self, path: str):
+        from train.optim import Schedule
+
+        node = OmegaConf.select(self.cfg, path)
+        if node is None:
+            raise ConfigError(f"{path}: no such schedule in the composed config")
+        spe = self.steps_per_epoch() if self.cfg.data.get("kind") != "shards" else 1
+        return Schedule.from_config(OmegaConf.to_container(node, resolve=True), path, self.total_steps(), spe)
+
+    def sched(self, path: str, at) -> float:
+        spe = self.steps_per_epoch() if self.cfg.data.get("kind") != "shards" else 1
+        return self.schedule(path)(parse_step(at, spe, self.total_steps()))
+
+    def _group(self, opt: str, group: str) -> dict:
+        groups = self.optimizers[opt].param_groups
+        if group == "*":  # an optimizer whose groups differ in weight decay only
+            return groups[0]
+        for g in groups:
+            if g.get("name") == group:
+                return g
+        raise ConfigError(f"optimizer {opt!r} has no group {group!r} (groups: {[g.get('name') for g in groups]})")
+
+    def group(self, opt: str, group: str, key: str):
+        """A parameter group's hyper-parameter as the optimizer was built (before schedules)."""
+        return self._group(opt, group)[key]
+
+    def group_lr(self, opt: str, group: str, at) -> float:
+        """The learning rate a group trains with at a step: the lr schedule x the group's scale
+        (train/optim.py: 1 unless a trainer set `lr_scale`)."""
+        return self.sched("optim.schedules.lr", at) * self._group(opt, group).get("lr_scale", 1.0)
+
+    def no_decay(self) -> list[str]:
+        """Kinds of parameters the optimizers keep out of weight decay (a name's last part)."""
+        names = {id(p): n for n, p in self.trainer.model.named_parameters()}
+        kinds = set()
+        for opt in self.optimizers.values():
+            for g in opt.param_groups:
+                if g.get("weight_decay", 0.0) == 0.0:
+                    kinds |= {_kind(names[id(p)]) for p in g["params"] if id(p) in names}
+        return sorted(kinds)
+
+    def mixture(self, split: str) -> list[str]:
+        """A chat mixture's sources, one "<task> [subset] <split> [(max examples)]" each."""
+        out = []
+        for src in OmegaConf.to_container(self.cfg.data[split], resolve=True):
+            words = [src["task"], src.get("subset"), src.get("split")]
+            n = src.get("max_examples")
+            out.append(" ".join(w for w in words if w) + (f" ({n})" if n else ""))
+        return out
+
+    def entry(self, name: str) -> DictConfig:
+        """An evaluation's entry config (knn, linear, segmentation) with the card's overrides."""
+        return self._once(("entry", name), lambda: compose_config(self.eval_overrides.get(name, []), name))
+
+    # ---- a row's value --------------------------------------------------------------------
+    def value(self, expr: str):
+        m = re.fullmatch(r"@(\w+)\((.*)\)", expr.strip())
+        if m:
+            fn = getattr(self, m[1], None)
+            if m[1].startswith("_") or not callable(fn):
+                raise ConfigError(f"{expr}: unknown quantity @{m[1]}")
+            args = [a.strip() for a in m[2].split(",")] if m[2].strip() else []
+            return fn(*args)
+        cfg, key = self.cfg, expr
+        if ":" in expr:
+            entry, key = expr.split(":", 1)
+            cfg = self.entry(entry)
+        missing = object()
+        v = OmegaConf.select(cfg, key, default=missing)
+        if v is missing:
+            raise ConfigError(f"{expr}: no such key in the composed config")
+        return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) or OmegaConf.is_list(v) else v
+
+
+def _kind(name: str) -> str:
+    last = name.rsplit(".", 1)[-1]
+    return "norm" if ("norm" in name and last in ("weight", "bias")) else last
+
+
+def same(a, b) -> bool:
+    """Equal, floats to a relative 1e-6 (YAML's 3.0e-3 against a computed 0.003)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@dataclass
+class Row:
+    name: str
+    ours: object
+    ref: object
+    src: str
+    status: str  # equal | deliberate | unknown | DIFFERS | STALE
+    reason: str = ""
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("equal", "deliberate", "unknown")
+
+
+def evaluate_rows(recipe: Recipe, rows: list[dict], where: str) -> list[Row]:
+    out = []
+    for i, r in enumerate(rows):
+        unknown_keys = set(r) - ROW_KEYS
+        if unknown_keys:
+            raise ConfigError(f"{where} row {i}: unknown key {sorted(unknown_keys)[0]!r}; use {sorted(ROW_KEYS)}")
+        if ("ours" in r) == ("ours_is" in r):
+            raise ConfigError(f"{where} row {i} ({r.get('name')}): give exactly one of ours / ours_is")
+        if "ours_is" in r and not r.get("held_by"):
+            raise ConfigError(f"{where} row {i} ({r.get('name')}): ours_is needs held_by (the test that holds it)")
+        ours = r["ours_is"] if "ours_is" in r else recipe.value(str(r["ours"]))
+        reason = r.get("deliberate") or r.get("unknown") or ""
+        kind = "deliberate" if r.get("deliberate") else "unknown" if r.get("unknown") else ""
+        if same(ours, r.get("ref")):
+            status = "STALE" if kind == "deliberate" else (kind or "equal")
+        else:
+            status = kind or "DIFFERS"
+        note = r.get("note", "") + (f" (held by `{r['held_by']}`)" if r.get("held_by") else "")
+        out.append(Row(r["name"], ours, r.get("ref"), r.get("src", ""), status, reason, note.strip()))
+    return out
+
+
+def load_reference(experiment: str) -> dict:
+    path = REFERENCES / f"{experiment}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"experiment={experiment}: no recipe card ({path.relative_to(ROOT)} is missing); "
+                          f"write one (see train/recipe.py)")
+    return yaml.safe_load(path.read_text())
+
+
+def card(experiment: str, extra: list[str] = ()) -> tuple[dict, list[Row]]:
+    """(reference file, rows) for an experiment composed with the card's overrides + `extra`."""
+    ref = load_reference(experiment)
+    overrides = [f"experiment={experiment}", *ref.get("overrides", []), *extra]
+    assume = ref.get("assume", {})
+    recipe = Recipe(compose_config(overrides), assume.get("train_size"), ref.get("eval_overrides"))
+    return ref, evaluate_rows(recipe, ref["rows"], f"configs/reference/{experiment}.yaml")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return "—" if v is None else str(v)
+
+
+def render(experiment: str, ref: dict, rows: list[Row], overrides: list[str] = ()) -> str:
+    lines = [f"# Recipe card: `experiment={experiment}`", "", ref.get("title", "").strip(), "",
+             f"Composed from `python train.py experiment={experiment} "
+             + " ".join([*ref.get("overrides", []), *overrides]) + "`"
+             + (f"; assumed: {', '.join(f'{k} {v}' for k, v in ref.get('assume', {}).items())}" if ref.get("assume") else "")
+             + ". Regenerate with `python -m train.recipe --all`.", "", "Sources:", ""]
+    lines += [f"- **{k}**: {v}" for k, v in ref.get("sources", {}).items()]
+    lines += ["", "| | hyper-parameter | ours | reference | source | status |", "|---|---|---|---|---|---|"]
+    mark = {"equal": "=", "deliberate": "≠", "unknown": "?", "DIFFERS": "✗", "STALE": "✗"}
+    for r in rows:
+        status = {"equal": "equal", "deliberate": f"deliberate: {r.reason}", "unknown": f"unknown: {r.reason}",
+                  "DIFFERS": "**DIFFERS, no reason written**",
+                  "STALE": f"**equal, but marked deliberate**: {r.reason}"}[r.status]
+        if r.note:
+            status += f" — {r.note}"
+        lines.append(f"| {mark[r.status]} | {r.name} | {_fmt(r.ours)} | {_fmt(r.ref)} | {r.src} | {status} |")
+    counts = {s: sum(r.status == s for r in rows) for s in ("equal", "deliberate", "unknown")}
+    bad = sum(not r.ok for r in rows)
+    lines += ["", f"{len(rows)} rows: {counts['equal']} equal, {counts['deliberate']} deliberate differences, "
+              f"{counts['unknown']} unknown" + (f", **{bad} unexplained**" if bad else "") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def experiments() -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.recipe", description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*", help="experiment=NAME and any Hydra overrides")
+    p.add_argument("--all", action="store_true", help="write every experiment's card to --out")
+    p.add_argument("--out", default=str(OUT), help="folder of the rendered cards (with --all)")
+    args = p.parse_args(argv)
+    if args.all:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        bad = 0
+        index = ["# Recipe cards", "", "One card per experiment: our composed recipe beside the reference it "
+                 "claims (`python -m train.recipe --all` writes them; tests/test_recipes.py holds them).", "",
+                 "| experiment | rows | equal | deliberate | unknown |", "|---|---|---|---|---|"]
+        for exp in experiments():
+            ref, rows = card(exp)
+            (out / f"{exp}.md").write_text(render(exp, ref, rows))
+            bad += sum(not r.ok for r in rows)
+            index.append(f"| [{exp}]({exp}.md) | {len(rows)} | " + " | ".join(
+                str(sum(r.status == s for r in rows)) for s in ("equal", "deliberate", "unknown")) + " |")
+        (out / "README.md").write_text("\n".join(index) + "\n")
+        print(f"wrote {len(experiments())} cards to {out}" + (f"; {bad} unexplained rows" if bad else ""))
+        return 1 if bad else 0
+    exps = [o.split("=", 1)[1] for o in args.overrides if o.startswith("experiment=")]
+    if len(exps) != 1:
+        raise ConfigError(f"give one experiment=NAME (one of: {', '.join(experiments())})")
+    extra = [o for o in args.overrides if not o.startswith("experiment=")]
+    ref, rows = card(exps[0], extra)
+    print(render(exps[0], ref, rows, extra), end="")
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli_errors(main)())
