@@ -141,18 +141,24 @@ class Recipe:
     def tokens_per_step(self) -> int:
         return self.cfg.trainer.global_batch_size * self.cfg.data.seq_len
 
+    def _spe(self, uses_epochs: bool) -> int:
+        """Steps per epoch for a schedule; only needed when it counts in epochs."""
+        if self.cfg.data.get("kind") == "shards" or (not uses_epochs and self.train_size is None):
+            return 1
+        return self.steps_per_epoch()
+
     def schedule(self, path: str):
         from train.optim import Schedule
 
         node = OmegaConf.select(self.cfg, path)
         if node is None:
             raise ConfigError(f"{path}: no such schedule in the composed config")
-        spe = self.steps_per_epoch() if self.cfg.data.get("kind") != "shards" else 1
-        return Schedule.from_config(OmegaConf.to_container(node, resolve=True), path, self.total_steps(), spe)
+        node = OmegaConf.to_container(node, resolve=True)
+        epochs = any(str(v).strip().endswith("ep") for v in node.values())
+        return Schedule.from_config(node, path, self.total_steps(), self._spe(epochs))
 
     def sched(self, path: str, at) -> float:
-        spe = self.steps_per_epoch() if self.cfg.data.get("kind") != "shards" else 1
-        return self.schedule(path)(parse_step(at, spe, self.total_steps()))
+        return self.schedule(path)(parse_step(at, self._spe(str(at).endswith("ep")), self.total_steps()))
 
     def _group(self, opt: str, group: str) -> dict:
         groups = self.optimizers[opt].param_groups
@@ -182,6 +188,12 @@ class Recipe:
                     kinds |= {_kind(names[id(p)]) for p in g["params"] if id(p) in names}
         return sorted(kinds)
 
+    def list(self, *keys: str) -> list:
+        return [self.value(k) for k in keys]
+
+    def not_(self, key: str) -> bool:
+        return not self.value(key)
+
     def mixture(self, split: str) -> list[str]:
         """A chat mixture's sources, one "<task> [subset] <split> [(max examples)]" each."""
         out = []
@@ -199,7 +211,7 @@ class Recipe:
     def value(self, expr: str):
         m = re.fullmatch(r"@(\w+)\((.*)\)", expr.strip())
         if m:
-            fn = getattr(self, m[1], None)
+            fn = getattr(self, "not_" if m[1] == "not" else m[1], None)
             if m[1].startswith("_") or not callable(fn):
                 raise ConfigError(f"{expr}: unknown quantity @{m[1]}")
             args = [a.strip() for a in m[2].split(",")] if m[2].strip() else []
