@@ -117,7 +117,46 @@ def test_dino_loss_matches_a_hand_computation_and_updates_the_centre():
             pairs += 1
     assert pairs == 6
     assert loss.item() == pytest.approx(total / pairs, rel=1e-5)
+    assert torch.equal(loss_fn.center, c0)  # the centre moves once per step, not per forward
+    loss_fn.update_center()
     assert torch.allclose(loss_fn.center, 0.9 * c0 + 0.1 * teacher.mean(0, keepdim=True), atol=1e-6)
+
+
+def test_centre_and_loss_of_two_micro_batches_equal_one_batch_of_both():
+    """DINO: every sample of a step uses the centre from before the step; after the step the
+    centre moves by the mean over the whole batch. Split into micro-batches, as the engine's
+    accumulation does, the loss (mean of the halves) and the centre are the full batch's."""
+    torch.manual_seed(0)
+    B, K = 4, 7
+    student, teacher = torch.randn(4, B, K), torch.randn(2, B, K)  # [crop, image, K]
+    c0 = torch.randn(1, K)
+    whole, halves = DINOLoss(K), DINOLoss(K)
+    whole.center.copy_(c0)
+    halves.center.copy_(c0)
+    full = whole(student.reshape(-1, K), teacher.reshape(-1, K), 0.04)
+    whole.update_center()
+    parts = [halves(student[:, h].reshape(-1, K), teacher[:, h].reshape(-1, K), 0.04)
+             for h in (slice(0, 2), slice(2, 4))]
+    halves.update_center()
+    assert (parts[0] + parts[1]).item() / 2 == pytest.approx(full.item(), rel=1e-6)
+    assert torch.allclose(halves.center, whole.center, atol=1e-6)
+    with pytest.raises(RuntimeError, match="no teacher output"):
+        halves.update_center()  # nothing accumulated since: no 0/0 centre
+
+
+def test_dino_trainer_with_accumulation_equals_one_batch(make_cfg, tmp_path):
+    """trainer.micro_batch_size = half the batch gives the centre and the losses of the whole
+    batch (no BatchNorm head, no drop-path: the only batch-size-dependent parts)."""
+    cfg = lambda *o, d: make_cfg(*TINY_DINO, "trainer.max_steps=3", "trainer.head.use_bn=false",
+                                 "model.drop_path_rate=0.0", *o, run_dir=tmp_path / d)
+    run(cfg(d="whole"))
+    run(cfg("trainer.micro_batch_size=4", d="micro"))
+    train = lambda d: [r["loss"] for r in read_metrics(tmp_path / d) if r.get("split") == "train"]
+    assert len(train("whole")) == 3
+    assert train("micro") == pytest.approx(train("whole"), rel=1e-5, abs=1e-6)
+    a, b = (load_checkpoint(tmp_path / d / "ckpt/last.pt")["trainer"]["center"] for d in ("whole", "micro"))
+    assert a.abs().max() > 1e-3
+    assert torch.allclose(a, b, atol=1e-5)
 
 
 def test_head_and_any_crop_size_through_the_vit():

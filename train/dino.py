@@ -9,7 +9,8 @@ facebookresearch/dino main_dino.py), the recipe of the paper's ViT-S/16 DINO run
       + 8 local (96 px, scale 0.05-0.4) crops;
       the teacher sees the global crops only
     loss: cross-entropy teacher(i) -> student(v),  laplace.dino.DINOLoss, student temp 0.1,
-      v != i, centred teacher (momentum 0.9)        trainer.student_temp / center_momentum
+      v != i, centred teacher (momentum 0.9,        trainer.student_temp / center_momentum
+      once per step from the global batch)
     teacher temperature 0.04 -> 0.07 over 30 ep    trainer.schedules.teacher_temp
     teacher EMA momentum 0.996 -> 1 (cosine)       trainer.schedules.teacher_momentum
     AdamW, lr 5e-4 x batch / 256, 10 warm-up ep,   optim.* (experiment=dino_*): param groups
@@ -143,6 +144,9 @@ class DINOTrainer(Trainer):
 
     @torch.no_grad()
     def after_optimizer_step(self):
+        # DINO's centre: once per step from the whole global batch (every micro-batch's loss
+        # used the centre from before the step).
+        self.dino_loss.update_center()
         m = self.hparams["teacher_momentum"]
         teacher = list(self.model.teacher.parameters())
         student = list(self.model.student.parameters())
