@@ -18,7 +18,7 @@ from laplace.data.multicrop import (
     Solarization,
     multicrop_collate,
 )
-from laplace.dino import DINOHead, DINOLoss, DINOModel, vit_class_token
+from laplace.dino import DINOHead, DINOLoss, DINOModel, interpolate_pos_embed, vit_class_token
 from laplace.errors import ConfigError
 from train import run
 from train.dino import DINOTrainer
@@ -275,3 +275,29 @@ def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path):
     feats = vit.forward_features(torch.randn(2, 3, 32, 32))
     assert feats["norm"].shape == (2, 1 + 4, 48)
     assert (run_dir / "results.json").exists()
+
+
+def _dino_interpolate_pos_encoding(patch_pos: torch.Tensor, w: int, h: int, patch: int) -> torch.Tensor:
+    """facebookresearch/dino vision_transformer.py `interpolate_pos_encoding`, the patch part
+    (a square table of N entries), as written there: the target grid + 0.1 as a scale factor."""
+    N, dim = patch_pos.shape[1], patch_pos.shape[-1]
+    w0, h0 = w // patch + 0.1, h // patch + 0.1
+    out = torch.nn.functional.interpolate(
+        patch_pos.reshape(1, int(math.sqrt(N)), int(math.sqrt(N)), dim).permute(0, 3, 1, 2),
+        scale_factor=(w0 / math.sqrt(N), h0 / math.sqrt(N)), mode="bicubic")
+    assert int(w0) == out.shape[-2] and int(h0) == out.shape[-1]
+    return out.permute(0, 2, 3, 1).view(1, -1, dim)
+
+
+def test_position_embeddings_resampled_by_dinos_scale_factor_rule():
+    torch.manual_seed(0)
+    table = torch.nn.init.trunc_normal_(torch.empty(1, 14 * 14, 384), std=0.02)  # ViT-S/16 at 224
+    for crop in (96, 160, 32):
+        g = crop // 16
+        ours = interpolate_pos_embed(table, (14, 14), (g, g))
+        assert torch.equal(ours, _dino_interpolate_pos_encoding(table, crop, crop, 16))
+    # Not the size= resampling: the 96 px local crops' table differs (what the rule changes).
+    by_size = torch.nn.functional.interpolate(table.reshape(1, 14, 14, 384).permute(0, 3, 1, 2), size=(6, 6),
+                                              mode="bicubic").permute(0, 2, 3, 1).reshape(1, 36, 384)
+    assert (interpolate_pos_embed(table, (14, 14), (6, 6)) - by_size).abs().max() > 1e-3
+    assert interpolate_pos_embed(table, (14, 14), (14, 14)) is table  # the model's own grid
