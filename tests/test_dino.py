@@ -268,7 +268,7 @@ def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path):
     losses = [r["loss"] for r in read_metrics(run_dir) if r.get("split") == "train"]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     ckpt = load_checkpoint(run_dir / "ckpt/last.pt")
-    assert ckpt["config"]["model"]["num_classes"] == 0 and ckpt["config"]["optim"]["lr"] == 2.0e-3
+    assert ckpt["config"]["model"]["num_classes"] == 0 and ckpt["config"]["optim"]["lr"] == 1.0e-3
     assert ckpt["config"]["trainer"]["multicrop"]["local_crops"] == 8
     vit = load_model(run_dir / "ckpt/last.pt")
     assert type(vit).__name__ == "VisionTransformer" and vit.num_laplacian_heads == [5]
@@ -301,3 +301,40 @@ def test_position_embeddings_resampled_by_dinos_scale_factor_rule():
                                               mode="bicubic").permute(0, 2, 3, 1).reshape(1, 36, 384)
     assert (interpolate_pos_embed(table, (14, 14), (6, 6)) - by_size).abs().max() > 1e-3
     assert interpolate_pos_embed(table, (14, 14), (14, 14)) is table  # the model's own grid
+
+
+# facebookresearch/dino README, "Vanilla DINO training": main_dino.py --arch deit_small on 8 GPUs,
+# i.e. main_dino.py's defaults (batch_size_per_gpu 64, lr 5e-4 per 256 images).
+DINO_VANILLA_VITS16 = {
+    "epochs": 100, "batch": 8 * 64, "lr": 5e-4 * 8 * 64 / 256, "min_lr": 1e-6, "warmup_epochs": 10,
+    "weight_decay": 0.04, "weight_decay_end": 0.4, "teacher_temp": 0.04, "warmup_teacher_temp": 0.04,
+    "momentum_teacher": 0.996, "norm_last_layer": True, "out_dim": 65536, "use_bn_in_head": False,
+    "drop_path_rate": 0.1, "clip_grad": 3.0, "freeze_last_layer": 1, "local_crops_number": 8,
+    "global_crops_scale": (0.4, 1.0), "local_crops_scale": (0.05, 0.4), "patch_size": 16,
+}
+
+
+def test_dino_in1k_is_dinos_vanilla_vits16_command(make_cfg):
+    from train.optim import build_schedules
+
+    cfg = make_cfg("experiment=dino_in1k", "data.root=/nowhere")
+    tc, o, ref = cfg.trainer, cfg.optim, DINO_VANILLA_VITS16
+    steps_per_epoch = 2502  # 1,281,167 images // 512 (drop_last)
+    total = ref["epochs"] * steps_per_epoch
+    sched = {**build_schedules(o.schedules, "optim.schedules", total, steps_per_epoch),
+             **build_schedules(tc.schedules, "trainer.schedules", total, steps_per_epoch)}
+    lr, wd, tt, mom = (sched[k] for k in ("lr", "weight_decay", "teacher_temp", "teacher_momentum"))
+    assert tc.epochs == ref["epochs"] and tc.global_batch_size == ref["batch"]
+    assert o.lr == pytest.approx(ref["lr"]) and lr(10 * steps_per_epoch) == pytest.approx(ref["lr"], rel=1e-3)
+    assert lr(0) == 0.0 and lr(total - 1) == pytest.approx(ref["min_lr"], rel=0.01)
+    assert wd(0) == pytest.approx(ref["weight_decay"]) and wd(total - 1) == pytest.approx(ref["weight_decay_end"], rel=1e-3)
+    assert tt(0) == tt(30 * steps_per_epoch) == tt(total - 1) == ref["teacher_temp"] == ref["warmup_teacher_temp"]
+    assert mom(0) == pytest.approx(ref["momentum_teacher"]) and mom(total - 1) == pytest.approx(1.0, abs=1e-9)
+    assert tc.head.norm_last_layer is ref["norm_last_layer"] and tc.head.out_dim == ref["out_dim"]
+    assert tc.head.use_bn is ref["use_bn_in_head"] and cfg.model.drop_path_rate == ref["drop_path_rate"]
+    assert o.grad_clip == ref["clip_grad"] and o.grad_clip_mode == "param"
+    assert tc.freeze_last_layer == ref["freeze_last_layer"]
+    mc = tc.multicrop
+    assert mc.local_crops == ref["local_crops_number"] and tuple(mc.global_scale) == ref["global_crops_scale"]
+    assert tuple(mc.local_scale) == ref["local_crops_scale"] and cfg.data.patch_size == ref["patch_size"]
+    assert (tc.head.hidden_dim, tc.head.bottleneck_dim, tc.student_temp, tc.center_momentum) == (2048, 256, 0.1, 0.9)
