@@ -137,7 +137,8 @@ def test_linear_protocol_end_to_end_on_digits(make_cfg, tmp_path):
     assert res["model"] == "vitt_3L" and res["num_laplacian_heads"] == 3 and res["iters"] == 24
     losses = [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()
               if '"split": "train"' in ln]
-    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1  # the head learns (2.13 -> 1.86 seen)
+    # The head learns: 0.533 -> 0.465 seen (mmseg's loss: ignored pixels count in the mean).
+    assert sum(losses[-4:]) < 0.93 * sum(losses[:4])
     # The checkpoint exports the frozen backbone (at the crop size), unchanged.
     from laplace.checkpoint import load_checkpoint, load_model
 
