@@ -216,7 +216,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
         maps[f"{r['model']} ({tag} Laplacian, seed {r['seed']})"] = model_maps(model, x, layer, THRESHOLD)
         names.append(f"{r['model']}_{tag}_s{r['seed']}")
         del model
-    return draw_pca_grid(images, maps, stem, labels, layer, names, THRESHOLD)  # DINOv2-style foreground maps
+    return draw_pca_grid(images, maps, stem, labels, layer, names, THRESHOLD)  # the paper's foreground rule
 
 
 def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_layer: str = "norm",

@@ -103,9 +103,20 @@ def anova(features, seq_ids, labels=None) -> dict:
         seq_class = torch.zeros_like(n_s, dtype=torch.int64).scatter_(0, s_inv, c_inv)
         out["within_class"] = float((n_s * _sq(mu_s - mu_c[seq_class])).sum() / x.shape[0])
         out["between_class"] = float((n_c * _sq(mu_c - mu)).sum() / x.shape[0])
+    return add_shares(out, float(_sq(x).mean()))
+
+
+# Variance below this share of the rows' mean square is rounding: the rows do not vary.
+_NO_VARIANCE = 1e-12
+
+
+def add_shares(out: dict, mean_square: float) -> dict:
+    """The ANOVA parts' shares of out["total"], in place. Rows that do not vary (total at the
+    rounding level of their mean square) have no shares: NaN, not 0/0 or rounding noise."""
+    varies = out["total"] > _NO_VARIANCE * mean_square
     for part in ("within_seq", "between_seq", "within_class", "between_class"):
         if part in out:
-            out[f"{part}_share"] = out[part] / out["total"]
+            out[f"{part}_share"] = out[part] / out["total"] if varies else float("nan")
     return out
 
 
@@ -381,13 +392,19 @@ def linguistic_collapse(features, labels, unembedding=None, min_count: int = 1,
 
 # ----------------------------------------------------------------------------- spectral decay
 def spectrum_metrics(cov: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99),
-                     tol: float = 1e-9) -> dict:
+                     tol: float = 1e-9, mean_square: float = 0.0) -> dict:
     """n_pcs_<t>, effective_rank, total_variance and the normalised spectrum of a covariance.
 
     n_pcs_<t> is the smallest k whose top-k eigenvalues explain at least t of the variance;
-    `tol` absorbs rounding so that data of planted rank r gives exactly r at t = 0.99.
+    `tol` absorbs rounding so that data of planted rank r gives exactly r at t = 0.99. Rows
+    that do not vary (trace at the rounding level of their `mean_square`) have no normalised
+    spectrum: n_pcs, effective_rank and spectrum are NaN, not 0/0 read as one component.
     """
     lam = torch.linalg.eigvalsh(cov).flip(0).clamp_min(0)  # tiny negative rounding -> 0
+    if not lam.sum() > _NO_VARIANCE * mean_square:
+        nan = float("nan")
+        return {**{f"n_pcs_{t:g}": nan for t in thresholds}, "effective_rank": nan,
+                "total_variance": float(lam.sum()), "spectrum": [nan] * lam.numel()}
     p = lam / lam.sum()
     cum = torch.cumsum(p, 0)
     out = {f"n_pcs_{t:g}": float(min(int((cum < t - tol).sum()) + 1, lam.numel())) for t in thresholds}
@@ -426,4 +443,4 @@ def spectral_decay(features, thresholds: Sequence[float] = (0.9, 0.99), seq_ids=
         xc = x - (S / n_s[:, None])[inv]
     else:
         raise ValueError(f"center must be 'global' or 'sequence', not {center!r}")
-    return spectrum_metrics(xc.T @ xc / x.shape[0], thresholds)
+    return spectrum_metrics(xc.T @ xc / x.shape[0], thresholds, mean_square=float(_sq(x).mean()))

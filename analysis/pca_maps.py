@@ -5,12 +5,16 @@ heads, after DINO / DINOv2's PCA visualisations), drawn by `python -m analysis` 
     python -m analysis checkpoint=[runs/a/ckpt/last.pt,runs/b/ckpt/last.pt] pca_maps=8 metrics=[]
     python -m analysis checkpoint=... pca_maps=8 metrics=[] pca_foreground=false pca_upsample=bilinear
 
-Per image and per checkpoint, as in DINOv2 (Fig. 1; "background removed by removing patches
-with a negative score of the first PCA component"):
-  1. a PCA of the image's patch tokens; the first component, min-max scaled to [0, 1], is
-     thresholded: foreground = patches above `pca_threshold` (default 0.5);
+Per image and per checkpoint:
+  1. a PCA of the image's patch tokens; foreground = the patches whose first-component score
+     is positive (`pca_threshold=sign`, the default: the paper's rule, "patches with a
+     negative score of the first PCA component" removed), or, with a number t in [0, 1),
+     those above t on the first component min-max scaled to [0, 1] (0.5: this module's
+     earlier default; DINOv2's public PCA notebook thresholds a first direction fitted on
+     several images at 0.05);
   2. a second PCA on the foreground patches only; its first 3 components, each min-max scaled
-     over the foreground, are the RGB; the background is black.
+     over the foreground, are the RGB; the background is black (DINOv2's notebook scales the
+     colours over all patches and fits its PCA over several images: ours is per image).
 With pca_foreground=false: the first 3 components of the one PCA of all patches as RGB.
 A component's sign is arbitrary, so it is fixed: the first component of step 1 points away
 from the image border (the border mean is negative: objects sit inside the frame, as the
@@ -47,19 +51,22 @@ from laplace.errors import ConfigError
 DPI = 150          # of the PNG grid; cell sizes are computed in pixels at this dpi
 MIN_CELL_PX = 240  # small images are enlarged by an integer factor to about this many pixels
 UPSAMPLE = ("nearest", "bilinear")
-THRESHOLD = 0.5    # the default foreground threshold (configs/analysis.yaml pca_threshold)
+SIGN = "sign"      # foreground rule: a positive first-component score (the paper's)
+THRESHOLD = SIGN   # the default foreground rule (configs/analysis.yaml pca_threshold)
 
 
-def check_options(foreground: bool, threshold, upsample: str) -> float | None:
-    """The threshold pca_rgb takes (None: pca_foreground=false); bad pca_threshold or pca_upsample
-    is a ConfigError (call it before any model runs)."""
+def check_options(foreground: bool, threshold, upsample: str) -> float | str | None:
+    """The threshold pca_rgb takes ("sign", a float, or None: pca_foreground=false); a bad
+    pca_threshold or pca_upsample is a ConfigError (call it before any model runs)."""
     if upsample not in UPSAMPLE:
         raise ConfigError(f"pca_upsample={upsample}: one of {', '.join(UPSAMPLE)}")
     if not foreground:
         return None
+    if threshold == SIGN:
+        return SIGN
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
-        raise ConfigError(f"pca_threshold={threshold}: a number in [0, 1) on the min-max scaled first component "
-                          f"(or pca_foreground=false)")
+        raise ConfigError(f"pca_threshold={threshold}: use sign (a positive first-component score) or a number "
+                          f"in [0, 1) on the min-max scaled first component (or pca_foreground=false)")
     return float(threshold)
 
 
@@ -89,24 +96,27 @@ def _border(grid: tuple[int, int]) -> torch.Tensor:
     return m.flatten()
 
 
-def foreground_mask(patches: torch.Tensor, grid: tuple[int, int], threshold: float = 0.5) -> torch.Tensor:
-    """[gh, gw] bool: patches whose first component, oriented away from the border and min-max
-    scaled to [0, 1], is above `threshold`. patches: [P, D] row-major over the grid."""
+def foreground_mask(patches: torch.Tensor, grid: tuple[int, int], threshold: float | str = SIGN) -> torch.Tensor:
+    """[gh, gw] bool: patches whose centred first-component score, oriented away from the
+    border, is positive (threshold "sign"), or above `threshold` once min-max scaled to
+    [0, 1]. patches: [P, D] row-major over the grid."""
     s = _pca(patches.double(), 1)[:, 0]
     edge = s[_border(grid).to(s.device)].mean()
     if edge.abs() > 1e-9 * s.abs().max():  # else a tie: keep the largest-magnitude rule's sign
         s = s if edge < 0 else -s
+    if threshold == SIGN:
+        return (s > 0).reshape(grid)
     return (_minmax(s[:, None], 0.0)[:, 0] > threshold).reshape(grid)
 
 
-def pca_rgb(patches: torch.Tensor, grid: tuple[int, int], threshold: float | None = None) -> np.ndarray:
+def pca_rgb(patches: torch.Tensor, grid: tuple[int, int], threshold: float | str | None = None) -> np.ndarray:
     """Patch features [P, D] of one image -> [gh, gw, 3] floats in [0, 1].
 
     Args:
         patches: one image's patch tokens, row-major over the patch grid.
         grid: (rows, cols) of the patch grid, rows * cols == P.
-        threshold: None: the first 3 components of all patches; a float: DINOv2's foreground
-            recipe (module docstring), background black.
+        threshold: None: the first 3 components of all patches; "sign" or a float: the
+            foreground rule of step 1 then step 2 (module docstring), background black.
     """
     x = patches.double()
     if threshold is None:
@@ -119,7 +129,7 @@ def pca_rgb(patches: torch.Tensor, grid: tuple[int, int], threshold: float | Non
 
 
 @torch.no_grad()
-def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: float | None = THRESHOLD,
+def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: float | str | None = THRESHOLD,
                upsample: str = "nearest") -> list[np.ndarray]:
     """PCA maps [H, W, 3] of a batch of normalised images [K, 3, H, W] at `layer`.
 
@@ -154,7 +164,7 @@ def denormalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float
 
 
 def grid_figure(images: np.ndarray, maps: dict[str, list[np.ndarray]], labels: Sequence[int] = (),
-                layer: str = "norm", threshold: float | None = None):
+                layer: str = "norm", threshold: float | str | None = None):
     """The grid as a matplotlib figure (draw_pca_grid's arguments); each cell's axes is placed
     by hand so that it spans exactly scale * (W, H) pixels at DPI."""
     K, H, W = images.shape[:3]
@@ -163,7 +173,8 @@ def grid_figure(images: np.ndarray, maps: dict[str, list[np.ndarray]], labels: S
     cw, ch, gap, left = scale * W / DPI, scale * H / DPI, 0.06, 0.3  # inches
     titles = [textwrap.fill(t, max(12, int(cw * 72 / 4.8))) for t, _ in cols]  # ~4.8 pt a character at 8 pt
     fw = left + len(cols) * (cw + gap)
-    how = f"foreground > {threshold:g} on PC1, then 3 PCs" if threshold is not None else "first 3 PCs"
+    how = ("first 3 PCs" if threshold is None else "foreground PC1 > 0, then 3 PCs" if threshold == SIGN
+           else f"foreground > {threshold:g} on PC1, then 3 PCs")
     sup = textwrap.fill(f"PCA of patch features at {layer}: {how} as RGB", max(20, int(fw * 72 / 5.4)))
     top = 0.15 + 0.17 * (sup.count("\n") + 1) + 0.15 * max(t.count("\n") + 1 for t in titles)
     fh = top + K * (ch + gap) + 0.05
@@ -209,7 +220,7 @@ def save_pngs(images: np.ndarray, maps: dict[str, list[np.ndarray]], folder: Pat
 
 def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: Path,
                   labels: Sequence[int] = (), layer: str = "norm", names: Sequence[str] | None = None,
-                  threshold: float | None = None) -> list[Path]:
+                  threshold: float | str | None = None) -> list[Path]:
     """Write <stem>.{png,pdf} (the grid) and the full-resolution files under <stem>/.
 
     Args:

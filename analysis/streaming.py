@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from analysis.metrics import (_sq, as_float64, as_index, cdnv_from_class_stats, class_mean_geometry,
+from analysis.metrics import (_sq, add_shares, as_float64, as_index, cdnv_from_class_stats, class_mean_geometry,
                               lc_from_class_stats, nc1_from_scatter, ncc_mismatch, spectrum_metrics)
 
 METRICS = ("anova", "anova_seq", "nc", "cdnv", "lc", "spectral")
@@ -200,9 +200,8 @@ class GeometryAccumulator:
         if "anova" in self.metrics:
             B = float((_sq(means) * n_c).sum())  # sum_c ||T_c||^2 / n_c
             out.update(within_class=max(A - B, 0.0) / N, between_class=B / N - mu2)
-        for part in ("within_seq", "between_seq", "within_class", "between_class"):
-            if part in out:
-                out[f"{part}_share"] = out[part] / out["total"]
+        if "total" in out:
+            add_shares(out, Q / N)
         if "nc" in self.metrics:
             C = classes.numel()
             M = means - mu
@@ -226,7 +225,7 @@ class GeometryAccumulator:
                 cov = (self.xtx - (S / n_s[:, None]).T @ S) / N
             else:
                 raise ValueError(f"spectral_center must be 'global' or 'sequence', not {spectral_center!r}")
-            out.update(spectrum_metrics(cov, thresholds))
+            out.update(spectrum_metrics(cov, thresholds, mean_square=Q / N))
         return out
 
 

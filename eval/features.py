@@ -225,17 +225,27 @@ def extract_features(model: nn.Module, dataset, *, kind: str = "cls", n_last_blo
     return out_f, out_y
 
 
+def probe_data_node(data_cfg, crop_pct: float | None = None) -> DictConfig:
+    """The data node with the k-NN / linear evaluation transform for both splits: bicubic
+    resize of the short side to img_size / crop_pct, centre crop img_size. `crop_pct` None:
+    the node's `probe_crop_pct` (data=imagenet: DINO's 0.875, Resize(256) + CenterCrop(224),
+    the same ratio at other sizes), else its `eval_crop_pct` (the supervised evaluation's)."""
+    d = OmegaConf.create(_plain(data_cfg))
+    d.augment = "none"
+    if crop_pct is None:
+        crop_pct = d.get("probe_crop_pct", d.get("eval_crop_pct", 1.0))
+    d.eval_crop_pct = float(crop_pct)
+    return d
+
+
 def split_features(model, info: dict, data_cfg, split: str, *, kind: str, n_last_blocks: int, avgpool: bool,
                    crop_pct: float | None, device, batch_size: int, num_workers: int,
                    dist_info: DistInfo | None, cache_dir: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features of the `split` ("train" / "val") of the data node, with its evaluation transform
-    (resize + centre crop; `crop_pct` None: the node's eval_crop_pct), cached under `cache_dir`."""
+    """Features of the `split` ("train" / "val") of the data node, with the probes' evaluation
+    transform (`probe_data_node`), cached under `cache_dir`."""
     from laplace.data.vision import build_vision_dataset
 
-    d = OmegaConf.create(_plain(data_cfg))
-    d.augment = "none"  # the evaluation transform for both splits (DINO: resize + centre crop)
-    if crop_pct is not None:
-        d.eval_crop_pct = float(crop_pct)
+    d = probe_data_node(data_cfg, crop_pct)
     dataset = build_vision_dataset(d, train=split == "train")
     name = feature_kind(kind, n_last_blocks, avgpool)
     cache = key = None

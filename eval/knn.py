@@ -5,8 +5,8 @@
     python -m eval.knn checkpoint=deit3_small_224.pth model=vits_0L data=imagenet    # a timm / DeiT-III state dict
     torchrun --nproc_per_node=8 -m eval.knn checkpoint=... data=imagenet                # extraction split over ranks
 
-Every train and validation image goes through the evaluation transform (resize + centre crop)
-and the frozen backbone; its class token after the final norm, L2-normalised, is the feature
+Every train and validation image goes through the evaluation transform (bicubic resize +
+centre crop; on ImageNet DINO's Resize(256) + CenterCrop(224)) and the frozen backbone; its class token after the final norm, L2-normalised, is the feature
 (eval/features.py, cached beside the run). Each validation feature votes with its k nearest
 training features by cosine similarity, each neighbour's class weighted exp(sim / T), T = 0.07;
 the class with the largest sum is the prediction (top-5: the five largest). DINO reports

@@ -7,8 +7,9 @@
 
 The backbone is rebuilt from the checkpoint (`laplace.checkpoint`) at the crop size (position
 embeddings resampled) and frozen; its patch tokens after the final norm (of the last block, or
-of the last 4 concatenated: `trainer.layers`; `trainer.cls_token` appends the class token to
-each patch as DINOv2 does) feed a batch norm + 1x1 convolution whose logits are bilinearly
+of the last 4 concatenated: `trainer.layers`, as DINOv2's published ViT-S/14 linear heads,
+which take patch channels only, 4 x 384 for +ms; the option `trainer.cls_token` also appends
+the class token to each patch) feed a batch norm + 1x1 convolution whose logits are bilinearly
 upsampled to the image. Training: mmseg's ADE20K pipeline (laplace/data/ade20k.py) on 512
 crops, AdamW lr 1e-3, wd 1e-4, linear warm-up over 1,500 iterations then poly decay with power
 1 (linear to 0), 40k iterations at batch 16 (reached by accumulation on fewer GPUs).
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, open_dict
 
 from laplace.checkpoint import CheckpointError, load_checkpoint
+from laplace.data.ade20k import IGNORE
 from laplace.errors import ConfigError, cli_errors
 from laplace.vit import VisionTransformer, load_timm_state_dict
 from laplace.zoo import create_model
@@ -99,6 +101,15 @@ class FrozenBackboneSeg(nn.Module):
         return F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
+def seg_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Pixel cross-entropy as mmseg's CrossEntropyLoss (avg_non_ignore=False, DINOv2's
+    protocol): the sum over labelled pixels divided by ALL pixels of the batch, ignored ones
+    included. A crop without a labelled pixel gives 0 (no gradient), where a mean over the
+    labelled pixels only would be 0/0 and end the run with a NaN loss."""
+    loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
+    return loss / labels.numel()
+
+
 @torch.no_grad()
 def slide_inference(model: nn.Module, img: torch.Tensor, num_classes: int, window: int, stride: int) -> torch.Tensor:
     """Logits [B, K, H, W] of images [B, 3, H, W] from windows of `window` px every `stride` px
@@ -161,8 +172,7 @@ class SegLinearTrainer(Trainer):
 
     def train_step(self, batch):
         x, y = batch
-        logits = self.net(x)
-        return F.cross_entropy(logits.float(), y, ignore_index=255), {}
+        return seg_loss(self.net(x), y), {}
 
     def evaluate(self) -> dict:
         if self.val_set is None:

@@ -9,9 +9,10 @@ A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
      "config": the resolved run config as a plain dict (its `model` node describes "model"),
      "git_rev": the code revision that wrote it,
      # written by the training engine, for exact resume:
-     "train_model": state dict of the trained module when it is not "model" itself,
+     "train_model": state dict of the trained module when it is not "model" itself
+              (DINO: student and EMA teacher),
      "optimizer": {name: optimizer state dict},
-     "trainer": the trainer's own state (EMA teacher, loss centre, ...),
+     "trainer": the trainer's own plain state (DINO: the loss centre),
      "loop": {"step", "feed": the data position, "world_size"},
      "rng": [per-rank RNG states and per-rank trainer state]}
 

@@ -279,3 +279,22 @@ def test_streaming_language_model_setup():
     for xb, _, yb in batches:
         ncc.update(xb, yb)
     assert ncc.compute()["ncc_agreement"] == pytest.approx(lc["lc_ncc_agreement"])
+
+
+def test_rows_that_do_not_vary_give_nan_shares_and_spectra_not_zero_by_zero():
+    """Identical tokens (a collapsed model), or one token per sequence under the sequence-centred
+    spectrum: the ANOVA shares and the normalised spectrum are 0/0, reported as NaN (in memory
+    a ZeroDivisionError before, streaming rounding noise; the spectrum claimed 1 component)."""
+    x = np.tile(np.array([0.1, 2.0, -3.0, 7.0]), (12, 1))
+    s, y = np.arange(12) // 3, np.arange(12) // 6
+    for out in (m.anova(x, s, y), stream([(x, s, y)], metrics=("anova",)).compute()):
+        assert out["total"] == pytest.approx(0.0, abs=1e-12)
+        assert all(np.isnan(out[f"{p}_share"]) for p in ("within_seq", "between_seq", "within_class",
+                                                         "between_class"))
+    for spec in (m.spectral_decay(x), stream([(x, s, y)], metrics=("spectral",)).compute(),
+                 m.spectral_decay(np.random.default_rng(0).normal(size=(5, 4)), seq_ids=np.arange(5),
+                                  center="sequence")):
+        assert np.isnan(spec["n_pcs_0.99"]) and np.isnan(spec["effective_rank"])
+        assert spec["total_variance"] == pytest.approx(0.0, abs=1e-12) and np.isnan(spec["spectrum"]).all()
+    varied = m.spectral_decay(x + np.random.default_rng(1).normal(size=x.shape))
+    assert varied["n_pcs_0.99"] >= 1 and not np.isnan(varied["spectrum"]).any()

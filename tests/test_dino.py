@@ -18,7 +18,7 @@ from laplace.data.multicrop import (
     Solarization,
     multicrop_collate,
 )
-from laplace.dino import DINOHead, DINOLoss, DINOModel, vit_class_token
+from laplace.dino import DINOHead, DINOLoss, DINOModel, interpolate_pos_embed, vit_class_token
 from laplace.errors import ConfigError
 from train import run
 from train.dino import DINOTrainer
@@ -117,7 +117,46 @@ def test_dino_loss_matches_a_hand_computation_and_updates_the_centre():
             pairs += 1
     assert pairs == 6
     assert loss.item() == pytest.approx(total / pairs, rel=1e-5)
+    assert torch.equal(loss_fn.center, c0)  # the centre moves once per step, not per forward
+    loss_fn.update_center()
     assert torch.allclose(loss_fn.center, 0.9 * c0 + 0.1 * teacher.mean(0, keepdim=True), atol=1e-6)
+
+
+def test_centre_and_loss_of_two_micro_batches_equal_one_batch_of_both():
+    """DINO: every sample of a step uses the centre from before the step; after the step the
+    centre moves by the mean over the whole batch. Split into micro-batches, as the engine's
+    accumulation does, the loss (mean of the halves) and the centre are the full batch's."""
+    torch.manual_seed(0)
+    B, K = 4, 7
+    student, teacher = torch.randn(4, B, K), torch.randn(2, B, K)  # [crop, image, K]
+    c0 = torch.randn(1, K)
+    whole, halves = DINOLoss(K), DINOLoss(K)
+    whole.center.copy_(c0)
+    halves.center.copy_(c0)
+    full = whole(student.reshape(-1, K), teacher.reshape(-1, K), 0.04)
+    whole.update_center()
+    parts = [halves(student[:, h].reshape(-1, K), teacher[:, h].reshape(-1, K), 0.04)
+             for h in (slice(0, 2), slice(2, 4))]
+    halves.update_center()
+    assert (parts[0] + parts[1]).item() / 2 == pytest.approx(full.item(), rel=1e-6)
+    assert torch.allclose(halves.center, whole.center, atol=1e-6)
+    with pytest.raises(RuntimeError, match="no teacher output"):
+        halves.update_center()  # nothing accumulated since: no 0/0 centre
+
+
+def test_dino_trainer_with_accumulation_equals_one_batch(make_cfg, tmp_path):
+    """trainer.micro_batch_size = half the batch gives the centre and the losses of the whole
+    batch (no BatchNorm head, no drop-path: the only batch-size-dependent parts)."""
+    cfg = lambda *o, d: make_cfg(*TINY_DINO, "trainer.max_steps=3", "trainer.head.use_bn=false",
+                                 "model.drop_path_rate=0.0", *o, run_dir=tmp_path / d)
+    run(cfg(d="whole"))
+    run(cfg("trainer.micro_batch_size=4", d="micro"))
+    train = lambda d: [r["loss"] for r in read_metrics(tmp_path / d) if r.get("split") == "train"]
+    assert len(train("whole")) == 3
+    assert train("micro") == pytest.approx(train("whole"), rel=1e-5, abs=1e-6)
+    a, b = (load_checkpoint(tmp_path / d / "ckpt/last.pt")["trainer"]["center"] for d in ("whole", "micro"))
+    assert a.abs().max() > 1e-3
+    assert torch.allclose(a, b, atol=1e-5)
 
 
 def test_head_and_any_crop_size_through_the_vit():
@@ -229,10 +268,73 @@ def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path):
     losses = [r["loss"] for r in read_metrics(run_dir) if r.get("split") == "train"]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     ckpt = load_checkpoint(run_dir / "ckpt/last.pt")
-    assert ckpt["config"]["model"]["num_classes"] == 0 and ckpt["config"]["optim"]["lr"] == 2.0e-3
+    assert ckpt["config"]["model"]["num_classes"] == 0 and ckpt["config"]["optim"]["lr"] == 1.0e-3
     assert ckpt["config"]["trainer"]["multicrop"]["local_crops"] == 8
     vit = load_model(run_dir / "ckpt/last.pt")
     assert type(vit).__name__ == "VisionTransformer" and vit.num_laplacian_heads == [5]
     feats = vit.forward_features(torch.randn(2, 3, 32, 32))
     assert feats["norm"].shape == (2, 1 + 4, 48)
     assert (run_dir / "results.json").exists()
+
+
+def _dino_interpolate_pos_encoding(patch_pos: torch.Tensor, w: int, h: int, patch: int) -> torch.Tensor:
+    """facebookresearch/dino vision_transformer.py `interpolate_pos_encoding`, the patch part
+    (a square table of N entries), as written there: the target grid + 0.1 as a scale factor."""
+    N, dim = patch_pos.shape[1], patch_pos.shape[-1]
+    w0, h0 = w // patch + 0.1, h // patch + 0.1
+    out = torch.nn.functional.interpolate(
+        patch_pos.reshape(1, int(math.sqrt(N)), int(math.sqrt(N)), dim).permute(0, 3, 1, 2),
+        scale_factor=(w0 / math.sqrt(N), h0 / math.sqrt(N)), mode="bicubic")
+    assert int(w0) == out.shape[-2] and int(h0) == out.shape[-1]
+    return out.permute(0, 2, 3, 1).view(1, -1, dim)
+
+
+def test_position_embeddings_resampled_by_dinos_scale_factor_rule():
+    torch.manual_seed(0)
+    table = torch.nn.init.trunc_normal_(torch.empty(1, 14 * 14, 384), std=0.02)  # ViT-S/16 at 224
+    for crop in (96, 160, 32):
+        g = crop // 16
+        ours = interpolate_pos_embed(table, (14, 14), (g, g))
+        assert torch.equal(ours, _dino_interpolate_pos_encoding(table, crop, crop, 16))
+    # Not the size= resampling: the 96 px local crops' table differs (what the rule changes).
+    by_size = torch.nn.functional.interpolate(table.reshape(1, 14, 14, 384).permute(0, 3, 1, 2), size=(6, 6),
+                                              mode="bicubic").permute(0, 2, 3, 1).reshape(1, 36, 384)
+    assert (interpolate_pos_embed(table, (14, 14), (6, 6)) - by_size).abs().max() > 1e-3
+    assert interpolate_pos_embed(table, (14, 14), (14, 14)) is table  # the model's own grid
+
+
+# facebookresearch/dino README, "Vanilla DINO training": main_dino.py --arch deit_small on 8 GPUs,
+# i.e. main_dino.py's defaults (batch_size_per_gpu 64, lr 5e-4 per 256 images).
+DINO_VANILLA_VITS16 = {
+    "epochs": 100, "batch": 8 * 64, "lr": 5e-4 * 8 * 64 / 256, "min_lr": 1e-6, "warmup_epochs": 10,
+    "weight_decay": 0.04, "weight_decay_end": 0.4, "teacher_temp": 0.04, "warmup_teacher_temp": 0.04,
+    "momentum_teacher": 0.996, "norm_last_layer": True, "out_dim": 65536, "use_bn_in_head": False,
+    "drop_path_rate": 0.1, "clip_grad": 3.0, "freeze_last_layer": 1, "local_crops_number": 8,
+    "global_crops_scale": (0.4, 1.0), "local_crops_scale": (0.05, 0.4), "patch_size": 16,
+}
+
+
+def test_dino_in1k_is_dinos_vanilla_vits16_command(make_cfg):
+    from train.optim import build_schedules
+
+    cfg = make_cfg("experiment=dino_in1k", "data.root=/nowhere")
+    tc, o, ref = cfg.trainer, cfg.optim, DINO_VANILLA_VITS16
+    steps_per_epoch = 2502  # 1,281,167 images // 512 (drop_last)
+    total = ref["epochs"] * steps_per_epoch
+    sched = {**build_schedules(o.schedules, "optim.schedules", total, steps_per_epoch),
+             **build_schedules(tc.schedules, "trainer.schedules", total, steps_per_epoch)}
+    lr, wd, tt, mom = (sched[k] for k in ("lr", "weight_decay", "teacher_temp", "teacher_momentum"))
+    assert tc.epochs == ref["epochs"] and tc.global_batch_size == ref["batch"]
+    assert o.lr == pytest.approx(ref["lr"]) and lr(10 * steps_per_epoch) == pytest.approx(ref["lr"], rel=1e-3)
+    assert lr(0) == 0.0 and lr(total - 1) == pytest.approx(ref["min_lr"], rel=0.01)
+    assert wd(0) == pytest.approx(ref["weight_decay"]) and wd(total - 1) == pytest.approx(ref["weight_decay_end"], rel=1e-3)
+    assert tt(0) == tt(30 * steps_per_epoch) == tt(total - 1) == ref["teacher_temp"] == ref["warmup_teacher_temp"]
+    assert mom(0) == pytest.approx(ref["momentum_teacher"]) and mom(total - 1) == pytest.approx(1.0, abs=1e-9)
+    assert tc.head.norm_last_layer is ref["norm_last_layer"] and tc.head.out_dim == ref["out_dim"]
+    assert tc.head.use_bn is ref["use_bn_in_head"] and cfg.model.drop_path_rate == ref["drop_path_rate"]
+    assert o.grad_clip == ref["clip_grad"] and o.grad_clip_mode == "param"
+    assert tc.freeze_last_layer == ref["freeze_last_layer"]
+    mc = tc.multicrop
+    assert mc.local_crops == ref["local_crops_number"] and tuple(mc.global_scale) == ref["global_crops_scale"]
+    assert tuple(mc.local_scale) == ref["local_crops_scale"] and cfg.data.patch_size == ref["patch_size"]
+    assert (tc.head.hidden_dim, tc.head.bottleneck_dim, tc.student_temp, tc.center_momentum) == (2048, 256, 0.1, 0.9)

@@ -57,3 +57,25 @@ def test_init_from_works_for_the_gpt_trainer(make_cfg, tmp_path):
     with pytest.raises(CheckpointError, match="trained as gpt_d2_1L"):
         baseline = [a for a in TINY_GPT if not a.startswith("model=")] + ["model=gpt_d2_0L"]
         run(make_cfg(*baseline, f"trainer.init_from={src}", run_dir=tmp_path / "bad"))
+
+
+def test_batches_without_counted_targets_give_no_zero_by_zero(make_cfg, tmp_path):
+    """A micro-batch with no counted target (SFT rows of user turns and padding only) trains with
+    loss 0 and no gradient; a validation whose targets are special tokens only (0 bytes) reports
+    its loss but no bits per byte (it used to report 0.0: 0 nats / max(0 bytes, 1))."""
+    import math
+
+    from train.gpt import GPTTrainer
+
+    (tmp_path / "run").mkdir()
+    t = GPTTrainer(make_cfg(*TINY_GPT, "trainer.sample_prompts=[]"))
+    x = torch.randint(0, 256, (2, 32))
+    loss, _ = t.train_step((x, torch.full_like(x, -1)))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(not p.grad.any() for p in t.model.parameters() if p.grad is not None)
+    t._val_batches = lambda: [(x, torch.full_like(x, BOS))]
+    metrics = t.evaluate()
+    assert math.isfinite(metrics["val_loss"]) and metrics["val_loss"] > 0 and "val_bpb" not in metrics
+    t._val_batches = lambda: [(x, x)]
+    assert t.evaluate()["val_bpb"] > 0

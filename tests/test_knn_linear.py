@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
-from eval.features import batch_features, cache_key, extract_features, load_backbone
+from eval.features import batch_features, cache_key, extract_features, load_backbone, probe_data_node
 from eval.knn import knn_classify
 from eval.linear import accuracy, evaluate_linear, linear_probe
 from laplace import create_model
@@ -278,3 +278,29 @@ def test_errors_are_one_line(tmp_path):
                               timeout=120)
         err = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(err) == 1 and expect in err[0], proc.stderr[-1000:]
+
+
+def test_probe_transform_is_dinos_on_imagenet(tmp_path):
+    """eval.knn / eval.linear on data=imagenet: DINO's Resize(256, bicubic) + CenterCrop(224)
+    for both splits (the same 256/224 ratio at another size); the digits keep their own crop."""
+    import fakedata
+    from torchvision import transforms as T
+
+    from laplace.data.vision import build_vision_dataset
+
+    root = tmp_path / "imagenet"
+    fakedata.write_imagenet_folder(root, n_classes=2, per_class=2, size=40)
+    for entry in ("knn", "linear"):
+        for size, resize in ((224, 256), (112, 128)):
+            with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+                cfg = compose(entry, overrides=["checkpoint=x.pt", "data=imagenet", f"data.root={root}",
+                                                f"data.img_size={size}"])
+            for train in (True, False):
+                steps = build_vision_dataset(probe_data_node(cfg.data, cfg.crop_pct), train).transform.transforms
+                rs, cc = (next(s for s in steps if isinstance(s, c)) for c in (T.Resize, T.CenterCrop))
+                assert rs.size == resize and rs.interpolation == T.InterpolationMode.BICUBIC
+                assert cc.size == (size, size)
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("knn", overrides=["checkpoint=x.pt", "data=digits"])
+    assert probe_data_node(cfg.data, cfg.crop_pct).eval_crop_pct == cfg.data.eval_crop_pct == 1.0
+    assert probe_data_node(cfg.data, 0.5).eval_crop_pct == 0.5  # crop_pct= overrides

@@ -1,4 +1,4 @@
-"""PCA maps (analysis/pca_maps.py): DINOv2's foreground step on a planted feature map, sign
+"""PCA maps (analysis/pca_maps.py): the foreground step (the paper's sign rule, a threshold) on planted feature maps, sign
 determinism, full-resolution files, the grid's cells, and `python -m analysis pca_maps=2` on two
 tiny checkpoints.
 
@@ -51,12 +51,29 @@ def test_foreground_is_the_object():
     assert rgb.shape == (*GRID, 3) and 0 <= rgb.min() and rgb.max() <= 1
 
 
-@pytest.mark.parametrize("threshold", [None, 0.5])
+@pytest.mark.parametrize("threshold", [None, 0.5, "sign"])
 def test_signs_are_deterministic(threshold):
     x, _ = _planted(seed=1)
     rgb = pca_rgb(x, GRID, threshold)
     assert np.array_equal(rgb, pca_rgb(x.clone(), GRID, threshold))
     np.testing.assert_allclose(pca_rgb(-x, GRID, threshold), rgb, atol=1e-5)
+
+
+def test_default_foreground_is_the_sign_of_the_first_component():
+    """The paper's rule: patches with a positive first-component score. Scores along one
+    direction: 12 border patches at -1, a central object of two strong (3) and two weak (0.5)
+    patches. Centred, all four object patches are positive; min-max scaled, the weak ones sit
+    at 0.375, under the 0.5 threshold (the option)."""
+    score = -torch.ones(GRID, dtype=torch.float64)
+    score[1, 1:3], score[2, 1:3] = 3.0, 0.5
+    g = torch.Generator().manual_seed(0)
+    x = score.flatten()[:, None] * torch.eye(8, dtype=torch.float64)[0] + 1e-3 * torch.randn(16, 8, generator=g,
+                                                                                             dtype=torch.float64)
+    obj = score > -1
+    assert torch.equal(foreground_mask(x, GRID), obj) and torch.equal(foreground_mask(-x, GRID), obj)
+    assert torch.equal(foreground_mask(x, GRID, 0.5), score == 3.0)
+    assert (pca_rgb(x, GRID, "sign")[~obj.numpy()] == 0).all() and (pca_rgb(x, GRID, "sign")[obj.numpy()] > 0).any()
+    assert check_options(True, "sign", "nearest") == "sign"
 
 
 def test_rank_deficient_components_are_flat():
@@ -70,7 +87,7 @@ def test_rank_deficient_components_are_flat():
 def test_options_are_checked():
     assert check_options(False, 0.5, "nearest") is None
     assert check_options(True, 0.3, "bilinear") == 0.3
-    for bad in [(True, 1.0, "nearest"), (True, None, "nearest"), (True, 0.5, "bicubic")]:
+    for bad in [(True, 1.0, "nearest"), (True, None, "nearest"), (True, 0.5, "bicubic"), (True, "sgn", "nearest")]:
         with pytest.raises(ConfigError):
             check_options(*bad)
 

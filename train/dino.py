@@ -1,7 +1,7 @@
 """`trainer=dino`: self-supervised DINO pre-training of a zoo ViT on the shared engine.
 
 "Emerging Properties in Self-Supervised Vision Transformers" (Caron et al. 2021;
-facebookresearch/dino main_dino.py), the recipe of the paper's ViT-S/16 DINO runs:
+facebookresearch/dino main_dino.py), its defaults (the README's 100-epoch ViT-S/16 command):
 
     student = ViT (no classifier) + DINOHead      laplace.dino (out_dim 65,536, hidden 2048,
     teacher = a copy, updated by EMA only           bottleneck 256, weight-normed last layer)
@@ -9,15 +9,19 @@ facebookresearch/dino main_dino.py), the recipe of the paper's ViT-S/16 DINO run
       + 8 local (96 px, scale 0.05-0.4) crops;
       the teacher sees the global crops only
     loss: cross-entropy teacher(i) -> student(v),  laplace.dino.DINOLoss, student temp 0.1,
-      v != i, centred teacher (momentum 0.9)        trainer.student_temp / center_momentum
-    teacher temperature 0.04 -> 0.07 over 30 ep    trainer.schedules.teacher_temp
+      v != i, centred teacher (momentum 0.9,        trainer.student_temp / center_momentum
+      once per step from the global batch)
+    teacher temperature 0.04                       trainer.schedules.teacher_temp
     teacher EMA momentum 0.996 -> 1 (cosine)       trainer.schedules.teacher_momentum
     AdamW, lr 5e-4 x batch / 256, 10 warm-up ep,   optim.* (experiment=dino_*): param groups
       cosine to 1e-6; weight decay 0.04 -> 0.4      as DINO's get_params_groups (biases and 1-D
       (cosine), none on biases / norms              tensors without weight decay)
     per-tensor gradient clipping at 3.0            optim.grad_clip=3.0, grad_clip_mode=param
     last layer frozen during the first epoch       trainer.freeze_last_layer (epochs)
-    drop-path 0.1, bf16 autocast                   model.drop_path_rate, the engine's autocast
+    drop-path 0.1, bf16 autocast (DINO: fp16 +     model.drop_path_rate, the engine's autocast
+      loss scaler)
+    the zoo ViT: DeiT-III's class token (no        laplace.vit, as every paradigm's (DINO's ViT
+      position embedding, normal 1e-6)               adds pos_embed[0], trunc-normal 0.02, to it)
 
 The checkpoint's "model" is the TEACHER BACKBONE (a plain zoo ViT with num_classes=0, which
 the `model` node says), so `laplace.checkpoint.load_model` and every evaluation take it as
@@ -143,6 +147,9 @@ class DINOTrainer(Trainer):
 
     @torch.no_grad()
     def after_optimizer_step(self):
+        # DINO's centre: once per step from the whole global batch (every micro-batch's loss
+        # used the centre from before the step).
+        self.dino_loss.update_center()
         m = self.hparams["teacher_momentum"]
         teacher = list(self.model.teacher.parameters())
         student = list(self.model.student.parameters())

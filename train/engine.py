@@ -15,7 +15,7 @@ cadence, exact resume, preemption and logging. A trainer supplies its pieces:
       # optional hooks:
         def before_optimizer_step(self): ...   # default: clips gradients (optim.grad_clip)
         def after_optimizer_step(self): ...    # e.g. the EMA teacher update
-        def state_dict(self) / load_state_dict(state)            # e.g. teacher, loss centre
+        def state_dict(self) / load_state_dict(state)            # e.g. DINO's loss centre
         def rank_state_dict(self) / load_rank_state_dict(state)  # per-rank, e.g. an own RNG
         def export_model(self): ...            # the network load_model rebuilds (default: model)
         def init_from_pretrained(self, path)   # trainer.init_from (default: load_pretrained)
@@ -150,7 +150,8 @@ class Trainer:
         raise NotImplementedError
 
     def build_model(self) -> nn.Module:
-        """The zoo model of the `model` node (or a module holding it, e.g. student + teacher)."""
+        """The zoo model of the `model` node (or a module holding it, e.g. DINO's student + EMA
+        teacher, checkpointed whole as "train_model")."""
         return create_model(**self.cfg.model)
 
     def configure_optimizers(self) -> dict[str, torch.optim.Optimizer]:

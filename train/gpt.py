@@ -220,7 +220,9 @@ class GPTTrainer(Trainer):
         nats, n, byte_nats, nbytes = all_reduce_sum(sums).tolist()
         if n == 0:
             return {}
-        metrics = {"val_loss": nats / n, "val_bpb": byte_nats / max(nbytes, 1) / math.log(2)}
+        metrics = {"val_loss": nats / n}
+        if nbytes > 0:  # targets that are all special tokens have no bytes: no bits per byte (0/0)
+            metrics["val_bpb"] = byte_nats / nbytes / math.log(2)
         self._write_samples()
         return metrics
 

@@ -12,8 +12,8 @@ c - 1, so the 150 classes are 0..149.
 
 Pipelines (mmseg's ADE20K config, as DINOv2's linear evaluation uses it):
     train  short side to `scale` x U(0.5, 2.0) -> random crop `crop` (re-drawn up to 10 times
-           while one class covers more than 75% of it), padded with 0 / 255 -> horizontal flip
-           -> photometric distortion -> normalise
+           while it holds fewer than 2 labelled classes or one covers 75% of it), padded with
+           0 / 255 -> horizontal flip -> photometric distortion -> normalise
     eval   short side to `scale` (the image only: predictions are resized back to the full-size
            annotation, on which mIoU is computed)
 
@@ -109,8 +109,9 @@ class SegTrainTransform:
         crop: side of the square training crop.
         scale: base short side before the random ratio.
         ratio_range: the random scale ratio's range.
-        cat_max_ratio: the largest share of the crop one class may cover (mmseg re-draws the
-            crop up to 10 times; hand-written: torchvision's RandomCrop has no such rule).
+        cat_max_ratio: the largest share of the crop one class may cover (mmseg checks up to
+            10 crops, re-drawing after each failure; hand-written: torchvision's RandomCrop
+            has no such rule).
         mean, std: normalisation constants.
     """
 
@@ -128,15 +129,21 @@ class SegTrainTransform:
 
     def _crop_box(self, label: torch.Tensor) -> tuple[int, int]:
         H, W = label.shape
-        for _ in range(10):
-            top = int(torch.randint(0, max(H - self.crop, 0) + 1, ()))
-            left = int(torch.randint(0, max(W - self.crop, 0) + 1, ()))
-            if self.cat_max_ratio >= 1:
-                break
-            window = label[top:top + self.crop, left:left + self.crop]
-            _, counts = torch.unique(window[window != IGNORE], return_counts=True)
-            if len(counts) > 1 and counts.max() / counts.sum() < self.cat_max_ratio:
-                break
+
+        def draw():
+            return (int(torch.randint(0, max(H - self.crop, 0) + 1, ())),
+                    int(torch.randint(0, max(W - self.crop, 0) + 1, ())))
+
+        # mmseg's RandomCrop: 10 checks, each failed one re-draws, so the 11th box is taken
+        # unchecked (a crop of ignored pixels only can stay: the loss is 0 on it).
+        top, left = draw()
+        if self.cat_max_ratio < 1:
+            for _ in range(10):
+                window = label[top:top + self.crop, left:left + self.crop]
+                _, counts = torch.unique(window[window != IGNORE], return_counts=True)
+                if len(counts) > 1 and counts.max() / counts.sum() < self.cat_max_ratio:
+                    break
+                top, left = draw()
         return top, left
 
     def __call__(self, img: Image.Image, mask: np.ndarray):

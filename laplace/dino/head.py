@@ -6,7 +6,7 @@
                       when norm_last_layer, DINO's default)
     vit_class_token   a zoo ViT's final-norm class token at ANY input size divisible by the
                       patch: the patch position embeddings are resampled bicubically to the
-                      crop's grid (DINO's interpolate_pos_encoding), so 224 px global and 96 px
+                      crop's grid (DINO's interpolate_pos_encoding: its scale_factor rule), so 224 px global and 96 px
                       local crops go through the same 224 px model
     MultiCropWrapper  backbone + head over a list of crops, one backbone pass per run of
                       consecutive crops of the same resolution, one head pass for all
@@ -79,13 +79,18 @@ class DINOHead(nn.Module):
 
 
 def interpolate_pos_embed(pos_embed: torch.Tensor, old_grid, new_grid) -> torch.Tensor:
-    """Patch position embeddings [1, H0*W0, D] resampled (bicubic) to [1, H*W, D]."""
+    """Patch position embeddings [1, H0*W0, D] resampled (bicubic) to [1, H*W, D] by DINO's
+    rule: `scale_factor` (H + 0.1) / H0, not `size`, so the sampling positions follow that
+    factor (14 -> 6 on a random trunc-normal 0.02 table: up to 0.023 from size=6's)."""
     old_grid, new_grid = tuple(old_grid), tuple(new_grid)
     if old_grid == new_grid:
         return pos_embed
     d = pos_embed.shape[-1]
     grid = pos_embed.reshape(1, *old_grid, d).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid.float(), size=new_grid, mode="bicubic", align_corners=False)
+    scale = tuple((n + 0.1) / o for n, o in zip(new_grid, old_grid))
+    grid = F.interpolate(grid.float(), scale_factor=scale, mode="bicubic", align_corners=False)
+    if tuple(grid.shape[-2:]) != new_grid:  # floor((n + 0.1) / o * o) is n: DINO asserts it too
+        raise ValueError(f"position embeddings {old_grid} -> {tuple(grid.shape[-2:])}, not {new_grid}")
     return grid.to(pos_embed.dtype).permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], d)
 
 

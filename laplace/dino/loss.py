@@ -5,9 +5,12 @@ For teacher global crop i and student crop v != i:
     q_i = softmax((t_i - center) / teacher_temp)     (no gradient)
     l_iv = mean over the batch of  -sum_k q_i[k] log softmax(s_v / student_temp)[k]
 
-and the loss is the mean of l_iv over the pairs. After the loss, the centre moves towards the
-batch mean of the teacher outputs, averaged over every rank (all-reduced):
-center <- m * center + (1 - m) * mean(t). Computed in float32 whatever the autocast.
+and the loss is the mean of l_iv over the pairs. Every sample of an optimizer step sees the
+centre from before the step; once per step (`update_center`) it moves towards the mean of the
+teacher outputs of the whole global batch, all ranks and micro-batches (DINO: all-reduced sum
+/ rows): center <- m * center + (1 - m) * mean(t). The forward only accumulates the teacher
+outputs' sum and row count, so gradient accumulation changes neither the loss nor the centre.
+Computed in float32 whatever the autocast.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from laplace.dist import all_reduce_mean
+from laplace.dist import all_reduce_sum
 
 
 class DINOLoss(nn.Module):
@@ -31,11 +34,15 @@ class DINOLoss(nn.Module):
         super().__init__()
         self.n_global, self.student_temp, self.center_momentum = n_global, student_temp, center_momentum
         self.register_buffer("center", torch.zeros(1, out_dim))
+        # The step's teacher-output sum and row count, one row: [sum_1..sum_K, rows]. Not
+        # checkpointed: the engine saves between steps, when it is zero.
+        self.register_buffer("_pending", torch.zeros(1, out_dim + 1), persistent=False)
 
     def forward(self, student_out: torch.Tensor, teacher_out: torch.Tensor,
                 teacher_temp: float) -> torch.Tensor:
         """student_out: [n_crops * B, K] crop after crop (global crops first);
-        teacher_out: [n_global * B, K] for the global crops. Updates the centre."""
+        teacher_out: [n_global * B, K] for the global crops. Adds the teacher outputs to the
+        step's centre statistics; `update_center` applies them."""
         student_out, teacher_out = student_out.float(), teacher_out.detach().float()
         n_crops = student_out.shape[0] // (teacher_out.shape[0] // self.n_global)
         s = F.log_softmax(student_out / self.student_temp, dim=-1).chunk(n_crops)
@@ -47,12 +54,17 @@ class DINOLoss(nn.Module):
                     continue
                 total = total + torch.sum(-qi * sv, dim=-1).mean()
                 pairs += 1
-        self.update_center(teacher_out)
+        with torch.no_grad():
+            self._pending[:, :-1] += teacher_out.sum(dim=0, keepdim=True)
+            self._pending[:, -1] += teacher_out.shape[0]
         return total / pairs
 
     @torch.no_grad()
-    def update_center(self, teacher_out: torch.Tensor):
-        # Every rank holds the same number of rows, so the mean of the ranks' means is the
-        # global batch mean (DINO: all-reduced sum / (rows x world size)).
-        batch_center = all_reduce_mean(teacher_out.float().mean(dim=0, keepdim=True))
+    def update_center(self):
+        """Once per optimizer step, on every rank: one all-reduce of the step's sum and rows."""
+        stats = all_reduce_sum(self._pending)
+        if stats[0, -1] == 0:
+            raise RuntimeError("DINOLoss.update_center: no teacher output since the last update")
+        batch_center = stats[:, :-1] / stats[:, -1:]
         self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)
+        self._pending.zero_()
