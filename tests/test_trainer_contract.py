@@ -12,7 +12,7 @@ from omegaconf import open_dict
 
 import toy_trainers
 from conftest import TINY_VIT
-from laplace.checkpoint import load_checkpoint, load_model
+from laplace.checkpoint import CheckpointError, load_checkpoint, load_model
 from laplace.data.shards import write_shard
 from laplace.errors import ConfigError
 from train import run
@@ -208,6 +208,40 @@ def test_streaming_feed_resumes_at_the_same_token(make_cfg, tmp_path):
     # first_token is averaged over the 2 micro-batches: windows 8s and 8s + 4.
     want = [(float(stream[32 * 8 * s]) + float(stream[32 * (8 * s + 4)])) / 2 for s in range(6)]
     assert [v for _, v in _train(a, "first_token")] == pytest.approx(want)
+
+
+def test_stream_resumes_across_an_epoch_end_with_another_micro_batch(make_cfg, tmp_path):
+    """93 windows, steps of 8: 11 steps an epoch. Killed at step 10 with micro batch 4, resumed
+    with micro batch 8: steps 11-14 (across the epoch end) see the windows of the straight run.
+    Before, micro batch 4 took half a step from the epoch's remainder (windows 88-91), micro
+    batch 8 none, and every step after the epoch end differed."""
+    root = write_token_shards(tmp_path / "shards", tokens=1000)
+    common = [*STREAM, f"+data.root={root}", "trainer.max_steps=14"]
+    run(make_cfg(*common, run_dir=tmp_path / "straight"))
+    run(make_cfg(*common, "trainer.stop_after=10", run_dir=tmp_path / "resumed"))
+    run(make_cfg(*common, "trainer.micro_batch_size=8", run_dir=tmp_path / "resumed"))
+    a, b = _train(tmp_path / "straight"), _train(tmp_path / "resumed")
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 15))
+    # Equal up to the order of the sums (one micro-batch of 8 vs two of 4).
+    assert [v for _, v in b] == pytest.approx([v for _, v in a], rel=1e-5, abs=1e-6)
+    assert load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["loop"]["feed"] == {"epoch": 1, "position": 24}
+
+
+def test_resume_on_other_shards_is_refused_and_moved_shards_resume(make_cfg, tmp_path):
+    root = write_token_shards(tmp_path / "shards")
+    common = [*STREAM, "trainer.stop_after=3"]
+    run(make_cfg(*common, f"+data.root={root}", run_dir=tmp_path / "run"))
+    other = write_token_shards(tmp_path / "other", n_shards=2, seed=1)
+    with pytest.raises(CheckpointError) as e:
+        run(make_cfg(*common, f"+data.root={other}", run_dir=tmp_path / "run"))
+    msg = str(e.value)
+    assert "\n" not in msg and f"data.root={other}" in msg and "shards 3 -> 2" in msg
+    assert "trainer.resume=force" in msg
+    # The same shards on another path (another machine): resumed.
+    moved = tmp_path / "moved"
+    root.rename(moved)
+    run(make_cfg(*common, f"+data.root={moved}", run_dir=tmp_path / "run"))
+    assert load_checkpoint(tmp_path / "run/ckpt/last.pt")["loop"]["step"] == 6
 
 
 # ---------------------------------------------------------------- map-style feeds across world sizes
