@@ -209,6 +209,14 @@ def test_source_that_grew_is_refused(fineweb, tmp_path, docs_per_shard):
     pq.write_table(pa.table({"text": added[:30]}), src / "shard_00003.parquet")
     with pytest.raises(ConfigError, match="shard_00003.parquet changed"):
         prep.prepare(parquet_cfg(src, out, *more))
+    # a folder prepared before sources were pinned: its meta.json names the old split
+    settings = json.loads((out / ".settings.json").read_text())
+    del settings["source_files"]
+    (out / ".settings.json").write_text(json.dumps(settings))
+    pq.write_table(pa.table({"text": added}), src / "shard_00004.parquet")
+    with pytest.raises(ConfigError, match=r"was .*3 train files \+ shard_00003.parquet for val\), now "
+                                          r".*4 train files \+ shard_00004.parquet.*rebuild=true"):
+        prep.prepare(parquet_cfg(src, out, *more))
 
 
 def _damaged(folder: Path, name: str, how: str) -> Path:

@@ -497,17 +497,23 @@ def _settings(cfg) -> dict:
     return {k: OmegaConf.to_container(cfg, resolve=True)[k] for k in keys}
 
 
-def _check_settings(out: Path, settings: dict) -> None:
+def _check_settings(out: Path, settings: dict, describe: str) -> None:
     path = out / ".settings.json"
     if not path.is_file():
         return
     old = json.loads(path.read_text())
-    if old.get("source_files", settings["source_files"]) != settings["source_files"]:
+    change = None
+    if "source_files" in old and old["source_files"] != settings["source_files"]:
+        change = _changes(old["source_files"], settings["source_files"])
+    elif "source_files" not in old and (out / "meta.json").is_file():
+        # Prepared before sources were pinned: its meta.json still names the files it split.
+        was = json.loads((out / "meta.json").read_text()).get("source")
+        change = f"was {was}, now {describe}" if was != describe else None
+    if change:
         raise ConfigError(f"source={settings['source']} changed since out={out} was prepared from it "
-                          f"({_changes(old['source_files'], settings['source_files'])}): its shards "
-                          f"would mix old and new files and the validation file would become "
-                          f"training text; prepare into another out= (or name=), or add rebuild=true "
-                          f"to delete {out}'s shards and start again")
+                          f"({change}): its shards would mix old and new files and the validation "
+                          f"file would become training text; prepare into another out= (or name=), "
+                          f"or add rebuild=true to delete {out}'s shards and start again")
     for k, v in settings.items():
         if k in old and old[k] != v:
             raise ConfigError(f"{k}={v}, but out={out} holds shards made with {k}={old[k]}; set "
@@ -553,10 +559,10 @@ def prepare(cfg: DictConfig) -> dict:
     out = output_dir(cfg, src)
     settings = {**_settings(cfg), "source_files": src.fingerprint()}
     _remove_outputs(out, everything=bool(cfg.get("rebuild")))
-    _check_settings(out, settings)
+    _check_settings(out, settings, src.describe())
     tok = make_tokenizer(cfg, out, src, max_docs)
     settings["tokenizer_fingerprint"] = tok.fingerprint()
-    _check_settings(out, settings)
+    _check_settings(out, settings, src.describe())
     if tok.kind == "bpe" and Path(tok.spec) != (out / "tokenizer.json").absolute():
         tok.save(out / "tokenizer.json")
         tok = load_tokenizer(out / "tokenizer.json")
