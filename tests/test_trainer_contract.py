@@ -284,6 +284,36 @@ def test_map_feed_resumes_on_another_world_size(sampler):
     assert sorted(rows(nxt[0]) + rows(nxt[1])) == sorted(straight[2])
 
 
+def test_map_feed_epochs_end_on_a_step_whatever_the_split():
+    """40 samples, steps of 12: an epoch is 3 steps (36 samples) for every split of the step,
+    and a resume after 4 steps with another split continues with the same samples. Before,
+    micro batches of 4 also took samples 36-39 (a third of a step), micro batches of 12 none."""
+    def feed(rank, world, micro):
+        return MapFeed(_Draws(), epoch_sampler(_Draws(), True, 3, rank, world), micro, seed=3,
+                       rank=rank, world_size=world, step_size=12, num_workers=0)
+
+    def steps(world, micro, n, state=None):
+        feeds = [feed(r, world, micro) for r in range(world)]
+        for f in feeds:
+            if state is not None:
+                f.load_state_dict(state)
+        its = [iter(f) for f in feeds]
+        out = []
+        for _ in range(n):
+            rows = [(i, d) for it in its for _ in range(12 // (world * micro))
+                    for i, d in zip(*(t.tolist() for t in next(it)))]
+            out.append(sorted(rows))
+        return out, feeds[0].state_dict()
+
+    want, _ = steps(1, 12, 7)
+    assert [e for e in (feed(0, 1, 12).micro_batches_per_epoch, feed(1, 2, 2).micro_batches_per_epoch)] == [3, 9]
+    for world, micro in [(1, 4), (2, 2), (3, 1)]:
+        assert steps(world, micro, 7)[0] == want, (world, micro)
+    _, state = steps(1, 4, 4)
+    assert state == {"epoch": 1, "position": 12}
+    assert steps(2, 3, 3, state)[0] == want[4:]
+
+
 # ---------------------------------------------------------------- results and generation
 
 

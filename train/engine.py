@@ -218,7 +218,8 @@ class Trainer:
                 train_set.set_step_windows(self.cfg.trainer.global_batch_size)
             return train_set
         return MapFeed(train_set, self.build_sampler(train_set), self.micro_bs, self.cfg.seed,
-                       self.dist.rank, self.dist.world_size, **self._loader_kwargs())
+                       self.dist.rank, self.dist.world_size, step_size=self.cfg.trainer.global_batch_size,
+                       **self._loader_kwargs())
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """DDP and torch.compile around the model; optimizers and checkpoints keep the bare one."""
