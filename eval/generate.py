@@ -8,7 +8,9 @@
 
 Every default lives in configs/generate.yaml. The model is rebuilt from the checkpoint alone
 (`laplace.checkpoint`) on `device` and its tokenizer from the checkpoint's config
-(`laplace.chat.tokenizer_from_config`: `data.tokenizer`, byte-level for runs without one).
+(`laplace.chat.tokenizer_from_config`: `data.tokenizer`, byte-level for runs without one);
+`tokenizer=PATH` reads it from elsewhere when that file has moved (a run copied to another
+machine), refused if it is not the tokenizer the run was trained with.
 
 Plain mode continues `<|bos|> prompt` and prints the prompt, then the continuation as it comes.
 Chat mode (`chat=true`, nanochat's chat_cli): the prompt is a user turn rendered by
@@ -36,10 +38,12 @@ from omegaconf.errors import MissingMandatoryValue
 
 from laplace.chat import render_for_completion, tokenizer_from_config
 from laplace.checkpoint import load_checkpoint, model_from_checkpoint
+from laplace.data import DatasetNotFoundError
 from laplace.dist import resolve_device
 from laplace.errors import ConfigError, cli_errors
 from laplace.gpt import GPT
 from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
+from laplace.tokenizer import load_tokenizer
 
 QUIT = ("quit", "exit")
 
@@ -57,14 +61,35 @@ def _checkpoint(cfg) -> Path:
     return path
 
 
-def load_generator_model(path, device: str = "auto"):
-    """(GPT in eval mode on its device, its tokenizer) from a checkpoint file."""
+def load_generator_model(path, device: str = "auto", tokenizer: str | None = None):
+    """(GPT in eval mode on its device, its tokenizer) from a checkpoint file; `tokenizer`:
+    a path (or bytes | gpt2) instead of the one the checkpoint's config names."""
     ckpt = load_checkpoint(path)
     name = ckpt["config"]["model"]["name"]
     model = model_from_checkpoint(ckpt, resolve_device(device))
     if not isinstance(model, GPT):
         raise ConfigError(f"checkpoint={path} holds {name}, not a GPT: generation needs a language model")
-    return model, tokenizer_from_config(ckpt["config"])
+    return model, _tokenizer(ckpt, path, tokenizer)
+
+
+def _tokenizer(ckpt: dict, path, override: str | None):
+    if override is None:
+        try:
+            return tokenizer_from_config(ckpt["config"])
+        except DatasetNotFoundError:
+            spec = ckpt["config"]["data"]["tokenizer"]
+            raise DatasetNotFoundError(
+                f"checkpoint={path} was trained with the tokenizer {spec} (data.tokenizer of its config), "
+                f"which is not there: moved or deleted; pass tokenizer=<its new path> to "
+                f"python -m eval.generate, or put the file back") from None
+    tok = load_tokenizer(str(override))
+    # Checkpoints since the data check (train/engine.py) know their tokenizer's fingerprint.
+    trained = (ckpt.get("data_identity") or {}).get("tokenizer")
+    if trained and tok.fingerprint()[:16] != trained:
+        raise ConfigError(f"tokenizer={override} is not the tokenizer checkpoint={path} was trained with "
+                          f"(fingerprint {tok.fingerprint()[:16]}, the run's {trained}); pass that run's "
+                          f"tokenizer.json")
+    return tok
 
 
 def _stream_print(tokens, tok, out: TextIO) -> str:
@@ -83,7 +108,7 @@ def _stream_print(tokens, tok, out: TextIO) -> str:
 def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:
     """Run the command: print the generated text(s) and return them (one per reply)."""
     stdin, out = stdin or sys.stdin, stdout or sys.stdout
-    model, tok = load_generator_model(_checkpoint(cfg), str(cfg.device))
+    model, tok = load_generator_model(_checkpoint(cfg), str(cfg.device), cfg.get("tokenizer"))
     device = model.wte.weight.device
     top_k = int(cfg.top_k) if cfg.top_k else None
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed))

@@ -3,13 +3,15 @@ meta.json and every results.json.
 
 A temp file in the same folder (hidden: `.<name>.*.tmp`, which `list_shards` and readers skip)
 is written, fsynced and renamed over the target, then the folder is fsynced so the rename
-survives a crash. Readers see the old file or the new one, never a truncated one.
+survives a crash. Readers see the old file or the new one, never a truncated one. The file gets
+the modes of an ordinary `open(path, "w")` (0644 under umask 022), not mkstemp's private 0600:
+prepared data and results are shared on a cluster.
 """
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -19,7 +21,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
     """Write `data` (bytes, or a function that writes into the open binary file) to `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -39,6 +41,17 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
         finally:
             os.close(dfd)
     return path
+
+
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new hidden temp file beside `path`, opened for writing with mode 0666 minus the umask."""
+    while True:
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                           0o666), tmp
+        except FileExistsError:
+            continue
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:

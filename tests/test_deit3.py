@@ -238,8 +238,8 @@ def test_resume_mid_epoch_under_the_full_recipe(tiny_data, make_cfg, tmp_path):
     """6 steps straight == 3 steps, stop, the same command again: the same losses, exactly.
 
     experiment=deit3_cifar10 as it is: Mixup/CutMix + BCE, repeated augmentation (40 images:
-    5 micro-batches an epoch, so the stop is mid-epoch and the run crosses epochs), 3-Augment,
-    drop-path 0.2, LAMB, gradient accumulation (16 = 8 x 2)."""
+    2 steps of 16 an epoch, the last 8 unused, so the stop is mid-epoch and the run crosses
+    epochs), 3-Augment, drop-path 0.2, LAMB, gradient accumulation (16 = 8 x 2)."""
     root, _ = tiny_data
     common = ["experiment=deit3_cifar10", *TINY, f"data.root={root / 'cifar'}", "trainer.max_steps=6",
               "trainer.eval_every=100", "trainer.ckpt_every=100"]
@@ -247,7 +247,7 @@ def test_resume_mid_epoch_under_the_full_recipe(tiny_data, make_cfg, tmp_path):
     assert cfg.trainer.mixup == 0.8 and cfg.trainer.repeated_aug == 3 and cfg.model.drop_path_rate == 0.2
     run(cfg)
     run(make_cfg(*common, "trainer.stop_after=3", run_dir=tmp_path / "resumed"))
-    assert load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["loop"]["feed"] == {"epoch": 1, "position": 8}
+    assert load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["loop"]["feed"] == {"epoch": 1, "position": 16}
     run(make_cfg(*common, run_dir=tmp_path / "resumed"))
 
     straight, resumed = _train_losses(tmp_path / "straight"), _train_losses(tmp_path / "resumed")

@@ -107,6 +107,30 @@ def test_cli_plain_prints_the_continuation(ckpts):
     assert proc.stdout.startswith("The for") and len(proc.stdout.rstrip("\n")) > len("The for")
 
 
+def test_moved_tokenizer_names_the_key_generate_has(ckpts, tmp_path):
+    """A run whose tokenizer file has moved: the error names eval.generate's own key
+    (tokenizer=), which reads it from its new place, and refuses another tokenizer."""
+    from laplace.data import DatasetNotFoundError
+    from laplace.tokenizer import train_bpe
+
+    ckpt = torch.load(ckpts["chat"], weights_only=False)
+    gone = tmp_path / "gone" / "tokenizer.json"
+    ckpt["config"]["data"]["tokenizer"] = str(gone)
+    moved = tmp_path / "moved.pt"
+    torch.save(ckpt, moved)
+    with pytest.raises(DatasetNotFoundError) as e:
+        generate(_gen_cfg(f"checkpoint={moved}", "max_new_tokens=2", "device=cpu"), stdout=io.StringIO())
+    msg = str(e.value)
+    assert "\n" not in msg and str(gone) in msg and "tokenizer=<its new path>" in msg and "eval.generate" in msg
+    # The run's tokenizer (bytes here) from elsewhere: generates.
+    out = generate(_gen_cfg(f"checkpoint={moved}", "tokenizer=bytes", "prompt=Hi", "max_new_tokens=2",
+                            "device=cpu"), stdout=io.StringIO())
+    assert len(out) == 1
+    other = train_bpe(["some text to merge, some more text to merge"] * 20, 270, tmp_path / "other.json")
+    with pytest.raises(ConfigError, match=f"tokenizer={other.spec} is not the tokenizer"):
+        generate(_gen_cfg(f"checkpoint={moved}", f"tokenizer={other.spec}", "device=cpu"), stdout=io.StringIO())
+
+
 def test_chat_turns_accumulate(ckpts, monkeypatch):
     """In-process chat on stdin: blank lines are skipped, "quit" ends it, and each reply answers
     the whole conversation so far (checked against stream_tokens on a randomized model)."""
@@ -118,7 +142,7 @@ def test_chat_turns_accumulate(ckpts, monkeypatch):
     import eval.generate as g
 
     model, tok = randomize_(load_model(ckpts["chat"]), seed=3), load_tokenizer("bytes")
-    monkeypatch.setattr(g, "load_generator_model", lambda path, device: (model, tok))
+    monkeypatch.setattr(g, "load_generator_model", lambda path, device, tokenizer=None: (model, tok))
     replies = generate(cfg, stdin=io.StringIO("hello\nand then?\n"), stdout=io.StringIO())  # ends at EOF
     end = tok.special_id("<|assistant_end|>")
     messages = []

@@ -3,6 +3,7 @@ shards and meta.json; deterministic shards, resuming after a kill, one-line inpu
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -12,12 +13,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 import laplace.data.prepare as prep
 from laplace.data import DatasetNotFoundError
 from laplace.data.shards import TokenStream, list_shards
+from laplace.checkpoint import save_checkpoint
 from laplace.errors import ConfigError, UserError
+from laplace.io import write_json
 from laplace.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,6 +133,7 @@ def test_resume_after_kill_is_byte_identical(fineweb, tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "encode_docs", lambda tok, docs, *a: (encoded.extend(docs),
                                                                     real_encode(tok, docs, *a))[1])
     meta = prep.prepare(parquet_cfg(src, killed))
+    assert not list(killed.rglob("*.tmp"))  # the killed run's temp files are deleted
     assert len(encoded) == 120 - 50 + 20  # train shards 2..4 and the val shard
     _identical(full, killed)
     assert meta["train"] == ref["train"] and meta["val"] == ref["val"]
@@ -176,6 +181,97 @@ def test_rerun_with_other_settings_is_refused(fineweb, tmp_path):
     with pytest.raises(ConfigError) as e:
         prep.prepare(parquet_cfg(src, out, "tokenizer=bytes", "docs_per_shard=10"))
     assert "docs_per_shard=10" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("docs_per_shard", [25, 10])
+def test_source_that_grew_is_refused(fineweb, tmp_path, docs_per_shard):
+    """A parquet file added to the folder after a prepare: the old last (validation) file
+    would become training text (full last shard) or be ignored (partial last shard)."""
+    src, train_docs, val_docs = fineweb
+    out = tmp_path / "out"
+    more = (f"docs_per_shard={docs_per_shard}", "tokenizer=bytes")
+    before = prep.prepare(parquet_cfg(src, out, *more))
+    added = make_docs(40, 3)
+    pq.write_table(pa.table({"text": added}), src / "shard_00003.parquet", row_group_size=16)
+    with pytest.raises(ConfigError) as e:
+        prep.prepare(parquet_cfg(src, out, *more))
+    msg = _one_line(e)
+    assert f"source={src} changed" in msg and "shard_00003.parquet added" in msg
+    assert "rebuild=true" in msg and "out=" in msg
+    assert json.loads((out / "meta.json").read_text()) == before  # nothing was touched
+    # rebuild=true starts again: the old validation file is training text now, the new one val
+    meta = prep.prepare(parquet_cfg(src, out, *more, "rebuild=true"))
+    assert meta["train"]["docs"] == len(train_docs) + len(val_docs) and meta["val"]["docs"] == 20
+    tok = load_tokenizer("bytes")
+    val = np.load(list_shards(out, "val")[0])
+    assert tok.decode(val) == "".join("<|bos|>" + d for d in added[:20])
+    # a changed file (same name, other rows) is refused too
+    pq.write_table(pa.table({"text": added[:30]}), src / "shard_00003.parquet")
+    with pytest.raises(ConfigError, match="shard_00003.parquet changed"):
+        prep.prepare(parquet_cfg(src, out, *more))
+    # a folder prepared before sources were pinned: its meta.json names the old split
+    settings = json.loads((out / ".settings.json").read_text())
+    del settings["source_files"]
+    (out / ".settings.json").write_text(json.dumps(settings))
+    pq.write_table(pa.table({"text": added}), src / "shard_00004.parquet")
+    with pytest.raises(ConfigError, match=r"was .*3 train files \+ shard_00003.parquet for val\), now "
+                                          r".*4 train files \+ shard_00004.parquet.*rebuild=true"):
+        prep.prepare(parquet_cfg(src, out, *more))
+
+
+def _damaged(folder: Path, name: str, how: str) -> Path:
+    path = folder / name
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "binary":
+        pq.write_table(pa.table({"text": [b"bytes, not text"] * 5}), path)
+    elif how == "utf8":
+        rows = pa.array([b"fine", b"also fine", b"bad \xff\xfe here"], pa.binary()).view(pa.string())
+        pq.write_table(pa.table({"text": rows}), path)
+    elif how == "garbage":
+        path.write_bytes(b"PAR1" + bytes(range(256)) * 8)
+    return path
+
+
+@pytest.mark.parametrize("how, name, expect", [
+    ("truncated", "shard_00000.parquet", "not a readable parquet file"),
+    ("garbage", "shard_00001.parquet", "not a readable parquet file"),
+    ("binary", "shard_00000.parquet", "holds binary, not text"),
+    ("utf8", "shard_00001.parquet", "row 2 of column 'text' is not valid UTF-8"),
+    ("utf8", "shard_00002.parquet", "row 2 of column 'text' is not valid UTF-8")])
+def test_unreadable_source_file_is_one_line_naming_it(fineweb, tmp_path, how, name, expect):
+    path = _damaged(fineweb[0], name, how)
+    with pytest.raises(prep.SourceError) as e:
+        prep.prepare(parquet_cfg(fineweb[0], tmp_path / "out", "tokenizer=bytes"))
+    msg = _one_line(e)
+    assert msg.startswith(str(path)) and expect in msg
+
+
+def test_unreadable_source_on_the_command_line(fineweb, tmp_path):
+    path = _damaged(fineweb[0], "shard_00001.parquet", "utf8")
+    r = subprocess.run([sys.executable, "-m", "laplace.data.prepare", f"source={fineweb[0]}",
+                        f"out={tmp_path}/out", "tokenizer=bytes", "progress=false"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert r.stderr.startswith(f"error: {path}: row 2")
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_outputs_get_the_umask_modes(fineweb, tmp_path, umask, mode):
+    """Not mkstemp's 0600: on a shared cluster the group reads the prepared data."""
+    old = os.umask(umask)
+    try:
+        out = tmp_path / "out"
+        prep.prepare(parquet_cfg(fineweb[0], out))
+        files = [*out.rglob("*.npy"), out / "tokenizer.json", out / "meta.json", out / ".settings.json"]
+        assert len(files) == 9
+        assert {str(f.relative_to(out)): oct(f.stat().st_mode & 0o777) for f in files} == \
+            {str(f.relative_to(out)): oct(mode) for f in files}
+        assert (write_json(tmp_path / "results.json", {"a": 1}).stat().st_mode & 0o777) == mode
+        ckpt = save_checkpoint(tmp_path / "ckpt" / "last.pt", model=torch.nn.Linear(2, 2), config={})
+        assert (ckpt.stat().st_mode & 0o777) == mode
+    finally:
+        os.umask(old)
 
 
 def test_token_stream_over_prepared_shards(fineweb, tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from itertools import islice
 
 import numpy as np
@@ -116,6 +117,56 @@ def test_two_ranks_split_a_round_like_one_rank(tmp_path):
             w = window(tokens, 6 + r + 2 * j)
             assert torch.equal(x[j], w[:-1]) and torch.equal(y[j], w[1:])
         assert s.state_dict() == {"epoch": 0, "position": 10}
+
+
+def _step_windows(paths, world, micro, step, steps, state=None):
+    """The global windows (by first token / T) of each of `steps` optimizer steps of `step`
+    windows, read by `world` ranks with micro batch `micro` (accumulating the rest)."""
+    ranks = []
+    for r in range(world):
+        s = TokenStream(paths, seq_len=T, micro_batch_size=micro, rank=r, world_size=world)
+        s.set_step_windows(step)
+        if state is not None:
+            s.load_state_dict(state)
+        ranks.append((s, iter(s)))
+    out = []
+    for _ in range(steps):
+        got = [int(x[0]) // T for _, it in ranks for _ in range(step // (world * micro)) for x in next(it)[0]]
+        out.append(sorted(got))
+    return out, ranks[0][0].state_dict()
+
+
+def test_epoch_end_depends_on_the_step_not_on_its_split(tmp_path):
+    """23 windows, steps of 8: an epoch is 2 steps whatever the split; before, micro-batches
+    of 4 also took windows 16..19 (half a step) and the next epoch started mid-step."""
+    paths, _ = make_shards(tmp_path, [50, 43])  # 93 tokens: 23 windows
+    want = [list(range(0, 8)), list(range(8, 16))] * 3
+    for world, micro in [(1, 8), (1, 4), (2, 4), (2, 2), (4, 1)]:
+        got, _ = _step_windows(paths, world, micro, 8, 6)
+        assert got == want, (world, micro)
+        s = TokenStream(paths, seq_len=T, micro_batch_size=micro, world_size=world)
+        s.set_step_windows(8)
+        assert s.micro_batches_per_epoch * world * micro == 16
+    # Killed after 3 steps (mid epoch 1) with micro batch 8 on one process; resumed with 2
+    # processes of micro batch 2 (2 accumulation steps) across the next epoch end.
+    _, state = _step_windows(paths, 1, 8, 8, 3)
+    assert state == {"epoch": 1, "position": 8}
+    resumed, _ = _step_windows(paths, 2, 2, 8, 3, state)
+    assert resumed == want[3:]
+    with pytest.raises(ValueError, match="multiple"):
+        TokenStream(paths, seq_len=T, micro_batch_size=4).set_step_windows(6)
+
+
+def test_identity_follows_the_content_not_the_folder(tmp_path):
+    paths, _ = make_shards(tmp_path / "a", [50, 43])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    moved = [tmp_path / "b" / p.name for p in paths]
+    other, _ = make_shards(tmp_path / "c", [50, 43], offset=1)
+    ident = TokenStream(paths, seq_len=T, micro_batch_size=1).identity()
+    assert ident == TokenStream(moved, seq_len=T, micro_batch_size=1).identity()
+    assert ident["shards"] == 2 and ident["tokens"] == 93
+    assert ident != TokenStream(other, seq_len=T, micro_batch_size=1).identity()
+    assert ident != TokenStream(paths[:1], seq_len=T, micro_batch_size=1).identity()
 
 
 def test_validation_pass_skips_the_remainder(tmp_path):

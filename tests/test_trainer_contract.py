@@ -12,7 +12,7 @@ from omegaconf import open_dict
 
 import toy_trainers
 from conftest import TINY_VIT
-from laplace.checkpoint import load_checkpoint, load_model
+from laplace.checkpoint import CheckpointError, load_checkpoint, load_model
 from laplace.data.shards import write_shard
 from laplace.errors import ConfigError
 from train import run
@@ -210,6 +210,40 @@ def test_streaming_feed_resumes_at_the_same_token(make_cfg, tmp_path):
     assert [v for _, v in _train(a, "first_token")] == pytest.approx(want)
 
 
+def test_stream_resumes_across_an_epoch_end_with_another_micro_batch(make_cfg, tmp_path):
+    """93 windows, steps of 8: 11 steps an epoch. Killed at step 10 with micro batch 4, resumed
+    with micro batch 8: steps 11-14 (across the epoch end) see the windows of the straight run.
+    Before, micro batch 4 took half a step from the epoch's remainder (windows 88-91), micro
+    batch 8 none, and every step after the epoch end differed."""
+    root = write_token_shards(tmp_path / "shards", tokens=1000)
+    common = [*STREAM, f"+data.root={root}", "trainer.max_steps=14"]
+    run(make_cfg(*common, run_dir=tmp_path / "straight"))
+    run(make_cfg(*common, "trainer.stop_after=10", run_dir=tmp_path / "resumed"))
+    run(make_cfg(*common, "trainer.micro_batch_size=8", run_dir=tmp_path / "resumed"))
+    a, b = _train(tmp_path / "straight"), _train(tmp_path / "resumed")
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 15))
+    # Equal up to the order of the sums (one micro-batch of 8 vs two of 4).
+    assert [v for _, v in b] == pytest.approx([v for _, v in a], rel=1e-5, abs=1e-6)
+    assert load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["loop"]["feed"] == {"epoch": 1, "position": 24}
+
+
+def test_resume_on_other_shards_is_refused_and_moved_shards_resume(make_cfg, tmp_path):
+    root = write_token_shards(tmp_path / "shards")
+    common = [*STREAM, "trainer.stop_after=3"]
+    run(make_cfg(*common, f"+data.root={root}", run_dir=tmp_path / "run"))
+    other = write_token_shards(tmp_path / "other", n_shards=2, seed=1)
+    with pytest.raises(CheckpointError) as e:
+        run(make_cfg(*common, f"+data.root={other}", run_dir=tmp_path / "run"))
+    msg = str(e.value)
+    assert "\n" not in msg and f"data.root={other}" in msg and "shards 3 -> 2" in msg
+    assert "trainer.resume=force" in msg
+    # The same shards on another path (another machine): resumed.
+    moved = tmp_path / "moved"
+    root.rename(moved)
+    run(make_cfg(*common, f"+data.root={moved}", run_dir=tmp_path / "run"))
+    assert load_checkpoint(tmp_path / "run/ckpt/last.pt")["loop"]["step"] == 6
+
+
 # ---------------------------------------------------------------- map-style feeds across world sizes
 
 
@@ -248,6 +282,36 @@ def test_map_feed_resumes_on_another_world_size(sampler):
     # Ranks 0 and 1 take global positions 8, 10 and 9, 11: together, one rank's next batch,
     # the same samples with the same augmentation draws.
     assert sorted(rows(nxt[0]) + rows(nxt[1])) == sorted(straight[2])
+
+
+def test_map_feed_epochs_end_on_a_step_whatever_the_split():
+    """40 samples, steps of 12: an epoch is 3 steps (36 samples) for every split of the step,
+    and a resume after 4 steps with another split continues with the same samples. Before,
+    micro batches of 4 also took samples 36-39 (a third of a step), micro batches of 12 none."""
+    def feed(rank, world, micro):
+        return MapFeed(_Draws(), epoch_sampler(_Draws(), True, 3, rank, world), micro, seed=3,
+                       rank=rank, world_size=world, step_size=12, num_workers=0)
+
+    def steps(world, micro, n, state=None):
+        feeds = [feed(r, world, micro) for r in range(world)]
+        for f in feeds:
+            if state is not None:
+                f.load_state_dict(state)
+        its = [iter(f) for f in feeds]
+        out = []
+        for _ in range(n):
+            rows = [(i, d) for it in its for _ in range(12 // (world * micro))
+                    for i, d in zip(*(t.tolist() for t in next(it)))]
+            out.append(sorted(rows))
+        return out, feeds[0].state_dict()
+
+    want, _ = steps(1, 12, 7)
+    assert [e for e in (feed(0, 1, 12).micro_batches_per_epoch, feed(1, 2, 2).micro_batches_per_epoch)] == [3, 9]
+    for world, micro in [(1, 4), (2, 2), (3, 1)]:
+        assert steps(world, micro, 7)[0] == want, (world, micro)
+    _, state = steps(1, 4, 4)
+    assert state == {"epoch": 1, "position": 12}
+    assert steps(2, 3, 3, state)[0] == want[4:]
 
 
 # ---------------------------------------------------------------- results and generation

@@ -112,6 +112,7 @@ class Trainer:
                               f"fewer than one micro batch of {self.micro_bs} ({_size(self.train_set)}); "
                               f"lower trainer.global_batch_size={tc.global_batch_size} or use more data")
         self.steps_per_epoch = max(1, self.feed.micro_batches_per_epoch // self.accum)
+        self.data_identity = self._data_identity()
         self.total_steps = tc.max_steps or self.default_total_steps()
 
         if tc.get("init_from") == "required":  # what the fine-tuning experiments say
@@ -214,9 +215,12 @@ class Trainer:
     def build_feed(self, train_set):
         """Micro-batches of the training set (a MapFeed unless the set is a feed already)."""
         if hasattr(train_set, "state_dict") and hasattr(train_set, "micro_batches_per_epoch"):
+            if hasattr(train_set, "set_step_windows"):  # epochs end on a step, whatever the split
+                train_set.set_step_windows(self.cfg.trainer.global_batch_size)
             return train_set
         return MapFeed(train_set, self.build_sampler(train_set), self.micro_bs, self.cfg.seed,
-                       self.dist.rank, self.dist.world_size, **self._loader_kwargs())
+                       self.dist.rank, self.dist.world_size, step_size=self.cfg.trainer.global_batch_size,
+                       **self._loader_kwargs())
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """DDP and torch.compile around the model; optimizers and checkpoints keep the bare one."""
@@ -277,6 +281,8 @@ class Trainer:
                 rng=[r["rng"] for r in per_rank], rank_state=[r["trainer"] for r in per_rank])
             if exported is not self.model:
                 entries["train_model"] = clean_state_dict(self.model.state_dict())
+            if self.data_identity:
+                entries["data_identity"] = self.data_identity
             save_checkpoint(self.ckpt_path, model=exported, config=self.plain_config(), **entries)
             keep = self.cfg.trainer.keep_every
             if keep and self.step % keep == 0:
@@ -306,10 +312,12 @@ class Trainer:
                                   f"revision {ckpt.get('git_rev', '?')[:10]}): load_model still reads it, "
                                   f"but resume it with that revision or start a new run_dir")
         diffs = config_differences(ckpt.get("config") or {}, self.plain_config())
-        if diffs and self.cfg.trainer.get("resume", "auto") != "force":
+        force = self.cfg.trainer.get("resume", "auto") == "force"
+        if diffs and not force:
             more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
             raise CheckpointError(f"{path} belongs to another configuration ({'; '.join(diffs[:3])}{more}); "
                                   f"use another run_dir for a new run, or trainer.resume=force to continue anyway")
+        self._check_data(path, ckpt.get("data_identity"), force)
         try:
             self.model.load_state_dict(ckpt.get("train_model", ckpt["model"]), strict=True)
         except RuntimeError as e:
@@ -327,7 +335,10 @@ class Trainer:
         self.load_state_dict(ckpt.get("trainer") or {})
         loop = ckpt["loop"]
         self.step = loop["step"]
-        self.feed.load_state_dict(loop["feed"])
+        try:
+            self.feed.load_state_dict(loop["feed"])
+        except ValueError as e:  # a forced resume on less data
+            raise CheckpointError(f"{path}: its data position does not fit this data ({e})") from None
         if loop.get("world_size") == self.dist.world_size:
             set_rng_state(ckpt["rng"][self.dist.rank])
             self.load_rank_state_dict(ckpt["rank_state"][self.dist.rank])
@@ -335,6 +346,28 @@ class Trainer:
             dist.seed_everything(self.cfg.seed + self.dist.rank + 7919 * self.step)
         if self.dist.is_main and path.name != "last.pt":
             print(f"[laplace] resumed from {path} (last.pt was missing or unreadable)", file=sys.stderr)
+
+    def _data_identity(self) -> dict | None:
+        """What the training data is (not where): the feed's identity (token shards) and the
+        tokenizer's fingerprint. data.root and data.tokenizer may move between machines; the
+        data they name may not change under a resumed run."""
+        ident = dict(self.feed.identity()) if hasattr(self.feed, "identity") else {}
+        if getattr(self, "tokenizer", None) is not None:
+            ident["tokenizer"] = self.tokenizer.fingerprint()[:16]
+        return ident or None
+
+    def _check_data(self, path: Path, saved: dict | None, force: bool):
+        now = self.data_identity
+        if not saved or not now or saved == now:  # a checkpoint from before the check: trusted
+            return
+        diffs = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
+                          if saved.get(k) != now.get(k))
+        if not force:
+            raise CheckpointError(f"{path} was trained on other data than data.root={self.cfg.data.get('root')} "
+                                  f"({diffs}); point data.root / data.tokenizer at that run's data, use "
+                                  f"another run_dir for a new run, or trainer.resume=force to continue anyway")
+        if self.dist.is_main:
+            print(f"[laplace] trainer.resume=force: continuing on other data ({diffs})", file=sys.stderr)
 
     # ---- the loop ------------------------------------------------------------------------
     def _set_schedules(self, step: int):

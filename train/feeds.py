@@ -17,6 +17,11 @@ the data-loader worker or the interruption. `ResumableSampler` skips what was co
 pairs each index with a seed fixed by (run seed, epoch, global position); `SeededDataset`
 seeds torch's, Python's and NumPy's generators with it around the dataset's __getitem__, so
 sample i of epoch e is augmented identically whatever the number of workers or processes.
+
+Both feeds end an epoch on an optimizer step (`step_size` samples, the global batch) rather
+than on a micro-batch: where the epoch ends, and so every later step, is then the same however
+the global batch is split into micro batch x world size x accumulation, and a run resumed with
+another split after an epoch end sees the samples of an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -105,20 +110,33 @@ class MapFeed:
         sampler: this rank's epoch-seeded sampler (see ResumableSampler).
         micro_batch_size: samples per process per forward.
         seed, rank, world_size: the run's seed and this process's place.
+        step_size: samples of one optimizer step over all ranks (a multiple of micro batch x
+            world size): each epoch uses the largest multiple of it (None: of one micro-batch
+            round).
         **loader_kwargs: DataLoader options (workers, pinning, collate_fn, generator).
     """
 
     def __init__(self, dataset: Dataset, sampler: Sampler, micro_batch_size: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, **loader_kwargs):
+                 rank: int = 0, world_size: int = 1, step_size: int | None = None, **loader_kwargs):
         self.sampler = ResumableSampler(sampler, seed, rank, world_size)
         self.micro_batch_size, self.world_size = micro_batch_size, world_size
+        self.step_size = step_size or micro_batch_size * world_size
+        if self.step_size % (micro_batch_size * world_size):
+            raise ValueError(f"step_size={step_size} must be a multiple of micro batch "
+                             f"{micro_batch_size} x world size {world_size}")
         self.loader = DataLoader(SeededDataset(dataset), batch_size=micro_batch_size,
                                  sampler=self.sampler, drop_last=True, **loader_kwargs)
         self.epoch, self.position = 0, 0  # position: samples consumed in the epoch, all ranks
 
     @property
+    def _rank_samples(self) -> int:
+        """Samples each rank takes per epoch: whole steps of the global order."""
+        per_epoch = len(self.sampler.inner) * self.world_size // self.step_size * self.step_size
+        return per_epoch // self.world_size
+
+    @property
     def micro_batches_per_epoch(self) -> int:
-        return len(self.sampler.inner) // self.micro_batch_size
+        return self._rank_samples // self.micro_batch_size
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -134,12 +152,16 @@ class MapFeed:
             # Rank r took global positions r, r + W, ...: it skips position / W of its own.
             skip = self.position // W
             self.sampler.set_epoch(self.epoch, skip)
-            left = (len(self.sampler.inner) - skip) // B
+            left = (self._rank_samples - skip) // B
+            if left <= 0:  # resumed exactly at an epoch's end
+                self.epoch, self.position = self.epoch + 1, 0
+                continue
             for i, batch in enumerate(self.loader):
-                if i == left - 1:
+                last = i == left - 1
+                if last:
                     self.epoch, self.position = self.epoch + 1, 0
                 else:
                     self.position += B * W
                 yield batch
-            if left <= 0:  # resumed exactly at an epoch's end
-                self.epoch, self.position = self.epoch + 1, 0
+                if last:  # the loader may hold the samples of a partial step: never used
+                    break

@@ -32,10 +32,14 @@ Determinism and resuming: train shard i holds exactly the training documents
 shard is a function of the source and the settings alone. Shards are written atomically, one by
 one; a re-run (after a kill, or to extend nothing) keeps the shards that exist, skips their
 documents without tokenizing them (parquet: by the row counts in the file footers) and writes
-the rest, byte-identical to an uninterrupted run. write_shard's hidden temp leftovers are never
-read. `.settings.json`, written before the first shard, pins the settings and the tokenizer's
-fingerprint: a re-run into the same folder with other settings is refused rather than mixing
-shards. Memory is bounded by one shard (docs_per_shard documents), whatever the dataset size.
+the rest, byte-identical to an uninterrupted run. The hidden temp files a killed run leaves
+(`.shard_*.npy.*.tmp`, ...) are never read, and the next run deletes them (one prepare per `out`
+at a time). `.settings.json`, written before the first shard, pins the settings, the tokenizer's
+fingerprint and the source (parquet: each file's name, size and row count): a re-run into the
+same folder with other settings, or after the source changed (a file added: the old validation
+file would become training text), is refused rather than mixing shards; `rebuild=true` deletes
+the folder's shards and starts again. Memory is bounded by one shard (docs_per_shard documents),
+whatever the dataset size.
 
 Parallelism: `num_workers` threads tokenize each batch of documents (tiktoken runs without the
 GIL), so throughput scales with cores; the end summary prints tokens/s and tokens/s per core.
@@ -55,7 +59,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from laplace.data import DatasetNotFoundError
 from laplace.data.shards import shard_dtype, write_shard
-from laplace.errors import ConfigError, cli_errors
+from laplace.errors import ConfigError, UserError, cli_errors
 from laplace.io import atomic_write
 from laplace.tokenizer import (
     MIN_VOCAB,
@@ -67,6 +71,10 @@ from laplace.tokenizer import (
 )
 
 META_VERSION = 1
+
+
+class SourceError(UserError, ValueError):
+    """A source file that cannot be read as text (corrupt, truncated, not UTF-8); names it."""
 
 
 def shard_name(i: int) -> str:
@@ -91,6 +99,9 @@ class PydocSource:
     def describe(self) -> str:
         return "pydoc"
 
+    def fingerprint(self) -> list | None:
+        return None  # fixed by the Python version, which settings do not pin
+
     def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
         for i in range(start, len(self.train), batch):
             yield self.train[i:i + batch]
@@ -110,16 +121,24 @@ class ParquetSource:
         if len(files) < 2:
             raise ConfigError(f"source={where} holds {len(files)} parquet file; the last file is the "
                               f"validation split, so give a folder or glob with at least two")
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.column = column
         self.files, self.row_groups = files, []
         for f in files:
-            meta = pq.ParquetFile(f).metadata
-            names = meta.schema.to_arrow_schema().names
-            if column not in names:
+            try:
+                meta = pq.ParquetFile(f).metadata
+                schema = meta.schema.to_arrow_schema()
+            except (pa.ArrowException, OSError) as e:
+                raise _unreadable(f, e) from None
+            if column not in schema.names:
                 raise ConfigError(f"text_column={column}: {f} has no such column, it has "
-                                  f"{names}; set text_column to the one holding the text")
+                                  f"{schema.names}; set text_column to the one holding the text")
+            kind = schema.field(column).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise SourceError(f"{f}: column {column!r} holds {kind}, not text; write it as a "
+                                  f"UTF-8 string column, or set text_column to one")
             self.row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
         self.name = Path(where.split("*")[0].rstrip("/")).name or "parquet"
         self.num_train = sum(sum(r) for r in self.row_groups[:-1])
@@ -127,6 +146,10 @@ class ParquetSource:
 
     def describe(self) -> str:
         return f"{self._where} ({len(self.files) - 1} train files + {self.files[-1].name} for val)"
+
+    def fingerprint(self) -> list:
+        """[name, bytes, rows] per file: what decides which documents are train and which val."""
+        return [[f.name, f.stat().st_size, sum(r)] for f, r in zip(self.files, self.row_groups)]
 
     def _read(self, k: int, start: int, batch: int) -> Iterator[list[str]]:
         """Documents of file k from its row `start` on."""
@@ -138,14 +161,21 @@ class ParquetSource:
             g += 1
         if g == len(self.row_groups[k]):
             return
-        pf = pq.ParquetFile(self.files[k])
-        for rb in pf.iter_batches(batch_size=batch, row_groups=range(g, pf.num_row_groups),
-                                  columns=[self.column]):
-            docs = rb.column(0).to_pylist()
-            if skip:
-                docs, skip = docs[skip:], max(skip - len(docs), 0)
-            if docs:
-                yield [d if d is not None else "" for d in docs]
+        import pyarrow as pa
+
+        f, row = self.files[k], sum(self.row_groups[k][:g])
+        try:
+            pf = pq.ParquetFile(f)
+            for rb in pf.iter_batches(batch_size=batch, row_groups=range(g, pf.num_row_groups),
+                                      columns=[self.column]):
+                docs = _texts(rb.column(0), f, self.column, row)
+                row += len(docs)
+                if skip:
+                    docs, skip = docs[skip:], max(skip - len(docs), 0)
+                if docs:
+                    yield docs
+        except (pa.ArrowException, OSError) as e:  # a damaged page: found only when read
+            raise _unreadable(f, e, f" (near row {row})") from None
 
     def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
         for k in range(len(self.files) - 1):
@@ -158,6 +188,29 @@ class ParquetSource:
 
     def val_batches(self, batch: int) -> Iterator[list[str]]:
         yield from self._read(len(self.files) - 1, 0, batch)
+
+
+def _texts(column, f: Path, name: str, first_row: int) -> list[str]:
+    try:
+        return [d if d is not None else "" for d in column.to_pylist()]
+    except UnicodeDecodeError as e:
+        bad = next(i for i in range(len(column)) if not _decodes(column, i))
+        raise SourceError(f"{f}: row {first_row + bad} of column {name!r} is not valid UTF-8 "
+                          f"({e.reason} at byte {e.start}); fix or drop that row, or remove "
+                          f"the file from the source") from None
+
+
+def _decodes(column, i: int) -> bool:
+    try:
+        column[i].as_py()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _unreadable(f: Path, e: BaseException, where: str = "") -> SourceError:
+    return SourceError(f"{f}{where} is not a readable parquet file ({type(e).__name__}: "
+                       f"{_first_line(e)}); download it again or remove it from the source")
 
 
 class HFSource:
@@ -178,6 +231,9 @@ class HFSource:
     def _no_column(self, columns: list[str]) -> ConfigError:
         return ConfigError(f"text_column={self.column}: {self.source} has no such column, it has "
                            f"{columns}; set text_column to the one holding the text")
+
+    def fingerprint(self) -> list | None:
+        return None  # a streamed dataset has no cheap one; source and split are pinned
 
     def describe(self) -> str:
         cfg = f" ({self.config})" if self.config else ""
@@ -441,15 +497,49 @@ def _settings(cfg) -> dict:
     return {k: OmegaConf.to_container(cfg, resolve=True)[k] for k in keys}
 
 
-def _check_settings(out: Path, settings: dict) -> None:
+def _check_settings(out: Path, settings: dict, describe: str) -> None:
     path = out / ".settings.json"
     if not path.is_file():
         return
     old = json.loads(path.read_text())
+    change = None
+    if "source_files" in old and old["source_files"] != settings["source_files"]:
+        change = _changes(old["source_files"], settings["source_files"])
+    elif "source_files" not in old and (out / "meta.json").is_file():
+        # Prepared before sources were pinned: its meta.json still names the files it split.
+        was = json.loads((out / "meta.json").read_text()).get("source")
+        change = f"was {was}, now {describe}" if was != describe else None
+    if change:
+        raise ConfigError(f"source={settings['source']} changed since out={out} was prepared from it "
+                          f"({change}): its shards would mix old and new files and the validation "
+                          f"file would become training text; prepare into another out= (or name=), "
+                          f"or add rebuild=true to delete {out}'s shards and start again")
     for k, v in settings.items():
         if k in old and old[k] != v:
             raise ConfigError(f"{k}={v}, but out={out} holds shards made with {k}={old[k]}; set "
                               f"{k}={old[k]} to resume, or out= to another folder (or delete it)")
+
+
+def _changes(old: list, new: list) -> str:
+    """'shard_00003.parquet added, shard_00001.parquet changed' from two source fingerprints."""
+    a, b = {n: rest for n, *rest in old}, {n: rest for n, *rest in new}
+    return ", ".join([f"{n} added" for n in b if n not in a] + [f"{n} removed" for n in a if n not in b]
+                     + [f"{n} changed" for n in a if n in b and a[n] != b[n]]) or "files renamed"
+
+
+_OUTPUTS = ("train/shard_*.npy", "val/shard_*.npy", "tokenizer.json", "meta.json", ".settings.json")
+
+
+def _remove_outputs(out: Path, everything: bool) -> None:
+    """Delete the temp files a killed run left in `out` (atomic_write's `.<name>.*.tmp`), and
+    with `everything` the outputs themselves (rebuild=true)."""
+    for pattern in _OUTPUTS:
+        folder, name = (out / pattern).parent, Path(pattern).name
+        for p in folder.glob(f".{name}.*.tmp"):
+            p.unlink(missing_ok=True)
+        if everything:
+            for p in folder.glob(name):
+                p.unlink(missing_ok=True)
 
 
 def prepare(cfg: DictConfig) -> dict:
@@ -467,11 +557,12 @@ def prepare(cfg: DictConfig) -> dict:
 
     src = open_source(cfg)
     out = output_dir(cfg, src)
-    settings = _settings(cfg)
-    _check_settings(out, settings)
+    settings = {**_settings(cfg), "source_files": src.fingerprint()}
+    _remove_outputs(out, everything=bool(cfg.get("rebuild")))
+    _check_settings(out, settings, src.describe())
     tok = make_tokenizer(cfg, out, src, max_docs)
     settings["tokenizer_fingerprint"] = tok.fingerprint()
-    _check_settings(out, settings)
+    _check_settings(out, settings, src.describe())
     if tok.kind == "bpe" and Path(tok.spec) != (out / "tokenizer.json").absolute():
         tok.save(out / "tokenizer.json")
         tok = load_tokenizer(out / "tokenizer.json")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import glob
+import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -110,7 +111,11 @@ class TokenStream:
     rank r gets windows p + r + W*j, j < B. The rounds, and so the optimizer steps, hold the same
     windows however W*B is split: rank r's rows are rows r::W of one rank with micro batch W*B.
     An epoch ends when fewer than W*B windows remain (dropped, like drop_last); then the stream
-    starts again at window 0 of epoch + 1, or stops if `loop` is False.
+    starts again at window 0 of epoch + 1, or stops if `loop` is False. A trainer that
+    accumulates micro-batches calls `set_step_windows(global batch)`: the epoch then ends where
+    fewer than one optimizer step's windows remain, so where it ends, and which windows every step
+    after it holds, depend on the global batch alone, not on how W*B splits it (without this a
+    resumed run with another micro batch or world size took another remainder of the epoch).
 
     The state is (epoch, position = windows consumed this epoch), independent of the world size:
     a run resumed with W' ranks and micro batch B' continues at the same global window, and its
@@ -162,8 +167,22 @@ class TokenStream:
                 f"too little data: data.seq_len={seq_len} x micro batch {micro_batch_size} x "
                 f"world size {world_size} needs {per_round * seq_len + 1} tokens, the shards hold "
                 f"{self.num_tokens} tokens ({self._windows} windows{cap})")
+        self._epoch_windows = self._windows // per_round * per_round  # see set_step_windows
         self._epoch, self._position = 0, 0
         self._maps: dict[int, np.ndarray] = {}  # opened on first use, see _map
+
+    def set_step_windows(self, windows: int) -> None:
+        """End each epoch at a multiple of `windows` (one optimizer step: the global batch,
+        a multiple of W*B) instead of W*B."""
+        per_round = self.world_size * self.micro_batch_size
+        if windows < 1 or windows % per_round:
+            raise ValueError(f"set_step_windows({windows}): must be a positive multiple of "
+                             f"world size x micro batch ({per_round})")
+        if self._windows < windows:
+            raise ConfigError(f"too little data: one step of {windows} windows of data.seq_len="
+                              f"{self.seq_len} needs {windows * self.seq_len + 1} tokens, the shards "
+                              f"hold {self.num_tokens} tokens ({self._windows} windows)")
+        self._epoch_windows = self._windows // windows * windows
 
     @property
     def windows_per_epoch(self) -> int:
@@ -172,7 +191,7 @@ class TokenStream:
     @property
     def micro_batches_per_epoch(self) -> int:
         """Micro-batches each rank yields in a full epoch (the remainder is dropped)."""
-        return self._windows // (self.world_size * self.micro_batch_size)
+        return self._epoch_windows // (self.world_size * self.micro_batch_size)
 
     @property
     def epoch(self) -> int:
@@ -191,6 +210,18 @@ class TokenStream:
             raise ValueError(f"bad TokenStream state {state}: position must be in 0 .. "
                              f"{self._windows} (windows per epoch) and epoch >= 0")
         self._epoch, self._position = epoch, position
+
+    def identity(self) -> dict:
+        """What the data is, wherever it lies: shard and token counts and a digest of each
+        shard's length and first and last 4096 tokens (cheap at any size). A resumed run
+        compares it (train/engine.py): the same shards moved to another root resume, other
+        shards are refused."""
+        h = hashlib.sha256()
+        for i in range(len(self.files)):
+            a = self._map(i)
+            h.update(len(a).to_bytes(8, "little") + a.dtype.str.encode())
+            h.update(np.ascontiguousarray(a[:4096]).tobytes() + np.ascontiguousarray(a[-4096:]).tobytes())
+        return {"shards": len(self.files), "tokens": self.num_tokens, "digest": h.hexdigest()[:16]}
 
     def __getstate__(self):
         # Pickle paths and lengths only; each process maps the shards itself.
@@ -226,7 +257,7 @@ class TokenStream:
         """Yield (x, y), int64 [B, T], from the current state on (one iterator at a time)."""
         per_round = self.world_size * self.micro_batch_size
         while True:
-            while self._position + per_round <= self._windows:
+            while self._position + per_round <= self._epoch_windows:
                 batch = self._batch(self._position)
                 self._position += per_round
                 yield batch
