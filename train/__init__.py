@@ -1,7 +1,6 @@
 """The trainers, selected by `trainer.name` (deit3 | gpt | module:Class), on one shared engine."""
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
 import re
@@ -10,6 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from laplace.errors import ConfigError
+from laplace.rundir import RunDirLock, short_name
 
 # name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
 # outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
@@ -55,8 +55,7 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
         keep.append(re.sub(r"[^A-Za-z0-9_.,=+-]", "-", o))
     exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
     name = f"{cfg.model.name}_s{cfg.seed}" + ("_" + ",".join(sorted(keep)) if keep else "")
-    if len(name) > MAX_NAME:
-        name = f"{name[:MAX_NAME - 11]}~{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+    name = short_name(name, MAX_NAME)
     trainer = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.trainer.name)
     return str(Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name) / name)
 
@@ -72,6 +71,8 @@ def run(cfg: DictConfig) -> dict:
     cls.check_config(cfg)  # before anything resolves: wrong combinations get one line
     # Rank 0 (torchrun's RANK, srun's SLURM_PROCID) copies its output into the run directory.
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)) or 0)
+    # One run per directory, for the run's life: before anything reads or writes in it.
+    lock = RunDirLock(cfg.run_dir).acquire() if rank == 0 else None
     log = RunLog(cfg.run_dir) if rank == 0 else None
     try:
         # Signal handlers from the start: a preemption warning during set-up (data, compile)
@@ -88,6 +89,8 @@ def run(cfg: DictConfig) -> dict:
     finally:
         if log is not None:
             log.close()
+        if lock is not None:
+            lock.release()
     # Only after success: after a failure a peer may be gone, and tearing the group down
     # could wait for it (the command line exits at once instead, see laplace.errors).
     dist.cleanup()
