@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .errors import UserError
+from .errors import UserError, name_storage_error
 
 FORMAT = "laplace-checkpoint"
 VERSION = 2
@@ -132,6 +132,9 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file
+    except BaseException as e:
+        name_storage_error(e, path)
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -166,6 +169,14 @@ def _validate(ckpt, path: Path) -> dict:
     if ckpt.get("version", 0) > VERSION:
         raise CheckpointError(f"{path} has checkpoint version {ckpt['version']}, newer than this "
                               f"code ({VERSION}); update laplace")
+    config = ckpt.get("config")
+    if not (isinstance(config, dict) and isinstance(config.get("model"), dict) and "name" in config["model"]
+            and isinstance(ckpt.get("model"), dict)):
+        part = ("config" if not isinstance(config, dict) else "config.model") if isinstance(ckpt.get("model"), dict) \
+            else "model weights"
+        raise CheckpointError(f"{path} is a laplace checkpoint without its {part}, so its model cannot be "
+                              f"rebuilt; use the run's ckpt/last.pt as the trainer wrote it (or re-save with "
+                              f"laplace.checkpoint.save_checkpoint(path, model=..., config=<the run's config>))")
     return ckpt
 
 

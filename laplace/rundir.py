@@ -25,6 +25,8 @@ from pathlib import Path
 
 from laplace.errors import UserError
 
+MAX_NAME = 120  # characters of a run directory's last component (file systems allow 255)
+
 
 def short_name(name: str, limit: int) -> str:
     """`name` if it has at most `limit` characters, else its start + '~' + 10 hex of its SHA-1."""
@@ -120,3 +122,21 @@ class RunDirLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def check_writable(folder: str | os.PathLike, key: str) -> Path:
+    """Create `folder` and write a file in it now, so that a run fails before its work, not after:
+    a UserError naming `key` (the setting that chose the folder) if it cannot be written."""
+    folder = Path(folder)
+    probe = folder / f".write-test-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"x")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{key}: cannot write in {folder} ({e.strerror}); free space or make it writable, "
+                        f"or give {key}=<a writable folder>") from None
+    return folder
