@@ -78,7 +78,8 @@ for (( s = 0; s < n; s++ )); do
     [ -z "$prev" ] || v=${v//\{prev\}/"${dirs[s - 1]}"}
     for (( j = 1; j <= s; j++ )); do v=${v//\{$j\}/"${dirs[j - 1]}"}; done
     if [[ $v =~ \{(prev|[0-9]+)\} ]]; then echo "chain.sh: stage $(( s + 1 )): '$v' names no earlier stage" >&2; exit 2; fi
-    [ "$v" = "$w" ] || [[ $v != *=* ]] || v="${v%%=*}=$(quoted "${v#*=}")"
+    # key=value with a folder in it: the value quoted (a list, key=[...], is left as written)
+    [ "$v" = "$w" ] || [[ $v != *=* ]] || [[ ${v#*=} == \[* ]] || v="${v%%=*}=$(quoted "${v#*=}")"
     words+=("$v")
   done
   if [ "$(basename "$script")" = train.sbatch ] || [[ " ${rest[*]} " == *" train.py "* ]]; then
