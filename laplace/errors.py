@@ -110,8 +110,9 @@ def cli_errors(fn):
         except BaseException as e:
             full = storage_error(e)
             if full is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
-                print(f"error: cannot write {full.filename or 'the output'}: {full.strerror}; free space there or "
-                      f"make it writable, or write elsewhere (run_dir= / out=)", file=sys.stderr)
+                hint = ("check its permissions" if full.errno in (errno.EACCES, errno.EPERM) else
+                        "free space there, or write elsewhere (run_dir= / out=)")
+                print(f"error: {full.filename or 'the output'}: {full.strerror}; {hint}", file=sys.stderr)
             else:  # a bug: the whole traceback, then out
                 traceback.print_exc()
             hard_exit(1)
