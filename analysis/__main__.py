@@ -17,13 +17,14 @@ beside each other do not overwrite each other's results):
     <dir>/<name>_analysis/{anova,collapse,spectrum}.{png,pdf}
 With several checkpoints, the same figures with all of them on shared axes and summary.json
 (headline numbers per checkpoint) go to `analysis_out` (default <dir of the first>/compare_analysis);
-pca_maps.{png,pdf} go there too (one checkpoint: its own folder). stdout has one line per
+pca_maps.{png,pdf} go there too (one checkpoint: its own folder). `out=DIR` puts everything in DIR
+instead (<run folder>_<name>_analysis per checkpoint), for checkpoints in read-only folders; every
+output folder is checked writable before the computation. stdout has one line per
 checkpoint with its throughput and headline numbers, then `[analysis] wrote <.../analysis.json>`.
 Bad input (missing checkpoint, unknown metric, bad layer) exits with one `error: ...` line.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -32,12 +33,18 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from analysis.features import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
+from laplace import io
 from laplace.errors import ConfigError, cli_errors
+from laplace.rundir import check_writable
 
-def analysis_dir(checkpoint) -> Path:
-    """Where the analysis of one checkpoint goes: beside it, named after it."""
+def analysis_dir(checkpoint, out=None) -> Path:
+    """Where the analysis of one checkpoint goes: beside it, named after it; with `out`, in
+    <out>/<run folder>_<name>_analysis (the checkpoint's folder may be read-only)."""
     p = Path(checkpoint)
-    return p.parent / f"{p.stem}_analysis"
+    if out is None:
+        return p.parent / f"{p.stem}_analysis"
+    run = p.parent.parent if p.parent.name == "ckpt" else p.parent
+    return Path(out) / f"{run.name}_{p.stem}_analysis"
 
 
 def headline(res: dict) -> dict:
@@ -66,9 +73,7 @@ def _plain(x):
 
 
 def write_json(obj, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_plain(obj), indent=1))
-    return path
+    return io.write_json(path, _plain(obj), indent=1)
 
 
 def _checkpoints(cfg) -> list[Path]:
@@ -127,10 +132,26 @@ def _pca_images(model, data_node, cfg):
 
 
 def _out_dir(cfg, paths: list[Path]) -> Path:
-    """Comparison figures and PCA maps: analysis_out, else beside the (first) checkpoint."""
+    """Comparison figures and PCA maps: analysis_out, else out, else beside the (first) checkpoint."""
     if cfg.analysis_out:
         return Path(cfg.analysis_out)
-    return analysis_dir(paths[0]) if len(paths) == 1 else paths[0].parent / "compare_analysis"
+    if len(paths) == 1:
+        return analysis_dir(paths[0], cfg.get("out"))
+    return Path(cfg.out) if cfg.get("out") else paths[0].parent / "compare_analysis"
+
+
+def _check_outputs(cfg, paths: list[Path], metrics: list) -> None:
+    """Every folder the run will write, checked before the long part (a read-only run folder or a
+    full disk would otherwise fail after all the computation)."""
+    out = cfg.get("out")
+    if metrics:
+        dirs = [analysis_dir(p, out) for p in paths]
+        if len(set(dirs)) < len(dirs):
+            raise ConfigError(f"out={out}: two checkpoints would share an analysis folder; analyse them apart")
+        for d in dirs:
+            check_writable(d, "out")
+    if len(paths) > 1 or cfg.pca_maps:
+        check_writable(_out_dir(cfg, paths), "analysis_out" if cfg.analysis_out else "out")
 
 
 def run(cfg: DictConfig) -> list[dict]:
@@ -151,6 +172,8 @@ def run(cfg: DictConfig) -> list[dict]:
     layers = cfg.layers if isinstance(cfg.layers, (str, int)) else list(cfg.layers)
     if not metrics and not cfg.pca_maps:
         raise ConfigError("metrics=[] and pca_maps=0: nothing to do; ask for metrics or pca_maps=<n>")
+    _check_outputs(cfg, paths, metrics)
+    out = cfg.get("out")
     runs, maps, map_facts, pca_images, kinds = [], [], [], None, set()
     for p in paths:
         loaded = load_for_analysis(p, cfg.get("data"), cfg.device)
@@ -171,9 +194,9 @@ def run(cfg: DictConfig) -> list[dict]:
                                      progress=cfg.progress, loaded=loaded)
             runs.append(res)
             _print_run(res)
-            print(f"[analysis] wrote {write_json(res, analysis_dir(p) / 'analysis.json')}", flush=True)
+            print(f"[analysis] wrote {write_json(res, analysis_dir(p, out) / 'analysis.json')}", flush=True)
             if cfg.figures:
-                plots.draw_all([res], analysis_dir(p), cfg.spectrum_layer)
+                plots.draw_all([res], analysis_dir(p, out), cfg.spectrum_layer)
         if cfg.pca_maps and vit:
             images, labels = _pca_images(model, data_node, cfg)
             if pca_images is None:  # the image column: the same images for every checkpoint
@@ -204,7 +227,7 @@ def _compare(runs: list[dict], cfg, out: Path) -> None:
     if cfg.figures:
         plots.draw_all(runs, out, cfg.spectrum_layer)
     summary = [{"label": plots.run_label(r), "model": r["model"], "checkpoint": r["checkpoint"],
-                "analysis": str(analysis_dir(r["checkpoint"]) / "analysis.json"), **headline(r)} for r in runs]
+                "analysis": str(analysis_dir(r["checkpoint"], cfg.get("out")) / "analysis.json"), **headline(r)} for r in runs]
     print(f"[analysis] wrote {write_json({'runs': summary}, out / 'summary.json')}", flush=True)
 
 

@@ -41,22 +41,32 @@ def _read_json(path: Path) -> Optional[dict]:
         return None
 
 
-def _read_yaml(path: Path) -> Optional[dict]:
+def _yaml_or_error(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(the YAML file as a dict, None), or (None, why it could not be read)."""
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except Exception:  # noqa: BLE001 (not ours, or not YAML: not a run)
-        return None
+        obj = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as e:  # noqa: BLE001 (truncated, not YAML, unreadable)
+        return None, (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    return (obj, None) if isinstance(obj, dict) else (None, "not a mapping")
 
 
-def find_runs(roots: Iterable) -> list[Path]:
+def _read_yaml(path: Path) -> Optional[dict]:
+    return _yaml_or_error(path)[0]
+
+
+def find_runs(roots: Iterable, unreadable: Optional[dict] = None) -> list[Path]:
     """Run directories under `roots`: folders with a run's config.yaml (one with a `model`
-    node), or a results.json outside any such folder. Sorted, duplicates removed."""
+    node), or a results.json outside any such folder. Sorted, duplicates removed. Folders whose
+    config.yaml cannot be read go into `unreadable` (if given): {folder: why}."""
     runs, seen = [], set()
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
             d = Path(dirpath).resolve()  # overlapping roots (runs=[runs,runs/deit3]) count a run once
-            is_run = "config.yaml" in filenames and "model" in (_read_yaml(d / "config.yaml") or {})
+            cfg, why = _yaml_or_error(d / "config.yaml") if "config.yaml" in filenames else ({}, None)
+            if why is not None and unreadable is not None:
+                unreadable[d] = why
+            is_run = "model" in (cfg or {})
             # a results.json inside a run (e.g. an evaluation's) belongs to that run
             inside = any(p in seen for p in d.parents)
             if (is_run or ("results.json" in filenames and not inside)) and d not in seen:
@@ -216,7 +226,7 @@ def recipe_tag(r: dict) -> str:
     return ", ".join(parts) + (f" #{r['recipe_id']}" if r.get("recipe_id") else "")
 
 
-def collect(roots) -> list[dict]:
+def collect(roots, skipped: Optional[list] = None) -> list[dict]:
     """Every run under `roots` as one flat record.
 
     Args:
@@ -226,10 +236,24 @@ def collect(roots) -> list[dict]:
     global_batch_size, img_size, init_from, pretrain (facts of the run fine-tuned from),
     finished (results.json exists), recipe_id, recipe (a readable tag), metrics
     ({key: float}, see `flat_metrics`), geometry ({key: float} at the final norm, see
-    `geometry`; {} when not analysed), analysis (its path) and notes.
+    `geometry`; {} when not analysed), analysis (its path) and notes. `skipped` (if given) gets
+    a line for each run directory left out, saying why.
     """
     roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
-    records = [r for r in map(read_run, find_runs(roots)) if r is not None]
+    records, unreadable = [], {}
+    for d in find_runs(roots, unreadable):
+        r = read_run(d)
+        if r is not None:
+            if d in unreadable:  # kept through its results.json
+                r["notes"].append(f"{d / 'config.yaml'}: not readable ({unreadable.pop(d)}); the run's "
+                                  f"recipe is unknown")
+            records.append(r)
+        elif skipped is not None:
+            why = f"config.yaml not readable ({unreadable.pop(d)})" if d in unreadable else \
+                "its results.json names no model"
+            skipped.append(f"{d}: {why}; left out")
+    if skipped is not None:
+        skipped += [f"{d}: config.yaml not readable ({why}); left out" for d, why in sorted(unreadable.items())]
     for r in records:
         r["recipe"] = recipe_tag(r)
     return records

@@ -17,7 +17,6 @@ From Python (the miniature reproduction):
 """
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from pathlib import Path
@@ -28,6 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from analysis.runs import aggregate, collect, metric_value, runs_roots, sort_key
 from laplace.errors import ConfigError, cli_errors
+from laplace.io import write_json
+from laplace.rundir import check_writable
 
 ROOT = Path(__file__).resolve().parent.parent
 PAPER = Path(__file__).with_name("paper.yaml")
@@ -340,7 +341,15 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
 def run(cfg: DictConfig) -> list[Path]:
     """Collect the runs of cfg.runs and write every table; returns the written paths."""
     roots = runs_roots(cfg)
-    records = collect(roots)
+    out = check_writable(Path(cfg.out) if cfg.out else roots[0] / "tables", "out")
+    skipped: list[str] = []
+    records = collect(roots, skipped)
+    for line in skipped:
+        print(f"[tables] {line}", flush=True)
+    if not records:
+        raise ConfigError(f"runs={','.join(map(str, roots))}: no run directories in it"
+                          + (f" ({len(skipped)} left out, see above)" if skipped else "")
+                          + "; pass the folder train.py wrote them to, e.g. runs=runs/deit3/digits")
     unfinished = [r["run_dir"] for r in records if not r["finished"]]
     print(f"[tables] {len(records)} runs under {', '.join(map(str, roots))}"
           + (f" ({len(unfinished)} unfinished, left out)" if unfinished else ""), flush=True)
@@ -348,11 +357,10 @@ def run(cfg: DictConfig) -> list[Path]:
         for note in r["notes"]:
             print(f"[tables] note: {note}", flush=True)
     specs = OmegaConf.to_container(cfg.tables, resolve=True)
-    out = Path(cfg.out) if cfg.out else roots[0] / "tables"
     paths = render_tables(records, out, specs=specs, paper=load_paper(cfg.paper),
                           only=list(cfg.only) if cfg.only else None)
     rec_path = out / "records.json"  # what the tables were made from, for a later look
-    rec_path.write_text(json.dumps(records, indent=1, default=str))
+    write_json(rec_path, records, indent=1)
     for p in paths + [rec_path]:
         print(f"[tables] wrote {p}", flush=True)
     return paths

@@ -39,6 +39,7 @@ from laplace.checkpoint import CheckpointError, load_checkpoint, load_weights
 from laplace.dist import DistInfo, all_gather_object, barrier, cleanup
 from laplace.errors import ConfigError
 from laplace.io import write_json
+from laplace.rundir import check_writable
 from laplace.vit import VisionTransformer, load_timm_state_dict
 from laplace.zoo import create_model
 
@@ -284,8 +285,13 @@ def write_results(cfg, home: Path, protocol: str, record: dict) -> Path:
 
 
 def run_and_clean_up(evaluate, cfg):
-    """evaluate(cfg), then the process group of a torchrun launch is destroyed, whatever happened."""
+    """evaluate(cfg), then the process group of a torchrun launch is destroyed, whatever happened.
+    Where the results (and the feature cache) go is checked writable first, not after the work."""
     try:
+        if cfg.get("run_dir"):
+            check_writable(cfg.run_dir, "run_dir")
+        elif cfg.get("checkpoint") and Path(str(cfg.checkpoint)).is_file():
+            check_writable(run_home(cfg.checkpoint) / "eval", "run_dir")
         return evaluate(cfg)
     finally:
         cleanup()

@@ -47,6 +47,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from laplace.errors import ConfigError, cli_errors
 from laplace.io import write_json
+from laplace.rundir import MAX_NAME, check_writable, short_name
 
 TASKS_DIR = Path(__file__).resolve().with_name("tasks")
 STANDARD_TASKS = ("arc_easy", "arc_challenge", "mmlu", "gsm8k", "humaneval")
@@ -192,8 +193,9 @@ def tasks_tag(cfg, names: list[str]) -> str:
 def out_dirs(cfg, paths: list[Path], names: list[str]) -> list[Path]:
     """Where each checkpoint's results.json goes (see `out` in configs/lm_eval.yaml)."""
     tag = tasks_tag(cfg, names)
-    if cfg.out is None:
-        dirs = [run_dir_of(p) / "eval" / (tag if p.stem == "last" else f"{tag}_{p.stem}") for p in paths]
+    if cfg.out is None:  # many tasks make a long tag: bounded like a run directory's name
+        dirs = [run_dir_of(p) / "eval" / short_name(tag if p.stem == "last" else f"{tag}_{p.stem}", MAX_NAME)
+                for p in paths]
     elif len(paths) == 1:
         dirs = [Path(os.path.expanduser(str(cfg.out)))]
     else:
@@ -337,6 +339,8 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
                           f"format themselves; use apply_chat_template=false")
     dirs = out_dirs(cfg, paths, names)
     fields = [checkpoint_fields(p) for p in paths]  # every checkpoint checked before any evaluation
+    for d in dirs:  # and every output folder: results are written after hours of evaluation
+        check_writable(d, "out")
 
     import lm_eval
 

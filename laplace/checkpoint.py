@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .errors import UserError
+from .errors import UserError, name_storage_error
 
 FORMAT = "laplace-checkpoint"
 VERSION = 2
@@ -133,6 +133,9 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file
+    except BaseException as e:
+        name_storage_error(e, path)
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -167,7 +170,24 @@ def _validate(ckpt, path: Path) -> dict:
     if ckpt.get("version", 0) > VERSION:
         raise CheckpointError(f"{path} has checkpoint version {ckpt['version']}, newer than this "
                               f"code ({VERSION}); update laplace")
+    if not isinstance(ckpt.get("config"), dict):
+        _incomplete(path, "config")
+    if not isinstance(ckpt.get("model"), dict):
+        _incomplete(path, "model weights")
     return ckpt
+
+
+def _incomplete(path, part: str):
+    raise CheckpointError(f"{path} is a laplace checkpoint without its {part}, so its model cannot be "
+                          f"rebuilt; use the run's ckpt/last.pt as the trainer wrote it (or re-save with "
+                          f"laplace.checkpoint.save_checkpoint(path, model=..., config=<the run's config>))")
+
+
+def _model_node(ckpt: dict, path) -> dict:
+    node = ckpt["config"].get("model")
+    if not (isinstance(node, dict) and node.get("name")):
+        _incomplete(path, "config.model (the model's name and shape)")
+    return node
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
@@ -187,7 +207,7 @@ def load_weights(path: str | os.PathLike) -> tuple[dict, Optional[dict]]:
     path = Path(path)
     obj = _read(path, "weights file")
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
-        return _validate(obj, path)["model"], obj["config"]["model"]
+        return _validate(obj, path)["model"], _model_node(obj, path)
     sd = obj
     for key in ("model", "state_dict"):  # DeiT's main.py saves {"model": ..., "optimizer": ...}
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
@@ -209,7 +229,7 @@ def model_from_checkpoint(ckpt: dict, device: Any = "cpu", eval_mode: bool = Tru
     """
     from .zoo import create_model  # late import: zoo imports models, models need no checkpoint
 
-    kwargs = {**ckpt["config"]["model"], **overrides}
+    kwargs = {**_model_node(ckpt, ckpt.get("path", "the checkpoint")), **overrides}
     model = create_model(**kwargs)
     try:
         model.load_state_dict(ckpt["model"], strict=True)

@@ -7,6 +7,7 @@ exception is a bug (ours or a library's) and keeps its full traceback. Raise a s
 """
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -58,6 +59,29 @@ def _kill_children() -> None:
             continue
 
 
+# Errors of the storage, not of the program: full, over quota, read-only, not ours to write.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+def storage_error(e: BaseException | None) -> OSError | None:
+    """The storage OSError behind `e` (itself, or what it was raised from or during, as torch.save
+    wraps a full disk in a RuntimeError), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def name_storage_error(e: BaseException, path) -> None:
+    """Give the storage error behind `e` the file being written: a full disk does not say which."""
+    full = storage_error(e)
+    if full is not None and full.filename is None:
+        full.filename = str(path)
+
+
 def cli_errors(fn):
     """Wrap a command-line entry point: a `UserError` prints as `error: <one line>`, any
     other exception keeps its traceback (a bug to report), and every failure exits non-zero
@@ -83,8 +107,14 @@ def cli_errors(fn):
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             hard_exit(130)
-        except BaseException:  # a bug: the whole traceback, then out
-            traceback.print_exc()
+        except BaseException as e:
+            full = storage_error(e)
+            if full is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
+                hint = ("check its permissions" if full.errno in (errno.EACCES, errno.EPERM) else
+                        "free space there, or write elsewhere (run_dir= / out=)")
+                print(f"error: {full.filename or 'the output'}: {full.strerror}; {hint}", file=sys.stderr)
+            else:  # a bug: the whole traceback, then out
+                traceback.print_exc()
             hard_exit(1)
 
     return wrapped

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from laplace.errors import name_storage_error
+
 
 def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], None]) -> Path:
     """Write `data` (bytes, or a function that writes into the open binary file) to `path`."""
@@ -31,8 +33,9 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        name_storage_error(e, path)
         raise
     if hasattr(os, "O_DIRECTORY"):  # make the rename durable (POSIX; Windows cannot open a folder)
         dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)

@@ -12,8 +12,9 @@
 #     :: analysis.sbatch 'checkpoint={2}/ckpt/last.pt'
 #   (slurm/chains/deit3_in1k.sh is this chain for any model.) Later stages plug in the same way:
 #     :: run.sbatch python -m <evaluation module> 'checkpoint={1}/ckpt/last.pt' ...
-# NAME defaults to stage 1's arguments (deit3_in1k_vitb_12L_s0 here): the same command names the
-# same folders, so re-submitting a chain resumes its unfinished stage (finished stages end at once).
+# NAME defaults to stage 1's arguments (deit3_in1k_vitb_12L_s0 here; data.root=/d -> data.root--d):
+# the same command names the same folders, so re-submitting a chain resumes its unfinished stage
+# (finished stages end at once). A folder Hydra cannot take unquoted is passed single-quoted.
 # SBATCH FLAGS before the first :: apply to every stage; a stage's own come after them and win.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,6 +39,11 @@ n=$(( ${#starts[@]} - 1 ))
 
 # value KEY WORDS...: the value of the first KEY=value word, or nothing.
 value() { local k=$1 w; shift; for w in "$@"; do [[ $w != "$k="* ]] || { echo "${w#*=}"; return; }; done; }
+# quoted VALUE: VALUE as one Hydra override value. Folders may hold what Hydra's grammar reads as
+# syntax ('=' ',' '~' '&' ' ' from a run name, --name or LAPLACE_RUNS): those go in single quotes.
+quoted() {
+  if [[ $1 =~ ^[A-Za-z0-9_./+:@-]*$ ]] || [[ $1 == \'*\' ]]; then echo "$1"; else local v=${1//\'/\\\'}; echo "'$v'"; fi
+}
 
 if [ -z "$name" ]; then  # from stage 1's arguments: experiment and model values, s<seed>, other overrides
   parts=()
@@ -49,8 +55,10 @@ if [ -z "$name" ]; then  # from stage 1's arguments: experiment and model values
       *=*) parts+=("$w") ;;
     esac
   done
-  name=$(IFS=_; echo "${parts[*]:-chain}" | tr -c 'A-Za-z0-9_.,=+\n-' '-')
-  [ ${#name} -le 100 ] || name="${name:0:89}~$(echo -n "$name" | sha1sum | cut -c1-10)"
+  # Only characters that every stage may take unquoted in a Hydra override (run_dir=, {N}):
+  # data.root=/d -> data.root--d.
+  name=$(IFS=_; echo "${parts[*]:-chain}" | tr -c 'A-Za-z0-9_.+\n-' '-')
+  [ ${#name} -le 100 ] || name="${name:0:89}-$(echo -n "$name" | sha1sum | cut -c1-10)"
 fi
 runs=$LAPLACE_RUNS
 dirs=() prev=''
@@ -65,13 +73,17 @@ for (( s = 0; s < n; s++ )); do
   dirs+=("$dir")
   words=()
   for w in "${rest[@]}"; do
-    [ -z "$prev" ] || w=${w//\{prev\}/${dirs[s - 1]}}
-    for (( j = 1; j <= s; j++ )); do w=${w//\{$j\}/${dirs[j - 1]}}; done
-    if [[ $w =~ \{(prev|[0-9]+)\} ]]; then echo "chain.sh: stage $(( s + 1 )): '$w' names no earlier stage" >&2; exit 2; fi
-    words+=("$w")
+    v=$w
+    # The folder in double quotes: bash 5.2 would read a '&' in it as the matched text.
+    [ -z "$prev" ] || v=${v//\{prev\}/"${dirs[s - 1]}"}
+    for (( j = 1; j <= s; j++ )); do v=${v//\{$j\}/"${dirs[j - 1]}"}; done
+    if [[ $v =~ \{(prev|[0-9]+)\} ]]; then echo "chain.sh: stage $(( s + 1 )): '$v' names no earlier stage" >&2; exit 2; fi
+    # key=value with a folder in it: the value quoted (a list, key=[...], is left as written)
+    [ "$v" = "$w" ] || [[ $v != *=* ]] || [[ ${v#*=} == \[* ]] || v="${v%%=*}=$(quoted "${v#*=}")"
+    words+=("$v")
   done
   if [ "$(basename "$script")" = train.sbatch ] || [[ " ${rest[*]} " == *" train.py "* ]]; then
-    [ -n "$(value run_dir "${rest[@]}")" ] || words+=("run_dir=$dir")
+    [ -n "$(value run_dir "${rest[@]}")" ] || words+=("run_dir=$(quoted "$dir")")
   fi
   after=()
   [ -z "$prev" ] || after=(--dependency="afterok:$prev" --kill-on-invalid-dep=yes)

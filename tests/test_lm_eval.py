@@ -8,6 +8,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,33 @@ def test_cli_one_line_errors(ckpt, hf_root, tmp_path):
         evaluate_lm(_lm_cfg(f"checkpoint={ckpt}", "tasks=[laplace_chat_mmlu]", "apply_chat_template=true"))
 
 
+def test_many_tasks_name_a_bounded_folder_checked_before_evaluation(ckpt, tmp_path, monkeypatch):
+    """Task names joined past the file system's 255 characters: the output folder keeps the tag's
+    start and a hash of the whole (as run directories do) and can be made; an output folder that
+    cannot be written is refused before any evaluation, naming out=."""
+    import lm_eval
+
+    from eval.lm import evaluate_lm, out_dirs
+    from laplace.errors import UserError
+
+    names = [f"laplace_chat_task_number_{i:02d}" for i in range(12)]  # 12 x 27 characters
+    cfg = _lm_cfg(f"checkpoint={ckpt}")
+    (d,) = out_dirs(cfg, [ckpt], names)
+    assert d.parent == ckpt.parent.parent / "eval" and len(d.name) <= 120 and d.name.startswith("lm_laplace_chat_")
+    d.mkdir(parents=True)  # ENAMETOOLONG with the whole tag
+    assert out_dirs(cfg, [ckpt], names[:-1]) != [d]  # another task list, another folder
+    assert out_dirs(cfg, [ckpt], names) == [d]
+
+    def evaluated(**kw):
+        raise AssertionError("evaluated before checking the output folder")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", evaluated)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match=f"out: cannot write in {blocker}/lm .*give out="):
+        evaluate_lm(_lm_cfg(f"checkpoint={ckpt}", "tasks=[laplace_pydoc]", f"out={blocker / 'lm'}", "device=cpu"))
+
+
 def test_default_tasks_and_unknown_standard_name(ckpt, monkeypatch):
     """The default task list is lm-eval's standard five; humaneval makes it refuse without the
     flag (read from lm-eval's own YAML, no task built); a misspelt standard name lists close ones."""
@@ -342,6 +370,38 @@ def test_humaneval_runs_code_only_with_the_flag(monkeypatch, hf_root):
     assert u.run_program("while True:\n    pass\n", timeout=1.0) is False  # killed at the timeout
     task = _chat_tasks(hf_root, "laplace_chat_humaneval")["laplace_chat_humaneval"]
     assert task.UNSAFE_CODE  # lm-eval also wants confirm_run_unsafe_code=True
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    """True once `pid` has ended (a zombie waiting for its reaper counts as ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("then", ["while True:\n    pass\n", "print('done')\n"])
+def test_sandbox_kills_what_the_program_started(tmp_path, monkeypatch, then):
+    """HumanEval's program starts a `sleep 30` of its own, then loops past the timeout or ends:
+    either way the sleep does not outlive run_program."""
+    from importlib import import_module
+
+    u = import_module("eval.tasks.laplace_chat.utils")
+    monkeypatch.setenv("LAPLACE_ALLOW_CODE_EXECUTION", "1")
+    pid_file = tmp_path / "sleep.pid"
+    program = (f"import subprocess\np = subprocess.Popen(['sleep', '30'])\n"
+               f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n" + then)
+    t0 = time.monotonic()
+    assert u.run_program(program, timeout=3.0) is (then.startswith("print"))
+    assert time.monotonic() - t0 < 20
+    assert _gone(int(pid_file.read_text())), "the program's sleep survived"
 
 
 def test_builtin_laplace_pydoc_group_needs_no_data(ckpt, capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -109,6 +110,44 @@ def test_gpt_d20_chain_stages_and_opt_in_code_execution(tmp_path):
     assert "tasks=\\[laplace_chat\\]" in bench and "allow_code_execution=true" in bench
 
 
+def sbatch_words(stderr: str) -> list[tuple[list[str], list[str]]]:
+    """The dry-run sbatch lines as (sbatch flags, script arguments), unquoted as the shell would."""
+    out = []
+    for line in (ln for ln in stderr.splitlines() if ln.startswith("sbatch")):
+        words = shlex.split(line)
+        at = next(i for i, w in enumerate(words) if w.endswith(".sbatch"))
+        out.append((words[1:at], words[at + 1:]))
+    return out
+
+
+def test_chain_names_and_folders_are_valid_hydra_overrides(tmp_path):
+    """The README's chain (gpt_d20.sh ... --allow-code-execution data.root=...) with the opt-in after
+    an sbatch flag and runs in a folder whose name has '&' and '=': every stage's overrides parse in
+    Hydra and name the right folders; the opt-in reaches eval.lm, not sbatch."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    runs = tmp_path / "r&d=1"
+    env = {**site_env(os.environ, runs), "LAPLACE_DRY_RUN": "1"}
+    proc = subprocess.run(["bash", "slurm/chains/gpt_d20.sh", "gpt_d20_5L", "--nodes=2", "--allow-code-execution",
+                           "data.root=/data/fineweb_edu", "seed=1"], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    stages = sbatch_words(proc.stderr)
+    assert len(stages) == 5 and not any("--allow-code-execution" in f for f, _ in stages)
+    chain = runs / "chains/gpt_d20_gpt_d20_5L_data.root--data-fineweb_edu_s1"
+    parser = OverridesParser.create()
+    values = []
+    for _, args in stages:
+        overrides = [a for a in args if "=" in a]  # python -m eval.lm: the words before are the command
+        values.append({o.key_or_group: o.value() for o in parser.parse_overrides(overrides)})
+    assert [v.get("run_dir") for v in values[:3]] == [str(chain / d) for d in ("1_gpt_d20", "2_gpt_d20_mid",
+                                                                                "3_gpt_d20_sft")]
+    assert values[1]["trainer.init_from"] == str(chain / "1_gpt_d20/ckpt/last.pt")
+    assert values[3]["checkpoint"] == str(chain / "3_gpt_d20_sft/ckpt/last.pt")
+    assert values[3]["allow_code_execution"] is True and values[3]["tasks"] == ["laplace_chat"]
+    assert values[4]["checkpoint"] == str(chain / "1_gpt_d20/ckpt/last.pt")
+    assert values[0]["data.root"] == "/data/fineweb_edu" and "data.root" not in values[1]
+
+
 def test_submit_composes_site_flags_and_lets_the_command_line_win(tmp_path):
     env = {**site_env(os.environ, tmp_path), "LAPLACE_DRY_RUN": "1", "LAPLACE_GPUS_PER_NODE": "4",
            "LAPLACE_GPU_TYPE": "h100", "LAPLACE_PARTITION": "gpu", "LAPLACE_TIME": "48:00:00",
@@ -197,6 +236,36 @@ def test_chain_runs_its_stages_in_order(cluster, chain, runs):
     assert f"initialised from laplace checkpoint {dirs[0]}/ckpt/last.pt" in log(runs, "run", ids[1])
     analysis = json.loads((dirs[1] / "ckpt/last_analysis/analysis.json").read_text())
     assert analysis["model"] == "vitt_1L" and "[analysis] wrote" in log(runs, "analysis", ids[2])
+
+
+@pytest.mark.slow
+def test_readme_gpt_chain_with_a_data_root_override_runs(cluster, tmp_path):
+    """The shape of the README's `bash slurm/chains/gpt_d20.sh MODEL --allow-code-execution data.root=...`,
+    tiny: pre-training on pydoc shards given by data.root= -> fine-tuning from {1} -> analysis of
+    {1}, the chain named from stage 1 (no --name) and the runs in a folder with '&' and '='."""
+    if not (Path(sys.prefix) / "bin/activate").exists():
+        pytest.skip(f"the jobs activate a venv and {sys.prefix} is none")
+    shards, runs = tmp_path / "pydoc", tmp_path / "r&d=1"
+    subprocess.run([sys.executable, "-m", "laplace.data.prepare", "source=pydoc", "vocab_size=512", f"out={shards}",
+                    "progress=false"], cwd=ROOT, check=True, capture_output=True, timeout=120)
+    gpt = ["experiment=gpt_tiny", "model=gpt_d2_1L", f"data.root={shards}", "data.vocab_size=512",
+           "data.seq_len=64", "trainer.global_batch_size=4", "trainer.sample_prompts=[]", "trainer.device=cpu",
+           "trainer.log_every=1", "trainer.progress=false", "trainer.eval_every=1000", "trainer.ckpt_every=1000"]
+    proc = subprocess.run(["bash", "slurm/chain.sh", "--nodes=1", "::", "train.sbatch", *gpt, "trainer.max_steps=3",
+                           "::", "train.sbatch", *gpt, "trainer.max_steps=2", "trainer.init_from={1}/ckpt/last.pt",
+                           "::", "analysis.sbatch", "checkpoint={1}/ckpt/last.pt", "max_tokens=2000", "figures=false"],
+                          env=site_env(cluster.env, runs), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    ids = proc.stdout.split()
+    infos = cluster.wait(*ids, timeout=240)
+    logs = [log(runs, n, j)[-2000:] for n, j in zip(["gpt_tiny", "gpt_tiny", "analysis"], ids)]
+    assert [i["JobState"] for i in infos] == ["COMPLETED"] * 3, logs
+    (chain,) = (runs / "chains").iterdir()
+    assert chain.name.startswith("gpt_tiny_gpt_d2_1L_") and "data.root-" in chain.name and "=" not in chain.name
+    assert json.loads((chain / "1_gpt_tiny/results.json").read_text())["steps"] == 3
+    assert f"initialised from laplace checkpoint {chain}/1_gpt_tiny/ckpt/last.pt" in logs[1]
+    assert json.loads((chain / "2_gpt_tiny/results.json").read_text())["steps"] == 2
+    assert (chain / "1_gpt_tiny/ckpt/last_analysis/analysis.json").exists()
 
 
 @pytest.mark.slow

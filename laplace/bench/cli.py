@@ -77,7 +77,13 @@ def parse_args(argv=None):
     g.add_argument("--note", default="", help="free text stored in the record (e.g. the machine's load)")
     p.add_argument("--analysis-one", type=int, default=None, help=argparse.SUPPRESS)  # the child process
     args = p.parse_args(argv)
-    args.device_type = torch.device(args.device).type
+    try:
+        args.device_type = torch.device(args.device).type
+    except RuntimeError as e:
+        p.exit(2, f"error: --device {args.device}: {str(e).splitlines()[0]}; use cuda, cuda:N or cpu\n")
+    if args.device_type == "cuda" and not torch.cuda.is_available():
+        p.exit(2, f"error: --device {args.device}: this machine has no CUDA device torch can use; "
+                  f"run on a GPU machine or pass --device cpu\n")
     defaults = DEFAULTS["smoke" if args.smoke else args.device_type if args.device_type == "cuda" else "cpu"]
     for k, v in defaults.items():
         if getattr(args, k) is None:

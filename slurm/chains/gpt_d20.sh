@@ -13,11 +13,17 @@ set -euo pipefail
 MODEL=${1:?usage: bash slurm/chains/gpt_d20.sh MODEL [--allow-code-execution] [SBATCH FLAGS] [HYDRA OVERRIDES]}
 shift
 tasks='tasks=[laplace_chat_arc_easy,laplace_chat_arc_challenge,laplace_chat_mmlu,laplace_chat_gsm8k]' code=()
-if [ "${1:-}" = --allow-code-execution ]; then tasks='tasks=[laplace_chat]' code=(allow_code_execution=true); shift; fi
 flags=() pre=() rest=()
-while [ $# -gt 0 ] && [[ $1 == -* ]]; do flags+=("$1"); shift; done
-# data.root belongs to pre-training (the chat stages have their own data nodes).
-for a in "$@"; do if [[ $a == data.root=* ]]; then pre+=("$a"); else rest+=("$a"); fi; done
+# The opt-in may come anywhere: it is ours, never sbatch's or Hydra's. data.root belongs to
+# pre-training (the chat stages have their own data nodes).
+for a in "$@"; do
+  case $a in
+    --allow-code-execution) tasks='tasks=[laplace_chat]' code=(allow_code_execution=true) ;;
+    -*) flags+=("$a") ;;
+    data.root=*) pre+=("$a") ;;
+    *) rest+=("$a") ;;
+  esac
+done
 exec bash "$(dirname "$0")/../chain.sh" \
   :: "${flags[@]}" train.sbatch experiment=gpt_d20 "model=$MODEL" "${pre[@]}" "${rest[@]}" \
   :: "${flags[@]}" train.sbatch experiment=gpt_d20_mid "model=$MODEL" 'trainer.init_from={1}/ckpt/last.pt' "${rest[@]}" \

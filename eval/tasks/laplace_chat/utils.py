@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -183,9 +184,21 @@ def _limit_memory():  # in the child, before exec
         pass
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the program's whole process group: it may have started processes of its own."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is already empty
+        pass
+
+
 def run_program(program: str, timeout: float = TIMEOUT_S) -> bool:
     """Run a program in a fresh isolated Python (`-I`) in an empty temporary folder, with a
-    timeout and a memory cap; True when it exits 0. Refuses without the code-execution flag."""
+    timeout and a memory cap; True when it exits 0. Refuses without the code-execution flag.
+
+    The program leads its own session (process group), which is killed when it times out and
+    also when it ends, so nothing it started (a `sleep`, a server) outlives the check. A program
+    that starts a new session of its own escapes this; the timeout is no sandbox against malice."""
     require_code_execution()
     with tempfile.TemporaryDirectory(prefix="laplace_humaneval_") as tmp:
         path = os.path.join(tmp, "program.py")
@@ -193,13 +206,21 @@ def run_program(program: str, timeout: float = TIMEOUT_S) -> bool:
             f.write(program)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "HOME": tmp,
                "OMP_NUM_THREADS": "1"}
+        posix = os.name == "posix"
+        proc = subprocess.Popen([sys.executable, "-I", path], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=posix,
+                                preexec_fn=_limit_memory if posix else None)
         try:
-            done = subprocess.run([sys.executable, "-I", path], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout, check=False,
-                                  preexec_fn=_limit_memory if os.name == "posix" else None)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            return False
-        return done.returncode == 0
+            code = None
+        finally:
+            if posix:
+                _kill_group(proc)
+            else:
+                proc.kill()
+            proc.wait()
+        return code == 0
 
 
 def humaneval_process_results(doc, results) -> dict:

@@ -1,0 +1,63 @@
+"""laplace/rundir.py: one run per run directory (a second is refused, a killed one's lock is taken
+over) and bounded folder names."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from laplace.rundir import RunDirInUse, RunDirLock, short_name
+
+ROOT = Path(__file__).resolve().parent.parent
+HOLD = "import sys, time; from laplace.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); time.sleep(60)"
+
+
+def hold(run_dir: Path) -> subprocess.Popen:
+    """Another process that holds run_dir's lock, once it has written its pid into the lock file."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 60
+    while not (run_dir / ".lock").exists() or not (run_dir / ".lock").read_text().startswith(f"{proc.pid} "):
+        assert proc.poll() is None and time.monotonic() < deadline, "the holder did not take the lock"
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_second_run_is_refused_and_a_killed_runs_lock_taken_over(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    holder = hold(run_dir)
+    try:
+        # train.py on the held folder: one line naming the holder, nothing written in the folder.
+        proc = subprocess.run([sys.executable, "train.py", "trainer.device=cpu", "model=vitt_0L", "trainer.max_steps=2",
+                               "trainer.num_workers=0", "trainer.progress=false", f"run_dir={run_dir}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [
+            f"error: run_dir {run_dir} is in use by pid {holder.pid} on host {socket.gethostname()} "
+            f"(since {proc.stderr.split('(since ')[1].split(')')[0]}): wait for that run to end (or stop it), "
+            f"or give another run_dir="]
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # no train.log, config, metrics
+        with pytest.raises(RunDirInUse, match=f"pid {holder.pid} "):
+            RunDirLock(run_dir).acquire()
+    finally:
+        holder.kill()  # SIGKILL: no clean-up in the holder, the kernel drops its lock
+        holder.wait(timeout=30)
+    with RunDirLock(run_dir):
+        assert f"took over the lock of pid {holder.pid} " in capsys.readouterr().out
+        assert (run_dir / ".lock").read_text().startswith(f"{os.getpid()} ")
+    assert (run_dir / ".lock").read_text() == ""  # released cleanly: the next run takes it silently
+    with RunDirLock(run_dir):
+        assert "took over" not in capsys.readouterr().out
+
+
+def test_short_name_keeps_short_names_and_bounds_long_ones_uniquely():
+    assert short_name("abc", 10) == "abc"
+    a, b = short_name("x" * 300 + "a", 120), short_name("x" * 300 + "b", 120)
+    assert len(a) == len(b) == 120 and a != b and a.startswith("x" * 109 + "~")
+    assert short_name("x" * 300 + "a", 120) == a  # the same input names the same folder
