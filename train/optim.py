@@ -3,20 +3,31 @@
 A trainer declares its optimizers (`Trainer.configure_optimizers`, one or several, each with
 its own parameter groups); the config declares schedules, i.e. any hyper-parameter of those
 groups (`optim.schedules`) or any value the trainer reads (`trainer.schedules`) as a function
-of the optimizer step:
+of the optimizer step. A schedule node states all six keys, null where unused:
 
-    optim.schedules.lr:               {value: 3.0e-3, warmup: 5ep, start: 1.0e-6, shape: cosine, end: 1.0e-5}  # DeiT-III
-    optim.schedules.lr:               {value: 1.0, warmdown: 20%, shape: linear, end: 0.0}  # nanochat (x each group's lr_scale)
-    optim.schedules.momentum:         {value: 0.95, warmup: 300, start: 0.85}               # nanochat's Muon momentum
-    optim.schedules.weight_decay:     {value: 0.04, shape: cosine, end: 0.4}                # DINO
-    trainer.schedules.teacher_temp:   {value: 0.07, warmup: 30ep, start: 0.04}              # DINO
-    trainer.schedules.teacher_momentum: {value: 0.996, shape: cosine, end: 1.0}             # DINO
+    optim.schedules.lr:   {value: 3.0e-3, warmup: 5ep, start: 1.0e-6, warmdown: null, end: 1.0e-5, shape: cosine}  # DeiT-III
+    optim.schedules.lr:   {value: 1.0, warmup: null, start: null, warmdown: 20%, end: 0.0, shape: linear}  # nanochat
+    optim.schedules.momentum: {value: 0.95, warmup: 300, start: 0.85, warmdown: null, end: null, shape: constant}
+    trainer.schedules.teacher_temp: {value: 0.07, warmup: 30ep, start: 0.04, warmdown: null, end: null, shape: constant}
+
+Why all six: Hydra merges a node of an experiment file into the node of the group it
+overrides key by key, so a partial node inherits the keys it does not name (an SFT "linear to
+0, no momentum warm-up" kept pre-training's 20% warm-down and 300-step warm-up). A complete
+node replaces every key, and a one-key command-line override (`optim.schedules.lr.warmup=20`)
+still works on a complete node. `Schedule.from_config` refuses a node missing a key. (A partial
+dict given on the command line for an existing node merges into it too, as Hydra does.)
+Alternatives rejected: `_target_`-style replacement markers are not Hydra's, and resolving
+replace-vs-merge in Python would need the composition's provenance, which Hydra does not keep.
 
 Over the run's T optimizer steps a schedule rises linearly from `start` to `value` during
-`warmup`, holds `value`, then goes from `value` to `end` during the last `warmdown` steps
-(default: every step after the warm-up) with `shape` cosine | linear | constant (constant:
-stays at `value`). Lengths are steps (`300`), epochs (`5ep`) or a share of the run (`20%`).
-Every schedule is a pure function of the step, so a resumed run needs only the step.
+`warmup` (step i: start + (value - start) i / warmup, so `value` is first reached at step
+`warmup`, as timm's schedulers and nanochat's momentum do; DINO's `cosine_scheduler` reaches it
+one step earlier, a difference of at most (value - start) / warmup at each warm-up step), holds
+`value`, then goes from `value` to `end` during the last `warmdown` steps (null: every step after
+the warm-up) with `shape` cosine | linear | constant (constant: stays at `value`; null: cosine if
+`end` is set, else constant). Lengths are steps (`300`), epochs (`5ep`) or a share of the run
+(`20%`). A warm-up as long as the run or longer (DINO refuses it) is a warning: the run never
+reaches `value`. Every schedule is a pure function of the step, so a resumed run needs only the step.
 
 A scheduled group hyper-parameter is set to `schedule(step) * group[name + "_scale"]`. The
 scale defaults to 1, or to 0 in a group built with the value 0 (biases and norms that timm
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +50,7 @@ from laplace.attention import Attention
 from laplace.errors import ConfigError
 
 SHAPES = ("cosine", "linear", "constant")
-_KEYS = {"value", "start", "end", "warmup", "warmdown", "shape"}
+KEYS = ("value", "warmup", "start", "warmdown", "end", "shape")  # the order configs write them
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
@@ -101,21 +113,36 @@ class Schedule:
 
     @classmethod
     def from_config(cls, node, key: str, total_steps: int, steps_per_epoch: int) -> "Schedule":
-        """Build from a config dict; `key` (e.g. "optim.schedules.lr") names it in errors."""
+        """Build from a complete config node; `key` (e.g. "optim.schedules.lr") names it in errors."""
         node = dict(node)
-        unknown = sorted(set(node) - _KEYS)
+        unknown = sorted(set(node) - set(KEYS))
         if unknown:
-            raise ConfigError(f"{key}.{unknown[0]}: unknown schedule key; use {sorted(_KEYS)}")
-        if node.get("value") is None:
+            raise ConfigError(f"{key}.{unknown[0]}: unknown schedule key; use {list(KEYS)}")
+        missing = [k for k in KEYS if k not in node]
+        if missing:
+            raise ConfigError(f"{key}.{missing[0]} is missing: a schedule states all of {', '.join(KEYS)} "
+                              f"(null where unused), so that it replaces the node it overrides")
+        if node["value"] is None:
             raise ConfigError(f"{key}.value is required (the value after the warm-up)")
-        shape = node.get("shape") or ("cosine" if node.get("end") is not None else "constant")
+        shape = node["shape"] or ("cosine" if node["end"] is not None else "constant")
         if shape not in SHAPES:
             raise ConfigError(f"{key}.shape={shape!r}: choose one of {', '.join(SHAPES)}")
-        length = lambda k: parse_length(node.get(k), f"{key}.{k}", steps_per_epoch, total_steps)  # noqa: E731
-        return cls(value=float(node["value"]), total_steps=total_steps, warmup=length("warmup"),
-                   start=float(node.get("start") or 0.0),
-                   warmdown=None if node.get("warmdown") is None else length("warmdown"),
-                   end=None if node.get("end") is None else float(node["end"]), shape=shape)
+        length = lambda k: parse_length(node[k], f"{key}.{k}", steps_per_epoch, total_steps)  # noqa: E731
+        warmup = length("warmup")
+        if warmup and node["start"] is None:
+            raise ConfigError(f"{key}.start is null but {key}.warmup={node['warmup']!r}: give the warm-up's first value")
+        if warmup and warmup >= total_steps:
+            warnings.warn(f"{key}.warmup={node['warmup']!r} is {warmup} steps, the run {total_steps}: "
+                          f"it never leaves the warm-up (DINO refuses this)", stacklevel=2)
+        return cls(value=float(node["value"]), total_steps=total_steps, warmup=warmup,
+                   start=float(node["start"] or 0.0),
+                   warmdown=None if node["warmdown"] is None else length("warmdown"),
+                   end=None if node["end"] is None else float(node["end"]), shape=shape)
+
+
+def schedule_node(value, warmup=None, start=None, warmdown=None, end=None, shape=None) -> dict:
+    """A complete schedule node (for code and tests that build one)."""
+    return dict(value=value, warmup=warmup, start=start, warmdown=warmdown, end=end, shape=shape)
 
 
 def build_schedules(nodes, prefix: str, total_steps: int, steps_per_epoch: int) -> dict[str, Schedule]:
