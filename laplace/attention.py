@@ -179,7 +179,8 @@ def learned_gates(model: nn.Module) -> dict[str, list[float]]:
 
 def gate_metrics(model: nn.Module) -> dict[str, float]:
     """Learned gates as flat metrics, "gate.<layer>.h<head>": a (what the engine logs)."""
-    return {f"gate.{layer}.h{h}": a for layer, heads in learned_gates(model).items() for h, a in enumerate(heads)}
+    return {f"gate.{layer}.h{h}": a
+            for layer, heads in learned_gates(model).items() for h, a in enumerate(heads)}
 
 
 def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[int]:

@@ -5,10 +5,13 @@ its own parameter groups); the config declares schedules, i.e. any hyper-paramet
 groups (`optim.schedules`) or any value the trainer reads (`trainer.schedules`) as a function
 of the optimizer step. A schedule node states all six keys, null where unused:
 
-    optim.schedules.lr:   {value: 3.0e-3, warmup: 5ep, start: 1.0e-6, warmdown: null, end: 1.0e-5, shape: cosine}  # DeiT-III
-    optim.schedules.lr:   {value: 1.0, warmup: null, start: null, warmdown: 20%, end: 0.0, shape: linear}  # nanochat
-    optim.schedules.momentum: {value: 0.95, warmup: 300, start: 0.85, warmdown: null, end: null, shape: constant}
-    trainer.schedules.teacher_temp: {value: 0.07, warmup: 30ep, start: 0.04, warmdown: null, end: null, shape: constant}
+    # DeiT-III's learning rate
+    lr:           {value: 3.0e-3, warmup: 5ep, start: 1.0e-6, warmdown: null, end: 1.0e-5, shape: cosine}
+    # nanochat's: a multiplier of each group's lr_scale; its Muon momentum
+    lr:           {value: 1.0, warmup: null, start: null, warmdown: 20%, end: 0.0, shape: linear}
+    momentum:     {value: 0.95, warmup: 300, start: 0.85, warmdown: null, end: null, shape: constant}
+    # DINO's teacher temperature (trainer.schedules)
+    teacher_temp: {value: 0.07, warmup: 30ep, start: 0.04, warmdown: null, end: null, shape: constant}
 
 Why all six: Hydra merges a node of an experiment file into the node of the group it
 overrides key by key, so a partial node inherits the keys it does not name (an SFT "linear to
@@ -16,8 +19,8 @@ overrides key by key, so a partial node inherits the keys it does not name (an S
 node replaces every key, and a one-key command-line override (`optim.schedules.lr.warmup=20`)
 still works on a complete node. `Schedule.from_config` refuses a node missing a key. (A partial
 dict given on the command line for an existing node merges into it too, as Hydra does.)
-Alternatives rejected: `_target_`-style replacement markers are not Hydra's, and resolving
-replace-vs-merge in Python would need the composition's provenance, which Hydra does not keep.
+Why not fix the merge instead: Hydra has no marker that makes a node replace rather than merge,
+and undoing the merge in Python would need the composition's provenance, which it does not keep.
 
 Over the run's T optimizer steps a schedule rises linearly from `start` to `value` during
 `warmup` (step i: start + (value - start) i / warmup, so `value` is first reached at step
@@ -130,7 +133,8 @@ class Schedule:
         length = lambda k: parse_length(node[k], f"{key}.{k}", steps_per_epoch, total_steps)  # noqa: E731
         warmup = length("warmup")
         if warmup and node["start"] is None:
-            raise ConfigError(f"{key}.start is null but {key}.warmup={node['warmup']!r}: give the warm-up's first value")
+            raise ConfigError(f"{key}.start is null but {key}.warmup={node['warmup']!r}: "
+                              f"give the warm-up's first value")
         if warmup and warmup >= total_steps:
             warnings.warn(f"{key}.warmup={node['warmup']!r} is {warmup} steps, the run {total_steps}: "
                           f"it never leaves the warm-up (DINO refuses this)", stacklevel=2)
@@ -217,7 +221,7 @@ class StackedMuon(torch.optim.Muon):
     checkpoints, one projection kernel) where nanochat has separate `c_q`, `c_k`, `c_v`
     [C, C]. One Newton-Schulz of the stacked gradient orthogonalises the three together and
     scales by sqrt(3): after one step of a d2 GPT its q/k/v updates differ from nanochat's by
-    about 65%. Momentum and weight decay are elementwise, so only the orthogonalisation and the
+    64-74%. Momentum and weight decay are elementwise, so only the orthogonalisation and the
     shape scale are done per block; both are torch's own functions, and groups without
     `row_blocks` take torch's step unchanged.
     """
