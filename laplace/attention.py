@@ -16,6 +16,7 @@ causal: row t is v_t minus the attention-weighted average of v_{<=t}.
 Which heads are Laplacian: the last `num_laplacian_heads` of the layer (the paper's fixed
 choice). Beyond the paper, `laplacian_mode="learned"` gives every head a gate a_h = sigmoid(g_h)
 and outputs (1 - a_h) P V + a_h (V - P V), so training decides how much each head smooths.
+The gates start at sigmoid(+-1) = 0.73 / 0.27 (`GATE_START_LOGIT`, see `gate_start`).
 The fixed mode subtracts on the Laplacian heads inside the head-merging copy, and the fused
 path merges and projects in one autograd function (`LaplacianProjection`) that keeps only the
 SDPA output and V for backward (SDPA keeps both anyway) and recomputes the merge there: with
@@ -38,6 +39,14 @@ import torch.nn.functional as F
 from .errors import ConfigError
 
 LAPLACIAN_MODES = ("fixed", "learned")
+#: Learned gates start at logit +1 (the last k heads: a = 0.73) or -1 (the others: a = 0.27).
+#: Why not nearer 0 / 1: Adam moves a logit by about lr per step, so a gate moves by about
+#: sigmoid'(logit) x lr; at +-4 (0.98 / 0.02) that slope is 0.018 and no gate of the miniature
+#: moved by more than 0.001 in 300 steps. At +-1 the slope is 0.20, 11 times larger. Why not 0:
+#: a = 0.5 gives 0.5 V and no attention at all ((1 - a) P V + a (V - P V) = a V + (1 - 2a) P V),
+#: and every head would start alike; at +-1 each head keeps 0.46 P V of its attention, with the
+#: sign the paper's k assigns.
+GATE_START_LOGIT = 1.0
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +161,28 @@ class LaplacianProjection(torch.autograd.Function):
         return g_out, g_v, g_w, g_b, None
 
 
+def gate_start(num_heads: int, num_laplacian_heads: int, device=None) -> torch.Tensor:
+    """The learned gates' starting logits: +GATE_START_LOGIT on the last k heads, - on the others."""
+    is_lap = torch.zeros(num_heads, device=device)
+    is_lap[num_heads - num_laplacian_heads:] = 1.0
+    return GATE_START_LOGIT * (2.0 * is_lap - 1.0)
+
+
+@torch.no_grad()
+def learned_gates(model: nn.Module) -> dict[str, list[float]]:
+    """{layer: [a_h per head]} of every attention with learned gates ("blocks.0" for the
+    attention at "blocks.0.attn"); empty when there are none."""
+    return {name.removesuffix(".attn"): torch.sigmoid(m.laplacian_gate.float()).tolist()
+            for name, m in model.named_modules()
+            if isinstance(m, Attention) and m.laplacian_mode == "learned"}
+
+
+def gate_metrics(model: nn.Module) -> dict[str, float]:
+    """Learned gates as flat metrics, "gate.<layer>.h<head>": a (what the engine logs)."""
+    return {f"gate.{layer}.h{h}": a
+            for layer, heads in learned_gates(model).items() for h, a in enumerate(heads)}
+
+
 def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[int]:
     """Normalise an int (same in every layer) or a per-layer list to a validated list of ints."""
     if isinstance(num_laplacian_heads, numbers.Integral):
@@ -187,7 +218,7 @@ class Attention(nn.Module):
         num_laplacian_heads: k, the last k heads are Laplacian (0 = standard attention).
         laplacian_mode: "fixed" (the paper: heads are P or I - P) or "learned" (every head
             mixes P V and V - P V with a learnable sigmoid gate; k then sets the gate's start:
-            the last k heads start near Laplacian, the others near standard).
+            the last k heads start at a = 0.73, the others at 0.27, `GATE_START_LOGIT`).
         qkv_bias: bias on the fused qkv projection (ViT: True, GPT: False).
         proj_bias: bias on the output projection.
         qk_norm: parameter-free RMSNorm on queries and keys (nanochat).
@@ -234,8 +265,7 @@ class Attention(nn.Module):
         if is_lap.is_meta:
             return
         if self.laplacian_mode == "learned":
-            # Start the gates at sigmoid(+-4) ~ 0.98 / 0.02: close to the fixed assignment.
-            self.laplacian_gate.copy_(8.0 * is_lap - 4.0)
+            self.laplacian_gate.copy_(gate_start(self.num_heads, self.num_laplacian_heads, is_lap.device))
         else:
             self.is_laplacian.copy_(is_lap)
 

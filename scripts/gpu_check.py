@@ -308,8 +308,8 @@ def main():
             "experiment=gpt_pydoc", f"model={gpt}", "trainer.eval_every=3", "trainer.num_workers=2"], 6, 32),
         "toy: 2 optimizers + EMA teacher": lambda: stop_and_resume(c, "ema_toy", [
             "trainer.name=toy_trainers:EMAToy", "model=vitt_1L", *vit, "trainer.eval_every=2",
-            "+optim.schedules.weight_decay={value:0.05,shape:cosine,end:0.2}",
-            "trainer.schedules={ema_momentum:{value:0.9,shape:linear,end:0.99}}", workers], 4, 32),
+            "+optim.schedules.weight_decay={value:0.05,warmup:null,start:null,warmdown:null,end:0.2,shape:cosine}",
+            "trainer.schedules={ema_momentum:{value:0.9,warmup:null,start:null,warmdown:null,end:0.99,shape:linear}}", workers], 4, 32),
         "toy: streamed token shards": lambda: stop_and_resume(c, "stream_toy", [
             "trainer.name=toy_trainers:StreamLM", "trainer=gpt", "data=pydoc_text", f"model={gpt}",
             f"+data.root={data / 'shards'}", "data.seq_len=128", "trainer.num_workers=0"], 6, 16),

@@ -346,7 +346,7 @@ def test_meta_built_gpt_initialises_learned_gates_and_laplacian_heads():
         g.init_weights()
         a = g.blocks[0].attn.laplacian_weight().flatten()
         expected = torch.tensor([0.0, 0.0, 0.0, 1.0])
-        torch.testing.assert_close(a, torch.sigmoid(8 * expected - 4) if mode == "learned" else expected)
+        torch.testing.assert_close(a, torch.sigmoid(2 * expected - 1) if mode == "learned" else expected)
 
 
 def test_forward_features_rejects_out_of_range_layers():

@@ -15,10 +15,10 @@ from train.optim import apply_group_schedules, build_muon_adamw, build_schedules
 MUON_CFG = OmegaConf.load("configs/optim/muon.yaml")
 
 
-def newton_schulz_reference(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+def newton_schulz_reference(g: torch.Tensor, steps: int = 5, dtype=torch.bfloat16) -> torch.Tensor:
     """nanochat's / Keller Jordan's zeropower_via_newtonschulz5, written out (bf16 as theirs)."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.bfloat16()
+    x = g.to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
@@ -94,3 +94,47 @@ def test_learned_gates_go_to_adamw_and_schedules_scale_every_group():
 def test_muon_on_a_vit_is_a_one_line_error():
     with pytest.raises(ConfigError, match="use optim=adamw"):
         build_muon_adamw(create_model("vitt_0L", img_size=32, num_classes=10), MUON_CFG)
+
+
+def test_one_muon_step_on_q_k_v_is_nanochats_separate_matrices(monkeypatch):
+    """nanochat has c_q, c_k, c_v [C, C]; ours one qkv [3C, C]. One Muon step of a d2 GPT
+    (width 128) must update each of q, k, v as nanochat's Muon updates its own matrix
+    (momentum buffer, Nesterov, Newton-Schulz of that block alone, shape scale 1), and every
+    other matrix as one matrix (the MLP's [4C, C] with scale 2).
+
+    In float64: bf16 Newton-Schulz differs by ~30% between two orders of the same operations,
+    which would hide the 70% of a wrong split. So torch's Newton-Schulz (equal to nanochat's
+    above) is replaced by the float64 one written here, on both sides."""
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz",
+                        lambda g, coefs, steps, eps: newton_schulz_reference(g, steps, torch.float64))
+    torch.manual_seed(0)
+    model = create_model("gpt_d2_1L", vocab_size=300).double()
+    for p in model.parameters():  # nanochat's zero-initialised projections give no gradient to q, k
+        if p.ndim == 2:
+            torch.nn.init.normal_(p, std=0.05)
+    opts = build_muon_adamw(model, MUON_CFG)
+    idx = torch.randint(0, 300, (2, 16))
+    model(idx[:, :-1], targets=idx[:, 1:]).backward()
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
+    lr, mom, C = MUON_CFG.matrix_lr, MUON_CFG.momentum, model.width
+    opts["muon"].step()
+
+    def expected_update(g, scale):
+        buf = torch.zeros_like(g).lerp(g, 1 - mom)              # the first step's momentum buffer
+        return -lr * scale * newton_schulz_reference(g.lerp(buf, mom), 5, torch.float64)
+
+    checked = []
+    for name, p in model.named_parameters():
+        if not name.startswith("blocks.") or p.ndim != 2:
+            continue
+        w, g = before[name]
+        if name.endswith("attn.qkv.weight"):
+            parts = [(f"{name}[{part}]", slice(i * C, (i + 1) * C), 1.0) for i, part in enumerate("qkv")]
+        else:
+            parts = [(name, slice(None), math.sqrt(max(1.0, p.shape[0] / p.shape[1])))]
+        for label, rows, scale in parts:
+            got, want = p.detach()[rows] - w[rows], expected_update(g[rows], scale)
+            rel = ((got - want).norm() / want.norm()).item()
+            assert rel < 1e-9, f"{label}: the update differs from nanochat's by {rel:.1%}"
+            checked.append(label)
+    assert len(checked) == 2 * (3 + 3)  # q, k, v, proj, c_fc, c_proj per block

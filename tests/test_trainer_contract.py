@@ -19,7 +19,7 @@ from train import run
 from train.feeds import MapFeed, epoch_sampler
 from train.logger import read_metrics
 from train.optim import (Schedule, apply_group_schedules, build_schedules, check_group_schedules,
-                         clip_gradients, parse_length)
+                         clip_gradients, parse_length, schedule_node)
 from train.supervised import SeededRepeatAugSampler
 
 
@@ -38,16 +38,16 @@ def test_schedules_reproduce_the_recipes():
                 1e-5 + 0.5 * (3e-3 - 1e-5) * (1 + math.cos(math.pi * (step - 5) / 95)))
         assert deit(step) == pytest.approx(want, rel=1e-12)
     # nanochat: a 1.0 multiplier held, then linear to 0 over the last 20%.
-    nano = Schedule.from_config({"value": 1.0, "warmdown": "20%", "shape": "linear", "end": 0.0},
+    nano = Schedule.from_config(schedule_node(1.0, warmdown="20%", shape="linear", end=0.0),
                                 "optim.schedules.lr", 100, 10)
     assert [nano(s) for s in (0, 79, 80, 90, 100)] == pytest.approx([1, 1, 1, 0.5, 0])
     # nanochat's Muon momentum: 0.85 -> 0.95 over 300 steps, then flat.
-    mom = Schedule.from_config({"value": 0.95, "warmup": 300, "start": 0.85}, "m", 1000, 10)
+    mom = Schedule.from_config(schedule_node(0.95, warmup=300, start=0.85), "m", 1000, 10)
     assert [mom(s) for s in (0, 150, 300, 999)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
     # DINO: weight decay cosine 0.04 -> 0.4; teacher temperature 0.04 -> 0.07 over 3 epochs.
-    wd = Schedule.from_config({"value": 0.04, "shape": "cosine", "end": 0.4}, "wd", 100, 10)
+    wd = Schedule.from_config(schedule_node(0.04, shape="cosine", end=0.4), "wd", 100, 10)
     assert [wd(s) for s in (0, 50, 100)] == pytest.approx([0.04, 0.22, 0.4])
-    temp = Schedule.from_config({"value": 0.07, "warmup": "3ep", "start": 0.04}, "t", 100, 10)
+    temp = Schedule.from_config(schedule_node(0.07, warmup="3ep", start=0.04), "t", 100, 10)
     assert [temp(s) for s in (0, 15, 30, 99)] == pytest.approx([0.04, 0.055, 0.07, 0.07])
 
 
@@ -56,10 +56,10 @@ def test_schedule_lengths_and_errors():
     assert parse_length("5ep", "k", 10, 1000) == 50
     assert parse_length("20%", "k", 10, 1000) == 200
     assert parse_length("0.5ep", "k", 10, 1000) == 5
-    for node, match in [({"value": 1, "warmup": "5 epochs"}, r"optim.schedules.lr.warmup='5 epochs'"),
-                        ({"value": 1, "shape": "step"}, r"optim.schedules.lr.shape='step'"),
-                        ({"warmup": 3}, r"optim.schedules.lr.value is required"),
-                        ({"value": 1, "min": 0}, r"optim.schedules.lr.min: unknown schedule key")]:
+    for node, match in [(schedule_node(1, warmup="5 epochs", start=0), r"optim.schedules.lr.warmup='5 epochs'"),
+                        (schedule_node(1, shape="step"), r"optim.schedules.lr.shape='step'"),
+                        (schedule_node(None, warmup=3), r"optim.schedules.lr.value is required"),
+                        ({**schedule_node(1), "min": 0}, r"optim.schedules.lr.min: unknown schedule key")]:
         with pytest.raises(ConfigError, match=match):
             build_schedules({"lr": node}, "optim.schedules", 100, 10)
 
@@ -69,8 +69,8 @@ def test_group_schedules_honour_scales_and_skip_absent_keys():
     opts = {"adamw": torch.optim.AdamW([{"params": [a]}, {"params": [b], "weight_decay": 0.0},
                                         {"params": [c], "lr_scale": 0.1}], lr=1.0, weight_decay=0.5),
             "sgd": torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0, momentum=0.5)}
-    sched = build_schedules({"lr": {"value": 2.0}, "weight_decay": {"value": 0.3},
-                             "momentum": {"value": 0.9}}, "optim.schedules", 10, 1)
+    sched = build_schedules({"lr": schedule_node(2.0), "weight_decay": schedule_node(0.3),
+                             "momentum": schedule_node(0.9)}, "optim.schedules", 10, 1)
     check_group_schedules(opts, sched)
     assert apply_group_schedules(opts, sched, 0) == {"lr": 2.0, "weight_decay": 0.3, "momentum": 0.9}
     g = opts["adamw"].param_groups
@@ -78,7 +78,7 @@ def test_group_schedules_honour_scales_and_skip_absent_keys():
     assert [x["weight_decay"] for x in g] == [0.3, 0.0, 0.3]  # the no-decay group stays at 0
     assert opts["sgd"].param_groups[0]["momentum"] == 0.9 and "momentum" not in g[0]
     with pytest.raises(ConfigError, match="optim.schedules.mommentum: no parameter group"):
-        check_group_schedules(opts, build_schedules({"mommentum": {"value": 0.9}}, "optim.schedules", 10, 1))
+        check_group_schedules(opts, build_schedules({"mommentum": schedule_node(0.9)}, "optim.schedules", 10, 1))
 
 
 @pytest.mark.cuda
@@ -120,9 +120,9 @@ EMA_TOY = [*TINY_VIT, "model=vitt_1L", "trainer.name=toy_trainers:EMAToy", "trai
 def _ema_cfg(make_cfg, *extra, run_dir):
     cfg = make_cfg(*EMA_TOY, *extra, run_dir=run_dir)
     with open_dict(cfg):
-        cfg.optim.schedules.weight_decay = {"value": 0.05, "shape": "cosine", "end": 0.2}
-        cfg.optim.schedules.momentum = {"value": 0.9, "warmup": 3, "start": 0.5}
-        cfg.trainer.schedules = {"ema_momentum": {"value": 0.9, "shape": "linear", "end": 0.99}}
+        cfg.optim.schedules.weight_decay = schedule_node(0.05, shape="cosine", end=0.2)
+        cfg.optim.schedules.momentum = schedule_node(0.9, warmup=3, start=0.5)
+        cfg.trainer.schedules = {"ema_momentum": schedule_node(0.9, shape="linear", end=0.99)}
     return cfg
 
 
@@ -172,7 +172,7 @@ def test_before_step_hook_freezes_the_head(make_cfg, tmp_path):
 def test_trainer_schedules_must_match_what_the_trainer_reads(make_cfg, tmp_path):
     cfg = _ema_cfg(make_cfg, run_dir=tmp_path / "r")
     with open_dict(cfg):
-        cfg.trainer.schedules = {"ema_momentm": {"value": 0.9}}
+        cfg.trainer.schedules = {"ema_momentm": schedule_node(0.9)}
     with pytest.raises(ConfigError, match="trainer.schedules.ema_mom"):
         run(cfg)
 

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 from laplace import create_model, dist, model_defaults
+from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_checkpoint, load_pretrained,
                                 resume_candidates, rng_state, save_checkpoint, set_rng_state)
 from laplace.errors import ConfigError
@@ -436,7 +437,7 @@ class Trainer:
                                              f"the learning rate or set optim.grad_clip")
                 rec = {"loss": mean_loss, **self.hparams, f"{self.unit}_per_s": seen / dt,
                        "step_ms": 1000 * dt / window_n, "epoch": self.epoch,
-                       **self.throughput_metrics(seen / dt),
+                       **self.throughput_metrics(seen / dt), **gate_metrics(self.model),
                        **{k: float(v) for k, v in extras.items()}}
                 logger.log(step, rec, split="train")
                 if bar is not None:

@@ -15,9 +15,16 @@ One trainer for the three stages; the `data` node says which (`data.kind`):
 nanochat's recipe lives in the configs: Muon + AdamW (optim=muon, train/optim.py), the batch
 in tokens (global_batch_size x data.seq_len = 524,288 for d20), a token budget of
 `trainer.tokens_per_param` x parameters (Chinchilla's 20) unless trainer.max_steps or
-data.train_tokens is set. Logged: loss, validation bits per byte (nats over the true UTF-8
-bytes of the targets, special tokens excluded: nanochat's evaluate_bpb), tokens/s, model FLOPs
+data.train_tokens is set. Logged: loss, validation bits per byte, tokens/s, model FLOPs
 utilisation, and greedy samples of fixed prompts at each evaluation (<run_dir>/samples.jsonl).
+
+Bits per byte: the targets' summed nats over their UTF-8 bytes, special tokens excluded, as
+nanochat's evaluate_bpb, but with a different byte table. nanochat's token_bytes decodes each
+token to text, so a token holding part of a multi-byte character decodes to U+FFFD and counts
+3 bytes per replacement character (one byte of "é": 3). Ours counts each token's real bytes
+(`Tokenizer.token_bytes`), which we hold to be right: over any text the counts then sum to its
+UTF-8 length, the "per byte" of the metric, whatever the tokenizer's splits; nanochat's count
+is larger on such tokens and its bits per byte lower on non-ASCII text (equal on ASCII).
 """
 from __future__ import annotations
 

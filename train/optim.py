@@ -3,20 +3,34 @@
 A trainer declares its optimizers (`Trainer.configure_optimizers`, one or several, each with
 its own parameter groups); the config declares schedules, i.e. any hyper-parameter of those
 groups (`optim.schedules`) or any value the trainer reads (`trainer.schedules`) as a function
-of the optimizer step:
+of the optimizer step. A schedule node states all six keys, null where unused:
 
-    optim.schedules.lr:               {value: 3.0e-3, warmup: 5ep, start: 1.0e-6, shape: cosine, end: 1.0e-5}  # DeiT-III
-    optim.schedules.lr:               {value: 1.0, warmdown: 20%, shape: linear, end: 0.0}  # nanochat (x each group's lr_scale)
-    optim.schedules.momentum:         {value: 0.95, warmup: 300, start: 0.85}               # nanochat's Muon momentum
-    optim.schedules.weight_decay:     {value: 0.04, shape: cosine, end: 0.4}                # DINO
-    trainer.schedules.teacher_temp:   {value: 0.07, warmup: 30ep, start: 0.04}              # DINO
-    trainer.schedules.teacher_momentum: {value: 0.996, shape: cosine, end: 1.0}             # DINO
+    # DeiT-III's learning rate
+    lr:           {value: 3.0e-3, warmup: 5ep, start: 1.0e-6, warmdown: null, end: 1.0e-5, shape: cosine}
+    # nanochat's: a multiplier of each group's lr_scale; its Muon momentum
+    lr:           {value: 1.0, warmup: null, start: null, warmdown: 20%, end: 0.0, shape: linear}
+    momentum:     {value: 0.95, warmup: 300, start: 0.85, warmdown: null, end: null, shape: constant}
+    # DINO's teacher temperature (trainer.schedules)
+    teacher_temp: {value: 0.07, warmup: 30ep, start: 0.04, warmdown: null, end: null, shape: constant}
+
+Why all six: Hydra merges a node of an experiment file into the node of the group it
+overrides key by key, so a partial node inherits the keys it does not name (an SFT "linear to
+0, no momentum warm-up" kept pre-training's 20% warm-down and 300-step warm-up). A complete
+node replaces every key, and a one-key command-line override (`optim.schedules.lr.warmup=20`)
+still works on a complete node. `Schedule.from_config` refuses a node missing a key. (A partial
+dict given on the command line for an existing node merges into it too, as Hydra does.)
+Why not fix the merge instead: Hydra has no marker that makes a node replace rather than merge,
+and undoing the merge in Python would need the composition's provenance, which it does not keep.
 
 Over the run's T optimizer steps a schedule rises linearly from `start` to `value` during
-`warmup`, holds `value`, then goes from `value` to `end` during the last `warmdown` steps
-(default: every step after the warm-up) with `shape` cosine | linear | constant (constant:
-stays at `value`). Lengths are steps (`300`), epochs (`5ep`) or a share of the run (`20%`).
-Every schedule is a pure function of the step, so a resumed run needs only the step.
+`warmup` (step i: start + (value - start) i / warmup, so `value` is first reached at step
+`warmup`, as timm's schedulers and nanochat's momentum do; DINO's `cosine_scheduler` reaches it
+one step earlier, a difference of at most (value - start) / warmup at each warm-up step), holds
+`value`, then goes from `value` to `end` during the last `warmdown` steps (null: every step after
+the warm-up) with `shape` cosine | linear | constant (constant: stays at `value`; null: cosine if
+`end` is set, else constant). Lengths are steps (`300`), epochs (`5ep`) or a share of the run
+(`20%`). A warm-up as long as the run or longer (DINO refuses it) is a warning: the run never
+reaches `value`. Every schedule is a pure function of the step, so a resumed run needs only the step.
 
 A scheduled group hyper-parameter is set to `schedule(step) * group[name + "_scale"]`. The
 scale defaults to 1, or to 0 in a group built with the value 0 (biases and norms that timm
@@ -28,15 +42,18 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.optim._muon as _muon
 from timm.optim import create_optimizer_v2
 
+from laplace.attention import Attention
 from laplace.errors import ConfigError
 
 SHAPES = ("cosine", "linear", "constant")
-_KEYS = {"value", "start", "end", "warmup", "warmdown", "shape"}
+KEYS = ("value", "warmup", "start", "warmdown", "end", "shape")  # the order configs write them
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
@@ -99,21 +116,37 @@ class Schedule:
 
     @classmethod
     def from_config(cls, node, key: str, total_steps: int, steps_per_epoch: int) -> "Schedule":
-        """Build from a config dict; `key` (e.g. "optim.schedules.lr") names it in errors."""
+        """Build from a complete config node; `key` (e.g. "optim.schedules.lr") names it in errors."""
         node = dict(node)
-        unknown = sorted(set(node) - _KEYS)
+        unknown = sorted(set(node) - set(KEYS))
         if unknown:
-            raise ConfigError(f"{key}.{unknown[0]}: unknown schedule key; use {sorted(_KEYS)}")
-        if node.get("value") is None:
+            raise ConfigError(f"{key}.{unknown[0]}: unknown schedule key; use {list(KEYS)}")
+        missing = [k for k in KEYS if k not in node]
+        if missing:
+            raise ConfigError(f"{key}.{missing[0]} is missing: a schedule states all of {', '.join(KEYS)} "
+                              f"(null where unused), so that it replaces the node it overrides")
+        if node["value"] is None:
             raise ConfigError(f"{key}.value is required (the value after the warm-up)")
-        shape = node.get("shape") or ("cosine" if node.get("end") is not None else "constant")
+        shape = node["shape"] or ("cosine" if node["end"] is not None else "constant")
         if shape not in SHAPES:
             raise ConfigError(f"{key}.shape={shape!r}: choose one of {', '.join(SHAPES)}")
-        length = lambda k: parse_length(node.get(k), f"{key}.{k}", steps_per_epoch, total_steps)  # noqa: E731
-        return cls(value=float(node["value"]), total_steps=total_steps, warmup=length("warmup"),
-                   start=float(node.get("start") or 0.0),
-                   warmdown=None if node.get("warmdown") is None else length("warmdown"),
-                   end=None if node.get("end") is None else float(node["end"]), shape=shape)
+        length = lambda k: parse_length(node[k], f"{key}.{k}", steps_per_epoch, total_steps)  # noqa: E731
+        warmup = length("warmup")
+        if warmup and node["start"] is None:
+            raise ConfigError(f"{key}.start is null but {key}.warmup={node['warmup']!r}: "
+                              f"give the warm-up's first value")
+        if warmup and warmup >= total_steps:
+            warnings.warn(f"{key}.warmup={node['warmup']!r} is {warmup} steps, the run {total_steps}: "
+                          f"it never leaves the warm-up (DINO refuses this)", stacklevel=2)
+        return cls(value=float(node["value"]), total_steps=total_steps, warmup=warmup,
+                   start=float(node["start"] or 0.0),
+                   warmdown=None if node["warmdown"] is None else length("warmdown"),
+                   end=None if node["end"] is None else float(node["end"]), shape=shape)
+
+
+def schedule_node(value, warmup=None, start=None, warmdown=None, end=None, shape=None) -> dict:
+    """A complete schedule node (for code and tests that build one)."""
+    return dict(value=value, warmup=warmup, start=start, warmdown=warmdown, end=end, shape=shape)
 
 
 def build_schedules(nodes, prefix: str, total_steps: int, steps_per_epoch: int) -> dict[str, Schedule]:
@@ -180,41 +213,91 @@ def clip_gradients(optimizers: dict[str, torch.optim.Optimizer], max_norm: float
     return torch.stack(sq).sum().sqrt() if sq else None
 
 
+class StackedMuon(torch.optim.Muon):
+    """torch's Muon, where a group with `row_blocks: n` holds matrices that are n matrices
+    stacked by rows, each orthogonalised on its own with its own shape scale.
+
+    Why a wrapper: our attention keeps one fused `qkv` weight [3C, C] (timm's names and
+    checkpoints, one projection kernel) where nanochat has separate `c_q`, `c_k`, `c_v`
+    [C, C]. One Newton-Schulz of the stacked gradient orthogonalises the three together and
+    scales by sqrt(3): after one step of a d2 GPT its q/k/v updates differ from nanochat's by
+    64-74%. Momentum and weight decay are elementwise, so only the orthogonalisation and the
+    shape scale are done per block; both are torch's own functions, and groups without
+    `row_blocks` take torch's step unchanged.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            n = group.get("row_blocks", 1)
+            lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
+            if n == 1:
+                _muon.muon(params, grads, bufs, lr=lr, weight_decay=wd, momentum=m,
+                           nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
+                           eps=group["eps"], ns_steps=group["ns_steps"],
+                           adjust_lr_fn=group["adjust_lr_fn"], has_complex=False)
+                continue
+            for p, g, buf in zip(params, grads, bufs):
+                if p.shape[0] % n:
+                    raise ValueError(f"a [{p.shape[0]}, {p.shape[1]}] matrix has no {n} equal row blocks")
+                buf.lerp_(g, 1 - m)
+                update = g.lerp(buf, m) if group["nesterov"] else buf
+                p.mul_(1 - lr * wd)
+                for p_i, u_i in zip(p.chunk(n), update.chunk(n)):  # views: updated in place
+                    o = _muon._zeropower_via_newtonschulz(u_i, group["ns_coefficients"],
+                                                          group["ns_steps"], group["eps"])
+                    p_i.add_(o, alpha=-_muon._adjust_lr(lr, group["adjust_lr_fn"], p_i.shape))
+        return loss
+
+
 def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optimizer]:
     """nanochat's optimizers for a GPT: Muon for the blocks' matrices, AdamW for the rest.
 
     Routing: every 2-D parameter inside `model.blocks` (attention qkv / proj, MLP) -> Muon at
     `matrix_lr`; the token embedding -> AdamW at `embedding_lr`; the output layer -> AdamW at
-    `unembedding_lr`; anything else (learned Laplacian gates) -> AdamW at `scalar_lr`. As in
-    nanochat, the AdamW learning rates scale with (width / 768) ** -0.5 (`lr_width_scale`), and
-    no parameter gets weight decay by default.
+    `unembedding_lr`; anything else (learned Laplacian gates) -> AdamW at `scalar_lr`, never
+    with weight decay. As in nanochat, the AdamW learning rates scale with (width / 768) ** -0.5
+    (`lr_width_scale`), and no parameter gets weight decay by default.
 
-    Muon is torch's `torch.optim.Muon`, which is nanochat's update (Keller Jordan's Muon):
-    Nesterov momentum as `buf.lerp_(g, 1 - m); g.lerp(buf, m)`, 5 quintic Newton-Schulz steps in
-    bf16 with coefficients (3.4445, -4.775, 2.0315) after scaling to unit Frobenius norm, and the
-    shape scale sqrt(max(1, rows / cols)) ("original"). Each group's base learning rate is its
-    `lr_scale`: `optim.schedules.lr` is a multiplier (1.0, warm-down to 0), and
-    `optim.schedules.momentum` sets Muon's momentum (nanochat: 0.85 -> 0.95 over 300 steps).
+    The Muon update is nanochat's (Keller Jordan's Muon) matrix by matrix: Nesterov momentum as
+    `buf.lerp_(g, 1 - m); g.lerp(buf, m)`, 5 quintic Newton-Schulz steps in bf16 with
+    coefficients (3.4445, -4.775, 2.0315) after scaling to unit Frobenius norm, and the shape
+    scale sqrt(max(1, rows / cols)): 1 for the [C, C] and [C, 4C] matrices, 2 for the MLP's
+    [4C, C]. The fused attention weight qkv [3C, C] is three matrices to Muon (`StackedMuon`,
+    `row_blocks: 3`): q, k and v are orthogonalised separately with scale 1, as nanochat's
+    separate c_q, c_k, c_v. Each group's base learning rate is its `lr_scale`:
+    `optim.schedules.lr` is a multiplier (1.0, warm-down to 0), and `optim.schedules.momentum`
+    sets Muon's momentum (nanochat: 0.85 -> 0.95 over 300 steps).
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None or not hasattr(model, "wte") or not hasattr(model, "lm_head"):
         raise ConfigError(f"optim.name={cfg.name}: Muon + AdamW routes a GPT's parameters (blocks, wte, "
                           f"lm_head); this model is a {type(model).__name__}: use optim=adamw")
     in_blocks = {id(p) for p in blocks.parameters()}
-    matrices = [p for p in blocks.parameters() if p.ndim == 2]
+    qkv = [m.qkv.weight for m in blocks.modules() if isinstance(m, Attention)]
+    matrices = [p for p in blocks.parameters() if p.ndim == 2 and id(p) not in {id(q) for q in qkv}]
     scalars = [p for p in model.parameters()
-               if id(p) not in {id(q) for q in matrices} and p is not model.wte.weight
+               if id(p) not in {id(q) for q in matrices + qkv} and p is not model.wte.weight
                and p is not model.lm_head.weight]
     assert all(id(p) in in_blocks for p in scalars), "unrouted parameter outside the blocks"
     width_scale = (model.width / 768) ** -0.5 if cfg.get("lr_width_scale", True) else 1.0
-    adam_groups = [("embedding", [model.wte.weight], cfg.embedding_lr * width_scale),
-                   ("unembedding", [model.lm_head.weight], cfg.unembedding_lr * width_scale),
-                   ("scalars", scalars, cfg.scalar_lr)]
+    adam_groups = [("embedding", [model.wte.weight], cfg.embedding_lr * width_scale, cfg.weight_decay),
+                   ("unembedding", [model.lm_head.weight], cfg.unembedding_lr * width_scale, cfg.weight_decay),
+                   ("scalars", scalars, cfg.scalar_lr, 0.0)]  # gates: decay would pull them to 0.5
     adamw = torch.optim.AdamW(
-        [{"params": ps, "lr": lr, "lr_scale": lr, "name": name} for name, ps, lr in adam_groups if ps],
-        betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=None)
-    muon = torch.optim.Muon(
-        [{"params": matrices, "lr": cfg.matrix_lr, "lr_scale": cfg.matrix_lr, "name": "matrices"}],
+        [{"params": ps, "lr": lr, "lr_scale": lr, "weight_decay": wd, "name": name}
+         for name, ps, lr, wd in adam_groups if ps],
+        betas=tuple(cfg.betas), eps=cfg.eps, fused=None)
+    muon_groups = [("matrices", matrices, 1), ("qkv", qkv, 3)]
+    muon = StackedMuon(
+        [{"params": ps, "lr": cfg.matrix_lr, "lr_scale": cfg.matrix_lr, "name": name, "row_blocks": n}
+         for name, ps, n in muon_groups if ps],
         lr=cfg.matrix_lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
         weight_decay=cfg.muon_weight_decay, adjust_lr_fn="original")
     return {"muon": muon, "adamw": adamw}
