@@ -27,7 +27,7 @@ FIGURES = ("anova", "collapse", "spectrum")
 
 def _analysis(*args):
     return subprocess.run([sys.executable, "-m", "analysis", *args, "cpu_threads=1", "progress=false"],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def _train_vit(model: str, tmp) -> str:
@@ -186,6 +186,8 @@ def test_bad_input_messages(overrides, expect, tmp_path):
         analysis_run(cfg)
 
 
+# Its subprocess may take 600 s under load; the per-test limit stays above it.
+@pytest.mark.timeout(900)
 @pytest.mark.slow
 def test_quickstart_prints_geometry(tmp_path):
     """The three paradigms' tables: the ViT pair, the LM pair (BPE and shards prepared on the
@@ -196,7 +198,7 @@ def test_quickstart_prints_geometry(tmp_path):
                            "lm.data.seq_len=64", "trainer.num_workers=0", "dino.model.depth=1",
                            "dino.trainer.head.out_dim=64", "dino.trainer.head.hidden_dim=32",
                            "analysis.max_tokens=1000", "analysis.cpu_threads=1"],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     vit, lm, dino = [i for i, ln in enumerate(lines) if ln.startswith("model ")]

@@ -34,6 +34,7 @@ def _records(run_dir, split):
     return [r for r in read_metrics(run_dir) if r.get("split") == split]
 
 
+@pytest.mark.timeout(900)  # above its torchrun subprocess's 600 s
 @pytest.mark.slow
 def test_two_processes_match_one(make_cfg, tmp_path):
     run(make_cfg(*RECIPE, "trainer.micro_batch_size=16", run_dir=tmp_path / "one"))

@@ -329,7 +329,7 @@ def test_cli_init_from_error_is_one_line(tiny_data, tmp_path):
     proc = subprocess.run([sys.executable, "train.py", "experiment=deit3_cifar100_ft", *TINY,
                            f"data.root={root / 'cifar'}", f"trainer.init_from={tmp_path / 'nope.pt'}",
                            f"paths.runs_dir={tmp_path / 'runs'}"],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: trainer.init_from: no file at"), proc.stderr[-2000:]

@@ -95,7 +95,7 @@ def test_save_killed_half_way_keeps_previous_last(tmp_path):
         checkpoint.save_checkpoint({str(path)!r}, model=torch.nn.Linear(8, 8), config={{"model": {{}}}},
                                    loop={{"step": 2}})
     """)
-    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT, timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert load_checkpoint(path)["loop"]["step"] == 1
     leftovers = [p for p in os.listdir(tmp_path) if p != "last.pt"]
@@ -105,7 +105,8 @@ def test_save_killed_half_way_keeps_previous_last(tmp_path):
 
 
 def _cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=cwd, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "train.py", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
 
 
 @pytest.mark.parametrize("args,expect", [

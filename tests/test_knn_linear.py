@@ -216,6 +216,7 @@ def _cli(module: str, *args):
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.timeout(900)  # two CLI subprocesses of up to 600 s each
 def test_knn_and_linear_end_to_end_on_digits(make_cfg, tmp_path):
     from analysis.runs import read_run
     from train import run

@@ -23,6 +23,7 @@ def test_verdict_rule():
     assert miniature.verdict([1.0], [1.0], -1)[0] == "one seed: no difference"
 
 
+@pytest.mark.timeout(1200)  # above its subprocess's 900 s
 @pytest.mark.slow
 def test_miniature_runs_end_to_end(tmp_path):
     out, docs = tmp_path / "runs", tmp_path / "docs"

@@ -129,12 +129,13 @@ def test_cli_writes_grid_and_files(tmp_path):
     out = tmp_path / "compare"
     proc = subprocess.run([sys.executable, "-m", "analysis", f"checkpoint=[{','.join(ckpts)}]", "pca_maps=2",
                            "metrics=[]", f"analysis_out={out}", "cpu_threads=1", "progress=false"],
-                          cwd=ROOT, capture_output=True, text=True, check=False)
+                          cwd=ROOT, capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "pca_maps.png").stat().st_size > 5000 and (out / "pca_maps.pdf").is_file()
     for name in ("image", "vitt_0L", "vitt_3L"):
         for i in range(2):
             assert Image.open(out / "pca_maps" / f"{name}_{i}.png").size == (32, 32)  # digits: 32 px
     bad = subprocess.run([sys.executable, "-m", "analysis", f"checkpoint={ckpts[0]}", "pca_maps=2", "metrics=[]",
-                          "pca_upsample=bicubic"], cwd=ROOT, capture_output=True, text=True, check=False)
+                          "pca_upsample=bicubic"], cwd=ROOT, capture_output=True, text=True, check=False,
+                         timeout=120)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: pca_upsample=bicubic")

@@ -118,6 +118,7 @@ def test_frozen_backbone_features_and_gradients():
     torch.testing.assert_close(seg.features(x)[:, 96:144].flatten(2).transpose(1, 2), feats)
 
 
+@pytest.mark.timeout(900)  # above its subprocess's 600 s
 @pytest.mark.slow
 def test_linear_protocol_end_to_end_on_digits(make_cfg, tmp_path):
     """A backbone trained on digits, then `python -m eval.segmentation` for a few iterations on

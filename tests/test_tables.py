@@ -233,7 +233,7 @@ def test_generic_results_fields():
 
 def test_bad_runs_path_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "analysis.tables", f"runs={tmp_path / 'nope'}"],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(err) == 1 and err[0].startswith("error: runs="), proc.stderr[-2000:]
     assert "no such folder" in err[0]
