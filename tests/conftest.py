@@ -35,6 +35,19 @@ def device() -> torch.device:
     return torch.device(TEST_DEVICE)
 
 
+@pytest.fixture(scope="session")
+def pydoc_shards(tmp_path_factory):
+    """python -m laplace.data.prepare source=pydoc vocab_size=512, into a temp folder: built once
+    per session for every test file that trains on shards (treat it as read-only)."""
+    from laplace.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("pydoc_bpe")
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("prepare", overrides=["source=pydoc", "vocab_size=512", f"out={out}", "progress=false"])
+    prepare(cfg)
+    return out
+
+
 @pytest.fixture
 def make_cfg(tmp_path):
     """make_cfg(*overrides, run_dir=...) -> the composed config, run_dir set under tmp_path

@@ -31,19 +31,7 @@ TINY = ["model=gpt_d2_1L", "data.seq_len=64", "trainer.global_batch_size=4", "tr
         "trainer.progress=false", "trainer.log_every=1"]
 
 
-@pytest.fixture(scope="module")
-def pydoc_shards(tmp_path_factory):
-    """python -m laplace.data.prepare source=pydoc vocab_size=512, into a temp folder."""
-    from hydra import compose, initialize_config_dir
-
-    from laplace.data.prepare import prepare
-    from conftest import CONFIGS
-
-    out = tmp_path_factory.mktemp("pydoc_bpe")
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        cfg = compose("prepare", overrides=["source=pydoc", "vocab_size=512", f"out={out}", "progress=false"])
-    prepare(cfg)
-    return out
+# pydoc_shards: tests/conftest.py (one per session, shared with tests/test_precision_compile.py)
 
 
 def _pre(pydoc_shards, *more):
