@@ -128,7 +128,7 @@ def test_fullgraph_forward_backward_with_the_laplacian_projection(name):
     torch._dynamo.reset()
     torch.manual_seed(0)
     if name.startswith("gpt"):
-        model = create_model(name, vocab_size=64, sequence_len=16)
+        model = create_model(name, vocab_size=64, max_seq_len=16)
         x = torch.randint(0, 64, (2, 16))
         loss_of = lambda m: m(x, targets=x)
     else:
@@ -154,7 +154,7 @@ def test_fullgraph_kv_cache_forward_matches_eager():
     a graph break and gives eager's logits."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = create_model("gpt_d2_1L", vocab_size=64, sequence_len=16).eval()
+    model = create_model("gpt_d2_1L", vocab_size=64, max_seq_len=16).eval()
     step = torch.compile(lambda ids, cache: model(ids, kv_cache=cache), fullgraph=True)
     prompt = torch.randint(0, 64, (1, 5))
     caches = model.new_kv_cache(1, 8), model.new_kv_cache(1, 8)
