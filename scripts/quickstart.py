@@ -16,8 +16,10 @@ side by side, with the paper's token-geometry measurements of each.
    five of them Laplacian, as the paper's best DINO model), then DINO's weighted 20-NN
    classifier on the teacher's class tokens, `python -m eval.knn checkpoint=<run>/ckpt/last.pt`.
 
-Each run is the plain command; running this again resumes (or, when finished, re-reads) the same
-run directories. Then `python -m analysis checkpoint=[<both last.pt>]` per paradigm measures both
+Each run is the plain command; a pair's two trainings (and the two k-NN) run side by side with one
+torch thread each, which on 2 cores costs less than half the CPU time of one after the other with
+two threads. Running this again resumes (or, when finished, re-reads) the same run directories; the
+BPE and shards are made once under paths.data_dir. It ends with each stage's wall and CPU time. Then `python -m analysis checkpoint=[<both last.pt>]` per paradigm measures both
 checkpoints on the validation split. Overrides: `vit.` / `lm.` prefixed ones go to that
 paradigm's training runs (`dino.`: the DINO pair's; without the prefix), `analysis.` ones to the analyses, `paths.*` to
 every command, the rest to every training run. Figures land in <runs_dir>/quickstart/<paradigm>/analysis.
