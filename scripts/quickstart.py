@@ -16,8 +16,10 @@ side by side, with the paper's token-geometry measurements of each.
    five of them Laplacian, as the paper's best DINO model), then DINO's weighted 20-NN
    classifier on the teacher's class tokens, `python -m eval.knn checkpoint=<run>/ckpt/last.pt`.
 
-Each run is the plain command; running this again resumes (or, when finished, re-reads) the same
-run directories. Then `python -m analysis checkpoint=[<both last.pt>]` per paradigm measures both
+Each run is the plain command; a pair's two trainings (and the two k-NN) run side by side with one
+torch thread each, which on 2 cores costs less than half the CPU time of one after the other with
+two threads. Running this again resumes (or, when finished, re-reads) the same run directories; the
+BPE and shards are made once under paths.data_dir. It ends with each stage's wall and CPU time. Then `python -m analysis checkpoint=[<both last.pt>]` per paradigm measures both
 checkpoints on the validation split. Overrides: `vit.` / `lm.` prefixed ones go to that
 paradigm's training runs (`dino.`: the DINO pair's; without the prefix), `analysis.` ones to the analyses, `paths.*` to
 every command, the rest to every training run. Figures land in <runs_dir>/quickstart/<paradigm>/analysis.
@@ -29,8 +31,11 @@ collapse measures, and spectra decay faster).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,38 +44,87 @@ LM_MODELS = ("gpt_d2_0L", "gpt_d2_1L")  # a depth-2 GPT has one 128-wide head: 1
 DINO_MODELS = ("vits_0L", "vits_5L")  # experiment=dino_digits: 6 heads of 16, 5 Laplacian
 
 
-def _run(cmd: list[str]) -> str:
-    print("$ python", " ".join(cmd[1:]), flush=True)
-    out = subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True).stdout
-    print(out, end="")
-    return out
+# (stage, wall s, CPU s) per command run, for the closing table: where a user's minutes go.
+STAGES: list[tuple[str, float, float]] = []
 
 
-def train(model: str, overrides: list[str]) -> Path:
-    """Run `python train.py model=<model> ...` into <runs_dir>/quickstart/<model>."""
-    run_dir = f"${{paths.runs_dir}}/quickstart/{model}"
-    out = _run([sys.executable, "train.py", f"model={model}", f"run_dir={run_dir}",
-                "trainer.progress=false", *overrides])
+def _run(cmd: list[str], stage: str) -> str:
+    return _run_side_by_side([(cmd, stage)])[0]
+
+
+def _run_side_by_side(jobs: list[tuple[list[str], str]]) -> list[str]:
+    """Run the (command, stage) jobs at once and return their stdouts. Two or more get one torch
+    thread each: on 2 cores a pair side by side with 1 thread each took less than half the CPU
+    time of one after the other with torch's 2 threads (docs/LOG.md)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if len(jobs) > 1 else None
+    running = {}
+    for i, (cmd, stage) in enumerate(jobs):
+        print("$ python", " ".join(cmd[1:]), flush=True)
+        out = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty run cannot block
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, text=True, env=env)
+        running[proc.pid] = (i, out, time.perf_counter())
+    done: dict[int, tuple[str, float, float, int]] = {}
+    while running:
+        pid, status, ru = os.wait4(-1, 0)  # wait4: each child's own CPU time
+        if pid not in running:
+            continue
+        i, out, start = running.pop(pid)
+        out.seek(0)
+        done[i] = (out.read(), time.perf_counter() - start, ru.ru_utime + ru.ru_stime,
+                   os.waitstatus_to_exitcode(status))
+        out.close()
+    for i, (cmd, stage) in enumerate(jobs):
+        text, wall, cpu, rc = done[i]
+        STAGES.append((stage, wall, cpu))
+        print(text, end="")
+        if rc != 0:
+            raise subprocess.CalledProcessError(rc, cmd, output=text)
+    return [done[i][0] for i in range(len(jobs))]
+
+
+def _minsec(s: float) -> str:
+    return f"{int(s // 60)}:{s % 60:04.1f}"
+
+
+def stage_table(elapsed: float) -> None:
+    """Each stage's wall and CPU time, the install's (scripts/env.sh exports it) and the totals."""
+    install = os.environ.get("LAPLACE_INSTALL_SECONDS")
+    print("\nStage times (wall m:s, CPU s = user + system of the stage's processes)")
+    print("  (a pair's two trainings run side by side, one thread each: their wall times overlap)")
+    if install:
+        print(f"  {'install (.venv; 0 when already there)':<40} {_minsec(float(install)):>8}")
+    for stage, wall, cpu in STAGES:
+        print(f"  {stage:<40} {_minsec(wall):>8} {cpu:>8.0f}")
+    wall, cpu = elapsed, sum(c for _, _, c in STAGES)
+    print(f"  {'total after the install':<40} {_minsec(wall):>8} {cpu:>8.0f}")
+    if install:
+        print(f"  {'total':<40} {_minsec(wall + float(install)):>8}")
+
+
+def train(models: tuple[str, ...], overrides: list[str]) -> list[Path]:
+    """`python train.py model=<model> ...` into <runs_dir>/quickstart/<model>, the models side by side."""
+    outs = _run_side_by_side([([sys.executable, "train.py", f"model={m}", f"run_dir=${{paths.runs_dir}}/quickstart/{m}",
+                                "trainer.progress=false", *overrides], f"train {m}") for m in models])
     # train.py's first line names the resolved run directory.
-    line = next(ln for ln in out.splitlines() if ln.startswith("[laplace] run_dir="))
-    return ROOT / line.split("run_dir=", 1)[1].split()[0]
+    lines = [next(ln for ln in out.splitlines() if ln.startswith("[laplace] run_dir=")) for out in outs]
+    return [ROOT / ln.split("run_dir=", 1)[1].split()[0] for ln in lines]
 
 
 def analyse(run_dirs: list[Path], overrides: list[str], out_dir: Path) -> list[dict]:
     """`python -m analysis` on both checkpoints; returns their analysis.json contents."""
     ckpts = [d / "ckpt" / "last.pt" for d in run_dirs]
     out = _run([sys.executable, "-m", "analysis", f"checkpoint=[{','.join(map(str, ckpts))}]",
-                f"analysis_out={out_dir}", "progress=false", *overrides])
+                f"analysis_out={out_dir}", "progress=false", *overrides], f"analysis {out_dir.parent.name}")
     # one "[analysis] wrote <dir>/analysis.json" line per checkpoint, in order
     wrote = [ln.split("wrote ", 1)[1] for ln in out.splitlines()
              if ln.startswith("[analysis] wrote ") and ln.endswith("analysis.json")]
     return [json.loads(Path(p).read_text()) for p in wrote]
 
 
-def knn(run_dir: Path, overrides: list[str]) -> None:
-    """`python -m eval.knn` on a run's last checkpoint: <run>/eval/knn_<data>/results.json."""
-    _run([sys.executable, "-m", "eval.knn", f"checkpoint={run_dir / 'ckpt' / 'last.pt'}", "num_workers=1",
-          *overrides])
+def knn(run_dirs: list[Path], overrides: list[str]) -> None:
+    """`python -m eval.knn` on each run's last checkpoint, side by side: <run>/eval/knn_<data>/results.json."""
+    _run_side_by_side([([sys.executable, "-m", "eval.knn", f"checkpoint={d / 'ckpt' / 'last.pt'}", "num_workers=1",
+                         *overrides], f"k-NN {d.name}") for d in run_dirs])
 
 
 def _knn_top1(run_dir: Path) -> float:
@@ -117,16 +171,16 @@ def main(args: list[str]):
     only = lambda prefix: [a[len(prefix):] for a in args if a.startswith(prefix)]  # noqa: E731
     analysis_args = only("analysis.") + paths
 
-    vit_dirs = [train(m, common + only("vit.")) for m in VIT_MODELS]
+    start = time.perf_counter()
+    # the digits need no loader processes: workers only add processes to the 2 cores
+    vit_dirs = train(VIT_MODELS, ["trainer.num_workers=0", *common, *only("vit.")])
     vit_geo = analyse(vit_dirs, analysis_args, vit_dirs[0].parent / "vit" / "analysis")
     _run([sys.executable, "-m", "laplace.data.prepare", "source=pydoc", "vocab_size=4096",
-          "progress=false", *paths])
-    lm_dirs = [train(m, ["experiment=gpt_tiny", *common, *only("lm.")]) for m in LM_MODELS]
+          "progress=false", *paths], "prepare (BPE 4096, shards)")
+    lm_dirs = train(LM_MODELS, ["experiment=gpt_tiny", *common, *only("lm.")])
     lm_geo = analyse(lm_dirs, analysis_args, lm_dirs[0].parent / "lm" / "analysis")
-    dino_dirs = [train(m, ["experiment=dino_digits", *common, *only("dino.")])
-                 for m in DINO_MODELS]
-    for d in dino_dirs:
-        knn(d, paths)
+    dino_dirs = train(DINO_MODELS, ["experiment=dino_digits", *common, *only("dino.")])
+    knn(dino_dirs, paths)
     # with DINOv2-style PCA maps of the patch tokens of 8 validation digits (pca_maps.png)
     dino_geo = analyse(dino_dirs, ["pca_maps=8", *analysis_args], dino_dirs[0].parent / "dino" / "analysis")
 
@@ -139,6 +193,7 @@ def main(args: list[str]):
           "the token variance, NC1 of the class token or the CDNV of next-token classes, PCs for 99% of "
           "the token variance; bits per byte count the text's UTF-8 bytes; DINO's 20-NN classifies "
           "the validation digits by the teacher's class tokens of the training digits)")
+    stage_table(time.perf_counter() - start)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ one-line errors, and the quick start's geometry columns."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -198,7 +199,8 @@ def test_quickstart_prints_geometry(tmp_path):
                            "lm.data.seq_len=64", "trainer.num_workers=0", "dino.model.depth=1",
                            "dino.trainer.head.out_dim=64", "dino.trainer.head.hidden_dim=32",
                            "analysis.max_tokens=1000", "analysis.cpu_threads=1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "LAPLACE_INSTALL_SECONDS": "7"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     vit, lm, dino = [i for i, ln in enumerate(lines) if ln.startswith("model ")]
@@ -224,3 +226,14 @@ def test_quickstart_prints_geometry(tmp_path):
     for paradigm in ("vit", "lm", "dino"):
         assert (tmp_path / "quickstart" / paradigm / "analysis" / "spectrum.png").exists()
     assert (tmp_path / "quickstart" / "dino" / "analysis" / "pca_maps.png").exists()  # both models' rows
+    # the closing table: the install's time (from scripts/env.sh), one row per command, the totals
+    stages = lines[lines.index("Stage times (wall m:s, CPU s = user + system of the stage's processes)") + 2:]
+    names = [ln[:42].strip() for ln in stages]
+    assert names == ["install (.venv; 0 when already there)", "train vitt_0L", "train vitt_3L", "analysis vit",
+                     "prepare (BPE 4096, shards)", "train gpt_d2_0L", "train gpt_d2_1L", "analysis lm",
+                     "train vits_0L", "train vits_5L", "k-NN vits_0L", "k-NN vits_5L", "analysis dino",
+                     "total after the install", "total"]
+    assert stages[0].split()[-1] == "0:07.0"
+    walls = [60 * float(m) + float(s) for m, s in (ln.split()[-2].split(":") for ln in stages[1:-2])]
+    cpus = [float(ln.split()[-1]) for ln in stages[1:-2]]
+    assert all(w > 0 for w in walls) and sum(cpus) > 0
