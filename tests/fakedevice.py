@@ -32,13 +32,14 @@ class _Tags:
     address is never reused by a CPU tensor and read as tagged)."""
 
     def __init__(self):
-        self.held: dict[int, torch.Tensor] = {}
+        self.held: dict = {}
 
     @staticmethod
-    def _ptr(t: torch.Tensor) -> int:
+    def _ptr(t: torch.Tensor):
         if t.is_meta or t.layout != torch.strided or t.device.type != "cpu":
             return 0
-        return t.untyped_storage().data_ptr()
+        # Empty tensors share address 0: those are told apart by the object (held, so ids stay unique).
+        return t.untyped_storage().data_ptr() or ("empty", id(t))
 
     def has(self, t) -> bool:
         return isinstance(t, torch.Tensor) and self._ptr(t) in self.held

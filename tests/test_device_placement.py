@@ -3,11 +3,18 @@ a tensor left on the CPU where CUDA needs it on the device fails here as it woul
 from __future__ import annotations
 
 import math
+import runpy
+import sys
+from unittest import mock
 
 import fakedata
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
 
+from conftest import CONFIGS
 from fakedevice import fake_cuda
+from laplace.config import register_model_configs
 from train import run
 
 VIT = ["model.depth=1", "model.embed_dim=48", "trainer.num_workers=0", "trainer.progress=false",
@@ -41,3 +48,43 @@ def test_dino_step_and_evaluation(make_cfg):
                    "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16",
                    "trainer.multicrop.local_crops=2", "data.val_fraction=0.99")
     _run_on_fake_cuda(cfg)
+
+
+def _cli(module: str, *args: str):
+    """`python -m module args` in this process (the same entry point), so it runs on the stand-in."""
+    with mock.patch.object(sys, "argv", [module, *args]):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            assert not e.code, f"python -m {module} exited with {e.code}"
+
+
+@pytest.fixture(scope="module")
+def vit_ckpt(tmp_path_factory):
+    """A tiny ViT trained a step on digits, on the stand-in device (the supervised trainer)."""
+    tmp = tmp_path_factory.mktemp("vit")
+    register_model_configs(["vitt_3L"])
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("config", overrides=["model=vitt_3L", *VIT, "model.depth=2", "trainer.global_batch_size=8",
+                                           f"paths.runs_dir={tmp / 'runs'}"])
+    with open_dict(cfg):
+        cfg.run_dir = str(tmp / "bb")
+    _run_on_fake_cuda(cfg)
+    return tmp / "bb/ckpt/last.pt"
+
+
+@pytest.mark.slow  # ~50 s: four CLIs over the digits' validation split
+def test_knn_linear_segmentation_analysis_clis(vit_ckpt, tmp_path):
+    run_dir = vit_ckpt.parent.parent
+    with fake_cuda():
+        _cli("eval.knn", f"checkpoint={vit_ckpt}", "data=digits", "device=cuda", "num_workers=0", "batch_size=256")
+        _cli("eval.linear", f"checkpoint={vit_ckpt}", "data=digits", "device=cuda", "epochs=1",
+             "lr_grid=[0.01]", "n_last_blocks=1", "num_workers=0", "batch_size=256", "train_batch_size=256")
+        _cli("eval.segmentation", f"checkpoint={vit_ckpt}", "eval=seg_digits_linear", "iters=2", "batch_size=4",
+             "data.n_train=4", "data.n_val=2", "trainer.eval_every=2", "trainer.device=cuda",
+             "trainer.compile=false", f"paths.data_dir={tmp_path / 'data'}", "trainer.progress=false")
+        _cli("analysis", f"checkpoint={vit_ckpt}", "device=cuda", "max_tokens=300", "batch_size=8",
+             "pca_maps=1", "cpu_threads=1", "progress=false")
+    for res in ("eval/knn_digits", "eval/linear_digits", "eval/seg_digits_ade20k_l1"):
+        assert (run_dir / res / "results.json").is_file(), res
+    assert (vit_ckpt.parent / "last_analysis/analysis.json").is_file()
