@@ -6,11 +6,12 @@ results stay tagged), reports `device == cuda:0`, and every op's output is tagge
 is. An op that mixes a tagged tensor with an untagged CPU tensor raises CUDA's "Expected all
 tensors to be on the same device"; as on CUDA, a 0-dim CPU tensor may join a pointwise op, and
 copies, indexing with CPU indices and `.item()` cross freely. `.numpy()` of a tagged tensor
-raises as CUDA's does. Kernels, NCCL, streams, bf16 autocast and memory are not modelled.
+raises as CUDA's does; a generator made for "cuda" must meet tagged tensors only. Kernels, NCCL, streams, bf16 autocast and memory are not modelled.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 from unittest import mock
 
 import torch
@@ -33,6 +34,7 @@ class _Tags:
 
     def __init__(self):
         self.held: dict = {}
+        self.gens: dict[int, torch.Generator] = {}  # id -> generator made for "cuda"
 
     @staticmethod
     def _ptr(t: torch.Tensor):
@@ -53,6 +55,13 @@ class _Tags:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.held.pop(self._ptr(t), None)
+
+
+def _from_torch() -> bool:
+    """Is the caller PyTorch itself? Its internals group tensors by the real (CPU) device and move
+    results `.to()` it (clip_grad_norm_, foreach optimizers): those moves keep the tag."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller == "torch" or caller.startswith("torch.")
 
 
 def _is_cuda(dev) -> bool:
@@ -120,9 +129,11 @@ class _Function(TorchFunctionMode):
             elif rest and isinstance(rest[0], torch.Tensor):
                 other = rest.pop(0)
                 dev, rest = (CUDA if self.tags.has(other) else "cpu"), [other.dtype, *rest]
-            if _is_cuda(dev) or (_is_cpu(dev) and self.tags.has(args[0])):
+            if _is_cuda(dev) or (_is_cpu(dev) and self.tags.has(args[0]) and not _from_torch()):
                 return self._move(args[0], _is_cuda(dev), rest, kwargs)
             return func(*args[:1], *([dev] if dev is not None else []), *rest, **kwargs)
+        if isinstance(kwargs.get("generator"), torch.Generator):
+            self._check_generator(func, kwargs["generator"], args)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
             out = func(*args, **kwargs)
@@ -133,6 +144,14 @@ class _Function(TorchFunctionMode):
             kwargs["map_location"] = "cpu"
         return func(*args, **kwargs)
 
+    def _check_generator(self, func, g, args):
+        # Dispatch sees a new wrapper of the generator, so the check is made here, on the caller's object.
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        on_cuda, tagged = id(g) in self.tags.gens, any(self.tags.has(t) for t in tensors)
+        if tensors and on_cuda != tagged:
+            raise RuntimeError(f"Expected a '{'cuda' if tagged else 'cpu'}' device type for generator but found "
+                               f"'{'cuda' if on_cuda else 'cpu'}' (fakedevice: {getattr(func, '__name__', func)})")
+
     def _move(self, t, to_cuda: bool, rest, kwargs):
         if to_cuda == self.tags.has(t):
             return t.to(*rest, **kwargs)
@@ -142,12 +161,33 @@ class _Function(TorchFunctionMode):
         return out
 
 
+def _generator_class(tags: _Tags):
+    class Generator(torch.Generator):
+        """torch.Generator(device="cuda") -> a CPU generator remembered as a CUDA one."""
+
+        def __new__(cls, device="cpu"):
+            g = super().__new__(cls, "cpu" if _is_cuda(device) else device)
+            if _is_cuda(device):
+                tags.gens[id(g)] = g
+            return g
+
+        def __init__(self, device="cpu"):
+            pass
+
+        @property
+        def device(self):
+            return CUDA if id(self) in tags.gens else super().device
+
+    return Generator
+
+
 @contextlib.contextmanager
 def fake_cuda():
     """torch.cuda "available" with one device; tensors placed on it checked as CUDA would."""
     tags = _Tags()
     patches = [mock.patch("torch.cuda.is_available", lambda: True),
                mock.patch("torch.cuda.device_count", lambda: 1),
+               mock.patch("torch.Generator", _generator_class(tags)),
                mock.patch("torch.cuda.set_device", lambda d: None),
                mock.patch("torch.cuda.current_device", lambda: 0),
                mock.patch("torch.cuda.synchronize", lambda d=None: None),
@@ -169,3 +209,4 @@ def fake_cuda():
         stack.enter_context(_Dispatch(tags))
         yield tags
     tags.held.clear()
+    tags.gens.clear()

@@ -9,6 +9,7 @@ from unittest import mock
 
 import fakedata
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
@@ -19,6 +20,25 @@ from train import run
 
 VIT = ["model.depth=1", "model.embed_dim=48", "trainer.num_workers=0", "trainer.progress=false",
        "trainer.log_every=1", "trainer.device=cuda", "trainer.compile=false", "trainer.max_steps=1"]
+
+
+def test_stand_in_raises_where_cuda_would():
+    with fake_cuda():
+        x = torch.randn(3, 4).to("cuda")
+        assert x.device.type == "cuda" and torch.zeros(2, device=x.device).is_cuda and x[0].is_cuda
+        assert (x * torch.tensor(2.0)).is_cuda  # a 0-dim CPU tensor may join a pointwise op
+        assert not x.cpu().is_cuda and x.sum().item() == pytest.approx(float(x.cpu().sum()))
+        lin = torch.nn.Linear(4, 2).to("cuda")
+        lin(x).sum().backward()
+        assert lin.weight.is_cuda and lin.weight.grad.is_cuda
+        for bad in (lambda: x + torch.ones(4), lambda: torch.stack([x.sum(), torch.tensor(1.0)]),
+                    lambda: torch.nn.Linear(4, 2)(x),
+                    lambda: torch.multinomial(x.abs()[0], 2, generator=torch.Generator().manual_seed(0))):
+            with pytest.raises(RuntimeError, match="same device|device type for generator"):
+                bad()
+        with pytest.raises(TypeError, match="cuda"):
+            x.numpy()
+        torch.multinomial(x.abs()[0], 2, generator=torch.Generator(device="cuda").manual_seed(0))
 
 
 def _run_on_fake_cuda(cfg) -> dict:
@@ -88,3 +108,35 @@ def test_knn_linear_segmentation_analysis_clis(vit_ckpt, tmp_path):
     for res in ("eval/knn_digits", "eval/linear_digits", "eval/seg_digits_ade20k_l1"):
         assert (run_dir / res / "results.json").is_file(), res
     assert (vit_ckpt.parent / "last_analysis/analysis.json").is_file()
+
+
+@pytest.mark.slow  # ~25 s: BPE + shards, a Muon step, an SFT step, sampling and lm-eval requests
+def test_gpt_shards_muon_sft_generate_and_lm_eval(make_cfg, tmp_path):
+    """BPE -> token shards -> a Muon step -> a chat SFT step (each evaluated) -> eval.generate and
+    the lm-eval adapter's three request types, all on the stand-in device."""
+    from laplace.data.prepare import prepare
+    from lm_eval.api.instance import Instance
+
+    from eval.lm_adapter import LaplaceLM
+
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        prepare(compose("prepare", overrides=["source=pydoc", "vocab_size=512", f"out={tmp_path / 'data'}",
+                                              "progress=false"]))
+    gpt = ["model=gpt_d2_1L", "data.seq_len=64", "trainer.global_batch_size=4", "trainer.eval_every=1", *VIT[2:]]
+    pre, sft = tmp_path / "pre", tmp_path / "sft"
+    _run_on_fake_cuda(make_cfg("experiment=gpt_tiny", *gpt, f"data.root={tmp_path / 'data'}", "data.vocab_size=512",
+                               "data.val_tokens=1024", run_dir=pre))
+    assert make_cfg("experiment=gpt_tiny", *gpt).optim.name == "muon"
+    _run_on_fake_cuda(make_cfg("experiment=gpt_tiny_sft", *gpt, f"trainer.init_from={pre / 'ckpt/last.pt'}",
+                               run_dir=sft))
+    ckpt = str(sft / "ckpt/last.pt")
+    with fake_cuda():
+        _cli("eval.generate", f"checkpoint={ckpt}", "chat=true", "prompt=What is a class", "max_new_tokens=4",
+             "device=cuda")
+        lm = LaplaceLM(ckpt, device="cuda", batch_size=2)
+        assert lm.device.type == "cuda"
+        req = lambda kind, *a: Instance(request_type=kind, doc={}, arguments=a, idx=0)  # noqa: E731
+        lls = lm.loglikelihood([req("loglikelihood", "A class is", " a"), req("loglikelihood", "Lists", " are")])
+        rolling = lm.loglikelihood_rolling([req("loglikelihood_rolling", "The for statement")])
+        text = lm.generate_until([req("generate_until", "A class is", {"until": ["\n"], "max_gen_toks": 4})])
+    assert all(math.isfinite(lp) for lp, _ in lls) and math.isfinite(rolling[0]) and isinstance(text[0], str)
