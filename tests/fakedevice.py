@@ -38,6 +38,11 @@ class _Tags:
 
     @staticmethod
     def _ptr(t: torch.Tensor):
+        with torch._C.DisableTorchFunction():  # the real device, also when called outside the modes
+            return _Tags._real_ptr(t)
+
+    @staticmethod
+    def _real_ptr(t: torch.Tensor):
         if t.is_meta or t.layout != torch.strided or t.device.type != "cpu":
             return 0
         # Empty tensors share address 0: those are told apart by the object (held, so ids stay unique).
@@ -82,6 +87,11 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunction():
+            # DDP's C++ reducer writes gradients into bucket views it allocated without a device
+            # (here: untagged); an `out=` buffer takes the tag of the inputs instead of being checked.
+            outs = [a for a in tree_flatten(kwargs.get("out"))[0] if isinstance(a, torch.Tensor)]
+            if outs and any(self.tags.has(a) for a in tree_flatten(args)[0]):
+                self.tags.add(outs)
             tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
             tagged = any(self.tags.has(t) for t in tensors)
             if tagged and func not in _CROSSING:

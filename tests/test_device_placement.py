@@ -2,8 +2,11 @@
 a tensor left on the CPU where CUDA needs it on the device fails here as it would on a GPU."""
 from __future__ import annotations
 
+import json
 import math
+import os
 import runpy
+import subprocess
 import sys
 from unittest import mock
 
@@ -13,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from conftest import CONFIGS
+from conftest import CONFIGS, ROOT
 from fakedevice import fake_cuda
 from laplace.config import register_model_configs
 from train import run
@@ -140,3 +143,59 @@ def test_gpt_shards_muon_sft_generate_and_lm_eval(make_cfg, tmp_path):
         rolling = lm.loglikelihood_rolling([req("loglikelihood_rolling", "The for statement")])
         text = lm.generate_until([req("generate_until", "A class is", {"until": ["\n"], "max_gen_toks": 4})])
     assert all(math.isfinite(lp) for lp, _ in lls) and math.isfinite(rolling[0]) and isinstance(text[0], str)
+
+
+# ---------------------------------------------------------------- collectives under DDP
+
+DDP = ["trainer.num_workers=0", "trainer.progress=false", "trainer.device=cuda", "trainer.compile=false",
+       "trainer.max_steps=1", "trainer.eval_every=1", "trainer.log_every=1"]
+
+
+def _ddp_runs(tmp_path) -> dict[str, list[str]]:
+    fakedata.write_cifar(tmp_path / "cifar", "cifar10", n_train=16, n_test=8)
+    runs = tmp_path / "runs"
+    return {
+        "deit3": ["config", "experiment=deit3_cifar10", "model.depth=1", "model.embed_dim=48",
+                  "trainer.global_batch_size=8", f"paths.runs_dir={runs}", *DDP, "data.img_size=32",
+                  "data.patch_size=8", f"data.root={tmp_path / 'cifar'}"],
+        "gpt": ["config", "experiment=gpt_pydoc", "model=gpt_d2_1L", "data.seq_len=32", "optim=muon",
+                "trainer.global_batch_size=8", f"paths.runs_dir={runs}", *DDP],
+    }
+
+
+@pytest.mark.slow  # ~30 s each: a torchrun of 2 processes, one step + evaluation
+@pytest.mark.parametrize("name", ["deit3", "gpt"])
+def test_every_collective_fits_its_backend(name, tmp_path):
+    """A trainer's step and evaluation over 2 processes, on the stand-in CUDA device, with a gloo
+    group playing NCCL: a tensor all-reduced / gathered / broadcast on the NCCL group must be on
+    the device, one on a gloo group on the CPU (NCCL cannot reduce CPU tensors). One run per
+    torchrun: two runs in the same processes did not finish, nor did DINO's, the digits ViT's or
+    seg_linear's (not diagnosed yet)."""
+    line = " ".join([name, *_ddp_runs(tmp_path)[name]])
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests/ddp_collectives.py"), str(tmp_path / "out"), line],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        records = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        tensors = [r for r in records if r["device"] != "object"]
+        assert {r["backend"] for r in tensors} == {"nccl", "gloo"}  # the step's all-reduces and any_rank's flag
+        wrong = [r for r in tensors if r["device"] != {"nccl": "cuda", "gloo": "cpu"}[r["backend"]]]
+        assert not wrong, wrong
+
+
+@pytest.mark.slow  # ~20 s: torchrun of 2 CPU processes
+def test_segmentation_over_gloo_keeps_plain_batch_norm(make_cfg, tmp_path):
+    """SyncBatchNorm has no CPU kernels: 2 CPU processes of eval.segmentation train their head."""
+    run(make_cfg("model=vitt_3L", "model.depth=1", "model.embed_dim=48", "trainer.num_workers=0",
+                 "trainer.progress=false", "trainer.global_batch_size=8", "trainer.max_steps=1",
+                 "trainer.eval_every=100", run_dir=tmp_path / "bb"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "eval.segmentation", f"checkpoint={tmp_path / 'bb/ckpt/last.pt'}",
+                           "eval=seg_digits_linear", "iters=1", "batch_size=4", "data.n_train=4", "data.n_val=2",
+                           "trainer.eval_every=1", "trainer.device=cpu", f"paths.data_dir={tmp_path / 'data'}",
+                           "trainer.progress=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "val_mIoU" in proc.stdout
