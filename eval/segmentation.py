@@ -163,7 +163,9 @@ class SegLinearTrainer(Trainer):
         return FrozenBackboneSeg(backbone, self.cfg.data.num_classes, tc.layers, tc.cls_token)
 
     def wrap_model(self, model):
-        if self.dist.distributed:  # DINOv2 / mmseg: the head's batch norm synchronised over ranks
+        if self.dist.distributed and self.device.type == "cuda":
+            # DINOv2 / mmseg: the head's batch norm synchronised over ranks. SyncBatchNorm has CUDA
+            # kernels only (on CPU its forward raises): over gloo each rank normalises its own batch.
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         return super().wrap_model(model)
 

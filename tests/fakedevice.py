@@ -1,0 +1,222 @@
+"""A CUDA stand-in on the CPU that enforces CUDA's placement rules.
+
+`with fake_cuda():` makes torch.cuda look available; every tensor created on or moved to "cuda"
+really lives on the CPU but is tagged "cuda" (by its storage, so views, `.data` and in-place
+results stay tagged), reports `device == cuda:0`, and every op's output is tagged when an input
+is. An op that mixes a tagged tensor with an untagged CPU tensor raises CUDA's "Expected all
+tensors to be on the same device"; as on CUDA, a 0-dim CPU tensor may join a pointwise op, and
+copies, indexing with CPU indices and `.item()` cross freely. `.numpy()` of a tagged tensor
+raises as CUDA's does; a generator made for "cuda" must meet tagged tensors only. Kernels, NCCL, streams, bf16 autocast and memory are not modelled.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from unittest import mock
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CUDA = torch.device("cuda", 0)
+aten = torch.ops.aten
+_DEVICE, _IS_CUDA = torch._C.TensorBase.__dict__["device"], torch._C.TensorBase.__dict__["is_cuda"]
+# Ops CUDA runs across devices (copies, CPU indices into a CUDA tensor, storage swaps).
+_CROSSING = {aten._to_copy.default, aten.copy_.default, aten.set_.source_Tensor, aten.index.Tensor,
+             aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default,
+             aten._local_scalar_dense.default, aten.lift_fresh.default, aten.detach.default}
+
+
+class _Tags:
+    """data_ptr of a tagged storage -> one tensor holding it (kept alive, so a freed CUDA
+    address is never reused by a CPU tensor and read as tagged)."""
+
+    def __init__(self):
+        self.held: dict = {}
+        self.gens: dict[int, torch.Generator] = {}  # id -> generator made for "cuda"
+
+    @staticmethod
+    def _ptr(t: torch.Tensor):
+        with torch._C.DisableTorchFunction():  # the real device, also when called outside the modes
+            return _Tags._real_ptr(t)
+
+    @staticmethod
+    def _real_ptr(t: torch.Tensor):
+        if t.is_meta or t.layout != torch.strided or t.device.type != "cpu":
+            return 0
+        # Empty tensors share address 0: those are told apart by the object (held, so ids stay unique).
+        return t.untyped_storage().data_ptr() or ("empty", id(t))
+
+    def has(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and self._ptr(t) in self.held
+
+    def add(self, out):
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and (p := self._ptr(t)):
+                self.held[p] = t
+
+    def drop(self, out):
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.held.pop(self._ptr(t), None)
+
+
+def _from_torch() -> bool:
+    """Is the caller PyTorch itself? Its internals group tensors by the real (CPU) device and move
+    results `.to()` it (clip_grad_norm_, foreach optimizers): those moves keep the tag."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller == "torch" or caller.startswith("torch.")
+
+
+def _is_cuda(dev) -> bool:
+    return dev is not None and not isinstance(dev, (int, torch.dtype)) and torch.device(dev).type == "cuda"
+
+
+def _is_cpu(dev) -> bool:
+    return isinstance(dev, (str, torch.device)) and torch.device(dev).type == "cpu"
+
+
+class _Dispatch(TorchDispatchMode):
+    """Propagates tags through every aten op (autograd's backward and the optimizers included)."""
+
+    def __init__(self, tags: _Tags):
+        super().__init__()
+        self.tags = tags
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunction():
+            # DDP's C++ reducer writes gradients into bucket views it allocated without a device
+            # (here: untagged); an `out=` buffer takes the tag of the inputs instead of being checked.
+            outs = [a for a in tree_flatten(kwargs.get("out"))[0] if isinstance(a, torch.Tensor)]
+            if outs and any(self.tags.has(a) for a in tree_flatten(args)[0]):
+                self.tags.add(outs)
+            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            tagged = any(self.tags.has(t) for t in tensors)
+            if tagged and func not in _CROSSING:
+                pointwise = torch.Tag.pointwise in func.tags
+                for t in tensors:
+                    if (not self.tags.has(t) and t.device.type == "cpu" and t.numel() > 0
+                            and not (pointwise and t.dim() == 0)):
+                        raise RuntimeError(
+                            "Expected all tensors to be on the same device, but found at least two devices, "
+                            f"cuda:0 and cpu! (fakedevice: {func}, cpu tensor of shape {tuple(t.shape)})")
+            out = func(*args, **kwargs)
+            if tagged and func is not aten._local_scalar_dense.default:
+                self.tags.add(out)
+        return out
+
+
+class _Function(TorchFunctionMode):
+    """Routes device="cuda" requests to the CPU and tags what they return."""
+
+    def __init__(self, tags: _Tags):
+        super().__init__()
+        self.tags = tags
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        owner = getattr(func, "__self__", None)
+        if owner is _DEVICE:
+            return CUDA if self.tags.has(args[0]) else func(*args)
+        if owner is _IS_CUDA:
+            return self.tags.has(args[0])
+        if func is torch.Tensor.numpy and self.tags.has(args[0]):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
+                            "tensor to host memory first.")
+        if func in (torch.Tensor.pin_memory,):
+            return args[0]
+        if func is torch.Tensor.cuda:
+            return self._move(args[0], True, (), {k: v for k, v in kwargs.items() if k == "non_blocking"})
+        if func is torch.Tensor.cpu:
+            return self._move(args[0], False, (), {})
+        if func is torch.Tensor.to:
+            rest, dev = list(args[1:]), kwargs.pop("device", None)
+            if rest and isinstance(rest[0], (str, torch.device)):
+                dev = rest.pop(0)
+            elif rest and isinstance(rest[0], torch.Tensor):
+                other = rest.pop(0)
+                dev, rest = (CUDA if self.tags.has(other) else "cpu"), [other.dtype, *rest]
+            if _is_cuda(dev) or (_is_cpu(dev) and self.tags.has(args[0]) and not _from_torch()):
+                return self._move(args[0], _is_cuda(dev), rest, kwargs)
+            return func(*args[:1], *([dev] if dev is not None else []), *rest, **kwargs)
+        if isinstance(kwargs.get("generator"), torch.Generator):
+            self._check_generator(func, kwargs["generator"], args)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+            out = func(*args, **kwargs)
+            if name not in ("Generator",):
+                self.tags.add(out)
+            return out
+        if _is_cuda(kwargs.get("map_location")):
+            kwargs["map_location"] = "cpu"
+        return func(*args, **kwargs)
+
+    def _check_generator(self, func, g, args):
+        # Dispatch sees a new wrapper of the generator, so the check is made here, on the caller's object.
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        on_cuda, tagged = id(g) in self.tags.gens, any(self.tags.has(t) for t in tensors)
+        if tensors and on_cuda != tagged:
+            raise RuntimeError(f"Expected a '{'cuda' if tagged else 'cpu'}' device type for generator but found "
+                               f"'{'cuda' if on_cuda else 'cpu'}' (fakedevice: {getattr(func, '__name__', func)})")
+
+    def _move(self, t, to_cuda: bool, rest, kwargs):
+        if to_cuda == self.tags.has(t):
+            return t.to(*rest, **kwargs)
+        kwargs.pop("copy", None)
+        out = t.to("cpu", *rest, copy=True, **kwargs)
+        (self.tags.add if to_cuda else self.tags.drop)(out)
+        return out
+
+
+def _generator_class(tags: _Tags):
+    class Generator(torch.Generator):
+        """torch.Generator(device="cuda") -> a CPU generator remembered as a CUDA one."""
+
+        def __new__(cls, device="cpu"):
+            g = super().__new__(cls, "cpu" if _is_cuda(device) else device)
+            if _is_cuda(device):
+                tags.gens[id(g)] = g
+            return g
+
+        def __init__(self, device="cpu"):
+            pass
+
+        @property
+        def device(self):
+            return CUDA if id(self) in tags.gens else super().device
+
+    return Generator
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """torch.cuda "available" with one device; tensors placed on it checked as CUDA would."""
+    tags = _Tags()
+    patches = [mock.patch("torch.cuda.is_available", lambda: True),
+               mock.patch("torch.cuda.device_count", lambda: 1),
+               mock.patch("torch.Generator", _generator_class(tags)),
+               mock.patch("torch.cuda.set_device", lambda d: None),
+               mock.patch("torch.cuda.current_device", lambda: 0),
+               mock.patch("torch.cuda.synchronize", lambda d=None: None),
+               mock.patch("torch.cuda.get_device_name", lambda d=None: "fakedevice"),
+               mock.patch("torch.cuda.get_device_properties", lambda d=None: mock.Mock(
+                   name="fakedevice", total_memory=2**30, L2_cache_size=2**20, major=9, minor=0,
+                   multi_processor_count=1)),
+               mock.patch("torch.cuda.is_bf16_supported", lambda *a, **k: True),
+               mock.patch("torch.cuda.empty_cache", lambda: None),
+               mock.patch("torch.cuda.reset_peak_memory_stats", lambda d=None: None),
+               mock.patch("torch.cuda.memory_allocated", lambda d=None: 0),
+               mock.patch("torch.cuda.max_memory_allocated", lambda d=None: 0),
+               # The optimizers ask the current CUDA stream whether a graph is being captured.
+               mock.patch("torch.accelerator.current_stream", lambda d=None: mock.Mock(is_capturing=lambda: False))]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        stack.enter_context(_Function(tags))
+        stack.enter_context(_Dispatch(tags))
+        yield tags
+    tags.held.clear()
+    tags.gens.clear()
