@@ -105,8 +105,8 @@ class Recipe:
         return self._once("optimizers", lambda: self.trainer.configure_optimizers())
 
     def params(self) -> int:
-        return sum(p.numel() for p in self.trainer.export_model().parameters()) \
-            if self.cfg.trainer.name == "dino" else sum(p.numel() for p in self.trainer.model.parameters())
+        """Parameters of the network a checkpoint holds (DINO: the teacher backbone)."""
+        return sum(p.numel() for p in self.trainer.export_model().parameters())
 
     def micro_batch(self, world_size: int = 1) -> int:
         """Examples per process per forward on `world_size` processes (as the engine computes it)."""
@@ -117,16 +117,20 @@ class Recipe:
         return self.cfg.trainer.global_batch_size // (self.micro_batch(world_size) * int(world_size))
 
     def steps_per_epoch(self) -> int:
+        """Optimizer steps in an epoch of `assume.train_size` examples on one process, counted by
+        the engine's own feed over the trainer's own sampler (DeiT-III's repeated augmentation
+        keeps a multiple of 256 images; an epoch ends on a whole step)."""
         tc = self.cfg.trainer
         if self.cfg.data.get("kind") == "shards":
             return self.total_steps()  # a token budget, not epochs
         if self.train_size is None:
             raise ConfigError("this card needs `assume.train_size` (training examples per epoch)")
-        n = int(self.train_size)
-        reps = tc.get("repeated_aug") or 0
-        if reps > 1:  # timm's RepeatAugSampler (DeiT's RASampler): a multiple of 256 images per epoch
-            n = n // 256 * 256
-        return n // tc.global_batch_size
+        from train.feeds import MapFeed
+
+        examples = range(int(self.train_size))  # only its length is used
+        feed = MapFeed(examples, self.trainer.build_sampler(examples), self.micro_batch(1),
+                       step_size=tc.global_batch_size)
+        return max(1, feed.micro_batches_per_epoch // self.accum(1))
 
     def total_steps(self) -> int:
         tc = self.cfg.trainer
