@@ -177,11 +177,6 @@ class Recipe:
         """A parameter group's hyper-parameter as the optimizer was built (before schedules)."""
         return self._group(opt, group)[key]
 
-    def group_lr(self, opt: str, group: str, at) -> float:
-        """The learning rate a group trains with at a step: the lr schedule x the group's scale
-        (train/optim.py: 1 unless a trainer set `lr_scale`)."""
-        return self.sched("optim.schedules.lr", at) * self._group(opt, group).get("lr_scale", 1.0)
-
     def no_decay(self) -> list[str]:
         """Kinds of parameters the optimizers keep out of weight decay (a name's last part)."""
         names = {id(p): n for n, p in self.trainer.model.named_parameters()}
