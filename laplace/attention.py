@@ -21,7 +21,7 @@ The fixed mode subtracts on the Laplacian heads inside the head-merging copy, an
 path merges and projects in one autograd function (`LaplacianProjection`) that keeps only the
 SDPA output and V for backward (SDPA keeps both anyway) and recomputes the merge there: with
 plain autograd the merged tensor is one more saved activation (+20% of a ViT attention layer's
-saved bytes, +5% of a ViT training step, measured by `python -m laplace.bench`).
+saved bytes, +5% of a ViT training step, measured by `python -m bench`).
 
 The same class serves the ViT (bidirectional, qkv bias, timm parameter names) and the GPT
 (causal, rotary, parameter-free QK-norm, KV cache); `fused=False` selects a reference path

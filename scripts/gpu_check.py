@@ -8,7 +8,7 @@ Every trainer and experiment family trains a few steps at small size as a user r
 from a CUDA checkpoint; a run signalled with SIGUSR1 checkpoints, exits with the requeue
 status and resumes; a bug inside train_step exits non-zero within seconds; `python -m
 analysis` measures CUDA checkpoints; the tests marked `cuda` run on the device; the
-benchmark (`python -m laplace.bench`) writes its record to <out>/benchmarks; DINO's and the
+benchmark (`python -m bench`) writes its record to <out>/benchmarks; DINO's and the
 GPT's paper-size steps report images/s and tokens/s (MFU). One line per
 check (PASS / FAIL, seconds, what it measured, step times from metrics.jsonl); the exit
 status is 1 if any check failed. Logs of every command
@@ -242,10 +242,10 @@ def dino_in1k(c: Check, data: Path, tiny: bool) -> str:
 
 
 def benchmark(c: Check, args) -> str:
-    """`python -m laplace.bench` (layer, training step, loader, analysis accumulator), eager; its
+    """`python -m bench` (layer, training step, loader, tokenizer, analysis accumulator), eager; its
     records go to <out>/benchmarks; returns the ratios to k = 0 and to timm with their verdicts."""
     out = c.out / "benchmarks"
-    cmd = [sys.executable, "-m", "laplace.bench", "--device", args.device, "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench", "--device", args.device, "--out", str(out)]
     cmd += ["--smoke"] if args.tiny else ["--steps", "10", "--warmup", "3", "--loader-tokens", "20000000"]
     c.sh("benchmark", cmd, timeout=900)
     record = max(out.glob("*.json"), key=lambda p: p.stat().st_mtime)

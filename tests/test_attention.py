@@ -296,7 +296,7 @@ def test_laplacian_heads_add_no_parameters():
 
 def _saved_bytes(module, fn) -> int:
     """Bytes autograd keeps for backward of fn() (storages counted once, parameters left out)."""
-    from laplace.bench.timing import SavedBytes
+    from bench.timing import SavedBytes
 
     with SavedBytes(module) as saved:
         fn().sum()

@@ -1,4 +1,4 @@
-"""`python -m laplace.bench --smoke`: every case measured and written as a JSON record and a
+"""`python -m bench --smoke`: every case measured and written as a JSON record and a
 Markdown table (no timing assertions: the numbers only have to exist and be sane)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from laplace.bench import main
-from laplace.bench.report import git_commit, markdown, ratios, record_stem
+from bench import main
+from bench.report import git_commit, markdown, ratios, record_stem
 
 # --smoke: zoo names at their head counts (one block each); GPT depth 4 = 2 heads per layer.
 EXPECTED = {
@@ -42,7 +42,7 @@ def test_smoke_writes_one_json_and_one_markdown_record(smoke):
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_cpu_[a-z0-9-]+_smoke", js.stem), js.stem
     rec = json.loads(js.read_text())
     for key in ("schema", "date", "command", "args", "settings", "machine", "git_commit", "cases",
-                "ratios", "loader", "analysis"):
+                "ratios", "loader", "tokenizer", "analysis"):
         assert key in rec, key
     m = rec["machine"]
     for key in ("kind", "cpu", "cpu_count", "cpus_usable", "torch_threads", "python", "torch", "timm"):
@@ -85,11 +85,17 @@ def test_ratios_have_targets_and_verdicts(smoke):
         assert r["time_met"] == (r["time"] <= r["target"]) and r["memory_met"] == (r["memory"] <= r["target"])
 
 
-def test_loader_and_analysis_sections(smoke):
+def test_loader_tokenizer_and_analysis_sections(smoke):
     out, _ = smoke
     rec = json.loads(next(out.glob("*.json")).read_text())
     ld = rec["loader"]
     assert ld["tokens"] > 0 and positive(ld["tokens_per_s"]) and ld["shards"] >= 1
+    tk = rec["tokenizer"]
+    assert tk["vocab"] == rec["args"]["tokenizer_vocab"] and tk["chars"] >= rec["args"]["tokenizer_chars"]
+    assert [r["threads"] for r in tk["runs"]] == rec["args"]["tokenizer_threads"]
+    for r in tk["runs"]:
+        assert r["tokens"] > 0 and positive(r["tokens_per_s"]) and positive(r["tokens_per_s_per_thread"])
+    assert 1 < tk["chars_per_token"] < 20  # a trained BPE merges bytes; no merge at all would give ~1
     assert [a["tokens"] for a in rec["analysis"]] == rec["args"]["analysis_tokens"]
     for a in rec["analysis"]:
         for key in ("update_tokens_per_s", "matmul_tokens_per_s", "update_vs_matmul", "peak_rss_mib",
@@ -102,7 +108,7 @@ def test_markdown_has_the_tables(smoke):
     text = next(out.glob("*.md")).read_text()
     assert text == markdown(record) and text in record["stdout"]  # the table is printed too
     for title in ("## Attention layer alone", "## Training step", "## Ratios and targets", "## LM loader",
-                  "## Analysis accumulator"):
+                  "## Tokenizer", "## Analysis accumulator"):
         assert title in text
     assert "| model | k | mode | shape | median ms |" in text
     for names in EXPECTED.values():

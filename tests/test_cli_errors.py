@@ -93,7 +93,7 @@ def test_muon_stays_the_gpt_trainers(make_cfg):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_bench_on_cuda_without_cuda_is_one_line():
-    p = subprocess.run([sys.executable, "-m", "laplace.bench", "--device", "cuda"], cwd=ROOT, env=ENV,
+    p = subprocess.run([sys.executable, "-m", "bench", "--device", "cuda"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "error: --device cuda: this machine has no CUDA device torch can use; run on a GPU machine or pass "

@@ -1,4 +1,4 @@
-"""Timing and memory of one step of several models, stepped round-robin (laplace.bench)."""
+"""Timing and memory of one step of several models, stepped round-robin (`python -m bench`)."""
 from __future__ import annotations
 
 import gc

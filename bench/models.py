@@ -1,4 +1,4 @@
-"""The measured models of laplace.bench: one attention layer, and a whole training step.
+"""The measured models of the benchmark (`python -m bench`): one attention layer, and a whole training step.
 
 Families: "vits" and "vitb" (zoo vits_{k}L / vitb_{k}L, against timm's deit3_small / deit3_base)
 and "gpt" (zoo gpt_d{depth}_{k}L), each at k = 0, half and all Laplacian heads per layer.
@@ -6,7 +6,7 @@ and "gpt" (zoo gpt_d{depth}_{k}L), each at k = 0, half and all Laplacian heads p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -16,11 +16,12 @@ import laplace
 from laplace.attention import Attention
 from laplace.gpt import gpt_dims
 from laplace.zoo import VIT_ARCHS
+from train.optim import build_muon_adamw
+from train.recipe import compose_config
 
 from .timing import Case
 
 TIMM_NAMES = {"vits": "deit3_small_patch16_224", "vitb": "deit3_base_patch16_224"}
-# configs/optim/muon.yaml, used when the repository's configs are not at hand (installed package).
 SMOKE_VIT = {"vits": dict(depth=1, embed_dim=48), "vitb": dict(depth=1, embed_dim=96)}
 
 
@@ -132,23 +133,16 @@ def layer_cases(family: str, mode: str, args) -> list[Case]:
     return cases
 
 
-def gpt_optimizers(model) -> tuple[list[torch.optim.Optimizer], str]:
-    """train.optim.build_muon_adamw with configs/optim/muon.yaml (Muon + AdamW, as
-    experiment=gpt_d20); AdamW when laplace runs without the repository (no train package or
-    configs: Hydra's config is the one source of the optimizer's settings)."""
-    from omegaconf import OmegaConf
+@lru_cache(maxsize=1)
+def gpt_optim_config():
+    """The optimizer node of experiment=gpt_d20 (optim=muon), composed as train.py would."""
+    return compose_config(["experiment=gpt_d20"]).optim
 
-    path = Path(__file__).resolve().parents[2] / "configs" / "optim" / "muon.yaml"
-    try:
-        from train.optim import build_muon_adamw
-    except ImportError as e:
-        why = f"train.optim not importable: {e}"
-    else:
-        if path.is_file():
-            return list(build_muon_adamw(model, OmegaConf.load(path)).values()), \
-                "muon+adamw (train.optim.build_muon_adamw, configs/optim/muon.yaml)"
-        why = f"{path} not found"
-    return [torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)], f"adamw (torch; {why})"
+
+def gpt_optimizers(model) -> tuple[list[torch.optim.Optimizer], str]:
+    """Muon + AdamW from train.optim.build_muon_adamw, as experiment=gpt_d20 trains."""
+    return list(build_muon_adamw(model, gpt_optim_config()).values()), \
+        "muon+adamw (train.optim.build_muon_adamw, as experiment=gpt_d20)"
 
 
 def vit_optimizer(model) -> tuple[list[torch.optim.Optimizer], str]:

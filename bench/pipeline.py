@@ -1,9 +1,12 @@
-"""The data side of laplace.bench: the LM loader's tokens/s and the analysis accumulator.
+"""The data side of the benchmark: the LM loader's and the tokenizer's tokens/s, the analysis accumulator.
 
 bench_stream: --tokens random uint16 tokens written as shards (write_shard) to a temp folder,
     read by TokenStream for one epoch: tokens/s delivered, and the process memory before /
     after. Anonymous memory (RssAnon) must stay flat whatever the dataset size; the mapped
     shards show up as RssFile: clean page cache the OS reclaims, not a leak.
+bench_tokenizer: a BPE trained on the built-in help text (laplace.data.text.pydoc_documents),
+    then encode_batch over that text repeated to --tokenizer-chars characters with 1, 2, ...
+    threads: tokens/s and tokens/s per thread.
 analysis_one: N random float32 tokens (1000 sequences spanning batch borders, 100 classes, one
     class per sequence; token = class mean + sequence offset + noise) fed in batches through
     analysis.streaming.GeometryAccumulator (all metrics): tokens/s of update(), against the
@@ -67,17 +70,28 @@ def bench_stream(n_tokens: int, shard_tokens: int, seq_len: int, batch: int) -> 
                 mem_after_mib=after, anon_growth_mib=after["RssAnon"] - before["RssAnon"])
 
 
-def stream_lines(r: dict) -> list[str]:
-    """bench_stream's result as the lines scripts/bench_tokens.py prints."""
-    fmt = lambda m: ", ".join(f"{k} {v:,.0f} MiB" for k, v in m.items())  # noqa: E731
-    return [f"(a) {r['tokens_on_disk']:,} uint16 tokens in {r['shards']} shards ({r['shard_mib']:,.0f} MiB) "
-            f"written in {r['write_s']:.1f} s",
-            f"    TokenStream seq_len {r['seq_len']}, micro batch {r['micro_batch']}: {r['tokens']:,} tokens in "
-            f"{r['batches']:,} batches, {r['seconds']:.2f} s = {r['tokens_per_s']:,.0f} tokens/s "
-            f"({r['batches_per_s']:,.0f} batches/s)",
-            f"    memory before: {fmt(r['mem_before_mib'])}",
-            f"    memory after:  {fmt(r['mem_after_mib'])}",
-            f"    anonymous memory grew {r['anon_growth_mib']:+,.1f} MiB over {r['shard_mib']:,.0f} MiB of shards"]
+def bench_tokenizer(vocab: int, chars: int, threads: list[int]) -> dict:
+    """BPE training time on the help text, then encode_batch tokens/s with each thread count."""
+    from laplace.data.text import pydoc_documents
+    from laplace.tokenizer import train_bpe
+
+    t = time.perf_counter()
+    tok = train_bpe(pydoc_documents(train=True), vocab)
+    train_s = time.perf_counter() - t
+    docs = pydoc_documents(train=True) + pydoc_documents(train=False)
+    texts = docs * -(-chars // sum(map(len, docs)))  # at least `chars` characters
+    n_chars = sum(map(len, texts))
+    tok.encode_batch(texts[:50])  # warm up the regex and the thread pool
+    runs = []
+    for n in threads:
+        t = time.perf_counter()
+        ids = tok.encode_batch(texts, prepend_bos=True, num_threads=n)
+        dt = time.perf_counter() - t
+        n_tok = sum(map(len, ids))
+        runs.append(dict(threads=n, tokens=n_tok, seconds=dt, tokens_per_s=n_tok / dt,
+                         tokens_per_s_per_thread=n_tok / dt / n))
+    return dict(vocab=vocab, train_s=train_s, chars=n_chars, chars_per_token=n_chars / runs[0]["tokens"],
+                runs=runs)
 
 
 def peak_rss_mib() -> float:
@@ -158,8 +172,8 @@ def analysis_one(N: int, D: int, n_seq: int, n_cls: int, batch: int, device: str
 
 def analysis_subprocess(N: int, D: int, n_seq: int, n_cls: int, batch: int, device: str,
                         threads: int | None, matmul_tokens: int | None) -> dict:
-    """analysis_one in a fresh `python -m laplace.bench --analysis-one` process."""
-    cmd = [sys.executable, "-m", "laplace.bench", "--analysis-one", str(N), "--analysis-dim", str(D),
+    """analysis_one in a fresh `python -m bench --analysis-one` process."""
+    cmd = [sys.executable, "-m", "bench", "--analysis-one", str(N), "--analysis-dim", str(D),
            "--analysis-seqs", str(n_seq), "--analysis-classes", str(n_cls), "--analysis-batch", str(batch),
            "--device", device]
     if threads:
@@ -167,7 +181,7 @@ def analysis_subprocess(N: int, D: int, n_seq: int, n_cls: int, batch: int, devi
     if matmul_tokens:
         cmd += ["--analysis-matmul-tokens", str(matmul_tokens)]
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

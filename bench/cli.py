@@ -1,4 +1,4 @@
-"""Command line of laplace.bench (see the package docstring)."""
+"""Command line of `python -m bench` (see the package docstring)."""
 from __future__ import annotations
 
 import argparse
@@ -12,36 +12,39 @@ from pathlib import Path
 import torch
 
 from . import report
-from .pipeline import analysis_one, analysis_subprocess, bench_stream
+from .pipeline import analysis_one, analysis_subprocess, bench_stream, bench_tokenizer
 
-SECTIONS = ("layer", "step", "loader", "analysis")
+SECTIONS = ("layer", "step", "loader", "tokenizer", "analysis")
 FAMILIES = ("vits", "vitb", "gpt")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 # Defaults per device; --smoke replaces them all with tiny sizes.
 DEFAULTS = {
     "cuda": dict(dtype="bf16", batch_size=128, img_size=224, gpt_batch_size=16, seq_len=2048, gpt_depth=20,
                  vocab_size=65536, steps=20, warmup=5, layer_steps=50, layer_warmup=10,
                  loader_tokens=100_000_000, loader_seq_len=2048, loader_batch=32,
+                 tokenizer_vocab=4096, tokenizer_chars=20_000_000, tokenizer_threads=[1, 2],
                  analysis_tokens=[100_000, 1_000_000], analysis_dim=768, analysis_seqs=1000,
                  analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=None),
     "cpu": dict(dtype="fp32", batch_size=2, img_size=224, gpt_batch_size=2, seq_len=128, gpt_depth=8,
                 vocab_size=65536, steps=3, warmup=1, layer_steps=30, layer_warmup=3,
                 loader_tokens=20_000_000, loader_seq_len=2048, loader_batch=32,
+                tokenizer_vocab=4096, tokenizer_chars=20_000_000, tokenizer_threads=[1, 2],
                 analysis_tokens=[100_000, 1_000_000], analysis_dim=768, analysis_seqs=1000,
                 analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=100_000),
     "smoke": dict(dtype="fp32", batch_size=2, img_size=32, gpt_batch_size=2, seq_len=16, gpt_depth=4,
                   vocab_size=256, steps=1, warmup=1, layer_steps=1, layer_warmup=1,
                   loader_tokens=20_000, loader_seq_len=64, loader_batch=4,
+                  tokenizer_vocab=512, tokenizer_chars=20_000, tokenizer_threads=[1],
                   analysis_tokens=[2_000, 4_000], analysis_dim=32, analysis_seqs=10,
                   analysis_classes=5, analysis_batch=512, analysis_matmul_tokens=None),
 }
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m laplace.bench",
+    p = argparse.ArgumentParser(prog="python -m bench",
                                 description="Speed and memory of Laplacian heads, our models against timm's, the "
-                                            "LM loader and the analysis accumulator, written as records.")
+                                            "LM loader, the tokenizer and the analysis accumulator, written as records.")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="bf16 = bf16 autocast; default bf16 on CUDA, fp32 on CPU")
@@ -61,10 +64,13 @@ def parse_args(argv=None):
     g.add_argument("--warmup", type=int, default=None, help="untimed training steps per model (5 / 1)")
     g.add_argument("--layer-steps", type=int, default=None, help="timed layer steps (50 / 30)")
     g.add_argument("--layer-warmup", type=int, default=None, help="untimed layer steps (10 / 3)")
-    g = p.add_argument_group("loader and analysis (defaults: CUDA / CPU)")
+    g = p.add_argument_group("loader, tokenizer and analysis (defaults: CUDA / CPU)")
     g.add_argument("--loader-tokens", type=int, default=None, help="tokens on disk (1e8 / 2e7)")
     g.add_argument("--loader-seq-len", type=int, default=None, help="TokenStream window (2048)")
     g.add_argument("--loader-batch", type=int, default=None, help="TokenStream micro batch (32)")
+    g.add_argument("--tokenizer-vocab", type=int, default=None, help="BPE vocabulary trained on the help text (4096)")
+    g.add_argument("--tokenizer-chars", type=int, default=None, help="characters encoded per thread count (2e7)")
+    g.add_argument("--tokenizer-threads", type=int, nargs="+", default=None, help="encode_batch threads (1 2)")
     g.add_argument("--analysis-tokens", type=int, nargs="+", default=None, help="N, one process each (1e5 1e6)")
     g.add_argument("--analysis-dim", type=int, default=None, help="feature dimension D (768)")
     g.add_argument("--analysis-seqs", type=int, default=None, help="sequences (1000)")
@@ -150,11 +156,11 @@ def main(argv=None) -> dict:
                   command=report.command_line(argv),
                   args={k: v for k, v in vars(args).items() if k != "analysis_one"},
                   machine=report.machine_info(args.device_type), git_commit=report.git_commit(ROOT),
-                  note=args.note, cases=[], ratios=[], loader=None, analysis=None)
+                  note=args.note, cases=[], ratios=[], loader=None, tokenizer=None, analysis=None)
     record["settings"] = {k: getattr(args, k) for k in ("device", "dtype", "modes", "steps", "warmup",
                                                          "layer_steps", "layer_warmup", "smoke")}
     m = record["machine"]
-    print(f"[laplace.bench] {args.device} ({m.get('gpu') or m['cpu']}, {m['torch_threads']} threads) "
+    print(f"[bench] {args.device} ({m.get('gpu') or m['cpu']}, {m['torch_threads']} threads) "
           f"dtype={args.dtype} modes={','.join(args.modes)} sections={','.join(args.sections)}", flush=True)
     builders = {"layer": (layer_cases, args.layer_warmup, args.layer_steps),
                 "step": (step_cases, args.warmup, args.steps)}
@@ -176,6 +182,10 @@ def main(argv=None) -> dict:
         record["loader"] = bench_stream(args.loader_tokens, max(1, -(-args.loader_tokens // 4)),
                                         args.loader_seq_len, args.loader_batch)
         print(f"[loader: {time.perf_counter() - t0:.0f} s]", flush=True)
+    if "tokenizer" in args.sections:
+        t0 = time.perf_counter()
+        record["tokenizer"] = bench_tokenizer(args.tokenizer_vocab, args.tokenizer_chars, args.tokenizer_threads)
+        print(f"[tokenizer: {time.perf_counter() - t0:.0f} s]", flush=True)
     if "analysis" in args.sections:
         record["analysis"] = []
         for N in args.analysis_tokens:
@@ -188,6 +198,6 @@ def main(argv=None) -> dict:
     out = Path(args.out) if args.out else Path("docs/benchmarks")
     js, md = write_record(record, out)
     print("\n" + report.markdown(record), flush=True)
-    print(f"[laplace.bench] {record['seconds']:.0f} s; records: {js} and {md}", flush=True)
+    print(f"[bench] {record['seconds']:.0f} s; records: {js} and {md}", flush=True)
     record["files"] = [str(js), str(md)]
     return record

@@ -1,16 +1,23 @@
-"""`python -m laplace.bench`: the one benchmark of the project, written as comparable records.
+"""`python -m bench`: the one benchmark of the project, written as comparable records.
 
-    python -m laplace.bench --threads 1           # CPU defaults: a few minutes on 2 cores
-    python -m laplace.bench --device cuda          # the GPU protocol (ViT-B 128 x 224, GPT d20 16 x 2048, bf16)
-    python -m laplace.bench --device cuda --compile   # eager and torch.compile'd
-    python -m laplace.bench --smoke --out /tmp/b   # everything tiny (CI, tests/test_bench.py)
+    python -m bench --threads 1                  # CPU defaults: a few minutes on 2 cores
+    python -m bench --device cuda                # the GPU protocol (ViT-B 128 x 224, GPT d20 16 x 2048, bf16)
+    python -m bench --device cuda --compile      # eager and torch.compile'd
+    python -m bench --smoke --out /tmp/b         # everything tiny (CI, tests/test_bench.py)
+    python -m bench --sections loader tokenizer  # the GPT data path alone
+    python -m bench --sections analysis --analysis-tokens 100000   # the accumulator alone
+
+A tool on the top floor (it times the library, the loop and the consumers): nothing below
+imports it.
 
 What it measures (--sections, default all):
     layer     one attention layer (laplace.attention.Attention) alone, forward + backward
     step      a whole training step: zero grads, forward, loss, backward, optimizer step
               (ViTs: AdamW from timm's factory as optim=adamw; GPT: Muon + AdamW from
-              train.optim.build_muon_adamw with configs/optim/muon.yaml, as experiment=gpt_d20)
+              train.optim.build_muon_adamw with experiment=gpt_d20's composed optim node)
     loader    the LM loader (laplace.data.shards.TokenStream): tokens/s over random shards
+    tokenizer BPE (laplace.tokenizer) trained on the built-in help text, then encode_batch
+              tokens/s with 1, 2, ... threads
     analysis  analysis.streaming.GeometryAccumulator: update() tokens/s against the bare float64
               X^T X matmul of the same batches, and the peak memory at each N (a fresh process each)
 for the families (--families) ViT-S (vits_0L / 3L / 6L vs timm deit3_small_patch16_224), ViT-B
@@ -39,7 +46,7 @@ Records: <out>/<date>_<cpu|cuda>_<GPU name | CPU model-cores>.json (every number
 the versions, the commit, the arguments) and .md (the tables, also printed); --out defaults to
 docs/benchmarks.
 """
-from .pipeline import analysis_one, bench_stream  # light: numpy and torch only
+from .pipeline import analysis_one, bench_stream, bench_tokenizer  # light: numpy and torch only
 
 
 def main(argv=None) -> dict:
@@ -49,4 +56,4 @@ def main(argv=None) -> dict:
     return _main(argv)
 
 
-__all__ = ["main", "analysis_one", "bench_stream"]
+__all__ = ["main", "analysis_one", "bench_stream", "bench_tokenizer"]

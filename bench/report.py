@@ -1,4 +1,4 @@
-"""The record of a laplace.bench run: machine, versions, ratios with verdicts, Markdown."""
+"""The record of a `python -m bench` run: machine, versions, ratios with verdicts, Markdown."""
 from __future__ import annotations
 
 import math
@@ -152,7 +152,7 @@ def _verdict(met: Optional[bool], value) -> str:
 def markdown(record: dict) -> str:
     m, a, cpu = record["machine"], record["settings"], record["machine"]["kind"] == "cpu"
     dev = m.get("gpu") or f"{m['cpu']}, {m['cpus_usable']} usable of {m['cpu_count']} cores"
-    lines = [f"# laplace.bench {record['date']}", "",
+    lines = [f"# bench {record['date']}", "",
              f"- machine: {m['kind']}: {dev}; host {m['host']}; {m['torch_threads']} torch threads",
              f"- versions: python {m['python']}, torch {m['torch']}, timm {m['timm']}"
              + (f", CUDA {m['cuda']}" if m.get("cuda") else ""),
@@ -204,6 +204,13 @@ def markdown(record: dict) -> str:
             [[f"{ld['tokens']:,}", str(ld["shards"]), f"{ld['seq_len']} x {ld['micro_batch']}",
               f"{ld['tokens_per_s']:,.0f}", f"{ld['batches_per_s']:,.0f}", f"{ld['anon_growth_mib']:+.1f}",
               f"{ld['mem_after_mib'].get('RssFile', float('nan')):,.0f}"]])
+    tk = record.get("tokenizer")
+    if tk:
+        lines += ["", f"## Tokenizer (BPE vocab {tk['vocab']:,} trained on the help text in {tk['train_s']:.2f} s; "
+                      f"encode_batch over {tk['chars']:,} characters, {tk['chars_per_token']:.2f} chars/token)", ""]
+        lines += md_table(["threads", "tokens", "seconds", "tokens/s", "tokens/s per thread"],
+                          [[str(r["threads"]), f"{r['tokens']:,}", f"{r['seconds']:.2f}", f"{r['tokens_per_s']:,.0f}",
+                            f"{r['tokens_per_s_per_thread']:,.0f}"] for r in tk["runs"]])
     an = record.get("analysis")
     if an:
         r0 = an[0]
@@ -225,4 +232,4 @@ def markdown(record: dict) -> str:
 
 def command_line(argv=None) -> str:
     """The command as typed (argv: main's arguments when called in-process)."""
-    return ("python -m laplace.bench " + shlex.join(sys.argv[1:] if argv is None else argv)).rstrip()
+    return ("python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)).rstrip()
