@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .dist import unwrap
 from .errors import UserError, name_storage_error
 
 FORMAT = "laplace-checkpoint"
@@ -42,17 +43,6 @@ _PREFIXES = ("_orig_mod.", "module.")
 
 class CheckpointError(UserError, ValueError):
     """A file that is not a laplace checkpoint, or is truncated / corrupt."""
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DDP and torch.compile wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 def clean_state_dict(sd: dict) -> dict:

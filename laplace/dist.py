@@ -36,6 +36,17 @@ class DistInfo:
         return self.world_size > 1
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under DDP and torch.compile wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
 def _env_ranks() -> tuple[int, int, int]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import Attention, KVCache, block_indices, laplacian_counts, rms_norm
+from .sampling import sample_next  # the one token-picking rule (also the streaming sampler's)
 
 
 class MLP(nn.Module):
@@ -179,8 +180,6 @@ class GPT(nn.Module):
         """Sample `max_new_tokens` after the prompt idx [B, T]; temperature 0 is greedy,
         `top_k` None or 0 samples from the whole vocabulary. With `use_cache` the prompt is
         encoded once and each step feeds one token."""
-        from .sampling import sample_next  # the one token-picking rule (also the streaming sampler's)
-
         if temperature < 0:
             raise ValueError(f"temperature={temperature}: use 0 (greedy) or a positive value")
         if top_k is not None and top_k < 0:

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from .checkpoint import unwrap
+from .dist import unwrap
 from .errors import ConfigError
 
 
