@@ -25,6 +25,7 @@ from omegaconf import ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from laplace.errors import ConfigError
+from laplace.rundir import EXECUTION_KEYS
 
 # Runs sharing all of these are seeds of one experiment (recipe_id: the config without seeds).
 GROUP_KEYS = ("trainer", "dataset", "family", "k", "mode", "recipe_id")
@@ -135,8 +136,6 @@ def model_family(name: str, model_cfg: dict) -> str:
 def _recipe_id(cfg: dict) -> str:
     """A hash of the config without what may vary between pooled runs: seed, where things
     are written or read from, how they execute, and the row's model name, k and mode."""
-    from train import EXECUTION_KEYS
-
     def flat(d, prefix=""):
         for k, v in d.items():
             if isinstance(v, dict):

@@ -1,5 +1,8 @@
 """Output folders: names that stay within the file system's limit, and one run per run directory.
 
+`EXECUTION_KEYS` are the config keys a run directory's name leaves out (the loop names and
+resumes runs with them, the analysis groups runs without them).
+
 `short_name` keeps a long name's readable start and ends it in a hash of the whole, so the same
 input names the same folder again (run directories, eval.lm's output folder, Slurm chains).
 
@@ -26,6 +29,14 @@ from pathlib import Path
 from laplace.errors import UserError
 
 MAX_NAME = 120  # characters of a run directory's last component (file systems allow 255)
+
+# Config keys that say how a run executes, not what it trains: they do not change the run
+# directory's name (more workers or another logger must resume the same run), a resume does not
+# compare them with the checkpoint's config, and the tables do not group runs by them.
+EXECUTION_KEYS = ("run_dir", "paths.", "logger", "hydra.", "data.root", "data.tokenizer", "data.cache_dir", "data.download",
+                  "trainer.device", "trainer.num_workers", "trainer.progress", "trainer.stop_after",
+                  "trainer.log_every", "trainer.eval_every", "trainer.ckpt_every", "trainer.keep_every",
+                  "trainer.micro_batch_size", "trainer.amp", "trainer.compile", "trainer.resume")
 
 
 def short_name(name: str, limit: int) -> str:

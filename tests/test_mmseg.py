@@ -16,7 +16,7 @@ pytest.importorskip("mmseg", reason="the [seg] extra is not installed (pip insta
 
 from conftest import ROOT, randomize_  # noqa: E402
 from eval.mmseg import LaplaceViT  # noqa: E402  (first: the mmcv-lite shim, before mmseg's models)
-from eval.seg_metrics import SegMetric  # noqa: E402
+from train.seg_metrics import SegMetric  # noqa: E402
 from laplace.checkpoint import load_model, save_checkpoint  # noqa: E402
 from laplace.config import model_node  # noqa: E402
 from laplace.data.ade20k import write_digits_ade20k  # noqa: E402
@@ -114,7 +114,7 @@ def test_frozen_backbone_unchanged_and_features_equal_laplace(trained):
         want = ref.norm(feats[f"blocks.{i}"])[:, 1:].transpose(1, 2).reshape(2, 48, 8, 8)
         torch.testing.assert_close(out, want)
     # A window smaller than the crop (mmseg's slide inference passes it as it is): padded to
-    # the model's size, as eval/segmentation.py's windows are, the padding's tokens dropped.
+    # the model's size, as train/seg_linear.py's windows are, the padding's tokens dropped.
     small = bb(x[:, :, :40, :56])[1]
     padded = torch.nn.functional.pad(x[:, :, :40, :56], (0, 8, 0, 24))
     want = ref.norm(ref.forward_features(padded, layers=[1], norm=False)["blocks.1"])

@@ -1,7 +1,7 @@
-"""Frozen-backbone segmentation (eval/segmentation.py, laplace/data/ade20k.py, eval/seg_metrics.py):
-the metric against a hand computation, sliding windows against whole-image inference, ADE20K's
-label convention and layout, the training pipeline, and the protocol end to end on the tiny
-ADE20K-layout digits set."""
+"""Frozen-backbone segmentation (eval/segmentation.py, train/seg_linear.py, train/seg_metrics.py,
+laplace/data/ade20k.py): the metric against a hand computation, sliding windows against
+whole-image inference, ADE20K's label convention and layout, the training pipeline, and the
+protocol end to end on the tiny ADE20K-layout digits set."""
 from __future__ import annotations
 
 import json
@@ -15,13 +15,13 @@ import torch
 from PIL import Image
 
 from conftest import ROOT, TINY_VIT
-from eval.seg_metrics import SegMetric
-from eval.segmentation import FrozenBackboneSeg, seg_loss, slide_inference
 from laplace import create_model
 from laplace.data import DatasetNotFoundError
 from laplace.data.ade20k import (ADE20K, IGNORE, SegEvalTransform, SegTrainTransform, reduce_zero_label,
                                  write_digits_ade20k)
 from train import run
+from train.seg_linear import FrozenBackboneSeg, seg_loss, slide_inference
+from train.seg_metrics import SegMetric
 
 
 def test_miou_of_a_planted_prediction_by_hand():

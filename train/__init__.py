@@ -9,21 +9,16 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from laplace.errors import ConfigError
-from laplace.rundir import MAX_NAME, RunDirLock, check_writable, short_name  # noqa: F401  (MAX_NAME: train.MAX_NAME)
+from laplace import model_defaults
+from laplace.rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
 
 # name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
 # outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
+# Only the loop's own trainers: a floor above (eval) builds on the engine but is not named here.
 TRAINERS = {"deit3": "train.supervised:SupervisedTrainer", "gpt": "train.gpt:GPTTrainer",
-            "seg_linear": "eval.segmentation:SegLinearTrainer",
+            "seg_linear": "train.seg_linear:SegLinearTrainer",
             "dino": "train.dino:DINOTrainer"}
-
-# Config keys that say how a run executes, not what it trains: they do not change the run
-# directory's name (more workers or another logger must resume the same run) and a resume
-# does not compare them with the checkpoint's config.
-EXECUTION_KEYS = ("run_dir", "paths.", "logger", "hydra.", "data.root", "data.tokenizer", "data.cache_dir", "data.download",
-                  "trainer.device", "trainer.num_workers", "trainer.progress", "trainer.stop_after",
-                  "trainer.log_every", "trainer.eval_every", "trainer.ckpt_every", "trainer.keep_every",
-                  "trainer.micro_batch_size", "trainer.amp", "trainer.compile", "trainer.resume")
+ARCH_NAMES = {"vit": "ViT", "gpt": "GPT"}
 
 
 def get_trainer(name: str):
@@ -53,7 +48,9 @@ STEP_KEYS = {"max_steps": 1, "epochs": 1, "log_every": 1, "eval_every": 1, "ckpt
 
 
 def check_engine_config(cls, cfg: DictConfig):
-    """One-line errors for engine settings no trainer can run with (before anything is built)."""
+    """One-line errors for engine settings no trainer can run with, and for a model or data the
+    trainer does not take (before anything resolves, so an interpolation the wrong data node
+    lacks is never reached)."""
     for key, least in STEP_KEYS.items():
         value = cfg.trainer.get(key)
         if value is None and key != "log_every":
@@ -66,6 +63,24 @@ def check_engine_config(cls, cfg: DictConfig):
     if cfg.optim.get("name") == "muon" and cls.configure_optimizers is Trainer.configure_optimizers:
         raise ConfigError(f"optim=muon splits a GPT's parameters between Muon and AdamW; trainer={cfg.trainer.name} "
                           f"builds one optimizer from optim: use optim=adamw (or optim=lamb)")
+    arch = model_defaults(cfg.model.name)["arch"]  # the zoo's one-line error if unknown
+    modality, name = cfg.data.get("modality"), cfg.trainer.name
+    if cls.data_modality and modality and modality != cls.data_modality:  # a node without one: trusted
+        raise ConfigError(f"data={cfg.data.name} holds {modality} data but trainer={name} "
+                          f"trains on {cls.data_modality}; {_fitting(modality=modality)}")
+    if cls.model_archs and arch not in cls.model_archs:
+        raise ConfigError(f"model={cfg.model.name} is a {ARCH_NAMES[arch]} but trainer={name} trains "
+                          f"{'/'.join(ARCH_NAMES[a] for a in cls.model_archs)}s; {_fitting(arch=arch)}")
+
+
+def _fitting(arch: str | None = None, modality: str | None = None) -> str:
+    """'use trainer=X (e.g. ...)' for the registered trainers that accept this model / data."""
+    fits = []
+    for name in TRAINERS:
+        cls = get_trainer(name)
+        if (arch is None or arch in cls.model_archs) and (modality is None or modality == cls.data_modality):
+            fits.append(f"trainer={name} (e.g. {cls.example})" if cls.example else f"trainer={name}")
+    return f"use {' or '.join(fits)}" if fits else "no trainer here fits it"
 
 
 def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
@@ -94,8 +109,7 @@ def run(cfg: DictConfig) -> dict:
     from .signals import Preempted, StopRequest
 
     cls = get_trainer(cfg.trainer.name)
-    check_engine_config(cls, cfg)
-    cls.check_config(cfg)  # before anything resolves: wrong combinations get one line
+    check_engine_config(cls, cfg)  # before anything resolves: wrong combinations get one line
     # Rank 0 (torchrun's RANK, srun's SLURM_PROCID) copies its output into the run directory.
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)) or 0)
     # One run per directory, for the run's life: before anything reads or writes in it.

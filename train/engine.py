@@ -37,21 +37,20 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from laplace import create_model, dist, model_defaults
+from laplace import create_model, dist
 from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_checkpoint, load_pretrained,
                                 resume_candidates, rng_state, save_checkpoint, set_rng_state)
 from laplace.errors import ConfigError
 from laplace.io import write_json
+from laplace.rundir import EXECUTION_KEYS
 
-from . import EXECUTION_KEYS, TRAINERS, get_trainer
 from .feeds import MapFeed, epoch_sampler
 from .logger import MetricsLogger
 from .optim import (apply_group_schedules, build_optimizer, build_schedules, check_group_schedules,
                     clip_gradients)
 from .signals import EXIT_REQUEUE, Preempted, StopRequest
 
-ARCH_NAMES = {"vit": "ViT", "gpt": "GPT"}
 # Resume does not compare these either: they only act on a fresh run.
 _FRESH_ONLY_KEYS = ("trainer.init_from", "trainer.init_head")
 
@@ -74,19 +73,6 @@ class Trainer:
     example = ""
     #: names in trainer.schedules the trainer reads from self.hparams
     scheduled_values: tuple[str, ...] = ()
-
-    @classmethod
-    def check_config(cls, cfg: DictConfig):
-        """One-line errors for combinations this trainer cannot train (run before anything
-        resolves, so an interpolation the wrong data node lacks is never reached)."""
-        arch = model_defaults(cfg.model.name)["arch"]  # the zoo's one-line error if unknown
-        modality, name = cfg.data.get("modality"), cfg.trainer.name
-        if cls.data_modality and modality and modality != cls.data_modality:  # a node without one: trusted
-            raise ConfigError(f"data={cfg.data.name} holds {modality} data but trainer={name} "
-                              f"trains on {cls.data_modality}; {_fitting(modality=modality)}")
-        if cls.model_archs and arch not in cls.model_archs:
-            raise ConfigError(f"model={cfg.model.name} is a {ARCH_NAMES[arch]} but trainer={name} trains "
-                              f"{'/'.join(ARCH_NAMES[a] for a in cls.model_archs)}s; {_fitting(arch=arch)}")
 
     def __init__(self, cfg: DictConfig):
         self.cfg, tc = cfg, cfg.trainer
@@ -515,13 +501,3 @@ def _size(dataset) -> str:
         return f"the training set has {len(dataset)} samples"
     except TypeError:
         return "a streamed training set"
-
-
-def _fitting(arch: str | None = None, modality: str | None = None) -> str:
-    """'use trainer=X (e.g. ...)' for the registered trainers that accept this model / data."""
-    fits = []
-    for name in TRAINERS:
-        cls = get_trainer(name)
-        if (arch is None or arch in cls.model_archs) and (modality is None or modality == cls.data_modality):
-            fits.append(f"trainer={name} (e.g. {cls.example})" if cls.example else f"trainer={name}")
-    return f"use {' or '.join(fits)}" if fits else "no trainer here fits it"

@@ -13,7 +13,7 @@ one [B, C, H/p, W/p] map of patch tokens per `out_indices` (the class token is d
 Inputs of another size than `img_size` (mmseg's slide inference passes images smaller than
 the window as they are; `whole` mode passes whole images): an input that fits in `img_size`
 is zero-padded to it (bottom / right) and the padding's tokens are cropped from the maps,
-as eval/segmentation.py's sliding windows do; a larger one gets the position embedding
+as train/seg_linear.py's sliding windows do; a larger one gets the position embedding
 resampled (bicubic) to its grid, as mmseg's own ViT does.
 """
 from __future__ import annotations

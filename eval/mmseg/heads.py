@@ -4,7 +4,7 @@
                      input_transform='resize_concat', norm_cfg=dict(type='SyncBN'))
 
 Batch norm + 1x1 convolution over the backbone's maps, resized to the first one's size and
-concatenated (several layers: DINOv2's "+ms" head). The same head as eval/segmentation.py's
+concatenated (several layers: DINOv2's "+ms" head). The same head as train/seg_linear.py's
 `LinearSegHead`; mmseg's BaseDecodeHead adds the loss, the bilinear upsampling of the logits
 and the 0.01-std normal init of the 1x1 convolution (`conv_seg`).
 """
