@@ -1,11 +1,12 @@
 """`trainer=seg_linear`: a linear head on a frozen ViT, DINOv2's segmentation protocol, on the engine.
 
-The backbone (rebuilt from `checkpoint` at the crop size by `python -m eval.segmentation`, which
-runs this trainer) is frozen; its patch tokens after the final norm (of the last block, or of the
-last `trainer.layers` concatenated: DINOv2's "+ms"; `trainer.cls_token` also appends the class
-token to each patch) feed a batch norm + 1x1 convolution whose logits are bilinearly upsampled to
-the image. Validation: sliding windows (`slide_inference`), mIoU / aAcc / mAcc (train/seg_metrics.py).
-The checkpoint it writes exports the backbone; the head is its `train_model`.
+`python -m eval.segmentation` runs it: it fills the model node from `checkpoint` at the crop
+size, and `build_model` rebuilds the backbone there (position embedding resampled) and freezes
+it. Its patch tokens after the final norm (of the last block, or of the last `trainer.layers`
+concatenated: DINOv2's "+ms"; `trainer.cls_token` also appends the class token to each patch)
+feed a batch norm + 1x1 convolution whose logits are bilinearly upsampled to the image.
+Validation: sliding windows (`slide_inference`), mIoU / aAcc / mAcc (train/seg_metrics.py). The
+checkpoint it writes exports the backbone; the head is its `train_model`.
 """
 from __future__ import annotations
 
