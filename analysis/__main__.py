@@ -25,7 +25,6 @@ Bad input (missing checkpoint, unknown metric, bad layer) exits with one `error:
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import hydra
@@ -33,8 +32,8 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from analysis.features import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
-from laplace import io
 from laplace.errors import ConfigError, cli_errors
+from laplace.io import write_json
 from laplace.rundir import check_writable
 
 def analysis_dir(checkpoint, out=None) -> Path:
@@ -59,21 +58,6 @@ def headline(res: dict) -> dict:
     else:
         out["lc_cdnv_mean"] = norm.get("lc", {}).get("lc_cdnv_mean")
     return out
-
-
-def _plain(x):
-    """JSON-safe: NaN / inf become null (strict JSON readers refuse NaN)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
-def write_json(obj, path: Path) -> Path:
-    return io.write_json(path, _plain(obj), indent=1)
 
 
 def _checkpoints(cfg) -> list[Path]:
@@ -194,7 +178,7 @@ def run(cfg: DictConfig) -> list[dict]:
                                      progress=cfg.progress, loaded=loaded)
             runs.append(res)
             _print_run(res)
-            print(f"[analysis] wrote {write_json(res, analysis_dir(p, out) / 'analysis.json')}", flush=True)
+            print(f"[analysis] wrote {write_json(analysis_dir(p, out) / 'analysis.json', res, indent=1)}", flush=True)
             if cfg.figures:
                 plots.draw_all([res], analysis_dir(p, out), cfg.spectrum_layer)
         if cfg.pca_maps and vit:
@@ -228,7 +212,7 @@ def _compare(runs: list[dict], cfg, out: Path) -> None:
         plots.draw_all(runs, out, cfg.spectrum_layer)
     summary = [{"label": plots.run_label(r), "model": r["model"], "checkpoint": r["checkpoint"],
                 "analysis": str(analysis_dir(r["checkpoint"], cfg.get("out")) / "analysis.json"), **headline(r)} for r in runs]
-    print(f"[analysis] wrote {write_json({'runs': summary}, out / 'summary.json')}", flush=True)
+    print(f"[analysis] wrote {write_json(out / 'summary.json', {'runs': summary}, indent=1)}", flush=True)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="analysis")

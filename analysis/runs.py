@@ -135,18 +135,12 @@ def model_family(name: str, model_cfg: dict) -> str:
 def _recipe_id(cfg: dict) -> str:
     """A hash of the config without what may vary between pooled runs: seed, where things
     are written or read from, how they execute, and the row's model name, k and mode."""
+    from laplace.config import flatten
     from train import EXECUTION_KEYS
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
 
     skip = EXECUTION_KEYS + ("seed", "model.name", "model.num_laplacian_heads", "model.laplacian_mode",
                              "trainer.init_from")  # stage-1 paths carry the seed
-    kept = {k: v for k, v in flat(cfg) if not k.startswith(skip)}
+    kept = {k: v for k, v in flatten(cfg).items() if not k.startswith(skip)}
     # whether a run fine-tunes still matters: stage 1 and stage 2 of one recipe never pool
     kept["finetuned"] = bool(cfg.get("trainer", {}).get("init_from"))
     return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:8]

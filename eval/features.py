@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Subset
 from laplace.checkpoint import CheckpointError, load_checkpoint, load_weights
 from laplace.dist import DistInfo, all_gather_object, barrier, cleanup
 from laplace.errors import ConfigError
-from laplace.io import write_json
+from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
 from laplace.vit import VisionTransformer, load_timm_state_dict
 from laplace.zoo import create_model
@@ -176,10 +176,8 @@ def _load_cache(path: Path, key: dict, device) -> tuple[torch.Tensor, torch.Tens
 
 
 def _save_cache(path: Path, key: dict, feats: torch.Tensor, labels: torch.Tensor) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save({"key": key, "features": feats.cpu(), "labels": labels.cpu()}, tmp)
-    os.replace(tmp, path)
+    obj = {"key": key, "features": feats.cpu(), "labels": labels.cpu()}
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 @torch.no_grad()

@@ -16,8 +16,9 @@ A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
      "loop": {"step", "feed": the data position, "world_size"},
      "rng": [per-rank RNG states and per-rank trainer state]}
 
-Writes are atomic (temp file in the same folder, fsync, rename), so a kill during a save never
-leaves a broken `last.pt`; the temp file of a killed writer is removed by the next save.
+Writes go through `laplace.io.atomic_write` (temp file in the same folder, fsync, rename, folder
+fsync), so a kill during a save never leaves a broken `last.pt`; the temp file of a killed
+writer is removed by the next save.
 `load_model(path)` rebuilds the model from the checkpoint alone; `load_pretrained` loads a
 checkpoint or a timm / DeiT state dict into a model for fine-tuning.
 """
@@ -33,7 +34,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .errors import UserError, name_storage_error
+from .errors import UserError
+from .io import atomic_write
 
 FORMAT = "laplace-checkpoint"
 VERSION = 2
@@ -117,29 +119,12 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
         **entries: plain data stored beside it (optimizer: an optimizer or {name: optimizer}
             is stored as state dicts; loop, rng, trainer, ...).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "version": VERSION,
                "model": clean_state_dict(unwrap(model).state_dict()), "config": config,
                "git_rev": git_revision(), **{k: _plain_state(v) for k, v in entries.items()}}
-    # A writer killed mid-save (SIGKILL, node failure) leaves its full-size temp file behind:
-    # one writer per run directory, so any temp file of this name is stale.
-    for stale in path.parent.glob(f".{path.name}.tmp*"):
-        stale.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file
-    except BaseException as e:
-        name_storage_error(e, path)
-        raise
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    # One writer per run directory: a temp file beside `path` is a killed writer's (SIGKILL, node
+    # failure), full size, and goes first.
+    return atomic_write(path, lambda f: torch.save(payload, f), sole_writer=True)
 
 
 def resume_candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
