@@ -32,6 +32,7 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from analysis.features import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
+from laplace.checkpoint import run_dir_of
 from laplace.errors import ConfigError, cli_errors
 from laplace.io import write_json
 from laplace.rundir import check_writable
@@ -42,8 +43,7 @@ def analysis_dir(checkpoint, out=None) -> Path:
     p = Path(checkpoint)
     if out is None:
         return p.parent / f"{p.stem}_analysis"
-    run = p.parent.parent if p.parent.name == "ckpt" else p.parent
-    return Path(out) / f"{run.name}_{p.stem}_analysis"
+    return Path(out) / f"{run_dir_of(p).name}_{p.stem}_analysis"
 
 
 def headline(res: dict) -> dict:

@@ -75,22 +75,18 @@ def evaluate_knn(cfg: DictConfig) -> dict:
         ks.append(int(cfg.k))
     if min(ks) < 1 or cfg.T <= 0:
         raise ConfigError(f"ks={ks}, T={cfg.T}: need k >= 1 and T > 0")
-    (xtr, ytr), (xva, yva), info, dist_info, home = eval_features(cfg, "cls")
+    (xtr, ytr), (xva, yva), info, dist_info = eval_features(cfg, "cls")
     if not dist_info.is_main:
         return {}
     res = knn_classify(xtr, ytr, xva, yva, ks, float(cfg.T), int(cfg.data.num_classes), int(cfg.chunk))
     k = min(int(cfg.k), len(xtr))
     for kk, r in res.items():
         print(f"[knn] {kk:>4}-NN T={cfg.T}: top1 {r['top1']:.2f}  top5 {r['top5']:.2f}")
-    record = {"model": info["model"], "num_laplacian_heads": info["num_laplacian_heads"],
-              "laplacian_mode": info["laplacian_mode"], "dataset": cfg.data.name, "protocol": "knn",
-              "checkpoint": info["checkpoint"], "step": info["step"], "weights": info["source"],
-              "k": int(cfg.k), "T": float(cfg.T), "feature": "cls_norm_l2",
-              "n_train": len(xtr), "n_val": len(xva),
-              "knn": {"top1": res[k]["top1"], "top5": res[k]["top5"],
-                      "per_k": {str(kk): r for kk, r in res.items()}}}
-    write_results(cfg, home, "knn", record)
-    return record
+    return write_results(cfg, info, "knn", {
+        "k": int(cfg.k), "T": float(cfg.T), "feature": "cls_norm_l2",
+        "n_train": len(xtr), "n_val": len(xva),
+        "knn": {"top1": res[k]["top1"], "top5": res[k]["top5"],
+                "per_k": {str(kk): r for kk, r in res.items()}}})
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="knn")

@@ -5,8 +5,8 @@
     python -m eval.segmentation checkpoint=runs/deit3/digits/vitt_3L_s0/ckpt/last.pt eval=seg_digits_linear
     python -m eval.segmentation checkpoint=... iters=2000 crop_size=256 batch_size=8       # a small run
 
-The backbone is rebuilt from the checkpoint (`laplace.checkpoint`) at the crop size (position
-embeddings resampled) and frozen; its patch tokens after the final norm (of the last block, or
+The backbone is rebuilt from the checkpoint (`laplace.checkpoint.load_backbone`) at the crop
+size (position embeddings resampled) and frozen; its patch tokens after the final norm (of the last block, or
 of the last 4 concatenated: `trainer.layers`, as DINOv2's published ViT-S/14 linear heads,
 which take patch channels only, 4 x 384 for +ms; the option `trainer.cls_token` also appends
 the class token to each patch) feed a batch norm + 1x1 convolution whose logits are bilinearly
@@ -25,7 +25,6 @@ backbone (what `load_model` returns), the head is its `train_model`.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import hydra
 import torch
@@ -33,11 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig, open_dict
 
-from laplace.checkpoint import CheckpointError, load_checkpoint
+from laplace.checkpoint import backbone_node, load_backbone, run_dir_of
 from laplace.data.ade20k import IGNORE
 from laplace.errors import ConfigError, cli_errors
-from laplace.vit import VisionTransformer, load_timm_state_dict
-from laplace.zoo import create_model
+from laplace.vit import VisionTransformer
 from train.engine import Trainer
 
 from .seg_metrics import SegMetric
@@ -151,15 +149,10 @@ class SegLinearTrainer(Trainer):
         return train, ADE20K(d.root, "validation", SegEvalTransform(d.scale, **norm))
 
     def build_model(self):
-        ckpt = load_checkpoint(self.cfg.checkpoint)
-        # The backbone at the crop size: the position embedding is resampled to its grid.
-        backbone = create_model(**self.cfg.model)
-        try:
-            load_timm_state_dict(backbone, ckpt["model"])
-        except (RuntimeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint={self.cfg.checkpoint} does not fit its own model node: "
-                                  f"{' '.join(str(e).split())[:200]}") from None
         tc = self.cfg.trainer
+        # The node `prepare` recorded; the head is built (and unused) as it always was, so the
+        # linear head's initialisation draws the same random numbers.
+        backbone, _ = load_backbone(self.cfg.checkpoint, img_size=tc.crop_size, head=True)
         return FrozenBackboneSeg(backbone, self.cfg.data.num_classes, tc.layers, tc.cls_token)
 
     def wrap_model(self, model):
@@ -206,17 +199,11 @@ class SegLinearTrainer(Trainer):
 def prepare(cfg: DictConfig) -> DictConfig:
     """The backbone's model node from the checkpoint (at the crop size) and the run directory
     beside the checkpoint's run."""
-    path = Path(str(cfg.checkpoint))
-    if not path.is_file():
-        raise ConfigError(f"checkpoint={path}: no such file; pass a laplace checkpoint (runs/.../ckpt/last.pt)")
-    node = load_checkpoint(path)["config"]["model"]
-    if "embed_dim" not in node:
-        raise ConfigError(f"checkpoint={path} holds a {node.get('name')} model: segmentation needs a ViT")
+    node = backbone_node(cfg.checkpoint, img_size=cfg.trainer.crop_size, head=True)
     with open_dict(cfg):
-        cfg.model = {**node, "img_size": cfg.trainer.crop_size, "drop_path_rate": 0.0}
+        cfg.model = node
         if cfg.run_dir is None:
-            run = path.parent.parent if path.parent.name == "ckpt" else path.parent
-            cfg.run_dir = str(run / "eval" / f"seg_{cfg.data.name}_l{cfg.trainer.layers}")
+            cfg.run_dir = str(run_dir_of(cfg.checkpoint) / "eval" / f"seg_{cfg.data.name}_l{cfg.trainer.layers}")
     return cfg
 
 

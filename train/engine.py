@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 from laplace import create_model, dist, model_defaults
 from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_checkpoint, load_pretrained,
-                                resume_candidates, rng_state, save_checkpoint, set_rng_state)
+                                results_header, resume_candidates, rng_state, save_checkpoint, set_rng_state)
 from laplace.config import flatten
 from laplace.errors import ConfigError
 from laplace.io import write_json
@@ -484,10 +484,8 @@ class Trainer:
         trainer shares come first; `results` adds the trainer's own."""
         if self.dist.is_main:
             m = self.plain_config()["model"]  # plain: a per-layer list is a list, not a ListConfig
-            record = {"model": m["name"], "num_laplacian_heads": m["num_laplacian_heads"],
-                      "laplacian_mode": m["laplacian_mode"], "dataset": self.cfg.data.name,
-                      "seed": self.cfg.seed, "steps": self.step, "epochs": self.epoch,
-                      "checkpoint": str(self.ckpt_path), **results}
+            record = results_header(m, self.cfg.data.name, self.ckpt_path, seed=self.cfg.seed, steps=self.step,
+                                    epochs=self.epoch, **results)
             write_json(self.run_dir / "results.json", record)
 
 
