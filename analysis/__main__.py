@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from analysis.features import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
 from laplace.checkpoint import run_dir_of
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import check_writable
 
@@ -215,10 +215,9 @@ def _compare(runs: list[dict], cfg, out: Path) -> None:
     print(f"[analysis] wrote {write_json(out / 'summary.json', {'runs': summary}, indent=1)}", flush=True)
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="analysis")
+@hydra_entry("analysis")
 def main(cfg: DictConfig) -> None:
-    # Bad input: one `error:` line (HYDRA_FULL_ERROR=1: traceback); a bug: its traceback.
-    cli_errors(run)(cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import plots
 from analysis.plots import plt, save
 from analysis.runs import aggregate, collect, runs_roots, sort_key
-from laplace.errors import cli_errors
+from laplace.cli import hydra_entry
 
 
 def experiments(records: list[dict]) -> dict[str, list[dict]]:
@@ -265,9 +264,9 @@ def run(cfg: DictConfig) -> list[Path]:
     return paths
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="figures")
+@hydra_entry("figures")
 def main(cfg: DictConfig) -> None:
-    cli_errors(run)(cfg)  # bad input: one `error:` line; a bug: its traceback
+    run(cfg)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-import hydra
 import torch
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
@@ -40,7 +39,8 @@ from laplace.chat import render_for_completion, tokenizer_from_config
 from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.data import DatasetNotFoundError
 from laplace.dist import resolve_device
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 from laplace.gpt import GPT
 from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
 from laplace.tokenizer import load_tokenizer
@@ -164,10 +164,9 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
     return replies
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="generate")
+@hydra_entry("generate")
 def main(cfg: DictConfig) -> None:
-    # Bad input: one `error:` line (HYDRA_FULL_ERROR=1: traceback); a bug: its traceback.
-    cli_errors(generate)(cfg)
+    generate(cfg)
 
 
 if __name__ == "__main__":

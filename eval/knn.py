@@ -21,12 +21,11 @@ reads it as `knn.top1` in the run's record.
 from __future__ import annotations
 
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
-from laplace.config import register_model_configs
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 
 
 from .features import eval_features, run_and_clean_up, write_results
@@ -89,11 +88,10 @@ def evaluate_knn(cfg: DictConfig) -> dict:
                 "per_k": {str(kk): r for kk, r in res.items()}}})
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="knn")
+@hydra_entry("knn")
 def main(cfg: DictConfig) -> None:
-    cli_errors(run_and_clean_up)(evaluate_knn, cfg)
+    run_and_clean_up(evaluate_knn, cfg)
 
 
 if __name__ == "__main__":
-    cli_errors(register_model_configs)()
     main()

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import math
 
-import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from laplace.config import register_model_configs
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 
 
 from .features import eval_features, run_and_clean_up, write_results
@@ -167,11 +166,10 @@ def evaluate_linear(cfg: DictConfig) -> dict:
                    "heldout_top1": r["heldout_top1"]}})
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="linear")
+@hydra_entry("linear")
 def main(cfg: DictConfig) -> None:
-    cli_errors(run_and_clean_up)(evaluate_linear, cfg)
+    run_and_clean_up(evaluate_linear, cfg)
 
 
 if __name__ == "__main__":
-    cli_errors(register_model_configs)()
     main()

@@ -41,12 +41,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from laplace.checkpoint import load_checkpoint, results_header, run_dir_of
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import MAX_NAME, check_writable, short_name
 
@@ -378,9 +378,9 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
     return records
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="lm_eval")
+@hydra_entry("lm_eval")
 def main(cfg: DictConfig) -> None:
-    cli_errors(evaluate_lm)(cfg)
+    evaluate_lm(cfg)
 
 
 if __name__ == "__main__":

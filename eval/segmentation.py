@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 
-import hydra
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -34,7 +33,8 @@ from omegaconf import DictConfig, open_dict
 
 from laplace.checkpoint import backbone_node, load_backbone, run_dir_of
 from laplace.data.ade20k import IGNORE
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
 from train.engine import Trainer
 
@@ -213,9 +213,9 @@ def evaluate_segmentation(cfg: DictConfig) -> dict:
     return run(prepare(cfg))
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="segmentation")
+@hydra_entry("segmentation")
 def main(cfg: DictConfig) -> None:
-    metrics = cli_errors(evaluate_segmentation)(cfg)
+    metrics = evaluate_segmentation(cfg)
     print("[segmentation] " + ", ".join(f"{k}={v:.2f}" for k, v in (metrics or {}).items()))
 
 
