@@ -8,7 +8,7 @@
 
 Every default lives in configs/analysis.yaml. Each checkpoint is rebuilt by
 `laplace.checkpoint.load_model` and evaluated on the validation split of its own data node
-(or `data=`); what is measured per layer and token kind is in analysis/features.py.
+(or `data=`); what is measured per layer and token kind is in analysis/geometry.py.
 
 Output, for a checkpoint <dir>/<name>.pt (a folder per checkpoint, so last.pt and step_N.pt
 beside each other do not overwrite each other's results):
@@ -30,7 +30,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from analysis.features import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
+from analysis.geometry import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
 from laplace.checkpoint import run_dir_of
 from laplace.cli import hydra_entry
 from laplace.errors import ConfigError

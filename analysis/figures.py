@@ -193,7 +193,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
     one column per k: the lowest-seed checkpoint of each."""
     import torch
 
-    from analysis.features import eval_split, load_for_analysis
+    from analysis.geometry import eval_split, load_for_analysis
     from analysis.pca_maps import THRESHOLD, denormalize, draw_pca_grid, model_maps
 
     picks: dict = {}  # (k, mode) -> its lowest-seed run with a checkpoint

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf, open_dict
 
 from analysis import figures, runs as runs_mod, tables
 from analysis.__main__ import analysis_dir
-from analysis.features import analyze_checkpoint
+from analysis.geometry import analyze_checkpoint
 from conftest import CONFIGS, ROOT, TINY_VIT
 from laplace.io import write_json
 from laplace.config import register_model_configs
