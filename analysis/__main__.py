@@ -120,14 +120,14 @@ def _out_dir(cfg, paths: list[Path]) -> Path:
     if cfg.analysis_out:
         return Path(cfg.analysis_out)
     if len(paths) == 1:
-        return analysis_dir(paths[0], cfg.get("out"))
-    return Path(cfg.out) if cfg.get("out") else paths[0].parent / "compare_analysis"
+        return analysis_dir(paths[0], cfg.out)
+    return Path(cfg.out) if cfg.out else paths[0].parent / "compare_analysis"
 
 
 def _check_outputs(cfg, paths: list[Path], metrics: list) -> None:
     """Every folder the run will write, checked before the long part (a read-only run folder or a
     full disk would otherwise fail after all the computation)."""
-    out = cfg.get("out")
+    out = cfg.out
     if metrics:
         dirs = [analysis_dir(p, out) for p in paths]
         if len(set(dirs)) < len(dirs):
@@ -157,7 +157,7 @@ def run(cfg: DictConfig) -> list[dict]:
     if not metrics and not cfg.pca_maps:
         raise ConfigError("metrics=[] and pca_maps=0: nothing to do; ask for metrics or pca_maps=<n>")
     _check_outputs(cfg, paths, metrics)
-    out = cfg.get("out")
+    out = cfg.out
     runs, maps, map_facts, pca_images, kinds = [], [], [], None, set()
     for p in paths:
         loaded = load_for_analysis(p, cfg.get("data"), cfg.device)
@@ -211,13 +211,11 @@ def _compare(runs: list[dict], cfg, out: Path) -> None:
     if cfg.figures:
         plots.draw_all(runs, out, cfg.spectrum_layer)
     summary = [{"label": plots.run_label(r), "model": r["model"], "checkpoint": r["checkpoint"],
-                "analysis": str(analysis_dir(r["checkpoint"], cfg.get("out")) / "analysis.json"), **headline(r)} for r in runs]
+                "analysis": str(analysis_dir(r["checkpoint"], cfg.out) / "analysis.json"), **headline(r)} for r in runs]
     print(f"[analysis] wrote {write_json(out / 'summary.json', {'runs': summary}, indent=1)}", flush=True)
 
 
-@hydra_entry("analysis")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
+main = hydra_entry("analysis")(run)
 
 
 if __name__ == "__main__":

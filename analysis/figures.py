@@ -264,9 +264,7 @@ def run(cfg: DictConfig) -> list[Path]:
     return paths
 
 
-@hydra_entry("figures")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
+main = hydra_entry("figures")(run)
 
 
 if __name__ == "__main__":

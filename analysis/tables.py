@@ -364,9 +364,7 @@ def run(cfg: DictConfig) -> list[Path]:
     return paths
 
 
-@hydra_entry("tables")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
+main = hydra_entry("tables")(run)
 
 
 if __name__ == "__main__":

@@ -205,10 +205,10 @@ def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False)
     num_workers, crop_pct, cache, run_dir); info as `load_backbone`'s."""
     from laplace.dist import setup
 
-    dist_info = setup(cfg.get("device", "auto"))
+    dist_info = setup(cfg.device)
     model, info = load_backbone(cfg.checkpoint, cfg.get("model"), cfg.data.img_size, device=dist_info.device)
-    cache_dir = (run_dir_of(cfg.checkpoint) / "eval") if cfg.get("cache", True) else None
-    common = dict(kind=kind, n_last_blocks=n_last_blocks, avgpool=avgpool, crop_pct=cfg.get("crop_pct"),
+    cache_dir = (run_dir_of(cfg.checkpoint) / "eval") if cfg.cache else None
+    common = dict(kind=kind, n_last_blocks=n_last_blocks, avgpool=avgpool, crop_pct=cfg.crop_pct,
                   device=dist_info.device, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                   dist_info=dist_info, cache_dir=cache_dir)
     train = split_features(model, info, cfg.data, "train", **common)
@@ -230,7 +230,7 @@ def run_and_clean_up(evaluate, cfg):
     """evaluate(cfg), then the process group of a torchrun launch is destroyed, whatever happened.
     Where the results (and the feature cache) go is checked writable first, not after the work."""
     try:
-        if cfg.get("run_dir"):
+        if cfg.run_dir:
             check_writable(cfg.run_dir, "run_dir")
         elif cfg.get("checkpoint") and Path(str(cfg.checkpoint)).is_file():
             check_writable(run_dir_of(cfg.checkpoint) / "eval", "run_dir")

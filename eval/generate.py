@@ -108,7 +108,7 @@ def _stream_print(tokens, tok, out: TextIO) -> str:
 def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:
     """Run the command: print the generated text(s) and return them (one per reply)."""
     stdin, out = stdin or sys.stdin, stdout or sys.stdout
-    model, tok = load_generator_model(_checkpoint(cfg), str(cfg.device), cfg.get("tokenizer"))
+    model, tok = load_generator_model(_checkpoint(cfg), str(cfg.device), cfg.tokenizer)
     device = model.wte.weight.device
     top_k = int(cfg.top_k) if cfg.top_k else None
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed))
@@ -164,9 +164,7 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
     return replies
 
 
-@hydra_entry("generate")
-def main(cfg: DictConfig) -> None:
-    generate(cfg)
+main = hydra_entry("generate")(generate)
 
 
 if __name__ == "__main__":

@@ -378,9 +378,7 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
     return records
 
 
-@hydra_entry("lm_eval")
-def main(cfg: DictConfig) -> None:
-    evaluate_lm(cfg)
+main = hydra_entry("lm_eval")(evaluate_lm)
 
 
 if __name__ == "__main__":
