@@ -12,28 +12,20 @@ by SIGUSR1 / SIGTERM after writing last.pt, to be requeued (train/signals.py).
 """
 from __future__ import annotations
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from laplace.config import register_model_configs
-from laplace.errors import cli_errors
+from laplace.cli import hydra_entry
 from train import run, run_dir_from_overrides
 
 
-def train(cfg: DictConfig) -> dict:
+@hydra_entry("config")
+def main(cfg: DictConfig) -> dict:
     if cfg.run_dir is None:
         with open_dict(cfg):
             cfg.run_dir = run_dir_from_overrides(cfg, list(HydraConfig.get().overrides.task))
     return run(cfg)
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="config")
-def main(cfg: DictConfig) -> dict:
-    # Inside Hydra's task function, so that errors never reach Hydra's own handler.
-    return cli_errors(train)(cfg)
-
-
 if __name__ == "__main__":
-    cli_errors(register_model_configs)()
     main()

@@ -8,7 +8,7 @@
 
 Every default lives in configs/analysis.yaml. Each checkpoint is rebuilt by
 `laplace.checkpoint.load_model` and evaluated on the validation split of its own data node
-(or `data=`); what is measured per layer and token kind is in analysis/features.py.
+(or `data=`); what is measured per layer and token kind is in analysis/geometry.py.
 
 Output, for a checkpoint <dir>/<name>.pt (a folder per checkpoint, so last.pt and step_N.pt
 beside each other do not overwrite each other's results):
@@ -25,16 +25,16 @@ Bad input (missing checkpoint, unknown metric, bad layer) exits with one `error:
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from analysis.features import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
-from laplace import io
-from laplace.errors import ConfigError, cli_errors
+from analysis.geometry import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
+from laplace.checkpoint import run_dir_of
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
+from laplace.io import write_json
 from laplace.rundir import check_writable
 
 def analysis_dir(checkpoint, out=None) -> Path:
@@ -43,8 +43,7 @@ def analysis_dir(checkpoint, out=None) -> Path:
     p = Path(checkpoint)
     if out is None:
         return p.parent / f"{p.stem}_analysis"
-    run = p.parent.parent if p.parent.name == "ckpt" else p.parent
-    return Path(out) / f"{run.name}_{p.stem}_analysis"
+    return Path(out) / f"{run_dir_of(p).name}_{p.stem}_analysis"
 
 
 def headline(res: dict) -> dict:
@@ -59,21 +58,6 @@ def headline(res: dict) -> dict:
     else:
         out["lc_cdnv_mean"] = norm.get("lc", {}).get("lc_cdnv_mean")
     return out
-
-
-def _plain(x):
-    """JSON-safe: NaN / inf become null (strict JSON readers refuse NaN)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
-def write_json(obj, path: Path) -> Path:
-    return io.write_json(path, _plain(obj), indent=1)
 
 
 def _checkpoints(cfg) -> list[Path]:
@@ -136,14 +120,14 @@ def _out_dir(cfg, paths: list[Path]) -> Path:
     if cfg.analysis_out:
         return Path(cfg.analysis_out)
     if len(paths) == 1:
-        return analysis_dir(paths[0], cfg.get("out"))
-    return Path(cfg.out) if cfg.get("out") else paths[0].parent / "compare_analysis"
+        return analysis_dir(paths[0], cfg.out)
+    return Path(cfg.out) if cfg.out else paths[0].parent / "compare_analysis"
 
 
 def _check_outputs(cfg, paths: list[Path], metrics: list) -> None:
     """Every folder the run will write, checked before the long part (a read-only run folder or a
     full disk would otherwise fail after all the computation)."""
-    out = cfg.get("out")
+    out = cfg.out
     if metrics:
         dirs = [analysis_dir(p, out) for p in paths]
         if len(set(dirs)) < len(dirs):
@@ -173,7 +157,7 @@ def run(cfg: DictConfig) -> list[dict]:
     if not metrics and not cfg.pca_maps:
         raise ConfigError("metrics=[] and pca_maps=0: nothing to do; ask for metrics or pca_maps=<n>")
     _check_outputs(cfg, paths, metrics)
-    out = cfg.get("out")
+    out = cfg.out
     runs, maps, map_facts, pca_images, kinds = [], [], [], None, set()
     for p in paths:
         loaded = load_for_analysis(p, cfg.get("data"), cfg.device)
@@ -194,7 +178,7 @@ def run(cfg: DictConfig) -> list[dict]:
                                      progress=cfg.progress, loaded=loaded)
             runs.append(res)
             _print_run(res)
-            print(f"[analysis] wrote {write_json(res, analysis_dir(p, out) / 'analysis.json')}", flush=True)
+            print(f"[analysis] wrote {write_json(analysis_dir(p, out) / 'analysis.json', res, indent=1)}", flush=True)
             if cfg.figures:
                 plots.draw_all([res], analysis_dir(p, out), cfg.spectrum_layer)
         if cfg.pca_maps and vit:
@@ -227,14 +211,11 @@ def _compare(runs: list[dict], cfg, out: Path) -> None:
     if cfg.figures:
         plots.draw_all(runs, out, cfg.spectrum_layer)
     summary = [{"label": plots.run_label(r), "model": r["model"], "checkpoint": r["checkpoint"],
-                "analysis": str(analysis_dir(r["checkpoint"], cfg.get("out")) / "analysis.json"), **headline(r)} for r in runs]
-    print(f"[analysis] wrote {write_json({'runs': summary}, out / 'summary.json')}", flush=True)
+                "analysis": str(analysis_dir(r["checkpoint"], cfg.out) / "analysis.json"), **headline(r)} for r in runs]
+    print(f"[analysis] wrote {write_json(out / 'summary.json', {'runs': summary}, indent=1)}", flush=True)
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="analysis")
-def main(cfg: DictConfig) -> None:
-    # Bad input: one `error:` line (HYDRA_FULL_ERROR=1: traceback); a bug: its traceback.
-    cli_errors(run)(cfg)
+main = hydra_entry("analysis")(run)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import plots
 from analysis.plots import plt, save
 from analysis.runs import aggregate, collect, runs_roots, sort_key
-from laplace.errors import cli_errors
+from laplace.cli import hydra_entry
 
 
 def experiments(records: list[dict]) -> dict[str, list[dict]]:
@@ -194,7 +193,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
     one column per k: the lowest-seed checkpoint of each."""
     import torch
 
-    from analysis.features import eval_split, load_for_analysis
+    from analysis.geometry import eval_split, load_for_analysis
     from analysis.pca_maps import THRESHOLD, denormalize, draw_pca_grid, model_maps
 
     picks: dict = {}  # (k, mode) -> its lowest-seed run with a checkpoint
@@ -265,9 +264,7 @@ def run(cfg: DictConfig) -> list[Path]:
     return paths
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="figures")
-def main(cfg: DictConfig) -> None:
-    cli_errors(run)(cfg)  # bad input: one `error:` line; a bug: its traceback
+main = hydra_entry("figures")(run)
 
 
 if __name__ == "__main__":

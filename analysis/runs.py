@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Optional, Union
 from omegaconf import ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from laplace.config import flatten
 from laplace.errors import ConfigError
 from laplace.rundir import EXECUTION_KEYS
 
@@ -136,16 +137,9 @@ def model_family(name: str, model_cfg: dict) -> str:
 def _recipe_id(cfg: dict) -> str:
     """A hash of the config without what may vary between pooled runs: seed, where things
     are written or read from, how they execute, and the row's model name, k and mode."""
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
-
     skip = EXECUTION_KEYS + ("seed", "model.name", "model.num_laplacian_heads", "model.laplacian_mode",
                              "trainer.init_from")  # stage-1 paths carry the seed
-    kept = {k: v for k, v in flat(cfg) if not k.startswith(skip)}
+    kept = {k: v for k, v in flatten(cfg).items() if not k.startswith(skip)}
     # whether a run fine-tunes still matters: stage 1 and stage 2 of one recipe never pool
     kept["finetuned"] = bool(cfg.get("trainer", {}).get("init_from"))
     return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:8]

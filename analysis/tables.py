@@ -22,17 +22,15 @@ import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.runs import aggregate, collect, metric_value, runs_roots, sort_key
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import config_dir, hydra_entry
+from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import check_writable
 
-ROOT = Path(__file__).resolve().parent.parent
 PAPER = Path(__file__).with_name("paper.yaml")
-SPECS = ROOT / "configs" / "tables.yaml"
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -75,7 +73,7 @@ def load_paper(path=None) -> dict:
 
 def load_specs(only=None, specs=None) -> dict:
     """The table specs of configs/tables.yaml (or `specs`), restricted to `only`."""
-    specs = specs if specs is not None else OmegaConf.to_container(OmegaConf.load(SPECS))["tables"]
+    specs = specs if specs is not None else OmegaConf.to_container(OmegaConf.load(config_dir("tables") / "tables.yaml"))["tables"]
     if only:
         bad = [n for n in only if n not in specs]
         if bad:
@@ -366,10 +364,7 @@ def run(cfg: DictConfig) -> list[Path]:
     return paths
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="tables")
-def main(cfg: DictConfig) -> None:
-    # Bad input: one `error:` line (HYDRA_FULL_ERROR=1: traceback); a bug: its traceback.
-    cli_errors(run)(cfg)
+main = hydra_entry("tables")(run)
 
 
 if __name__ == "__main__":

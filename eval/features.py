@@ -8,10 +8,10 @@ Two kinds of feature, DINO's (facebookresearch/dino eval_knn.py / eval_linear.py
               (DINO interleaves the two for n=1, a permutation of the same numbers; DINOv2
               appends). DINO's ViT-S recipe is n=4 without avgpool, its ViT-B n=1 with it.
 
-The backbone comes from any laplace checkpoint (`load_backbone`: a DINO teacher backbone, a
-DeiT-III model with a head, ...) or from a timm / DeiT-III state dict file with the
-architecture named by the `model=` config group. It is rebuilt at the data's image size
-(position embeddings resampled), without head, frozen, in eval mode.
+The backbone comes from any laplace checkpoint (`laplace.checkpoint.load_backbone`: a DINO
+teacher backbone, a DeiT-III model with a head, ...) or from a timm / DeiT-III state dict file
+with the architecture named by the `model=` config group. It is rebuilt at the data's image
+size (position embeddings resampled), without head, frozen, in eval mode.
 
 `extract_features` runs the model over a split once: each rank of a distributed launch takes
 the samples rank, rank + world, ... and the rows are all-gathered back into dataset order, so
@@ -24,7 +24,6 @@ as float32 / int64 tensors on the one device given.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -35,73 +34,18 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from laplace.checkpoint import CheckpointError, load_checkpoint, load_weights
+from laplace.checkpoint import load_backbone, results_header, run_dir_of
 from laplace.dist import DistInfo, all_gather_object, barrier, cleanup
 from laplace.errors import ConfigError
-from laplace.io import write_json
+from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
-from laplace.vit import VisionTransformer, load_timm_state_dict
-from laplace.zoo import create_model
+from laplace.vit import VisionTransformer
 
 CACHE_VERSION = 1
 
 
-# ----------------------------------------------------------------------------- the backbone
-
-
-def run_home(checkpoint: str | os.PathLike) -> Path:
-    """The run directory a checkpoint belongs to (`<run>/ckpt/last.pt` -> `<run>`; a loose
-    weights file -> its folder)."""
-    p = Path(checkpoint)
-    return p.parent.parent if p.parent.name == "ckpt" else p.parent
-
-
 def _plain(node) -> dict:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-
-
-def load_backbone(checkpoint, model_node=None, img_size: int | None = None,
-                  device: Any = "cpu") -> tuple[VisionTransformer, dict]:
-    """(frozen ViT without head at `img_size`, info) from a laplace checkpoint or a timm state dict.
-
-    Args:
-        checkpoint: a laplace checkpoint (its own model node is used; `model_node` is ignored),
-            or a timm / DeiT-III state dict file (.pth / .bin / .safetensors).
-        model_node: the architecture of a state dict file (the `model=` group's node).
-        img_size: the input size; None keeps the checkpoint's.
-    Returns info = {model, num_laplacian_heads, laplacian_mode, checkpoint, step, source}.
-    """
-    path = Path(str(checkpoint))
-    if not path.is_file():
-        raise ConfigError(f"checkpoint={path}: no such file; pass a laplace checkpoint (runs/.../ckpt/last.pt) "
-                          f"or a timm state dict with model=<zoo name>")
-    try:
-        ckpt = load_checkpoint(path)
-        sd, node, step, source = ckpt["model"], dict(ckpt["config"]["model"]), ckpt.get("loop", {}).get("step"), "laplace"
-    except CheckpointError as e:
-        if "not a laplace checkpoint" not in str(e):
-            raise
-        sd, _ = load_weights(path)  # a timm / DeiT state dict (CheckpointError if not one either)
-        if model_node is None:
-            raise ConfigError(f"checkpoint={path} is a state dict, not a laplace checkpoint: name its "
-                              f"architecture, e.g. model=vits_0L") from None
-        node, step, source = _plain(model_node), None, "timm"
-    if "embed_dim" not in node:
-        raise ConfigError(f"checkpoint={path} holds a {node.get('name')} model: k-NN / linear evaluation needs a ViT")
-    node.update(num_classes=0, drop_path_rate=0.0, **({"img_size": int(img_size)} if img_size else {}))
-    model = create_model(**node)
-    sd = {k: v for k, v in sd.items() if not k.startswith("head.")}  # a DeiT-III head is not a feature
-    try:
-        load_timm_state_dict(model, sd)
-    except (RuntimeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint={path} does not fit model {node['name']}: "
-                              f"{' '.join(str(e).split())[:200]}") from None
-    model.requires_grad_(False).eval().to(device)
-    k = node.get("num_laplacian_heads", 0)
-    info = {"model": node["name"], "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
-            "laplacian_mode": node.get("laplacian_mode", "fixed"), "checkpoint": str(path), "step": step,
-            "source": source}
-    return model, info
 
 
 # ----------------------------------------------------------------------------- features of a batch
@@ -176,10 +120,8 @@ def _load_cache(path: Path, key: dict, device) -> tuple[torch.Tensor, torch.Tens
 
 
 def _save_cache(path: Path, key: dict, feats: torch.Tensor, labels: torch.Tensor) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save({"key": key, "features": feats.cpu(), "labels": labels.cpu()}, tmp)
-    os.replace(tmp, path)
+    obj = {"key": key, "features": feats.cpu(), "labels": labels.cpu()}
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 @torch.no_grad()
@@ -259,39 +201,39 @@ def split_features(model, info: dict, data_cfg, split: str, *, kind: str, n_last
 
 def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False):
     """Everything an entry point needs: (train (features, labels), val (features, labels), info,
-    dist_info, out_dir) for the entry config `cfg` (checkpoint, model, data, device, batch_size,
-    num_workers, crop_pct, cache, run_dir)."""
+    dist_info) for the entry config `cfg` (checkpoint, model, data, device, batch_size,
+    num_workers, crop_pct, cache, run_dir); info as `load_backbone`'s."""
     from laplace.dist import setup
 
-    dist_info = setup(cfg.get("device", "auto"))
-    model, info = load_backbone(cfg.checkpoint, cfg.get("model"), cfg.data.img_size, dist_info.device)
-    home = run_home(cfg.checkpoint)
-    cache_dir = (home / "eval") if cfg.get("cache", True) else None
-    common = dict(kind=kind, n_last_blocks=n_last_blocks, avgpool=avgpool, crop_pct=cfg.get("crop_pct"),
+    dist_info = setup(cfg.device)
+    model, info = load_backbone(cfg.checkpoint, cfg.get("model"), cfg.data.img_size, device=dist_info.device)
+    cache_dir = (run_dir_of(cfg.checkpoint) / "eval") if cfg.cache else None
+    common = dict(kind=kind, n_last_blocks=n_last_blocks, avgpool=avgpool, crop_pct=cfg.crop_pct,
                   device=dist_info.device, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                   dist_info=dist_info, cache_dir=cache_dir)
     train = split_features(model, info, cfg.data, "train", **common)
     val = split_features(model, info, cfg.data, "val", **common)
-    return train, val, info, dist_info, home
+    return train, val, info, dist_info
 
 
-
-
-def write_results(cfg, home: Path, protocol: str, record: dict) -> Path:
-    """`record` as <run_dir or the checkpoint's run>/eval/<protocol>_<data>/results.json (atomic)."""
-    out = Path(cfg.run_dir) if cfg.run_dir else home / "eval" / f"{protocol}_{cfg.data.name}"
+def write_results(cfg, info: dict, protocol: str, fields: dict) -> dict:
+    """The results header and `fields` as results.json (atomic) in run_dir, by default
+    <the checkpoint's run>/eval/<protocol>_<data>/; returns the record."""
+    record = {**results_header(info["node"], cfg.data.name, info["checkpoint"], protocol=protocol,
+                               step=info["step"], weights=info["source"]), **fields}
+    out = Path(cfg.run_dir) if cfg.run_dir else run_dir_of(info["checkpoint"]) / "eval" / f"{protocol}_{cfg.data.name}"
     write_json(out / "results.json", record)
-    return out
+    return record
 
 
 def run_and_clean_up(evaluate, cfg):
     """evaluate(cfg), then the process group of a torchrun launch is destroyed, whatever happened.
     Where the results (and the feature cache) go is checked writable first, not after the work."""
     try:
-        if cfg.get("run_dir"):
+        if cfg.run_dir:
             check_writable(cfg.run_dir, "run_dir")
         elif cfg.get("checkpoint") and Path(str(cfg.checkpoint)).is_file():
-            check_writable(run_home(cfg.checkpoint) / "eval", "run_dir")
+            check_writable(run_dir_of(cfg.checkpoint) / "eval", "run_dir")
         return evaluate(cfg)
     finally:
         cleanup()

@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-import hydra
 import torch
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
@@ -40,7 +39,8 @@ from laplace.chat import render_for_completion, tokenizer_from_config
 from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.data import DatasetNotFoundError
 from laplace.dist import resolve_device
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 from laplace.gpt import GPT
 from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
 from laplace.tokenizer import load_tokenizer
@@ -108,7 +108,7 @@ def _stream_print(tokens, tok, out: TextIO) -> str:
 def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:
     """Run the command: print the generated text(s) and return them (one per reply)."""
     stdin, out = stdin or sys.stdin, stdout or sys.stdout
-    model, tok = load_generator_model(_checkpoint(cfg), str(cfg.device), cfg.get("tokenizer"))
+    model, tok = load_generator_model(_checkpoint(cfg), str(cfg.device), cfg.tokenizer)
     device = model.wte.weight.device
     top_k = int(cfg.top_k) if cfg.top_k else None
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed))
@@ -164,10 +164,7 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
     return replies
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="generate")
-def main(cfg: DictConfig) -> None:
-    # Bad input: one `error:` line (HYDRA_FULL_ERROR=1: traceback); a bug: its traceback.
-    cli_errors(generate)(cfg)
+main = hydra_entry("generate")(generate)
 
 
 if __name__ == "__main__":

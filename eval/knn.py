@@ -21,12 +21,11 @@ reads it as `knn.top1` in the run's record.
 from __future__ import annotations
 
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
-from laplace.config import register_model_configs
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 
 
 from .features import eval_features, run_and_clean_up, write_results
@@ -75,29 +74,24 @@ def evaluate_knn(cfg: DictConfig) -> dict:
         ks.append(int(cfg.k))
     if min(ks) < 1 or cfg.T <= 0:
         raise ConfigError(f"ks={ks}, T={cfg.T}: need k >= 1 and T > 0")
-    (xtr, ytr), (xva, yva), info, dist_info, home = eval_features(cfg, "cls")
+    (xtr, ytr), (xva, yva), info, dist_info = eval_features(cfg, "cls")
     if not dist_info.is_main:
         return {}
     res = knn_classify(xtr, ytr, xva, yva, ks, float(cfg.T), int(cfg.data.num_classes), int(cfg.chunk))
     k = min(int(cfg.k), len(xtr))
     for kk, r in res.items():
         print(f"[knn] {kk:>4}-NN T={cfg.T}: top1 {r['top1']:.2f}  top5 {r['top5']:.2f}")
-    record = {"model": info["model"], "num_laplacian_heads": info["num_laplacian_heads"],
-              "laplacian_mode": info["laplacian_mode"], "dataset": cfg.data.name, "protocol": "knn",
-              "checkpoint": info["checkpoint"], "step": info["step"], "weights": info["source"],
-              "k": int(cfg.k), "T": float(cfg.T), "feature": "cls_norm_l2",
-              "n_train": len(xtr), "n_val": len(xva),
-              "knn": {"top1": res[k]["top1"], "top5": res[k]["top5"],
-                      "per_k": {str(kk): r for kk, r in res.items()}}}
-    write_results(cfg, home, "knn", record)
-    return record
+    return write_results(cfg, info, "knn", {
+        "k": int(cfg.k), "T": float(cfg.T), "feature": "cls_norm_l2",
+        "n_train": len(xtr), "n_val": len(xva),
+        "knn": {"top1": res[k]["top1"], "top5": res[k]["top5"],
+                "per_k": {str(kk): r for kk, r in res.items()}}})
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="knn")
+@hydra_entry("knn")
 def main(cfg: DictConfig) -> None:
-    cli_errors(run_and_clean_up)(evaluate_knn, cfg)
+    run_and_clean_up(evaluate_knn, cfg)
 
 
 if __name__ == "__main__":
-    cli_errors(register_model_configs)()
     main()

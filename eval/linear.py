@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import math
 
-import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from laplace.config import register_model_configs
-from laplace.errors import ConfigError, cli_errors
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 
 
 from .features import eval_features, run_and_clean_up, write_results
@@ -144,7 +143,7 @@ def evaluate_linear(cfg: DictConfig) -> dict:
     """Extract (or reuse) the features, run the probe on rank 0, write results.json; returns it."""
     if int(cfg.epochs) < 1 or int(cfg.train_batch_size) < 1:
         raise ConfigError(f"epochs={cfg.epochs}, train_batch_size={cfg.train_batch_size}: both must be >= 1")
-    (xtr, ytr), (xva, yva), info, dist_info, home = eval_features(cfg, "linear", int(cfg.n_last_blocks),
+    (xtr, ytr), (xva, yva), info, dist_info = eval_features(cfg, "linear", int(cfg.n_last_blocks),
                                                                   bool(cfg.avgpool))
     if not dist_info.is_main:
         return {}
@@ -157,25 +156,20 @@ def evaluate_linear(cfg: DictConfig) -> dict:
         print(f"[linear] base lr {row['base_lr']:g} (lr {row['lr']:g}): held-out top1 {row['heldout_top1']:.2f}{mark}")
     print(f"[linear] val top1 {r['top1']:.2f}  top5 {r['top5']:.2f} (lr {r['lr']:g}, "
           f"{'retrained on the full train set' if r['retrained'] else 'the chosen head'})")
-    record = {"model": info["model"], "num_laplacian_heads": info["num_laplacian_heads"],
-              "laplacian_mode": info["laplacian_mode"], "dataset": cfg.data.name, "protocol": "linear",
-              "checkpoint": info["checkpoint"], "step": info["step"], "weights": info["source"],
-              "n_last_blocks": int(cfg.n_last_blocks), "avgpool": bool(cfg.avgpool), "feature_dim": xtr.shape[1],
-              "epochs": int(cfg.epochs), "train_batch_size": int(cfg.train_batch_size), "seed": int(cfg.seed),
-              "val_fraction": float(cfg.val_fraction), "retrained": r["retrained"], "augmentation": "none (cached)",
-              "n_train": len(xtr), "n_val": len(xva), "n_fit": r["n_fit"], "n_heldout": r["n_heldout"],
-              "grid": r["grid"],
-              "linear": {"top1": r["top1"], "top5": r["top5"], "lr": r["lr"], "base_lr": r["base_lr"],
-                         "heldout_top1": r["heldout_top1"]}}
-    write_results(cfg, home, "linear", record)
-    return record
+    return write_results(cfg, info, "linear", {
+        "n_last_blocks": int(cfg.n_last_blocks), "avgpool": bool(cfg.avgpool), "feature_dim": xtr.shape[1],
+        "epochs": int(cfg.epochs), "train_batch_size": int(cfg.train_batch_size), "seed": int(cfg.seed),
+        "val_fraction": float(cfg.val_fraction), "retrained": r["retrained"], "augmentation": "none (cached)",
+        "n_train": len(xtr), "n_val": len(xva), "n_fit": r["n_fit"], "n_heldout": r["n_heldout"],
+        "grid": r["grid"],
+        "linear": {"top1": r["top1"], "top5": r["top5"], "lr": r["lr"], "base_lr": r["base_lr"],
+                   "heldout_top1": r["heldout_top1"]}})
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="linear")
+@hydra_entry("linear")
 def main(cfg: DictConfig) -> None:
-    cli_errors(run_and_clean_up)(evaluate_linear, cfg)
+    run_and_clean_up(evaluate_linear, cfg)
 
 
 if __name__ == "__main__":
-    cli_errors(register_model_configs)()
     main()

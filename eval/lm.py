@@ -41,11 +41,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from laplace.errors import ConfigError, cli_errors
+from laplace.checkpoint import load_checkpoint, results_header, run_dir_of
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import MAX_NAME, check_writable, short_name
 
@@ -173,10 +174,6 @@ def check_code_eval_metric(tasks: list[str]) -> None:
                           f"laplace_chat_humaneval, which needs nothing more") from None
 
 
-def run_dir_of(path: Path) -> Path:
-    return path.parent.parent if path.parent.name == "ckpt" else path.parent
-
-
 def tasks_tag(cfg, names: list[str]) -> str:
     """`lm_<tasks>` naming an evaluation: the task names (`standard` for the default five),
     then the settings that change the numbers (shots, chat template, limit)."""
@@ -265,17 +262,13 @@ def format_table(rows: list[tuple], title: str) -> str:
 
 
 def checkpoint_fields(path: Path) -> dict:
-    """The fields every results.json shares (train/engine.py `write_results`), from the checkpoint."""
-    from laplace.checkpoint import load_checkpoint
-
+    """The fields every results.json shares (`laplace.checkpoint.results_header`), from the checkpoint."""
     ckpt = load_checkpoint(path)
     config = ckpt.get("config") or {}
     m, data = config.get("model") or {}, config.get("data") or {}
     if "embed_dim" in m or not str(m.get("name", "")).startswith("gpt"):
         raise ConfigError(f"checkpoint={path} holds {m.get('name')}, not a GPT: lm-eval needs a language model")
-    return {"model": m.get("name"), "num_laplacian_heads": m.get("num_laplacian_heads"),
-            "laplacian_mode": m.get("laplacian_mode"), "dataset": data.get("name"),
-            "checkpoint": str(path), "step": (ckpt.get("loop") or {}).get("step")}
+    return results_header(m, data.get("name"), path, step=(ckpt.get("loop") or {}).get("step"))
 
 
 
@@ -385,9 +378,7 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
     return records
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="lm_eval")
-def main(cfg: DictConfig) -> None:
-    cli_errors(evaluate_lm)(cfg)
+main = hydra_entry("lm_eval")(evaluate_lm)
 
 
 if __name__ == "__main__":

@@ -1,76 +1,9 @@
 """lm-evaluation-harness (lm-eval 0.4.13) for our GPT checkpoints: the model "laplace".
 
-From the shell, `python -m eval.lm_adapter` IS lm-eval's own command line, unchanged, with this
-model registered first (it imports this module, then calls `lm_eval.__main__.cli_evaluate`):
-
-    python -m eval.lm_adapter --model laplace --model_args checkpoint=runs/.../ckpt/last.pt \\
-        --tasks hellaswag,arc_easy --batch_size 8 --output_path results/
-    python -m eval.lm_adapter run --model laplace --model_args checkpoint=PATH,device=cuda \\
-        --tasks my_task --include_path my_tasks/ --apply_chat_template     # an SFT model, chat
-
-The plain `lm_eval` / `lm-eval` command cannot find the model: lm-eval 0.4.13 knows out-of-tree
-models only through `lm_eval.api.registry.register_model` run in its own process (its model
-table, `lm_eval.models.MODEL_MAPPING`, is fixed; the registry accepts entry points as lazy
-targets but nothing discovers any entry-point group; `--include_path` adds tasks, not models).
-From Python, importing this module is enough:
-
-    import lm_eval, eval.lm_adapter                      # registers "laplace"
-    lm_eval.simple_evaluate(model="laplace", model_args="checkpoint=PATH,device=cpu,batch_size=4",
-                            tasks=["hellaswag"])
-
-lm-eval's CLI also passes its --batch_size (default 1) and --device (default cuda:0) to the model:
-a device or batch_size given in --model_args wins over them (lm-eval's HF model would refuse the
-pair); on a machine without CUDA give --device cpu (or device=cpu). Under torchrun a "cuda:N"
-device means each process's own GPU (its local rank).
-
-Model arguments (`LaplaceLM`): checkpoint (required; the model and its tokenizer are rebuilt from
-the checkpoint alone, the tokenizer by `laplace.chat.tokenizer_from_config`), device (auto: CUDA
-when available), dtype (auto: bf16 autocast on CUDA, fp32 on CPU; the weights stay fp32;
-float32 | bfloat16 | float16), batch_size (int; "auto" means 8, no search), max_length (default:
-the training context, the checkpoint's data.seq_len), max_gen_toks (256), seed (sampling only).
-
-How requests are scored -- every number is exact, batched where it can be:
-
-* Tokens. Every context starts with `<|bos|>`: our models saw a bos before every document, so a
-  context is `[bos] + ids(context)` (an empty context is `[bos]` alone, lm-eval's convention too),
-  unless its text already starts with the string "<|bos|>" (a rendered chat prompt). The pair is
-  split as lm-eval's HF model does: trailing spaces of the context move to the continuation,
-  ids(context + continuation) is encoded whole, and the continuation is what follows the context's
-  ids. (When a continuation merges into the context's last token, so that nothing follows, the
-  shared prefix is the context instead: lm-eval's HF model would fail there.)
-* Special-token strings. Texts are encoded with `Tokenizer.encode_with_specials`: a literal
-  "<|user_start|>" etc. becomes that special id, so a chat prompt from `apply_chat_template`
-  (which renders with `laplace.chat` and returns `tok.decode(ids)`) becomes exactly the ids SFT
-  saw. Benchmark text that itself contains such "<|...|>" strings would be encoded differently
-  from plain text; none of the standard tasks contain them.
-* loglikelihood: (context + continuation) left-truncated to max_length + 1 tokens, requests
-  sorted longest first and cut into batches (lm-eval's Collator), one right-padded forward per
-  batch (padding comes after every scored position, so causal attention never sees it). Requests
-  that differ only in a one-token continuation (multiple choice with letter answers) share one
-  forward, as in lm-eval's HF model. is_greedy: every continuation token is the argmax. A
-  continuation longer than max_length tokens is refused (ConfigError), never silently cut.
-* loglikelihood_rolling: lm-eval's disjoint rolling windows of max_length tokens with `<|bos|>` as
-  the prefix token (`get_rolling_token_windows` + `make_disjoint_window`), batched with the
-  loglikelihood requests' code, summed per document.
-* generate_until: one request at a time with the KV cache (`laplace.sampling.stream_tokens`):
-  greedy unless do_sample / temperature > 0 (then top_k is honoured, seeded by `seed`). It stops
-  after max_gen_toks tokens, at `<|bos|>` or `<|assistant_end|>` (not returned), or once the text
-  contains one of the `until` strings (cut before it). The prompt keeps its last max_length
-  tokens and, if needed, fewer, so that prompt + max_gen_toks fits the rotary table (10x the
-  training context): unlike lm-eval's HF model the generated tokens may run past max_length.
-* Chat (`--apply_chat_template`): `apply_chat_template` renders system / user / assistant turns
-  with `laplace.chat` (nanochat's format; a system message is merged into the first user turn).
-  With add_generation_prompt the text ends with "<|assistant_start|>"; without it (lm-eval's
-  gen_prefix) a final assistant message is left open (no "<|assistant_end|>").
-
-Several GPUs: lm-eval's data parallelism for custom models. Launched with `torchrun
---nproc_per_node=N -m eval.lm_adapter ...` (or `accelerate launch -m eval.lm_adapter ...`, which
-sets the same RANK / WORLD_SIZE / LOCAL_RANK), each process takes the GPU of its local rank
-(`laplace.dist.setup`), reports `rank` / `world_size`, lm-eval gives it its shard of every task's
-documents, and `all_gather` / `gather_object` / `barrier` (torch.distributed: nccl on GPUs, gloo on
-CPU) bring the metrics to rank 0, which alone prints and writes results. One process is one
-device: there is no model parallelism (not needed at d20). To evaluate several checkpoints at
-once, run one command per checkpoint, each pinned to a GPU with CUDA_VISIBLE_DEVICES.
+lm-eval finds out-of-tree models only through `register_model` run in its own process, so
+importing this module registers `LaplaceLM`, and `python -m eval.lm_adapter` is lm-eval's own
+command line with the model registered. `python -m eval.lm` drives it for the paper's protocol.
+The manual (arguments, how each request type is scored, several GPUs): docs/lm_adapter.md.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
     python -m eval.segmentation checkpoint=runs/deit3/digits/vitt_3L_s0/ckpt/last.pt eval=seg_digits_linear
     python -m eval.segmentation checkpoint=... iters=2000 crop_size=256 batch_size=8       # a small run
 
-The backbone is rebuilt from the checkpoint (`laplace.checkpoint`) at the crop size (position
+The backbone is rebuilt from the checkpoint (`laplace.checkpoint.load_backbone`) at the crop size (position
 embeddings resampled) and frozen; its patch tokens after the final norm (of the last block, or
 of the last 4 concatenated: `trainer.layers`, as DINOv2's published ViT-S/14 linear heads,
 which take patch channels only, 4 x 384 for +ms; the option `trainer.cls_token` also appends
@@ -24,29 +24,20 @@ backbone (what `load_model` returns), the head is its `train_model`.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-import hydra
 from omegaconf import DictConfig, open_dict
 
-from laplace.checkpoint import load_checkpoint
-from laplace.errors import ConfigError, cli_errors
+from laplace.checkpoint import backbone_node, run_dir_of
+from laplace.cli import hydra_entry
 
 
 def prepare(cfg: DictConfig) -> DictConfig:
     """The backbone's model node from the checkpoint (at the crop size) and the run directory
     beside the checkpoint's run."""
-    path = Path(str(cfg.checkpoint))
-    if not path.is_file():
-        raise ConfigError(f"checkpoint={path}: no such file; pass a laplace checkpoint (runs/.../ckpt/last.pt)")
-    node = load_checkpoint(path)["config"]["model"]
-    if "embed_dim" not in node:
-        raise ConfigError(f"checkpoint={path} holds a {node.get('name')} model: segmentation needs a ViT")
+    node = backbone_node(cfg.checkpoint, img_size=cfg.trainer.crop_size, head=True)
     with open_dict(cfg):
-        cfg.model = {**node, "img_size": cfg.trainer.crop_size, "drop_path_rate": 0.0}
+        cfg.model = node
         if cfg.run_dir is None:
-            run = path.parent.parent if path.parent.name == "ckpt" else path.parent
-            cfg.run_dir = str(run / "eval" / f"seg_{cfg.data.name}_l{cfg.trainer.layers}")
+            cfg.run_dir = str(run_dir_of(cfg.checkpoint) / "eval" / f"seg_{cfg.data.name}_l{cfg.trainer.layers}")
     return cfg
 
 
@@ -56,9 +47,9 @@ def evaluate_segmentation(cfg: DictConfig) -> dict:
     return run(prepare(cfg))
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="segmentation")
+@hydra_entry("segmentation")
 def main(cfg: DictConfig) -> None:
-    metrics = cli_errors(evaluate_segmentation)(cfg)
+    metrics = evaluate_segmentation(cfg)
     print("[segmentation] " + ", ".join(f"{k}={v:.2f}" for k, v in (metrics or {}).items()))
 
 

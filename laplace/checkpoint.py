@@ -16,8 +16,9 @@ A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
      "loop": {"step", "feed": the data position, "world_size"},
      "rng": [per-rank RNG states and per-rank trainer state]}
 
-Writes are atomic (temp file in the same folder, fsync, rename), so a kill during a save never
-leaves a broken `last.pt`; the temp file of a killed writer is removed by the next save.
+Writes go through `laplace.io.atomic_write` (temp file in the same folder, fsync, rename, folder
+fsync), so a kill during a save never leaves a broken `last.pt`; the temp file of a killed
+writer is removed by the next save.
 `load_model(path)` rebuilds the model from the checkpoint alone; `load_pretrained` loads a
 checkpoint or a timm / DeiT state dict into a model for fine-tuning.
 """
@@ -34,7 +35,8 @@ import torch
 import torch.nn as nn
 
 from .dist import unwrap
-from .errors import UserError, name_storage_error
+from .errors import ConfigError, UserError
+from .io import atomic_write
 
 FORMAT = "laplace-checkpoint"
 VERSION = 2
@@ -107,29 +109,12 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
         **entries: plain data stored beside it (optimizer: an optimizer or {name: optimizer}
             is stored as state dicts; loop, rng, trainer, ...).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "version": VERSION,
                "model": clean_state_dict(unwrap(model).state_dict()), "config": config,
                "git_rev": git_revision(), **{k: _plain_state(v) for k, v in entries.items()}}
-    # A writer killed mid-save (SIGKILL, node failure) leaves its full-size temp file behind:
-    # one writer per run directory, so any temp file of this name is stale.
-    for stale in path.parent.glob(f".{path.name}.tmp*"):
-        stale.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file
-    except BaseException as e:
-        name_storage_error(e, path)
-        raise
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    # One writer per run directory: a temp file beside `path` is a killed writer's (SIGKILL, node
+    # failure), full size, and goes first.
+    return atomic_write(path, lambda f: torch.save(payload, f), sole_writer=True)
 
 
 def resume_candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
@@ -193,11 +178,17 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
 def load_weights(path: str | os.PathLike) -> tuple[dict, Optional[dict]]:
     """(state dict, model node or None) of a laplace checkpoint or a timm / DeiT weights file
     (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1`/`gamma_2` LayerScale
-    names too): what fine-tuning (`trainer.init_from`) starts from."""
+    names too): what fine-tuning (`trainer.init_from`) and the frozen backbones start from."""
     path = Path(path)
+    sd, ckpt = _weights(path)
+    return sd, None if ckpt is None else _model_node(ckpt, path)
+
+
+def _weights(path: Path) -> tuple[dict, Optional[dict]]:
+    """(state dict, the validated checkpoint, or None for a timm / DeiT file)."""
     obj = _read(path, "weights file")
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
-        return _validate(obj, path)["model"], _model_node(obj, path)
+        return _validate(obj, path)["model"], obj
     sd = obj
     for key in ("model", "state_dict"):  # DeiT's main.py saves {"model": ..., "optimizer": ...}
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
@@ -253,9 +244,6 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: 
         model_cfg: the run's `model` node (its Laplacian heads must match a laplace checkpoint's).
         head: "auto" keeps the loaded head when its shape fits the model, "reset" never does.
     """
-    from .errors import ConfigError
-    from .vit import VisionTransformer, load_timm_state_dict
-
     if head not in ("auto", "reset"):
         raise ConfigError(f"trainer.init_head={head!r}: choose auto or reset")
     path = Path(path)
@@ -274,20 +262,103 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: 
                                   f"Laplacian heads) but the model is {model_cfg.name} ({want[0]} "
                                   f"{want[1]}); fine-tune each model from its own pre-training")
     own = model.state_dict()
-    for k in [k for k in sd if k.startswith(_HEADS) and k not in own]:
-        del sd[k]  # the checkpoint has a head, the model (num_classes=0) does not
     head_keys = [k for k in own if k.startswith(_HEADS)]
     fits = all(k in sd and sd[k].shape == own[k].shape for k in head_keys)
     reset = bool(head_keys) and (head == "reset" or not fits)
     if reset:
         sd.update({k: own[k] for k in head_keys})  # keep the fresh initialisation
+    _load_into(model, sd, f"trainer.init_from={path}", model_cfg.name)
+    kind = "laplace checkpoint" if src_cfg is not None else "timm/DeiT state dict"
+    return f"initialised from {kind} {path}" + ("; head re-initialised" if reset else "; head loaded")
+
+
+def _load_into(model: nn.Module, sd: dict, source: str, name: str) -> None:
+    """Load `sd` strictly into `model`, but for head weights the model lacks (num_classes=0) and
+    a ViT's position embedding, resampled (bicubic) to the model's patch grid. `source` names
+    the setting and file ("checkpoint=PATH") in the one-line error."""
+    from .vit import VisionTransformer, load_timm_state_dict
+
+    own = model.state_dict()
+    sd = {k: v for k, v in sd.items() if k in own or not k.startswith(_HEADS)}
     try:
         if isinstance(model, VisionTransformer):
-            load_timm_state_dict(model, sd)  # strict; resamples pos_embed to the model's grid
+            load_timm_state_dict(model, sd)
         else:
             model.load_state_dict(sd, strict=True)
     except (RuntimeError, ValueError) as e:
-        raise CheckpointError(f"trainer.init_from: {path} does not fit model {model_cfg.name}: "
-                              f"{' '.join(str(e).split())[:300]}") from None
-    kind = "laplace checkpoint" if src_cfg is not None else "timm/DeiT state dict"
-    return f"initialised from {kind} {path}" + ("; head re-initialised" if reset else "; head loaded")
+        raise CheckpointError(f"{source} does not fit model {name}: {' '.join(str(e).split())[:300]}") from None
+
+
+def backbone_node(checkpoint, model_node=None, img_size: Optional[int] = None, head: bool = False) -> dict:
+    """The model node `load_backbone` builds (what a run that trains on the backbone records)."""
+    return _backbone_source(Path(str(checkpoint)), model_node, img_size, head)[0]
+
+
+def load_backbone(checkpoint, model_node=None, img_size: Optional[int] = None, head: bool = False,
+                  device: Any = "cpu") -> tuple[nn.Module, dict]:
+    """(frozen ViT in eval mode at `img_size`, info): the one way from a checkpoint to the backbone
+    of the frozen-feature evaluations (k-NN, linear probe, segmentation).
+
+    Args:
+        checkpoint: a laplace checkpoint (its own model node is used; `model_node` is ignored),
+            or a timm / DeiT-III state dict file (.pth / .bin / .safetensors).
+        model_node: the architecture of a state dict file (the `model=` group's node).
+        img_size: the input size (the position embedding is resampled); None keeps the checkpoint's.
+        head: keep the classifier (num_classes as trained); False builds the ViT without it.
+        device: where the model goes.
+    Returns info = {node: the node it was built from, model, checkpoint, step, source}; source
+    is "laplace" or "timm", step None for a state dict.
+    """
+    from .zoo import create_model
+
+    path = Path(str(checkpoint))
+    node, sd, step, source = _backbone_source(path, model_node, img_size, head)
+    model = create_model(**node)
+    _load_into(model, sd, f"checkpoint={path}", node["name"])
+    model.requires_grad_(False).eval().to(device)
+    return model, {"node": node, "model": node["name"], "checkpoint": str(path), "step": step, "source": source}
+
+
+def _backbone_source(path: Path, model_node, img_size, head: bool) -> tuple[dict, dict, Optional[int], str]:
+    """(model node to build, state dict, step, source) of a backbone file (see load_backbone)."""
+    if not path.is_file():
+        raise ConfigError(f"checkpoint={path}: no such file; pass a laplace checkpoint (runs/.../ckpt/last.pt), "
+                          f"or to eval.knn / eval.linear a timm state dict with model=<zoo name>")
+    try:
+        sd, ckpt = _weights(path)
+    except CheckpointError as e:  # name the setting that pointed at the file
+        raise CheckpointError(f"checkpoint: {e}") from None
+    if ckpt is not None:
+        node, step, source = dict(_model_node(ckpt, path)), (ckpt.get("loop") or {}).get("step"), "laplace"
+    elif model_node is None:
+        raise ConfigError(f"checkpoint={path} is a state dict, not a laplace checkpoint: name its "
+                          f"architecture, e.g. model=vits_0L (eval.knn / eval.linear), or pass a laplace checkpoint")
+    else:
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.to_container(model_node, resolve=True) if OmegaConf.is_config(model_node) else dict(model_node)
+        step, source = None, "timm"
+    if "embed_dim" not in node:
+        raise ConfigError(f"checkpoint={path} holds a {node.get('name')} model: a frozen-backbone evaluation "
+                          f"needs a ViT")
+    node.update(drop_path_rate=0.0, **({"img_size": int(img_size)} if img_size else {}))
+    if not head:
+        node["num_classes"] = 0
+    return node, sd, step, source
+
+
+def run_dir_of(checkpoint: str | os.PathLike) -> Path:
+    """The run directory a checkpoint belongs to (`<run>/ckpt/last.pt` -> `<run>`; a loose
+    weights file -> its folder): where evaluations of it write, beside the run."""
+    p = Path(checkpoint)
+    return p.parent.parent if p.parent.name == "ckpt" else p.parent
+
+
+def results_header(model: dict, dataset: Optional[str], checkpoint, **fields) -> dict:
+    """The fields every results.json opens with (trainers, k-NN, linear, segmentation, lm-eval):
+    what `analysis.tables` groups runs by. `model` is the model node; `fields` follow."""
+    k = model["num_laplacian_heads"]
+    # checkpoints from before learned modes have no laplacian_mode: theirs was fixed
+    return {"model": model["name"], "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
+            "laplacian_mode": model.get("laplacian_mode", "fixed"), "dataset": dataset,
+            "checkpoint": str(checkpoint), **fields}

@@ -48,3 +48,16 @@ def register_model_configs(extra: Iterable[str] = ()) -> None:
     cs = ConfigStore.instance()
     for name in dict.fromkeys([*list_models(), *extra, *_argv_model_names(sys.argv[1:])]):
         cs.store(group="model", name=name, node=model_node(name))
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested plain config as {"a.b.c": leaf}: what resume compares and what pools seeds
+    (analysis.runs). List leaves become tuples, so flat configs hash and compare as values."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = tuple(v) if isinstance(v, list) else v
+    return out

@@ -1,5 +1,5 @@
-"""Atomic file writes: the one implementation behind token shards, tokenizer files, prepare's
-meta.json and every results.json.
+"""Atomic file writes: the one implementation behind checkpoints, token shards, tokenizer files,
+prepare's meta.json, the feature cache and every results.json.
 
 A temp file in the same folder (hidden: `.<name>.*.tmp`, which `list_shards` and readers skip)
 is written, fsynced and renamed over the target, then the folder is fsynced so the rename
@@ -10,6 +10,7 @@ prepared data and results are shared on a cluster.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from collections.abc import Callable
@@ -19,10 +20,18 @@ from typing import IO, Any
 from laplace.errors import name_storage_error
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], None]) -> Path:
-    """Write `data` (bytes, or a function that writes into the open binary file) to `path`."""
+def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], None],
+                 sole_writer: bool = False) -> Path:
+    """Write `data` (bytes, or a function that writes into the open binary file) to `path`.
+
+    `sole_writer`: nothing else writes `path` (a run's checkpoint), so a temp file of this name
+    is a killed writer's leftover (full size, for a checkpoint) and is removed first.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if sole_writer:  # `*tmp*`: also the `.<name>.tmp<pid>` files of writers before this module
+        for stale in path.parent.glob(f".{path.name}.*tmp*"):
+            stale.unlink(missing_ok=True)
     fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -58,5 +67,17 @@ def _create_temp(path: Path) -> tuple[int, str]:
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:
-    """`obj` as JSON (non-JSON leaves as str), atomically."""
-    return atomic_write(path, (json.dumps(obj, indent=indent, default=str) + "\n").encode())
+    """`obj` as strict JSON, atomically: NaN / inf become null (strict readers such as jq or a
+    browser refuse NaN, and every reader here treats both as "no value"), other non-JSON
+    leaves become str."""
+    return atomic_write(path, (json.dumps(_finite(obj), indent=indent, default=str) + "\n").encode())
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x

@@ -86,9 +86,9 @@ def tail(path: Path, n: int = 1) -> str:
 
 
 def records(run_dir: Path, split: str = "train") -> list[dict]:
-    from train.logger import read_metrics
+    from train.logger import logged
 
-    return [r for r in read_metrics(run_dir) if r.get("split") == split]
+    return logged(run_dir, split)
 
 
 def step_ms(run_dir: Path) -> str:

@@ -168,7 +168,7 @@ def variants_table(recs: dict[str, list[dict]]) -> list[str]:
 def stream_change(run_dirs: list[Path], n: int = 64) -> dict[str, list[float]]:
     """Per block, the mean over tokens of ||h_i - h_(i-1)|| / ||h_(i-1)|| on n validation
     sequences (h_(-1): the embedding that enters block 0), averaged over the given runs."""
-    from analysis.features import eval_split
+    from analysis.geometry import eval_split
     from laplace.attention import rms_norm
     from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 

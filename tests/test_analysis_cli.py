@@ -15,7 +15,7 @@ from omegaconf import open_dict
 
 from analysis import metrics as m
 from analysis.__main__ import analysis_dir, run as analysis_run
-from analysis.features import eval_split, load_for_analysis
+from analysis.geometry import eval_split, load_for_analysis
 from conftest import CONFIGS, ROOT, TINY_VIT
 from laplace.checkpoint import save_checkpoint
 from laplace.config import model_node, register_model_configs

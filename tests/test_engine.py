@@ -99,7 +99,7 @@ def test_save_killed_half_way_keeps_previous_last(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert load_checkpoint(path)["loop"]["step"] == 1
     leftovers = [p for p in os.listdir(tmp_path) if p != "last.pt"]
-    assert leftovers and all(p.startswith(".last.pt.tmp") for p in leftovers)  # only the dead temp
+    assert leftovers and all(p.startswith(".last.pt.") and p.endswith(".tmp") for p in leftovers)  # only the dead temp
     save_checkpoint(path, model=torch.nn.Linear(8, 8), config={"model": {}}, loop={"step": 3})
     assert os.listdir(tmp_path) == ["last.pt"]  # the next save removed the dead writer's temp file
 

@@ -16,11 +16,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
-from eval.features import batch_features, cache_key, extract_features, load_backbone, probe_data_node
+from eval.features import batch_features, cache_key, extract_features, probe_data_node
 from eval.knn import knn_classify
 from eval.linear import accuracy, evaluate_linear, linear_probe
 from laplace import create_model
-from laplace.checkpoint import save_checkpoint
+from laplace.checkpoint import backbone_node, load_backbone, results_header, save_checkpoint
 from laplace.config import model_node, register_model_configs
 
 NODE = dict(model_node("vitt_0L"), depth=3, embed_dim=48, num_heads=3, img_size=16, patch_size=8, num_classes=10)
@@ -174,6 +174,29 @@ def test_gather_rows_restores_dataset_order(monkeypatch):
     monkeypatch.setattr(ef.dist, "all_gather", fake_all_gather)
     out = ef._gather_rows(shards[1], 10, DistInfo(rank=1, world_size=3))
     assert torch.equal(out, rows)
+
+
+def test_one_backbone_loader_for_probes_and_segmentation(tmp_path):
+    """laplace.checkpoint.load_backbone serves k-NN / linear (no head) and segmentation (head kept,
+    so its construction draws the random numbers it always drew): frozen, eval mode, at the
+    asked size, the node it reports (and `backbone_node`) the one it built."""
+    vit = randomize_(create_model(**NODE))
+    ckpt = save_checkpoint(tmp_path / "run/ckpt/last.pt", model=vit, config={"model": NODE}, loop={"step": 3})
+    seg, info = load_backbone(ckpt, img_size=32, head=True)
+    assert info["node"] == {**NODE, "img_size": 32, "drop_path_rate": 0.0} == backbone_node(ckpt, img_size=32, head=True)
+    assert seg.pos_embed.shape[1] == 16 and not seg.training and not any(p.requires_grad for p in seg.parameters())
+    assert torch.equal(seg.head.weight, vit.head.weight)
+    torch.manual_seed(0)
+    create_model(**info["node"])
+    after_fresh = torch.rand(3)
+    torch.manual_seed(0)
+    load_backbone(ckpt, img_size=32, head=True)
+    assert torch.equal(torch.rand(3), after_fresh)  # the same draws as building the recorded node
+    probe, pinfo = load_backbone(ckpt)
+    assert pinfo["node"]["num_classes"] == 0 and "head.weight" not in probe.state_dict()
+    assert results_header(pinfo["node"], "digits", ckpt, step=3) == {
+        "model": "vitt_0L", "num_laplacian_heads": 0, "laplacian_mode": "fixed", "dataset": "digits",
+        "checkpoint": str(ckpt), "step": 3}
 
 
 def test_timm_state_dict_needs_a_model_node(tmp_path):

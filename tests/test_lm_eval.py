@@ -101,7 +101,7 @@ def test_laplace_chat_group_cli_writes_results_the_tables_read(ckpt, hf_root, ca
     import yaml
 
     from analysis.runs import collect, metric_value, read_run
-    from analysis.tables import SPECS
+    from laplace.cli import config_dir
     from eval.lm import evaluate_lm
 
     cfg = _lm_cfg(f"checkpoint={ckpt}", "tasks=[laplace_chat]", f"data_root={hf_root}", "allow_code_execution=true",
@@ -131,7 +131,7 @@ def test_laplace_chat_group_cli_writes_results_the_tables_read(ckpt, hf_root, ca
     assert metrics["laplace_chat/acc"] == saved["laplace_chat/acc"]
     assert all(f"{t}/acc" in metrics for t in CHAT)
     # configs/tables.yaml's lm columns: the laplace_chat keys first, the average = laplace_chat/acc
-    cols = {c["name"]: c for c in yaml.safe_load(SPECS.read_text())["tables"]["lm"]["columns"]}
+    cols = {c["name"]: c for c in yaml.safe_load((config_dir("tables") / "tables.yaml").read_text())["tables"]["lm"]["columns"]}
     [rec] = [r for r in collect([ckpt.parent.parent]) if r["run_dir"] == str(ckpt.parent.parent)]
     assert metric_value(rec, cols["average"]["metric"]) == saved["laplace_chat/acc"]
     for col, task in zip(["arc_easy", "arc_challenge", "mmlu", "gsm8k", "humaneval"], CHAT):

@@ -18,9 +18,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from analysis import figures, runs as runs_mod, tables
-from analysis.__main__ import analysis_dir, write_json
-from analysis.features import analyze_checkpoint
+from analysis.__main__ import analysis_dir
+from analysis.geometry import analyze_checkpoint
 from conftest import CONFIGS, ROOT, TINY_VIT
+from laplace.io import write_json
 from laplace.config import register_model_configs
 from train import run as train_run
 
@@ -69,14 +70,14 @@ def runs(tmp_path_factory):
                 train_run(_compose(f"model={model}", *TINY_VIT, "trainer.max_steps=3", f"seed={seed}",
                                    f"paths.runs_dir={root}", run_dir=d))
                 res = analyze_checkpoint(d / "ckpt" / "last.pt", max_tokens=17 * 48, progress=False)
-                write_json(res, analysis_dir(d / "ckpt" / "last.pt") / "analysis.json")
+                write_json(analysis_dir(d / "ckpt" / "last.pt") / "analysis.json", res)
         d = root / "real" / "gpt" / "gpt_pydoc" / "gpt_d2_1L_s0"
         train_run(_compose(*TINY_GPT, f"paths.runs_dir={root}", run_dir=d))
         res = analyze_checkpoint(d / "ckpt" / "last.pt", max_tokens=2048, min_count=2, progress=False)
-        write_json(res, analysis_dir(d / "ckpt" / "last.pt") / "analysis.json")
+        write_json(analysis_dir(d / "ckpt" / "last.pt") / "analysis.json", res)
         # a later evaluation's results.json inside the run: task records, fractions as nanochat writes
-        write_json({"model": "gpt_d2_1L", "records": [{"task": t, "metric": m, "value": v} for t, m, v in BENCH]},
-                   d / "eval" / "results.json")
+        write_json(d / "eval" / "results.json",
+                   {"model": "gpt_d2_1L", "records": [{"task": t, "metric": m, "value": v} for t, m, v in BENCH]})
     finally:
         torch.set_num_threads(threads)
     # The paper's ImageNet recipe, two stages per seed: 800 epochs at 192 px, then ft224 from it.

@@ -164,12 +164,11 @@ class DINOTrainer(Trainer):
             self.dino_loss.center.copy_(state["center"].to(self.dino_loss.center.device))
 
     def on_fit_end(self, final_metrics: dict):
-        from .logger import read_metrics
+        from .logger import logged
 
         if not self.dist.is_main:
             return
-        train = [r for r in read_metrics(self.run_dir) if r.get("split") == "train"] \
-            if (self.run_dir / "metrics.jsonl").exists() else []
+        train = logged(self.run_dir, "train")
         d, tc = self.cfg.data, self.cfg.trainer
         self.write_results({
             "img_size": d.img_size, "patch_size": d.patch_size, "global_batch_size": tc.global_batch_size,

@@ -40,7 +40,8 @@ from torch.utils.data import DataLoader, Dataset
 from laplace import create_model, dist
 from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_checkpoint, load_pretrained,
-                                resume_candidates, rng_state, save_checkpoint, set_rng_state)
+                                results_header, resume_candidates, rng_state, save_checkpoint, set_rng_state)
+from laplace.config import flatten
 from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import EXECUTION_KEYS
@@ -469,28 +470,15 @@ class Trainer:
         trainer shares come first; `results` adds the trainer's own."""
         if self.dist.is_main:
             m = self.plain_config()["model"]  # plain: a per-layer list is a list, not a ListConfig
-            record = {"model": m["name"], "num_laplacian_heads": m["num_laplacian_heads"],
-                      "laplacian_mode": m["laplacian_mode"], "dataset": self.cfg.data.name,
-                      "seed": self.cfg.seed, "steps": self.step, "epochs": self.epoch,
-                      "checkpoint": str(self.ckpt_path), **results}
+            record = results_header(m, self.cfg.data.name, self.ckpt_path, seed=self.cfg.seed, steps=self.step,
+                                    epochs=self.epoch, **results)
             write_json(self.run_dir / "results.json", record)
-
-
-def _flatten(d, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = tuple(v) if isinstance(v, list) else v
-    return out
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
     """'key: checkpoint value -> this run's value' for every training-relevant difference
     (execution keys such as workers, devices or cadences are not compared)."""
-    a, b = _flatten(saved), _flatten(current)
+    a, b = flatten(saved), flatten(current)
     missing = "<unset>"
     return [f"{k}: {a.get(k, missing)} -> {b.get(k, missing)}" for k in sorted(set(a) | set(b))
             if not k.startswith(EXECUTION_KEYS + _FRESH_ONLY_KEYS) and a.get(k, missing) != b.get(k, missing)]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from laplace.errors import UserError
+from laplace.io import atomic_write
 
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:
@@ -44,9 +45,7 @@ class MetricsLogger:
             return
         if resume_step is not None and self.path.exists():
             kept = [json.dumps(r) for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in kept))
-            tmp.replace(self.path)
+            atomic_write(self.path, "".join(ln + "\n" for ln in kept).encode())
         if wandb_cfg:
             import wandb  # only when asked: wandb's import is slow
 
@@ -94,6 +93,14 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
                 raise UserError(f"{path}:{i} is not a JSON line; repair or remove that line") from None
             print(f"[laplace] {path}:{i}: skipped a torn last line (a kill during a write)", file=sys.stderr)
     return records
+
+
+def logged(run_dir: str | os.PathLike, split: str) -> list[dict]:
+    """The records of one split ("train", "val") of a run's metrics.jsonl, oldest first; none
+    before the first line is logged. What a trainer reads back at fit end for results.json."""
+    if not (Path(run_dir) / "metrics.jsonl").exists():
+        return []
+    return [r for r in read_metrics(run_dir) if r.get("split") == split]
 
 
 class _Tee:

@@ -16,11 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from laplace.checkpoint import CheckpointError, load_checkpoint
+from laplace.checkpoint import load_backbone
 from laplace.data.ade20k import IGNORE
 from laplace.errors import ConfigError
-from laplace.vit import VisionTransformer, load_timm_state_dict
-from laplace.zoo import create_model
+from laplace.vit import VisionTransformer
 
 from .engine import Trainer
 from .seg_metrics import SegMetric
@@ -134,15 +133,10 @@ class SegLinearTrainer(Trainer):
         return train, ADE20K(d.root, "validation", SegEvalTransform(d.scale, **norm))
 
     def build_model(self):
-        ckpt = load_checkpoint(self.cfg.checkpoint)
-        # The backbone at the crop size: the position embedding is resampled to its grid.
-        backbone = create_model(**self.cfg.model)
-        try:
-            load_timm_state_dict(backbone, ckpt["model"])
-        except (RuntimeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint={self.cfg.checkpoint} does not fit its own model node: "
-                                  f"{' '.join(str(e).split())[:200]}") from None
         tc = self.cfg.trainer
+        # The node `prepare` recorded; the head is built (and unused) as it always was, so the
+        # linear head's initialisation draws the same random numbers.
+        backbone, _ = load_backbone(self.cfg.checkpoint, img_size=tc.crop_size, head=True)
         return FrozenBackboneSeg(backbone, self.cfg.data.num_classes, tc.layers, tc.cls_token)
 
     def wrap_model(self, model):

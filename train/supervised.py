@@ -145,8 +145,6 @@ class SupervisedTrainer(Trainer):
         })
 
     def _val_history(self) -> list[dict]:
-        from .logger import read_metrics
+        from .logger import logged
 
-        if not self.dist.is_main or not (self.run_dir / "metrics.jsonl").exists():
-            return []
-        return [r for r in read_metrics(self.run_dir) if r.get("split") == "val"]
+        return logged(self.run_dir, "val") if self.dist.is_main else []

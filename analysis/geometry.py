@@ -3,7 +3,7 @@ the metrics of `analysis.metrics` / `analysis.streaming` layer by layer, in one 
 
 Used by `python -m analysis` (analysis/__main__.py); also callable in-process:
 
-    from analysis.features import analyze_checkpoint
+    from analysis.geometry import analyze_checkpoint
     res = analyze_checkpoint("runs/.../ckpt/last.pt", max_tokens=100_000)
     res["results"]["patch"]["norm"]["anova"]["within_seq_share"]
 
