@@ -24,7 +24,7 @@ pair); on a machine without CUDA give --device cpu (or device=cpu). Under torchr
 device means each process's own GPU (its local rank).
 
 Model arguments (`LaplaceLM`): checkpoint (required; the model and its tokenizer are rebuilt from
-the checkpoint alone, the tokenizer by `laplace.chat.tokenizer_from_config`), device (auto: CUDA
+the checkpoint alone, the tokenizer by `laplace.tokenizer.tokenizer_from_config`), device (auto: CUDA
 when available), dtype (auto: bf16 autocast on CUDA, fp32 on CPU; the weights stay fp32;
 float32 | bfloat16 | float16), batch_size (int; "auto" means 8, no search), max_length (default:
 the training context, the checkpoint's data.seq_len), max_gen_toks (256), seed (sampling only).
@@ -40,7 +40,7 @@ How requests are scored -- every number is exact, batched where it can be:
   shared prefix is the context instead: lm-eval's HF model would fail there.)
 * Special-token strings. Texts are encoded with `Tokenizer.encode_with_specials`: a literal
   "<|user_start|>" etc. becomes that special id, so a chat prompt from `apply_chat_template`
-  (which renders with `laplace.chat` and returns `tok.decode(ids)`) becomes exactly the ids SFT
+  (which renders with `laplace.chat_format` and returns `tok.decode(ids)`) becomes exactly the ids SFT
   saw. Benchmark text that itself contains such "<|...|>" strings would be encoded differently
   from plain text; none of the standard tasks contain them.
 * loglikelihood: (context + continuation) left-truncated to max_length + 1 tokens, requests
@@ -59,7 +59,7 @@ How requests are scored -- every number is exact, batched where it can be:
   tokens and, if needed, fewer, so that prompt + max_gen_toks fits the rotary table (10x the
   training context): unlike lm-eval's HF model the generated tokens may run past max_length.
 * Chat (`--apply_chat_template`): `apply_chat_template` renders system / user / assistant turns
-  with `laplace.chat` (nanochat's format; a system message is merged into the first user turn).
+  with `laplace.chat_format` (nanochat's format; a system message is merged into the first user turn).
   With add_generation_prompt the text ends with "<|assistant_start|>"; without it (lm-eval's
   gen_prefix) a final assistant message is left open (no "<|assistant_end|>").
 
@@ -99,15 +99,12 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from laplace import dist
-from laplace.chat import (
-    render_conversation,
-    render_for_completion,
-    tokenizer_from_config,
-)
+from laplace.chat_format import render_conversation, render_for_completion
 from laplace.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from laplace.errors import ConfigError
 from laplace.gpt import GPT
 from laplace.sampling import Calculator, stream_tokens
+from laplace.tokenizer import tokenizer_from_config
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +226,7 @@ class LaplaceLM(LM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         """A description of the chat format, for lm-eval's logged config (rendering is done by
         `apply_chat_template`, not by a Jinja template)."""
-        return ("laplace.chat (nanochat): <|bos|><|user_start|>{system\\n\\n}{user}<|user_end|>"
+        return ("laplace.chat_format (nanochat): <|bos|><|user_start|>{system\\n\\n}{user}<|user_end|>"
                 "<|assistant_start|>{assistant}<|assistant_end|>...<|assistant_start|>")
 
     def get_model_info(self) -> dict:
@@ -402,7 +399,7 @@ class LaplaceLM(LM):
 
     # ---- chat ------------------------------------------------------------------------------------
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation rendered by `laplace.chat`, special tokens as their strings. Ends with
+        """The conversation rendered by `laplace.chat_format`, special tokens as their strings. Ends with
         "<|assistant_start|>" after a user turn when add_generation_prompt; a final assistant
         message is closed by "<|assistant_end|>" when add_generation_prompt, else left open."""
         messages = [{"role": m["role"], "content": m["content"]} for m in chat_history]

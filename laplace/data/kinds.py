@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from laplace.errors import ConfigError
-from laplace.tokenizer import Tokenizer, load_tokenizer
+from laplace.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_config
 
 
 @dataclass
@@ -88,8 +88,8 @@ def resolve_tokenizer(d: DictConfig, init_from: str | None, check_vocab: bool = 
             raise ConfigError("data.tokenizer=from_init takes the tokenizer of trainer.init_from: set "
                               "trainer.init_from=PATH (a GPT checkpoint) or data.tokenizer=<file|bytes>")
         base = load_checkpoint(init_from).get("config") or {}
-        with open_dict(d):  # a run before data.tokenizer existed was byte-level
-            d.tokenizer = (base.get("data") or {}).get("tokenizer") or "bytes"
+        with open_dict(d):
+            d.tokenizer = tokenizer_from_config(base).spec
             d.vocab_size = (base.get("model") or {}).get("vocab_size")
     tok = load_tokenizer(d.tokenizer)
     with open_dict(d):
