@@ -92,8 +92,7 @@ class GPTTrainer(Trainer):
         model = super().build_model()
         if self.dist.is_main:
             n = sum(p.numel() for p in model.parameters())
-            tc, d = self.cfg.trainer, self.cfg.data
-            per_step = tc.global_batch_size * (d.seq_len if self.unit == "tok" else 1)
+            per_step = self.cfg.trainer.global_batch_size * self.units_per_sample
             print(f"[laplace] {self.cfg.model.name}: {n:,} parameters; {per_step:,} {self.unit} per step",
                   flush=True)
         self.flops_per_token = flops_per_token(model, self.cfg.data.seq_len)
