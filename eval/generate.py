@@ -8,7 +8,7 @@
 
 Every default lives in configs/generate.yaml. The model is rebuilt from the checkpoint alone
 (`laplace.checkpoint`) on `device` and its tokenizer from the checkpoint's config
-(`laplace.chat.tokenizer_from_config`: `data.tokenizer`, byte-level for runs without one);
+(`laplace.tokenizer.tokenizer_from_config`: `data.tokenizer`, byte-level for runs without one);
 `tokenizer=PATH` reads it from elsewhere when that file has moved (a run copied to another
 machine), refused if it is not the tokenizer the run was trained with.
 
@@ -35,7 +35,7 @@ import torch
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from laplace.chat import render_for_completion, tokenizer_from_config
+from laplace.chat_format import render_for_completion
 from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.data import DatasetNotFoundError
 from laplace.dist import resolve_device
@@ -43,7 +43,7 @@ from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
 from laplace.gpt import GPT
 from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
-from laplace.tokenizer import load_tokenizer
+from laplace.tokenizer import load_tokenizer, tokenizer_from_config
 
 QUIT = ("quit", "exit")
 

@@ -32,15 +32,12 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from laplace import dist
-from laplace.chat import (
-    render_conversation,
-    render_for_completion,
-    tokenizer_from_config,
-)
+from laplace.chat_format import render_conversation, render_for_completion
 from laplace.checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from laplace.errors import ConfigError
 from laplace.gpt import GPT
 from laplace.sampling import Calculator, stream_tokens
+from laplace.tokenizer import tokenizer_from_config
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +159,7 @@ class LaplaceLM(LM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         """A description of the chat format, for lm-eval's logged config (rendering is done by
         `apply_chat_template`, not by a Jinja template)."""
-        return ("laplace.chat (nanochat): <|bos|><|user_start|>{system\\n\\n}{user}<|user_end|>"
+        return ("laplace.chat_format (nanochat): <|bos|><|user_start|>{system\\n\\n}{user}<|user_end|>"
                 "<|assistant_start|>{assistant}<|assistant_end|>...<|assistant_start|>")
 
     def get_model_info(self) -> dict:
@@ -335,7 +332,7 @@ class LaplaceLM(LM):
 
     # ---- chat ------------------------------------------------------------------------------------
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation rendered by `laplace.chat`, special tokens as their strings. Ends with
+        """The conversation rendered by `laplace.chat_format`, special tokens as their strings. Ends with
         "<|assistant_start|>" after a user turn when add_generation_prompt; a final assistant
         message is closed by "<|assistant_end|>" when add_generation_prompt, else left open."""
         messages = [{"role": m["role"], "content": m["content"]} for m in chat_history]

@@ -35,8 +35,9 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tiktoken
@@ -268,22 +269,22 @@ def _read_file(path: Path) -> Tokenizer:
         obj = None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ConfigError(f"{where} is not a laplace tokenizer file (no \"format\": \"{FORMAT}\"); "
-                          f"make one with python -m laplace.data.prepare, or use bytes | gpt2")
+                          f"make one with python prepare.py, or use bytes | gpt2")
     if obj.get("version") != FORMAT_VERSION or obj.get("kind") != "bpe":
         raise ConfigError(f"{where} has version {obj.get('version')} / kind {obj.get('kind')}; this "
                           f"code reads version {FORMAT_VERSION} / bpe: re-create it with "
-                          f"python -m laplace.data.prepare")
+                          f"python prepare.py")
     try:
         ranks = {base64.b64decode(t, validate=True): r for r, t in enumerate(obj["ranks"])}
         pattern = obj["pattern"]
         specials = obj["special_tokens"]
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{where} is damaged ({type(e).__name__}: {e}); re-create it with "
-                          f"python -m laplace.data.prepare") from None
+                          f"python prepare.py") from None
     expected = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     if len(ranks) != len(obj["ranks"]) or specials != expected:
         raise ConfigError(f"{where} is damaged (duplicate ranks or special tokens not after the "
-                          f"ranks); re-create it with python -m laplace.data.prepare")
+                          f"ranks); re-create it with python prepare.py")
     return _bpe(ranks, pattern, str(path))
 
 
@@ -312,8 +313,8 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         st = None
     if st is None or not path.is_file():
         raise DatasetNotFoundError(
-            f"tokenizer file not found: looked for {path}; make one with python -m "
-            f"laplace.data.prepare source=... (it writes <out>/tokenizer.json), or set the "
+            f"tokenizer file not found: looked for {path}; make one with python "
+            f"prepare.py source=... (it writes <out>/tokenizer.json), or set the "
             f"tokenizer key to bytes | gpt2 | an existing file")
     return _load_cached(str(path), (st.st_size, st.st_mtime_ns))
 
@@ -328,3 +329,12 @@ def capped_texts(texts: Iterable[str], max_chars: int, doc_chars: int) -> Iterat
         total += len(text)
         if total >= max_chars:
             return
+
+
+def tokenizer_from_config(cfg: Mapping[str, Any]):
+    """The tokenizer a run was trained with, from its resolved config (a checkpoint's
+    `config`, a dict or DictConfig): `data.tokenizer`, or byte-level when the run predates the
+    key (the byte-level `data=pydoc_text` runs)."""
+    data = cfg.get("data") or {}
+    spec = data.get("tokenizer")
+    return load_tokenizer(spec or "bytes")

@@ -171,7 +171,7 @@ def analysis(c: Check, device: str) -> str:
 def gpt_pipeline(c: Check, data: Path, gpt: str, device: str) -> str:
     """Built-in text -> BPE + shards -> Muon pre-training (stop + resume) -> SFT -> chat sampling."""
     shards = data / "pydoc_bpe"
-    c.sh("gpt_tiny", [sys.executable, "-m", "laplace.data.prepare", "source=pydoc", "vocab_size=4096",
+    c.sh("gpt_tiny", [sys.executable, "prepare.py", "source=pydoc", "vocab_size=4096",
                       f"out={shards}", "progress=false"], timeout=300)
     pre = stop_and_resume(c, "gpt_tiny", ["experiment=gpt_tiny", f"model={gpt}", f"data.root={shards}",
                                           "trainer.eval_every=3"], 6, 16)
@@ -204,7 +204,7 @@ def gpt_d20(c: Check, data: Path, tiny: bool) -> str:
     """A few steps of experiment=gpt_d20 as the paper runs it (560,988,160 parameters, 524,288
     tokens per step, bf16, compile), on a 65,536-token BPE of Python's standard library."""
     shards = data / "stdlib_bpe"
-    c.sh("gpt_d20", [sys.executable, "-m", "laplace.data.prepare", f"source={stdlib_parquet(data / 'stdlib')}",
+    c.sh("gpt_d20", [sys.executable, "prepare.py", f"source={stdlib_parquet(data / 'stdlib')}",
                      f"out={shards}", f"vocab_size={1024 if tiny else 65536}", "progress=false"], timeout=900)
     run_dir = c.out / "runs" / "gpt_d20"
     size = (["model=gpt_d2_1L", "data.vocab_size=1024", "data.seq_len=128",

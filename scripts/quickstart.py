@@ -8,7 +8,7 @@ side by side, with the paper's token-geometry measurements of each.
 
 1. Supervised ViT (DeiT-III trainer) on the built-in digits: vitt_0L vs vitt_3L (every head of
    ViT-Tiny Laplacian), `python train.py model=<name>`.
-2. Language model on Python's built-in help text: `python -m laplace.data.prepare source=pydoc
+2. Language model on Python's built-in help text: `python prepare.py source=pydoc
    vocab_size=4096` (our BPE and token shards, seconds), then `python train.py experiment=gpt_tiny
    model=<name>` with Muon for gpt_d2_0L vs gpt_d2_1L (its one head Laplacian).
 3. Self-supervised DINO (trainer=dino) on the digits without their labels: `python train.py
@@ -175,7 +175,7 @@ def main(args: list[str]):
     # the digits need no loader processes: workers only add processes to the 2 cores
     vit_dirs = train(VIT_MODELS, ["trainer.num_workers=0", *common, *only("vit.")])
     vit_geo = analyse(vit_dirs, analysis_args, vit_dirs[0].parent / "vit" / "analysis")
-    _run([sys.executable, "-m", "laplace.data.prepare", "source=pydoc", "vocab_size=4096",
+    _run([sys.executable, "prepare.py", "source=pydoc", "vocab_size=4096",
           "progress=false", *paths], "prepare (BPE 4096, shards)")
     lm_dirs = train(LM_MODELS, ["experiment=gpt_tiny", *common, *only("lm.")])
     lm_geo = analyse(lm_dirs, analysis_args, lm_dirs[0].parent / "lm" / "analysis")

@@ -37,7 +37,7 @@ def device() -> torch.device:
 
 @pytest.fixture(scope="session")
 def pydoc_shards(tmp_path_factory):
-    """python -m laplace.data.prepare source=pydoc vocab_size=512, into a temp folder: built once
+    """python prepare.py source=pydoc vocab_size=512, into a temp folder: built once
     per session for every test file that trains on shards (treat it as read-only)."""
     from laplace.data.prepare import prepare
 

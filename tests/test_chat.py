@@ -1,4 +1,4 @@
-"""Chat rendering (laplace.chat), the chat tasks read through HF datasets from files written in
+"""Chat rendering (laplace.chat_format), the chat tasks read through HF datasets from files written in
 the hub's own layout, the mixture, and the SFT / mid-training datasets (laplace.data.chat)."""
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import tiktoken
 import torch
 from conftest import ROOT
 
-from laplace.chat import (
+from laplace.chat_format import (
     ConversationError,
     render_conversation,
     render_conversations,
     render_for_completion,
-    tokenizer_from_config,
 )
 from laplace.data import DatasetNotFoundError
 from laplace.data.chat import (
@@ -35,7 +34,7 @@ from laplace.data.chat import (
 )
 from laplace.data.text import pydoc_documents
 from laplace.errors import ConfigError
-from laplace.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from laplace.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_config, train_bpe
 
 TWO_TURNS = {"messages": [
     {"role": "system", "content": "You are terse."},

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from eval.generate import generate
-from laplace.chat import render_for_completion
+from laplace.chat_format import render_for_completion
 from laplace.checkpoint import load_model
 from laplace.config import register_model_configs
 from laplace.errors import ConfigError

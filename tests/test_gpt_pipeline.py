@@ -45,9 +45,10 @@ def test_pipeline_tokenizer_shards_pretrain_sft_sample(make_cfg, tmp_path, pydoc
     import subprocess
     import sys
 
-    from laplace.chat import render_for_completion, tokenizer_from_config
+    from laplace.chat_format import render_for_completion
     from laplace.checkpoint import load_checkpoint, load_model
     from laplace.sampling import stream_tokens
+    from laplace.tokenizer import tokenizer_from_config
     from train import run
     from train.logger import read_metrics
 

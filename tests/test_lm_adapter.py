@@ -23,7 +23,7 @@ DOCS = [{"question": "The for statement", "choices": [" is", " class", " of"], "
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """python -m laplace.data.prepare source=pydoc vocab_size=512, then 3 steps of gpt_d2_1L."""
+    """python prepare.py source=pydoc vocab_size=512, then 3 steps of gpt_d2_1L."""
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
@@ -52,7 +52,7 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ref(ckpt):
     """(model, tokenizer) loaded independently of the adapter."""
-    from laplace.chat import tokenizer_from_config
+    from laplace.tokenizer import tokenizer_from_config
     from laplace.checkpoint import load_checkpoint, load_model
 
     return load_model(ckpt), tokenizer_from_config(load_checkpoint(ckpt)["config"])
@@ -191,7 +191,7 @@ def test_generate_until_is_greedy_generation(ckpt, ref):
 
 
 def test_chat_template_round_trips_to_sft_ids(ckpt, ref):
-    from laplace.chat import render_conversation, render_for_completion
+    from laplace.chat_format import render_conversation, render_for_completion
 
     _, tok = ref
     lm = _lm(ckpt)

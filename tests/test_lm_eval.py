@@ -308,7 +308,7 @@ def test_letter_prompts_are_nanochats_rendering_and_argmax_scoring(ckpt, hf_root
     """The multiple-choice prompt encodes to exactly render_for_completion's ids (nanochat's
     render_mc as the user turn) and the letters are scored by argmax, dataset labels kept."""
     from eval.lm_adapter import LaplaceLM
-    from laplace.chat import render_for_completion
+    from laplace.chat_format import render_for_completion
     from laplace.data.chat import ARC, MMLU
 
     tasks = _chat_tasks(hf_root, "laplace_chat_arc_easy", "laplace_chat_mmlu")

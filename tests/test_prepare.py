@@ -1,4 +1,4 @@
-"""laplace.data.prepare: parquet in the FineWeb-Edu layout and the built-in text -> tokenizer,
+"""prepare.py / laplace.data.prepare: parquet in the FineWeb-Edu layout and the built-in text -> tokenizer,
 shards and meta.json; deterministic shards, resuming after a kill, one-line input errors."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import laplace.data.prepare as prep
+import laplace.data.prepare.writer as writer
 from laplace.data import DatasetNotFoundError
 from laplace.data.shards import TokenStream, list_shards
 from laplace.checkpoint import save_checkpoint
@@ -111,7 +112,7 @@ def test_resume_after_kill_is_byte_identical(fineweb, tmp_path, monkeypatch):
     full, killed = tmp_path / "full", tmp_path / "killed"
     ref = prep.prepare(parquet_cfg(src, full))
 
-    real, calls = prep.write_shard, []
+    real, calls = writer.write_shard, []
 
     def dies_after_two(path, tokens, vocab_size):
         if len(calls) == 2:
@@ -119,18 +120,18 @@ def test_resume_after_kill_is_byte_identical(fineweb, tmp_path, monkeypatch):
         calls.append(path)
         return real(path, tokens, vocab_size)
 
-    monkeypatch.setattr(prep, "write_shard", dies_after_two)
+    monkeypatch.setattr(writer, "write_shard", dies_after_two)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(parquet_cfg(src, killed))
     assert not (killed / "meta.json").exists()
     assert sorted(p.name for p in (killed / "train").glob("*.npy")) == ["shard_00000.npy", "shard_00001.npy"]
-    monkeypatch.setattr(prep, "write_shard", real)
+    monkeypatch.setattr(writer, "write_shard", real)
 
     # a stale temp file of write_shard (a kill during a write) is ignored and never used
     (killed / "train" / ".shard_00002.npy.x1y2.tmp").write_bytes(b"\x93NUMPY garbage")
     # the re-run must not tokenize the documents of the finished shards again
     encoded = []
-    monkeypatch.setattr(prep, "encode_docs", lambda tok, docs, *a: (encoded.extend(docs),
+    monkeypatch.setattr(writer, "encode_docs", lambda tok, docs, *a: (encoded.extend(docs),
                                                                     real_encode(tok, docs, *a))[1])
     meta = prep.prepare(parquet_cfg(src, killed))
     assert not list(killed.rglob("*.tmp"))  # the killed run's temp files are deleted
@@ -144,7 +145,7 @@ def test_resume_after_kill_is_byte_identical(fineweb, tmp_path, monkeypatch):
     assert prep.prepare(parquet_cfg(src, killed))["train"] == ref["train"] and not encoded
 
 
-real_encode = prep.encode_docs
+real_encode = writer.encode_docs
 
 
 def test_resume_after_sigkill_subprocess(fineweb, tmp_path):
@@ -162,8 +163,8 @@ def write(*a):
     if len(n) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     return p
-shards.write_shard = write  # taken by `python -m laplace.data.prepare`'s own import
-runpy.run_module("laplace.data.prepare", run_name="__main__", alter_sys=True)
+shards.write_shard = write  # taken by the library's own import, which prepare.py starts
+runpy.run_path("prepare.py", run_name="__main__")
 """
     args = [f"source={src}", f"out={out}", "vocab_size=320", "docs_per_shard=25", "val_docs=20",
             "batch_docs=7", "progress=false", "num_workers=2"]
@@ -249,7 +250,7 @@ def test_unreadable_source_file_is_one_line_naming_it(fineweb, tmp_path, how, na
 
 def test_unreadable_source_on_the_command_line(fineweb, tmp_path):
     path = _damaged(fineweb[0], "shard_00001.parquet", "utf8")
-    r = subprocess.run([sys.executable, "-m", "laplace.data.prepare", f"source={fineweb[0]}",
+    r = subprocess.run([sys.executable, "prepare.py", f"source={fineweb[0]}",
                         f"out={tmp_path}/out", "tokenizer=bytes", "progress=false"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [r.stderr.strip()]
@@ -344,7 +345,7 @@ def test_bad_values(fineweb, tmp_path):
 
 
 def test_command_line_error_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "laplace.data.prepare", f"source={tmp_path}/nope",
+    r = subprocess.run([sys.executable, "prepare.py", f"source={tmp_path}/nope",
                         f"out={tmp_path}/out"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        check=False)
     assert r.returncode == 1
@@ -373,3 +374,13 @@ def test_datasets_local_folder(tmp_path, monkeypatch):
         prep.prepare(make_cfg(f"source={folder.parent}", f"out={tmp_path / 'o2'}", "tokenizer=bytes",
                               "text_column=body", "val_docs=4"))
     assert "text_column=body" in _one_line(e) and "'n'" in str(e.value)
+
+
+def test_the_library_has_no_command_line_entry():
+    """prepare's command is prepare.py at the root: a Hydra entry inside laplace/ pointed at
+    '../../configs', a folder a non-editable install does not have."""
+    entries = [p.relative_to(ROOT) for p in (ROOT / "laplace").rglob("*.py") if "@hydra.main" in p.read_text()]
+    assert entries == []
+    r = subprocess.run([sys.executable, "-m", "laplace.data.prepare", "source=pydoc"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode != 0 and "cannot be directly executed" in r.stderr  # never a silent no-op

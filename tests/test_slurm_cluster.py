@@ -246,7 +246,7 @@ def test_readme_gpt_chain_with_a_data_root_override_runs(cluster, tmp_path):
     if not (Path(sys.prefix) / "bin/activate").exists():
         pytest.skip(f"the jobs activate a venv and {sys.prefix} is none")
     shards, runs = tmp_path / "pydoc", tmp_path / "r&d=1"
-    subprocess.run([sys.executable, "-m", "laplace.data.prepare", "source=pydoc", "vocab_size=512", f"out={shards}",
+    subprocess.run([sys.executable, "prepare.py", "source=pydoc", "vocab_size=512", f"out={shards}",
                     "progress=false"], cwd=ROOT, check=True, capture_output=True, timeout=120)
     gpt = ["experiment=gpt_tiny", "model=gpt_d2_1L", f"data.root={shards}", "data.vocab_size=512",
            "data.seq_len=64", "trainer.global_batch_size=4", "trainer.sample_prompts=[]", "trainer.device=cpu",

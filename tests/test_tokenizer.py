@@ -176,7 +176,7 @@ def test_load_missing_file(tmp_path):
     with pytest.raises(DatasetNotFoundError) as e:
         load_tokenizer(tmp_path / "none.json")
     msg = _one_line(e)
-    assert str(tmp_path / "none.json") in msg and "laplace.data.prepare" in msg
+    assert str(tmp_path / "none.json") in msg and "python prepare.py" in msg
 
 
 @pytest.mark.parametrize("content", [b"not json {", b"\xff\xfe\x00", json.dumps({"model": {"type": "BPE"}}).encode(),

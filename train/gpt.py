@@ -1,13 +1,8 @@
 """`trainer=gpt`: the language model, nanochat's pipeline on the shared engine.
 
-One trainer for the three stages; the `data` node says which (`data.kind`):
-
-    windows   byte windows of the built-in help text, in memory (data=pydoc_text; AdamW)
-    shards    pre-training on token shards (data=fineweb_edu, data=pydoc_bpe), memory-mapped
-              and streamed (laplace.data.shards.TokenStream), made by `python -m laplace.data.prepare`
-    chat      mid-training (packed rows) and SFT (one padded conversation per row) on a mixture
-              of conversation tasks (laplace.data.chat), loss on the assistant's tokens only;
-              they start from a pre-training checkpoint through trainer.init_from
+One trainer for the three stages; what it reads is built by `data.kind` (laplace/data/kinds.py):
+byte windows of the built-in text, pre-training token shards, or conversations for
+mid-training and SFT (which start from a pre-training checkpoint through trainer.init_from).
 
     python train.py experiment=gpt_d20 model=gpt_d20_5L data.root=/data/fineweb_edu   # the paper's run
     python train.py experiment=gpt_tiny model=gpt_d4_2L                               # built-in text, CPU
@@ -28,15 +23,11 @@ is larger on such tokens and its bits per byte lower on non-ASCII text (equal on
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 
 import torch
-from omegaconf import open_dict
-
 from laplace.dist import all_reduce_sum
-from laplace.errors import ConfigError
 
 from .engine import Trainer
 from .optim import build_muon_adamw
@@ -65,7 +56,7 @@ def token_budget_steps(cfg) -> int:
     (data.train_tokens, else trainer.tokens_per_param x parameters, nanochat's Chinchilla ratio
     of 20) over the tokens of one step (global_batch_size x data.seq_len)."""
     tc, d = cfg.trainer, cfg.data
-    budget = d.get("train_tokens")
+    budget = d.train_tokens
     if budget is None:
         from laplace import create_model
 
@@ -75,104 +66,37 @@ def token_budget_steps(cfg) -> int:
 
 
 class GPTTrainer(Trainer):
-    unit = "tok"
     model_archs, data_modality = ("gpt",), "text"
     example = "python train.py experiment=gpt_tiny model=gpt_d4_2L"
 
     # ---- data ----------------------------------------------------------------------------
     def build_datasets(self):
-        d = self.cfg.data
-        kind = d.get("kind", "windows")
-        if kind == "windows":
-            if d.name != "pydoc_text":
-                raise ConfigError(f"data.kind=windows serves data=pydoc_text only, got data={d.name!r}")
-            from laplace.data.text import build_pydoc_text
+        from laplace.data.kinds import build_text_data
 
-            self.units_per_sample = d.seq_len
-            self.tokenizer = self._tokenizer()
-            return build_pydoc_text(True, d.seq_len), build_pydoc_text(False, d.seq_len)
-        if kind == "shards":
-            return self._shard_sets()
-        if kind == "chat":
-            return self._chat_sets()
-        raise ConfigError(f"data.kind={kind!r}: choose windows, shards or chat")
+        self.data = build_text_data(self.cfg.data, seed=self.cfg.seed, micro_batch_size=self.micro_bs,
+                                    rank=self.dist.rank, world_size=self.dist.world_size,
+                                    init_from=self.cfg.trainer.init_from)
+        return self.data.train, self.data.val
 
-    def _tokenizer(self):
-        """The data's tokenizer; its vocabulary must be the model's (data.vocab_size)."""
-        from laplace.tokenizer import load_tokenizer
-
-        d = self.cfg.data
-        if d.get("tokenizer") == "from_init":  # a fine-tuning run keeps its base model's tokenizer
-            self._tokenizer_from_init()
-        tok = load_tokenizer(d.get("tokenizer") or "bytes")
-        with open_dict(d):
-            d.tokenizer = tok.spec  # absolute: the checkpoint's config finds it from anywhere
-            if d.get("vocab_size") is None:
-                d.vocab_size = tok.vocab_size
-        if d.get("kind", "windows") != "windows" and d.vocab_size != tok.vocab_size:
-            raise ConfigError(f"data.vocab_size={d.vocab_size} but the tokenizer {tok.spec} has "
-                              f"{tok.vocab_size} ids; set data.vocab_size={tok.vocab_size} (or null)")
-        return tok
-
-    def _tokenizer_from_init(self):
-        """data.tokenizer=from_init: the tokenizer and vocabulary of trainer.init_from's run,
-        written into this run's config so that its checkpoints name them directly."""
-        from laplace.checkpoint import load_checkpoint
-
-        src = self.cfg.trainer.get("init_from")
-        if not src or src == "required":
-            raise ConfigError("data.tokenizer=from_init takes the tokenizer of trainer.init_from: set "
-                              "trainer.init_from=PATH (a GPT checkpoint) or data.tokenizer=<file|bytes>")
-        base = load_checkpoint(src).get("config") or {}
-        spec = (base.get("data") or {}).get("tokenizer") or "bytes"
-        with open_dict(self.cfg.data):
-            self.cfg.data.tokenizer = spec
-            self.cfg.data.vocab_size = (base.get("model") or {}).get("vocab_size")
-
-    def _shard_sets(self):
-        from laplace.data.shards import TokenStream, list_shards
-
-        d = self.cfg.data
-        self.tokenizer = self._tokenizer()
-        self.units_per_sample = d.seq_len
-        train = TokenStream(list_shards(d.root, "train"), d.seq_len, self.micro_bs,
-                            rank=self.dist.rank, world_size=self.dist.world_size)
-        self.val_files = list_shards(d.root, "val")
-        return train, None  # validation streams over val_files in evaluate()
-
-    def _chat_sets(self):
-        from laplace.data.chat import PackedChatDataset, SFTDataset, build_mixture, sft_collate
-
-        d = self.cfg.data
-        self.tokenizer = tok = self._tokenizer()
-        seed = self.cfg.seed
-        train_convs = build_mixture(d.train, seed, key="data.train")
-        val_convs = build_mixture(d.val, seed, key="data.val") if d.get("val") else None
-        if d.packed:  # mid-training: rows of seq_len tokens, several conversations each
-            self.units_per_sample = d.seq_len
-            make = lambda convs: PackedChatDataset(convs, tok, d.seq_len, masked=d.get("masked", True))  # noqa: E731
-        else:  # SFT: one conversation per row, padded to the longest of the batch
-            self.unit, self.units_per_sample = "conv", 1
-            self.collate = functools.partial(sft_collate, pad_id=tok.special_id("<|assistant_end|>"))
-            make = lambda convs: SFTDataset(convs, tok, d.seq_len)  # noqa: E731
-        return make(train_convs), (make(val_convs) if val_convs is not None else None)
+    # What the engine reads of the data: throughput unit, batching and the tokenizer (data identity).
+    unit = property(lambda self: self.data.unit)
+    units_per_sample = property(lambda self: self.data.units_per_sample)
+    collate = property(lambda self: self.data.collate)
+    tokenizer = property(lambda self: self.data.tokenizer)
 
     def default_total_steps(self) -> int:
-        if self.cfg.data.get("kind") != "shards":
-            return super().default_total_steps()
-        return token_budget_steps(self.cfg)
+        return token_budget_steps(self.cfg) if self.data.token_budget else super().default_total_steps()
 
     # ---- model and optimizers ------------------------------------------------------------
     def build_model(self):
         model = super().build_model()
         if self.dist.is_main:
             n = sum(p.numel() for p in model.parameters())
-            tc, d = self.cfg.trainer, self.cfg.data
-            per_step = tc.global_batch_size * (d.seq_len if self.unit == "tok" else 1)
+            per_step = self.cfg.trainer.global_batch_size * self.units_per_sample
             print(f"[laplace] {self.cfg.model.name}: {n:,} parameters; {per_step:,} {self.unit} per step",
                   flush=True)
         self.flops_per_token = flops_per_token(model, self.cfg.data.seq_len)
-        self.peak = self.cfg.trainer.get("peak_flops") or peak_flops(self.device)
+        self.peak = self.cfg.trainer.peak_flops or peak_flops(self.device)
         return model
 
     def configure_optimizers(self):
@@ -192,21 +116,7 @@ class GPTTrainer(Trainer):
         return self.net(x, targets=y, reduction="sum") / (y >= 0).sum().clamp(min=1), {}
 
     def _val_batches(self):
-        d = self.cfg.data
-        if d.get("kind") == "shards":
-            from laplace.data.shards import validation_pass
-
-            import numpy as np
-
-            tokens = sum(len(np.load(f, mmap_mode="r")) for f in self.val_files)  # headers only
-            windows = (tokens - 1) // d.seq_len
-            if d.get("val_tokens"):
-                windows = min(windows, d.val_tokens // d.seq_len)
-            # A small validation shard still gives every rank one batch (of fewer rows).
-            rows = max(1, min(self.micro_bs, windows // self.dist.world_size))
-            return validation_pass(self.val_files, d.seq_len, rows, self.dist.rank,
-                                   self.dist.world_size, max_windows=windows)
-        return self.eval_loader(self.val_set) if self.val_set is not None else None
+        return self.data.val_batches(self.eval_loader)
 
     def evaluate(self) -> dict:
         batches = self._val_batches()
@@ -236,13 +146,13 @@ class GPTTrainer(Trainer):
     def _write_samples(self):
         """Greedy completions of trainer.sample_prompts (rank 0), printed and appended to
         <run_dir>/samples.jsonl: what the model says at this step."""
-        prompts = list(self.cfg.trainer.get("sample_prompts") or [])
+        prompts = list(self.cfg.trainer.sample_prompts or [])
         if not prompts or not self.dist.is_main:
             return
         from laplace.sampling import sample_texts
 
         texts = sample_texts(self.model, self.tokenizer, prompts,
-                             max_new_tokens=self.cfg.trainer.get("sample_tokens", 32))
+                             max_new_tokens=self.cfg.trainer.sample_tokens)
         with open(self.run_dir / "samples.jsonl", "a") as f:
             f.write(json.dumps({"step": self.step, "samples": dict(zip(prompts, texts))}) + "\n")
         if not self.cfg.trainer.progress:

@@ -40,11 +40,12 @@ def build_transform(cfg, train: bool):
     """The training (augmented, `data.augment`) or evaluation (resize + centre crop) transform."""
     mean, std = tuple(cfg.mean), tuple(cfg.std)
     if not train or cfg.augment == "none":
-        return eval_transform(cfg.img_size, cfg.get("eval_crop_pct", 1.0), mean, std)
+        return eval_transform(cfg.img_size, cfg.eval_crop_pct, mean, std)
     if cfg.augment not in AUGMENTS:
         raise ConfigError(f"data.augment={cfg.augment!r}: choose one of {', '.join(AUGMENTS)}")
     if cfg.augment == "randaugment":
         return rand_augment(cfg, mean, std)
+    # data=digits states no colour jitter (its augment is none): an override gets DeiT-III's 0.3.
     return three_augment(cfg.img_size, cfg.get("color_jitter", 0.3),
                          simple_random_crop=cfg.augment == "simple_random_crop", mean=mean, std=std)
 
@@ -55,14 +56,13 @@ def build_vision_dataset(cfg, train: bool):
     if cfg.name == "digits":
         from .digits import Digits
 
-        return Digits(train, tf, cfg.get("val_fraction", 0.2))
+        return Digits(train, tf, cfg.val_fraction)
     if cfg.name in ("cifar10", "cifar100"):
         from .cifar import build_cifar
 
-        return build_cifar(cfg.name, cfg.root, train, tf, download=cfg.get("download", False))
+        return build_cifar(cfg.name, cfg.root, train, tf, download=cfg.download)
     if cfg.name == "imagenet":
         from .imagenet import build_imagenet
 
-        return build_imagenet(cfg.root, train, tf, fmt=cfg.get("format", "auto"),
-                              cache_dir=cfg.get("cache_dir"))
+        return build_imagenet(cfg.root, train, tf, fmt=cfg.format, cache_dir=cfg.cache_dir)
     raise ConfigError(f"data={cfg.name!r} is not an image dataset; choose one of {NAMES}")

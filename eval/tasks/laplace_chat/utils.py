@@ -1,6 +1,6 @@
 """The paper's LM protocol (nanochat's chat evaluation of a fine-tuned model) as lm-eval tasks.
 
-Every prompt is the chat rendering `laplace.chat.render_for_completion` gives, written with the
+Every prompt is the chat rendering `laplace.chat_format.render_for_completion` gives, written with the
 special tokens' strings: `<|bos|><|user_start|>USER<|user_end|><|assistant_start|>` (the
 `laplace` model adapter maps those strings to their ids). Zero-shot, as nanochat's chat_eval.
 
@@ -38,7 +38,7 @@ import sys
 import tempfile
 
 from laplace.data import DatasetNotFoundError
-from laplace.chat import chat_prompt_text
+from laplace.chat_format import chat_prompt_text
 from laplace.data.chat import render_mc
 from laplace.errors import UserError
 

@@ -11,7 +11,7 @@ to download (the offline counterpart of laplace_chat, for the quick start and te
 """
 from __future__ import annotations
 
-from laplace.chat import chat_prompt_text
+from laplace.chat_format import chat_prompt_text
 
 
 def load_mc(**_metadata):

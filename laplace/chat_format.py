@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from .errors import UserError
 
@@ -47,17 +46,6 @@ _CHAT_SPECIALS = ("<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|as
 class ConversationError(UserError, ValueError):
     """A conversation that breaks the chat format (roles, parts); the message is one line and
     names the conversation by the start of its first message."""
-
-
-def tokenizer_from_config(cfg: Mapping[str, Any]):
-    """The tokenizer a run was trained with, from its resolved config (a checkpoint's
-    `config`, a dict or DictConfig): `data.tokenizer`, or byte-level when the run predates the
-    key (the byte-level `data=pydoc_text` runs)."""
-    from .tokenizer import load_tokenizer
-
-    data = cfg.get("data") or {}
-    spec = data.get("tokenizer")
-    return load_tokenizer(spec or "bytes")
 
 
 def special_ids(tok) -> dict[str, int]:

@@ -1,0 +1,105 @@
+"""What the trainer consumes of conversations: padded SFT rows (`SFTDataset` + `sft_collate`,
+nanochat's chat_sft) and packed mid-training rows (`PackedChatDataset`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from laplace.chat_format import render_conversation, render_conversations, special_ids
+from laplace.errors import ConfigError
+
+
+class SFTDataset(Dataset):
+    """One rendered conversation per item: (ids LongTensor[L], mask LongTensor[L]), L <=
+    max_tokens. Rendering happens on access (in the DataLoader's workers); batch with
+    `sft_collate`.
+
+    Args:
+        conversations: any indexable of conversations (a task, a ChatMixture, a list).
+        tok: the tokenizer (with the chat special tokens).
+        max_tokens: truncate longer conversations (nanochat: 2048).
+    """
+
+    def __init__(self, conversations, tok, max_tokens: int = 2048):
+        special_ids(tok)  # fail here, not in a worker, when the tokenizer has no chat tokens
+        self.conversations, self.tok, self.max_tokens = conversations, tok, max_tokens
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = render_conversation(self.tok, self.conversations[i], self.max_tokens)
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+
+def sft_collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch SFT items as nanochat's chat_sft: x [B, T] the ids without their last token,
+    y [B, T] the ids without their first, set to -1 (ignore_index) where the target's mask is 0
+    and on padding; T = the longest item's length - 1. nanochat pads x with <|assistant_end|>:
+    any id works since padded targets are ignored and attention is causal."""
+    T = max(len(ids) for ids, _ in items) - 1
+    if T < 1:
+        raise ValueError("sft_collate: every conversation has fewer than 2 tokens")
+    x = torch.full((len(items), T), pad_id, dtype=torch.long)
+    y = torch.full((len(items), T), -1, dtype=torch.long)
+    for b, (ids, mask) in enumerate(items):
+        n = len(ids) - 1
+        if n < 1:
+            continue
+        x[b, :n] = ids[:-1]
+        y[b, :n] = torch.where(mask[1:].bool(), ids[1:], torch.full_like(ids[1:], -1))
+    return x, y
+
+
+class PackedChatDataset(Dataset):
+    """Mid-training rows: every conversation rendered (in order, untruncated) and concatenated
+    into one token stream cut into windows of seq_len + 1 tokens, consecutive windows sharing
+    one token (as `data=pydoc_text`'s TokenWindows), so every token is a target exactly once.
+    Item i is (x [seq_len], y [seq_len]): y is x shifted by one, -1 where the target's mask is 0
+    (with `masked`; nanochat's mid-training trains on every token: masked=False). The tail
+    shorter than a row is dropped. Built once: int32 tokens and a bool mask, 5 bytes per token.
+
+    Args:
+        conversations: any indexable of conversations.
+        tok: the tokenizer (with the chat special tokens).
+        seq_len: the model's context.
+        masked: ignore targets whose mask is 0 (user turns, tool outputs, <|bos|>).
+        chunk: conversations rendered per `encode_batch` call (bounds the Python lists).
+    """
+
+    def __init__(self, conversations, tok, seq_len: int, masked: bool = True, chunk: int = 4096,
+                 num_threads: int | None = None):
+        self.seq_len, self.masked = int(seq_len), masked
+        n = len(conversations)
+        tokens, masks = [], []
+        for start in range(0, n, chunk):
+            batch = [conversations[i] for i in range(start, min(n, start + chunk))]
+            for ids, mask in render_conversations(tok, batch, max_tokens=None, num_threads=num_threads):
+                tokens.append(np.asarray(ids, dtype=np.int32))
+                masks.append(np.asarray(mask, dtype=np.bool_))
+        self.tokens = torch.from_numpy(np.concatenate(tokens) if tokens else np.zeros(0, np.int32))
+        self.mask = torch.from_numpy(np.concatenate(masks) if masks else np.zeros(0, np.bool_))
+        self.n = max(0, (len(self.tokens) - 1) // self.seq_len)
+        if self.n == 0:
+            raise ConfigError(f"seq_len={seq_len} is longer than all {n} conversations together "
+                              f"({len(self.tokens)} tokens): use more conversations or a shorter seq_len")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw window i: (tokens LongTensor[seq_len + 1], mask BoolTensor[seq_len + 1])."""
+        if not 0 <= i < self.n:
+            raise IndexError(f"row {i} out of range ({self.n} rows)")
+        s = slice(i * self.seq_len, (i + 1) * self.seq_len + 1)
+        return self.tokens[s].long(), self.mask[s]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, mask = self.row(i)
+        x, y = tokens[:-1], tokens[1:].clone()
+        if self.masked:
+            y[~mask[1:]] = -1
+        return x, y

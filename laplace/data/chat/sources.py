@@ -1,0 +1,66 @@
+"""Where chat tasks come from: one split of a hub dataset, or of a local copy of its files
+(docs/text_data.md: the folder layouts and why the files are found here, not by `datasets`)."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from laplace.data import DatasetNotFoundError
+
+HUB_IDS = {"smoltalk": "HuggingFaceTB/smol-smoltalk", "mmlu": "cais/mmlu", "gsm8k": "openai/gsm8k",
+           "arc": "allenai/ai2_arc"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FORMATS = (("parquet", "parquet"), ("jsonl", "json"), ("json", "json"))  # file suffix, builder
+
+
+def _split_files(folder: Path, split: str) -> tuple[str | None, list[str]]:
+    """(builder, files) of `split` directly in `folder`: `<split>-*.<ext>` or `<split>.<ext>`."""
+    for ext, builder in _FORMATS:
+        files = sorted({*folder.glob(f"{split}-*.{ext}"), *folder.glob(f"{split}.{ext}")})
+        if files:
+            return builder, [str(f) for f in files]
+    return None, []
+
+
+def load_split(path: str, subset: str | None, split: str, *, key: str = "path",
+               cache_dir: str | None = None):
+    """A `datasets.Dataset`: one split of a hub dataset or of a local copy of its files.
+
+    Args:
+        path: a local folder (the hub repo's layout, or the subset folder itself) or a hub id.
+        subset: the hub's config name (cais/mmlu: auxiliary_train, all, a subject; None: the
+            dataset has one).
+        split: train, test, validation, dev, ...
+        key: the config key that gave `path`, named in errors.
+        cache_dir: where `datasets` keeps its Arrow cache (None: HF_DATASETS_CACHE).
+    """
+    import datasets
+
+    local = Path(os.path.expanduser(str(path)))
+    if local.exists():
+        if not local.is_dir():
+            raise DatasetNotFoundError(f"{key}={path} is a file; give the dataset's folder (its "
+                                       f"hub layout: <folder>/<subset>/<split>-*.parquet)")
+        candidates = ([local / subset] if subset else [local / "data"]) + [local]
+        for folder in candidates:
+            builder, files = _split_files(folder, split)
+            if files:
+                return datasets.load_dataset(builder, data_files={split: files}, split=split,
+                                             cache_dir=cache_dir)
+        looked = " or ".join(f"{c}/{split}-*.parquet" for c in candidates)
+        raise DatasetNotFoundError(f"{key}={path}: no {split!r} split files ({looked}); download the "
+                                   f"dataset with `huggingface-cli download --repo-type dataset <hub "
+                                   f"id> --local-dir {path}`")
+    if not _HUB_ID.match(str(path)):
+        raise DatasetNotFoundError(f"{key}={path}: no such folder; download the dataset with "
+                                   f"`huggingface-cli download --repo-type dataset <hub id> "
+                                   f"--local-dir {path}`, or give its hub id")
+    try:
+        return datasets.load_dataset(str(path), name=subset, split=split, cache_dir=cache_dir)
+    except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DatasetNotFoundError(f"{key}={path}: cannot load the hub dataset (subset {subset}, split "
+                                   f"{split}): {first}; offline, download it with `huggingface-cli "
+                                   f"download --repo-type dataset {path} --local-dir DIR` and set "
+                                   f"{key}=DIR") from None

@@ -1,0 +1,163 @@
+"""What the GPT trainer reads, one builder per `data.kind`: `build_text_data(cfg.data, ...)`.
+
+    windows   byte windows of the built-in help text, in memory (data=pydoc_text)
+    shards    token shards, memory-mapped and streamed (data=fineweb_edu, data=pydoc_bpe)
+    chat      conversations: one padded conversation per row (SFT, data.packed=false) or
+              several packed into rows of seq_len tokens (mid-training, data.packed=true)
+
+Each builder returns a `TextData`: the training set (a map-style dataset or a feed), the
+validation batches, the tokenizer, what throughput counts (unit) and the batch collate, so
+the trainer asks for one object instead of switching on the kind.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, open_dict
+
+from laplace.errors import ConfigError
+from laplace.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_config
+
+
+@dataclass
+class TextData:
+    """One run's text data.
+
+    Args:
+        train: a map-style dataset (the engine feeds it through a MapFeed) or a feed (TokenStream).
+        val: the map-style validation set, or None.
+        tokenizer: the data's tokenizer (bits per byte, samples).
+        unit: what throughput counts: "tok" (tokens) or "conv" (conversations).
+        units_per_sample: units in one row of a batch.
+        collate: how a DataLoader batches items.
+        token_budget: the step count comes from a token budget (pre-training), not from epochs.
+    """
+
+    train: Any
+    val: Any
+    tokenizer: Tokenizer
+    unit: str = "tok"
+    units_per_sample: int = 1
+    collate: Callable = field(default=torch.utils.data.default_collate)
+    token_budget: bool = False
+
+    def val_batches(self, loader: Callable) -> Iterable | None:
+        """This rank's batches of one validation pass; `loader` makes them from a map-style set."""
+        return loader(self.val) if self.val is not None else None
+
+
+@dataclass
+class ShardData(TextData):
+    """Token shards: validation streams once over the files of `<root>/val`."""
+
+    val_files: list = field(default_factory=list)
+    val_tokens: int | None = None
+    micro_batch_size: int = 1
+    rank: int = 0
+    world_size: int = 1
+
+    def val_batches(self, loader: Callable) -> Iterable:
+        import numpy as np
+
+        from .shards import validation_pass
+
+        seq_len = self.units_per_sample
+        tokens = sum(len(np.load(f, mmap_mode="r")) for f in self.val_files)  # headers only
+        windows = (tokens - 1) // seq_len
+        if self.val_tokens:
+            windows = min(windows, self.val_tokens // seq_len)
+        # A small validation shard still gives every rank one batch (of fewer rows).
+        rows = max(1, min(self.micro_batch_size, windows // self.world_size))
+        return validation_pass(self.val_files, seq_len, rows, self.rank, self.world_size,
+                               max_windows=windows)
+
+
+def resolve_tokenizer(d: DictConfig, init_from: str | None, check_vocab: bool = True) -> Tokenizer:
+    """The data's tokenizer. Writes its absolute spec and vocabulary into `d` (the run's
+    config), so that checkpoints name them and the model's vocab_size interpolation finds it.
+    data.tokenizer=from_init: those of trainer.init_from's run (a fine-tuning run keeps its
+    base model's tokenizer)."""
+    if d.tokenizer == "from_init":
+        from laplace.checkpoint import load_checkpoint
+
+        if not init_from or init_from == "required":
+            raise ConfigError("data.tokenizer=from_init takes the tokenizer of trainer.init_from: set "
+                              "trainer.init_from=PATH (a GPT checkpoint) or data.tokenizer=<file|bytes>")
+        base = load_checkpoint(init_from).get("config") or {}
+        with open_dict(d):
+            d.tokenizer = tokenizer_from_config(base).spec
+            d.vocab_size = (base.get("model") or {}).get("vocab_size")
+    tok = load_tokenizer(d.tokenizer)
+    with open_dict(d):
+        d.tokenizer = tok.spec  # absolute: the checkpoint's config finds it from anywhere
+        if d.vocab_size is None:
+            d.vocab_size = tok.vocab_size
+    if check_vocab and d.vocab_size != tok.vocab_size:
+        raise ConfigError(f"data.vocab_size={d.vocab_size} but the tokenizer {tok.spec} has "
+                          f"{tok.vocab_size} ids; set data.vocab_size={tok.vocab_size} (or null)")
+    return tok
+
+
+def _windows(d, *, init_from, **_) -> TextData:
+    if d.name != "pydoc_text":
+        raise ConfigError(f"data.kind=windows serves data=pydoc_text only, got data={d.name!r}")
+    from .text import build_pydoc_text
+
+    # The windows' own vocabulary (256 bytes + <|bos|>) is the byte tokenizer's first 257 ids.
+    tok = resolve_tokenizer(d, init_from, check_vocab=False)
+    return TextData(build_pydoc_text(True, d.seq_len), build_pydoc_text(False, d.seq_len), tok,
+                    units_per_sample=d.seq_len)
+
+
+def _shards(d, *, init_from, micro_batch_size, rank, world_size, **_) -> ShardData:
+    from .shards import TokenStream, list_shards
+
+    tok = resolve_tokenizer(d, init_from)
+    train = TokenStream(list_shards(d.root, "train"), d.seq_len, micro_batch_size,
+                        rank=rank, world_size=world_size)
+    return ShardData(train, None, tok, units_per_sample=d.seq_len, token_budget=True,
+                     val_files=list_shards(d.root, "val"), val_tokens=d.val_tokens,
+                     micro_batch_size=micro_batch_size, rank=rank, world_size=world_size)
+
+
+def _chat(d, *, init_from, seed, **_) -> TextData:
+    from .chat import PackedChatDataset, SFTDataset, build_mixture, sft_collate
+
+    tok = resolve_tokenizer(d, init_from)
+    train_convs = build_mixture(d.train, seed, key="data.train")
+    val_convs = build_mixture(d.val, seed, key="data.val") if d.val else None
+    if d.packed:  # mid-training: rows of seq_len tokens, several conversations each
+        make = lambda convs: PackedChatDataset(convs, tok, d.seq_len, masked=d.masked)  # noqa: E731
+        extra = dict(units_per_sample=d.seq_len)
+    else:  # SFT: one conversation per row, padded to the longest of the batch
+        if not d.masked:
+            raise ConfigError("data.masked=false: SFT rows (data.packed=false) train on the assistant's "
+                              "tokens only; set data.packed=true to train on every token of packed rows")
+        make = lambda convs: SFTDataset(convs, tok, d.seq_len)  # noqa: E731
+        extra = dict(unit="conv", units_per_sample=1,
+                     collate=functools.partial(sft_collate, pad_id=tok.special_id("<|assistant_end|>")))
+    return TextData(make(train_convs), make(val_convs) if val_convs is not None else None, tok, **extra)
+
+
+KINDS: dict[str, Callable[..., TextData]] = {"windows": _windows, "shards": _shards, "chat": _chat}
+
+
+def build_text_data(d: DictConfig, *, seed: int, micro_batch_size: int, rank: int = 0,
+                    world_size: int = 1, init_from: str | None = None) -> TextData:
+    """The TextData of `d` (the `data` config node) by its `kind`.
+
+    Args:
+        d: the data node; its tokenizer and vocab_size are resolved in place (see resolve_tokenizer).
+        seed: the run's seed (the chat mixture's order).
+        micro_batch_size, rank, world_size: this process's share (token shards stream per rank).
+        init_from: trainer.init_from, for data.tokenizer=from_init.
+    """
+    kind = d.kind if "kind" in d else None
+    if kind not in KINDS:
+        raise ConfigError(f"data.kind={kind!r} (data={d.name}): choose {', '.join(KINDS)}")
+    return KINDS[kind](d, seed=seed, micro_batch_size=micro_batch_size, rank=rank,
+                       world_size=world_size, init_from=init_from)

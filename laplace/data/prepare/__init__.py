@@ -1,0 +1,131 @@
+"""`prepare`: a text source -> a tokenizer and token shards for the GPT (the command: prepare.py at
+the repository root; every default: configs/prepare.yaml; the manual: docs/text_data.md)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from laplace.data.shards import shard_dtype
+from laplace.errors import ConfigError
+from laplace.io import atomic_write
+from laplace.tokenizer import MIN_VOCAB, Tokenizer, _cores, capped_texts, load_tokenizer, train_bpe
+
+from .settings import check_settings, remove_outputs, settings_of
+from .sources import SourceError, open_source
+from .writer import Stats, write_train, write_val
+
+__all__ = ["SourceError", "make_tokenizer", "output_dir", "prepare"]
+
+META_VERSION = 1
+
+
+def _positive(cfg, key: str, allow_null: bool = False, allow_zero: bool = False) -> int | None:
+    v = cfg[key]
+    if v is None and allow_null:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v \
+            or int(v) < (0 if allow_zero else 1):
+        what = "a non-negative" if allow_zero else "a positive"
+        raise ConfigError(f"{key}={v} must be {what} integer{' or null' if allow_null else ''}")
+    return int(v)
+
+
+def output_dir(cfg, src) -> Path:
+    if cfg.out is not None:
+        return Path(str(cfg.out)).expanduser()
+    kind = cfg.tokenizer if cfg.tokenizer in ("bpe", "bytes", "gpt2") else "bpe"
+    return Path(str(cfg.paths.data_dir)).expanduser() / (cfg.name or f"{src.name}_{kind}")
+
+
+def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
+    """tokenizer=bpe: out/tokenizer.json, trained here unless it exists; bytes | gpt2; or an
+    existing file, copied to out/tokenizer.json so the folder is self-contained."""
+    spec = str(cfg.tokenizer)
+    path = out / "tokenizer.json"
+    if spec in ("bytes", "gpt2"):
+        return load_tokenizer(spec)
+    if spec != "bpe":
+        return load_tokenizer(spec)  # copied into out by prepare, once the settings are checked
+    vocab = _positive(cfg, "vocab_size")
+    if vocab <= MIN_VOCAB:
+        raise ConfigError(f"vocab_size={vocab} must exceed {MIN_VOCAB} (256 bytes + 9 special "
+                          f"tokens); the paper uses 65536, the built-in text 4096")
+    if path.is_file():
+        tok = load_tokenizer(path)
+        if tok.vocab_size != vocab:
+            raise ConfigError(f"vocab_size={vocab} but {path} (from an earlier run) has "
+                              f"{tok.vocab_size}; set vocab_size={tok.vocab_size} or another out")
+        return tok
+    chars = _positive(cfg, "tokenizer_train_chars")
+    doc_chars = _positive(cfg, "tokenizer_doc_chars")
+    print(f"[prepare] training a BPE tokenizer (vocab {vocab:,}) on up to {chars:,} characters",
+          flush=True)
+    t = time.perf_counter()
+    docs = (d for batch in src.train_batches(0, 1024) for d in batch)
+    if max_docs is not None:
+        docs = (d for _, d in zip(range(max_docs), docs))
+    tok = train_bpe(capped_texts(docs, chars, doc_chars), vocab, path)
+    print(f"[prepare] tokenizer trained in {time.perf_counter() - t:.1f} s -> {path}", flush=True)
+    return load_tokenizer(path)
+
+
+def prepare(cfg: DictConfig) -> dict:
+    """Write the tokenizer, shards and meta.json of cfg (configs/prepare.yaml); returns the meta."""
+    if OmegaConf.is_missing(cfg, "source"):
+        raise ConfigError("source is required: source=pydoc | a parquet folder or glob | a "
+                          "datasets hub id (e.g. source=pydoc vocab_size=4096)")
+    docs_per_shard = _positive(cfg, "docs_per_shard")
+    val_docs = _positive(cfg, "val_docs", allow_zero=True)
+    max_docs = _positive(cfg, "max_docs", allow_null=True)
+    batch_docs = _positive(cfg, "batch_docs")
+    threads = _positive(cfg, "num_workers", allow_null=True) or _cores()
+    cores = min(threads, _cores())
+    t0 = time.perf_counter()
+
+    src = open_source(cfg)
+    out = output_dir(cfg, src)
+    settings = {**settings_of(cfg), "source_files": src.fingerprint()}
+    remove_outputs(out, everything=bool(cfg.rebuild))
+    check_settings(out, settings, src.describe())
+    tok = make_tokenizer(cfg, out, src, max_docs)
+    settings["tokenizer_fingerprint"] = tok.fingerprint()
+    check_settings(out, settings, src.describe())
+    if tok.kind == "bpe" and Path(tok.spec) != (out / "tokenizer.json").absolute():
+        tok.save(out / "tokenizer.json")
+        tok = load_tokenizer(out / "tokenizer.json")
+    atomic_write(out / ".settings.json", json.dumps(settings, indent=1).encode())
+
+    print(f"[prepare] {src.describe()} -> {out} ({tok.kind} tokenizer, vocab {tok.vocab_size:,}, "
+          f"{threads} threads)", flush=True)
+    stats = Stats()
+    train = write_train(src, tok, out / "train", docs_per_shard, max_docs, batch_docs, threads,
+                        stats, bool(cfg.progress))
+    if not train:
+        raise ConfigError(f"source={cfg.source} gave no training documents ({src.describe()}, "
+                          f"max_docs={max_docs}); check source, split, val_split and val_docs")
+    val = write_val(src, tok, out / "val", val_docs, batch_docs, threads, stats)
+
+    meta = {"version": META_VERSION, "source": src.describe(), "settings": settings,
+            "tokenizer": tok.spec, "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id, "dtype": shard_dtype(tok.vocab_size).name,
+            "train": {"docs": sum(s["docs"] for s in train),
+                      "tokens": sum(s["tokens"] for s in train), "shards": train},
+            "val": {"docs": sum(s["docs"] for s in val),
+                    "tokens": sum(s["tokens"] for s in val), "shards": val}}
+    atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
+
+    tr, va = meta["train"], meta["val"]
+    print(f"[prepare] train: {tr['docs']:,} documents, {tr['tokens']:,} tokens in "
+          f"{len(train)} shards; val: {va['docs']:,} documents, {va['tokens']:,} tokens", flush=True)
+    if stats.tokens:
+        tps = stats.tokens / max(stats.seconds, 1e-9)
+        print(f"[prepare] tokenized {stats.docs:,} documents, {stats.tokens:,} tokens in "
+              f"{stats.seconds:.1f} s: {tps:,.0f} tokens/s, {tps / cores:,.0f} tokens/s per "
+              f"core ({threads} threads on {cores} cores); total {time.perf_counter() - t0:.1f} s", flush=True)
+    else:
+        print("[prepare] all shards existed: nothing tokenized", flush=True)
+    print(f"[prepare] wrote {out / 'meta.json'}", flush=True)
+    return meta

@@ -1,0 +1,65 @@
+"""Settings pinning: what decides the shards' content is written to `<out>/.settings.json` before
+the first shard, and a re-run into the same folder with other settings or a changed source is
+refused rather than mixing shards."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from laplace.errors import ConfigError
+
+
+def settings_of(cfg) -> dict:
+    """What decides the shards' content: a re-run into the same folder must match it."""
+    keys = ["source", "source_config", "split", "val_split", "text_column", "tokenizer",
+            "docs_per_shard", "val_docs", "max_docs"]
+    if cfg.tokenizer == "bpe":
+        keys += ["vocab_size", "tokenizer_train_chars", "tokenizer_doc_chars"]
+    return {k: OmegaConf.to_container(cfg, resolve=True)[k] for k in keys}
+
+
+def check_settings(out: Path, settings: dict, describe: str) -> None:
+    path = out / ".settings.json"
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    change = None
+    if "source_files" in old and old["source_files"] != settings["source_files"]:
+        change = _changes(old["source_files"], settings["source_files"])
+    elif "source_files" not in old and (out / "meta.json").is_file():
+        # Prepared before sources were pinned: its meta.json still names the files it split.
+        was = json.loads((out / "meta.json").read_text()).get("source")
+        change = f"was {was}, now {describe}" if was != describe else None
+    if change:
+        raise ConfigError(f"source={settings['source']} changed since out={out} was prepared from it "
+                          f"({change}): its shards would mix old and new files and the validation "
+                          f"file would become training text; prepare into another out= (or name=), "
+                          f"or add rebuild=true to delete {out}'s shards and start again")
+    for k, v in settings.items():
+        if k in old and old[k] != v:
+            raise ConfigError(f"{k}={v}, but out={out} holds shards made with {k}={old[k]}; set "
+                              f"{k}={old[k]} to resume, or out= to another folder (or delete it)")
+
+
+def _changes(old: list, new: list) -> str:
+    """'shard_00003.parquet added, shard_00001.parquet changed' from two source fingerprints."""
+    a, b = {n: rest for n, *rest in old}, {n: rest for n, *rest in new}
+    return ", ".join([f"{n} added" for n in b if n not in a] + [f"{n} removed" for n in a if n not in b]
+                     + [f"{n} changed" for n in a if n in b and a[n] != b[n]]) or "files renamed"
+
+
+_OUTPUTS = ("train/shard_*.npy", "val/shard_*.npy", "tokenizer.json", "meta.json", ".settings.json")
+
+
+def remove_outputs(out: Path, everything: bool) -> None:
+    """Delete the temp files a killed run left in `out` (atomic_write's `.<name>.*.tmp`), and
+    with `everything` the outputs themselves (rebuild=true)."""
+    for pattern in _OUTPUTS:
+        folder, name = (out / pattern).parent, Path(pattern).name
+        for p in folder.glob(f".{name}.*.tmp"):
+            p.unlink(missing_ok=True)
+        if everything:
+            for p in folder.glob(name):
+                p.unlink(missing_ok=True)

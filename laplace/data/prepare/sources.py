@@ -1,0 +1,241 @@
+"""Text sources of `prepare`: batches of documents (lists of str), the training documents from any
+start index. `pydoc` (built in), parquet files (the last one = validation) or a `datasets`
+dataset, streamed (docs/text_data.md)."""
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from laplace.data import DatasetNotFoundError
+from laplace.errors import ConfigError, UserError
+
+
+class SourceError(UserError, ValueError):
+    """A source file that cannot be read as text (corrupt, truncated, not UTF-8); names it."""
+
+
+class PydocSource:
+    """The built-in help topics (a few hundred kB, in memory)."""
+
+    name = "pydoc"
+
+    def __init__(self):
+        from laplace.data.text import pydoc_documents
+
+        self.train, self.val = pydoc_documents(True), pydoc_documents(False)
+        self.num_train = len(self.train)
+
+    def describe(self) -> str:
+        return "pydoc"
+
+    def fingerprint(self) -> list | None:
+        return None  # fixed by the Python version, which settings do not pin
+
+    def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
+        for i in range(start, len(self.train), batch):
+            yield self.train[i:i + batch]
+
+    def val_batches(self, batch: int) -> Iterator[list[str]]:
+        for i in range(0, len(self.val), batch):
+            yield self.val[i:i + batch]
+
+
+class ParquetSource:
+    """Parquet files with a text column; the last file (in name order) is the validation split.
+
+    Only the footers are read up front (row counts per row group, the schema): skipping to a
+    document reads nothing before it, and documents are streamed by row group."""
+
+    def __init__(self, files: list[Path], column: str, where: str):
+        if len(files) < 2:
+            raise ConfigError(f"source={where} holds {len(files)} parquet file; the last file is the "
+                              f"validation split, so give a folder or glob with at least two")
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.column = column
+        self.files, self.row_groups = files, []
+        for f in files:
+            try:
+                meta = pq.ParquetFile(f).metadata
+                schema = meta.schema.to_arrow_schema()
+            except (pa.ArrowException, OSError) as e:
+                raise _unreadable(f, e) from None
+            if column not in schema.names:
+                raise ConfigError(f"text_column={column}: {f} has no such column, it has "
+                                  f"{schema.names}; set text_column to the one holding the text")
+            kind = schema.field(column).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise SourceError(f"{f}: column {column!r} holds {kind}, not text; write it as a "
+                                  f"UTF-8 string column, or set text_column to one")
+            self.row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+        self.name = Path(where.split("*")[0].rstrip("/")).name or "parquet"
+        self.num_train = sum(sum(r) for r in self.row_groups[:-1])
+        self._where = where
+
+    def describe(self) -> str:
+        return f"{self._where} ({len(self.files) - 1} train files + {self.files[-1].name} for val)"
+
+    def fingerprint(self) -> list:
+        """[name, bytes, rows] per file: what decides which documents are train and which val."""
+        return [[f.name, f.stat().st_size, sum(r)] for f, r in zip(self.files, self.row_groups)]
+
+    def _read(self, k: int, start: int, batch: int) -> Iterator[list[str]]:
+        """Documents of file k from its row `start` on."""
+        import pyarrow.parquet as pq
+
+        g, skip = 0, start
+        while g < len(self.row_groups[k]) and skip >= self.row_groups[k][g]:
+            skip -= self.row_groups[k][g]
+            g += 1
+        if g == len(self.row_groups[k]):
+            return
+        import pyarrow as pa
+
+        f, row = self.files[k], sum(self.row_groups[k][:g])
+        try:
+            pf = pq.ParquetFile(f)
+            for rb in pf.iter_batches(batch_size=batch, row_groups=range(g, pf.num_row_groups),
+                                      columns=[self.column]):
+                docs = _texts(rb.column(0), f, self.column, row)
+                row += len(docs)
+                if skip:
+                    docs, skip = docs[skip:], max(skip - len(docs), 0)
+                if docs:
+                    yield docs
+        except (pa.ArrowException, OSError) as e:  # a damaged page: found only when read
+            raise _unreadable(f, e, f" (near row {row})") from None
+
+    def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
+        for k in range(len(self.files) - 1):
+            rows = sum(self.row_groups[k])
+            if start >= rows:
+                start -= rows
+                continue
+            yield from self._read(k, start, batch)
+            start = 0
+
+    def val_batches(self, batch: int) -> Iterator[list[str]]:
+        yield from self._read(len(self.files) - 1, 0, batch)
+
+
+def _texts(column, f: Path, name: str, first_row: int) -> list[str]:
+    try:
+        return [d if d is not None else "" for d in column.to_pylist()]
+    except UnicodeDecodeError as e:
+        bad = next(i for i in range(len(column)) if not _decodes(column, i))
+        raise SourceError(f"{f}: row {first_row + bad} of column {name!r} is not valid UTF-8 "
+                          f"({e.reason} at byte {e.start}); fix or drop that row, or remove "
+                          f"the file from the source") from None
+
+
+def _decodes(column, i: int) -> bool:
+    try:
+        column[i].as_py()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _unreadable(f: Path, e: BaseException, where: str = "") -> SourceError:
+    return SourceError(f"{f}{where} is not a readable parquet file ({type(e).__name__}: "
+                       f"{_first_line(e)}); download it again or remove it from the source")
+
+
+class HFSource:
+    """A `datasets` dataset, streamed (hub id or local dataset folder)."""
+
+    def __init__(self, source: str, config: str | None, split: str, val_split: str | None,
+                 val_docs: int, column: str):
+        self.source, self.config, self.split, self.val_split = source, config, split, val_split
+        self.val_docs, self.column = val_docs, column
+        self.name = Path(source.rstrip("/")).name + (f"_{config}" if config else "")
+        self.num_train = None
+        self._train = self._load(split)
+        self._val = self._load(val_split) if val_split else None
+        first = next(iter(self._train.take(1)), None)  # a wrong column fails now, not mid-run
+        if first is not None and column not in first:
+            raise self._no_column(list(first))
+
+    def _no_column(self, columns: list[str]) -> ConfigError:
+        return ConfigError(f"text_column={self.column}: {self.source} has no such column, it has "
+                           f"{columns}; set text_column to the one holding the text")
+
+    def fingerprint(self) -> list | None:
+        return None  # a streamed dataset has no cheap one; source and split are pinned
+
+    def describe(self) -> str:
+        cfg = f" ({self.config})" if self.config else ""
+        val = f"split {self.val_split}" if self.val_split else f"the first {self.val_docs} documents"
+        return f"{self.source}{cfg} split {self.split}, val: {val}"
+
+    def _load(self, split: str):
+        import datasets
+
+        try:
+            return datasets.load_dataset(self.source, self.config, split=split, streaming=True)
+        except (OSError, datasets.exceptions.DatasetNotFoundError) as e:  # incl. ConnectionError
+            raise DatasetNotFoundError(
+                f"source={self.source}: no such local path ({Path(self.source).absolute()}) and "
+                f"`datasets` could not load it ({type(e).__name__}: {_first_line(e)}); set source "
+                f"to pydoc, a parquet folder / glob, a local dataset folder or a reachable hub id"
+            ) from None
+        except ValueError as e:  # an unknown config or split name
+            raise ConfigError(f"source={self.source} source_config={self.config} split={split}: "
+                              f"{_first_line(e)}") from None
+
+    def _batches(self, ds, batch: int) -> Iterator[list[str]]:
+        docs = []
+        for ex in ds:
+            if self.column not in ex:
+                raise self._no_column(list(ex))
+            docs.append(ex[self.column] or "")
+            if len(docs) == batch:
+                yield docs
+                docs = []
+        if docs:
+            yield docs
+
+    def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
+        skip = start + (0 if self._val is not None else self.val_docs)
+        yield from self._batches(self._train.skip(skip) if skip else self._train, batch)
+
+    def val_batches(self, batch: int) -> Iterator[list[str]]:
+        yield from self._batches((self._val if self._val is not None else self._train)
+                                 .take(self.val_docs), batch)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
+def open_source(cfg) -> PydocSource | ParquetSource | HFSource:
+    """The source named by cfg.source (docs/text_data.md)."""
+    source = str(cfg.source)
+    if source == "pydoc":
+        return PydocSource()
+    where = os.path.expanduser(source)
+    if glob.has_magic(where):
+        files = sorted(Path(p) for p in glob.glob(where) if p.endswith(".parquet"))
+        if not files:
+            raise DatasetNotFoundError(f"no parquet files match source={source} (looked for "
+                                       f"{os.path.abspath(where)}); set source to a folder or glob "
+                                       f"of *.parquet files, pydoc, or a datasets hub id")
+        return ParquetSource(files, cfg.text_column, source)
+    if os.path.isfile(where) and where.endswith(".parquet"):
+        return ParquetSource([Path(where)], cfg.text_column, source)
+    if os.path.isdir(where):
+        files = sorted(Path(where).glob("*.parquet"))
+        if files:
+            return ParquetSource(files, cfg.text_column, source)
+    elif os.path.isabs(where) or source.startswith((".", "~")) or os.path.exists(where) \
+            or source.endswith(".parquet") or source.count("/") > 1:
+        # Clearly a path, and not there: do not ask the hub about it.
+        raise DatasetNotFoundError(f"source={source} not found: looked for {os.path.abspath(where)}; "
+                                   f"set source to a folder or glob of parquet files, pydoc, or a "
+                                   f"datasets hub id (e.g. HuggingFaceFW/fineweb-edu)")
+    return HFSource(source, cfg.source_config, cfg.split, cfg.val_split, int(cfg.val_docs),
+                    cfg.text_column)

@@ -1,0 +1,135 @@
+"""Documents -> token shards: train shard i holds training documents [i * D, (i + 1) * D), each
+written atomically, so a re-run keeps the finished shards and skips their documents."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from laplace.data.shards import shard_dtype, write_shard
+from laplace.tokenizer import Tokenizer
+
+
+def shard_name(i: int) -> str:
+    return f"shard_{i:05d}.npy"
+
+
+def encode_docs(tok: Tokenizer, docs: list[str], dtype: np.dtype, threads: int) -> np.ndarray:
+    """<|bos|> + the ids of each document, concatenated, as one array of `dtype`."""
+    lists = tok.encode_batch(docs, prepend_bos=True, num_threads=threads)
+    out = np.empty(sum(map(len, lists)), dtype=dtype)
+    pos = 0
+    for ids in lists:
+        out[pos:pos + len(ids)] = ids
+        pos += len(ids)
+    return out
+
+
+def _shard_tokens(path: Path) -> int | None:
+    """Length of a finished shard (header only), None if missing or unreadable."""
+    try:
+        return len(np.load(path, mmap_mode="r"))
+    except (OSError, ValueError):  # absent, or not a whole .npy: written again
+        return None
+
+
+def _count_docs(path: Path, bos_id: int) -> int:
+    # Ordinary text never encodes to <|bos|>, so the BOS count is the document count.
+    return int(np.count_nonzero(np.load(path, mmap_mode="r") == bos_id))
+
+
+class _Progress:
+    def __init__(self, enabled: bool, total: int | None, desc: str):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="doc", unit_scale=True, leave=False)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Stats:
+    def __init__(self):
+        self.docs = self.tokens = 0
+        self.seconds = 0.0
+
+    def encode(self, tok, docs, dtype, threads) -> np.ndarray:
+        t = time.perf_counter()
+        arr = encode_docs(tok, docs, dtype, threads)
+        self.seconds += time.perf_counter() - t
+        self.docs, self.tokens = self.docs + len(docs), self.tokens + len(arr)
+        return arr
+
+
+def write_train(src, tok: Tokenizer, folder: Path, docs_per_shard: int, max_docs: int | None,
+                batch_docs: int, threads: int, stats: Stats, progress: bool) -> list[dict]:
+    """Train shards in `folder` (docs/text_data.md); returns [{file, docs, tokens}]."""
+    D, dtype = docs_per_shard, shard_dtype(tok.vocab_size)
+    limit = max_docs if max_docs is not None else float("inf")
+    shards: list[dict] = []
+    while (n := _shard_tokens(folder / shard_name(len(shards)))) is not None:
+        shards.append({"file": f"{folder.name}/{shard_name(len(shards))}", "docs": D, "tokens": n})
+    if shards:  # every shard but the last holds D documents: count only the last
+        shards[-1]["docs"] = _count_docs(folder.parent / shards[-1]["file"], tok.bos_id)
+        if shards[-1]["docs"] < D:
+            return shards  # the source ran out in the last shard: finished
+    start = len(shards) * D
+    if start >= limit:
+        return shards
+    total = min(src.num_train, limit) if src.num_train is not None else (
+        None if max_docs is None else max_docs)
+    bar = _Progress(progress, total, "train docs")
+    bar.update(start)
+    parts, docs, seen = [], 0, start
+    for batch in src.train_batches(start, batch_docs):
+        batch = batch[:max(int(min(limit, seen + len(batch)) - seen), 0)]
+        seen += len(batch)
+        while batch:
+            take = min(len(batch), D - docs)
+            parts.append(stats.encode(tok, batch[:take], dtype, threads))
+            docs, batch = docs + take, batch[take:]
+            bar.update(take)
+            if docs == D:
+                shards.append(_flush(folder, len(shards), parts, docs, tok.vocab_size))
+                parts, docs = [], 0
+        if seen >= limit:
+            break
+    if docs:
+        shards.append(_flush(folder, len(shards), parts, docs, tok.vocab_size))
+    bar.close()
+    return shards
+
+
+def _flush(folder: Path, i: int, parts: list[np.ndarray], docs: int, vocab_size: int) -> dict:
+    arr = np.concatenate(parts)
+    write_shard(folder / shard_name(i), arr, vocab_size)
+    return {"file": f"{folder.name}/{shard_name(i)}", "docs": docs, "tokens": len(arr)}
+
+
+def write_val(src, tok: Tokenizer, folder: Path, val_docs: int, batch_docs: int, threads: int,
+              stats: Stats) -> list[dict]:
+    """The validation shard: the first val_docs documents of the validation split."""
+    path = folder / shard_name(0)
+    if val_docs == 0:
+        return []
+    if (n := _shard_tokens(path)) is not None:
+        return [{"file": f"{folder.name}/{path.name}", "docs": _count_docs(path, tok.bos_id), "tokens": n}]
+    parts, docs = [], 0
+    for batch in src.val_batches(batch_docs):
+        batch = batch[:val_docs - docs]
+        parts.append(stats.encode(tok, batch, shard_dtype(tok.vocab_size), threads))
+        docs += len(batch)
+        if docs >= val_docs:
+            break
+    if not docs:
+        raise ConfigError(f"source={src.describe()} has no validation documents; give it a "
+                          f"validation split (val_split) or set val_docs=0")
+    return [_flush(folder, 0, parts, docs, tok.vocab_size)]
