@@ -4,22 +4,14 @@
     python prepare.py source=/data/fineweb-edu-100b-shuffle name=fineweb_edu
 
 Every default: configs/prepare.yaml; the library: laplace/data/prepare/; the manual (sources,
-outputs, resuming): docs/text_data.md. A step of the pipeline beside train.py, at the repository
-root where configs/ is, so the library never reaches for a folder outside its package.
+outputs, resuming): docs/text_data.md. A step of the pipeline beside train.py (a command, not library code).
 """
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig
-
+from laplace.cli import hydra_entry
 from laplace.data.prepare import prepare
-from laplace.errors import cli_errors
 
-
-@hydra.main(version_base="1.3", config_path="configs", config_name="prepare")
-def main(cfg: DictConfig) -> None:
-    # Bad input: one `error:` line (HYDRA_FULL_ERROR=1: traceback); a bug: its traceback.
-    cli_errors(prepare)(cfg)
+main = hydra_entry("prepare")(prepare)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ from conftest import ROOT
 
 ENTRIES = {"train.py": "config", "eval/knn.py": "knn", "eval/linear.py": "linear", "eval/segmentation.py":
            "segmentation", "eval/lm.py": "lm_eval", "eval/generate.py": "generate",
-           "analysis/__main__.py": "analysis", "analysis/tables.py": "tables", "analysis/figures.py": "figures"}
-# h21data moves the prepare CLI out of the library and adopts hydra_entry there.
-NOT_YET = {"laplace/data/prepare.py"}
+           "analysis/__main__.py": "analysis", "analysis/tables.py": "tables", "analysis/figures.py": "figures", "prepare.py": "prepare"}
 
 
 def _run(args, cwd, **env):
@@ -30,7 +28,7 @@ def test_every_entry_point_uses_the_one_decorator():
     for path in sorted(ROOT.glob("*.py")) + sorted(p for d in ("laplace", "train", "eval", "analysis")
                                                    for p in (ROOT / d).rglob("*.py")):
         rel = str(path.relative_to(ROOT))
-        if rel in NOT_YET or rel == "laplace/cli.py":
+        if rel == "laplace/cli.py":
             continue
         assert "hydra.main(" not in path.read_text(), f"{rel}: use laplace.cli.hydra_entry"
     for path in ENTRIES:  # configs/ by a path of their own (read a config file: laplace.cli.config_dir)
