@@ -7,16 +7,20 @@ Every trainer and experiment family trains a few steps at small size as a user r
 (`python train.py ...`, data workers on), stops part-way and resumes; fine-tuning starts
 from a CUDA checkpoint; a run signalled with SIGUSR1 checkpoints, exits with the requeue
 status and resumes; a bug inside train_step exits non-zero within seconds; `python -m
-analysis` measures CUDA checkpoints; the tests marked `cuda` run on the device; the
+analysis` measures CUDA checkpoints; eval.knn, eval.linear and eval.segmentation evaluate
+the DINO checkpoint and eval.lm (lm-eval) the SFT one; the tests marked `cuda` run on the device; the
 benchmark (`python -m bench`) writes its record to <out>/benchmarks; DINO's and the
 GPT's paper-size steps report images/s and tokens/s (MFU). One line per
 check (PASS / FAIL, seconds, what it measured, step times from metrics.jsonl); the exit
 status is 1 if any check failed. Logs of every command
-go to --out (default: a fresh temporary folder), named after the check.
+go to --out (default: a fresh temporary folder), named after the check. After a CUDA run the
+rows of the checks that ran in README's "What has run on a GPU" are rewritten (scripts/gpu_table.py);
+a CPU run writes no README (--table FILE: that file instead).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -31,6 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # fakedata: tiny datasets in the real on-disk formats
+sys.path.insert(0, str(ROOT))
+import gpu_table  # noqa: E402  (beside this file)
+
+from laplace.io import atomic_write  # noqa: E402
 
 
 class Check:
@@ -73,11 +81,13 @@ class Check:
         try:
             what = fn()
             print(f"PASS {name:<34} {time.time() - t0:6.1f} s  {what}", flush=True)
+            return True
         except Exception as e:  # a failed check is reported, the others still run
             self.failed.append(name)
             print(f"FAIL {name:<34} {time.time() - t0:6.1f} s  {type(e).__name__}: {e}", flush=True)
             with open(self.out / f"{name}.log", "a") as log:
                 traceback.print_exc(file=log)
+            return False
 
 
 def tail(path: Path, n: int = 1) -> str:
@@ -241,6 +251,33 @@ def dino_in1k(c: Check, data: Path, tiny: bool) -> str:
     return f"vits_5L: {img_s:,.0f} img/s (10 crops each), {step_ms(run_dir)}; loss {recs[-1]['loss']:.3f}"
 
 
+def vision_evals(c: Check, device: str, seg: bool) -> str:
+    """eval.knn + eval.linear, or eval.segmentation (trainer=seg_linear), on dino_digits' checkpoint."""
+    ckpt = c.out / "runs" / "dino_digits" / "ckpt/last.pt"
+    run = ckpt.parent.parent / "eval"
+    if seg:
+        c.sh("seg_linear", [sys.executable, "-m", "eval.segmentation", f"checkpoint={ckpt}", "eval=seg_digits_linear",
+                            "iters=4", "trainer.eval_every=4", f"trainer.device={device}", "trainer.progress=false",
+                            f"trainer.compile={str(c.args.compile).lower()}", f"paths.data_dir={c.out / 'data'}"])
+        res = json.loads(next(run.glob("seg_*/results.json")).read_text())
+        return f"4 iterations, mIoU={res['mIoU']:.2f}"
+    c.sh("knn", [sys.executable, "-m", "eval.knn", f"checkpoint={ckpt}", f"device={device}"])
+    c.sh("linear", [sys.executable, "-m", "eval.linear", f"checkpoint={ckpt}", f"device={device}", "epochs=2",
+                    "lr_grid=[0.001,0.01]"])
+    knn, lin = (json.loads((run / f"{k}_digits/results.json").read_text()) for k in ("knn", "linear"))
+    return f"20-NN {knn['knn']['top1']:.2f}, linear {lin['linear']['top1']:.2f} (digits)"
+
+
+def lm_eval(c: Check, device: str) -> str:
+    """python -m eval.lm (the lm-eval adapter) on the SFT checkpoint, the built-in laplace_pydoc tasks."""
+    ckpt = c.out / "runs" / "gpt_tiny_sft" / "ckpt/last.pt"
+    c.sh("lm_eval", [sys.executable, "-m", "eval.lm", f"checkpoint={ckpt}", "tasks=[laplace_pydoc]",
+                     f"device={device}", "limit=8", "batch_size=4", "bootstrap_iters=0"], timeout=600)
+    res = json.loads(next((ckpt.parent.parent / "eval").glob("lm_*/results.json")).read_text())
+    return ", ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("laplace_pydoc_") and
+                     isinstance(v, float))
+
+
 def benchmark(c: Check, args) -> str:
     """`python -m bench` (layer, training step, loader, tokenizer, analysis accumulator), eager; its
     records go to <out>/benchmarks; returns the ratios to k = 0 and to timm with their verdicts."""
@@ -258,6 +295,19 @@ def benchmark(c: Check, args) -> str:
     return f"record {record} (+ .md)\n     " + "\n     ".join(lines)
 
 
+def table_path(table: str | None, device: str) -> Path | None:
+    """Where the GPU table is written: --table if given, else README.md after a CUDA run only."""
+    if table is not None:
+        return Path(table)
+    return ROOT / "README.md" if device.startswith("cuda") else None
+
+
+def torch_device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else f"{device} (dry run)"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -265,7 +315,12 @@ def main():
     p.add_argument("--tiny", action="store_true", help="smallest models (a CPU dry run)")
     p.add_argument("--out", default=None, help="folder for logs and runs (default: a temp folder)")
     p.add_argument("--only", nargs="*", default=None, help="run only these checks (first word of the name)")
+    p.add_argument("--table", default=None, help="file whose GPU table gets this run's rows (default: "
+                   "README.md on CUDA, none on CPU: a dry run never writes the README)")
     args = p.parse_args()
+    table = table_path(args.table, args.device)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    rev = gpu_table.commit(ROOT)  # before the run, which may write README.md
     c = Check(args)
     print(f"[gpu_check] device={args.device} compile={args.compile} tiny={args.tiny} out={c.out}", flush=True)
     import fakedata
@@ -318,16 +373,27 @@ def main():
         "dino_digits": lambda: stop_and_resume(c, "dino_digits", [
             "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
         "dino_in1k: paper-size steps": lambda: dino_in1k(c, data, args.tiny),
+        "knn + linear": lambda: vision_evals(c, args.device, seg=False),
+        "seg_linear": lambda: vision_evals(c, args.device, seg=True),
+        "lm-eval: laplace_pydoc": lambda: lm_eval(c, args.device),
         "preemption (SIGUSR1)": lambda: preemption(c, gpt),
         "crash exits fast": lambda: crash(c, vit),
         "analysis of CUDA checkpoints": lambda: analysis(c, args.device),
         "benchmark": lambda: benchmark(c, args),
     }
+    unknown = {n for names in gpu_table.ROWS.values() for n in names} - set(checks)
+    if unknown:  # a renamed check would leave its README row at "never" for ever
+        raise SystemExit(f"scripts/gpu_table.py ROWS names checks gpu_check lacks: {sorted(unknown)}")
+    ran = {}
     for name, fn in checks.items():
         if args.only is None or name.split()[0].rstrip(":") in args.only:
-            c.run(name, fn)
-    ran = len(checks) if args.only is None else sum(n.split()[0].rstrip(":") in args.only for n in checks)
-    print(f"[gpu_check] {ran - len(c.failed)}/{ran} passed" +
+            ran[name] = c.run(name, fn)
+    if table is not None:
+        gpu = torch_device_name(args.device)
+        command = " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])
+        atomic_write(table, gpu_table.update(table.read_text(), ran, when, gpu, rev, command).encode())
+        print(f"[gpu_check] {table}: the GPU table's rows of these checks rewritten", flush=True)
+    print(f"[gpu_check] {len(ran) - len(c.failed)}/{len(ran)} passed" +
           (f"; FAILED: {', '.join(c.failed)}" if c.failed else ""), flush=True)
     sys.exit(1 if c.failed else 0)
 

@@ -1,11 +1,17 @@
 """Child of tests/test_device_placement.py, started by torchrun with 2 processes: each run given
-(a list of `python train.py` overrides per line of argv[2]) trains on the stand-in CUDA device
+(a label, a config name and its overrides per line of argv[2]) trains on the stand-in CUDA device
 over a gloo group that plays NCCL, and every collective is recorded as (op, tensor device,
-backend the group would have on a GPU node) into argv[1].rank<R>.json."""
+backend the group would have on a GPU node, run) into argv[1].rank<R>.json.
+
+The runs share one process group: torch re-creating the default group after destroy_process_group
+in the same processes hangs at random in its first collectives (a bare script of init_process_group,
+new_group, destroy_process_group, init_process_group, all_reduce hung in 2 of 3 torchruns)."""
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from unittest import mock
@@ -45,9 +51,13 @@ RUN = [""]
 
 
 def main(out: str, runs: str):
+    # A hang (a collective one rank never joins) prints every rank's stack and exits, before the
+    # test's timeout kills torchrun without a word.
+    faulthandler.dump_traceback_later(float(os.environ.get("DUMP_AFTER", "100")), exit=True)
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
+    from laplace import dist
     from laplace.config import register_model_configs
     from train import run
 
@@ -75,6 +85,8 @@ def main(out: str, runs: str):
             return module
 
         mock.patch.object(torch.nn.SyncBatchNorm, "convert_sync_batchnorm", convert).start()
+        real_cleanup = dist.cleanup
+        mock.patch.object(dist, "cleanup", lambda: None).start()  # the group stays for the next run
         for line in runs.splitlines():
             RUN[0], entry, *overrides = line.split()  # label, config name (config | segmentation), overrides
             register_model_configs([o.split("=", 1)[1] for o in overrides if o.startswith("model=")])
@@ -88,7 +100,8 @@ def main(out: str, runs: str):
                 with open_dict(cfg):
                     cfg.run_dir = f"{out}.{RUN[0]}"
             run(cfg)
-        rank = int(__import__("os").environ["RANK"])
+        real_cleanup()
+        rank = int(os.environ["RANK"])
         Path(f"{out}.rank{rank}.json").write_text(json.dumps(RECORDS))
 
 

@@ -8,6 +8,7 @@ import os
 import runpy
 import subprocess
 import sys
+from pathlib import Path
 from unittest import mock
 
 import fakedata
@@ -151,38 +152,59 @@ DDP = ["trainer.num_workers=0", "trainer.progress=false", "trainer.device=cuda",
        "trainer.max_steps=1", "trainer.eval_every=1", "trainer.log_every=1"]
 
 
-def _ddp_runs(tmp_path) -> dict[str, list[str]]:
-    fakedata.write_cifar(tmp_path / "cifar", "cifar10", n_train=16, n_test=8)
-    runs = tmp_path / "runs"
+DINO = ["trainer.head.out_dim=64", "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16",
+        "trainer.multicrop.local_crops=2", "data.val_fraction=0.99"]
+
+
+def _ddp_runs(tmp: Path, out: Path) -> dict[str, list[str]]:
+    """label -> config name and overrides, in the order they run (seg_linear reads vit's checkpoint)."""
+    fakedata.write_cifar(tmp / "cifar", "cifar10", n_train=16, n_test=8)
+    vit = ["model.depth=1", "model.embed_dim=48", "trainer.global_batch_size=8", f"paths.runs_dir={tmp / 'runs'}", *DDP]
     return {
-        "deit3": ["config", "experiment=deit3_cifar10", "model.depth=1", "model.embed_dim=48",
-                  "trainer.global_batch_size=8", f"paths.runs_dir={runs}", *DDP, "data.img_size=32",
-                  "data.patch_size=8", f"data.root={tmp_path / 'cifar'}"],
+        "deit3": ["config", "experiment=deit3_cifar10", *vit, "data.img_size=32", "data.patch_size=8",
+                  f"data.root={tmp / 'cifar'}"],
         "gpt": ["config", "experiment=gpt_pydoc", "model=gpt_d2_1L", "data.seq_len=32", "optim=muon",
-                "trainer.global_batch_size=8", f"paths.runs_dir={runs}", *DDP],
+                "trainer.global_batch_size=8", f"paths.runs_dir={tmp / 'runs'}", *DDP],
+        "vit": ["config", "model=vitt_3L", *vit],
+        "dino": ["config", "experiment=dino_digits", *vit, *DINO],
+        "seg_linear": ["segmentation", f"checkpoint={out}.vit/ckpt/last.pt", "eval=seg_digits_linear", "iters=1",
+                       "batch_size=4", "data.n_train=4", "data.n_val=2", f"paths.data_dir={tmp / 'data'}", *DDP],
     }
 
 
-@pytest.mark.slow  # ~30 s each: a torchrun of 2 processes, one step + evaluation
-@pytest.mark.parametrize("name", ["deit3", "gpt"])
-def test_every_collective_fits_its_backend(name, tmp_path):
+RUNS = ["deit3", "gpt", "vit", "dino", "seg_linear"]
+
+
+@pytest.fixture(scope="module")
+def ddp_records(tmp_path_factory) -> dict[int, list[dict]]:
+    """Every run of _ddp_runs, one after another in one torchrun of 2 processes (~35 s): rank ->
+    the collectives it made."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    out = tmp / "out"
+    lines = "\n".join(" ".join([name, *args]) for name, args in _ddp_runs(tmp, out).items())
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1", DUMP_AFTER="150")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests/ddp_collectives.py"), str(out), lines],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {rank: json.loads((tmp / f"out.rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
+@pytest.mark.slow  # the fixture: ~35 s for all five runs
+@pytest.mark.parametrize("name", RUNS)
+def test_every_collective_fits_its_backend(name, ddp_records):
     """A trainer's step and evaluation over 2 processes, on the stand-in CUDA device, with a gloo
     group playing NCCL: a tensor all-reduced / gathered / broadcast on the NCCL group must be on
-    the device, one on a gloo group on the CPU (NCCL cannot reduce CPU tensors). One run per
-    torchrun: two runs in the same processes did not finish, nor did DINO's, the digits ViT's or
-    seg_linear's (not diagnosed yet)."""
-    line = " ".join([name, *_ddp_runs(tmp_path)[name]])
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests/ddp_collectives.py"), str(tmp_path / "out"), line],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rank in (0, 1):
-        records = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
-        tensors = [r for r in records if r["device"] != "object"]
-        assert {r["backend"] for r in tensors} == {"nccl", "gloo"}  # the step's all-reduces and any_rank's flag
+    the device, one on a gloo group on the CPU (NCCL cannot reduce CPU tensors); SyncBatchNorm
+    is converted on the NCCL group (DINO's student and teacher, the segmentation head)."""
+    for rank, records in ddp_records.items():
+        mine = [r for r in records if r["run"] == name]
+        tensors = [r for r in mine if r["device"] != "object"]
+        assert {r["backend"] for r in tensors} == {"nccl", "gloo"}, (rank, mine)  # the step's and any_rank's
         wrong = [r for r in tensors if r["device"] != {"nccl": "cuda", "gloo": "cpu"}[r["backend"]]]
-        assert not wrong, wrong
+        assert not wrong, (rank, wrong)
+        converted = [r["backend"] for r in mine if r["op"] == "convert_sync_batchnorm"]
+        assert converted == {"dino": ["nccl", "nccl"], "seg_linear": ["nccl"]}.get(name, []), (rank, converted)
 
 
 @pytest.mark.slow  # ~20 s: torchrun of 2 CPU processes

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import laplace
 from laplace.attention import rms_norm
-from laplace.gpt import GPT
+from laplace.gpt import GPT, gpt_dims
 from laplace.vit import load_timm_state_dict
 from conftest import randomize_
 
@@ -227,38 +227,21 @@ def test_every_vit_name_composes_on_meta(name):
     _check_vit(name, "meta")
 
 
-# Real builds cost ~1 s each for ViT-B (the init): the extremes of each size at full depth, the
-# rest with one block (each name's width, heads and Laplacian-head mask; depth only repeats it).
-_VIT_EXTREMES = [n for n in VIT_NAMES if n.endswith("_0L") or n in ("vitt_3L", "vits_6L", "vitb_12L")]
-
-
-@pytest.mark.parametrize("name", _VIT_EXTREMES)
-def test_vit_extremes_build_and_run(name):
-    torch.manual_seed(0)
-    _check_vit(name, "cpu")
-
-
-@pytest.mark.parametrize("name", [n for n in VIT_NAMES if n not in _VIT_EXTREMES])
+# Every name also builds for real with one block (each name's width, heads and Laplacian-head
+# mask; depth only repeats it): a real full-depth ViT-S / ViT-B costs seconds each, and the timm
+# comparisons above build those.
+@pytest.mark.parametrize("name", VIT_NAMES)
 def test_every_vit_name_builds_and_runs(name):
     torch.manual_seed(0)
     _check_vit(name, "cpu", depth=1)
 
 
-@pytest.mark.parametrize("name", laplace.list_models("gpt_d2_*") + laplace.list_models("gpt_d12_*"))
-def test_small_gpt_names_build_and_run(name):
-    torch.manual_seed(0)
-    model = laplace.create_model(name, vocab_size=50).eval()
-    k = int(name.split("_")[2][:-1])
-    assert model.num_laplacian_heads == [k] * model.depth
-    idx = torch.randint(0, 50, (1, 6))
-    with torch.no_grad():
-        loss = model(idx, targets=idx)
-    # nanochat's zero-initialised lm_head: every logit is 0, so the loss is exactly log(vocab).
-    assert math.isclose(loss.item(), math.log(50), rel_tol=1e-5)
+GPT_NAMES = laplace.list_models("gpt*")
 
 
-@pytest.mark.parametrize("name", laplace.list_models("gpt_d20_*") + laplace.list_models("gpt_d26_*"))
-def test_big_gpt_names_build_on_meta(name):
+@pytest.mark.parametrize("name", GPT_NAMES)
+def test_every_gpt_name_composes_on_meta(name):
+    """Full depth, shapes only; the parameter count follows nanochat's shapes."""
     with torch.device("meta"):
         model = laplace.create_model(name)
         z = model(torch.zeros(1, 8, dtype=torch.long))
@@ -268,6 +251,22 @@ def test_big_gpt_names_build_on_meta(name):
     # Width 64 x depth, 12 d^2 per block, untied embeddings: the parameter count follows.
     width = 64 * depth
     assert sum(p.numel() for p in model.parameters()) == depth * 12 * width ** 2 + 2 * 65536 * width
+
+
+@pytest.mark.parametrize("name", laplace.list_models("gpt_d2_*") + laplace.list_models("gpt_d12_*"))
+def test_small_gpt_names_build_and_run(name):
+    """For real with one block of the name's width, heads and mask (gpt_d2 at its full two)."""
+    torch.manual_seed(0)
+    depth, k = int(name.split("_")[1][1:]), int(name.split("_")[2][:-1])
+    width, heads = gpt_dims(depth)
+    model = laplace.create_model(name, vocab_size=50, depth=min(depth, 2), width=width, num_heads=heads).eval()
+    assert model.num_laplacian_heads == [k] * min(depth, 2)
+    assert all(int(b.attn.is_laplacian.sum()) == k for b in model.blocks)
+    idx = torch.randint(0, 50, (1, 6))
+    with torch.no_grad():
+        loss = model(idx, targets=idx)
+    # nanochat's zero-initialised lm_head: every logit is 0, so the loss is exactly log(vocab).
+    assert math.isclose(loss.item(), math.log(50), rel_tol=1e-5)
 
 
 def test_model_defaults():
