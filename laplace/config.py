@@ -6,6 +6,8 @@ which no finite folder of YAML files covers. So the nodes are generated from
 ConfigStore: the listed names, plus any `model=` value on the command line.
 Each node holds the constructor arguments, with data-dependent ones interpolated from the
 `data` node, so the resolved config.yaml of a run shows the whole architecture.
+Mandatory values are Hydra's `???` (`trainer.init_from` of a fine-tuning experiment):
+`check_required` turns the first one left unset into a one-line error before anything runs.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import sys
 from typing import Iterable
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
+from .errors import ConfigError
 from .zoo import list_models, model_defaults
 
 # Keys a data node provides to the model (interpolations resolved when the config is used).
@@ -48,3 +52,36 @@ def register_model_configs(extra: Iterable[str] = ()) -> None:
     cs = ConfigStore.instance()
     for name in dict.fromkeys([*list_models(), *extra, *_argv_model_names(sys.argv[1:])]):
         cs.store(group="model", name=name, node=model_node(name))
+
+
+# What a mandatory value takes, where "set it on the command line" says too little.
+REQUIRED_HINTS = {
+    "trainer.init_from": "this experiment fine-tunes a pre-trained model: set trainer.init_from=PATH "
+                         "(a laplace checkpoint or a timm/DeiT-III state dict)",
+    "data.root": "this experiment's data has no default location: set data.root=PATH",
+}
+
+
+def check_required(cfg: DictConfig) -> None:
+    """One line naming the first mandatory value (`???`) the command line left unset.
+
+    Without it the run would fail wherever the value is first read (after building the data)
+    with OmegaConf's multi-line MissingMandatoryValue, or `cfg.get(key)` would quietly give None.
+    Nothing is resolved, so an interpolation into the wrong data node still gets the trainer's
+    own one-line error (`Trainer.check_config`)."""
+    key = next(_missing(OmegaConf.to_container(cfg, resolve=False)), None)
+    if key is not None:
+        hint = REQUIRED_HINTS.get(key, f"set {key}=... on the command line")
+        raise ConfigError(f"{key} is required (??? in the config): {hint}")
+
+
+def _missing(node, key: str = ""):
+    """Dotted keys of the `???` values in a plain container, in the config's order."""
+    if node == "???":
+        yield key
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _missing(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _missing(v, f"{key}[{i}]")

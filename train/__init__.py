@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from laplace.config import check_required
 from laplace.errors import ConfigError
 from laplace.rundir import MAX_NAME, RunDirLock, check_writable, short_name  # noqa: F401  (MAX_NAME: train.MAX_NAME)
 
@@ -93,6 +94,7 @@ def run(cfg: DictConfig) -> dict:
     from .logger import RunLog
     from .signals import Preempted, StopRequest
 
+    check_required(cfg)  # a `???` left unset: one line now, not a traceback after the data is built
     cls = get_trainer(cfg.trainer.name)
     check_engine_config(cls, cfg)
     cls.check_config(cfg)  # before anything resolves: wrong combinations get one line

@@ -34,6 +34,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from laplace.config import register_model_configs
 from laplace.errors import ConfigError, cli_errors
@@ -220,7 +221,10 @@ class Recipe:
             entry, key = expr.split(":", 1)
             cfg = self.entry(entry)
         missing = object()
-        v = OmegaConf.select(cfg, key, default=missing)
+        try:
+            v = OmegaConf.select(cfg, key, default=missing, throw_on_missing=True)
+        except MissingMandatoryValue:
+            return "???"  # mandatory: the command line sets it (init=finetune's trainer.init_from)
         if v is missing:
             raise ConfigError(f"{expr}: no such key in the composed config")
         return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) or OmegaConf.is_list(v) else v
