@@ -122,7 +122,7 @@ class Recipe:
         the engine's own feed over the trainer's own sampler (DeiT-III's repeated augmentation
         keeps a multiple of 256 images; an epoch ends on a whole step)."""
         tc = self.cfg.trainer
-        if self.cfg.data.get("kind") == "shards":
+        if self._token_budget():
             return self.total_steps()  # a token budget, not epochs
         if self.train_size is None:
             raise ConfigError("this card needs `assume.train_size` (training examples per epoch)")
@@ -133,11 +133,15 @@ class Recipe:
                        step_size=tc.global_batch_size)
         return max(1, feed.micro_batches_per_epoch // self.accum(1))
 
+    def _token_budget(self) -> bool:
+        """Token shards: steps from a token budget, not epochs (image data nodes have no `kind`)."""
+        return self.cfg.data.get("kind") == "shards"
+
     def total_steps(self) -> int:
         tc = self.cfg.trainer
         if tc.max_steps:
             return int(tc.max_steps)
-        if self.cfg.data.get("kind") == "shards":
+        if self._token_budget():
             from train.gpt import token_budget_steps
 
             return token_budget_steps(self.cfg)
@@ -148,7 +152,7 @@ class Recipe:
 
     def _spe(self, uses_epochs: bool) -> int:
         """Steps per epoch for a schedule; only needed when it counts in epochs."""
-        if self.cfg.data.get("kind") == "shards" or (not uses_epochs and self.train_size is None):
+        if self._token_budget() or (not uses_epochs and self.train_size is None):
             return 1
         return self.steps_per_epoch()
 
