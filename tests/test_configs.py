@@ -66,3 +66,15 @@ def test_cli_without_a_mandatory_value_is_one_line_before_anything_runs(experime
         "error: trainer.init_from is required (??? in the config): this experiment fine-tunes a pre-trained "
         "model: set trainer.init_from=PATH (a laplace checkpoint or a timm/DeiT-III state dict)"], proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # refused before the run directory is made
+
+
+def test_one_name_per_trainer_across_config_file_and_module():
+    """`trainer=deit3` was trained by train/supervised.py's SupervisedTrainer: three names for one
+    concept. A trainer of the loop is configs/trainer/<name>.yaml, train/<name>.py and a class
+    named after it; evaluations that train on the engine (seg_linear) live with their CLI."""
+    for name, target in TRAINERS.items():
+        module, cls = target.split(":")
+        assert (CONFIGS / "trainer" / f"{name}.yaml").is_file(), name
+        if module.startswith("train."):
+            assert module == f"train.{name}", f"trainer={name} lives in {module}"
+            assert cls.lower() == f"{name}trainer", f"trainer={name} is the class {cls}"

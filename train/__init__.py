@@ -14,7 +14,7 @@ from laplace.rundir import MAX_NAME, RunDirLock, check_writable, short_name  # n
 
 # name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
 # outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
-TRAINERS = {"deit3": "train.supervised:SupervisedTrainer", "gpt": "train.gpt:GPTTrainer",
+TRAINERS = {"deit3": "train.deit3:DeiT3Trainer", "gpt": "train.gpt:GPTTrainer",
             "seg_linear": "eval.segmentation:SegLinearTrainer",
             "dino": "train.dino:DINOTrainer"}
 
