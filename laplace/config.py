@@ -38,6 +38,38 @@ def model_node(name: str) -> dict:
     return node
 
 
+# What a mandatory value takes, where "add <key>=<value>" says too little.
+REQUIRED_HINTS = {
+    "trainer.init_from": "this experiment fine-tunes a pre-trained model: set trainer.init_from=PATH "
+                         "(a laplace checkpoint or a timm/DeiT-III state dict)",
+}
+
+
+def check_required(cfg: DictConfig) -> None:
+    """One line naming the first mandatory value (`???`) the command line left unset.
+
+    Without it the run would fail wherever the value is first read (after building the data)
+    with OmegaConf's multi-line MissingMandatoryValue, or `cfg.get(key)` would quietly give None.
+    Nothing is resolved, so an interpolation into the wrong data node still gets its own
+    one-line error (the trainer's model / data fit check)."""
+    key = next(_missing(OmegaConf.to_container(cfg, resolve=False)), None)
+    if key is not None:
+        hint = REQUIRED_HINTS.get(key, f"add {key}=<value> to the command")
+        raise ConfigError(f"{key} is required: {hint}")
+
+
+def _missing(node, key: str = ""):
+    """Dotted keys of the `???` values in a plain container, in the config's order."""
+    if node == "???":
+        yield key
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _missing(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _missing(v, f"{key}[{i}]")
+
+
 def _argv_model_names(argv: Iterable[str]) -> list[str]:
     names = []
     for a in argv:
@@ -53,35 +85,3 @@ def register_model_configs(extra: Iterable[str] = ()) -> None:
     for name in dict.fromkeys([*list_models(), *extra, *_argv_model_names(sys.argv[1:])]):
         cs.store(group="model", name=name, node=model_node(name))
 
-
-# What a mandatory value takes, where "set it on the command line" says too little.
-REQUIRED_HINTS = {
-    "trainer.init_from": "this experiment fine-tunes a pre-trained model: set trainer.init_from=PATH "
-                         "(a laplace checkpoint or a timm/DeiT-III state dict)",
-    "data.root": "this experiment's data has no default location: set data.root=PATH",
-}
-
-
-def check_required(cfg: DictConfig) -> None:
-    """One line naming the first mandatory value (`???`) the command line left unset.
-
-    Without it the run would fail wherever the value is first read (after building the data)
-    with OmegaConf's multi-line MissingMandatoryValue, or `cfg.get(key)` would quietly give None.
-    Nothing is resolved, so an interpolation into the wrong data node still gets the trainer's
-    own one-line error (`Trainer.check_config`)."""
-    key = next(_missing(OmegaConf.to_container(cfg, resolve=False)), None)
-    if key is not None:
-        hint = REQUIRED_HINTS.get(key, f"set {key}=... on the command line")
-        raise ConfigError(f"{key} is required (??? in the config): {hint}")
-
-
-def _missing(node, key: str = ""):
-    """Dotted keys of the `???` values in a plain container, in the config's order."""
-    if node == "???":
-        yield key
-    elif isinstance(node, dict):
-        for k, v in node.items():
-            yield from _missing(v, f"{key}.{k}" if key else str(k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _missing(v, f"{key}[{i}]")
