@@ -84,4 +84,3 @@ def register_model_configs(extra: Iterable[str] = ()) -> None:
     cs = ConfigStore.instance()
     for name in dict.fromkeys([*list_models(), *extra, *_argv_model_names(sys.argv[1:])]):
         cs.store(group="model", name=name, node=model_node(name))
-
