@@ -6,6 +6,8 @@ which no finite folder of YAML files covers. So the nodes are generated from
 ConfigStore: the listed names, plus any `model=` value on the command line.
 Each node holds the constructor arguments, with data-dependent ones interpolated from the
 `data` node, so the resolved config.yaml of a run shows the whole architecture.
+Mandatory values are Hydra's `???` (`trainer.init_from` of a fine-tuning experiment):
+`check_required` turns the first one left unset into a one-line error before anything runs.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import sys
 from typing import Iterable
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
+from .errors import ConfigError
 from .zoo import list_models, model_defaults
 
 # Keys a data node provides to the model (interpolations resolved when the config is used).
@@ -32,6 +36,38 @@ def model_node(name: str) -> dict:
     else:
         node.update(_GPT_FROM_DATA)
     return node
+
+
+# What a mandatory value takes, where "add <key>=<value>" says too little.
+REQUIRED_HINTS = {
+    "trainer.init_from": "this experiment fine-tunes a pre-trained model: set trainer.init_from=PATH "
+                         "(a laplace checkpoint or a timm/DeiT-III state dict)",
+}
+
+
+def check_required(cfg: DictConfig) -> None:
+    """One line naming the first mandatory value (`???`) the command line left unset.
+
+    Without it the run would fail wherever the value is first read (after building the data)
+    with OmegaConf's multi-line MissingMandatoryValue, or `cfg.get(key)` would quietly give None.
+    Nothing is resolved, so an interpolation into the wrong data node still gets its own
+    one-line error (the trainer's model / data fit check)."""
+    key = next(_missing(OmegaConf.to_container(cfg, resolve=False)), None)
+    if key is not None:
+        hint = REQUIRED_HINTS.get(key, f"add {key}=<value> to the command")
+        raise ConfigError(f"{key} is required: {hint}")
+
+
+def _missing(node, key: str = ""):
+    """Dotted keys of the `???` values in a plain container, in the config's order."""
+    if node == "???":
+        yield key
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _missing(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _missing(v, f"{key}[{i}]")
 
 
 def _argv_model_names(argv: Iterable[str]) -> list[str]:

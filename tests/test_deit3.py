@@ -27,7 +27,7 @@ from laplace.data.vision import build_transform
 from train.logger import read_metrics
 from train import run
 from train.feeds import SeededDataset
-from train.supervised import SeededRepeatAugSampler, build_criterion, build_mixup
+from train.deit3 import SeededRepeatAugSampler, build_criterion, build_mixup
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs/experiment").glob("deit3_*.yaml"))
 # A 2-layer, 48-wide ViT-B (12 heads of 4 dims) at 32 px with 8 px patches: steps in milliseconds.

@@ -79,13 +79,13 @@ def test_three_augment_has_no_random_erasing():
     assert not any("Erasing" in n for n in names), names
 
 
-def test_supervised_trainer_keeps_no_ema():
+def test_deit3_trainer_keeps_no_ema():
     """No EMA copy: the DeiT-III trainer neither updates one after the step nor saves one."""
     from train.engine import Trainer
-    from train.supervised import SupervisedTrainer
+    from train.deit3 import DeiT3Trainer
 
-    assert SupervisedTrainer.after_optimizer_step is Trainer.after_optimizer_step
-    assert SupervisedTrainer.state_dict is Trainer.state_dict
+    assert DeiT3Trainer.after_optimizer_step is Trainer.after_optimizer_step
+    assert DeiT3Trainer.state_dict is Trainer.state_dict
 
 
 def test_gpt_rotary_tables_are_float32():

@@ -43,7 +43,7 @@ def _compose(*overrides, run_dir, config="config"):
 
 def _fake_run(run_dir: Path, overrides: list[str], acc1: float, steps: int, epochs: int) -> None:
     """A finished supervised run as train.py leaves it, without training: the resolved
-    config.yaml and a results.json in SupervisedTrainer.on_fit_end's format."""
+    config.yaml and a results.json in DeiT3Trainer.on_fit_end's format."""
     cfg = _compose(*overrides, run_dir=run_dir)
     run_dir.mkdir(parents=True)
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)

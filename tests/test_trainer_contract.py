@@ -20,7 +20,7 @@ from train.feeds import MapFeed, epoch_sampler
 from train.logger import read_metrics
 from train.optim import (Schedule, apply_group_schedules, build_schedules, check_group_schedules,
                          clip_gradients, parse_length, schedule_node)
-from train.supervised import SeededRepeatAugSampler
+from train.deit3 import SeededRepeatAugSampler
 
 
 def _train(run_dir, key="loss"):

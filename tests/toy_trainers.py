@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from laplace import create_model
 from laplace.data.shards import TokenStream, list_shards
 from train.engine import Trainer
-from train.supervised import SupervisedTrainer
+from train.deit3 import DeiT3Trainer
 
 FREEZE_STEPS = 2  # the head gets no update in the first steps (DINO: the last layer, 1 epoch)
 
 
-class EMAToy(SupervisedTrainer):
+class EMAToy(DeiT3Trainer):
     scheduled_values = ("ema_momentum",)
 
     def __init__(self, cfg):
@@ -115,7 +115,7 @@ class StreamLM(Trainer):
         return self.net(x, targets=y), {"first_token": x[0, 0].float()}
 
 
-class Crashing(SupervisedTrainer):
+class Crashing(DeiT3Trainer):
     """Raises a plain ValueError (a bug, not bad input) in train_step at step CRASH_AT_STEP,
     after writing the time of the crash to <run_dir>/crash_time."""
 
@@ -126,7 +126,7 @@ class Crashing(SupervisedTrainer):
         return super().train_step(batch)
 
 
-class SignalledDuringSetup(SupervisedTrainer):
+class SignalledDuringSetup(DeiT3Trainer):
     """Gets SIGUSR1 while it builds its data, as when a preemption warning comes early."""
 
     def build_datasets(self):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from laplace.config import check_required
 from laplace.errors import ConfigError
 from laplace import model_defaults
 from laplace.rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
@@ -15,7 +16,7 @@ from laplace.rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable,
 # name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
 # outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
 # Only the loop's own trainers: a floor above (eval) builds on the engine but is not named here.
-TRAINERS = {"deit3": "train.supervised:SupervisedTrainer", "gpt": "train.gpt:GPTTrainer",
+TRAINERS = {"deit3": "train.deit3:DeiT3Trainer", "gpt": "train.gpt:GPTTrainer",
             "seg_linear": "train.seg_linear:SegLinearTrainer",
             "dino": "train.dino:DINOTrainer"}
 ARCH_NAMES = {"vit": "ViT", "gpt": "GPT"}
@@ -108,6 +109,7 @@ def run(cfg: DictConfig) -> dict:
     from .logger import RunLog
     from .signals import Preempted, StopRequest
 
+    check_required(cfg)  # a `???` left unset: one line now, not a traceback after the data is built
     cls = get_trainer(cfg.trainer.name)
     check_engine_config(cls, cfg)  # before anything resolves: wrong combinations get one line
     # Rank 0 (torchrun's RANK, srun's SLURM_PROCID) copies its output into the run directory.

@@ -103,9 +103,6 @@ class Trainer:
         self.data_identity = self._data_identity()
         self.total_steps = tc.max_steps or self.default_total_steps()
 
-        if tc.get("init_from") == "required":  # what the fine-tuning experiments say
-            raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
-                              "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
         if tc.get("resume", "auto") not in ("auto", "force"):
             raise ConfigError(f"trainer.resume={tc.resume!r}: choose auto (refuse another configuration's "
                               f"checkpoint) or force")

@@ -63,10 +63,12 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     position embedding) out of weight decay, as DeiT does.
     """
     kwargs = {}
-    if cfg.get("betas") is not None:
+    if cfg.betas is not None:  # null: timm's default for the optimizer
         kwargs["betas"] = tuple(cfg.betas)
-    if cfg.get("eps") is not None:
+    if cfg.eps is not None:
         kwargs["eps"] = cfg.eps
+    # Not a key of the adamw / lamb nodes (adding one would make every saved run's config differ
+    # from the composed one and refuse its resume): an SGD user adds +optim.momentum=0.9.
     if cfg.get("momentum") is not None:
         kwargs["momentum"] = cfg.momentum
     return create_optimizer_v2(model, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay, **kwargs)
@@ -197,7 +199,7 @@ def clip_gradients(optimizers: dict[str, torch.optim.Optimizer], max_norm: float
         raise ConfigError(f"optim.grad_clip_mode={mode!r}: choose global, group or param")
     sq = []
     for g in groups:
-        grads, limit = grads_of(g), g.get("grad_clip", max_norm)
+        grads, limit = grads_of(g), g.get("grad_clip", max_norm)  # a group's own limit is optional
         if not grads:
             continue
         norms = torch.stack(torch._foreach_norm(grads))  # one kernel for all tensors of the group
@@ -235,7 +237,7 @@ class StackedMuon(torch.optim.Muon):
         for group in self.param_groups:
             params, grads, bufs = [], [], []
             self._init_group(group, params, grads, bufs)
-            n = group.get("row_blocks", 1)
+            n = group.get("row_blocks", 1)  # a parameter group, not config: only stacked ones say
             lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
             if n == 1:
                 _muon.muon(params, grads, bufs, lr=lr, weight_decay=wd, momentum=m,
@@ -286,7 +288,7 @@ def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optim
                if id(p) not in {id(q) for q in matrices + qkv} and p is not model.wte.weight
                and p is not model.lm_head.weight]
     assert all(id(p) in in_blocks for p in scalars), "unrouted parameter outside the blocks"
-    width_scale = (model.width / 768) ** -0.5 if cfg.get("lr_width_scale", True) else 1.0
+    width_scale = (model.width / 768) ** -0.5 if cfg.lr_width_scale else 1.0
     adam_groups = [("embedding", [model.wte.weight], cfg.embedding_lr * width_scale, cfg.weight_decay),
                    ("unembedding", [model.lm_head.weight], cfg.unembedding_lr * width_scale, cfg.weight_decay),
                    ("scalars", scalars, cfg.scalar_lr, 0.0)]  # gates: decay would pull them to 0.5

@@ -34,6 +34,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from laplace.config import register_model_configs
 from laplace.errors import ConfigError, cli_errors
@@ -121,7 +122,7 @@ class Recipe:
         the engine's own feed over the trainer's own sampler (DeiT-III's repeated augmentation
         keeps a multiple of 256 images; an epoch ends on a whole step)."""
         tc = self.cfg.trainer
-        if self.cfg.data.get("kind") == "shards":
+        if self._token_budget():
             return self.total_steps()  # a token budget, not epochs
         if self.train_size is None:
             raise ConfigError("this card needs `assume.train_size` (training examples per epoch)")
@@ -132,11 +133,15 @@ class Recipe:
                        step_size=tc.global_batch_size)
         return max(1, feed.micro_batches_per_epoch // self.accum(1))
 
+    def _token_budget(self) -> bool:
+        """Token shards: steps from a token budget, not epochs (image data nodes have no `kind`)."""
+        return self.cfg.data.get("kind") == "shards"
+
     def total_steps(self) -> int:
         tc = self.cfg.trainer
         if tc.max_steps:
             return int(tc.max_steps)
-        if self.cfg.data.get("kind") == "shards":
+        if self._token_budget():
             from train.gpt import token_budget_steps
 
             return token_budget_steps(self.cfg)
@@ -147,7 +152,7 @@ class Recipe:
 
     def _spe(self, uses_epochs: bool) -> int:
         """Steps per epoch for a schedule; only needed when it counts in epochs."""
-        if self.cfg.data.get("kind") == "shards" or (not uses_epochs and self.train_size is None):
+        if self._token_budget() or (not uses_epochs and self.train_size is None):
             return 1
         return self.steps_per_epoch()
 
@@ -220,7 +225,10 @@ class Recipe:
             entry, key = expr.split(":", 1)
             cfg = self.entry(entry)
         missing = object()
-        v = OmegaConf.select(cfg, key, default=missing)
+        try:
+            v = OmegaConf.select(cfg, key, default=missing, throw_on_missing=True)
+        except MissingMandatoryValue:
+            return "???"  # mandatory: the command line sets it (init=finetune's trainer.init_from)
         if v is missing:
             raise ConfigError(f"{expr}: no such key in the composed config")
         return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) or OmegaConf.is_list(v) else v

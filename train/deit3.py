@@ -84,7 +84,7 @@ class SeededRepeatAugSampler(RepeatAugSampler):
         super().set_epoch(self.seed + epoch)
 
 
-class SupervisedTrainer(Trainer):
+class DeiT3Trainer(Trainer):
     unit = "img"
     model_archs, data_modality = ("vit",), "image"
     example = "python train.py experiment=deit3_cifar100 model=vitb_12L"
