@@ -84,7 +84,7 @@ def resolve_tokenizer(d: DictConfig, init_from: str | None, check_vocab: bool = 
     if d.tokenizer == "from_init":
         from laplace.checkpoint import load_checkpoint
 
-        if not init_from or init_from == "required":
+        if not init_from:
             raise ConfigError("data.tokenizer=from_init takes the tokenizer of trainer.init_from: set "
                               "trainer.init_from=PATH (a GPT checkpoint) or data.tokenizer=<file|bytes>")
         base = load_checkpoint(init_from).get("config") or {}
