@@ -26,7 +26,7 @@ VIT_ARCHS = {
     "vits": dict(embed_dim=384, depth=12, num_heads=6),
     "vitb": dict(embed_dim=768, depth=12, num_heads=12),
 }
-GPT_LISTED_DEPTHS = (2, 12, 20, 26)  # listed by list_models(); any depth >= 1 is accepted
+GPT_LISTED_DEPTHS = (2, 4, 12, 20, 26)  # listed by list_models() (4: experiment=gpt_tiny's default); any depth >= 1 is accepted
 _NAME = re.compile(r"^(?:(?P<vit>vit[tsb])|gpt_d(?P<depth>\d+))_(?P<k>\d+)L$")
 
 

@@ -32,7 +32,6 @@ def test_every_mandatory_value_written_in_a_config_reaches_the_composition():
     written = {}
     for path in sorted((CONFIGS / "experiment").glob("*.yaml")):
         written[path.stem] = re.findall(r"^\s*(\w+): \?\?\?", path.read_text(), re.M)
-        register_model_configs(re.findall(r"override /model: (\S+)", path.read_text()))  # gpt_d4_0L
     for experiment in experiments():
         cfg = compose_config([f"experiment={experiment}"])
         missing = OmegaConf.missing_keys(cfg)
@@ -40,6 +39,16 @@ def test_every_mandatory_value_written_in_a_config_reaches_the_composition():
             assert any(m.endswith(f".{key}") or m == key for m in missing), \
                 f"experiment={experiment}: {key}: ??? is merged away by a default"
         assert ("trainer.init_from" in missing) == (experiment in FINETUNE), experiment
+
+
+def test_every_experiments_default_model_is_a_listed_zoo_name():
+    """`python train.py experiment=gpt_tiny` without `model=` could not find model/gpt_d4_0L: the
+    command line registers the listed zoo names and the `model=` values it is given, nothing else."""
+    from laplace.zoo import list_models
+
+    for path in sorted((CONFIGS / "experiment").glob("*.yaml")):
+        for name in re.findall(r"override /model: (\S+)", path.read_text()):
+            assert name in list_models(), f"experiment={path.stem}: model {name} is not listed by laplace.zoo"
 
 
 def test_check_required_names_the_first_missing_key_without_resolving():
