@@ -9,20 +9,18 @@ data (and feed), model, pre-trained weights (a fresh run), optimizers and schedu
 restores a checkpoint and wraps the model (DDP, compile). `fit()` sets up first if needed.
 
 A trainer supplies (class attributes, then hooks):
-    unit, units_per_sample   what the throughput counts ("img", "tok") and per sample
-    model_archs, data_modality, example    what it trains, checked before anything is built
-    scheduled_values         names in trainer.schedules it reads from self.hparams
+    unit, units_per_sample   what the throughput counts ("img", "tok"), and per sample
+    model_archs, data_modality, example    what it trains (checked before anything is built)
+                             and a command line that fits, for the error when it does not
+    scheduled_values         names in trainer.schedules it reads from self.hparams (the
+                             optimizers' own hyper-parameters follow optim.schedules)
     build_datasets()         (train set, val set or None): map-style sets or a feed   required
     train_step(batch)        (loss, {extra: value}) of one micro-batch                required
     build_model, configure_optimizers, evaluate, default_total_steps, throughput_metrics,
     before_optimizer_step (clips), after_optimizer_step (e.g. an EMA), export_model (what
     load_model rebuilds), build_sampler, wrap_model, collate, on_fit_end: see each default.
-Every piece of training state lives in the model or the optimizers (DINO's centre too), so a
-checkpoint holds those, the data position and the per-rank RNG states.
-
-Schedules (train/optim.py) come from the config: `optim.schedules` set hyper-parameters of
-the parameter groups, `trainer.schedules` values the trainer reads from `self.hparams`. Both
-are set before every step.
+All training state lives in the model and the optimizers (DINO's centre too): a checkpoint
+holds those, the data position and each rank's RNG states.
 """
 from __future__ import annotations
 
@@ -56,22 +54,13 @@ ARCH_NAMES = {"vit": "ViT", "gpt": "GPT"}
 
 
 class Trainer:
-    """Step-based training loop with exact resume.
+    """Step-based training loop with exact resume, on `cfg`: the composed config (trainer, model,
+    data, optim, logger, paths, seed) with `run_dir` set (train.py derives it from the command line)."""
 
-    Args:
-        cfg: the resolved Hydra config (trainer, model, data, optim, logger, paths, seed,
-            run_dir). `cfg.run_dir` must be set (train.py derives it from the command line).
-    """
-
-    #: what the throughput figure counts, and how many of them one training example holds
-    unit = "samples"
-    units_per_sample = 1
-    #: zoo architectures and data modality the trainer accepts (empty / None: any)
-    model_archs: tuple[str, ...] = ()
-    data_modality: str | None = None
-    #: a command line that fits, shown when a model or data does not
+    unit, units_per_sample = "samples", 1
+    model_archs: tuple[str, ...] = ()  # empty: any architecture
+    data_modality: str | None = None  # None: any data
     example = ""
-    #: names in trainer.schedules the trainer reads from self.hparams
     scheduled_values: tuple[str, ...] = ()
 
     @classmethod
