@@ -10,11 +10,10 @@ A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
      "git_rev": the code revision that wrote it,
      # written by the training engine, for exact resume:
      "train_model": state dict of the trained module when it is not "model" itself
-              (DINO: student and EMA teacher),
+              (DINO: student, EMA teacher and the loss centre),
      "optimizer": {name: optimizer state dict},
-     "trainer": the trainer's own plain state (DINO: the loss centre),
      "loop": {"step", "feed": the data position, "world_size"},
-     "rng": [per-rank RNG states and per-rank trainer state]}
+     "rng": [per-rank RNG states]}
 
 Writes go through `laplace.io.atomic_write` (temp file in the same folder, fsync, rename, folder
 fsync), so a kill during a save never leaves a broken `last.pt`; the temp file of a killed

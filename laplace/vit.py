@@ -5,7 +5,10 @@ Design (DeiT III, "Revenge of the ViT", and timm's `deit3_*` models):
   (position embeddings cover the patches only, added before the class token is prepended);
 - pre-norm blocks, LayerNorm eps 1e-6, qkv bias, GELU MLP (4x), LayerScale (init 1e-6 for
   DeiT-III), stochastic depth uniform over depth (DeiT-III's choice, not linearly increasing);
-- the class token after the final norm feeds the linear head.
+- the class token after the final norm feeds the linear head;
+- any input size divisible by the patch: the patch position embeddings are resampled
+  (bicubic) to the input's grid in the forward, by `pos_embed_resample`'s rule (see
+  `resample_pos_embed`); at the model's own size the table is used as it is.
 Parameter names and shapes equal timm's VisionTransformer, so `load_timm_state_dict` loads a
 timm DeiT-III / ViT state dict strictly and users can fine-tune from published weights.
 """
@@ -16,6 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
 
 from .attention import Attention, block_indices, laplacian_counts
@@ -57,6 +61,9 @@ class VisionTransformer(nn.Module):
         init_values: LayerScale init (DeiT-III: 1e-6; None disables LayerScale).
         drop_path_rate: stochastic-depth rate, the same in every block (DeiT-III).
         fused_attn: SDPA kernels (True) or the explicit-softmax reference path.
+        pos_embed_resample: how the position embeddings follow an input of another size:
+            "plain" (bicubic to the grid, as fine-tuning at another size resamples them) or
+            "dino" (DINO's interpolate_pos_encoding; what trainer=dino's crops see).
     """
 
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3,
@@ -64,13 +71,17 @@ class VisionTransformer(nn.Module):
                  num_heads: int = 12, mlp_ratio: float = 4.0,
                  num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed",
                  init_values: Optional[float] = 1e-6, drop_path_rate: float = 0.0,
-                 fused_attn: bool = True):
+                 fused_attn: bool = True, pos_embed_resample: str = "plain"):
         super().__init__()
+        if pos_embed_resample not in _RESAMPLE_RULES:
+            raise ValueError(f"pos_embed_resample={pos_embed_resample!r}: choose {' or '.join(_RESAMPLE_RULES)}")
+        self.pos_embed_resample = pos_embed_resample
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.num_laplacian_heads = laplacian_counts(num_laplacian_heads, depth, num_heads)
         norm_layer = partial(nn.LayerNorm, eps=1e-6)
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        # Not strict about the input size: `embed` checks divisibility and resamples pos_embed.
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, strict_img_size=False)
         num_patches = self.patch_embed.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, embed_dim))  # patches only
@@ -97,8 +108,14 @@ class VisionTransformer(nn.Module):
         return {"pos_embed", "cls_token"}
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """Images [B, C, H, W] -> tokens [B, 1 + N_patches, D], class token first."""
-        x = self.patch_embed(x) + self.pos_embed
+        """Images [B, C, H, W] (H, W multiples of the patch) -> tokens [B, 1 + N_patches, D],
+        class token first."""
+        (H, W), (ph, pw) = x.shape[-2:], self.patch_embed.patch_size
+        if H % ph or W % pw:
+            raise ValueError(f"a {H}x{W} image is not divisible by the patch size {ph}x{pw}")
+        pos = resample_pos_embed(self.pos_embed, self.patch_embed.grid_size, (H // ph, W // pw),
+                                 self.pos_embed_resample)
+        x = self.patch_embed(x) + pos
         return torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
 
     def forward_features(self, x: torch.Tensor, layers: Optional[Sequence[int]] = None,
@@ -128,6 +145,34 @@ class VisionTransformer(nn.Module):
         return self.head(self.norm(x)[:, 0])  # class-token pooling
 
 
+_RESAMPLE_RULES = ("plain", "dino")
+
+
+def resample_pos_embed(pos_embed: torch.Tensor, old_grid, new_grid, rule: str = "plain") -> torch.Tensor:
+    """Patch position embeddings [1, H0*W0, D] resampled (bicubic) to [1, H*W, D].
+
+    "plain": to the size H x W (torch's a = -0.75 kernel, no antialiasing), as deit's
+    --finetune and mmseg's resize do. "dino": DINO's interpolate_pos_encoding, which gives
+    `scale_factor` (H + 0.1) / H0 instead of the size, so the sampling positions follow that
+    factor (14 -> 6 on a random trunc-normal 0.02 table: up to 0.023 from plain's).
+    The model's own grid returns the table itself.
+    """
+    old_grid, new_grid = tuple(old_grid), tuple(new_grid)
+    if old_grid == new_grid:
+        return pos_embed
+    if rule == "plain":
+        # timm's default antialias=True switches to the a = -0.5 kernel even when enlarging.
+        return resample_abs_pos_embed(pos_embed, new_size=list(new_grid), old_size=list(old_grid),
+                                      num_prefix_tokens=0, antialias=False)
+    d = pos_embed.shape[-1]
+    grid = pos_embed.reshape(1, *old_grid, d).permute(0, 3, 1, 2)
+    scale = tuple((n + 0.1) / o for n, o in zip(new_grid, old_grid))
+    grid = F.interpolate(grid.float(), scale_factor=scale, mode="bicubic", align_corners=False)
+    if tuple(grid.shape[-2:]) != new_grid:  # floor((n + 0.1) / o * o) is n: DINO asserts it too
+        raise ValueError(f"position embeddings {old_grid} -> {tuple(grid.shape[-2:])}, not {new_grid}")
+    return grid.to(pos_embed.dtype).permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], d)
+
+
 def load_timm_state_dict(model: VisionTransformer, state_dict: dict) -> None:
     """Load a timm DeiT-III / ViT state dict strictly into `model`.
 
@@ -144,8 +189,6 @@ def load_timm_state_dict(model: VisionTransformer, state_dict: dict) -> None:
         if int(old_n ** 0.5) ** 2 != old_n:
             raise ValueError(f"pos_embed of shape {tuple(pos.shape)} covers a class token or a "
                              f"non-square grid; expected DeiT-III style {tuple(want)}")
-        grid = model.patch_embed.grid_size
-        # Plain bicubic (torch's a = -0.75 kernel), as deit's --finetune and mmseg's resize do;
-        # timm's default antialias=True switches to the a = -0.5 kernel even when enlarging.
-        sd["pos_embed"] = resample_abs_pos_embed(pos, new_size=list(grid), num_prefix_tokens=0, antialias=False)
+        side = int(old_n ** 0.5)
+        sd["pos_embed"] = resample_pos_embed(pos, (side, side), model.patch_embed.grid_size)
     model.load_state_dict(sd, strict=True)

@@ -233,9 +233,6 @@ def test_the_graph_sees_lazy_and_relative_imports_and_class_paths(tmp_path):
     assert cyc.startswith("laplace.a -> laplace.b -> laplace.a: laplace/a.py:2") and "laplace/b.py:1" in cyc
 
 
-@pytest.mark.xfail(strict=False, reason="issue 21: the files over 450 lines are being split by other helpers "
-                                        "(h21dino: train/engine.py, h21data: laplace/data/chat.py, prepare.py); "
-                                        "the lead flips this when those branches are merged")
 def test_no_file_over_450_lines():
     long = long_files(ROOT)
     assert not long, f"files over {MAX_LINES} lines (split them by concept):\n" + "\n".join(long)

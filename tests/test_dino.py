@@ -11,14 +11,15 @@ import torch
 from PIL import Image
 
 from laplace import create_model
-from laplace.checkpoint import load_checkpoint, load_model
+from laplace.checkpoint import CheckpointError, load_checkpoint, load_model
 from laplace.data.multicrop import (
     GaussianBlur,
     MultiCrop,
     Solarization,
     multicrop_collate,
 )
-from laplace.dino import DINOHead, DINOLoss, DINOModel, interpolate_pos_embed, vit_class_token
+from laplace.dino import DINO, DINOHead, DINOLoss
+from laplace.vit import resample_pos_embed
 from laplace.errors import ConfigError
 from train import run
 from train.dino import DINOTrainer
@@ -154,7 +155,7 @@ def test_dino_trainer_with_accumulation_equals_one_batch(make_cfg, tmp_path):
     train = lambda d: [r["loss"] for r in read_metrics(tmp_path / d) if r.get("split") == "train"]
     assert len(train("whole")) == 3
     assert train("micro") == pytest.approx(train("whole"), rel=1e-5, abs=1e-6)
-    a, b = (load_checkpoint(tmp_path / d / "ckpt/last.pt")["trainer"]["center"] for d in ("whole", "micro"))
+    a, b = (load_checkpoint(tmp_path / d / "ckpt/last.pt")["train_model"]["loss.center"] for d in ("whole", "micro"))
     assert a.abs().max() > 1e-3
     assert torch.allclose(a, b, atol=1e-5)
 
@@ -168,10 +169,30 @@ def test_head_and_any_crop_size_through_the_vit():
     assert head(torch.randn(5, 48)).shape == (5, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert head(torch.randn(5, 48)).dtype == torch.float32  # logits in float32 under autocast
-    vit = create_model("vits_2L", num_classes=0, depth=1, embed_dim=48, img_size=32, patch_size=8).eval()
-    x = torch.randn(2, 3, 32, 32)
-    assert torch.equal(vit_class_token(vit, x), vit(x))  # the model's own size: the ViT's forward
-    assert vit_class_token(vit, torch.randn(2, 3, 16, 16)).shape == (2, 48)  # pos-embed resampled
+
+
+@pytest.mark.parametrize("rule", ["dino", "plain"])
+def test_the_vit_takes_any_crop_size(rule):
+    """The ViT's own forward at another size: patch projection, the position table resampled
+    to the crop's grid by the model's rule, class token, blocks, final norm (what DINO's
+    vision_transformer does; trainer=dino's backbones use DINO's rule)."""
+    torch.manual_seed(0)
+    vit = create_model("vits_2L", num_classes=0, depth=1, embed_dim=48, img_size=32, patch_size=8,
+                       pos_embed_resample=rule).eval()
+    x = torch.randn(2, 3, 16, 24)
+    pe = vit.patch_embed
+    tokens = pe.proj(x).flatten(2).transpose(1, 2) + resample_pos_embed(vit.pos_embed, (4, 4), (2, 3), rule)
+    tokens = vit.blocks[0](torch.cat((vit.cls_token.expand(2, -1, -1), tokens), dim=1))
+    assert torch.equal(vit(x), vit.norm(tokens)[:, 0])
+    assert vit.forward_features(x)["norm"].shape == (2, 1 + 6, 48)
+    own = torch.randn(2, 3, 32, 32)  # the model's own size: the table as it is
+    want = vit.blocks[0](torch.cat((vit.cls_token.expand(2, -1, -1), pe.proj(own).flatten(2).transpose(1, 2)
+                                    + vit.pos_embed), dim=1))
+    assert torch.equal(vit(own), vit.norm(want)[:, 0])
+    with pytest.raises(ValueError, match="20x16 image is not divisible by the patch size 8x8"):
+        vit(torch.randn(1, 3, 20, 16))
+    with pytest.raises(ValueError, match="pos_embed_resample='size'"):
+        create_model("vits_2L", depth=1, pos_embed_resample="size")
 
 
 def test_batchnorm_head_and_the_teacher_modes():
@@ -183,7 +204,7 @@ def test_batchnorm_head_and_the_teacher_modes():
                                                     "BatchNorm1d", "GELU", "Linear"]
     vit = create_model("vits_2L", num_classes=0, depth=1, embed_dim=48, img_size=32, patch_size=8,
                        drop_path_rate=0.5)
-    model = DINOModel(vit, head).train()
+    model = DINO(vit, head).train()
     assert model.student.training and model.teacher.head.training and not model.teacher.backbone.training
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
@@ -194,6 +215,37 @@ def test_batchnorm_head_and_the_teacher_modes():
         assert not torch.equal(before, bn.running_mean)  # batch statistics: running stats move
     model.eval()
     assert not model.teacher.head.training and not model.student.training
+
+
+def test_the_dino_module_holds_all_of_dinos_state():
+    """Student, teacher and the loss centre are one module's state: its forward is the loss of
+    the teacher's global crops against the student's crops, update_teacher moves the centre
+    (by the teacher outputs since the last update), then the teacher (EMA)."""
+    torch.manual_seed(0)
+    vit = create_model("vits_2L", num_classes=0, depth=1, embed_dim=48, img_size=32, patch_size=8,
+                       pos_embed_resample="dino")
+    model = DINO(vit, DINOHead(48, 64, hidden_dim=32, bottleneck_dim=16), n_global=2).train()
+    sd = model.state_dict()
+    assert "loss.center" in sd and not any("_pending" in k for k in sd)  # between steps it is 0
+    crops = [torch.randn(3, 3, 32, 32), torch.randn(3, 3, 32, 32), torch.randn(3, 3, 16, 16)]
+    with torch.no_grad():
+        t = model.teacher(crops[:2])
+    s = model.student(crops)
+    assert s.shape == (9, 64)
+    want = DINOLoss(64, 2)(s, t, 0.04)
+    assert torch.equal(model(crops, 0.04), want)
+    before = [p.detach().clone() for p in model.teacher.parameters()]
+    with torch.no_grad():
+        for p in model.student.parameters():
+            p.add_(0.01)
+    model.update_teacher(0.9)
+    assert torch.allclose(model.loss.center, 0.1 * t.mean(0, keepdim=True), atol=1e-6)
+    for t0, t1, p in zip(before, model.teacher.parameters(), model.student.parameters()):
+        assert torch.allclose(t1, 0.9 * t0 + 0.1 * p, atol=1e-6)
+    fresh = DINO(create_model("vits_2L", num_classes=0, depth=1, embed_dim=48, img_size=32, patch_size=8),
+                 DINOHead(48, 64, hidden_dim=32, bottleneck_dim=16))
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh.loss.center, model.loss.center)
 
 
 class Probe(DINOTrainer):
@@ -218,7 +270,7 @@ class Probe(DINOTrainer):
 def test_ema_teacher_and_last_layer_frozen_in_the_first_epoch_only(make_cfg, tmp_path):
     cfg = make_cfg(*TINY_DINO, "trainer.max_steps=4", "trainer.stop_after=2")
     (tmp_path / "run").mkdir()  # train.run makes it; here the trainer is driven directly
-    t = Probe(cfg)
+    t = Probe(cfg).setup()
     assert t.steps_per_epoch == 2 and t.freeze_steps == 2
     last = lambda: [p.detach().clone() for p in t.model.student.head.last_layer.parameters()]
     first = [p.detach().clone() for p in t.model.student.head.mlp.parameters()]
@@ -240,17 +292,36 @@ def test_dino_digits_resumes_exactly(make_cfg, tmp_path):
     run(cfg(d="a"))
     run(cfg("trainer.stop_after=2", d="b"))
     mid = load_checkpoint(tmp_path / "b/ckpt/last.pt")
-    assert mid["loop"]["step"] == 2 and mid["trainer"]["center"].abs().sum() > 0
+    assert mid["loop"]["step"] == 2 and mid["train_model"]["loss.center"].abs().sum() > 0
+    assert set(mid) & {"trainer", "rank_state"} == set()  # model + optimizer: all of DINO's state
     run(cfg(d="b"))
     train = lambda d: [(r["step"], r["loss"], r["teacher_temp"], r["teacher_momentum"])
                        for r in read_metrics(tmp_path / d) if r.get("split") == "train"]
     assert [r[0] for r in train("a")] == [1, 2, 3, 4]
     assert train("a") == train("b")
     a, b = load_checkpoint(tmp_path / "a/ckpt/last.pt"), load_checkpoint(tmp_path / "b/ckpt/last.pt")
-    assert torch.equal(a["trainer"]["center"], b["trainer"]["center"])
-    assert all(torch.equal(a["train_model"][k], b["train_model"][k]) for k in a["train_model"])
+    assert all(torch.equal(a["train_model"][k], b["train_model"][k]) for k in a["train_model"])  # centre too
     # The exported model is the teacher backbone.
     assert all(torch.equal(v, a["train_model"][f"teacher.backbone.{k}"]) for k, v in a["model"].items())
+
+
+def test_a_checkpoint_with_the_centre_outside_the_model_is_refused_in_one_line(make_cfg, tmp_path):
+    """Checkpoints from before the centre became a buffer of the model kept it as trainer
+    state: resuming one says how in one line; load_model still reads its teacher backbone."""
+    cfg = lambda: make_cfg(*TINY_DINO, "trainer.max_steps=4", "trainer.stop_after=1")
+    run(cfg())
+    path = tmp_path / "run/ckpt/last.pt"
+    ckpt = load_checkpoint(path)
+    ckpt["trainer"] = {"center": ckpt["train_model"].pop("loss.center")}  # the old layout
+    ckpt["rank_state"] = [{}]
+    torch.save(ckpt, path)
+    with pytest.raises(CheckpointError) as e:
+        run(cfg())
+    msg = str(e.value)
+    assert "\n" not in msg and "keeps trainer state (center) outside the model" in msg
+    assert "resume it with revision" in msg and "start a new run_dir" in msg
+    vit = load_model(path)
+    assert all(torch.equal(v, ckpt["train_model"][f"teacher.backbone.{k}"]) for k, v in vit.state_dict().items())
 
 
 def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path):
@@ -294,13 +365,14 @@ def test_position_embeddings_resampled_by_dinos_scale_factor_rule():
     table = torch.nn.init.trunc_normal_(torch.empty(1, 14 * 14, 384), std=0.02)  # ViT-S/16 at 224
     for crop in (96, 160, 32):
         g = crop // 16
-        ours = interpolate_pos_embed(table, (14, 14), (g, g))
+        ours = resample_pos_embed(table, (14, 14), (g, g), "dino")
         assert torch.equal(ours, _dino_interpolate_pos_encoding(table, crop, crop, 16))
     # Not the size= resampling: the 96 px local crops' table differs (what the rule changes).
     by_size = torch.nn.functional.interpolate(table.reshape(1, 14, 14, 384).permute(0, 3, 1, 2), size=(6, 6),
                                               mode="bicubic").permute(0, 2, 3, 1).reshape(1, 36, 384)
-    assert (interpolate_pos_embed(table, (14, 14), (6, 6)) - by_size).abs().max() > 1e-3
-    assert interpolate_pos_embed(table, (14, 14), (14, 14)) is table  # the model's own grid
+    assert (resample_pos_embed(table, (14, 14), (6, 6), "dino") - by_size).abs().max() > 1e-3
+    assert torch.equal(resample_pos_embed(table, (14, 14), (6, 6), "plain"), by_size)  # plain: by size
+    assert resample_pos_embed(table, (14, 14), (14, 14), "dino") is table  # the model's own grid
 
 
 # facebookresearch/dino README, "Vanilla DINO training": main_dino.py --arch deit_small on 8 GPUs,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from laplace.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from laplace.errors import ConfigError
 from train.logger import read_metrics
 from conftest import ROOT, TINY_VIT
 from train import run
@@ -58,6 +59,42 @@ def test_checkpoint_contents_and_load_model(make_cfg, tmp_path):
     x = torch.randn(3, 3, 32, 32)
     ref = load_model(tmp_path / "run/ckpt/last.pt", fused_attn=False)
     torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_construction_reads_the_config_and_setup_builds_in_a_visible_order(make_cfg, tmp_path):
+    """Constructing a trainer builds nothing; setup() builds data, model, optimizers, then the
+    wrappers, once (train.run calls it before writing config.yaml, fit() when nobody did)."""
+    from train.supervised import SupervisedTrainer
+
+    calls = []
+
+    class Recording(SupervisedTrainer):
+        def build_datasets(self):
+            calls.append("data")
+            return super().build_datasets()
+
+        def build_model(self):
+            calls.append("model")
+            return super().build_model()
+
+        def configure_optimizers(self):
+            calls.append("optimizers")
+            return super().configure_optimizers()
+
+        def wrap_model(self, model):
+            calls.append("wrap")
+            return super().wrap_model(model)
+
+    (tmp_path / "run").mkdir()
+    t = Recording(make_cfg(*TINY_VIT, "model=vitt_1L", "model.depth=1", "trainer.max_steps=1"))
+    assert calls == [] and not hasattr(t, "model") and t.micro_bs == 32
+    assert t.setup() is t and t.setup() is t
+    assert calls == ["data", "model", "optimizers", "wrap"]
+
+
+def test_a_mandatory_init_from_left_unset_is_one_line(make_cfg):
+    with pytest.raises(ConfigError, match="fine-tunes a pre-trained model: set trainer.init_from=PATH"):
+        run(make_cfg(*TINY_VIT, "model=vitt_1L", "trainer.init_from=???"))
 
 
 def test_foreign_and_corrupt_checkpoints_are_refused(tmp_path):

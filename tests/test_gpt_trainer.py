@@ -68,7 +68,7 @@ def test_batches_without_counted_targets_give_no_zero_by_zero(make_cfg, tmp_path
     from train.gpt import GPTTrainer
 
     (tmp_path / "run").mkdir()
-    t = GPTTrainer(make_cfg(*TINY_GPT, "trainer.sample_prompts=[]"))
+    t = GPTTrainer(make_cfg(*TINY_GPT, "trainer.sample_prompts=[]")).setup()
     x = torch.randint(0, 256, (2, 32))
     loss, _ = t.train_step((x, torch.full_like(x, -1)))
     loss.backward()

@@ -1,6 +1,6 @@
 """The engine's contract for every trainer: several optimizers, schedules of any
-hyper-parameter or trainer value, hooks around the optimizer step, trainer state, an exported
-network, streaming data, and exact resume of all of it (toy trainers in toy_trainers.py)."""
+hyper-parameter or trainer value, hooks around the optimizer step, state kept in the model, an
+exported network, streaming data, and exact resume of all of it (toy trainers in toy_trainers.py)."""
 from __future__ import annotations
 
 import math
@@ -135,11 +135,11 @@ def test_toy_trainer_with_two_optimizers_and_an_ema_teacher_resumes_exactly(make
 
     a, b = tmp_path / "straight", tmp_path / "resumed"
     assert _train(a) == _train(b) and len(_train(a)) == 6
-    assert _train(a, "noise") == _train(b, "noise")  # the per-rank generator continued
+    assert _train(a, "noise") == _train(b, "noise")  # each rank's random stream continued
     ca, cb = load_checkpoint(a / "ckpt/last.pt"), load_checkpoint(b / "ckpt/last.pt")
     for key in ("model", "train_model"):  # teacher (exported) and student + teacher
         assert ca[key].keys() == cb[key].keys() and all(torch.equal(ca[key][k], cb[key][k]) for k in ca[key])
-    assert torch.equal(ca["trainer"]["center"], cb["trainer"]["center"])
+    assert torch.equal(ca["train_model"]["center"], cb["train_model"]["center"])  # state of the model
     assert ca["optimizer"]["sgd"]["state"].keys() == cb["optimizer"]["sgd"]["state"].keys()
 
     # Schedules: logged values and the groups' hyper-parameters follow them.
@@ -162,7 +162,7 @@ def test_toy_trainer_with_two_optimizers_and_an_ema_teacher_resumes_exactly(make
 def test_before_step_hook_freezes_the_head(make_cfg, tmp_path):
     """The head gets no update in the first FREEZE_STEPS steps (DINO's frozen last layer)."""
     cfg = _ema_cfg(make_cfg, f"trainer.max_steps={toy_trainers.FREEZE_STEPS}", run_dir=tmp_path / "r")
-    init = toy_trainers.EMAToy(cfg).model.state_dict()  # the same seed builds the same weights
+    init = toy_trainers.EMAToy(cfg).setup().model.state_dict()  # the same seed builds the same weights
     run(cfg)
     got = load_checkpoint(tmp_path / "r/ckpt/last.pt")["train_model"]
     assert torch.equal(got["student.head.weight"], init["student.head.weight"])

@@ -1,11 +1,11 @@
 """Trainers that exercise the engine's contract the way the DINO and GPT trainers will, named
 by import path: `trainer.name=toy_trainers:EMAToy` (the tests folder is on the path).
 
-    EMAToy      a student ViT and its EMA teacher in one module (DINO's meta-architecture):
-                two optimizers (AdamW for the blocks, SGD with momentum for the rest),
-                scheduled lr / weight decay / momentum, a scheduled EMA momentum read from
-                `trainer.schedules`, the head frozen for the first steps, a loss centre as
-                trainer state, an own per-rank generator, the teacher exported as the model
+    EMAToy      a student ViT, its EMA teacher and a loss centre in one module (DINO's
+                meta-architecture): two optimizers (AdamW for the blocks, SGD with momentum
+                for the rest), scheduled lr / weight decay / momentum, a scheduled EMA
+                momentum read from `trainer.schedules`, the head frozen for the first steps,
+                per-rank noise in the loss, the teacher exported as the model
     StreamLM    a GPT fed by laplace.data.shards.TokenStream (shards under data.root)
     Crashing    the supervised trainer whose train_step fails at a given step
     SignalledDuringSetup  the supervised trainer, sent SIGUSR1 before its first step
@@ -28,27 +28,27 @@ from train.deit3 import DeiT3Trainer
 FREEZE_STEPS = 2  # the head gets no update in the first steps (DINO: the last layer, 1 epoch)
 
 
+class StudentTeacher(nn.Module):
+    def __init__(self, student: nn.Module, num_classes: int):
+        super().__init__()
+        self.student, self.teacher = student, copy.deepcopy(student).requires_grad_(False)
+        self.register_buffer("center", torch.zeros(num_classes))
+
+
 class EMAToy(DeiT3Trainer):
     scheduled_values = ("ema_momentum",)
 
-    def __init__(self, cfg):
-        self.gen = torch.Generator().manual_seed(1000 + int(os.environ.get("RANK", 0)))
-        self.center = torch.zeros(cfg.data.num_classes)
-        super().__init__(cfg)
-        self.center = self.center.to(self.device)
-
     def build_model(self):
-        student = create_model(**self.cfg.model)
-        return nn.ModuleDict({"student": student, "teacher": copy.deepcopy(student).requires_grad_(False)})
+        return StudentTeacher(create_model(**self.cfg.model), self.cfg.data.num_classes)
 
     def wrap_model(self, model):
-        return super().wrap_model(model["student"])  # DDP / compile around the student only
+        return super().wrap_model(model.student)  # DDP / compile around the student only
 
     def export_model(self):
-        return self.model["teacher"]
+        return self.model.teacher
 
     def configure_optimizers(self):
-        o, student = self.cfg.optim, self.model["student"]
+        o, student = self.cfg.optim, self.model.student
         decay, no_decay = [], []
         for n, p in student.blocks.named_parameters():
             (no_decay if p.ndim < 2 else decay).append(p)
@@ -60,23 +60,24 @@ class EMAToy(DeiT3Trainer):
     def train_step(self, batch):
         x, y = batch
         logits = self.net(x)
-        # A DINO-like centre (same on every rank) and noise from this rank's own generator.
-        self.center.mul_(0.9).add_(logits.detach().float().mean(0), alpha=0.1)
-        noise = torch.rand((), generator=self.gen).to(self.device)
-        loss = F.cross_entropy(logits.float() - self.center, y) * (1 + 0.01 * noise)
+        # A DINO-like centre (same on every rank) and noise from this rank's random stream.
+        center = self.model.center
+        center.mul_(0.9).add_(logits.detach().float().mean(0), alpha=0.1)
+        noise = torch.rand(()).to(self.device)
+        loss = F.cross_entropy(logits.float() - center, y) * (1 + 0.01 * noise)
         return loss, {"noise": noise}
 
     def before_optimizer_step(self):
         logs = super().before_optimizer_step()
         if self.step < FREEZE_STEPS:
-            for p in self.model["student"].head.parameters():
+            for p in self.model.student.head.parameters():
                 p.grad = None
         return logs
 
     @torch.no_grad()
     def after_optimizer_step(self):
         m = self.hparams["ema_momentum"]
-        t, s = list(self.model["teacher"].parameters()), list(self.model["student"].parameters())
+        t, s = list(self.model.teacher.parameters()), list(self.model.student.parameters())
         torch._foreach_lerp_(t, s, 1.0 - m)
 
     def evaluate(self):
@@ -84,18 +85,6 @@ class EMAToy(DeiT3Trainer):
 
     def on_fit_end(self, final_metrics):
         pass
-
-    def state_dict(self):
-        return {"center": self.center.cpu()}
-
-    def load_state_dict(self, state):
-        self.center = state["center"].to(self.device)
-
-    def rank_state_dict(self):
-        return {"gen": self.gen.get_state()}
-
-    def load_rank_state_dict(self, state):
-        self.gen.set_state(state["gen"])
 
 
 class StreamLM(Trainer):

@@ -123,7 +123,7 @@ def run(cfg: DictConfig) -> dict:
         # Signal handlers from the start: a preemption warning during set-up (data, compile)
         # is kept and honoured after the first step instead of killing the process.
         with StopRequest() as stop:
-            trainer = cls(cfg)
+            trainer = cls(cfg).setup()  # before config.yaml: set-up completes the config (tokenizer)
             if trainer.dist.is_main:
                 OmegaConf.save(cfg, Path(cfg.run_dir) / "config.yaml", resolve=True)
             metrics = trainer.fit(stop)

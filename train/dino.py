@@ -23,9 +23,11 @@ facebookresearch/dino main_dino.py), its defaults (the README's 100-epoch ViT-S/
     the zoo ViT: DeiT-III's class token (no        laplace.vit, as every paradigm's (DINO's ViT
       position embedding, normal 1e-6)               adds pos_embed[0], trunc-normal 0.02, to it)
 
-The checkpoint's "model" is the TEACHER BACKBONE (a plain zoo ViT with num_classes=0, which
-the `model` node says), so `laplace.checkpoint.load_model` and every evaluation take it as
-any other ViT; the whole student/teacher pair is the checkpoint's "train_model" (resume).
+The network is laplace.dino.DINO (student, teacher, head, loss with its centre: all of DINO's
+state is the model's); this file wires data, schedules and optimizer to it. The checkpoint's
+"model" is the TEACHER BACKBONE (a plain zoo ViT with num_classes=0, which the `model` node
+says), so `laplace.checkpoint.load_model` and every evaluation take it as any other ViT; the
+whole DINO module is the checkpoint's "train_model" (resume).
 
     python train.py experiment=dino_digits                        # CPU minutes
     python train.py experiment=dino_in1k model=vits_5L data.root=/data/imagenet
@@ -38,7 +40,7 @@ from omegaconf import OmegaConf
 from laplace import create_model
 from laplace.data.multicrop import MultiCrop, multicrop_collate
 from laplace.data.vision import build_vision_dataset
-from laplace.dino import DINOHead, DINOLoss, DINOModel
+from laplace.dino import DINO, DINOHead
 from laplace.errors import ConfigError
 
 from .engine import Trainer
@@ -64,15 +66,15 @@ class DINOTrainer(Trainer):
     scheduled_values = ("teacher_temp", "teacher_momentum")
 
     def __init__(self, cfg):
-        tc = cfg.trainer
-        if cfg.model.get("num_classes") != 0:
+        super().__init__(cfg)
+        if cfg.model.num_classes != 0:
             # The exported backbone has no classifier: the saved config (load_model) must say so.
             cfg.model.num_classes = 0
-        self.n_global = len(tc.multicrop.global_blur)
-        self.dino_loss = DINOLoss(tc.head.out_dim, self.n_global, tc.student_temp, tc.center_momentum)
-        super().__init__(cfg)
-        self.dino_loss.to(self.device)
-        self.freeze_steps = round(float(tc.freeze_last_layer) * self.steps_per_epoch)
+
+    @property
+    def freeze_steps(self) -> int:
+        """Steps without an update of the head's last layer (trainer.freeze_last_layer epochs)."""
+        return round(float(self.cfg.trainer.freeze_last_layer) * self.steps_per_epoch)
 
     # ---- data ----------------------------------------------------------------------------
     def build_datasets(self):
@@ -102,11 +104,13 @@ class DINOTrainer(Trainer):
 
     # ---- model and optimizer -------------------------------------------------------------
     def build_model(self):
-        h = self.cfg.trainer.head
-        backbone = create_model(**self.cfg.model)
+        tc = self.cfg.trainer
+        h = tc.head
+        # The crops' position embeddings follow DINO's resampling rule (laplace.vit).
+        backbone = create_model(**self.cfg.model, pos_embed_resample="dino")
         head = DINOHead(backbone.embed_dim, h.out_dim, h.hidden_dim, h.bottleneck_dim, h.nlayers,
                         h.norm_last_layer, h.use_bn)
-        return DINOModel(backbone, head)
+        return DINO(backbone, head, len(tc.multicrop.global_blur), tc.student_temp, tc.center_momentum)
 
     def wrap_model(self, model):
         if self.cfg.trainer.head.use_bn and self.dist.distributed and self.device.type == "cuda":
@@ -131,10 +135,7 @@ class DINOTrainer(Trainer):
 
     # ---- the step ------------------------------------------------------------------------
     def train_step(self, crops):
-        with torch.no_grad():
-            teacher_out = self.teacher_net(crops[:self.n_global])
-        student_out = self.net(crops)
-        return self.dino_loss(student_out, teacher_out, self.hparams["teacher_temp"]), {}
+        return self.model(crops, self.hparams["teacher_temp"], student=self.net, teacher=self.teacher_net), {}
 
     def before_optimizer_step(self):
         logs = super().before_optimizer_step()  # per-tensor clipping (optim.grad_clip_mode=param)
@@ -145,23 +146,8 @@ class DINOTrainer(Trainer):
                 p.grad = None
         return logs
 
-    @torch.no_grad()
     def after_optimizer_step(self):
-        # DINO's centre: once per step from the whole global batch (every micro-batch's loss
-        # used the centre from before the step).
-        self.dino_loss.update_center()
-        m = self.hparams["teacher_momentum"]
-        teacher = list(self.model.teacher.parameters())
-        student = list(self.model.student.parameters())
-        torch._foreach_lerp_(teacher, student, 1.0 - m)  # t <- m t + (1 - m) s
-
-    # ---- state ---------------------------------------------------------------------------
-    def state_dict(self):
-        return {"center": self.dino_loss.center.detach().cpu().clone()}
-
-    def load_state_dict(self, state):
-        if "center" in state:
-            self.dino_loss.center.copy_(state["center"].to(self.dino_loss.center.device))
+        self.model.update_teacher(self.hparams["teacher_momentum"])  # the centre, then the EMA
 
     def on_fit_end(self, final_metrics: dict):
         from .logger import logged

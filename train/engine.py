@@ -1,28 +1,26 @@
-"""The shared training engine: every trainer (deit3, gpt, dino) is a subclass of `Trainer`.
+"""The shared training engine: every trainer (deit3, gpt, dino, seg_linear) is a `Trainer`.
 
 The engine owns what is the same for all of them: device and distributed set-up, seeding,
 batch arithmetic (global batch = micro batch x world size x accumulation), the optimizers'
 schedules, gradient clipping, bf16 autocast and torch.compile, evaluation and checkpoint
-cadence, exact resume, preemption and logging. A trainer supplies its pieces:
+cadence, exact resume, preemption and logging. Two phases: construction reads the config
+(process group, device, batch arithmetic, no data or model); `setup()` builds, in this order,
+data (and feed), model, pre-trained weights (a fresh run), optimizers and schedules, then
+restores a checkpoint and wraps the model (DDP, compile). `fit()` sets up first if needed.
 
-    class MyTrainer(Trainer):
-        model_archs, data_modality = ("vit",), "image"           # what it trains (checked first)
-        def build_datasets(self): return train_set, val_set      # map-style sets or a feed
-        def build_model(self): ...                                # default: the zoo model of `model`
-        def configure_optimizers(self): return {"adamw": ...}    # default: one, from `optim`
-        def train_step(self, batch): return loss, {"extra": value}
-        def evaluate(self): return {"val_loss": ...}
-      # optional hooks:
-        def before_optimizer_step(self): ...   # default: clips gradients (optim.grad_clip)
-        def after_optimizer_step(self): ...    # e.g. the EMA teacher update
-        def state_dict(self) / load_state_dict(state)            # e.g. DINO's loss centre
-        def rank_state_dict(self) / load_rank_state_dict(state)  # per-rank, e.g. an own RNG
-        def export_model(self): ...            # the network load_model rebuilds (default: model)
-        def init_from_pretrained(self, path)   # trainer.init_from (default: load_pretrained)
-
-Schedules (train/optim.py) come from the config: `optim.schedules` set hyper-parameters of
-the parameter groups, `trainer.schedules` values the trainer reads from `self.hparams` (a
-trainer lists those it reads in `scheduled_values`). Both are set before every step.
+A trainer supplies (class attributes, then hooks):
+    unit, units_per_sample   what the throughput counts ("img", "tok"), and per sample
+    model_archs, data_modality, example    what it trains (checked before anything is built)
+                             and a command line that fits, for the error when it does not
+    scheduled_values         names in trainer.schedules it reads from self.hparams (the
+                             optimizers' own hyper-parameters follow optim.schedules)
+    build_datasets()         (train set, val set or None): map-style sets or a feed   required
+    train_step(batch)        (loss, {extra: value}) of one micro-batch                required
+    build_model, configure_optimizers, evaluate, default_total_steps, throughput_metrics,
+    before_optimizer_step (clips), after_optimizer_step (e.g. an EMA), export_model (what
+    load_model rebuilds), build_sampler, wrap_model, collate, on_fit_end: see each default.
+All training state lives in the model and the optimizers (DINO's centre too): a checkpoint
+holds those, the data position and each rank's RNG states.
 """
 from __future__ import annotations
 
@@ -39,40 +37,27 @@ from torch.utils.data import DataLoader, Dataset
 
 from laplace import create_model, dist
 from laplace.attention import gate_metrics
-from laplace.checkpoint import (CheckpointError, clean_state_dict, load_checkpoint, load_pretrained,
-                                results_header, resume_candidates, rng_state, save_checkpoint, set_rng_state)
-from laplace.config import flatten
+from laplace.checkpoint import (CheckpointError, clean_state_dict, load_pretrained, results_header, rng_state,
+                                save_checkpoint, set_rng_state)
 from laplace.errors import ConfigError
 from laplace.io import write_json
-from laplace.rundir import EXECUTION_KEYS
 
 from .feeds import MapFeed, epoch_sampler
 from .logger import MetricsLogger
 from .optim import (apply_group_schedules, build_optimizer, build_schedules, check_group_schedules,
                     clip_gradients)
+from .resume import check_resumable, find_checkpoint
 from .signals import EXIT_REQUEUE, Preempted, StopRequest
-
-# Resume does not compare these either: they only act on a fresh run.
-_FRESH_ONLY_KEYS = ("trainer.init_from", "trainer.init_head")
 
 
 class Trainer:
-    """Step-based training loop with exact resume.
+    """Step-based training loop with exact resume, on `cfg`: the composed config (trainer, model,
+    data, optim, logger, paths, seed) with `run_dir` set (train.py derives it from the command line)."""
 
-    Args:
-        cfg: the resolved Hydra config (trainer, model, data, optim, logger, paths, seed,
-            run_dir). `cfg.run_dir` must be set (train.py derives it from the command line).
-    """
-
-    #: what the throughput figure counts, and how many of them one training example holds
-    unit = "samples"
-    units_per_sample = 1
-    #: zoo architectures and data modality the trainer accepts (empty / None: any)
-    model_archs: tuple[str, ...] = ()
-    data_modality: str | None = None
-    #: a command line that fits, shown when a model or data does not
+    unit, units_per_sample = "samples", 1
+    model_archs: tuple[str, ...] = ()  # empty: any architecture
+    data_modality: str | None = None  # None: any data
     example = ""
-    #: names in trainer.schedules the trainer reads from self.hparams
     scheduled_values: tuple[str, ...] = ()
 
     def __init__(self, cfg: DictConfig):
@@ -83,8 +68,6 @@ class Trainer:
         self.ckpt_path = self.run_dir / "ckpt" / "last.pt"
         self.amp = (tc.amp == "auto" and self.device.type == "cuda") or tc.amp is True
         self.compile = (tc.compile == "auto" and self.device.type == "cuda") or tc.compile is True
-        dist.seed_everything(cfg.seed + self.dist.rank)
-
         # Batch arithmetic: the global batch is a property of the recipe, not of the cluster.
         world = self.dist.world_size
         self.micro_bs = tc.micro_batch_size or tc.global_batch_size // world
@@ -92,9 +75,23 @@ class Trainer:
             raise ConfigError(f"trainer.global_batch_size={tc.global_batch_size} is not a multiple of "
                               f"micro_batch_size ({self.micro_bs}) x world size ({world})")
         self.accum = tc.global_batch_size // (self.micro_bs * world)
+        if OmegaConf.is_missing(tc, "init_from"):  # a trainer built without train.run's check_required
+            raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
+                              "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
+        if tc.resume not in ("auto", "force"):
+            raise ConfigError(f"trainer.resume={tc.resume!r}: choose auto (refuse another configuration's "
+                              f"checkpoint) or force")
+        self.is_set_up = False
 
+    def setup(self) -> Trainer:
+        """Build data, model and optimizers and restore the run's checkpoint (once; returns self)."""
+        if self.is_set_up:
+            return self
+        cfg, tc, world = self.cfg, self.cfg.trainer, self.dist.world_size
+        dist.seed_everything(cfg.seed + self.dist.rank)
+        # 1. data
         self.train_set, self.val_set = self.build_datasets()
-        self.feed = self.build_feed(self.train_set)
+        self.feed = self._feed(self.train_set)
         if self.feed.micro_batches_per_epoch < 1:  # else the loop would wait forever for a batch
             raise ConfigError(f"data={cfg.data.name}: an epoch gives each of the {world} process(es) "
                               f"fewer than one micro batch of {self.micro_bs} ({_size(self.train_set)}); "
@@ -102,32 +99,33 @@ class Trainer:
         self.steps_per_epoch = max(1, self.feed.micro_batches_per_epoch // self.accum)
         self.data_identity = self._data_identity()
         self.total_steps = tc.max_steps or self.default_total_steps()
-
-        if tc.get("resume", "auto") not in ("auto", "force"):
-            raise ConfigError(f"trainer.resume={tc.resume!r}: choose auto (refuse another configuration's "
-                              f"checkpoint) or force")
+        # 2. model, and the pre-trained weights of a fresh run (a resumed run restores its own)
         self.model = self.build_model().to(self.device)
-        resume = self._find_checkpoint()
-        if tc.get("init_from") and resume is None:  # a resumed run restores its own weights
-            msg = self.init_from_pretrained(tc.init_from)
+        resume = find_checkpoint(self.ckpt_path.parent, self.dist.is_main)
+        if tc.init_from and resume is None:
+            msg = load_pretrained(self.model, tc.init_from, cfg.model, tc.init_head)
             if self.dist.is_main:
                 print(f"[laplace] {msg}")
+        # 3. optimizers and schedules
         self.optimizers = self.configure_optimizers()
-        self.schedules = build_schedules(cfg.optim.get("schedules"), "optim.schedules",
-                                         self.total_steps, self.steps_per_epoch)
+        self.schedules = build_schedules(cfg.optim.schedules, "optim.schedules", self.total_steps,
+                                         self.steps_per_epoch)
         check_group_schedules(self.optimizers, self.schedules)
-        self.value_schedules = build_schedules(tc.get("schedules"), "trainer.schedules",
-                                               self.total_steps, self.steps_per_epoch)
+        self.value_schedules = build_schedules(tc.schedules, "trainer.schedules", self.total_steps,
+                                               self.steps_per_epoch)
         missing = set(self.scheduled_values) ^ set(self.value_schedules)
         if missing:
             raise ConfigError(f"trainer.schedules.{sorted(missing)[0]}: trainer={tc.name} reads "
                               f"{sorted(self.scheduled_values) or 'no schedules'}; give exactly those")
+        # 4. the checkpoint's state, then the wrappers around the restored model
         self.hparams: dict[str, float] = {}
         self.step = 0
         self.resumed = resume is not None
         if resume is not None:
             self._restore(*resume)
         self.net = self.wrap_model(self.model)
+        self.is_set_up = True
+        return self
 
     # ---- to implement in a trainer -------------------------------------------------------
     def build_datasets(self) -> tuple[Dataset, Dataset | None]:
@@ -164,48 +162,20 @@ class Trainer:
         """After the gradients of a step are complete, before the optimizers step: clips
         them (optim.grad_clip, optim.grad_clip_mode). Returns values to log."""
         o = self.cfg.optim
-        norm = clip_gradients(self.optimizers, o.get("grad_clip"), o.get("grad_clip_mode") or "global")
+        norm = clip_gradients(self.optimizers, o.grad_clip, o.grad_clip_mode)
         return {} if norm is None else {"grad_norm": norm}
 
     def after_optimizer_step(self):
         """After every optimizer stepped (gradients still there): e.g. an EMA update."""
-
-    def state_dict(self) -> dict:
-        """The trainer's own state, the same on every rank (saved from rank 0); plain data."""
-        return {}
-
-    def load_state_dict(self, state: dict):
-        pass
-
-    def rank_state_dict(self) -> dict:
-        """State that differs between ranks (gathered from each); small plain data."""
-        return {}
-
-    def load_rank_state_dict(self, state: dict):
-        pass
 
     def export_model(self) -> nn.Module:
         """The network saved as the checkpoint's "model" (what load_model rebuilds from the
         config's `model` node): the trained model unless a trainer says otherwise."""
         return self.model
 
-    def init_from_pretrained(self, path) -> str:
-        """trainer.init_from: load pre-trained weights into a fresh run's model."""
-        return load_pretrained(self.model, path, self.cfg.model, self.cfg.trainer.get("init_head", "auto"))
-
     def build_sampler(self, dataset: Dataset):
         """The epoch-seeded order of training samples (the DeiT trainer swaps in RepeatAug)."""
         return epoch_sampler(dataset, True, self.cfg.seed, self.dist.rank, self.dist.world_size)
-
-    def build_feed(self, train_set):
-        """Micro-batches of the training set (a MapFeed unless the set is a feed already)."""
-        if hasattr(train_set, "state_dict") and hasattr(train_set, "micro_batches_per_epoch"):
-            if hasattr(train_set, "set_step_windows"):  # epochs end on a step, whatever the split
-                train_set.set_step_windows(self.cfg.trainer.global_batch_size)
-            return train_set
-        return MapFeed(train_set, self.build_sampler(train_set), self.micro_bs, self.cfg.seed,
-                       self.dist.rank, self.dist.world_size, step_size=self.cfg.trainer.global_batch_size,
-                       **self._loader_kwargs())
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """DDP and torch.compile around the model; optimizers and checkpoints keep the bare one."""
@@ -222,6 +192,16 @@ class Trainer:
         """Called on every rank once training reached total_steps."""
 
     # ---- helpers for trainers ------------------------------------------------------------
+    def _feed(self, train_set):
+        """Micro-batches of the training set (a MapFeed unless the set is a feed already)."""
+        if hasattr(train_set, "state_dict") and hasattr(train_set, "micro_batches_per_epoch"):
+            if hasattr(train_set, "set_step_windows"):  # epochs end on a step, whatever the split
+                train_set.set_step_windows(self.cfg.trainer.global_batch_size)
+            return train_set
+        return MapFeed(train_set, self.build_sampler(train_set), self.micro_bs, self.cfg.seed,
+                       self.dist.rank, self.dist.world_size, step_size=self.cfg.trainer.global_batch_size,
+                       **self._loader_kwargs())
+
     def _loader_kwargs(self) -> dict:
         w = self.cfg.trainer.num_workers
         # An own generator: creating a loader iterator then draws no number from the global
@@ -256,14 +236,13 @@ class Trainer:
         return OmegaConf.to_container(self.cfg, resolve=True)
 
     def save(self):
-        per_rank = dist.all_gather_object({"rng": rng_state(), "trainer": self.rank_state_dict()})
+        rngs = dist.all_gather_object(rng_state())
         if self.dist.is_main:
             exported = self.export_model()
             entries = dict(
-                optimizer=self.optimizers, trainer=self.state_dict(),
+                optimizer=self.optimizers, rng=rngs,
                 loop={"step": self.step, "epoch": self.epoch, "feed": self.feed.state_dict(),
-                      "world_size": self.dist.world_size},
-                rng=[r["rng"] for r in per_rank], rank_state=[r["trainer"] for r in per_rank])
+                      "world_size": self.dist.world_size})
             if exported is not self.model:
                 entries["train_model"] = clean_state_dict(self.model.state_dict())
             if self.data_identity:
@@ -275,34 +254,9 @@ class Trainer:
                                 config=self.plain_config(), **entries)
         dist.barrier()
 
-    def _find_checkpoint(self) -> tuple[Path, dict] | None:
-        """The newest readable checkpoint of the run dir (last.pt, else the newest step_N.pt),
-        or None for a fresh run. Corrupt or truncated files are skipped with a warning."""
-        candidates = resume_candidates(self.ckpt_path.parent)
-        for path in candidates:
-            try:
-                return path, load_checkpoint(path, map_location="cpu")
-            except CheckpointError as e:
-                if self.dist.is_main:
-                    print(f"[laplace] cannot resume from it: {e}", file=sys.stderr)
-        if candidates:
-            raise CheckpointError(f"no readable checkpoint in {self.ckpt_path.parent} ("
-                                  f"{', '.join(p.name for p in candidates)}); move them away to "
-                                  f"start this run afresh")
-        return None
-
     def _restore(self, path: Path, ckpt: dict):
-        if ckpt.get("version", 1) < 2:
-            raise CheckpointError(f"{path} was written by an older laplace (checkpoint version 1, "
-                                  f"revision {ckpt.get('git_rev', '?')[:10]}): load_model still reads it, "
-                                  f"but resume it with that revision or start a new run_dir")
-        diffs = config_differences(ckpt.get("config") or {}, self.plain_config())
-        force = self.cfg.trainer.get("resume", "auto") == "force"
-        if diffs and not force:
-            more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
-            raise CheckpointError(f"{path} belongs to another configuration ({'; '.join(diffs[:3])}{more}); "
-                                  f"use another run_dir for a new run, or trainer.resume=force to continue anyway")
-        self._check_data(path, ckpt.get("data_identity"), force)
+        check_resumable(path, ckpt, self.plain_config(), self.data_identity, self.cfg.data.get("root"),
+                        self.cfg.trainer.resume == "force", self.dist.is_main)
         try:
             self.model.load_state_dict(ckpt.get("train_model", ckpt["model"]), strict=True)
         except RuntimeError as e:
@@ -317,7 +271,6 @@ class Trainer:
                 opt.load_state_dict(states[name])
             except ValueError as e:  # another grouping of the parameters (a forced resume)
                 raise CheckpointError(f"{path}: optimizer {name!r} does not fit this run: {e}") from None
-        self.load_state_dict(ckpt.get("trainer") or {})
         loop = ckpt["loop"]
         self.step = loop["step"]
         try:
@@ -326,7 +279,6 @@ class Trainer:
             raise CheckpointError(f"{path}: its data position does not fit this data ({e})") from None
         if loop.get("world_size") == self.dist.world_size:
             set_rng_state(ckpt["rng"][self.dist.rank])
-            self.load_rank_state_dict(ckpt["rank_state"][self.dist.rank])
         else:  # each rank's stream cannot continue on another world size: reseed by step
             dist.seed_everything(self.cfg.seed + self.dist.rank + 7919 * self.step)
         if self.dist.is_main and path.name != "last.pt":
@@ -341,19 +293,6 @@ class Trainer:
             ident["tokenizer"] = self.tokenizer.fingerprint()[:16]
         return ident or None
 
-    def _check_data(self, path: Path, saved: dict | None, force: bool):
-        now = self.data_identity
-        if not saved or not now or saved == now:  # a checkpoint from before the check: trusted
-            return
-        diffs = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
-                          if saved.get(k) != now.get(k))
-        if not force:
-            raise CheckpointError(f"{path} was trained on other data than data.root={self.cfg.data.get('root')} "
-                                  f"({diffs}); point data.root / data.tokenizer at that run's data, use "
-                                  f"another run_dir for a new run, or trainer.resume=force to continue anyway")
-        if self.dist.is_main:
-            print(f"[laplace] trainer.resume=force: continuing on other data ({diffs})", file=sys.stderr)
-
     # ---- the loop ------------------------------------------------------------------------
     def _set_schedules(self, step: int):
         self.hparams = {**apply_group_schedules(self.optimizers, self.schedules, step),
@@ -363,13 +302,13 @@ class Trainer:
         """Train to total_steps (or trainer.stop_after more steps); returns the last metrics.
         `stop` is the signal flag (train.run installs it before set-up); None: fit's own."""
         with contextlib.nullcontext(stop) if stop is not None else StopRequest() as stop:
-            return self._fit(stop)
+            return self.setup()._fit(stop)
 
     def _fit(self, stop: StopRequest) -> dict:
         cfg, tc = self.cfg, self.cfg.trainer
         main = self.dist.is_main
         logger = MetricsLogger(self.run_dir, enabled=main,
-                               wandb_cfg=OmegaConf.to_container(cfg.logger.wandb) if cfg.logger.get("wandb") else None,
+                               wandb_cfg=OmegaConf.to_container(cfg.logger.wandb) if cfg.logger.wandb else None,
                                config=self.plain_config(), resume_step=self.step if self.resumed else None)
         if main:
             print(f"[laplace] run_dir={self.run_dir} {'resumed at step ' + str(self.step) if self.resumed else 'new run'}; "
@@ -378,7 +317,7 @@ class Trainer:
                   f"device {self.device}, bf16 {self.amp}", flush=True)
         eval_every = tc.eval_every or self.steps_per_epoch
         ckpt_every = tc.ckpt_every or self.steps_per_epoch
-        stop_at = min(self.total_steps, self.step + tc.stop_after) if tc.get("stop_after") else self.total_steps
+        stop_at = min(self.total_steps, self.step + tc.stop_after) if tc.stop_after else self.total_steps
         bar = None
         if main and tc.progress:
             from tqdm import tqdm
@@ -470,15 +409,6 @@ class Trainer:
             record = results_header(m, self.cfg.data.name, self.ckpt_path, seed=self.cfg.seed, steps=self.step,
                                     epochs=self.epoch, **results)
             write_json(self.run_dir / "results.json", record)
-
-
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """'key: checkpoint value -> this run's value' for every training-relevant difference
-    (execution keys such as workers, devices or cadences are not compared)."""
-    a, b = flatten(saved), flatten(current)
-    missing = "<unset>"
-    return [f"{k}: {a.get(k, missing)} -> {b.get(k, missing)}" for k in sorted(set(a) | set(b))
-            if not k.startswith(EXECUTION_KEYS + _FRESH_ONLY_KEYS) and a.get(k, missing) != b.get(k, missing)]
 
 
 def _size(dataset) -> str:

@@ -26,7 +26,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.model import BaseModule
 from mmseg.registry import MODELS
-from timm.layers import resample_abs_pos_embed
 
 from laplace.attention import block_indices
 from laplace.checkpoint import CheckpointError, load_checkpoint
@@ -112,11 +111,9 @@ class LaplaceViT(BaseModule):
         gh, gw = vit.patch_embed.grid_size
         if h <= gh and w <= gw:
             x = F.pad(x, (0, gw * p - W, 0, gh * p - H))
-            return vit.embed(x), gw, (h, w)  # laplace's own embedding at the model's size
-        x = F.pad(x, (0, w * p - W, 0, h * p - H))
-        t = vit.patch_embed.norm(vit.patch_embed.proj(x).flatten(2).transpose(1, 2))  # [B, h*w, C]
-        pos = resample_abs_pos_embed(vit.pos_embed, new_size=[h, w], old_size=[gh, gw], num_prefix_tokens=0, antialias=False)
-        return torch.cat((vit.cls_token.expand(x.shape[0], -1, -1), t + pos), dim=1), w, (h, w)
+            return vit.embed(x), gw, (h, w)  # at the model's size
+        # Larger: the ViT resamples its position embedding to the grid (plain bicubic).
+        return vit.embed(F.pad(x, (0, w * p - W, 0, h * p - H))), w, (h, w)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):

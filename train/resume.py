@@ -1,0 +1,70 @@
+"""What a resume checks before it restores anything (train/engine.py restores): the newest
+readable checkpoint of the run directory, written by a laplace that keeps all training state in
+model and optimizers, for the same configuration and the same data. Every refusal is one
+CheckpointError line; trainer.resume=force continues on another configuration or data."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from laplace.checkpoint import CheckpointError, load_checkpoint, resume_candidates
+from laplace.config import flatten
+from laplace.rundir import EXECUTION_KEYS
+
+# Resume does not compare these either: they only act on a fresh run.
+_FRESH_ONLY_KEYS = ("trainer.init_from", "trainer.init_head")
+
+
+def find_checkpoint(ckpt_dir: Path, is_main: bool) -> tuple[Path, dict] | None:
+    """The newest readable checkpoint of the run dir (last.pt, else the newest step_N.pt),
+    or None for a fresh run. Corrupt or truncated files are skipped with a warning."""
+    candidates = resume_candidates(ckpt_dir)
+    for path in candidates:
+        try:
+            return path, load_checkpoint(path, map_location="cpu")
+        except CheckpointError as e:
+            if is_main:
+                print(f"[laplace] cannot resume from it: {e}", file=sys.stderr)
+    if candidates:
+        raise CheckpointError(f"no readable checkpoint in {ckpt_dir} ({', '.join(p.name for p in candidates)}); "
+                              f"move them away to start this run afresh")
+    return None
+
+
+def check_resumable(path: Path, ckpt: dict, config: dict, data_identity: dict | None, data_root,
+                    force: bool, is_main: bool):
+    """Refuse a checkpoint this run cannot continue: an older layout, another configuration
+    (`config`: this run's, plain) or other data (`data_identity`: this run's), unless forced."""
+    rev = ckpt.get("git_rev", "?")[:10]
+    if ckpt.get("version", 1) < 2:
+        raise CheckpointError(f"{path} was written by an older laplace (checkpoint version 1, revision {rev}): "
+                              f"load_model still reads it, but resume it with that revision or start a new run_dir")
+    if ckpt.get("trainer"):  # DINO's loss centre, before it became a buffer of the model
+        raise CheckpointError(f"{path} keeps trainer state ({', '.join(ckpt['trainer'])}) outside the model "
+                              f"(laplace before 2026-12-01): load_model still reads it, but resume it with "
+                              f"revision {rev} or start a new run_dir")
+    diffs = config_differences(ckpt.get("config") or {}, config)
+    if diffs and not force:
+        more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+        raise CheckpointError(f"{path} belongs to another configuration ({'; '.join(diffs[:3])}{more}); "
+                              f"use another run_dir for a new run, or trainer.resume=force to continue anyway")
+    saved, now = ckpt.get("data_identity"), data_identity
+    if not saved or not now or saved == now:  # a checkpoint from before the check: trusted
+        return
+    diffs = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
+                      if saved.get(k) != now.get(k))
+    if not force:
+        raise CheckpointError(f"{path} was trained on other data than data.root={data_root} ({diffs}); "
+                              f"point data.root / data.tokenizer at that run's data, use another run_dir "
+                              f"for a new run, or trainer.resume=force to continue anyway")
+    if is_main:
+        print(f"[laplace] trainer.resume=force: continuing on other data ({diffs})", file=sys.stderr)
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """'key: checkpoint value -> this run's value' for every training-relevant difference
+    (execution keys such as workers, devices or cadences are not compared)."""
+    a, b = flatten(saved), flatten(current)
+    missing = "<unset>"
+    return [f"{k}: {a.get(k, missing)} -> {b.get(k, missing)}" for k in sorted(set(a) | set(b))
+            if not k.startswith(EXECUTION_KEYS + _FRESH_ONLY_KEYS) and a.get(k, missing) != b.get(k, missing)]
