@@ -64,11 +64,11 @@ def test_checkpoint_contents_and_load_model(make_cfg, tmp_path):
 def test_construction_reads_the_config_and_setup_builds_in_a_visible_order(make_cfg, tmp_path):
     """Constructing a trainer builds nothing; setup() builds data, model, optimizers, then the
     wrappers, once (train.run calls it before writing config.yaml, fit() when nobody did)."""
-    from train.supervised import SupervisedTrainer
+    from train.deit3 import DeiT3Trainer
 
     calls = []
 
-    class Recording(SupervisedTrainer):
+    class Recording(DeiT3Trainer):
         def build_datasets(self):
             calls.append("data")
             return super().build_datasets()
