@@ -128,7 +128,7 @@ def test_compile_auto_is_off_on_cpu(make_cfg, tmp_path, setting, compiled):
     from train import get_trainer
 
     cfg = make_cfg("experiment=gpt_pydoc", *TINY, f"trainer.compile={setting}", run_dir=tmp_path)
-    trainer = get_trainer("gpt")(cfg)
+    trainer = get_trainer("gpt")(cfg).setup()
     on_cuda = trainer.device.type == "cuda"
     expect = compiled or (setting == "auto" and on_cuda)
     assert trainer.compile is expect
