@@ -104,11 +104,15 @@ def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     arms = sorted({(g["k"], g["mode"], g["k_label"]) for g in rows}, key=lambda a: (a[1] != "fixed", sort_key(a[0])))
     panels = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
               if any(g["metric"] == key for g in rows)]
+    if not panels:  # analysed without any headline metric (e.g. metrics=[cdnv])
+        return []
 
     def draw(ax, panel):
         for c, (k, mode, k_label) in enumerate(arms):
             at = {g["layer"]: g for g in rows if (g["metric"], g["k"], g["mode"]) == (panel[0], k, mode)}
             pts = [(x, at[n]) for x, n in zip(xs, layers) if n in at]
+            if not pts:
+                continue
             mean = np.array([g["mean"] for _, g in pts])
             err = np.array([2 * g["se"] if g["se"] is not None else 0.0 for _, g in pts])
             x = [x for x, _ in pts]
