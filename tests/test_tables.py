@@ -324,3 +324,14 @@ def test_unknown_table_kind_is_refused():
         tables.load_specs(specs={"x": {"kind": "grid"}})
     with pytest.raises(ConfigError, match=r"tables.per_block.metrics: 'acc'"):
         blocks.build_per_block("per_block", {"metrics": ["acc"]}, [])
+
+
+def test_blocks_figure_with_missing_metrics(runs, tmp_path):
+    recs = [r for r in runs_mod.collect(runs["root"] / "real") if r["arch"] == "vit"]
+    other = [{**r, "layer_geometry": {n: {"cdnv_mean": 1.0} for n in r["layer_geometry"]}} for r in recs]
+    assert figures.draw_blocks(other, tmp_path / "none", "x") == []  # no headline metric: no figure
+    # the k = 0 arm analysed without NC: its line is absent from the NC1 panel, the rest drawn
+    part = [{**r, "layer_geometry": {n: {k: v for k, v in g.items() if r["k"] or not k.endswith("nc1")}
+                                     for n, g in r["layer_geometry"].items()}} for r in recs]
+    paths = figures.draw_blocks(part, tmp_path / "part", "x")
+    assert [p.name for p in paths] == ["part.png", "part.pdf"] and all(p.stat().st_size > 5000 for p in paths)
