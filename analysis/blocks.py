@@ -75,18 +75,16 @@ def to_markdown(table: dict) -> str:
     return "\n".join(out + [_FOOTER]) + "\n"
 
 
-def to_latex(table: dict) -> str:
-    """One LaTeX `table` (booktabs) per section."""
-    from analysis.tables import _tex
-
+def to_latex(table: dict, escape) -> str:
+    """One LaTeX `table` (booktabs) per section; `escape` makes text LaTeX (analysis.tables passes its own)."""
     lines = [f"% {table['name']}: written by python -m analysis.tables; regenerate, do not edit"]
     for s in table["sections"]:
         head, rows = _grid(s, table["fmt"])
         lines += [r"\begin{table}[t]", r"\centering\small",
-                  rf"\caption{{{_tex(s['experiment'] + ': ' + s['label'] + ' at every layer')}}}",
-                  r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}", r"\toprule", " & ".join(map(_tex, head)) + r" \\",
-                  r"\midrule", *(" & ".join(map(_tex, r)) + r" \\" for r in rows), r"\bottomrule", r"\end{tabular}",
-                  r"\par\footnotesize " + _tex(_FOOTER), r"\end{table}"]
+                  rf"\caption{{{escape(s['experiment'] + ': ' + s['label'] + ' at every layer')}}}",
+                  r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}", r"\toprule", " & ".join(map(escape, head)) + r" \\",
+                  r"\midrule", *(" & ".join(map(escape, r)) + r" \\" for r in rows), r"\bottomrule", r"\end{tabular}",
+                  r"\par\footnotesize " + escape(_FOOTER), r"\end{table}"]
     return "\n".join(lines) + "\n"
 
 

@@ -332,7 +332,7 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
     for name, spec in specs.items():
         if spec.get("kind") == "per_block":  # rows = layers, columns = k (analysis/blocks.py)
             table = blocks.build_per_block(name, spec, [r for r in done if _matches(r, spec.get("where"))])
-            md, tex, sheet = blocks.to_markdown(table), blocks.to_latex(table), blocks.to_csv(table)
+            md, tex, sheet = blocks.to_markdown(table), blocks.to_latex(table, _tex), blocks.to_csv(table)
         else:
             table = build_table(name, spec, done, paper)
             md, tex, sheet = to_markdown(table), to_latex(table), to_csv(table)
