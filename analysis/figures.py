@@ -16,6 +16,8 @@ recipe, named <dataset>_<family>:
     spectrum_<exp>        cumulative explained variance at the final norm with the 99% line, and
                           n_pcs_0.99 vs layer, a line per k
     collapse_<exp>        ViT: NC1-NC4 of the class token vs layer; GPT: linguistic collapse (CDNV, ...)
+    blocks_<exp>          the headline geometry at every block (the per_block table's numbers:
+                          analysis.runs.BLOCK_METRICS), a panel per metric, a line per k, +-2 se band
     pca_maps_<exp>        ViT: PCA maps of `pca_maps` images, one checkpoint (the lowest seed) per k
 
 A figure without data is skipped with a printed note; stdout ends with one `[figures] wrote`
@@ -26,27 +28,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import plots
 from analysis.plots import plt, save
-from analysis.runs import aggregate, collect, runs_roots, sort_key
+from analysis.runs import BLOCK_METRICS, aggregate, arm_label, collect, experiments, layer_order, per_block, \
+    runs_roots, sort_key
 from laplace.cli import hydra_entry
-
-
-def experiments(records: list[dict]) -> dict[str, list[dict]]:
-    """Records by experiment (trainer, dataset, family, recipe): {"<dataset>_<family>": [...]}.
-    A second recipe of the same dataset and family gets its recipe id in the name."""
-    groups: dict = {}
-    for r in records:
-        groups.setdefault((r["trainer"], r["dataset"], r["family"], r["recipe_id"]), []).append(r)
-    names, out = {}, {}
-    for key in sorted(groups, key=lambda k: tuple(map(str, k))):
-        base = f"{key[1]}_{key[2]}"
-        name = base if base not in names else f"{base}_{key[3]}"
-        names[name] = key
-        out[name] = groups[key]
-    return out
 
 
 def _lines(records: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -58,7 +48,7 @@ def _lines(records: list[dict]) -> list[tuple[str, list[dict]]]:
     lines = []
     for k, mode in sorted(by, key=lambda km: (sort_key(km[0]), km[1])):
         runs = by[(k, mode)]
-        label = f"k={runs[0][0]['k_label']}" + ("" if mode == "fixed" else f" {mode}")
+        label = arm_label(runs[0][0]["k_label"], mode)
         lines.append((label, [res for _, res in runs]))
     return lines
 
@@ -69,22 +59,16 @@ def _series(res: dict, kind: str, group: str, key: str) -> list[float]:
     return [float("nan") if v is None else v for v in vals]
 
 
-def _layer_panels(lines, panels, title: str, stem: Path, cols: int = 3) -> list[Path]:
-    """One panel per (kind, group, key, title, log): a line per k, mean +-1 std over seeds."""
+def _panels(panels, title: str, stem: Path, draw, cols: int = 3) -> list[Path]:
+    """One panel per spec (..., sub title, log y): `draw(ax, spec)` draws its lines vs layer."""
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.7 * rows), squeeze=False)
     axes = axes.ravel()
-    for ax, (kind, group, key, sub, log) in zip(axes, panels):
-        for c, (label, seeds) in enumerate(lines):
-            # seeds analysed over other layers (layers=[...]) cannot share a mean: left out
-            layers = seeds[0]["layers"]
-            xs, ticks = plots.layer_positions(layers)
-            series = [_series(s, kind, group, key) for s in seeds if s["layers"] == layers]
-            plots.mean_band(ax, xs, series, plots.color(c), f"{label} (n={len(series)})")
-            ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
-        if log:  # NC1 and CDNV span decades over depth
+    for ax, spec in zip(axes, panels):
+        draw(ax, spec)
+        if spec[-1]:  # NC1 and CDNV span decades over depth
             ax.set_yscale("log")
-        ax.set_title(sub, fontsize=9)
+        ax.set_title(spec[-2], fontsize=9)
         ax.set_xlabel("layer", fontsize=8)
         ax.grid(alpha=0.3)
     for ax in axes[len(panels):]:
@@ -95,6 +79,48 @@ def _layer_panels(lines, panels, title: str, stem: Path, cols: int = 3) -> list[
     # below the axes whatever the figure height; save()'s tight bounding box grows to fit it
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4), fontsize=8, bbox_to_anchor=(0.5, 0.0))
     return save(fig, stem)
+
+
+def _layer_panels(lines, panels, title: str, stem: Path) -> list[Path]:
+    """One panel per (kind, group, key, title, log): a line per k, mean +-1 std over seeds."""
+    def draw(ax, panel):
+        kind, group, key = panel[:3]
+        for c, (label, seeds) in enumerate(lines):
+            # seeds analysed over other layers (layers=[...]) cannot share a mean: left out
+            layers = seeds[0]["layers"]
+            xs, ticks = plots.layer_positions(layers)
+            series = [_series(s, kind, group, key) for s in seeds if s["layers"] == layers]
+            plots.mean_band(ax, xs, series, plots.color(c), f"{label} (n={len(series)})")
+            ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
+    return _panels(panels, title, stem, draw)
+
+
+def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
+    """The headline geometry at every block (the numbers of the per_block table): a panel per
+    metric, a line per arm (k, mode), the mean over seeds with a +-2 se band."""
+    rows = per_block(records)
+    layers = layer_order(records)
+    xs, ticks = plots.layer_positions(layers)
+    arms = sorted({(g["k"], g["mode"], g["k_label"]) for g in rows}, key=lambda a: (a[1] != "fixed", sort_key(a[0])))
+    panels = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
+              if any(g["metric"] == key for g in rows)]
+    if not panels:  # analysed without any headline metric (e.g. metrics=[cdnv])
+        return []
+
+    def draw(ax, panel):
+        for c, (k, mode, k_label) in enumerate(arms):
+            at = {g["layer"]: g for g in rows if (g["metric"], g["k"], g["mode"]) == (panel[0], k, mode)}
+            pts = [(x, at[n]) for x, n in zip(xs, layers) if n in at]
+            if not pts:
+                continue
+            mean = np.array([g["mean"] for _, g in pts])
+            err = np.array([2 * g["se"] if g["se"] is not None else 0.0 for _, g in pts])
+            x = [x for x, _ in pts]
+            n = max(g["n"] for _, g in pts)
+            ax.plot(x, mean, "-o", ms=3, color=plots.color(c), label=f"{arm_label(k_label, mode)} (n={n})")
+            ax.fill_between(x, mean - err, mean + err, color=plots.color(c), alpha=0.2, lw=0)
+        ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
+    return _panels(panels, f"{name}: token geometry at every block (mean ± 2 se over seeds)", stem, draw)
 
 
 def draw_anova(lines, stem: Path, name: str) -> list[Path]:
@@ -124,8 +150,6 @@ def draw_collapse(lines, stem: Path, name: str) -> list[Path]:
 
 def draw_spectrum(lines, stem: Path, name: str) -> list[Path]:
     """Cumulative explained variance at the final norm (mean over seeds) and n_pcs_0.99 vs layer."""
-    import numpy as np
-
     kind = "patch" if lines[0][1][0]["arch"] == "vit" else "tokens"
     fig, (ax_c, ax_l) = plt.subplots(1, 2, figsize=(8, 3))
     for c, (label, seeds) in enumerate(lines):
@@ -211,7 +235,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
             items = [ds[i] for i in range(min(n, len(ds)))]
             x, labels = torch.stack([im for im, _ in items]), [int(y) for _, y in items]
             images = denormalize(x, data["mean"], data["std"])
-        tag = f"k={r['k_label']}" + ("" if mode == "fixed" else f" {mode}")
+        tag = arm_label(r["k_label"], mode)
         maps[f"{r['model']} ({tag} Laplacian, seed {r['seed']})"] = model_maps(model, x, layer, THRESHOLD)
         names.append(f"{r['model']}_{tag}_s{r['seed']}")
         del model
@@ -243,6 +267,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
         else:
             for draw in (draw_anova, draw_spectrum, draw_collapse):
                 paths += draw(lines, out / f"{draw.__name__[5:]}_{name}", name)
+            paths += draw_blocks(recs, out / f"blocks_{name}", name)
         if pca_maps and recs[0]["arch"] == "vit":
             got = draw_pca_maps(recs, pca_maps, pca_layer, device, out / f"pca_maps_{name}", seed)
             if not got:

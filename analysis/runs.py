@@ -4,11 +4,14 @@ miniature reproduction read.
     from analysis.runs import aggregate, collect
     records = collect(["runs/deit3/digits"])      # one flat record per run directory
     aggregate(records, "final.val_acc1")          # [{family, k, mode, ..., mean, std, n}, ...]
+    per_block(records)                            # the same, per layer and headline geometry key
 
 Every folder that holds a run's config.yaml (or a results.json) is one run; its results.json,
 and ckpt/last_analysis/analysis.json when `python -m analysis` has measured it, become one
 flat record (`collect`). Runs that differ only in their seed are pooled (`aggregate`: mean,
-sample std, n); runs of another recipe never are (recipe_id).
+sample std, n); runs of another recipe never are (recipe_id). The geometry is read at
+the final norm ("geometry.<key>") or at any layer the analysis measured
+("geometry@blocks.<i>.<key>"; `per_block` pools every layer at once).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from laplace.rundir import EXECUTION_KEYS
 GROUP_KEYS = ("trainer", "dataset", "family", "k", "mode", "recipe_id")
 _SKIP_DIRS = {"__pycache__", "wandb"}
 Metric = Union[str, Iterable[str], Callable[[dict], Optional[float]]]
+_AT_LAYER = re.compile(r"geometry@(norm|blocks\.\d+)\.(.+)")
 
 
 # ----------------------------------------------------------------------------- collecting
@@ -97,23 +101,30 @@ def flat_metrics(obj: dict, prefix: str = "") -> dict:
     return out
 
 
-def geometry(analysis: dict) -> dict:
-    """Headline token geometry at the final norm of one analysis.json: ANOVA shares and
-    spectra of the patch tokens (GPT: all tokens), NC of the class token (nc1, ...; the patch
-    image means' NC as patch_nc1, ...), per-image spectra as within_n_pcs_*; GPT: lc_*."""
+def geometry(analysis: dict, layer: str = "norm") -> dict:
+    """Headline token geometry at one layer (default the final norm) of one analysis.json:
+    ANOVA shares and spectra of the patch tokens (GPT: all tokens), NC of the class token
+    (nc1, ...; the patch image means' NC as patch_nc1, ...), per-image spectra as
+    within_n_pcs_*; GPT: lc_*. {} when the layer was not measured."""
     vit = analysis.get("arch") == "vit"
     res = analysis.get("results", {})
-    norm = res.get("patch" if vit else "tokens", {}).get("norm", {})
-    g = {k: v for k, v in norm.get("anova", {}).items() if k.endswith("_share")}
-    g.update({k: v for k, v in norm.get("spectral", {}).items() if k != "spectrum"})
-    g.update({f"within_{k}": v for k, v in norm.get("spectral_within", {}).items() if k.startswith("n_pcs")})
-    g.update(norm.get("lc", {}))
+    at = res.get("patch" if vit else "tokens", {}).get(layer, {})
+    g = {k: v for k, v in at.get("anova", {}).items() if k.endswith("_share")}
+    g.update({k: v for k, v in at.get("spectral", {}).items() if k != "spectrum"})
+    g.update({f"within_{k}": v for k, v in at.get("spectral_within", {}).items() if k.startswith("n_pcs")})
+    g.update(at.get("lc", {}))
     if vit:
-        g.update({f"patch_{k}": v for k, v in norm.get("nc", {}).items() if k.startswith("nc")})
-        cls = res.get("cls", {}).get("norm", {})
+        g.update({f"patch_{k}": v for k, v in at.get("nc", {}).items() if k.startswith("nc")})
+        cls = res.get("cls", {}).get(layer, {})
         g.update({k: v for k, v in cls.get("nc", {}).items() if k != "num_classes"})
         g.update({k: v for k, v in cls.get("cdnv", {}).items()})
     return {k: float(v) for k, v in g.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def layer_geometry(analysis: dict) -> dict:
+    """`geometry` at every layer the analysis measured, in its order ("blocks.<i>" ..., "norm"):
+    {layer: {key: value}}. Every block is there when it was run with layers=all (the default)."""
+    return {layer: geometry(analysis, layer) for layer in analysis.get("layers", [])}
 
 
 def model_family(name: str, model_cfg: dict) -> str:
@@ -187,6 +198,7 @@ def read_run(run_dir) -> Optional[dict]:
         notes.append(f"{analysis_path}: of step {analysis.get('step')}, the run ended at step {r.get('steps')}; "
                      f"left out (re-run python -m analysis)")
         analysis = None
+    layers = layer_geometry(analysis) if analysis else {}
     init_from = tcfg.get("init_from") or r.get("init_from")
     img = r.get("img_size", (cfg.get("data") or {}).get("img_size"))
     dataset = r.get("dataset") or (cfg.get("data") or {}).get("name")
@@ -201,7 +213,7 @@ def read_run(run_dir) -> Optional[dict]:
         "global_batch_size": r.get("global_batch_size", tcfg.get("global_batch_size")),
         "img_size": img, "init_from": init_from, "pretrain": _pretrain(init_from),
         "finished": res is not None, "recipe_id": _recipe_id(cfg) if cfg else "",
-        "metrics": metrics, "geometry": geometry(analysis) if analysis else {},
+        "metrics": metrics, "geometry": layers.get("norm", {}), "layer_geometry": layers,
         "checkpoint": str(d / "ckpt" / f"{ckpt_stem}.pt"),  # here, not where it was written (runs move)
         "analysis": str(analysis_path) if analysis else None, "notes": notes,
     }
@@ -229,7 +241,8 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
     global_batch_size, img_size, init_from, pretrain (facts of the run fine-tuned from),
     finished (results.json exists), recipe_id, recipe (a readable tag), metrics
     ({key: float}, see `flat_metrics`), geometry ({key: float} at the final norm, see
-    `geometry`; {} when not analysed), analysis (its path) and notes. `skipped` (if given) gets
+    `geometry`; {} when not analysed), layer_geometry (the same at every measured layer, see
+    `layer_geometry`), analysis (its path) and notes. `skipped` (if given) gets
     a line for each run directory left out, saying why.
     """
     roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
@@ -255,14 +268,22 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
 # ----------------------------------------------------------------------------- pooling seeds
 
 def metric_value(record: dict, metric: Metric) -> Optional[float]:
-    """A record's value of `metric`: a metrics key, "geometry.<key>", a list of keys (the first
-    present), or a function of the record. None when absent or not finite."""
+    """A record's value of `metric`: a metrics key, "geometry.<key>" (at the final norm),
+    "geometry@<layer>.<key>" (at a measured layer: "geometry@blocks.2.nc1"), a list of keys
+    (the first present), or a function of the record. None when absent or not finite."""
     if callable(metric):
         v = metric(record)
         return v if v is None or math.isfinite(v) else None
     for key in ([metric] if isinstance(metric, str) else metric):
-        v = (record["geometry"].get(key[len("geometry."):]) if key.startswith("geometry.")
-             else record["metrics"].get(key))
+        if key.startswith("geometry@"):
+            at = _AT_LAYER.fullmatch(key)
+            if at is None:
+                raise ConfigError(f"metric {key!r}: write geometry@<layer>.<key> with layer norm or blocks.<i>, "
+                                  f"e.g. geometry@blocks.2.nc1")
+            v = record.get("layer_geometry", {}).get(at[1], {}).get(at[2])
+        else:
+            v = (record["geometry"].get(key[len("geometry."):]) if key.startswith("geometry.")
+                 else record["metrics"].get(key))
         if v is not None and math.isfinite(v):
             return float(v)
     return None
@@ -304,6 +325,60 @@ def aggregate(records: list[dict], metric: Metric, by: tuple = GROUP_KEYS) -> li
                      "recipe": first.get("recipe"), "k_label": first.get("k_label"),
                      "arch": first.get("arch")})
     return sorted(rows, key=lambda row: tuple(sort_key(row[f]) for f in by))
+
+
+def experiments(records: list[dict]) -> dict[str, list[dict]]:
+    """Records by experiment (trainer, dataset, family, recipe): {"<dataset>_<family>": [...]}.
+    A second recipe of the same dataset and family gets its recipe id in the name."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["trainer"], r["dataset"], r["family"], r["recipe_id"]), []).append(r)
+    names, out = {}, {}
+    for key in sorted(groups, key=lambda k: tuple(map(str, k))):
+        base = f"{key[1]}_{key[2]}"
+        name = base if base not in names else f"{base}_{key[3]}"
+        names[name] = key
+        out[name] = groups[key]
+    return out
+
+
+# ----------------------------------------------------------------------------- geometry per block
+
+# The headline geometry of the per-block table and figure: (key of `geometry`, label). A key an
+# architecture does not measure (a GPT has no class token and no classes of windows) is absent.
+BLOCK_METRICS = (("within_seq_share", "within-sequence share"), ("between_class_share", "between-class share"),
+                 ("nc1", "NC1 (class token)"), ("patch_nc1", "NC1 (image means of patch tokens)"),
+                 ("lc_cdnv_mean", "CDNV (next-token classes)"), ("n_pcs_0.99", "PCs for 99% of the variance"))
+
+
+def arm_label(k_label: str, mode: str) -> str:
+    """How a legend or a column names an arm: "k=3", "k=1 learned"."""
+    return f"k={k_label}" + ("" if mode == "fixed" else f" {mode}")
+
+
+def layer_order(records: list[dict]) -> list[str]:
+    """Every layer some record measured: blocks by index, then "norm"."""
+    names = {n for r in records for n in r.get("layer_geometry", {})}
+    return sorted(names, key=lambda n: (n == "norm", int(n.split(".")[1]) if n != "norm" else 0))
+
+
+def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> list[dict]:
+    """The headline geometry at every measured layer, pooled over seeds as `aggregate` pools
+    ("geometry@<layer>.<key>"): one row per (group, layer, metric) with the `aggregate` fields,
+    layer, metric and se (std / sqrt(n); None for one seed).
+
+    Args:
+        records: from `collect`.
+        metrics: keys of `geometry` (default: those of BLOCK_METRICS).
+        by: as in `aggregate`.
+    """
+    rows = []
+    for key in metrics or [k for k, _ in BLOCK_METRICS]:
+        for layer in layer_order(records):
+            for g in aggregate(records, f"geometry@{layer}.{key}", by):
+                se = None if g["std"] is None else g["std"] / math.sqrt(g["n"])
+                rows.append({**g, "layer": layer, "metric": key, "se": se})
+    return rows
 
 
 def runs_roots(cfg, command: str = "analysis.tables") -> list[Path]:

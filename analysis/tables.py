@@ -5,7 +5,8 @@
 
 Runs are found and pooled over seeds by analysis/runs.py (`collect`, `aggregate`). Each table of configs/tables.yaml is written to
 `out/<name>.{md,tex,csv}`: rows = model family x number of Laplacian heads k (x mode when
-learned), cells "mean ± std (n)", the paper's number and our delta beside every cell the paper
+learned), cells "mean ± std (n)" (a `kind: per_block` table instead has rows = layers, columns
+= k: analysis/blocks.py), the paper's number and our delta beside every cell the paper
 reports (analysis/paper.yaml), a dagger on runs whose recipe is not the paper's. stdout: the
 Markdown tables, then one `[tables] wrote <path>` line per file.
 
@@ -24,6 +25,7 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from analysis import blocks
 from analysis.runs import aggregate, collect, metric_value, runs_roots, sort_key
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
@@ -79,6 +81,9 @@ def load_specs(only=None, specs=None) -> dict:
         if bad:
             raise ConfigError(f"only={list(only)}: no table {bad[0]!r}; tables: {', '.join(specs)}")
         specs = {n: specs[n] for n in only}
+    for n, spec in specs.items():  # before any table is written
+        if spec.get("kind", "runs") not in ("runs", "per_block"):
+            raise ConfigError(f"tables.{n}.kind={spec['kind']}: unknown; use runs (the default) or per_block")
     return specs
 
 
@@ -325,11 +330,15 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
     done = [r for r in records if r["finished"]]
     paths = []
     for name, spec in specs.items():
-        table = build_table(name, spec, done, paper)
-        md = to_markdown(table)
+        if spec.get("kind") == "per_block":  # rows = layers, columns = k (analysis/blocks.py)
+            table = blocks.build_per_block(name, spec, [r for r in done if _matches(r, spec.get("where"))])
+            md, tex, sheet = blocks.to_markdown(table), blocks.to_latex(table, _tex), blocks.to_csv(table)
+        else:
+            table = build_table(name, spec, done, paper)
+            md, tex, sheet = to_markdown(table), to_latex(table), to_csv(table)
         if echo:
             print(md, flush=True)
-        for ext, text in (("md", md), ("tex", to_latex(table)), ("csv", to_csv(table))):
+        for ext, text in (("md", md), ("tex", tex), ("csv", sheet)):
             path = out / f"{name}.{ext}"
             path.write_text(text)
             paths.append(path)

@@ -22,6 +22,9 @@ Verdict rule, per claim, over the seeds: d = mean(all-Laplacian) - mean(baseline
 standard error se = sqrt(s0^2 / n0 + s1^2 / n1) (sample standard deviations); "agrees" if d
 points the paper's way and |d| > 2 se, "disagrees" if it points the other way and |d| > 2 se,
 else "within noise". With one seed there is no spread: the verdict is "one seed: <direction>".
+Each geometry claim is judged at the layer the paper measured it at; PAPER.md names none, so
+the claims table says "final norm (paper silent)" (`claim_layer`), and the same rule is applied
+at every block beside it (the analyses measure layers=all).
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ RECIPES = {
 # grows with Laplacian heads, -1 if it shrinks).
 CLAIMS = [
     ("deit3", "accuracy improves (val top-1)", "final.val_acc1", +1),
-    ("deit3", "within-image variance share drops (patch tokens, final norm)", "geometry.within_seq_share", -1),
+    ("deit3", "within-image variance share drops (patch tokens)", "geometry.within_seq_share", -1),
     ("deit3", "between-class variance share grows (patch tokens)", "geometry.between_class_share", +1),
     ("deit3", "neural collapse strengthens (NC1 of the class token falls)", "geometry.nc1", -1),
     ("deit3", "spectrum decays faster (PCs for 99% of patch variance fall)", "geometry.n_pcs_0.99", -1),
@@ -110,7 +113,7 @@ def analyse_all(runs: dict[str, list[Path]], log):
         todo = [d for d in dirs if not (d / "ckpt/last_analysis/analysis.json").exists()]
         if todo:
             ckpts = ",".join(str(d / "ckpt/last.pt") for d in todo)
-            sh([sys.executable, "-m", "analysis", f"checkpoint=[{ckpts}]", "progress=false", "figures=false",
+            sh([sys.executable, "-m", "analysis", f"checkpoint=[{ckpts}]", "layers=all", "progress=false", "figures=false",
                 f"analysis_out={dirs[0].parent / 'compare'}"], log)
 
 
@@ -135,19 +138,62 @@ def _fmt(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.4g}" + (f" ± {statistics.stdev(xs):.2g}" if len(xs) > 1 else "") if xs else ""
 
 
+def claim_layer(metric: str) -> tuple[str | None, str]:
+    """(layer, how the report names it) of a claim's metric. PAPER.md names no layer for any
+    geometry claim, so each is read at the final norm (what the head reads) and says so;
+    accuracy and bits per byte are the model's output, at no layer."""
+    return ("norm", "final norm (paper silent)") if metric.startswith("geometry.") else (None, "model output")
+
+
+def at_layer(metric: str, layer: str | None) -> str:
+    """The records' key of a geometry metric at a layer ("geometry@blocks.2.nc1")."""
+    return metric if layer is None else f"geometry@{layer}.{metric[len('geometry.'):]}"
+
+
+def _arms(rs: list[dict], metric: str) -> tuple[list[float], list[float]]:
+    """(baseline k = 0, every head Laplacian) values of a metric."""
+    k_all = max((r["k"] for r in rs), default=0)
+    return _values(rs, 0, "fixed", metric), _values(rs, k_all, "fixed", metric)
+
+
 def claims_table(recs: dict[str, list[dict]]) -> list[str]:
-    """One row per claim: baseline (k = 0) vs every head Laplacian, the verdict."""
-    lines = ["| paradigm | claim (baseline vs all heads Laplacian) | baseline | all Laplacian | d | 2 se | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    """One row per claim: baseline (k = 0) vs every head Laplacian at the claim's layer, the verdict."""
+    lines = ["| paradigm | claim (baseline vs all heads Laplacian) | layer | baseline | all Laplacian | d | 2 se | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
     for paradigm, what, metric, sign in CLAIMS:
-        rs = recs.get(paradigm, [])
-        k_all = max((r["k"] for r in rs), default=0)
-        base, lap = _values(rs, 0, "fixed", metric), _values(rs, k_all, "fixed", metric)
+        layer, where = claim_layer(metric)
+        base, lap = _arms(recs.get(paradigm, []), at_layer(metric, layer))
         if not base or not lap:
-            lines.append(f"| {paradigm} | {what} | | | | | not measured |")
+            lines.append(f"| {paradigm} | {what} | {where} | | | | | not measured |")
             continue
         v, d, se = verdict(base, lap, sign)
-        lines.append(f"| {paradigm} | {what} | {_fmt(base)} | {_fmt(lap)} | {d:+.3g} | {2 * se:.2g} | **{v}** |")
+        lines.append(f"| {paradigm} | {what} | {where} | {_fmt(base)} | {_fmt(lap)} | {d:+.3g} | {2 * se:.2g} | **{v}** |")
+    return lines
+
+
+def block_claims_table(recs: dict[str, list[dict]]) -> list[str]:
+    """The geometry claims' verdicts at every measured layer (where along the depth a
+    difference appears), one table per paradigm: cells "d ± 2 se verdict"."""
+    from analysis.runs import layer_order
+
+    lines = []
+    for paradigm, rs in recs.items():
+        claims = [c for c in CLAIMS if c[0] == paradigm and claim_layer(c[2])[0] is not None]
+        layers = layer_order(rs)
+        if not claims or not layers:
+            continue
+        lines += [f"| {paradigm}: claim | " + " | ".join(layers) + " |", "|---|" + "---|" * len(layers)]
+        for _, what, metric, sign in claims:
+            cells = []
+            for layer in layers:
+                base, lap = _arms(rs, at_layer(metric, layer))
+                if base and lap:
+                    v, d, se = verdict(base, lap, sign)
+                    cells.append(f"{d:+.3g}" + ("" if math.isnan(se) else f" ± {2 * se:.2g}") + f" {v}")
+                else:
+                    cells.append("")
+            lines.append(f"| {what} | " + " | ".join(cells) + " |")
+        lines.append("")
     return lines
 
 
@@ -236,7 +282,11 @@ def main():
               f"{time.time() - t0:.0f} s in all ({t_train:.0f} s training). Recipes and the verdict rule: "
               f"scripts/miniature.py. The paper's tables: tables/; figures: figures/.", "",
               "## Claims", "", *claims_table(recs), "",
-              "## Results by number of Laplacian heads (mean ± std over seeds)", "", *variants_table(recs)]
+              "## Results by number of Laplacian heads (mean ± std over seeds)", "", *variants_table(recs),
+              "## Geometry at every block", "",
+              "The claims above at every layer (blocks.<i>: the residual stream after block i; norm: the final "
+              "norm), baseline vs every head Laplacian, d ± 2 se and the verdict. Every arm's numbers: "
+              "tables/per_block.md; figures: figures/blocks_<experiment>.png.", "", *block_claims_table(recs)]
     report += ["", "## How much the blocks change the residual stream", "",
                "Mean over tokens of ||h_i - h_(i-1)|| / ||h_(i-1)|| per block (h_(-1) = the embedding), "
                "64 validation sequences, averaged over seeds:", ""]

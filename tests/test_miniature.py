@@ -23,6 +23,30 @@ def test_verdict_rule():
     assert miniature.verdict([1.0], [1.0], -1)[0] == "one seed: no difference"
 
 
+def _record(k: int, seed: int, by_layer: dict) -> dict:
+    """A flat record as analysis.runs.collect makes it, with geometry at two layers."""
+    return {"k": k, "mode": "fixed", "seed": seed, "metrics": {"final.val_acc1": 50.0 + k + seed},
+            "layer_geometry": by_layer, "geometry": by_layer["norm"]}
+
+
+def test_claims_state_and_use_their_layer():
+    # nc1 falls with Laplacian heads at blocks.0 only; at the final norm the arms are the same
+    recs = {"deit3": [_record(k, s, {"blocks.0": {"nc1": (1.0 if k else 2.0) + 0.01 * s}, "norm": {"nc1": 3.0 + 0.01 * s}})
+                      for k in (0, 3) for s in (0, 1, 2)]}
+    for _, _, metric, _ in miniature.CLAIMS:  # PAPER.md names no layer for any claim
+        want = ("norm", "final norm (paper silent)") if metric.startswith("geometry.") else (None, "model output")
+        assert miniature.claim_layer(metric) == want
+    rows = {ln.split(" | ")[1]: ln for ln in miniature.claims_table(recs)[2:]}
+    nc1 = rows["neural collapse strengthens (NC1 of the class token falls)"]
+    assert "| final norm (paper silent) | 3.01 ± 0.01 | 3.01 ± 0.01 | +0 |" in nc1 and "**within noise**" in nc1
+    assert "| model output | 51 ± 1 | 54 ± 1 | +3 |" in rows["accuracy improves (val top-1)"]
+    block = miniature.block_claims_table(recs)
+    assert block[0] == "| deit3: claim | blocks.0 | norm |"
+    row = next(ln for ln in block if ln.startswith("| neural collapse strengthens"))
+    assert row.split(" | ")[1:] == ["-1 ± 0.016 agrees", "+0 ± 0.016 within noise |"]
+    assert not any(ln.startswith("| accuracy") for ln in block)  # no layer: not in the per-block table
+
+
 @pytest.mark.timeout(1200)  # above its subprocess's 900 s
 @pytest.mark.slow
 def test_miniature_runs_end_to_end(tmp_path):
@@ -34,8 +58,11 @@ def test_miniature_runs_end_to_end(tmp_path):
     report = (docs / "README.md").read_text()
     for claim in miniature.CLAIMS:  # every claim got a verdict
         assert claim[1] in report
-    assert report.count("one seed:") == len(miniature.CLAIMS)
+    claims = report.split("## Geometry at every block")[0]  # the per-block verdicts follow
+    assert claims.count("one seed:") == len(miniature.CLAIMS)
     assert "## How much the blocks change the residual stream" in report and "- gpt gpt_d4_1L_learned:" in report
     assert "block 3:" in report  # the learned gates of every block
+    assert "final norm (paper silent)" in report and "| deit3: claim | blocks.0 | blocks.1 | blocks.2 | blocks.3 | norm |" in report
+    assert "blocks.3" in (docs / "tables/per_block.md").read_text() and list((docs / "figures").glob("blocks_*.png"))
     assert (docs / "tables/supervised.md").exists() and list((docs / "figures").glob("*.png"))
     assert len(list(out.glob("*/*/results.json"))) == 8  # 2 paradigms x 4 variants

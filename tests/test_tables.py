@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -17,10 +18,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from analysis import figures, runs as runs_mod, tables
+from analysis import blocks, figures, runs as runs_mod, tables
 from analysis.__main__ import analysis_dir
 from analysis.geometry import analyze_checkpoint
 from conftest import CONFIGS, ROOT, TINY_VIT
+from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.config import register_model_configs
 from train import run as train_run
@@ -246,8 +248,90 @@ def test_figures(runs):
                                  run_dir=".", config="figures"))
     want = ["vs_k", f"anova_digits_{VIT_FAMILY}", f"spectrum_digits_{VIT_FAMILY}", f"collapse_digits_{VIT_FAMILY}",
             f"pca_maps_digits_{VIT_FAMILY}", "anova_pydoc_text_gpt_d2", "spectrum_pydoc_text_gpt_d2",
-            "collapse_pydoc_text_gpt_d2"]
+            "collapse_pydoc_text_gpt_d2", f"blocks_digits_{VIT_FAMILY}", "blocks_pydoc_text_gpt_d2"]
     for stem in want:
         for ext in ("png", "pdf"):
             assert (out / f"{stem}.{ext}").stat().st_size > 5000, f"{stem}.{ext}"
     assert len(paths) == 2 * len(want)  # the fake runs have no analysis / checkpoint: skipped, not drawn
+
+
+# ----------------------------------------------------------------------------- geometry at every block
+
+# Where each headline key of analysis.runs.BLOCK_METRICS sits in analysis.json: (kind, group, key).
+_IN_JSON = {"vit": {"within_seq_share": ("patch", "anova", "within_seq_share"),
+                    "between_class_share": ("patch", "anova", "between_class_share"),
+                    "nc1": ("cls", "nc", "nc1"), "patch_nc1": ("patch", "nc", "nc1"),
+                    "n_pcs_0.99": ("patch", "spectral", "n_pcs_0.99")},
+            "gpt": {"within_seq_share": ("tokens", "anova", "within_seq_share"),
+                    "lc_cdnv_mean": ("tokens", "lc", "lc_cdnv_mean"), "n_pcs_0.99": ("tokens", "spectral", "n_pcs_0.99")}}
+
+
+def _from_json(record: dict, layer: str, key: str) -> float:
+    res = json.loads(Path(record["analysis"]).read_text())
+    kind, group, name = _IN_JSON[record["arch"]][key]
+    return res["results"][kind][layer][group][name]
+
+
+def test_layer_geometry_holds_every_block(runs):
+    recs = runs_mod.collect(runs["root"] / "real")
+    assert len(recs) == 5
+    for r in recs:  # depth 2 (TINY_VIT, gpt_d2), analysed with the default layers=all
+        assert list(r["layer_geometry"]) == ["blocks.0", "blocks.1", "norm"]
+        assert r["geometry"] == r["layer_geometry"]["norm"]
+        for layer in r["layer_geometry"]:
+            for key in _IN_JSON[r["arch"]]:
+                want = _from_json(r, layer, key)
+                assert r["layer_geometry"][layer][key] == want
+                assert runs_mod.metric_value(r, f"geometry@{layer}.{key}") == want
+    with pytest.raises(ConfigError, match="geometry@<layer>.<key>"):
+        runs_mod.metric_value(recs[0], "geometry@block1.nc1")
+
+
+def test_per_block_pools_seeds_at_every_layer(runs):
+    recs = [r for r in runs_mod.collect(runs["root"] / "real") if r["arch"] == "vit"]
+    rows = runs_mod.per_block(recs)
+    cells = {(g["k"], g["layer"], g["metric"]): g for g in rows}
+    assert len(cells) == len(rows) == 2 * 3 * len(_IN_JSON["vit"])  # k x layers x metrics, nothing missing
+    for (k, layer, key), g in cells.items():
+        vals = [_from_json(r, layer, key) for r in sorted(recs, key=lambda r: r["seed"]) if r["k"] == k]
+        assert g["values"] == vals and g["mean"] == statistics.fmean(vals) and g["n"] == 2
+        assert g["se"] == pytest.approx(statistics.stdev(vals) / 2 ** 0.5, rel=1e-12)
+
+
+def test_per_block_table(runs):
+    for ext in ("md", "tex", "csv"):
+        assert (runs["out"] / f"per_block.{ext}").stat().st_size > 200, ext
+    recs = runs_mod.collect(runs["root"] / "real")
+    rows = _csv(runs, "per_block")
+    vit = [r for r in rows if r["experiment"] == f"digits_{VIT_FAMILY}"]
+    gpt = [r for r in rows if r["experiment"] == "pydoc_text_gpt_d2"]
+    assert len(vit) == 2 * 3 * len(_IN_JSON["vit"]) and len(gpt) == 3 * len(_IN_JSON["gpt"])
+    for row in vit + gpt:
+        runs_k = [r for r in recs if r["k_label"] == row["k"] and r["arch"] == ("gpt" if row in gpt else "vit")]
+        vals = [_from_json(r, row["layer"], row["metric"]) for r in runs_k]
+        assert float(row["mean"]) == statistics.fmean(vals) and int(row["n"]) == len(vals), row
+    md = (runs["out"] / "per_block.md").read_text()
+    assert f"#### digits_{VIT_FAMILY}: NC1 (class token)" in md and "| layer | k=0 | k=3 |" in md
+    nc1 = [_from_json(r, "blocks.0", "nc1") for r in recs if r["k"] == 0 and r["arch"] == "vit"]
+    two_se = 2 * (statistics.stdev(nc1) / math.sqrt(2))  # as analysis.runs.per_block computes it
+    assert f"| blocks.0 | {statistics.fmean(nc1):.4g} ± {two_se:.4g} (2) |" in md
+    assert "NC1 (class token)" not in md.split("pydoc_text_gpt_d2")[1]  # a GPT has no class token
+    assert "\\begin{tabular}" in (runs["out"] / "per_block.tex").read_text()
+
+
+def test_unknown_table_kind_is_refused():
+    with pytest.raises(ConfigError, match=r"tables.x.kind=grid: unknown"):
+        tables.load_specs(specs={"x": {"kind": "grid"}})
+    with pytest.raises(ConfigError, match=r"tables.per_block.metrics: 'acc'"):
+        blocks.build_per_block("per_block", {"metrics": ["acc"]}, [])
+
+
+def test_blocks_figure_with_missing_metrics(runs, tmp_path):
+    recs = [r for r in runs_mod.collect(runs["root"] / "real") if r["arch"] == "vit"]
+    other = [{**r, "layer_geometry": {n: {"cdnv_mean": 1.0} for n in r["layer_geometry"]}} for r in recs]
+    assert figures.draw_blocks(other, tmp_path / "none", "x") == []  # no headline metric: no figure
+    # the k = 0 arm analysed without NC: its line is absent from the NC1 panel, the rest drawn
+    part = [{**r, "layer_geometry": {n: {k: v for k, v in g.items() if r["k"] or not k.endswith("nc1")}
+                                     for n, g in r["layer_geometry"].items()}} for r in recs]
+    paths = figures.draw_blocks(part, tmp_path / "part", "x")
+    assert [p.name for p in paths] == ["part.png", "part.pdf"] and all(p.stat().st_size > 5000 for p in paths)
