@@ -17,6 +17,7 @@ recipe, named <dataset>_<family>:
                           n_pcs_0.99 vs layer, a line per k
     collapse_<exp>        ViT: NC1-NC4 of the class token vs layer; GPT: linguistic collapse (CDNV, ...)
     pca_maps_<exp>        ViT: PCA maps of `pca_maps` images, one checkpoint (the lowest seed) per k
+    gates_<exp>_k<k>      learned gates vs step, a panel per block, a line per head (analysis/gates.py)
 
 A figure without data is skipped with a printed note; stdout ends with one `[figures] wrote`
 line per file.
@@ -29,6 +30,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import plots
+from analysis.gates import draw_gate_figures
 from analysis.plots import plt, save
 from analysis.runs import aggregate, collect, runs_roots, sort_key
 from laplace.cli import hydra_entry
@@ -248,7 +250,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
             if not got:
                 print(f"[figures] skipped pca_maps_{name}: no checkpoint found", flush=True)
             paths += got
-    return paths
+    return paths + draw_gate_figures(records, out)
 
 
 def run(cfg: DictConfig) -> list[Path]:
