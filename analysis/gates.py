@@ -97,11 +97,12 @@ def _pool(per_run: list[list[list[float]]]) -> tuple[list, list]:
     return [[m for m, _ in row] for row in stats], [[s for _, s in row] for row in stats]
 
 
-def gate_groups(records: list[dict]) -> list[dict]:
+def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dict]:
     """The finished learned-gate runs, pooled over seeds (runs that share analysis.runs'
     GROUP_KEYS). Each group: name, trainer, k_label, recipe, n, seeds, run_dirs, layers, heads,
     start / end / move as [block][head] means with their 2 se (start_2se, ...; None with one
     seed), steps (those every seed logged) with traj / traj_2se ([step][block][head]), notes.
+    `skipped` (if given) gets a line for each learned run left out (its checkpoint is gone).
     """
     by: dict = {}
     for r in records:
@@ -110,6 +111,10 @@ def gate_groups(records: list[dict]) -> list[dict]:
     groups, names = [], set()
     for key in sorted(by, key=lambda k: tuple(sort_key(v) for v in k)):
         pairs = [(r, g) for r in sorted(by[key], key=lambda r: sort_key(r["seed"])) for g in [run_gates(r)] if g]
+        if skipped is not None:
+            done = {r["run_dir"] for r, _ in pairs}
+            skipped += [f"{r['checkpoint']}: not found (or no learned gates in it); {r['run_dir']} left out"
+                        for r in by[key] if r["run_dir"] not in done]
         if not pairs:
             continue
         recs, runs = [r for r, _ in pairs], [g for _, g in pairs]
@@ -203,8 +208,8 @@ def to_csv(g: dict) -> str:
 
 def write_gate_tables(records: list[dict], out, echo: bool = True) -> list[Path]:
     """out/gates_<exp>.{md,csv} for every learned-gate experiment of `records`; the paths."""
-    paths = []
-    for g in gate_groups(records):
+    paths, skipped = [], []
+    for g in gate_groups(records, skipped):
         md = to_markdown(g)
         if echo:
             print(md, flush=True)
@@ -213,6 +218,8 @@ def write_gate_tables(records: list[dict], out, echo: bool = True) -> list[Path]
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             paths.append(path)
+    for line in skipped:
+        print(f"[tables] gates: {line}", flush=True)
     return paths
 
 

@@ -145,6 +145,13 @@ def test_gates_pooled_over_seeds_into_a_table_and_a_figure(make_cfg, tmp_path):
     assert {tmp_path / f"figures/{name}.png", tmp_path / f"figures/{name}.pdf"} <= set(figs)
     assert all(p.stat().st_size > 0 for p in figs)
 
+    (tmp_path / "runs/s1/ckpt/last.pt").unlink()  # a run whose checkpoint was deleted: said, left out
+    skipped = []
+    [g1] = gate_groups(collect(tmp_path / "runs"), skipped)
+    assert g1["n"] == 1 and g1["end"] == ends[0] and g1["end_2se"][0] == [None] * 3
+    assert skipped == [f"{tmp_path / 'runs/s1/ckpt/last.pt'}: not found (or no learned gates in it); "
+                       f"{tmp_path / 'runs/s1'} left out"]
+
 
 def test_summary_answers_which_heads_went_laplacian():
     """Known gates: of 4 heads, h1 of block 0 crossed 0.5 upward (beyond 2 se), h2 (started
