@@ -187,6 +187,14 @@ def stream_change(run_dirs: list[Path], n: int = 64) -> dict[str, list[float]]:
     return [statistics.mean(col) for col in zip(*per_run)]
 
 
+def gates_section(recs: dict[str, list[dict]]) -> list[str]:
+    """The report's learned gates: per paradigm, analysis.gates' table and summary (what
+    `python -m analysis.tables` writes as gates_*.md)."""
+    lines = ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
+             "Where training takes them, per block and head (tables/gates_*.md; figures/gates_*.png):", ""]
+    return lines + [to_markdown(g) for rs in recs.values() for g in gate_groups(rs)]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -221,10 +229,7 @@ def main():
         for lab in dict.fromkeys(d.name.rsplit("_s", 1)[0] for d in dirs):
             change = stream_change([d for d in dirs if d.name.rsplit("_s", 1)[0] == lab])
             report.append(f"- {pd} {lab}: " + ", ".join(f"{c:.3f}" for c in change))
-    report += ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
-               "Where training takes them, per block and head (the tables' gates_*.md, the figures' gates_*.png):", ""]
-    for pd in runs:
-        report += [md for g in gate_groups(recs[pd]) for md in (to_markdown(g), "")]
+    report += gates_section(recs)
     text = "\n".join(report) + "\n"
     (docs / "README.md").write_text(text)
     print("\n" + text)

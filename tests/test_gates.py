@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ from train import run
 from train.dino import dino_param_groups
 from train.logger import read_metrics
 from train.optim import build_muon_adamw, build_optimizer
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import miniature  # noqa: E402
 
 
 
@@ -144,6 +148,9 @@ def test_gates_pooled_over_seeds_into_a_table_and_a_figure(make_cfg, tmp_path):
     figs = draw_figures(records, tmp_path / "figures", vs_k={})
     assert {tmp_path / f"figures/{name}.png", tmp_path / f"figures/{name}.pdf"} <= set(figs)
     assert all(p.stat().st_size > 0 for p in figs)
+
+    report = "\n".join(miniature.gates_section({"deit3": records, "gpt": []}))  # the miniature's report
+    assert report.count("### gates_") == 1 and md in report
 
     (tmp_path / "runs/s1/ckpt/last.pt").unlink()  # a run whose checkpoint was deleted: said, left out
     skipped = []
