@@ -17,7 +17,9 @@ recipe, named <dataset>_<family>:
                           n_pcs_0.99 vs layer, a line per k
     collapse_<exp>        ViT: NC1-NC4 of the class token vs layer; GPT: linguistic collapse (CDNV, ...)
     pca_maps_<exp>        ViT: PCA maps of `pca_maps` images, one checkpoint (the lowest seed) per k
-    gates_<exp>_k<k>      learned gates vs step, a panel per block, a line per head (analysis/gates.py)
+    gates_<trainer>_<exp>_k<k>
+                          learned gates vs step and their change, a panel per block, a line per
+                          head (analysis/gates.py)
 
 A figure without data is skipped with a printed note; stdout ends with one `[figures] wrote`
 line per file.

@@ -13,7 +13,7 @@ The commands that render every table and figure from the run folders write them:
     python -m analysis.figures runs=runs/deit3   gates_<exp>.{png,pdf}: gate vs step, a panel per
                                                  block, a line per head (mean ± 2 se)
 
-<exp> = <dataset>_<family>_k<k>: the figures' experiment name and the k the gates started from.
+<exp> = <trainer>_<dataset>_<family>_k<k>, k the Laplacian heads the gates started from.
 """
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dic
             continue
         recs, runs = [r for r, _ in pairs], [g for _, g in pairs]
         first = recs[0]
-        name = f"{first['dataset']}_{first['family']}_k{first['k_label']}"
+        # the trainer too: DINO and DeiT-III train the same family on the same data
+        name = f"{first['trainer']}_{first['dataset']}_{first['family']}_k{first['k_label']}"
         name = name if name not in names else f"{name}_{first['recipe_id']}"  # a second recipe
         names.add(name)
         steps = sorted(set.intersection(*(set(g["steps"]) for g in runs)))
@@ -187,8 +188,7 @@ def to_markdown(g: dict) -> str:
             f"{s:.3f} → {e:.3f}{_pm(se)}" for s, e, se in zip(g["start"][b], g["end"][b], g["end_2se"][b])) + " |")
     seeds = ", ".join(map(str, g["seeds"]))
     out += ["", f"a = 1: the head is fully Laplacian (V − PV); 0: standard attention (PV). Mean over seeds {seeds} "
-                f"(n = {g['n']}; ± 2 standard errors when n > 1) of runs {g['recipe']}, trained {g['steps'][-1]} "
-                f"steps.", ""]
+                f"(n = {g['n']}; ± 2 standard errors when n > 1) of runs {g['recipe']}.", ""]
     out += [f"- {line}" for line in summary(g)] + [f"- note: {n}" for n in g["notes"]]
     return "\n".join(out) + "\n"
 
@@ -226,41 +226,48 @@ def write_gate_tables(records: list[dict], out, echo: bool = True) -> list[Path]
 # ----------------------------------------------------------------------------- figure
 
 def draw_gates(g: dict, stem: Path) -> list[Path]:
-    """Gate vs step, a panel per block, a line per head (mean over seeds, ± 2 se band); the
-    heads that started Laplacian dashed."""
+    """Gate vs step per block (a line per head: the mean over seeds, ± 2 se band; the heads
+    that started Laplacian dashed), and below each block its change from the start: moves of
+    a few hundredths, typical here, are flat lines on the 0-1 axis."""
     import numpy as np
 
     from analysis import plots
 
     nb = len(g["layers"])
     cols = min(nb, 4)
-    fig, axes = plots.plt.subplots(-(-nb // cols), cols, figsize=(3.2 * cols, 2.6 * -(-nb // cols)),
-                                   squeeze=False, sharey=True)
+    rows = 2 * -(-nb // cols)
+    fig, axes = plots.plt.subplots(rows, cols, figsize=(3.2 * cols, 2.3 * rows), squeeze=False)
     steps, mean = np.array(g["steps"]), np.array(g["traj"])
     se = np.array([[[np.nan if v is None else v for v in row] for row in at] for at in g["traj_2se"]])
-    for b, ax in enumerate(axes.ravel()[:nb]):
+    start = np.array(g["start"])
+    for b in range(nb):
+        ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
         for h in range(g["heads"]):
-            lap = g["start"][b][h] > 0.5
-            ax.plot(steps, mean[:, b, h], "--" if lap else "-", color=plots.color(h), lw=1.4,
-                    label=f"h{h}" + (" (started Laplacian)" if lap else ""))
-            if g["n"] > 1:
-                ax.fill_between(steps, mean[:, b, h] - se[:, b, h], mean[:, b, h] + se[:, b, h],
-                                color=plots.color(h), alpha=0.2, lw=0)
-        ax.axhline(0.5, color="grey", ls=":", lw=1)
-        ax.set_ylim(0, 1)
-        ax.set_title(g["layers"][b], fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("gate a = sigmoid(g)", fontsize=8)
-    for ax in axes.ravel()[nb:]:
-        ax.axis("off")
+            lap = start[b, h] > 0.5
+            for ax, y in ((ax_a, mean[:, b, h]), (ax_d, mean[:, b, h] - start[b, h])):
+                ax.plot(steps, y, "--" if lap else "-", color=plots.color(h), lw=1.4,
+                        label=f"h{h}" + (" (started Laplacian)" if lap else ""))
+                if g["n"] > 1:
+                    ax.fill_between(steps, y - se[:, b, h], y + se[:, b, h], color=plots.color(h), alpha=0.2, lw=0)
+        ax_a.axhline(0.5, color="grey", ls=":", lw=1)
+        ax_a.set_ylim(0, 1)
+        ax_d.axhline(0.0, color="grey", ls=":", lw=1)
+        ax_a.set_title(g["layers"][b], fontsize=9)
+        ax_a.set_ylabel("gate a = sigmoid(g)", fontsize=8)
+        ax_d.set_ylabel("a - start", fontsize=8)
+        ax_d.set_xlabel("step", fontsize=8)
+        for ax in (ax_a, ax_d):
+            ax.grid(alpha=0.3)
+    for b in range(nb, (rows // 2) * cols):
+        for ax in (axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]):
+            ax.axis("off")
     fig.suptitle(f"{g['name']}: learned gates, mean over {g['n']} seed{'s' * (g['n'] > 1)}"
                  + (" ± 2 se" if g["n"] > 1 else ""), fontsize=10)
     fig.tight_layout()
     # every block's legend: a head that started Laplacian in one block may not in another
     labels = {}
-    for ax in axes.ravel()[:nb]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
+    for b in range(nb):
+        for handle, label in zip(*axes[2 * (b // cols), b % cols].get_legend_handles_labels()):
             labels.setdefault(label, handle)
     fig.legend(list(labels.values()), list(labels), loc="upper center", ncol=min(len(labels), 4), fontsize=8,
                bbox_to_anchor=(0.5, 0.0))

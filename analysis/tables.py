@@ -7,7 +7,7 @@ Runs are found and pooled over seeds by analysis/runs.py (`collect`, `aggregate`
 `out/<name>.{md,tex,csv}`: rows = model family x number of Laplacian heads k (x mode when
 learned), cells "mean ± std (n)", the paper's number and our delta beside every cell the paper
 reports (analysis/paper.yaml), a dagger on runs whose recipe is not the paper's. Without
-`only`, also `out/gates_<dataset>_<family>_k<k>.{md,csv}` for runs with learned gates
+`only`, also `out/gates_<trainer>_<dataset>_<family>_k<k>.{md,csv}` for runs with learned gates
 (analysis/gates.py). stdout: the Markdown tables, then one `[tables] wrote <path>` line per file.
 
 From Python (the miniature reproduction):
