@@ -158,7 +158,7 @@ def summary(g: dict) -> list[str]:
     n = len(cells)
     beyond = lambda cs: sum(se is not None and abs(m) > se for *_, m, se in cs)  # noqa: E731
     up, down = [c for c in cells if c[4] > 0], [c for c in cells if c[4] < 0]
-    spread = (f"{beyond(up)} beyond 2 se" if g["n"] > 1 else "one seed: no se")
+    spread = (f"{beyond(up)} beyond 2 se" if g["n"] > 1 else "no se with one seed")
     lines = [f"moved toward Laplacian (end > start): {len(up)} of {n} heads ({100 * len(up) / n:.0f}%; "
              f"{spread}); away from it: {len(down)}" + (f" ({beyond(down)} beyond 2 se)" if g["n"] > 1 else "")]
     above = [c for c in cells if c[3] > 0.5]
