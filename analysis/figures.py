@@ -19,6 +19,9 @@ recipe, named <dataset>_<family>:
     blocks_<exp>          the headline geometry at every block (the per_block table's numbers:
                           analysis.runs.BLOCK_METRICS), a panel per metric, a line per k, +-2 se band
     pca_maps_<exp>        ViT: PCA maps of `pca_maps` images, one checkpoint (the lowest seed) per k
+    gates_<trainer>_<exp>_k<k>
+                          learned gates vs step and their change, a panel per block, a line per
+                          head (analysis/gates.py)
 
 A figure without data is skipped with a printed note; stdout ends with one `[figures] wrote`
 line per file.
@@ -33,6 +36,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import plots
+from analysis.gates import draw_gate_figures
 from analysis.plots import plt, save
 from analysis.runs import BLOCK_METRICS, aggregate, arm_label, collect, experiments, layer_order, per_block, \
     runs_roots, sort_key
@@ -273,7 +277,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
             if not got:
                 print(f"[figures] skipped pca_maps_{name}: no checkpoint found", flush=True)
             paths += got
-    return paths
+    return paths + draw_gate_figures(records, out)
 
 
 def run(cfg: DictConfig) -> list[Path]:

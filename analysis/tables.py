@@ -7,8 +7,9 @@ Runs are found and pooled over seeds by analysis/runs.py (`collect`, `aggregate`
 `out/<name>.{md,tex,csv}`: rows = model family x number of Laplacian heads k (x mode when
 learned), cells "mean ± std (n)" (a `kind: per_block` table instead has rows = layers, columns
 = k: analysis/blocks.py), the paper's number and our delta beside every cell the paper
-reports (analysis/paper.yaml), a dagger on runs whose recipe is not the paper's. stdout: the
-Markdown tables, then one `[tables] wrote <path>` line per file.
+reports (analysis/paper.yaml), a dagger on runs whose recipe is not the paper's. Without
+`only`, also `out/gates_<trainer>_<dataset>_<family>_k<k>.{md,csv}` for runs with learned gates
+(analysis/gates.py). stdout: the Markdown tables, then one `[tables] wrote <path>` line per file.
 
 From Python (the miniature reproduction):
 
@@ -26,6 +27,7 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import blocks
+from analysis.gates import write_gate_tables
 from analysis.runs import aggregate, collect, metric_value, runs_roots, sort_key
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
@@ -342,6 +344,8 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
             path = out / f"{name}.{ext}"
             path.write_text(text)
             paths.append(path)
+    if not only:  # learned gates: a table per experiment, block x head (analysis/gates.py)
+        paths += write_gate_tables(done, out, echo)
     return paths
 
 

@@ -43,6 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from analysis.gates import gate_groups, to_markdown  # noqa: E402
 from analysis.runs import collect, metric_value  # noqa: E402
 
 COMMON = ["trainer.num_workers=0", "trainer.progress=false", "trainer.log_every=25"]
@@ -232,28 +233,12 @@ def stream_change(run_dirs: list[Path], n: int = 64) -> dict[str, list[float]]:
     return [statistics.mean(col) for col in zip(*per_run)]
 
 
-def gate_report(run_dirs: list[Path]) -> list[str]:
-    """Where the learned gates a = sigmoid(g) started and ended, per block and head (1 = the
-    head is fully Laplacian), averaged over the runs: "block i: h0 0.269 -> 0.301 (+0.032), ..."."""
-    from laplace.attention import gate_start, laplacian_counts
-    from laplace.checkpoint import load_checkpoint
-
-    starts, ends = [], []
-    for d in run_dirs:
-        ckpt = load_checkpoint(d / "ckpt/last.pt")
-        sd = ckpt["model"]
-        keys = sorted((k for k in sd if k.endswith("laplacian_gate")), key=lambda k: int(k.split(".")[1]))
-        heads = len(sd[keys[0]])
-        counts = laplacian_counts(ckpt["config"]["model"]["num_laplacian_heads"], len(keys), heads)
-        starts.append([torch.sigmoid(gate_start(heads, k)).tolist() for k in counts])
-        ends.append([torch.sigmoid(sd[k].float()).tolist() for k in keys])
-    mean = lambda runs: [[statistics.mean(v) for v in zip(*hs)] for hs in zip(*runs)]  # noqa: E731
-    lines, moved = [], 0.0
-    for i, (a0, a1) in enumerate(zip(mean(starts), mean(ends))):
-        lines.append(f"block {i}: " + ", ".join(f"h{h} {s:.3f} -> {e:.3f} ({e - s:+.3f})"
-                                                for h, (s, e) in enumerate(zip(a0, a1))))
-        moved = max([moved, *(abs(e - s) for s, e in zip(a0, a1))])
-    return lines + [f"largest move of a gate: {moved:.3f}"]
+def gates_section(recs: dict[str, list[dict]]) -> list[str]:
+    """The report's learned gates: per paradigm, analysis.gates' table and summary (what
+    `python -m analysis.tables` writes as gates_*.md)."""
+    lines = ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
+             "Where training takes them, per block and head (tables/gates_*.md; figures/gates_*.png):", ""]
+    return lines + [to_markdown(g) for rs in recs.values() for g in gate_groups(rs)]
 
 
 def main():
@@ -294,13 +279,7 @@ def main():
         for lab in dict.fromkeys(d.name.rsplit("_s", 1)[0] for d in dirs):
             change = stream_change([d for d in dirs if d.name.rsplit("_s", 1)[0] == lab])
             report.append(f"- {pd} {lab}: " + ", ".join(f"{c:.3f}" for c in change))
-    report += ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
-               "Start -> end (change) per block and head, mean over seeds:", ""]
-    for pd, dirs in runs.items():
-        learned = [d for d in dirs if "_learned_s" in d.name]
-        if learned:
-            report.append(f"- {pd}:")
-            report += [f"  - {line}" for line in gate_report(learned)]
+    report += gates_section(recs)
     text = "\n".join(report) + "\n"
     (docs / "README.md").write_text(text)
     print("\n" + text)

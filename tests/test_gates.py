@@ -1,9 +1,10 @@
 """Learned Laplacian gates (laplacian_mode=learned): they start where they can move, no
-trainer's optimizer decays them, the engine logs them per layer and head, and the miniature
-reports where they ended and how far they moved."""
+trainer's optimizer decays them, every trainer logs them per layer and head, and
+analysis/gates.py reports where they went (start, trajectory, end; table, figure, summary)."""
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 
 import pytest
@@ -11,9 +12,15 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import ROOT, TINY_VIT
+from test_dino import TINY_DINO
+from test_gpt_trainer import TINY_GPT
+from analysis.figures import draw_figures
+from analysis.gates import gate_groups, run_gates, summary
+from analysis.runs import collect
+from analysis.tables import render_tables
 from laplace import create_model
-from laplace.attention import GATE_START_LOGIT, gate_metrics, learned_gates
-from laplace.checkpoint import load_model, save_checkpoint
+from laplace.attention import GATE_START_LOGIT, gate_metrics, gate_start, learned_gates
+from laplace.checkpoint import load_checkpoint, load_model
 from train import run
 from train.dino import dino_param_groups
 from train.logger import read_metrics
@@ -21,6 +28,7 @@ from train.optim import build_muon_adamw, build_optimizer
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import miniature  # noqa: E402
+
 
 
 def _gate_ids(model):
@@ -79,21 +87,93 @@ def test_engine_logs_gates_per_layer_and_head(make_cfg, tmp_path):
     assert train[0]["gate.blocks.0.h2"] != train[-1]["gate.blocks.0.h2"]  # they moved
 
 
-def test_miniature_reports_start_end_and_move(tmp_path):
-    runs = []
-    for seed, shift in [(0, 0.5), (1, 1.5)]:  # the logits moved by +-shift: mean move is +-1.0
-        model = create_model("vitt_1L", img_size=32, num_classes=10, depth=2, embed_dim=48, laplacian_mode="learned")
-        with torch.no_grad():
-            model.blocks[1].attn.laplacian_gate.add_(torch.tensor([shift, 0.0, -shift]))
-        cfg = {"model": {"name": "vitt_1L", "num_laplacian_heads": 1}}
-        save_checkpoint(tmp_path / f"r{seed}/ckpt/last.pt", model=model, config=cfg)
-        runs.append(tmp_path / f"r{seed}")
-    lines = miniature.gate_report(runs)
-    s, sig = 1 / (1 + math.exp(1)), lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
-    up = (sig(-1 + 0.5) + sig(-1 + 1.5)) / 2
-    down = (sig(1 - 0.5) + sig(1 - 1.5)) / 2
-    assert lines[0] == f"block 0: h0 {s:.3f} -> {s:.3f} (+0.000), h1 {s:.3f} -> {s:.3f} (+0.000), " \
-                       f"h2 {1 - s:.3f} -> {1 - s:.3f} (+0.000)"
-    assert lines[1] == (f"block 1: h0 {s:.3f} -> {up:.3f} ({up - s:+.3f}), h1 {s:.3f} -> {s:.3f} (+0.000), "
-                        f"h2 {1 - s:.3f} -> {down:.3f} ({down - (1 - s):+.3f})")
-    assert lines[2] == f"largest move of a gate: {max(up - s, 1 - s - down):.3f}"
+# One tiny learned-gate run per paradigm, logging every step (steps: their trainer.max_steps).
+PARADIGMS = {
+    "deit3": [*TINY_VIT, "model=vitt_1L", "optim.lr=1e-2"],
+    "gpt": [a for a in TINY_GPT if not a.startswith("trainer.max_steps")],
+    "dino": [*TINY_DINO, "model=vitt_1L", "trainer.head.use_bn=false"],
+}
+
+
+def _train(make_cfg, run_dir, paradigm: str, seed: int = 0, steps: int = 3):
+    run(make_cfg(*PARADIGMS[paradigm], "model.laplacian_mode=learned", f"trainer.max_steps={steps}",
+                 f"seed={seed}", run_dir=run_dir))
+
+
+def _ckpt_gates(run_dir) -> list[list[float]]:
+    """sigmoid(gate) per block and head, straight from the checkpoint's state dict."""
+    sd = load_checkpoint(run_dir / "ckpt/last.pt")["model"]
+    keys = sorted((k for k in sd if k.endswith("laplacian_gate")), key=lambda k: int(k.split(".")[1]))
+    return [torch.sigmoid(sd[k].float()).tolist() for k in keys]
+
+
+@pytest.mark.parametrize("paradigm", list(PARADIGMS))
+def test_every_trainer_logs_gates_and_the_report_reads_them(paradigm, make_cfg, tmp_path):
+    """deit3, gpt and dino log gate.blocks.<i>.h<h> every log step (dino: the exported teacher's
+    gates, as its checkpoint holds them); run_gates reads start, trajectory and end exactly."""
+    _train(make_cfg, tmp_path / "r", paradigm)
+    [rec] = collect(tmp_path / "r")
+    g = run_gates(rec)
+    train = [r for r in read_metrics(tmp_path / "r") if r.get("split") == "train"]
+    depth, heads = len(g["layers"]), len(g["end"][0])
+    logged = [[[r[f"gate.blocks.{i}.h{h}"] for h in range(heads)] for i in range(depth)] for r in train]
+    assert g["steps"] == [0, 1, 2, 3] and g["trajectory"][1:] == logged  # the same cadence in all three
+    start = [torch.sigmoid(gate_start(heads, 1)).tolist()] * depth  # vitt_1L / gpt_d2_1L: k = 1
+    assert g["start"] == g["trajectory"][0] == start
+    assert g["end"] == _ckpt_gates(tmp_path / "r") == g["trajectory"][-1] and not g["notes"]
+
+
+def test_gates_pooled_over_seeds_into_a_table_and_a_figure(make_cfg, tmp_path):
+    for seed in (0, 1):
+        _train(make_cfg, tmp_path / f"runs/s{seed}", "deit3", seed=seed)
+    records = collect(tmp_path / "runs")
+    [g] = gate_groups(records)
+    ends = [_ckpt_gates(tmp_path / f"runs/s{seed}") for seed in (0, 1)]
+    assert g["n"] == 2 and g["seeds"] == [0, 1] and g["layers"] == ["blocks.0", "blocks.1"] and g["heads"] == 3
+    e = [ends[0][1][2], ends[1][1][2]]
+    assert g["end"][1][2] == pytest.approx(statistics.fmean(e))
+    assert g["end_2se"][1][2] == pytest.approx(2 * statistics.stdev(e) / math.sqrt(2))
+    assert g["move"][1][2] == pytest.approx(statistics.fmean(e) - g["start"][1][2])
+    assert g["end_2se"][1][2] > 0 and g["traj"][-1] == g["end"]  # the seeds differ
+
+    paths = render_tables(records, tmp_path / "tables", echo=False)
+    name = f"gates_{g['name']}"
+    assert tmp_path / f"tables/{name}.md" in paths and tmp_path / f"tables/{name}.csv" in paths
+    md = (tmp_path / f"tables/{name}.md").read_text()
+    s, a = g["start"][1][2], g["end"][1][2]
+    assert f"| 1 | {g['start'][1][0]:.3f} → " in md and f"{s:.3f} → {a:.3f} ± {g['end_2se'][1][2]:.2g} |" in md
+    assert all(line in md for line in summary(g))
+    rows = (tmp_path / f"tables/{name}.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 3 and rows[-1].startswith(f"blocks.1,2,{s!r},{a!r},")
+    figs = draw_figures(records, tmp_path / "figures", vs_k={})
+    assert {tmp_path / f"figures/{name}.png", tmp_path / f"figures/{name}.pdf"} <= set(figs)
+    assert all(p.stat().st_size > 0 for p in figs)
+
+    report = "\n".join(miniature.gates_section({"deit3": records, "gpt": []}))  # the miniature's report
+    assert report.count("### gates_") == 1 and md in report
+
+    (tmp_path / "runs/s1/ckpt/last.pt").unlink()  # a run whose checkpoint was deleted: said, left out
+    skipped = []
+    [g1] = gate_groups(collect(tmp_path / "runs"), skipped)
+    assert g1["n"] == 1 and g1["end"] == ends[0] and g1["end_2se"][0] == [None] * 3
+    assert skipped == [f"{tmp_path / 'runs/s1/ckpt/last.pt'}: not found (or no learned gates in it); "
+                       f"{tmp_path / 'runs/s1'} left out"]
+
+
+def test_summary_answers_which_heads_went_laplacian():
+    """Known gates: of 4 heads, h1 of block 0 crossed 0.5 upward (beyond 2 se), h2 (started
+    Laplacian) fell, block 1 moved within noise."""
+    lo, hi = 1 / (1 + math.exp(1)), 1 / (1 + math.exp(-1))
+    g = {"layers": ["blocks.0", "blocks.1"], "heads": 2, "n": 3,
+         "start": [[lo, lo], [lo, hi]], "end": [[lo + 0.01, 0.6], [lo, hi - 0.3]],
+         "move_2se": [[0.05, 0.1], [0.01, 0.2]]}
+    g["move"] = [[e - s for s, e in zip(*rows)] for rows in zip(g["start"], g["end"])]
+    assert summary(g) == [
+        "moved toward Laplacian (end > start): 2 of 4 heads (50%; 1 beyond 2 se); away from it: 1 (1 beyond 2 se)",
+        "ended above 0.5: 1 of 4 heads (started above 0.5: 1): blocks.0 h1 0.600",
+        "crossed 0.5 toward Laplacian: blocks.0 h1",
+        "crossed 0.5 toward standard: blocks.1 h1",
+        f"moved most: blocks.0 h1 {lo:.3f} -> 0.600 ({0.6 - lo:+.3g} ± 0.1)",
+        "mean move of the 1 heads that started Laplacian: -0.3",
+        f"mean move of the 3 heads that started standard: {(0.01 + 0.6 - lo) / 3:+.3g}",
+    ]

@@ -61,8 +61,10 @@ def test_miniature_runs_end_to_end(tmp_path):
     claims = report.split("## Geometry at every block")[0]  # the per-block verdicts follow
     assert claims.count("one seed:") == len(miniature.CLAIMS)
     assert "## How much the blocks change the residual stream" in report and "- gpt gpt_d4_1L_learned:" in report
-    assert "block 3:" in report  # the learned gates of every block
     assert "final norm (paper silent)" in report and "| deit3: claim | blocks.0 | blocks.1 | blocks.2 | blocks.3 | norm |" in report
     assert "blocks.3" in (docs / "tables/per_block.md").read_text() and list((docs / "figures").glob("blocks_*.png"))
+    # the learned gates of every block, in both paradigms, as the tables and figures show them
+    assert report.count("### gates_") == 2 and "| 3 | " in report and "moved toward Laplacian" in report
+    assert len(list((docs / "tables").glob("gates_*.md"))) == 2 and len(list((docs / "figures").glob("gates_*.png"))) == 2
     assert (docs / "tables/supervised.md").exists() and list((docs / "figures").glob("*.png"))
     assert len(list(out.glob("*/*/results.json"))) == 8  # 2 paradigms x 4 variants

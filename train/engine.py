@@ -358,9 +358,11 @@ class Trainer:
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(f"training loss is {mean_loss} at step {step}; lower "
                                              f"the learning rate or set optim.grad_clip")
+                # Gates of the exported model (DINO: the teacher's backbone), so every paradigm logs
+                # gate.blocks.<i>.h<h> and the last record equals the checkpoint's gates.
                 rec = {"loss": mean_loss, **self.hparams, f"{self.unit}_per_s": seen / dt,
                        "step_ms": 1000 * dt / window_n, "epoch": self.epoch,
-                       **self.throughput_metrics(seen / dt), **gate_metrics(self.model),
+                       **self.throughput_metrics(seen / dt), **gate_metrics(self.export_model()),
                        **{k: float(v) for k, v in extras.items()}}
                 logger.log(step, rec, split="train")
                 if bar is not None:

@@ -1,0 +1,279 @@
+"""Where the learned Laplacian gates go. laplacian_mode=learned gives every head a gate
+a = sigmoid(g): 1 is a fully Laplacian head (V - PV), 0 a standard one (PV). Per block and
+head of every experiment with learned gates: the start (the init rule,
+laplace.attention.gate_start; a fine-tuned run: its pre-training's gates), the trajectory (the
+engine's `gate.blocks.<i>.h<h>` records in metrics.jsonl) and the end (the checkpoint), pooled
+over seeds as analysis.runs pools runs: mean and 2 standard errors.
+
+The commands that render every table and figure from the run folders write them:
+
+    python -m analysis.tables runs=runs/deit3    gates_<exp>.{md,csv}: block x head, start -> end
+                                                 ± 2 se, and a summary (which heads end above 0.5,
+                                                 which moved most, how many moved toward Laplacian)
+    python -m analysis.figures runs=runs/deit3   gates_<exp>.{png,pdf}: gate vs step, a panel per
+                                                 block, a line per head (mean ± 2 se)
+
+<exp> = <trainer>_<dataset>_<family>_k<k>, k the Laplacian heads the gates started from.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import statistics
+from pathlib import Path
+from typing import Optional
+
+from analysis.runs import GROUP_KEYS, sort_key
+
+
+def checkpoint_gates(path) -> dict[str, list[float]]:
+    """{layer: [a per head]} of a checkpoint's model, read as the engine logs them."""
+    from laplace.attention import learned_gates
+    from laplace.checkpoint import load_model
+
+    return learned_gates(load_model(path))
+
+
+def _start(record: dict, depth: int, heads: int) -> tuple[list[list[float]], list[str]]:
+    """Where a run's gates started, and a note when that is not known exactly."""
+    import torch
+
+    from laplace.attention import gate_start, laplacian_counts
+    from laplace.errors import UserError
+
+    notes = []
+    if record.get("init_from"):  # fine-tuning loads the pre-training's gates
+        try:
+            loaded = checkpoint_gates(record["init_from"])
+        except UserError as e:  # moved or deleted since, or timm weights (no gates)
+            loaded, why = {}, str(e)
+        else:
+            why = "it has no learned gates"
+        if loaded:
+            return list(loaded.values()), notes
+        notes.append(f"{record['run_dir']}: start from the init rule: its init_from is not read ({why})")
+    k = record["k"]
+    counts = laplacian_counts(list(k) if isinstance(k, tuple) else k, depth, heads)
+    return [torch.sigmoid(gate_start(heads, c)).tolist() for c in counts], notes
+
+
+def run_gates(record: dict) -> Optional[dict]:
+    """One run's gates as [block][head] lists of a: start, end, and the trajectory
+    ([step][block][head], step 0 = the start) with its steps; None without learned gates.
+
+    Args:
+        record: a run from `analysis.runs.collect`.
+    """
+    from train.logger import logged
+
+    if not Path(record["checkpoint"]).is_file():
+        return None
+    end = checkpoint_gates(record["checkpoint"])
+    if not end:
+        return None
+    layers = list(end)
+    heads = len(end[layers[0]])
+    start, notes = _start(record, len(layers), heads)
+    keys = [[f"gate.{layer}.h{h}" for h in range(heads)] for layer in layers]
+    logs = [r for r in logged(record["run_dir"], "train") if all(k in r for ks in keys for k in ks)]
+    if not logs:  # a run of a trainer that did not log them: its two known points
+        notes.append(f"{record['run_dir']}/metrics.jsonl: no gate.<layer>.h<head> records; its trajectory "
+                     f"is the start and the end only")
+        logs = [{"step": record["steps"], **{k: a for ks, row in zip(keys, end.values()) for k, a in zip(ks, row)}}]
+    return {"layers": layers, "start": start, "end": list(end.values()), "steps": [0] + [r["step"] for r in logs],
+            "trajectory": [start] + [[[r[k] for k in ks] for ks in keys] for r in logs], "notes": notes}
+
+
+def mean_2se(values: list[float]) -> tuple[float, Optional[float]]:
+    """The mean and 2 standard errors (sample std / sqrt(n); None for one value)."""
+    n = len(values)
+    return statistics.fmean(values), (2 * statistics.stdev(values) / math.sqrt(n) if n > 1 else None)
+
+
+def _pool(per_run: list[list[list[float]]]) -> tuple[list, list]:
+    """[run][block][head] -> ([block][head] means, [block][head] 2 se)."""
+    stats = [[mean_2se(list(vals)) for vals in zip(*blocks)] for blocks in zip(*per_run)]
+    return [[m for m, _ in row] for row in stats], [[s for _, s in row] for row in stats]
+
+
+def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dict]:
+    """The finished learned-gate runs, pooled over seeds (runs that share analysis.runs'
+    GROUP_KEYS). Each group: name, trainer, k_label, recipe, n, seeds, run_dirs, layers, heads,
+    start / end / move as [block][head] means with their 2 se (start_2se, ...; None with one
+    seed), steps (those every seed logged) with traj / traj_2se ([step][block][head]), notes.
+    `skipped` (if given) gets a line for each learned run left out (its checkpoint is gone).
+    """
+    by: dict = {}
+    for r in records:
+        if r["mode"] == "learned" and r["finished"]:
+            by.setdefault(tuple(r.get(f) for f in GROUP_KEYS), []).append(r)
+    groups, names = [], set()
+    for key in sorted(by, key=lambda k: tuple(sort_key(v) for v in k)):
+        pairs = [(r, g) for r in sorted(by[key], key=lambda r: sort_key(r["seed"])) for g in [run_gates(r)] if g]
+        if skipped is not None:
+            done = {r["run_dir"] for r, _ in pairs}
+            skipped += [f"{r['checkpoint']}: not found (or no learned gates in it); {r['run_dir']} left out"
+                        for r in by[key] if r["run_dir"] not in done]
+        if not pairs:
+            continue
+        recs, runs = [r for r, _ in pairs], [g for _, g in pairs]
+        first = recs[0]
+        # the trainer too: DINO and DeiT-III train the same family on the same data
+        name = f"{first['trainer']}_{first['dataset']}_{first['family']}_k{first['k_label']}"
+        name = name if name not in names else f"{name}_{first['recipe_id']}"  # a second recipe
+        names.add(name)
+        steps = sorted(set.intersection(*(set(g["steps"]) for g in runs)))
+        at = [[g["trajectory"][g["steps"].index(s)] for s in steps] for g in runs]
+        group = {"name": name, "trainer": first["trainer"], "k_label": first["k_label"], "recipe": first["recipe"],
+                 "n": len(runs), "seeds": [r["seed"] for r in recs], "run_dirs": [r["run_dir"] for r in recs],
+                 "layers": runs[0]["layers"], "heads": len(runs[0]["end"][0]), "steps": steps,
+                 "notes": [n for g in runs for n in g["notes"]]}
+        moves = [[[e - s for s, e in zip(s_row, e_row)] for s_row, e_row in zip(g["start"], g["end"])] for g in runs]
+        for what, per_run in (("start", [g["start"] for g in runs]), ("end", [g["end"] for g in runs]),
+                              ("move", moves)):
+            group[what], group[f"{what}_2se"] = _pool(per_run)
+        pooled = [_pool([traj[i] for traj in at]) for i in range(len(steps))]
+        group["traj"], group["traj_2se"] = [m for m, _ in pooled], [s for _, s in pooled]
+        groups.append(group)
+    return groups
+
+
+# ----------------------------------------------------------------------------- text
+
+def _pm(se: Optional[float]) -> str:
+    return "" if se is None else f" ± {se:.2g}"
+
+
+def _heads(g: dict):
+    """(layer, head, start, end, move, move 2 se) of every gate of a group."""
+    for b, layer in enumerate(g["layers"]):
+        for h in range(g["heads"]):
+            yield layer, h, g["start"][b][h], g["end"][b][h], g["move"][b][h], g["move_2se"][b][h]
+
+
+def summary(g: dict) -> list[str]:
+    """Does training make heads Laplacian, and which ones: a few lines over every gate."""
+    cells = list(_heads(g))
+    n = len(cells)
+    beyond = lambda cs: sum(se is not None and abs(m) > se for *_, m, se in cs)  # noqa: E731
+    up, down = [c for c in cells if c[4] > 0], [c for c in cells if c[4] < 0]
+    spread = (f"{beyond(up)} beyond 2 se" if g["n"] > 1 else "no se with one seed")
+    lines = [f"moved toward Laplacian (end > start): {len(up)} of {n} heads ({100 * len(up) / n:.0f}%; "
+             f"{spread}); away from it: {len(down)}" + (f" ({beyond(down)} beyond 2 se)" if g["n"] > 1 else "")]
+    above = [c for c in cells if c[3] > 0.5]
+    lines.append(f"ended above 0.5: {len(above)} of {n} heads (started above 0.5: "
+                 f"{sum(c[2] > 0.5 for c in cells)})" + (": " + ", ".join(f"{c[0]} h{c[1]} {c[3]:.3f}" for c in above)
+                                                        if above else ""))
+    for way, crossed in (("toward Laplacian", [c for c in up if c[2] <= 0.5 < c[3]]),
+                         ("toward standard", [c for c in down if c[3] <= 0.5 < c[2]])):
+        if crossed:
+            lines.append(f"crossed 0.5 {way}: " + ", ".join(f"{c[0]} h{c[1]}" for c in crossed))
+    top = max(cells, key=lambda c: abs(c[4]))
+    lines.append(f"moved most: {top[0]} h{top[1]} {top[2]:.3f} -> {top[3]:.3f} ({top[4]:+.3g}{_pm(top[5])})")
+    for what, part in (("started Laplacian", [c for c in cells if c[2] > 0.5]),
+                       ("started standard", [c for c in cells if c[2] <= 0.5])):
+        if part:
+            lines.append(f"mean move of the {len(part)} heads that {what}: "
+                         f"{statistics.fmean(c[4] for c in part):+.3g}")
+    return lines
+
+
+def to_markdown(g: dict) -> str:
+    """A group as a Markdown table (block x head: start -> end ± 2 se), its runs and summary."""
+    out = [f"### gates_{g['name']}: learned gates a = sigmoid(g), start → end ± 2 se", "",
+           "| block | " + " | ".join(f"h{h}" for h in range(g["heads"])) + " |", "|---|" + "---|" * g["heads"]]
+    for b, layer in enumerate(g["layers"]):
+        out.append(f"| {layer.rsplit('.', 1)[-1]} | " + " | ".join(
+            f"{s:.3f} → {e:.3f}{_pm(se)}" for s, e, se in zip(g["start"][b], g["end"][b], g["end_2se"][b])) + " |")
+    seeds = ", ".join(map(str, g["seeds"]))
+    out += ["", f"a = 1: the head is fully Laplacian (V − PV); 0: standard attention (PV). Mean over seeds {seeds} "
+                f"(n = {g['n']}; ± 2 standard errors when n > 1) of runs {g['recipe']}.", ""]
+    out += [f"- {line}" for line in summary(g)] + [f"- note: {n}" for n in g["notes"]]
+    return "\n".join(out) + "\n"
+
+
+def to_csv(g: dict) -> str:
+    """One line per gate, full precision; a missing 2 se is an empty field."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["layer", "head", "start", "end", "end_2se", "move", "move_2se", "n", "seeds"])
+    for b, layer in enumerate(g["layers"]):
+        for h in range(g["heads"]):
+            w.writerow([layer, h, *("" if v is None else repr(v) for v in (
+                g["start"][b][h], g["end"][b][h], g["end_2se"][b][h], g["move"][b][h], g["move_2se"][b][h])),
+                g["n"], " ".join(map(str, g["seeds"]))])
+    return buf.getvalue()
+
+
+def write_gate_tables(records: list[dict], out, echo: bool = True) -> list[Path]:
+    """out/gates_<exp>.{md,csv} for every learned-gate experiment of `records`; the paths."""
+    paths, skipped = [], []
+    for g in gate_groups(records, skipped):
+        md = to_markdown(g)
+        if echo:
+            print(md, flush=True)
+        for ext, text in (("md", md), ("csv", to_csv(g))):
+            path = Path(out) / f"gates_{g['name']}.{ext}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            paths.append(path)
+    for line in skipped:
+        print(f"[tables] gates: {line}", flush=True)
+    return paths
+
+
+# ----------------------------------------------------------------------------- figure
+
+def draw_gates(g: dict, stem: Path) -> list[Path]:
+    """Gate vs step per block (a line per head: the mean over seeds, ± 2 se band; the heads
+    that started Laplacian dashed), and below each block its change from the start: moves of
+    a few hundredths, typical here, are flat lines on the 0-1 axis."""
+    import numpy as np
+
+    from analysis import plots
+
+    nb = len(g["layers"])
+    cols = min(nb, 4)
+    rows = 2 * -(-nb // cols)
+    fig, axes = plots.plt.subplots(rows, cols, figsize=(3.2 * cols, 2.3 * rows), squeeze=False)
+    steps, mean = np.array(g["steps"]), np.array(g["traj"])
+    se = np.array([[[np.nan if v is None else v for v in row] for row in at] for at in g["traj_2se"]])
+    start = np.array(g["start"])
+    for b in range(nb):
+        ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
+        for h in range(g["heads"]):
+            lap = start[b, h] > 0.5
+            for ax, y in ((ax_a, mean[:, b, h]), (ax_d, mean[:, b, h] - start[b, h])):
+                ax.plot(steps, y, "--" if lap else "-", color=plots.color(h), lw=1.4,
+                        label=f"h{h}" + (" (started Laplacian)" if lap else ""))
+                if g["n"] > 1:
+                    ax.fill_between(steps, y - se[:, b, h], y + se[:, b, h], color=plots.color(h), alpha=0.2, lw=0)
+        ax_a.axhline(0.5, color="grey", ls=":", lw=1)
+        ax_a.set_ylim(0, 1)
+        ax_d.axhline(0.0, color="grey", ls=":", lw=1)
+        ax_a.set_title(g["layers"][b], fontsize=9)
+        ax_a.set_ylabel("gate a = sigmoid(g)", fontsize=8)
+        ax_d.set_ylabel("a - start", fontsize=8)
+        ax_d.set_xlabel("step", fontsize=8)
+        for ax in (ax_a, ax_d):
+            ax.grid(alpha=0.3)
+    for b in range(nb, (rows // 2) * cols):
+        for ax in (axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]):
+            ax.axis("off")
+    fig.suptitle(f"{g['name']}: learned gates, mean over {g['n']} seed{'s' * (g['n'] > 1)}"
+                 + (" ± 2 se" if g["n"] > 1 else ""), fontsize=10)
+    fig.tight_layout()
+    # every block's legend: a head that started Laplacian in one block may not in another
+    labels = {}
+    for b in range(nb):
+        for handle, label in zip(*axes[2 * (b // cols), b % cols].get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    fig.legend(list(labels.values()), list(labels), loc="upper center", ncol=min(len(labels), 4), fontsize=8,
+               bbox_to_anchor=(0.5, 0.0))
+    return plots.save(fig, stem)
+
+
+def draw_gate_figures(records: list[dict], out) -> list[Path]:
+    """out/gates_<exp>.{png,pdf} for every learned-gate experiment of `records`; the paths."""
+    return [p for g in gate_groups(records) for p in draw_gates(g, Path(out) / f"gates_{g['name']}")]
