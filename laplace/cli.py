@@ -15,7 +15,7 @@ import functools
 import os
 from pathlib import Path
 
-from .errors import ConfigError, UserError, cli_errors
+from .errors import UserError, cli_errors
 
 CONFIG_DIR_ENV = "LAPLACE_CONFIG_DIR"
 
@@ -66,6 +66,8 @@ def _required(fn):
         try:
             return fn(cfg)
         except MissingMandatoryValue as e:
-            raise ConfigError(f"{e.full_key} is required: add {e.full_key}=<value> to the command") from None
+            from .config import required_error
+
+            raise required_error(e.full_key) from None
 
     return wrapped

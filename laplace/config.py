@@ -54,8 +54,12 @@ def check_required(cfg: DictConfig) -> None:
     one-line error (the trainer's model / data fit check)."""
     key = next(_missing(OmegaConf.to_container(cfg, resolve=False)), None)
     if key is not None:
-        hint = REQUIRED_HINTS.get(key, f"add {key}=<value> to the command")
-        raise ConfigError(f"{key} is required: {hint}")
+        raise required_error(key)
+
+
+def required_error(key: str) -> ConfigError:
+    """The one line for a mandatory value left unset (eagerly here, or lazily by laplace.cli)."""
+    return ConfigError(f"{key} is required: {REQUIRED_HINTS.get(key, f'add {key}=<value> to the command')}")
 
 
 def _missing(node, key: str = ""):
