@@ -1,18 +1,19 @@
-"""The miniature reproduction: every paradigm that has landed, at CPU size, with 3 seeds, then
-the analyses, the paper's tables and figures, and a verdict for each claim of the paper.
+"""The miniature reproduction: the three paradigms at CPU size, 0 / middle / all Laplacian
+heads and learned gates, several seeds, then the analyses, the paper's tables and figures, the
+learning curves and a verdict for each claim of the paper.
 
-    bash scripts/miniature.sh                       # ~25 min on 2 cores; runs/miniature, docs/miniature
+    bash scripts/miniature.sh                       # short: ~25 min on 2 cores; runs/miniature, docs/miniature
+    bash scripts/miniature.sh --profile long        # long: ~2 h; runs/miniature_long, docs/miniature/long
     python scripts/miniature.py --seeds 0 --out /tmp/mini --docs /tmp/mini/docs   # one seed, a quick look
 
-Paradigms (DINO joins when its trainer lands):
-    deit3  ViT-Tiny (3 heads) cut to 4 blocks, built-in digits, 300 steps; k = 0, 1, 3 Laplacian
-           heads, and k = 1 with learned gates (beyond the paper)
-    gpt    nanochat GPT depth 4 (256 wide, 2 heads of 128), built-in help text (bytes), 300
-           steps of 16 x 64 tokens; k = 0, 1, 2, and k = 1 learned
-Both recipes let every block contribute from the start (the ViT's LayerScale starts at 1.0, not
-DeiT-III's 1e-6, which at this length leaves the blocks near identities so that the geometry
-would measure the patch embedding): the report's "stream change" shows how much each block
-moves the residual stream.
+The profiles, their recipes (one per paradigm, the same for every k) and why each setting:
+scripts/miniature_runs.py. The short profile trains DeiT-III (ViT-Tiny cut to 4 blocks, digits)
+and a GPT (depth 4, help text in bytes) for 300 steps, 3 seeds; the long one adds DINO on digits
+and trains each paradigm until its validation metric flattens, 5 seeds (learning curves:
+scripts/miniature_curves.py). Both let every ViT block contribute from the start (LayerScale
+1.0, not DeiT-III's 1e-6, which at this length leaves the blocks near identities so that the
+geometry would measure the patch embedding): the report's "stream change" shows how much each
+block moves the residual stream.
 
 Every run is the plain `python train.py ...` command printed before it runs (a finished run is
 skipped, an interrupted one resumes), every checkpoint is measured by `python -m analysis`, and
@@ -22,9 +23,10 @@ Verdict rule, per claim, over the seeds: d = mean(all-Laplacian) - mean(baseline
 standard error se = sqrt(s0^2 / n0 + s1^2 / n1) (sample standard deviations); "agrees" if d
 points the paper's way and |d| > 2 se, "disagrees" if it points the other way and |d| > 2 se,
 else "within noise". With one seed there is no spread: the verdict is "one seed: <direction>".
-Each geometry claim is judged at the layer the paper measured it at; PAPER.md names none, so
-the claims table says "final norm (paper silent)" (`claim_layer`), and the same rule is applied
-at every block beside it (the analyses measure layers=all).
+The same rule compares the middle arm with the baseline in a second table. Each geometry claim
+is judged at the layer the paper measured it at; PAPER.md names none, so the claims table says
+"final norm (paper silent)" (`claim_layer`), and the same rule is applied at every block beside
+it (the analyses measure layers=all).
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,21 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from analysis.gates import gate_groups, to_markdown  # noqa: E402
 from analysis.runs import collect, metric_value  # noqa: E402
+from miniature_curves import curves, curves_markdown, plot_curves  # noqa: E402
+from miniature_runs import PROFILES, analyse_all, run_jobs, sh  # noqa: E402
 
-COMMON = ["trainer.num_workers=0", "trainer.progress=false", "trainer.log_every=25"]
-RECIPES = {
-    "deit3": dict(variants=[("vitt_0L", []), ("vitt_1L", []), ("vitt_3L", []),
-                            ("vitt_1L", ["model.laplacian_mode=learned"])],
-                  args=["model.depth=4", "model.init_values=1.0", "trainer.max_steps=300",
-                        "trainer.global_batch_size=64", "trainer.eval_every=100", "trainer.ckpt_every=100",
-                        "optim.lr=1e-3", "optim.schedules.lr.warmup=20"]),
-    "gpt": dict(variants=[("gpt_d4_0L", []), ("gpt_d4_1L", []), ("gpt_d4_2L", []),
-                          ("gpt_d4_1L", ["model.laplacian_mode=learned"])],
-                args=["experiment=gpt_pydoc", "data.seq_len=64", "trainer.global_batch_size=16",
-                      "trainer.max_steps=300", "trainer.eval_every=100", "trainer.ckpt_every=100"]),
-}
 # The paper's claims: (paradigm, what, metric of analysis.runs records, +1 if the paper says it
-# grows with Laplacian heads, -1 if it shrinks).
+# grows with Laplacian heads, -1 if it shrinks). A profile is judged on the paradigms it trains.
 CLAIMS = [
     ("deit3", "accuracy improves (val top-1)", "final.val_acc1", +1),
     ("deit3", "within-image variance share drops (patch tokens)", "geometry.within_seq_share", -1),
@@ -70,53 +61,32 @@ CLAIMS = [
     ("gpt", "within-window variance share drops (shown for ViTs; asked of the LM too)", "geometry.within_seq_share", -1),
     ("gpt", "linguistic collapse strengthens (next-token CDNV falls)", "geometry.lc_cdnv_mean", -1),
     ("gpt", "spectrum decays faster (PCs for 99% of token variance fall)", "geometry.n_pcs_0.99", -1),
+    ("dino", "accuracy improves (20-NN top-1 of the teacher)", "knn.top1", +1),
+    ("dino", "accuracy improves (linear probe top-1)", "linear.top1", +1),
+    ("dino", "spectrum decays faster (PCs for 99% of patch variance fall)", "geometry.n_pcs_0.99", -1),
+    ("dino", "within-image variance share drops (shown supervised; asked of DINO too)", "geometry.within_seq_share", -1),
 ]
 COLUMNS = {"deit3": [("val top-1", "final.val_acc1"), ("within-image share", "geometry.within_seq_share"),
                      ("between-class share", "geometry.between_class_share"), ("NC1 (cls)", "geometry.nc1"),
                      ("n_pcs_0.99", "geometry.n_pcs_0.99")],
            "gpt": [("val bpb", "final.val_bpb"), ("within-window share", "geometry.within_seq_share"),
-                   ("next-token CDNV", "geometry.lc_cdnv_mean"), ("n_pcs_0.99", "geometry.n_pcs_0.99")]}
-
-
-def sh(cmd: list[str], log) -> str:
-    line = "$ " + " ".join(cmd[1:] if cmd[0] == sys.executable else cmd)
-    print(line, flush=True)
-    log.write(line + "\n")
-    out = subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True).stdout
-    log.write(out)
-    return out
-
-
-def label(name: str, extra: list[str]) -> str:
-    return name + ("_learned" if "model.laplacian_mode=learned" in extra else "")
-
-
-def train_all(out: Path, seeds, log, steps: int | None = None) -> dict[str, list[Path]]:
-    """Train every (paradigm, variant, seed); {paradigm: run dirs}. `steps` shortens the
-    recipes (a smoke test, not the miniature)."""
-    runs: dict[str, list[Path]] = {}
-    for paradigm, r in RECIPES.items():
-        for name, extra in r["variants"]:
-            for seed in seeds:
-                run_dir = out / paradigm / f"{label(name, extra)}_s{seed}"
-                runs.setdefault(paradigm, []).append(run_dir)
-                if (run_dir / "results.json").exists():
-                    continue  # finished earlier: this script is re-runnable
-                short = [f"trainer.max_steps={steps}"] if steps else []
-                sh([sys.executable, "train.py", f"model={name}", f"seed={seed}", *r["args"], *extra, *COMMON,
-                    *short, f"run_dir={run_dir}"], log)
-    return runs
-
-
-def analyse_all(runs: dict[str, list[Path]], log):
-    """One `python -m analysis` per paradigm over all its checkpoints (one process, shared axes)."""
-    for paradigm, dirs in runs.items():
-        todo = [d for d in dirs if not (d / "ckpt/last_analysis/analysis.json").exists()]
-        if todo:
-            ckpts = ",".join(str(d / "ckpt/last.pt") for d in todo)
-            sh([sys.executable, "-m", "analysis", f"checkpoint=[{ckpts}]", "layers=all", "progress=false", "figures=false",
-                f"analysis_out={dirs[0].parent / 'compare'}"], log)
-
+                   ("next-token CDNV", "geometry.lc_cdnv_mean"), ("n_pcs_0.99", "geometry.n_pcs_0.99")],
+           "dino": [("20-NN top-1", "knn.top1"), ("linear top-1", "linear.top1"),
+                    ("within-image share", "geometry.within_seq_share"),
+                    ("between-class share", "geometry.between_class_share"), ("NC1 (cls)", "geometry.nc1"),
+                    ("n_pcs_0.99", "geometry.n_pcs_0.99")]}
+# What each profile can and cannot show, the report's first lines.
+SCOPE = {
+    "short": "A smoke-sized look: 300 steps, 3 seeds, DeiT-III and GPT only; the runs are far from "
+             "converged, so most verdicts are within noise by construction.",
+    "long": "What this can show: at CPU size (ViTs of 4 blocks on 1,437 8x8 digits, a 2.9 M-parameter GPT on "
+            "6.9 M tokens of Python's standard library), trained until their validation metric flattens "
+            "(curves below), 5 seeds per arm, whether Laplacian heads move accuracy and token geometry the "
+            "paper's way, by more than seed-to-seed noise, and where along the depth. What it cannot show: "
+            "anything about the paper's scale (ViT-B on ImageNet, a 561 M GPT, ADE20K), its downstream "
+            "LM tasks, or effects smaller than the spread of 5 seeds; digits and stdlib code are not "
+            "natural images and prose.",
+}
 
 def verdict(base: list[float], lap: list[float], sign: int) -> tuple[str, float, float]:
     """(verdict, d, se) by the rule of the module docstring."""
@@ -151,19 +121,27 @@ def at_layer(metric: str, layer: str | None) -> str:
     return metric if layer is None else f"geometry@{layer}.{metric[len('geometry.'):]}"
 
 
-def _arms(rs: list[dict], metric: str) -> tuple[list[float], list[float]]:
-    """(baseline k = 0, every head Laplacian) values of a metric."""
-    k_all = max((r["k"] for r in rs), default=0)
-    return _values(rs, 0, "fixed", metric), _values(rs, k_all, "fixed", metric)
+def _arms(rs: list[dict], metric: str, arm: str = "all") -> tuple[list[float], list[float]]:
+    """(baseline k = 0, the compared arm) values of a metric; arm "all": every head Laplacian,
+    "middle": the fixed k between them (the smallest, if several)."""
+    ks = sorted({r["k"] for r in rs if r["mode"] == "fixed"})
+    if arm == "middle":
+        mid = [k for k in ks if 0 < k < ks[-1]]
+        return _values(rs, 0, "fixed", metric), (_values(rs, mid[0], "fixed", metric) if mid else [])
+    return _values(rs, 0, "fixed", metric), _values(rs, ks[-1] if ks else 0, "fixed", metric)
 
 
-def claims_table(recs: dict[str, list[dict]]) -> list[str]:
-    """One row per claim: baseline (k = 0) vs every head Laplacian at the claim's layer, the verdict."""
-    lines = ["| paradigm | claim (baseline vs all heads Laplacian) | layer | baseline | all Laplacian | d | 2 se | verdict |",
+def claims_table(recs: dict[str, list[dict]], arm: str = "all") -> list[str]:
+    """One row per claim of the trained paradigms: baseline (k = 0) vs the arm (every head
+    Laplacian, or the middle k) at the claim's layer, the verdict."""
+    what_arm = "all heads Laplacian" if arm == "all" else "the middle k"
+    lines = [f"| paradigm | claim (baseline vs {what_arm}) | layer | baseline | {what_arm} | d | 2 se | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     for paradigm, what, metric, sign in CLAIMS:
+        if paradigm not in recs:
+            continue
         layer, where = claim_layer(metric)
-        base, lap = _arms(recs.get(paradigm, []), at_layer(metric, layer))
+        base, lap = _arms(recs[paradigm], at_layer(metric, layer), arm)
         if not base or not lap:
             lines.append(f"| {paradigm} | {what} | {where} | | | | | not measured |")
             continue
@@ -241,32 +219,69 @@ def gates_section(recs: dict[str, list[dict]]) -> list[str]:
     return lines + [to_markdown(g) for rs in recs.values() for g in gate_groups(rs)]
 
 
+def wall_time(out: Path) -> str:
+    """The profile's wall time from the runner's timings (first start to last end) and the
+    sum of the runs' own times, or "" when no run was timed."""
+    import json
+
+    path = out / "timings.jsonl"
+    if not path.exists():
+        return ""
+    ts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    wall = max(t["end"] for t in ts) - min(t["start"] for t in ts)
+    busy = sum(t["end"] - t["start"] for t in ts)
+    return (f"Runs (training and their evaluations) took {wall / 60:.0f} min of wall time from the first start to "
+            f"the last end, {busy / 60:.0f} min summed over {len(ts)} commands (out/timings.jsonl; a resumed run "
+            f"counts its last stretch only). ")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--out", default=str(ROOT / "runs/miniature"), help="runs root")
-    p.add_argument("--docs", default=str(ROOT / "docs/miniature"), help="where tables, figures and the report go")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="short", help="short (~25 min) or long (~2 h)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the profile's (short 0-2, long 0-4)")
+    p.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the profile's; short 1, long 2)")
+    p.add_argument("--out", default=None, help="runs root (default: the profile's, runs/miniature[_long])")
+    p.add_argument("--docs", default=None, help="where tables, figures and the report go (default: the profile's)")
     p.add_argument("--pca-maps", type=int, default=4)
     p.add_argument("--steps", type=int, default=None, help="shorter runs (a smoke test of the script)")
     args = p.parse_args()
-    out, docs = Path(args.out), Path(args.docs)
+    prof = PROFILES[args.profile]
+    seeds = args.seeds if args.seeds is not None else prof["seeds"]
+    out, docs = Path(args.out or ROOT / prof["out"]), Path(args.docs or ROOT / prof["docs"])
     docs.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     log = open(docs / "commands.log", "a")
-    runs = train_all(out, args.seeds, log, args.steps)
+    for cmd in prof["prepare"]:
+        sh([sys.executable, *cmd], log)
+    runs = run_jobs(prof["recipes"], out, seeds, log, args.jobs or prof["jobs"], args.steps)
     t_train = time.time() - t0
-    analyse_all(runs, log)
+    analyse_all(runs, log, prof["recipes"])
     sh([sys.executable, "-m", "analysis.tables", f"runs={out}", f"out={docs / 'tables'}"], log)
     sh([sys.executable, "-m", "analysis.figures", f"runs={out}", f"out={docs / 'figures'}",
         f"pca_maps={args.pca_maps}"], log)
+    metrics = {pd: r["curve"] for pd, r in prof["recipes"].items() if "curve" in r}
+    curve_data = curves(runs, metrics, out / "curves")
+    plot_curves(curve_data, metrics, docs / "figures" / "curves")
+    (docs / "tables").mkdir(parents=True, exist_ok=True)
+    (docs / "tables" / "curves.md").write_text("\n".join(curves_markdown(curve_data, metrics)) + "\n")
 
     recs = {pd: [r for r in collect([out / pd]) if r["finished"]] for pd in runs}
-    report = [f"# Miniature reproduction ({datetime.date.today().isoformat()})", "",
-              f"Command: `bash scripts/miniature.sh{' --seeds ' + ' '.join(map(str, args.seeds)) if args.seeds != [0, 1, 2] else ''}`"
-              f" on {platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}; "
-              f"{time.time() - t0:.0f} s in all ({t_train:.0f} s training). Recipes and the verdict rule: "
-              f"scripts/miniature.py. The paper's tables: tables/; figures: figures/.", "",
+    flags = (f" --profile {args.profile}" if args.profile != "short" else "") + \
+        (" --seeds " + " ".join(map(str, seeds)) if seeds != prof["seeds"] else "") + \
+        (f" --steps {args.steps}" if args.steps else "")
+    report = [f"# Miniature reproduction, {args.profile} profile ({datetime.date.today().isoformat()})", "",
+              SCOPE[args.profile], "",
+              f"Command: `bash scripts/miniature.sh{flags}` on {platform.machine()} ({os.cpu_count()} cores), "
+              f"torch {torch.__version__}. {wall_time(out)}This invocation: {time.time() - t0:.0f} s "
+              f"({t_train:.0f} s training, finished runs skipped). Recipes and why: scripts/miniature_runs.py; "
+              f"the verdict rule: scripts/miniature.py. The paper's tables: tables/; figures: figures/.", "",
               "## Claims", "", *claims_table(recs), "",
+              "The same claims, baseline vs the middle arm (the paper's best models are not all-Laplacian: "
+              "ViT-S-5L of 6 heads for DINO, 5 of 10 heads for the GPT):", "", *claims_table(recs, "middle"), "",
+              "## Learning curves", "",
+              "Each arm's validation metric against the step, mean ± 2 se over seeds (n); figures/curves.png.",
+              "", *curves_markdown(curve_data, metrics),
               "## Results by number of Laplacian heads (mean ± std over seeds)", "", *variants_table(recs),
               "## Geometry at every block", "",
               "The claims above at every layer (blocks.<i>: the residual stream after block i; norm: the final "

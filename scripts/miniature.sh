@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The miniature reproduction (scripts/miniature.py): DeiT-III on digits and a GPT on the built-in
-# text, 0 / middle / all Laplacian heads and learned gates, 3 seeds, then analyses, tables,
-# figures and a verdict per claim of the paper, in runs/miniature and docs/miniature.
-# About 25 minutes on 2 CPU cores; re-running skips finished runs. Arguments go to the script.
+# The miniature reproduction (scripts/miniature.py): DeiT-III, GPT and DINO at CPU size, 0 / middle /
+# all Laplacian heads and learned gates, then analyses, tables, figures, learning curves and a
+# verdict per claim of the paper. Re-running skips finished runs and resumes interrupted ones.
+#   bash scripts/miniature.sh                  # short: DeiT-III + GPT, 3 seeds, ~25 min on 2 cores
+#   bash scripts/miniature.sh --profile long   # long: + DINO, trained until flat, 5 seeds, ~2 h
+# Other arguments go to the script (--seeds, --jobs, --out, --docs, --pca-maps, --steps).
 source "$(dirname "$0")/env.sh"
 python scripts/miniature.py "$@"

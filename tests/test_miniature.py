@@ -47,6 +47,27 @@ def test_claims_state_and_use_their_layer():
     assert not any(ln.startswith("| accuracy") for ln in block)  # no layer: not in the per-block table
 
 
+def test_middle_arm_and_paradigms_not_trained():
+    recs = {"deit3": [_record(k, s, {"norm": {"nc1": 2.0 - 0.5 * k + 0.01 * s}}) for k in (0, 1, 3) for s in (0, 1, 2)]}
+    rows = {ln.split(" | ")[1]: ln for ln in miniature.claims_table(recs, "middle")[2:]}
+    assert "baseline vs the middle k" in miniature.claims_table(recs, "middle")[0]
+    assert "| 2.01 ± 0.01 | 1.51 ± 0.01 | -0.5 |" in rows["neural collapse strengthens (NC1 of the class token falls)"]
+    assert "| 2.01 ± 0.01 | 0.51 ± 0.01 | -1.5 |" in miniature.claims_table(recs)[5]  # all: k = 3
+    assert all(not ln.startswith(("| gpt", "| dino")) for ln in miniature.claims_table(recs))
+
+
+def test_curves_table_and_last_quarter():
+    from miniature_curves import curves_markdown
+
+    data = {"gpt": {"gpt_d3_0L": {50: [3.0, 3.2], 100: [2.0, 2.2], 150: [1.9, 2.1], 200: [1.85, 2.05]},
+                    "gpt_d3_2L": {50: [3.1], 200: [2.5]}}}
+    md = curves_markdown(data, {"gpt": "val_bpb"})
+    assert md[2] == "| step | gpt_d3_0L | gpt_d3_2L |"
+    assert "| 50 | 3.1 ± 0.2 (2) | 3.1 (1) |" in md and "| 100 | 2.1 ± 0.2 (2) |  |" in md
+    assert "- gpt_d3_0L: -0.05 from step 150 to 200" in md  # 150 = the first step at or after 75% of 200
+    assert "- gpt_d3_2L: -0.6 from step 50 to 200" in md    # no step in the last quarter but the end
+
+
 @pytest.mark.timeout(1200)  # above its subprocess's 900 s
 @pytest.mark.slow
 def test_miniature_runs_end_to_end(tmp_path):
@@ -56,10 +77,12 @@ def test_miniature_runs_end_to_end(tmp_path):
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (docs / "README.md").read_text()
-    for claim in miniature.CLAIMS:  # every claim got a verdict
+    trained = [c for c in miniature.CLAIMS if c[0] in ("deit3", "gpt")]  # the short profile's paradigms
+    for claim in trained:  # every claim got a verdict
         assert claim[1] in report
+    assert "| dino |" not in report
     claims = report.split("## Geometry at every block")[0]  # the per-block verdicts follow
-    assert claims.count("one seed:") == len(miniature.CLAIMS)
+    assert claims.count("one seed:") == 2 * len(trained)  # all heads Laplacian, and the middle arm
     assert "## How much the blocks change the residual stream" in report and "- gpt gpt_d4_1L_learned:" in report
     assert "final norm (paper silent)" in report and "| deit3: claim | blocks.0 | blocks.1 | blocks.2 | blocks.3 | norm |" in report
     assert "blocks.3" in (docs / "tables/per_block.md").read_text() and list((docs / "figures").glob("blocks_*.png"))
@@ -68,3 +91,6 @@ def test_miniature_runs_end_to_end(tmp_path):
     assert len(list((docs / "tables").glob("gates_*.md"))) == 2 and len(list((docs / "figures").glob("gates_*.png"))) == 2
     assert (docs / "tables/supervised.md").exists() and list((docs / "figures").glob("*.png"))
     assert len(list(out.glob("*/*/results.json"))) == 8  # 2 paradigms x 4 variants
+    # learning curves: one line per arm, one row per evaluated step
+    assert "## Learning curves" in report and (docs / "figures/curves.png").exists()
+    assert "| step | vitt_0L | vitt_1L | vitt_3L | vitt_1L_learned |" in (docs / "tables/curves.md").read_text()

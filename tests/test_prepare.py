@@ -308,6 +308,29 @@ def test_pydoc_source(tmp_path):
     assert tok.decode(val) == "".join("<|bos|>" + d for d in pydoc_documents(train=False)[:3])
 
 
+def test_stdlib_source(tmp_path):
+    """source=stdlib: Python's own standard library, without what is installed in site-packages
+    (which differs between machines)."""
+    import sysconfig
+
+    from laplace.data.text import stdlib_documents, stdlib_texts
+
+    texts = stdlib_texts()
+    assert len(texts) > 500
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert (root / "json" / "__init__.py").read_text(errors="replace") in texts
+    site = [f for f in root.rglob("site-packages/*.py")][:20]
+    assert not {f.read_text(errors="replace") for f in site if f.stat().st_size} & set(texts)
+    train, val = stdlib_documents(True), stdlib_documents(False)
+    assert len(train) + len(val) == len(texts) and val == texts[3::4]
+    meta = prep.prepare(make_cfg("source=stdlib", f"paths.data_dir={tmp_path}", "vocab_size=512",
+                                 "max_docs=6", "docs_per_shard=4", "val_docs=2", "tokenizer_train_chars=200000"))
+    out = tmp_path / "stdlib_bpe"
+    assert [s["docs"] for s in meta["train"]["shards"]] == [4, 2] and meta["val"]["docs"] == 2
+    tok = load_tokenizer(out / "tokenizer.json")
+    assert tok.decode(np.load(list_shards(out, "val")[0])) == "".join("<|bos|>" + d for d in val[:2])
+
+
 def _one_line(e: pytest.ExceptionInfo) -> str:
     assert isinstance(e.value, UserError) and "\n" not in str(e.value)
     return str(e.value)

@@ -33,6 +33,25 @@ def pydoc_documents(train: bool = True, val_every: int = 10) -> list[str]:
     return [d for i, d in enumerate(docs) if (i % val_every == val_every - 1) != train]
 
 
+def stdlib_texts() -> list[str]:
+    """Python's standard-library sources: every non-empty `*.py` file under sysconfig's stdlib
+    folder, by path, without site-packages / dist-packages (what is installed there differs from
+    machine to machine: 11,563 of 13,353 files, 130 of 161 M characters on ours). Real text
+    found on every machine: ~1,790 files, ~31 M characters for Python 3.11."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in root.rglob("*.py")
+                   if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts))
+    return [t for t in (f.read_text(errors="replace") for f in files) if t.strip()]
+
+
+def stdlib_documents(train: bool = True, val_every: int = 4) -> list[str]:
+    """stdlib_texts() split by position: every val_every-th file is validation."""
+    return [d for i, d in enumerate(stdlib_texts()) if (i % val_every == val_every - 1) != train]
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of `seq_len + 1` tokens over the concatenated documents.
 

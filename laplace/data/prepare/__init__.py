@@ -75,7 +75,7 @@ def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
 def prepare(cfg: DictConfig) -> dict:
     """Write the tokenizer, shards and meta.json of cfg (configs/prepare.yaml); returns the meta."""
     if OmegaConf.is_missing(cfg, "source"):
-        raise ConfigError("source is required: source=pydoc | a parquet folder or glob | a "
+        raise ConfigError("source is required: source=pydoc | stdlib | a parquet folder or glob | a "
                           "datasets hub id (e.g. source=pydoc vocab_size=4096)")
     docs_per_shard = _positive(cfg, "docs_per_shard")
     val_docs = _positive(cfg, "val_docs", allow_zero=True)

@@ -1,5 +1,5 @@
 """Text sources of `prepare`: batches of documents (lists of str), the training documents from any
-start index. `pydoc` (built in), parquet files (the last one = validation) or a `datasets`
+start index. `pydoc` and `stdlib` (built in), parquet files (the last one = validation) or a `datasets`
 dataset, streamed (docs/text_data.md)."""
 from __future__ import annotations
 
@@ -16,19 +16,20 @@ class SourceError(UserError, ValueError):
     """A source file that cannot be read as text (corrupt, truncated, not UTF-8); names it."""
 
 
-class PydocSource:
-    """The built-in help topics (a few hundred kB, in memory)."""
+class BuiltinSource:
+    """Text found on every machine, in memory: `pydoc`, Python's help topics (a few hundred kB),
+    or `stdlib`, Python's standard-library sources (~31 M characters; laplace.data.text)."""
 
-    name = "pydoc"
+    def __init__(self, name: str):
+        from laplace.data import text
 
-    def __init__(self):
-        from laplace.data.text import pydoc_documents
-
-        self.train, self.val = pydoc_documents(True), pydoc_documents(False)
+        documents = {"pydoc": text.pydoc_documents, "stdlib": text.stdlib_documents}[name]
+        self.name = name
+        self.train, self.val = documents(True), documents(False)
         self.num_train = len(self.train)
 
     def describe(self) -> str:
-        return "pydoc"
+        return self.name
 
     def fingerprint(self) -> list | None:
         return None  # fixed by the Python version, which settings do not pin
@@ -212,18 +213,18 @@ def _first_line(e: BaseException) -> str:
     return lines[0][:300] if lines else ""
 
 
-def open_source(cfg) -> PydocSource | ParquetSource | HFSource:
+def open_source(cfg) -> BuiltinSource | ParquetSource | HFSource:
     """The source named by cfg.source (docs/text_data.md)."""
     source = str(cfg.source)
-    if source == "pydoc":
-        return PydocSource()
+    if source in ("pydoc", "stdlib"):
+        return BuiltinSource(source)
     where = os.path.expanduser(source)
     if glob.has_magic(where):
         files = sorted(Path(p) for p in glob.glob(where) if p.endswith(".parquet"))
         if not files:
             raise DatasetNotFoundError(f"no parquet files match source={source} (looked for "
                                        f"{os.path.abspath(where)}); set source to a folder or glob "
-                                       f"of *.parquet files, pydoc, or a datasets hub id")
+                                       f"of *.parquet files, pydoc, stdlib, or a datasets hub id")
         return ParquetSource(files, cfg.text_column, source)
     if os.path.isfile(where) and where.endswith(".parquet"):
         return ParquetSource([Path(where)], cfg.text_column, source)
@@ -235,7 +236,7 @@ def open_source(cfg) -> PydocSource | ParquetSource | HFSource:
             or source.endswith(".parquet") or source.count("/") > 1:
         # Clearly a path, and not there: do not ask the hub about it.
         raise DatasetNotFoundError(f"source={source} not found: looked for {os.path.abspath(where)}; "
-                                   f"set source to a folder or glob of parquet files, pydoc, or a "
+                                   f"set source to a folder or glob of parquet files, pydoc, stdlib, or a "
                                    f"datasets hub id (e.g. HuggingFaceFW/fineweb-edu)")
     return HFSource(source, cfg.source_config, cfg.split, cfg.val_split, int(cfg.val_docs),
                     cfg.text_column)

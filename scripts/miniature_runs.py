@@ -1,0 +1,155 @@
+"""The miniature's profiles and their runs: which commands train, evaluate and measure each arm,
+run a few at a time, resumably (scripts/miniature.py writes the report from them).
+
+Two profiles, one recipe per paradigm for every k (never tuned per arm):
+    short  ~25 min on 2 cores: DeiT-III and GPT, 300 steps each, 3 seeds (the smoke-sized look)
+    long   ~2 h on 2 cores, two runs at a time on one thread each: DeiT-III, GPT and DINO trained
+           until their validation metric flattens, 5 seeds; why each setting: the comments below
+           and docs/LOG.md ("the long miniature: pilots")
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMON = ["trainer.num_workers=0", "trainer.progress=false", "trainer.log_every=25"]
+LEARNED = ["model.laplacian_mode=learned"]
+
+SHORT = {
+    "deit3": dict(variants=[("vitt_0L", []), ("vitt_1L", []), ("vitt_3L", []), ("vitt_1L", LEARNED)],
+                  args=["model.depth=4", "model.init_values=1.0", "trainer.max_steps=300",
+                        "trainer.global_batch_size=64", "trainer.eval_every=100", "trainer.ckpt_every=100",
+                        "optim.lr=1e-3", "optim.schedules.lr.warmup=20"], curve="val_acc1"),
+    "gpt": dict(variants=[("gpt_d4_0L", []), ("gpt_d4_1L", []), ("gpt_d4_2L", []), ("gpt_d4_1L", LEARNED)],
+                args=["experiment=gpt_pydoc", "data.seq_len=64", "trainer.global_batch_size=16",
+                      "trainer.max_steps=300", "trainer.eval_every=100", "trainer.ckpt_every=100"], curve="val_bpb"),
+}
+
+# The long profile. Pilots (1 thread each, two or three runs sharing the 2 cores; LOG):
+#  - deit3: the short recipe's val top-1 was 79.7 / 87.7 / 93.0 / 93.9 / 89.4 / 93.6 at steps
+#    100..600 of a 1,200-step run (lr still high): flat from ~400 on; 400 steps, the cosine decay
+#    ending with them. LayerScale 1.0 (not DeiT-III's 1e-6) so that the blocks act within a few
+#    hundred steps (as in the short profile).
+#  - gpt: Python's standard-library sources through our BPE (vocab 4,096; `python prepare.py
+#    source=stdlib`, 6.9 M training tokens), Muon + AdamW (experiment=gpt_tiny's optimizers):
+#    2.65 bits per byte after 50 steps of gpt_d4 (the short profile ends at 3.05 on bytes), but
+#    1.4 s a step on one thread; gpt_d3 (192 wide, 2 heads of 96: the same arms 0 / 1 / 2, 2.9 M
+#    parameters) at 16 x 128 tokens for 250 steps fits the budget.
+#  - dino: experiment=dino_digits with DINO's teacher-temperature warm-up (0.04 -> 0.02 over the
+#    first 60% of the epochs, as in the 50-epoch runs where 5 Laplacian heads led by 12-18 points;
+#    0.02 from the start drifted towards uniform at that length), 20 epochs (440 steps, 0.5 s a
+#    step on one thread; the 50-epoch pilot's loss was still falling at step 525): 20 runs of
+#    1,100 steps do not fit the budget, nor did 30 epochs once the GPT's runs were timed. ViT-S's 6 heads:
+#    k = 0 / 3 / 6, and 3 learned. 20-NN of the teacher at every kept checkpoint (the curve),
+#    then `python -m eval.knn` and `python -m eval.linear` on the last one.
+LONG = {
+    "deit3": dict(variants=SHORT["deit3"]["variants"],
+                  args=["model.depth=4", "model.init_values=1.0", "trainer.max_steps=400",
+                        "trainer.global_batch_size=64", "trainer.eval_every=50", "trainer.ckpt_every=100",
+                        "optim.lr=1e-3", "optim.schedules.lr.warmup=20"],
+                  curve="val_acc1"),
+    "gpt": dict(variants=[("gpt_d3_0L", []), ("gpt_d3_1L", []), ("gpt_d3_2L", []), ("gpt_d3_1L", LEARNED)],
+                args=["experiment=gpt_tiny", "data=stdlib_bpe", "data.seq_len=128", "data.val_tokens=32768",
+                      "trainer.global_batch_size=16", "trainer.max_steps=250", "trainer.eval_every=25",
+                      "trainer.ckpt_every=125", "trainer.sample_prompts=[]"],
+                curve="val_bpb", analysis=["max_tokens=131072"]),
+    "dino": dict(variants=[("vits_0L", []), ("vits_3L", []), ("vits_6L", []), ("vits_3L", LEARNED)],
+                 args=["experiment=dino_digits", "trainer.epochs=20", "trainer.ckpt_every=110", "trainer.keep_every=110",
+                       "trainer.schedules.teacher_temp={value:0.02,warmup:12ep,start:0.04}"],
+                 evals=[["-m", "eval.knn", "num_workers=0"], ["-m", "eval.linear", "num_workers=0"]],
+                 curve="knn"),
+}
+PROFILES = {
+    "short": dict(recipes=SHORT, seeds=[0, 1, 2], jobs=1, out="runs/miniature", docs="docs/miniature", prepare=[]),
+    "long": dict(recipes=LONG, seeds=[0, 1, 2, 3, 4], jobs=2, out="runs/miniature_long", docs="docs/miniature/long",
+                 prepare=[["prepare.py", "source=stdlib", "vocab_size=4096", "progress=false"]]),
+}
+
+_log_lock = threading.Lock()
+
+
+def sh(cmd: list[str], log, env: dict | None = None, out_file: Path | None = None) -> str:
+    """Run a command from the repository root, echo and log its line; its output goes to the
+    log (or to out_file, when several run at once). Raises on failure."""
+    line = "$ " + " ".join(cmd[1:] if cmd[0] == sys.executable else cmd)
+    with _log_lock:
+        print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
+    if out_file is None:
+        out = subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
+        log.write(out)
+        return out
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_file, "a") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, output=f"see {out_file}")
+    return ""
+
+
+def label(name: str, extra: list[str]) -> str:
+    return name + ("_learned" if "model.laplacian_mode=learned" in extra else "")
+
+
+def run_jobs(recipes: dict, out: Path, seeds, log, jobs: int = 1, steps: int | None = None) -> dict[str, list[Path]]:
+    """Train (and evaluate) every (paradigm, variant, seed); {paradigm: run dirs}. Seed by seed,
+    so that a stopped profile leaves whole seeds; `jobs` runs at a time, each on
+    cpu_count // jobs threads. A finished run (results.json, and its evaluations' results) is
+    skipped, an interrupted one resumes. `steps` shortens the recipes (a smoke test)."""
+    runs: dict[str, list[Path]] = {}
+    todo = []
+    for seed in seeds:
+        for paradigm, r in recipes.items():
+            for name, extra in r["variants"]:
+                run_dir = out / paradigm / f"{label(name, extra)}_s{seed}"
+                runs.setdefault(paradigm, []).append(run_dir)
+                short = [f"trainer.max_steps={steps}"] if steps else []
+                cmds = [[sys.executable, "train.py", f"model={name}", f"seed={seed}", *r["args"], *extra, *COMMON,
+                         *short, f"run_dir={run_dir}"]]
+                cmds += [[sys.executable, *e, f"checkpoint={run_dir / 'ckpt/last.pt'}"] for e in r.get("evals", [])]
+                todo.append((run_dir, cmds))
+    env = None
+    if jobs > 1:
+        threads = str(max(1, (os.cpu_count() or 1) // jobs))
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+
+    def one(run_dir: Path, cmds: list[list[str]]):
+        out_file = out / "logs" / f"{run_dir.parent.name}_{run_dir.name}.log" if jobs > 1 else None
+        done = [(run_dir / "results.json").exists()]
+        done += [(run_dir / "eval" / f"{cmd[2].split('.')[-1]}_digits" / "results.json").exists() for cmd in cmds[1:]]
+        for cmd, finished in zip(cmds, done):
+            if not finished:
+                start = time.time()
+                sh(cmd, log, env, out_file)
+                with _log_lock, open(out / "timings.jsonl", "a") as f:  # the report's wall time
+                    f.write(json.dumps({"run": f"{run_dir.parent.name}/{run_dir.name}", "command": cmd[1],
+                                        "start": start, "end": time.time(), "threads": (env or {}).get(
+                                            "OMP_NUM_THREADS")}) + "\n")
+
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        for f in [pool.submit(one, d, c) for d, c in todo]:
+            f.result()  # the first failure stops the profile: runs not started are cancelled
+    finally:
+        pool.shutdown(cancel_futures=True)
+    return runs
+
+
+def analyse_all(runs: dict[str, list[Path]], log, recipes: dict | None = None):
+    """One `python -m analysis` per paradigm over all its checkpoints (one process, shared axes),
+    with the recipe's `analysis` arguments (the GPT's: the first 131,072 validation tokens)."""
+    for paradigm, dirs in runs.items():
+        extra = (recipes or {}).get(paradigm, {}).get("analysis", [])
+        todo = [d for d in dirs if not (d / "ckpt/last_analysis/analysis.json").exists()]
+        if todo:
+            ckpts = ",".join(str(d / "ckpt/last.pt") for d in todo)
+            sh([sys.executable, "-m", "analysis", f"checkpoint=[{ckpts}]", "layers=all", "progress=false", "figures=false",
+                *extra, f"analysis_out={dirs[0].parent / 'compare'}"], log)
