@@ -257,16 +257,17 @@ def main():
     runs = run_jobs(prof["recipes"], out, seeds, log, args.jobs or prof["jobs"], args.steps)
     t_train = time.time() - t0
     analyse_all(runs, log, prof["recipes"])
-    sh([sys.executable, "-m", "analysis.tables", f"runs={out}", f"out={docs / 'tables'}"], log)
-    sh([sys.executable, "-m", "analysis.figures", f"runs={out}", f"out={docs / 'figures'}",
-        f"pca_maps={args.pca_maps}"], log)
+    # The tables, figures and verdicts read exactly this invocation's runs (not others under --out).
+    listed = "runs=[" + ",".join(str(d) for dirs in runs.values() for d in dirs) + "]"
+    sh([sys.executable, "-m", "analysis.tables", listed, f"out={docs / 'tables'}"], log)
+    sh([sys.executable, "-m", "analysis.figures", listed, f"out={docs / 'figures'}", f"pca_maps={args.pca_maps}"], log)
     metrics = {pd: r["curve"] for pd, r in prof["recipes"].items() if "curve" in r}
     curve_data = curves(runs, metrics, out / "curves")
     plot_curves(curve_data, metrics, docs / "figures" / "curves")
     (docs / "tables").mkdir(parents=True, exist_ok=True)
     (docs / "tables" / "curves.md").write_text("\n".join(curves_markdown(curve_data, metrics)) + "\n")
 
-    recs = {pd: [r for r in collect([out / pd]) if r["finished"]] for pd in runs}
+    recs = {pd: [r for r in collect(dirs) if r["finished"]] for pd, dirs in runs.items()}
     flags = (f" --profile {args.profile}" if args.profile != "short" else "") + \
         (" --seeds " + " ".join(map(str, seeds)) if seeds != prof["seeds"] else "") + \
         (f" --steps {args.steps}" if args.steps else "")
