@@ -80,12 +80,13 @@ SCOPE = {
     "short": "A smoke-sized look: 300 steps, 3 seeds, DeiT-III and GPT only; the runs are far from "
              "converged, so most verdicts are within noise by construction.",
     "long": "What this can show: at CPU size (ViTs of 4 blocks on 1,437 8x8 digits, a 2.9 M-parameter GPT on "
-            "6.9 M tokens of Python's standard library), trained until their validation metric flattens "
-            "(curves below), 5 seeds per arm, whether Laplacian heads move accuracy and token geometry the "
-            "paper's way, by more than seed-to-seed noise, and where along the depth. What it cannot show: "
-            "anything about the paper's scale (ViT-B on ImageNet, a 561 M GPT, ADE20K), its downstream "
-            "LM tasks, or effects smaller than the spread of 5 seeds; digits and stdlib code are not "
-            "natural images and prose.",
+            "6.9 M tokens of Python's standard library), with 5 seeds per arm, whether Laplacian heads move "
+            "accuracy and token geometry the paper's way by more than seed-to-seed noise, where along the depth, "
+            "and where learned gates go. Read the learning curves first: a verdict on a run that has not "
+            "flattened is a verdict on an undertrained model (the GPT's 250 steps were what the 2-hour budget "
+            "allowed; its last-quarter change says how far it was from flat). What it cannot show: anything "
+            "about the paper's scale (ViT-B on ImageNet, a 561 M GPT, ADE20K), its downstream LM tasks, or "
+            "effects smaller than the spread of 5 seeds; digits and stdlib code are not natural images and prose.",
 }
 
 def verdict(base: list[float], lap: list[float], sign: int) -> tuple[str, float, float]:

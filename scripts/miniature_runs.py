@@ -41,7 +41,10 @@ SHORT = {
 #    source=stdlib`, 6.9 M training tokens), Muon + AdamW (experiment=gpt_tiny's optimizers):
 #    2.65 bits per byte after 50 steps of gpt_d4 (the short profile ends at 3.05 on bytes), but
 #    1.4 s a step on one thread; gpt_d3 (192 wide, 2 heads of 96: the same arms 0 / 1 / 2, 2.9 M
-#    parameters) at 16 x 128 tokens for 250 steps fits the budget.
+#    parameters) at 16 x 128 tokens for 250 steps fits the budget. The shards keep the source's
+#    order (prepare does; FineWeb's shards come shuffled, the library's files come by path), so
+#    every run reads the modules in the same order and the seed changes the initialisation only:
+#    the bumps of the val curve at the same steps in every arm and seed are that order.
 #  - dino: experiment=dino_digits with DINO's teacher-temperature warm-up (0.04 -> 0.02 over the
 #    first 60% of the epochs, as in the 50-epoch runs where 5 Laplacian heads led by 12-18 points;
 #    0.02 from the start drifted towards uniform at that length), 20 epochs (440 steps, 0.5 s a
