@@ -9,7 +9,8 @@ learning curves and a verdict for each claim of the paper.
 The profiles, their recipes (one per paradigm, the same for every k) and why each setting:
 scripts/miniature_runs.py. The short profile trains DeiT-III (ViT-Tiny cut to 4 blocks, digits)
 and a GPT (depth 4, help text in bytes) for 300 steps, 3 seeds; the long one adds DINO on digits
-and trains each paradigm until its validation metric flattens, 5 seeds (learning curves:
+and trains longer, 5 seeds: DeiT-III and DINO until their validation metric flattens, the GPT
+(BPE'd standard library) as long as the 2-hour budget allowed (learning curves:
 scripts/miniature_curves.py). Both let every ViT block contribute from the start (LayerScale
 1.0, not DeiT-III's 1e-6, which at this length leaves the blocks near identities so that the
 geometry would measure the patch embedding): the report's "stream change" shows how much each
@@ -88,6 +89,7 @@ SCOPE = {
             "about the paper's scale (ViT-B on ImageNet, a 561 M GPT, ADE20K), its downstream LM tasks, or "
             "effects smaller than the spread of 5 seeds; digits and stdlib code are not natural images and prose.",
 }
+
 
 def verdict(base: list[float], lap: list[float], sign: int) -> tuple[str, float, float]:
     """(verdict, d, se) by the rule of the module docstring."""
