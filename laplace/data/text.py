@@ -9,6 +9,8 @@ validation, so the split never depends on the run's seed.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.data import Dataset
 
@@ -38,18 +40,24 @@ def stdlib_texts() -> list[str]:
     folder, by path, without site-packages / dist-packages (what is installed there differs from
     machine to machine: 11,563 of 13,353 files, 130 of 161 M characters on ours). Real text
     found on every machine: ~1,790 files, ~31 M characters for Python 3.11."""
+    return list(_stdlib_texts())
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_texts() -> tuple[str, ...]:
+    """Read once per process: the train and the validation split both come from it."""
     import sysconfig
     from pathlib import Path
 
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(f for f in root.rglob("*.py")
                    if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts))
-    return [t for t in (f.read_text(errors="replace") for f in files) if t.strip()]
+    return tuple(t for t in (f.read_text(errors="replace") for f in files) if t.strip())
 
 
 def stdlib_documents(train: bool = True, val_every: int = 4) -> list[str]:
     """stdlib_texts() split by position: every val_every-th file is validation."""
-    return [d for i, d in enumerate(stdlib_texts()) if (i % val_every == val_every - 1) != train]
+    return [d for i, d in enumerate(_stdlib_texts()) if (i % val_every == val_every - 1) != train]
 
 
 class TokenWindows(Dataset):
