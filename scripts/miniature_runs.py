@@ -66,7 +66,8 @@ LONG = {
     "dino": dict(variants=[("vits_0L", []), ("vits_3L", []), ("vits_6L", []), ("vits_3L", LEARNED)],
                  args=["experiment=dino_digits", "trainer.epochs=20", "trainer.ckpt_every=110", "trainer.keep_every=110",
                        "trainer.schedules.teacher_temp={value:0.02,warmup:12ep,start:0.04}"],
-                 evals=[["-m", "eval.knn", "num_workers=0"], ["-m", "eval.linear", "num_workers=0"]],
+                 evals={"knn_digits": ["-m", "eval.knn", "num_workers=0"],      # <run>/eval/<name>
+                        "linear_digits": ["-m", "eval.linear", "num_workers=0"]},
                  curve="knn"),
 }
 PROFILES = {
@@ -107,6 +108,7 @@ def run_jobs(recipes: dict, out: Path, seeds, log, jobs: int = 1, steps: int | N
     so that a stopped profile leaves whole seeds; `jobs` runs at a time, each on
     cpu_count // jobs threads. A finished run (results.json, and its evaluations' results) is
     skipped, an interrupted one resumes. `steps` shortens the recipes (a smoke test)."""
+    out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[Path]] = {}
     todo = []
     for seed in seeds:
@@ -117,17 +119,18 @@ def run_jobs(recipes: dict, out: Path, seeds, log, jobs: int = 1, steps: int | N
                 short = [f"trainer.max_steps={steps}"] if steps else []
                 cmds = [[sys.executable, "train.py", f"model={name}", f"seed={seed}", *r["args"], *extra, *COMMON,
                          *short, f"run_dir={run_dir}"]]
-                cmds += [[sys.executable, *e, f"checkpoint={run_dir / 'ckpt/last.pt'}"] for e in r.get("evals", [])]
-                todo.append((run_dir, cmds))
+                evals = [(run_dir / "eval" / name, e) for name, e in r.get("evals", {}).items()]
+                cmds += [[sys.executable, *e, f"checkpoint={run_dir / 'ckpt/last.pt'}", f"run_dir={d}"] for d, e in evals]
+                todo.append((run_dir, cmds, [run_dir] + [d for d, _ in evals]))
     env = None
     if jobs > 1:
         threads = str(max(1, (os.cpu_count() or 1) // jobs))
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
-    def one(run_dir: Path, cmds: list[list[str]]):
+    def one(run_dir: Path, cmds: list[list[str]], results: list[Path]):
+        """Each command whose results.json (in the folder it writes) is not there yet."""
         out_file = out / "logs" / f"{run_dir.parent.name}_{run_dir.name}.log" if jobs > 1 else None
-        done = [(run_dir / "results.json").exists()]
-        done += [(run_dir / "eval" / f"{cmd[2].split('.')[-1]}_digits" / "results.json").exists() for cmd in cmds[1:]]
+        done = [(d / "results.json").exists() for d in results]
         for cmd, finished in zip(cmds, done):
             if not finished:
                 start = time.time()
@@ -139,7 +142,7 @@ def run_jobs(recipes: dict, out: Path, seeds, log, jobs: int = 1, steps: int | N
 
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
-        for f in [pool.submit(one, d, c) for d, c in todo]:
+        for f in [pool.submit(one, *job) for job in todo]:
             f.result()  # the first failure stops the profile: runs not started are cancelled
     finally:
         pool.shutdown(cancel_futures=True)

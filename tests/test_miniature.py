@@ -94,3 +94,30 @@ def test_miniature_runs_end_to_end(tmp_path):
     # learning curves: one line per arm, one row per evaluated step
     assert "## Learning curves" in report and (docs / "figures/curves.png").exists()
     assert "| step | vitt_0L | vitt_1L | vitt_3L | vitt_1L_learned |" in (docs / "tables/curves.md").read_text()
+
+
+def test_run_jobs_skips_what_is_done_and_goes_seed_by_seed(tmp_path, monkeypatch):
+    import io
+    import json
+
+    import miniature_runs as mr
+
+    calls = []
+    monkeypatch.setattr(mr, "sh", lambda cmd, *a, **k: calls.append(cmd))
+    recipes = {"deit3": dict(variants=[("vitt_0L", [])], args=[]),
+               "dino": dict(variants=[("vits_0L", [])], args=[], evals=mr.LONG["dino"]["evals"])}
+    done = tmp_path / "dino" / "vits_0L_s0"
+    (done / "eval" / "knn_digits").mkdir(parents=True)
+    (done / "results.json").write_text("{}")
+    (done / "eval" / "knn_digits" / "results.json").write_text("{}")
+    runs = mr.run_jobs(recipes, tmp_path, [0, 1], io.StringIO())
+    assert runs == {"deit3": [tmp_path / "deit3" / f"vitt_0L_s{s}" for s in (0, 1)],
+                    "dino": [tmp_path / "dino" / f"vits_0L_s{s}" for s in (0, 1)]}
+    # seed 0 whole before seed 1; the finished run and its k-NN are skipped, its linear probe is not
+    what = [(c[1], next(a for a in c if a.startswith(("run_dir=", "seed=")))) for c in calls]
+    assert what == [("train.py", "seed=0"), ("-m", f"run_dir={done / 'eval' / 'linear_digits'}"),
+                    ("train.py", "seed=1"), ("train.py", "seed=1"),
+                    ("-m", f"run_dir={tmp_path / 'dino' / 'vits_0L_s1' / 'eval' / 'knn_digits'}"),
+                    ("-m", f"run_dir={tmp_path / 'dino' / 'vits_0L_s1' / 'eval' / 'linear_digits'}")]
+    timings = [json.loads(x) for x in (tmp_path / "timings.jsonl").read_text().splitlines()]
+    assert len(timings) == len(calls) and all(t["end"] >= t["start"] for t in timings)
