@@ -322,13 +322,29 @@ def test_stdlib_source(tmp_path):
     site = [f for f in root.rglob("site-packages/*.py")][:20]
     assert not {f.read_text(errors="replace") for f in site if f.stat().st_size} & set(texts)
     train, val = stdlib_documents(True), stdlib_documents(False)
-    assert len(train) + len(val) == len(texts) and val == texts[3::4]
+    # The split is by file (path position); files are cut into pieces at line ends, each split's
+    # pieces then in a fixed random order (shards are read in order).
+    from laplace.data.text import _pieces
+
+    pieces = [_pieces(t, 2000) for t in texts]
+    assert all("".join(p) == t for p, t in zip(pieces, texts))
+    assert all(len(x) <= 2000 or "\n" not in x[:-1] for p in pieces for x in p)
+    def of(files): return sorted(x for p in files for x in p if x.strip())
+    assert sorted(val) == of(pieces[3::4]) and sorted(train) == of(p for i, p in enumerate(pieces) if i % 4 != 3)
+    assert val != of(pieces[3::4]) and val == stdlib_documents(False) and train[:5] == stdlib_documents(True)[:5]
+    assert _pieces("a\nbb\nccc\n", 5) == ["a\nbb\n", "ccc\n"] and _pieces("x" * 9, 5) == ["x" * 9]
     meta = prep.prepare(make_cfg("source=stdlib", f"paths.data_dir={tmp_path}", "vocab_size=512",
                                  "max_docs=6", "docs_per_shard=4", "val_docs=2", "tokenizer_train_chars=200000"))
     out = tmp_path / "stdlib_bpe"
     assert [s["docs"] for s in meta["train"]["shards"]] == [4, 2] and meta["val"]["docs"] == 2
     tok = load_tokenizer(out / "tokenizer.json")
     assert tok.decode(np.load(list_shards(out, "val")[0])) == "".join("<|bos|>" + d for d in val[:2])
+    # Shards made when the files came in path order are refused, not resumed into.
+    settings = json.loads((out / ".settings.json").read_text())
+    (out / ".settings.json").write_text(json.dumps({**settings, "source_files": None}))
+    with pytest.raises(ConfigError, match="source=stdlib changed since .*rebuild=true"):
+        prep.prepare(make_cfg("source=stdlib", f"paths.data_dir={tmp_path}", "vocab_size=512", "max_docs=6",
+                              "docs_per_shard=4", "val_docs=2", "tokenizer_train_chars=200000"))
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:

@@ -55,9 +55,38 @@ def _stdlib_texts() -> tuple[str, ...]:
     return tuple(t for t in (f.read_text(errors="replace") for f in files) if t.strip())
 
 
-def stdlib_documents(train: bool = True, val_every: int = 4) -> list[str]:
-    """stdlib_texts() split by position: every val_every-th file is validation."""
-    return [d for i, d in enumerate(_stdlib_texts()) if (i % val_every == val_every - 1) != train]
+def stdlib_documents(train: bool = True, val_every: int = 4, seed: int = 0, max_chars: int = 2000) -> list[str]:
+    """stdlib_texts() split by path position (every val_every-th file is validation), each file cut
+    at line ends into pieces of at most max_chars, each split's pieces then in a fixed random order.
+
+    Why: token shards are read in order (laplace.data.shards.TokenStream expects them shuffled
+    when written, as FineWeb-Edu's are). By path, a package's modules come together; and whole
+    files are long (median 6.8 k characters, 76% of the text in files over 20 k, the largest
+    756 k: ~220 k tokens), so even shuffled files would feed a small batch (16 x 128 tokens) one
+    file for tens of steps. The validation curve then bumps up and down with whatever file is
+    being read (seen in the long miniature, docs/LOG.md). Pieces of 2,000 characters (~600
+    tokens, about a FineWeb-Edu document) put several files in every batch."""
+    import random
+
+    files = [d for i, d in enumerate(_stdlib_texts()) if (i % val_every == val_every - 1) != train]
+    docs = [p for d in files for p in _pieces(d, max_chars) if p.strip()]
+    random.Random(seed).shuffle(docs)
+    return docs
+
+
+def _pieces(text: str, max_chars: int) -> list[str]:
+    """text cut at line ends into pieces of at most max_chars ("".join gives it back); a line
+    longer than that is a piece of its own."""
+    out, cur, n = [], [], 0
+    for line in text.splitlines(keepends=True):
+        if cur and n + len(line) > max_chars:
+            out.append("".join(cur))
+            cur, n = [], 0
+        cur.append(line)
+        n += len(line)
+    if cur:
+        out.append("".join(cur))
+    return out
 
 
 class TokenWindows(Dataset):

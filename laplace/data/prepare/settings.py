@@ -27,7 +27,7 @@ def check_settings(out: Path, settings: dict, describe: str) -> None:
     old = json.loads(path.read_text())
     change = None
     if "source_files" in old and old["source_files"] != settings["source_files"]:
-        change = _changes(old["source_files"], settings["source_files"])
+        change = _changes(old["source_files"] or [], settings["source_files"] or [])
     elif "source_files" not in old and (out / "meta.json").is_file():
         # Prepared before sources were pinned: its meta.json still names the files it split.
         was = json.loads((out / "meta.json").read_text()).get("source")
