@@ -223,19 +223,29 @@ def gates_section(recs: dict[str, list[dict]]) -> list[str]:
 
 
 def wall_time(out: Path) -> str:
-    """The profile's wall time from the runner's timings (first start to last end) and the
-    sum of the runs' own times, or "" when no run was timed."""
+    """The profile's wall time from the runner's timings, or "" when no run was timed: the time
+    during which at least one command ran (the union of their intervals, so that a paradigm
+    re-run on another day adds its own time, not the days between) and the commands' summed
+    times, in all and per paradigm."""
     import json
 
     path = out / "timings.jsonl"
     if not path.exists():
         return ""
     ts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    wall = max(t["end"] for t in ts) - min(t["start"] for t in ts)
-    busy = sum(t["end"] - t["start"] for t in ts)
-    return (f"Runs (training and their evaluations) took {wall / 60:.0f} min of wall time from the first start to "
-            f"the last end, {busy / 60:.0f} min summed over {len(ts)} commands (out/timings.jsonl; a resumed run "
-            f"counts its last stretch only). ")
+    if not ts:
+        return ""
+    wall, reach = 0.0, float("-inf")
+    for start, end in sorted((t["start"], t["end"]) for t in ts):
+        wall += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    busy: dict[str, float] = {}
+    for t in ts:
+        busy[t["run"].split("/")[0]] = busy.get(t["run"].split("/")[0], 0.0) + t["end"] - t["start"]
+    per = ", ".join(f"{p} {b / 60:.0f}" for p, b in busy.items())
+    return (f"Runs (training and their evaluations) took {wall / 60:.0f} min of wall time (while at least one "
+            f"ran), {sum(busy.values()) / 60:.0f} min summed over {len(ts)} commands ({per}; out/timings.jsonl; "
+            f"a resumed run counts its last stretch only). ")
 
 
 def main():

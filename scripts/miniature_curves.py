@@ -93,16 +93,27 @@ def curves_markdown(data: dict, metrics: dict[str, str]) -> list[str]:
                 cells.append(f"{m:.4g}" + ("" if math.isnan(se) else f" ± {2 * se:.2g}") + f" ({len(xs)})")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
         lines += ["", "Change over the last quarter of training (the value at the last step minus the value at "
-                  "the first evaluated step at or after 75% of it; mean over seeds):", ""]
+                  "the first evaluated step at or after 75% of it; mean over seeds), and over the quarter "
+                  "before it (from the first evaluated step at or after 50%): flat, or slowing down?", ""]
         for a in names:
-            st = sorted(arms[a])
-            late = next((s for s in st if s >= 0.75 * st[-1]), st[-1])
-            if late == st[-1] and len(st) > 1:
-                late = st[-2]
-            d = statistics.mean(arms[a][st[-1]]) - statistics.mean(arms[a][late])
-            lines.append(f"- {a}: {d:+.4g} from step {late} to {st[-1]}")
+            (late, last), (mid, _) = last_quarters(arms[a])
+            mean = {s: statistics.mean(arms[a][s]) for s in (mid, late, last)}
+            lines.append(f"- {a}: {mean[last] - mean[late]:+.4g} from step {late} to {last}"
+                         + (f" (before: {mean[late] - mean[mid]:+.4g} from step {mid} to {late})" if mid < late else ""))
         lines.append("")
     return lines
+
+
+def last_quarters(points: dict[int, list[float]]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((late, last), (mid, late)): the evaluated steps that bound the last quarter of training and
+    the quarter before it (first evaluated step at or after 75% / 50% of the last; never empty
+    while there are two evaluations)."""
+    st = sorted(points)
+    late = next((s for s in st if s >= 0.75 * st[-1]), st[-1])
+    if late == st[-1] and len(st) > 1:
+        late = st[-2]
+    mid = min(next((s for s in st if s >= 0.5 * st[-1]), late), late)
+    return (late, st[-1]), (mid, late)
 
 
 def plot_curves(data: dict, metrics: dict[str, str], path_stem: Path) -> list[Path]:

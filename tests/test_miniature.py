@@ -64,7 +64,8 @@ def test_curves_table_and_last_quarter():
     md = curves_markdown(data, {"gpt": "val_bpb"})
     assert md[2] == "| step | gpt_d3_0L | gpt_d3_2L |"
     assert "| 50 | 3.1 ± 0.2 (2) | 3.1 (1) |" in md and "| 100 | 2.1 ± 0.2 (2) |  |" in md
-    assert "- gpt_d3_0L: -0.05 from step 150 to 200" in md  # 150 = the first step at or after 75% of 200
+    # 150 = the first step at or after 75% of 200, 100 the first at or after 50%
+    assert "- gpt_d3_0L: -0.05 from step 150 to 200 (before: -0.1 from step 100 to 150)" in md
     assert "- gpt_d3_2L: -0.6 from step 50 to 200" in md    # no step in the last quarter but the end
 
 
@@ -121,3 +122,16 @@ def test_run_jobs_skips_what_is_done_and_goes_seed_by_seed(tmp_path, monkeypatch
                     ("-m", f"run_dir={tmp_path / 'dino' / 'vits_0L_s1' / 'eval' / 'linear_digits'}")]
     timings = [json.loads(x) for x in (tmp_path / "timings.jsonl").read_text().splitlines()]
     assert len(timings) == len(calls) and all(t["end"] >= t["start"] for t in timings)
+
+
+def test_wall_time_counts_only_while_a_command_ran(tmp_path):
+    """Two overlapping runs, then a paradigm re-run a day later: 10 + 5 minutes of wall time,
+    not the day between."""
+    import json
+
+    rows = [{"run": "deit3/a_s0", "start": 0, "end": 480}, {"run": "gpt/b_s0", "start": 120, "end": 600},
+            {"run": "gpt/b_s0", "start": 86400, "end": 86700}]
+    (tmp_path / "timings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = miniature.wall_time(tmp_path)
+    assert "15 min of wall time" in text and "21 min summed over 3 commands (deit3 8, gpt 13;" in text
+    assert miniature.wall_time(tmp_path / "none") == ""
