@@ -11,10 +11,10 @@ scripts/miniature_runs.py. The short profile trains DeiT-III (ViT-Tiny cut to 4 
 and a GPT (depth 4, help text in bytes) for 300 steps, 3 seeds; the long one adds DINO on digits
 and trains longer, 5 seeds: DeiT-III and DINO until their validation metric flattens, the GPT
 (BPE'd standard library) as long as the 2-hour budget allowed, until its bits per byte fall
-slowly (learning curves: scripts/miniature_curves.py). Both let every ViT block contribute from the start (LayerScale
-1.0, not DeiT-III's 1e-6, which at this length leaves the blocks near identities so that the
-geometry would measure the patch embedding): the report's "stream change" shows how much each
-block moves the residual stream.
+slowly (learning curves: scripts/miniature_curves.py). Both let every ViT block contribute from
+the start (LayerScale 1.0, not DeiT-III's 1e-6, which at this length leaves the blocks near
+identities so that the geometry would measure the patch embedding): the report's "stream
+change" shows how much each block moves the residual stream.
 
 Every run is the plain `python train.py ...` command printed before it runs (a finished run is
 skipped, an interrupted one resumes), every checkpoint is measured by `python -m analysis`, and

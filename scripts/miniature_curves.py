@@ -98,8 +98,8 @@ def curves_markdown(data: dict, metrics: dict[str, str]) -> list[str]:
         for a in names:
             (late, last), (mid, _) = last_quarters(arms[a])
             mean = {s: statistics.mean(arms[a][s]) for s in (mid, late, last)}
-            lines.append(f"- {a}: {mean[last] - mean[late]:+.4g} from step {late} to {last}"
-                         + (f" (before: {mean[late] - mean[mid]:+.4g} from step {mid} to {late})" if mid < late else ""))
+            before = f" (before: {mean[late] - mean[mid]:+.4g} from step {mid} to {late})" if mid < late else ""
+            lines.append(f"- {a}: {mean[last] - mean[late]:+.4g} from step {late} to {last}{before}")
         lines.append("")
     return lines
 

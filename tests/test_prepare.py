@@ -329,9 +329,10 @@ def test_stdlib_source(tmp_path):
     pieces = [_pieces(t, 2000) for t in texts]
     assert all("".join(p) == t for p, t in zip(pieces, texts))
     assert all(len(x) <= 2000 or "\n" not in x[:-1] for p in pieces for x in p)
-    def of(files): return sorted(x for p in files for x in p if x.strip())
-    assert sorted(val) == of(pieces[3::4]) and sorted(train) == of(p for i, p in enumerate(pieces) if i % 4 != 3)
-    assert val != of(pieces[3::4]) and val == stdlib_documents(False) and train[:5] == stdlib_documents(True)[:5]
+    val_pieces = sorted(x for p in pieces[3::4] for x in p if x.strip())
+    assert sorted(val) == val_pieces and val != val_pieces
+    assert sorted(train) == sorted(x for i, p in enumerate(pieces) if i % 4 != 3 for x in p if x.strip())
+    assert val == stdlib_documents(False) and train[:5] == stdlib_documents(True)[:5]  # a fixed order
     assert _pieces("a\nbb\nccc\n", 5) == ["a\nbb\n", "ccc\n"] and _pieces("x" * 9, 5) == ["x" * 9]
     meta = prep.prepare(make_cfg("source=stdlib", f"paths.data_dir={tmp_path}", "vocab_size=512",
                                  "max_docs=6", "docs_per_shard=4", "val_docs=2", "tokenizer_train_chars=200000"))
