@@ -243,7 +243,8 @@ def wall_time(out: Path) -> str:
         reach = max(reach, end)
     busy: dict[str, float] = {}
     for t in ts:
-        busy[t["run"].split("/")[0]] = busy.get(t["run"].split("/")[0], 0.0) + t["end"] - t["start"]
+        paradigm = t["run"].split("/")[0]
+        busy[paradigm] = busy.get(paradigm, 0.0) + t["end"] - t["start"]
     per = ", ".join(f"{p} {b / 60:.0f}" for p, b in busy.items())
     return (f"Runs (training and their evaluations) took {wall / 60:.0f} min of wall time (while at least one "
             f"ran), {sum(busy.values()) / 60:.0f} min summed over {len(ts)} commands ({per}; out/timings.jsonl; "

@@ -55,7 +55,15 @@ def _stdlib_texts() -> tuple[str, ...]:
     return tuple(t for t in (f.read_text(errors="replace") for f in files) if t.strip())
 
 
-def stdlib_documents(train: bool = True, val_every: int = 4, seed: int = 0, max_chars: int = 2000) -> list[str]:
+STDLIB_PIECE_CHARS, STDLIB_ORDER_SEED = 2000, 0
+# What decides the stdlib documents beyond the Python version: prepare pins it (BuiltinSource.fingerprint),
+# so that shards written under another layout are refused, not resumed into.
+STDLIB_LAYOUT = (f"stdlib split by path, files cut into pieces of <= {STDLIB_PIECE_CHARS} characters, "
+                 f"each split's pieces in a random order (seed {STDLIB_ORDER_SEED})")
+
+
+def stdlib_documents(train: bool = True, val_every: int = 4, seed: int = STDLIB_ORDER_SEED,
+                     max_chars: int = STDLIB_PIECE_CHARS) -> list[str]:
     """stdlib_texts() split by path position (every val_every-th file is validation), each file cut
     at line ends into pieces of at most max_chars, each split's pieces then in a fixed random order.
 

@@ -23,7 +23,8 @@ class BuiltinSource:
     def __init__(self, name: str):
         from laplace.data import text
 
-        documents = {"pydoc": text.pydoc_documents, "stdlib": text.stdlib_documents}[name]
+        documents, self.layout = {"pydoc": (text.pydoc_documents, None),
+                                  "stdlib": (text.stdlib_documents, text.STDLIB_LAYOUT)}[name]
         self.name = name
         self.train, self.val = documents(True), documents(False)
         self.num_train = len(self.train)
@@ -32,10 +33,9 @@ class BuiltinSource:
         return self.name
 
     def fingerprint(self) -> list | None:
-        # The texts are fixed by the Python version, which settings do not pin; stdlib's order
-        # changed once (whole files by path -> shuffled pieces): shards made before are refused.
-        return [["stdlib split by path, files cut into pieces of <= 2000 characters, each split's pieces "
-                 "in a random order (seed 0)"]] if self.name == "stdlib" else None
+        # The texts are fixed by the Python version, which settings do not pin; a layout (how the
+        # texts become documents, in which order) is, so that shards of another layout are refused.
+        return [[self.layout]] if self.layout else None
 
     def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
         for i in range(start, len(self.train), batch):
