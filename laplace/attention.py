@@ -23,14 +23,15 @@ SDPA output and V for backward (SDPA keeps both anyway) and recomputes the merge
 plain autograd the merged tensor is one more saved activation (+20% of a ViT attention layer's
 saved bytes, +5% of a ViT training step, measured by `python -m bench`).
 
-The same class serves the ViT (bidirectional, qkv bias, timm parameter names) and the GPT
-(causal, rotary, parameter-free QK-norm, KV cache); `fused=False` selects a reference path
+The same class serves the ViT (bidirectional, qkv bias, timm parameter names, optional QK-norm
+as timm's: a LayerNorm over each head's queries and keys) and the GPT (causal, rotary,
+parameter-free RMSNorm QK-norm, KV cache); `fused=False` selects a reference path
 that forms P explicitly, which tests compare against and `return_attn=True` uses for analysis.
 """
 from __future__ import annotations
 
 import numbers
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -52,6 +53,17 @@ GATE_START_LOGIT = 1.0
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
     """Parameter-free RMSNorm over the last dim (nanochat's `norm`)."""
     return F.rms_norm(x, (x.size(-1),))
+
+
+class RMSNorm(nn.Module):
+    """`rms_norm` as a module without parameters: nanochat's QK-norm (a module so that the
+    attention holds `q_norm` / `k_norm` whichever norm it uses, as timm's does)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -221,15 +233,18 @@ class Attention(nn.Module):
             the last k heads start at a = 0.73, the others at 0.27, `GATE_START_LOGIT`).
         qkv_bias: bias on the fused qkv projection (ViT: True, GPT: False).
         proj_bias: bias on the output projection.
-        qk_norm: parameter-free RMSNorm on queries and keys (nanochat).
+        qk_norm: normalise each head's queries and keys before the product (after rotary).
+        norm_layer: the QK-norm's layer, built as norm_layer(head_dim): None is nanochat's
+            parameter-free RMSNorm (the GPT); the ViT passes its LayerNorm (eps 1e-6), whose
+            weights are timm's `q_norm` / `k_norm` (the first author's `qk_norm=True` models).
         attn_drop, proj_drop: dropout on attention weights / output (DeiT-III uses 0).
         fused: use F.scaled_dot_product_attention; False forms P explicitly (reference path).
     """
 
     def __init__(self, dim: int, num_heads: int, num_laplacian_heads: int = 0,
                  laplacian_mode: str = "fixed", qkv_bias: bool = False, proj_bias: bool = True,
-                 qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0,
-                 fused: bool = True):
+                 qk_norm: bool = False, norm_layer: Optional[Callable[[int], nn.Module]] = None,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, fused: bool = True):
         super().__init__()
         if dim % num_heads:
             raise ConfigError(f"dim={dim} is not divisible by num_heads={num_heads}")
@@ -243,10 +258,12 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.num_laplacian_heads = num_laplacian_heads
         self.laplacian_mode = laplacian_mode
-        self.qk_norm = qk_norm
         self.fused = fused
         self.attn_drop = attn_drop
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        norm_layer = norm_layer or RMSNorm
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
         if laplacian_mode == "learned":
@@ -289,8 +306,7 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, N, D]
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if self.qk_norm:
-            q, k = rms_norm(q), rms_norm(k)
+        q, k = self.q_norm(q), self.k_norm(k)
 
         keys, values, mask = k, v, None
         if kv_cache is not None:

@@ -23,6 +23,7 @@ checkpoint or a timm / DeiT state dict into a model for fine-tuning.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import subprocess
@@ -133,7 +134,10 @@ def _read(path: Path, what: str, map_location: Any = "cpu") -> Any:
             from safetensors.torch import load_file
 
             return load_file(str(path), device=str(map_location))
-        return torch.load(path, map_location=map_location, weights_only=True)
+        # timm's train.py saves its argparse Namespace beside the weights (`args`): the one
+        # non-tensor class allowed, so the first author's last.pth.tar / model_best.pth.tar load.
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for truncated / foreign pickles
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path} is not a readable {what} (corrupt, truncated or not "
@@ -177,7 +181,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
 def load_weights(path: str | os.PathLike) -> tuple[dict, Optional[dict]]:
     """(state dict, model node or None) of a laplace checkpoint or a timm / DeiT weights file
     (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1`/`gamma_2` LayerScale
-    names too): what fine-tuning (`trainer.init_from`) and the frozen backbones start from."""
+    names too; timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar): what
+    fine-tuning (`trainer.init_from`) and the frozen backbones start from."""
     path = Path(path)
     sd, ckpt = _weights(path)
     return sd, None if ckpt is None else _model_node(ckpt, path)

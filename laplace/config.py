@@ -32,7 +32,8 @@ def model_node(name: str) -> dict:
     arch = d.pop("arch")
     node = {"name": name, **d, "laplacian_mode": "fixed"}
     if arch == "vit":
-        node.update(drop_path_rate=0.0, init_values=1e-6, **_VIT_FROM_DATA)
+        node.update(drop_path_rate=0.0, drop_path_schedule="uniform", init_values=1e-6, qk_norm=False,
+                    **_VIT_FROM_DATA)
     else:
         node.update(_GPT_FROM_DATA)
     return node

@@ -4,7 +4,11 @@ Design (DeiT III, "Revenge of the ViT", and timm's `deit3_*` models):
 - patch embedding by a strided conv; class token with NO position embedding on it
   (position embeddings cover the patches only, added before the class token is prepended);
 - pre-norm blocks, LayerNorm eps 1e-6, qkv bias, GELU MLP (4x), LayerScale (init 1e-6 for
-  DeiT-III), stochastic depth uniform over depth (DeiT-III's choice, not linearly increasing);
+  DeiT-III), stochastic depth uniform over depth (DeiT-III's choice; `drop_path_schedule=
+  "linear"` is timm's rule, 0 in the first block rising to the rate in the last);
+- optional QK-norm (`qk_norm=True`): a LayerNorm over each head's queries and keys, as the
+  paper's first author trained every ImageNet model (timm `qk_norm=True`; see configs/reference/
+  in1k_paper.yaml);
 - the class token after the final norm feeds the linear head;
 - any input size divisible by the patch: the patch position embeddings are resampled
   (bicubic) to the input's grid in the forward, by `pos_embed_resample`'s rule (see
@@ -20,9 +24,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import DropPath, LayerScale, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from timm.layers import (DropPath, LayerScale, Mlp, PatchEmbed, calculate_drop_path_rates, resample_abs_pos_embed,
+                         trunc_normal_)
 
 from .attention import Attention, block_indices, laplacian_counts
+from .errors import ConfigError
 
 
 class Block(nn.Module):
@@ -30,11 +36,11 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, num_laplacian_heads: int, laplacian_mode: str,
                  mlp_ratio: float, init_values: Optional[float], drop_path: float,
-                 fused_attn: bool, norm_layer):
+                 fused_attn: bool, norm_layer, qk_norm: bool = False):
         super().__init__()
         self.norm1 = norm_layer(dim)
-        self.attn = Attention(dim, num_heads, num_laplacian_heads, laplacian_mode,
-                              qkv_bias=True, proj_bias=True, fused=fused_attn)
+        self.attn = Attention(dim, num_heads, num_laplacian_heads, laplacian_mode, qkv_bias=True,
+                              proj_bias=True, qk_norm=qk_norm, norm_layer=norm_layer, fused=fused_attn)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
@@ -59,7 +65,10 @@ class VisionTransformer(nn.Module):
         num_laplacian_heads: int (every layer) or a per-layer list of Laplacian head counts.
         laplacian_mode: "fixed" (the paper) or "learned" (a sigmoid gate per head).
         init_values: LayerScale init (DeiT-III: 1e-6; None disables LayerScale).
-        drop_path_rate: stochastic-depth rate, the same in every block (DeiT-III).
+        drop_path_rate: stochastic-depth rate: of every block ("uniform") or of the last one.
+        drop_path_schedule: "uniform" (DeiT-III: the same rate in every block) or "linear"
+            (timm's VisionTransformer: 0 in the first block, rising linearly to the rate).
+        qk_norm: LayerNorm (eps 1e-6) over each head's queries and keys (timm's `qk_norm`).
         fused_attn: SDPA kernels (True) or the explicit-softmax reference path.
         pos_embed_resample: how the position embeddings follow an input of another size:
             "plain" (bicubic to the grid, as fine-tuning at another size resamples them) or
@@ -71,10 +80,14 @@ class VisionTransformer(nn.Module):
                  num_heads: int = 12, mlp_ratio: float = 4.0,
                  num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed",
                  init_values: Optional[float] = 1e-6, drop_path_rate: float = 0.0,
+                 drop_path_schedule: str = "uniform", qk_norm: bool = False,
                  fused_attn: bool = True, pos_embed_resample: str = "plain"):
         super().__init__()
         if pos_embed_resample not in _RESAMPLE_RULES:
             raise ValueError(f"pos_embed_resample={pos_embed_resample!r}: choose {' or '.join(_RESAMPLE_RULES)}")
+        if drop_path_schedule not in _DROP_PATH_SCHEDULES:
+            raise ConfigError(f"drop_path_schedule={drop_path_schedule!r}: choose "
+                              f"{' or '.join(_DROP_PATH_SCHEDULES)}")
         self.pos_embed_resample = pos_embed_resample
         self.num_classes = num_classes
         self.embed_dim = embed_dim
@@ -85,10 +98,12 @@ class VisionTransformer(nn.Module):
         num_patches = self.patch_embed.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, embed_dim))  # patches only
+        rates = (calculate_drop_path_rates(drop_path_rate, depth) if drop_path_schedule == "linear"
+                 else [drop_path_rate] * depth)
         self.blocks = nn.ModuleList([
-            Block(embed_dim, num_heads, k, laplacian_mode, mlp_ratio, init_values,
-                  drop_path_rate, fused_attn, norm_layer)
-            for k in self.num_laplacian_heads])
+            Block(embed_dim, num_heads, k, laplacian_mode, mlp_ratio, init_values, rate,
+                  fused_attn, norm_layer, qk_norm)
+            for k, rate in zip(self.num_laplacian_heads, rates)])
         self.norm = norm_layer(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self._init_weights()
@@ -146,6 +161,7 @@ class VisionTransformer(nn.Module):
 
 
 _RESAMPLE_RULES = ("plain", "dino")
+_DROP_PATH_SCHEDULES = ("uniform", "linear")
 
 
 def resample_pos_embed(pos_embed: torch.Tensor, old_grid, new_grid, rule: str = "plain") -> torch.Tensor:
@@ -177,11 +193,18 @@ def load_timm_state_dict(model: VisionTransformer, state_dict: dict) -> None:
     """Load a timm DeiT-III / ViT state dict strictly into `model`.
 
     Position embeddings are resampled (bicubic) when the checkpoint's patch grid differs from
-    the model's, e.g. DeiT-III's 192 px pre-training -> 224 px fine-tuning. A timm ViT whose
+    the model's, e.g. DeiT-III's 192 px pre-training -> 224 px fine-tuning. A state dict with
+    QK-norm weights (timm's `qk_norm=True`, every model of the first author's timm fork) needs
+    a model built with `qk_norm=True`, and one without them a model without. A timm ViT whose
     position embedding also covers the class token (no_embed_class=False) is refused: its
     geometry differs from DeiT-III's.
     """
     sd = dict(state_dict)
+    has, wants = "blocks.0.attn.q_norm.weight" in sd, "blocks.0.attn.q_norm.weight" in model.state_dict()
+    if has != wants:  # the usual mismatch with the first author's models: say the fix
+        raise ValueError(f"the state dict {'has' if has else 'has no'} QK-norm weights (blocks.<i>.attn.q_norm / "
+                         f"k_norm) but the model {'has none' if has else 'has them'}: build it with "
+                         f"qk_norm={has} (model.qk_norm={str(has).lower()})")
     pos = sd.get("pos_embed")
     want = model.pos_embed.shape
     if pos is not None and pos.shape != want:

@@ -4,6 +4,7 @@ Names:
     vitt_{k}L   ViT-Tiny  /16 (192 wide, 3 heads),  k = 0..3 Laplacian heads per layer
     vits_{k}L   ViT-Small /16 (384 wide, 6 heads),  k = 0..6
     vitb_{k}L   ViT-Base  /16 (768 wide, 12 heads), k = 0..12
+    vitl_{k}L   ViT-Large /16 (1024 wide, 24 deep, 16 heads), k = 0..16
     gpt_d{depth}_{k}L   nanochat GPT, width 64 x depth, heads = ceil(width / 128), k = 0..heads
                         (d20 = the paper's 561M model with 10 heads; d12 for sweeps; d2 for tests)
 The count k is per layer; a per-layer list can be passed as `num_laplacian_heads=[...]`.
@@ -20,14 +21,15 @@ from .errors import ConfigError
 from .gpt import GPT, gpt_dims
 from .vit import VisionTransformer
 
-# ViT shapes as timm / DeiT (patch 16, depth 12, mlp 4x). The class token feeds the head.
+# ViT shapes as timm / DeiT (patch 16, mlp 4x). The class token feeds the head.
 VIT_ARCHS = {
     "vitt": dict(embed_dim=192, depth=12, num_heads=3),
     "vits": dict(embed_dim=384, depth=12, num_heads=6),
     "vitb": dict(embed_dim=768, depth=12, num_heads=12),
+    "vitl": dict(embed_dim=1024, depth=24, num_heads=16),
 }
 GPT_LISTED_DEPTHS = (2, 4, 12, 20, 26)  # listed by list_models() (4: experiment=gpt_tiny's default); any depth >= 1 is accepted
-_NAME = re.compile(r"^(?:(?P<vit>vit[tsb])|gpt_d(?P<depth>\d+))_(?P<k>\d+)L$")
+_NAME = re.compile(r"^(?:(?P<vit>vit[tsbl])|gpt_d(?P<depth>\d+))_(?P<k>\d+)L$")
 
 
 class UnknownModelError(ConfigError):

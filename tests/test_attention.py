@@ -8,9 +8,11 @@ against attention written out by hand and against a closed form (uniform P gives
 running mean of V). The KV cache must reproduce the full causal forward token by token.
 """
 import math
+from functools import partial
 
 import pytest
 import torch
+import torch.nn as nn
 
 from laplace.attention import Attention, KVCache, merge_heads
 from laplace.gpt import GPT
@@ -20,9 +22,11 @@ from conftest import randomize_
 DIM, HEADS = 32, 4
 HEAD_DIM = DIM // HEADS
 
-# The two configurations the models use: ViT (qkv bias, no QK-norm) and GPT (QK-norm, rotary).
+# The configurations the models use: ViT (qkv bias, no QK-norm), the first author's ViT (timm's
+# QK-norm: a LayerNorm with weights over each head's q and k) and GPT (parameter-free QK-norm, rotary).
 CONFIGS = {
     "vit": dict(qkv_bias=True, proj_bias=True, qk_norm=False),
+    "vit_qk": dict(qkv_bias=True, proj_bias=True, qk_norm=True, norm_layer=partial(nn.LayerNorm, eps=1e-6)),
     "gpt": dict(qkv_bias=False, proj_bias=False, qk_norm=True),
 }
 
@@ -39,6 +43,10 @@ def make_pair(k: int, mode: str = "fixed", config: str = "vit", seed: int = 0):
     """A fused and a reference Attention in float64 holding the same random weights."""
     torch.manual_seed(seed)
     fused = Attention(DIM, HEADS, k, mode, fused=True, **CONFIGS[config]).double()
+    with torch.no_grad():  # QK-norm weights away from LayerNorm's identity init
+        for name, p in fused.named_parameters():
+            if "_norm." in name:
+                p.add_(0.3 * torch.randn_like(p))
     if mode == "learned":
         # Spread the gates so every head mixes P V and V - P V and their gradients are not tiny.
         with torch.no_grad():
@@ -60,7 +68,7 @@ def forward_and_grads(module, x, causal, rope, w):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", ["vit", "gpt"])
+@pytest.mark.parametrize("config", ["vit", "vit_qk", "gpt"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("k,mode", [(0, "fixed"), (1, "fixed"), (3, "fixed"), (HEADS, "fixed"),
                                     (2, "learned")])

@@ -175,3 +175,48 @@ def test_eval_transform_shape_and_centre_crop():
     assert px[:, :, 8:12].mean() > 250 and px[:, :, :2].mean() < 10
     assert eval_transform(224, crop_pct=0.875).transforms[1].size == 256
     assert eval_transform(224).transforms[1].size == 224
+
+
+def _photos(tmp_path):
+    """scikit-learn's two real photographs as ImageNet-like JPEG files (500x375, quality 90)."""
+    from sklearn.datasets import load_sample_image
+
+    paths = []
+    for name in ("china.jpg", "flower.jpg"):
+        paths.append(tmp_path / name)
+        Image.fromarray(load_sample_image(name)).resize((500, 375), Image.BICUBIC).save(paths[-1], quality=90)
+    return paths
+
+
+def test_timm_augment_is_timms_train_transform(tmp_path):
+    """data.augment=timm (experiment=deit3_in1k_author) is timm's create_transform as timm's
+    train.py calls it with the first author's flags (--aa 3a --color-jitter 0.3, random
+    interpolation, no erasing): the same pixels from the same seeds. The evaluation transform at
+    crop 0.875 is timm's too. scripts/check_author_fork.py checks both against the fork's timm."""
+    from omegaconf import OmegaConf
+    from timm.data import create_transform
+
+    from laplace.data.vision import build_transform
+
+    cfg = OmegaConf.create(dict(name="imagenet", img_size=96, augment="timm", auto_augment="3a",
+                                train_interpolation="random", color_jitter=0.3, eval_crop_pct=0.875,
+                                mean=list(IMAGENET_DEFAULT_MEAN), std=list(IMAGENET_DEFAULT_STD)))
+    pairs = [(build_transform(cfg, True),
+              create_transform(96, is_training=True, auto_augment="3a", color_jitter=0.3, interpolation="random",
+                               re_prob=0.0)),
+             (build_transform(cfg, False),
+              create_transform(96, is_training=False, interpolation="bicubic", crop_pct=0.875))]
+    for path in _photos(tmp_path):
+        with Image.open(path) as img:
+            img = img.convert("RGB")
+        for split, (ours, theirs) in zip(("train", "eval"), pairs):
+            outs = []
+            for seed in range(6):
+                for tf in (ours, theirs):
+                    random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+                    outs.append(tf(img))
+                assert torch.equal(outs[-2], outs[-1]), (path.name, split, seed)
+            if split == "train":  # the seeds do draw different crops and branches
+                assert len({round(o.sum().item(), 3) for o in outs}) == 6
+    with pytest.raises(Exception, match=r"data.train_interpolation.*\+data.train_interpolation=random"):
+        build_transform(OmegaConf.create({**OmegaConf.to_container(cfg), "train_interpolation": None}), True)

@@ -3,6 +3,7 @@ every experiment=deit3_* config on tiny real-format data, resume under the full 
 fine-tuning from laplace checkpoints and timm / DeiT state dicts."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -299,8 +300,13 @@ def test_init_from_timm_and_deit_state_dicts(tmp_path):
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "timm.safetensors"))
+    # timm train.py's checkpoint (the first author's last.pth.tar): its argparse Namespace beside the weights.
+    opt = torch.optim.AdamW(ref.parameters())
+    torch.save({"epoch": 399, "arch": "deit3_base_patch16_224", "state_dict": sd, "optimizer": opt.state_dict(),
+                "version": 2, "args": argparse.Namespace(model="deit3_base_patch16_224", lr=2e-3, scale=[0.08, 1.0]),
+                "metric": 81.45}, tmp_path / "last.pth.tar")
     x = torch.randn(2, 3, 32, 32)
-    for fname in ("timm.pth", "deit.pth", "timm.safetensors"):
+    for fname in ("timm.pth", "deit.pth", "timm.safetensors", "last.pth.tar"):
         node = _node(img_size=32, num_classes=10)
         model = create_model(**node).eval()
         assert "timm/DeiT state dict" in load_pretrained(model, tmp_path / fname, node)

@@ -60,6 +60,17 @@ def test_deit3_step_and_evaluation(make_cfg, tmp_path):
     assert math.isfinite(metrics["val_loss"])
 
 
+def test_author_imagenet_recipe_step_and_evaluation(make_cfg, tmp_path):
+    """experiment=deit3_in1k_author on the device: a QK-norm ViT with Laplacian heads, timm's '3a'
+    transform, Mixup with BCE on ImageNet's parquet layout."""
+    fakedata.write_imagenet_parquet(tmp_path / "in1k", n_classes=4, per_class=4, size=40)
+    cfg = make_cfg("experiment=deit3_in1k_author", "model=vitb_6L", *VIT, "data.img_size=32", "data.patch_size=8",
+                   f"data.root={tmp_path / 'in1k'}", "trainer.global_batch_size=8", "trainer.micro_batch_size=8")
+    assert cfg.model.qk_norm and cfg.data.augment == "timm"
+    metrics = _run_on_fake_cuda(cfg)
+    assert math.isfinite(metrics["val_loss"])
+
+
 def test_gpt_step_and_evaluation(make_cfg):
     cfg = make_cfg("experiment=gpt_pydoc", "model=gpt_d2_1L", "data.seq_len=32", "trainer.global_batch_size=8",
                    *VIT[2:], "trainer.eval_every=1")

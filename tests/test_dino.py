@@ -329,8 +329,10 @@ def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path):
         run(make_cfg("experiment=dino_in1k", "model=vits_5L", run_dir=tmp_path / "no_root"))
     root = tmp_path / "imagenet"
     fakedata.write_imagenet_folder(root, n_classes=2, per_class=4, size=40)
+    # The backbone as the first author's timm fork has it (the card's open question): QK-norm, LayerScale.
     metrics = run(make_cfg(
-        "experiment=dino_in1k", "model=vits_5L", "model.depth=1", "model.embed_dim=48", f"data.root={root}",
+        "experiment=dino_in1k", "model=vits_5L", "model.qk_norm=true", "model.init_values=1e-6",
+        "model.depth=1", "model.embed_dim=48", f"data.root={root}",
         "data.img_size=32", "trainer.multicrop.local_size=16", "trainer.global_batch_size=4",
         "trainer.max_steps=2", "trainer.num_workers=0", "trainer.progress=false", "trainer.log_every=1",
         "trainer.head.out_dim=64", "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16"))
@@ -343,6 +345,7 @@ def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path):
     assert ckpt["config"]["trainer"]["multicrop"]["local_crops"] == 8
     vit = load_model(run_dir / "ckpt/last.pt")
     assert type(vit).__name__ == "VisionTransformer" and vit.num_laplacian_heads == [5]
+    assert isinstance(vit.blocks[0].attn.q_norm, torch.nn.LayerNorm)
     feats = vit.forward_features(torch.randn(2, 3, 32, 32))
     assert feats["norm"].shape == (2, 1 + 4, 48)
     assert (run_dir / "results.json").exists()

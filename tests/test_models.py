@@ -108,6 +108,47 @@ def test_load_timm_state_dict_refuses_bad_state_dicts():
         load_timm_state_dict(model, with_cls)
 
 
+def test_qk_norm_vit_matches_timm_with_linear_drop_path():
+    """The first author's models (timm fork e9c80e5): timm's ViT with qk_norm=True, drop-path rising
+    linearly over depth. Ours with qk_norm=True, drop_path_schedule="linear" gives timm's logits in
+    eval mode and, from the same seed, in train mode (the same drop-path draws, block by block).
+    The fork's Laplacian variants are checked beside its own code by scripts/check_author_fork.py."""
+    torch.manual_seed(0)
+    arch = dict(img_size=64, num_classes=10, depth=3, drop_path_rate=0.3)
+    theirs = timm.models.VisionTransformer(patch_size=16, embed_dim=192, num_heads=3, no_embed_class=True,
+                                           init_values=1e-6, qk_norm=True, **arch)
+    sd = random_timm_state_dict(theirs)
+    theirs.load_state_dict(sd, strict=True)
+    ours = laplace.create_model("vitt_0L", qk_norm=True, drop_path_schedule="linear", **arch)
+    assert [n for n in sd if ".0.attn." in n] == [n for n in ours.state_dict() if ".0.attn." in n]
+    load_timm_state_dict(ours, sd)
+    assert [b.drop_path1.drop_prob for b in ours.blocks[1:]] == [b.drop_path1.drop_prob for b in theirs.blocks[1:]]
+    x = torch.randn(4, 3, 64, 64)
+    for train in (False, True):
+        theirs.train(train), ours.train(train)
+        torch.manual_seed(1)
+        ref = theirs(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(ours(x), ref, rtol=1e-5, atol=1e-5)
+    # Loading across the QK-norm switch names the fix, both ways.
+    with pytest.raises(ValueError, match=r"has QK-norm weights .*model\.qk_norm=true"):
+        load_timm_state_dict(laplace.create_model("vitt_0L", **arch), sd)
+    with pytest.raises(ValueError, match=r"has no QK-norm weights .*model\.qk_norm=false"):
+        load_timm_state_dict(ours, laplace.create_model("vitt_0L", **arch).state_dict())
+
+
+def test_vitl_is_timms_deit3_large():
+    """vitl_{k}L: ViT-L/16 (1024 wide, 24 deep, 16 heads); with QK-norm at 192 px it has the
+    parameters of the fork's deit3_large_qk_patch16_192 (timm's ViT-L with qk_norm)."""
+    with torch.device("meta"):
+        theirs = timm.models.VisionTransformer(img_size=192, patch_size=16, embed_dim=1024, depth=24, num_heads=16,
+                                               no_embed_class=True, init_values=1e-6, qk_norm=True)
+        ours = laplace.create_model("vitl_16L", qk_norm=True, img_size=192)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+    assert sum(p.numel() for p in ours.parameters()) == 304_327_656
+    assert laplace.list_models("vitl_*") == [f"vitl_{k}L" for k in range(17)]
+
+
 # ---------------------------------------------------------------------------------------- GPT
 
 @pytest.mark.parametrize("name", ["gpt_d20_0L", "gpt_d20_5L"])

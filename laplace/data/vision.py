@@ -6,6 +6,10 @@
     simple_random_crop   the same after DeiT's `--src` crop (resize + reflect-pad-4 random crop)
     randaugment          DeiT-III fine-tuning: timm's random resized crop + flip + RandAugment
                          `data.auto_augment` (rand-m9-mstd0.5-inc1), no colour jitter
+    timm                 timm train.py's training transform (`create_transform`): random resized
+                         crop (`data.train_interpolation`, timm's default `random`: bilinear or
+                         bicubic per image) + flip + `data.auto_augment` + colour jitter; with
+                         `3a` (the first author's ImageNet runs) timm keeps the jitter on
     none                 the evaluation transform (resize + centre crop)
 """
 from __future__ import annotations
@@ -17,22 +21,29 @@ from laplace.errors import ConfigError
 from .transforms import ToRGB, eval_transform, three_augment
 
 NAMES = ("digits", "cifar10", "cifar100", "imagenet")
-AUGMENTS = ("three_augment", "simple_random_crop", "randaugment", "none")
+AUGMENTS = ("three_augment", "simple_random_crop", "randaugment", "timm", "none")
 
 
-def rand_augment(cfg, mean, std) -> T.Compose:
-    """DeiT-III's fine-tuning transform: timm's create_transform with RandAugment `auto_augment`."""
+def _required(cfg, key: str, example: str):
+    value = cfg.get(key)
+    if value is None or value == "":
+        raise ConfigError(f"data.augment={cfg.augment} needs data.{key}: set +data.{key}={example} "
+                          f"(data={cfg.name})")
+    return value
+
+
+def timm_transform(cfg, mean, std, interpolation: str) -> T.Compose:
+    """timm's own training transform (`create_transform`, as timm's train.py builds it) with
+    `data.auto_augment` (None: none), `data.color_jitter` and no random erasing.
+
+    timm turns the colour jitter off under RandAugment (DeiT-III's fine-tuning runs) and keeps
+    it with '3a'. It draws from Python's `random` and NumPy: the training feed seeds both per
+    sample."""
     from timm.data import create_transform
 
-    policy = cfg.get("auto_augment")
-    if not policy:
-        raise ConfigError(f"data.augment=randaugment needs a RandAugment policy: set "
-                          f"+data.auto_augment=rand-m9-mstd0.5-inc1 (data={cfg.name})")
-    # timm turns colour jitter off under RandAugment, as in DeiT's fine-tuning runs.
     tf = create_transform(cfg.img_size, is_training=True, color_jitter=cfg.get("color_jitter", 0.3),
-                          auto_augment=policy, interpolation="bicubic", re_prob=0.0,
-                          mean=mean, std=std)
-    # It draws from Python's `random` and NumPy: the training feed seeds both per sample.
+                          auto_augment=cfg.get("auto_augment") or None, interpolation=interpolation,
+                          re_prob=0.0, mean=mean, std=std)
     return T.Compose([ToRGB(), tf])
 
 
@@ -43,8 +54,11 @@ def build_transform(cfg, train: bool):
         return eval_transform(cfg.img_size, cfg.eval_crop_pct, mean, std)
     if cfg.augment not in AUGMENTS:
         raise ConfigError(f"data.augment={cfg.augment!r}: choose one of {', '.join(AUGMENTS)}")
-    if cfg.augment == "randaugment":
-        return rand_augment(cfg, mean, std)
+    if cfg.augment == "randaugment":  # DeiT-III's fine-tuning: RandAugment, bicubic crops
+        _required(cfg, "auto_augment", "rand-m9-mstd0.5-inc1")
+        return timm_transform(cfg, mean, std, "bicubic")
+    if cfg.augment == "timm":
+        return timm_transform(cfg, mean, std, _required(cfg, "train_interpolation", "random"))
     # data=digits states no colour jitter (its augment is none): an override gets DeiT-III's 0.3.
     return three_augment(cfg.img_size, cfg.get("color_jitter", 0.3),
                          simple_random_crop=cfg.augment == "simple_random_crop", mean=mean, std=std)
