@@ -129,6 +129,35 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return all_reduce_sum(t) / (dist.get_world_size() if dist.is_initialized() else 1)
 
 
+def broadcast_module_(module: torch.nn.Module, src: int = 0):
+    """Overwrite every parameter and buffer of `module` (non-persistent ones too) with rank
+    `src`'s, in place: DDP does so for the module it wraps only."""
+    if not dist.is_initialized():
+        return
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.detach(), src)
+
+
+def unsynced_running_stats(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Running means and variances of the plain batch norms in `module`: under DDP each rank
+    updates them from its own batch (SyncBatchNorm, which all-reduces them, has CUDA kernels only)."""
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             and not isinstance(m, torch.nn.SyncBatchNorm) and m.track_running_stats]
+    return [t for m in norms for t in (m.running_mean, m.running_var)]
+
+
+def average_(tensors: list[torch.Tensor]):
+    """Each tensor replaced by its mean over ranks, in place (one all-reduce for all of them)."""
+    if not tensors or not dist.is_initialized():
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(v.view_as(t))
+
+
 def all_gather_object(obj) -> list:
     if not dist.is_initialized():
         return [obj]

@@ -123,7 +123,13 @@ class Trainer:
         self.resumed = resume is not None
         if resume is not None:
             self._restore(*resume)
+        # Rank 0's model is the run's (every rank built its own from its own seed): the whole trained
+        # module, not only what DDP wraps and broadcasts (DINO's teacher and centre; main_dino copies
+        # the student into the teacher after wrapping it for the same reason).
+        dist.broadcast_module_(self.model)
         self.net = self.wrap_model(self.model)
+        # Batch norms that no collective keeps equal (gloo has no SyncBatchNorm): averaged each step.
+        self.unsynced_stats = dist.unsynced_running_stats(self.model) if self.dist.distributed else []
         self.is_set_up = True
         return self
 
@@ -182,7 +188,10 @@ class Trainer:
         net = model
         if self.dist.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            net = nn.parallel.DistributedDataParallel(net, device_ids=ids)
+            # No buffer broadcast before every forward: each is equal on every rank by construction
+            # (rotary tables, head masks), by its own all-reduce (DINO's centre, SyncBatchNorm's
+            # statistics) or by the engine's average after each step (plain batch norm under gloo).
+            net = nn.parallel.DistributedDataParallel(net, device_ids=ids, forward_sync_buffers=False)
         return torch.compile(net) if self.compile else net
 
     def collate(self, items):
@@ -344,6 +353,7 @@ class Trainer:
             for opt in self.optimizers.values():
                 opt.step()
             self.after_optimizer_step()
+            dist.average_(self.unsynced_stats)
             for opt in self.optimizers.values():
                 opt.zero_grad(set_to_none=True)
             self.step = step = self.step + 1
