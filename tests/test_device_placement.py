@@ -60,10 +60,29 @@ def test_stand_in_counts_host_syncs():
     assert all("tests/test_device_placement.py:" in line for line in tags.syncs), tags.syncs
 
 
+@pytest.fixture(autouse=True)
+def float32_matmuls():
+    """Each test starts with float32 matmuls in full precision (torch's default) and leaves them so."""
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision("highest")
+
+
+def test_a_cuda_device_turns_tf32_on_the_cpu_does_not():
+    from laplace.dist import resolve_device
+
+    assert resolve_device("cpu").type == "cpu" and torch.get_float32_matmul_precision() == "highest"
+    with fake_cuda():
+        assert resolve_device("auto").type == "cuda"
+    assert torch.get_float32_matmul_precision() == "high"
+
+
 def _run_on_fake_cuda(cfg) -> dict:
     with fake_cuda() as tags:
         metrics = run(cfg)
         assert tags.held, "nothing was placed on the device: the run ignored trainer.device=cuda"
+    assert torch.get_float32_matmul_precision() == "high", "training on CUDA without TF32"
+    torch.set_float32_matmul_precision("highest")
     return metrics
 
 
@@ -137,12 +156,16 @@ def test_steps_between_log_steps_make_no_host_sync(name, make_cfg, tmp_path, req
 
 
 def _cli(module: str, *args: str):
-    """`python -m module args` in this process (the same entry point), so it runs on the stand-in."""
+    """`python -m module args` in this process (the same entry point), so it runs on the stand-in;
+    one on the device runs float32 matmuls in TF32."""
+    torch.set_float32_matmul_precision("highest")
     with mock.patch.object(sys, "argv", [module, *args]):
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         except SystemExit as e:
             assert not e.code, f"python -m {module} exited with {e.code}"
+    if any(a.endswith("device=cuda") for a in args):
+        assert torch.get_float32_matmul_precision() == "high", f"python -m {module} on CUDA without TF32"
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +222,9 @@ def test_gpt_shards_muon_sft_generate_and_lm_eval(make_cfg, tmp_path):
     with fake_cuda():
         _cli("eval.generate", f"checkpoint={ckpt}", "chat=true", "prompt=What is a class", "max_new_tokens=4",
              "device=cuda")
+        torch.set_float32_matmul_precision("highest")
         lm = LaplaceLM(ckpt, device="cuda", batch_size=2)
-        assert lm.device.type == "cuda"
+        assert lm.device.type == "cuda" and torch.get_float32_matmul_precision() == "high"
         req = lambda kind, *a: Instance(request_type=kind, doc={}, arguments=a, idx=0)  # noqa: E731
         lls = lm.loglikelihood([req("loglikelihood", "A class is", " a"), req("loglikelihood", "Lists", " are")])
         rolling = lm.loglikelihood_rolling([req("loglikelihood_rolling", "The for statement")])
