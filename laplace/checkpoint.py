@@ -13,11 +13,11 @@ A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
               (DINO: student, EMA teacher and the loss centre),
      "optimizer": {name: optimizer state dict},
      "loop": {"step", "feed": the data position, "world_size"},
-     "rng": [per-rank RNG states]}
+     "rng": [per-rank RNG states: Python, NumPy, torch's CPU and the rank's own CUDA device]}
 
 Writes go through `laplace.io.atomic_write` (temp file in the same folder, fsync, rename, folder
 fsync), so a kill during a save never leaves a broken `last.pt`; the temp file of a killed
-writer is removed by the next save.
+writer is removed by the next save. Reads are memory-mapped (`_read`).
 `load_model(path)` rebuilds the model from the checkpoint alone; `load_pretrained` loads a
 checkpoint or a timm / DeiT state dict into a model for fine-tuning.
 """
@@ -75,7 +75,9 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This process's device only: a resume may see another number of GPUs (one per task
+        # under Slurm's --gpus-per-task, all of the node under torchrun).
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -85,8 +87,12 @@ def set_rng_state(state: dict):
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
                          n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, (list, tuple)):  # laplace before 2026-12-01: every visible device's state
+        i = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        cuda = cuda[i] if i < len(cuda) else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 def _plain_state(obj):
@@ -133,7 +139,16 @@ def _read(path: Path, what: str, map_location: Any = "cpu") -> Any:
             from safetensors.torch import load_file
 
             return load_file(str(path), device=str(map_location))
-        return torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            # Memory-mapped: pages are read when a tensor is used (copied to its device) and the
+            # ranks of a node share them in the page cache, so a resume reads the file once per node
+            # instead of once per rank. Saves rename a new file over the old (atomic_write), never
+            # write into it, so a mapping stays valid.
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap can only be used" not in str(e):
+                raise
+            return torch.load(path, map_location=map_location, weights_only=True)  # torch < 1.6's format
     except Exception as e:  # torch raises many types for truncated / foreign pickles
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path} is not a readable {what} (corrupt, truncated or not "

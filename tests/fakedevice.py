@@ -6,7 +6,9 @@ results stay tagged), reports `device == cuda:0`, and every op's output is tagge
 is. An op that mixes a tagged tensor with an untagged CPU tensor raises CUDA's "Expected all
 tensors to be on the same device"; as on CUDA, a 0-dim CPU tensor may join a pointwise op, and
 copies, indexing with CPU indices and `.item()` cross freely. `.numpy()` of a tagged tensor
-raises as CUDA's does; a generator made for "cuda" must meet tagged tensors only. Kernels, NCCL, streams, bf16 autocast and memory are not modelled.
+raises as CUDA's does; a generator made for "cuda" must meet tagged tensors only; the device's
+own generator state (torch.cuda.get/set_rng_state) is kept, and naming a second device raises.
+Kernels, NCCL, streams, bf16 autocast and memory are not modelled.
 
 What would make the host wait for the device is counted in `tags.syncs` (one line per sync: the
 op and our innermost calling line): a value read from a device tensor (`.item()`, `float()`,
@@ -205,6 +207,27 @@ class _Function(TorchFunctionMode):
         return out
 
 
+def _cuda_rng(count: int = 1) -> list:
+    """torch.cuda's get/set_rng_state(_all) over `count` devices' generators (CPU generators here):
+    a device index past the last raises IndexError, as CUDA's default_generators[idx] does."""
+    gens = [torch.Generator().manual_seed(i) for i in range(count)]
+
+    def gen(device="cuda") -> torch.Generator:
+        idx = torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
+        return gens[0 if idx is None else idx]  # index None: the current device, 0
+
+    def set_state(new_state, device="cuda"):
+        gen(device).set_state(new_state)
+
+    def set_all(states):
+        for i, state in enumerate(states):
+            set_state(state, i)
+
+    funcs = dict(get_rng_state=lambda device="cuda": gen(device).get_state(), set_rng_state=set_state,
+                 get_rng_state_all=lambda: [g.get_state() for g in gens], set_rng_state_all=set_all)
+    return [mock.patch(f"{where}.{name}", f) for where in ("torch.cuda", "torch.cuda.random") for name, f in funcs.items()]
+
+
 def _generator_class(tags: _Tags):
     class Generator(torch.Generator):
         """torch.Generator(device="cuda") -> a CPU generator remembered as a CUDA one."""
@@ -245,7 +268,8 @@ def fake_cuda():
                mock.patch("torch.cuda.memory_allocated", lambda d=None: 0),
                mock.patch("torch.cuda.max_memory_allocated", lambda d=None: 0),
                # The optimizers ask the current CUDA stream whether a graph is being captured.
-               mock.patch("torch.accelerator.current_stream", lambda d=None: mock.Mock(is_capturing=lambda: False))]
+               mock.patch("torch.accelerator.current_stream", lambda d=None: mock.Mock(is_capturing=lambda: False)),
+               *_cuda_rng()]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
