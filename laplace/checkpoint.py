@@ -17,7 +17,7 @@ A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
 
 Writes go through `laplace.io.atomic_write` (temp file in the same folder, fsync, rename, folder
 fsync), so a kill during a save never leaves a broken `last.pt`; the temp file of a killed
-writer is removed by the next save. Reads are memory-mapped (`_read`).
+writer is removed by the next save. A resume reads memory-mapped (`load_checkpoint(mmap=True)`).
 `load_model(path)` rebuilds the model from the checkpoint alone; `load_pretrained` loads a
 checkpoint or a timm / DeiT state dict into a model for fine-tuning.
 """
@@ -130,8 +130,9 @@ def resume_candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
     return [p for p in [ckpt_dir / "last.pt", *steps] if p.is_file()]
 
 
-def _read(path: Path, what: str, map_location: Any = "cpu") -> Any:
-    """torch.load(weights_only=True) (or safetensors), every failure as one CheckpointError line."""
+def _read(path: Path, what: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """torch.load(weights_only=True) (or safetensors), every failure as one CheckpointError line.
+    mmap: the file's tensors stay mapped (see load_checkpoint)."""
     if not path.is_file():
         raise CheckpointError(f"no {what} at {path}")
     try:
@@ -140,13 +141,9 @@ def _read(path: Path, what: str, map_location: Any = "cpu") -> Any:
 
             return load_file(str(path), device=str(map_location))
         try:
-            # Memory-mapped: pages are read when a tensor is used (copied to its device) and the
-            # ranks of a node share them in the page cache, so a resume reads the file once per node
-            # instead of once per rank. Saves rename a new file over the old (atomic_write), never
-            # write into it, so a mapping stays valid.
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         except RuntimeError as e:
-            if "mmap can only be used" not in str(e):
+            if not mmap or "mmap can only be used" not in str(e):
                 raise
             return torch.load(path, map_location=map_location, weights_only=True)  # torch < 1.6's format
     except Exception as e:  # torch raises many types for truncated / foreign pickles
@@ -179,10 +176,16 @@ def _model_node(ckpt: dict, path) -> dict:
     return node
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
-    """Read and validate a checkpoint; a foreign or corrupt file raises CheckpointError."""
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict:
+    """Read and validate a checkpoint; a foreign or corrupt file raises CheckpointError.
+
+    mmap=True (a resume): the tensors are views of the file mapped into memory, read from disk
+    when used (copied to their device); the ranks of a node share those pages in the page
+    cache, so the file is read once per node instead of once per rank. Valid as long as nothing
+    writes into the file: laplace's saves rename a new file over it (atomic_write), but a
+    `torch.save` onto the same path while the tensors live makes reading them a bus error."""
     path = Path(path)
-    ckpt = _read(path, "checkpoint", map_location)
+    ckpt = _read(path, "checkpoint", map_location, mmap)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a laplace checkpoint (no format={FORMAT!r} tag); "
                               f"for timm weights use laplace.vit.load_timm_state_dict")

@@ -138,13 +138,14 @@ def test_resume_maps_the_checkpoint_and_the_next_save_leaves_the_mapping_valid(m
     assert set(load_checkpoint(path)["model"]) == {"weight", "bias"}
 
 
-def test_a_file_in_torchs_legacy_format_still_loads(tmp_path):
-    path = tmp_path / "old.pth"  # timm / DeiT weights saved by torch < 1.6 (no zip: cannot be mapped)
-    torch.save({"model": {"w": torch.ones(2)}}, path, _use_new_zipfile_serialization=False)
-    from laplace.checkpoint import load_weights
+def test_a_checkpoint_in_torchs_legacy_format_still_resumes(tmp_path):
+    """A file torch < 1.6 wrote (no zip archive) cannot be mapped: it is read instead."""
+    from laplace.checkpoint import FORMAT, VERSION
 
-    sd, node = load_weights(path)
-    assert torch.equal(sd["w"], torch.ones(2)) and node is None
+    path = tmp_path / "last.pt"
+    torch.save({"format": FORMAT, "version": VERSION, "model": {"w": torch.ones(2)}, "config": {}}, path,
+               _use_new_zipfile_serialization=False)
+    assert torch.equal(load_checkpoint(path, mmap=True)["model"]["w"], torch.ones(2))
 
 
 def test_the_rng_restore_takes_this_devices_state_whatever_the_saved_device_count(make_cfg, tmp_path):
