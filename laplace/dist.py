@@ -90,9 +90,9 @@ def resolve_device(device: str = "auto", index: int = 0) -> torch.device:
 
 def use_tf32(device: torch.device):
     """On CUDA, float32 matmuls in TF32 (10 mantissa bits, several times float32's rate; torch
-    already runs float32 convolutions so): what bf16 autocast leaves in float32 (losses, norms'
-    statistics, evaluation and analysis without autocast), as nanochat and timm's trainers set it.
-    The analysis accumulators are float64, which TF32 leaves alone."""
+    already runs float32 convolutions so), as nanochat and timm's train.py set it: the matmuls bf16
+    autocast does not take (runs with trainer.amp=false, float32 forwards of the analysis, k-NN
+    similarities). The analysis accumulators are float64, which TF32 leaves alone."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 

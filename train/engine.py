@@ -20,7 +20,8 @@ A trainer supplies (class attributes, then hooks):
     before_optimizer_step (clips), after_optimizer_step (e.g. an EMA), export_model (what
     load_model rebuilds), build_sampler, wrap_model, collate, on_fit_end: see each default.
 All training state lives in the model and the optimizers (DINO's centre too): a checkpoint
-holds those, the data position and each rank's RNG states.
+holds those, the data position and each rank's RNG states. Every rank trains rank 0's model (set-up
+broadcasts it whole); what is drawn while training (drop-path, Mixup) is each rank's own.
 """
 from __future__ import annotations
 
