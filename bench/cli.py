@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from laplace.dist import use_tf32
+
 from . import report
 from .pipeline import analysis_one, analysis_subprocess, bench_stream, bench_tokenizer
 
@@ -104,9 +106,7 @@ def parse_args(argv=None):
 def setup(args):
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 runs as on a training cluster
-        torch.backends.cudnn.allow_tf32 = True
+    use_tf32(torch.device(args.device))  # fp32 runs as on a training cluster
 
 
 def free(cases, args):

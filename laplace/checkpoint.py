@@ -13,11 +13,11 @@ A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
               (DINO: student, EMA teacher and the loss centre),
      "optimizer": {name: optimizer state dict},
      "loop": {"step", "feed": the data position, "world_size"},
-     "rng": [per-rank RNG states]}
+     "rng": [per-rank RNG states: Python, NumPy, torch's CPU and the rank's own CUDA device]}
 
 Writes go through `laplace.io.atomic_write` (temp file in the same folder, fsync, rename, folder
 fsync), so a kill during a save never leaves a broken `last.pt`; the temp file of a killed
-writer is removed by the next save.
+writer is removed by the next save. A resume reads memory-mapped (`load_checkpoint(mmap=True)`).
 `load_model(path)` rebuilds the model from the checkpoint alone; `load_pretrained` loads a
 checkpoint or a timm / DeiT state dict into a model for fine-tuning.
 """
@@ -76,7 +76,9 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This process's device only: a resume may see another number of GPUs (one per task
+        # under Slurm's --gpus-per-task, all of the node under torchrun).
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -86,8 +88,12 @@ def set_rng_state(state: dict):
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
                          n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, (list, tuple)):  # laplace before 2026-12-01: every visible device's state
+        i = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        cuda = cuda[i] if i < len(cuda) else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 def _plain_state(obj):
@@ -125,8 +131,9 @@ def resume_candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
     return [p for p in [ckpt_dir / "last.pt", *steps] if p.is_file()]
 
 
-def _read(path: Path, what: str, map_location: Any = "cpu") -> Any:
-    """torch.load(weights_only=True) (or safetensors), every failure as one CheckpointError line."""
+def _read(path: Path, what: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """torch.load(weights_only=True) (or safetensors), every failure as one CheckpointError line.
+    mmap: the file's tensors stay mapped (see load_checkpoint)."""
     if not path.is_file():
         raise CheckpointError(f"no {what} at {path}")
     try:
@@ -137,7 +144,12 @@ def _read(path: Path, what: str, map_location: Any = "cpu") -> Any:
         # timm's train.py saves its argparse Namespace beside the weights (`args`): the one
         # non-tensor class allowed, so the first author's last.pth.tar / model_best.pth.tar load.
         with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            except RuntimeError as e:
+                if not mmap or "mmap can only be used" not in str(e):
+                    raise
+                return torch.load(path, map_location=map_location, weights_only=True)  # torch < 1.6's format
     except Exception as e:  # torch raises many types for truncated / foreign pickles
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path} is not a readable {what} (corrupt, truncated or not "
@@ -168,10 +180,16 @@ def _model_node(ckpt: dict, path) -> dict:
     return node
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
-    """Read and validate a checkpoint; a foreign or corrupt file raises CheckpointError."""
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict:
+    """Read and validate a checkpoint; a foreign or corrupt file raises CheckpointError.
+
+    mmap=True (a resume): the tensors are views of the file mapped into memory, read from disk
+    when used (copied to their device); the ranks of a node share those pages in the page
+    cache, so the file is read once per node instead of once per rank. Valid as long as nothing
+    writes into the file: laplace's saves rename a new file over it (atomic_write), but a
+    `torch.save` onto the same path while the tensors live makes reading them a bus error."""
     path = Path(path)
-    ckpt = _read(path, "checkpoint", map_location)
+    ckpt = _read(path, "checkpoint", map_location, mmap)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a laplace checkpoint (no format={FORMAT!r} tag); "
                               f"for timm weights use laplace.vit.load_timm_state_dict")

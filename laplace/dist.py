@@ -70,6 +70,8 @@ def _env_ranks() -> tuple[int, int, int]:
 
 def resolve_device(device: str = "auto", index: int = 0) -> torch.device:
     """"auto" -> CUDA when available, else CPU; asking for CUDA without one is a one-line error.
+    Every entry point (training, evaluation, analysis, generation) resolves its device here, so
+    a CUDA device also turns TF32 on (`use_tf32`).
 
     index is the local rank; it is taken modulo the visible GPUs because Slurm's --gpus-per-task /
     --gpu-bind give each task its own CUDA_VISIBLE_DEVICES (one GPU, index 0), while --gpus=N or
@@ -80,8 +82,19 @@ def resolve_device(device: str = "auto", index: int = 0) -> torch.device:
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError(f"device={device} but no CUDA device is visible; use cpu or auto")
-        return torch.device("cuda", index % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
+        dev = torch.device("cuda", index % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
+        use_tf32(dev)
+        return dev
     return torch.device(device)
+
+
+def use_tf32(device: torch.device):
+    """On CUDA, float32 matmuls in TF32 (10 mantissa bits, several times float32's rate; torch
+    already runs float32 convolutions so), as nanochat and timm's train.py set it: the matmuls bf16
+    autocast does not take (runs with trainer.amp=false, float32 forwards of the analysis, k-NN
+    similarities). The analysis accumulators are float64, which TF32 leaves alone."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
 
 
 def setup(device: str = "auto") -> DistInfo:
@@ -127,6 +140,35 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return all_reduce_sum(t) / (dist.get_world_size() if dist.is_initialized() else 1)
+
+
+def broadcast_module_(module: torch.nn.Module, src: int = 0):
+    """Overwrite every parameter and buffer of `module` (non-persistent ones too) with rank
+    `src`'s, in place: DDP does so for the module it wraps only."""
+    if not dist.is_initialized():
+        return
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.detach(), src)
+
+
+def unsynced_running_stats(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Running means and variances of the plain batch norms in `module`: under DDP each rank
+    updates them from its own batch (SyncBatchNorm, which all-reduces them, has CUDA kernels only)."""
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             and not isinstance(m, torch.nn.SyncBatchNorm) and m.track_running_stats]
+    return [t for m in norms for t in (m.running_mean, m.running_var)]
+
+
+def average_(tensors: list[torch.Tensor]):
+    """Each tensor replaced by its mean over ranks, in place (one all-reduce for all of them)."""
+    if not tensors or not dist.is_initialized():
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(v.view_as(t))
 
 
 def all_gather_object(obj) -> list:

@@ -1,18 +1,22 @@
 """What only a GPU shows, checked in one command on one GPU node (scripts/gpu_check.sh).
 
-    bash scripts/gpu_check.sh                          # CUDA, bf16 autocast + torch.compile
+    bash scripts/gpu_check.sh                          # CUDA: bf16, compiled where a config says so
     bash scripts/gpu_check.sh --device cpu --no-compile --tiny   # dry run of the script itself
 
 Every trainer and experiment family trains a few steps at small size as a user runs it
-(`python train.py ...`, data workers on), stops part-way and resumes; fine-tuning starts
+(`python train.py ...`, data workers on, compiled as shipped: the paper's experiments with
+CUDA, the quick starts eager), stops part-way and resumes; fine-tuning starts
 from a CUDA checkpoint; a run signalled with SIGUSR1 checkpoints, exits with the requeue
 status and resumes; a bug inside train_step exits non-zero within seconds; `python -m
 analysis` measures CUDA checkpoints; eval.knn, eval.linear and eval.segmentation evaluate
-the DINO checkpoint and eval.lm (lm-eval) the SFT one; the tests marked `cuda` run on the device; the
-benchmark (`python -m bench`) writes its record to <out>/benchmarks; DINO's and the
-GPT's paper-size steps report images/s and tokens/s (MFU). One line per
-check (PASS / FAIL, seconds, what it measured, step times from metrics.jsonl); the exit
-status is 1 if any check failed. Logs of every command
+the DINO checkpoint and eval.lm (lm-eval) the SFT one; the tests marked `cuda` run on the device
+(the flash-kernel one as a check of its own); the benchmark (`python -m bench`) writes its record
+to <out>/benchmarks; the GPT's paper-size steps report tokens/s (MFU). What a cluster job depends
+on (scripts/gpu_cluster.py): the paper experiments eager = compiled, one model on 2 NCCL ranks
+and one GPU's losses (on a node with 2+ GPUs), DINO's and DeiT-III's paper-size steps with their
+loader's images/s beside. One line per check (PASS / SKIP / FAIL, seconds, what it measured,
+and what its processes used: peak GPU memory, graphs, graph breaks, recompiles, recorded by
+scripts/gpu_probe.py around every command); the exit status is 1 if any check failed. Logs of every command
 go to --out (default: a fresh temporary folder), named after the check. After a CUDA run the
 rows of the checks that ran in README's "What has run on a GPU" are rewritten (scripts/gpu_table.py);
 a CPU run writes no README (--table FILE: that file instead).
@@ -24,6 +28,7 @@ import datetime
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -36,58 +41,99 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # fakedata: tiny datasets in the real on-disk formats
 sys.path.insert(0, str(ROOT))
-import gpu_table  # noqa: E402  (beside this file)
+import gpu_cluster  # noqa: E402  (beside this file)
+import gpu_probe  # noqa: E402
+import gpu_table  # noqa: E402
+
+PROBE = ROOT / "scripts" / "gpu_probe.py"
 
 from laplace.io import atomic_write  # noqa: E402
 
 
 class Check:
-    """Runs the commands of the checks, with logs and timeouts, in one output folder."""
+    """Runs the commands of the checks, with logs and timeouts, in one output folder. Every Python
+    command runs through scripts/gpu_probe.py: each check's line ends with its peak GPU memory,
+    compiled graphs, graph breaks and recompiles (the log says which and why)."""
 
     def __init__(self, args):
         self.args, self.out = args, Path(args.out or tempfile.mkdtemp(prefix="gpu_check_"))
         self.out.mkdir(parents=True, exist_ok=True)
-        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts"),
                                                                  os.environ.get("PYTHONPATH", "")]),
                         PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
-        self.common = [f"trainer.device={args.device}", f"trainer.compile={str(args.compile).lower()}",
+        # Each config compiles as shipped (the paper's experiments: trainer.compile=auto, on with
+        # CUDA); --no-compile turns it off everywhere.
+        self.common = [f"trainer.device={args.device}", *([] if args.compile else ["trainer.compile=false"]),
                        "trainer.progress=false", "trainer.log_every=1", f"paths.runs_dir={self.out / 'runs'}"]
-        self.failed = []
+        self.failed, self.check, self.pending = [], "none", []
+
+    def probe(self) -> tuple[str, dict]:
+        """(line, totals) of the probe records of the current check (scripts/gpu_probe.py)."""
+        return gpu_probe.summary(self.out / "probe" / self.check)
 
     def sh(self, name: str, cmd: list[str], expect: int | None = 0, timeout: int = 300, env=None,
            wait=True) -> subprocess.CompletedProcess | subprocess.Popen:
-        """Run cmd (logged to <out>/<name>.log); a status other than `expect` raises."""
+        """Run cmd (logged to <out>/<name>.log); a status other than `expect` raises. wait=False:
+        started and left to `wait_all`."""
+        if cmd[0] == sys.executable and cmd[1:3] != ["-m", "torch.distributed.run"]:
+            cmd = [sys.executable, str(PROBE), *cmd[1:]]
         log = open(self.out / f"{name}.log", "a")
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        env = dict(env or self.env, GPU_PROBE_DIR=str(self.out / "probe" / self.check))
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc.log, proc.expect = Path(log.name), expect
         if not wait:
+            self.pending.append(proc)
             return proc
+        return self._wait(proc, timeout)
+
+    def _wait(self, proc, timeout: int):
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise RuntimeError(f"timed out after {timeout} s (log: {log.name})") from None
-        if expect is not None and proc.returncode != expect:
-            raise RuntimeError(f"exit status {proc.returncode}, expected {expect}: "
-                               f"{tail(Path(log.name))} (log: {log.name})")
+            raise RuntimeError(f"timed out after {timeout} s (log: {proc.log})") from None
+        if proc.expect is not None and proc.returncode != proc.expect:
+            raise RuntimeError(f"exit status {proc.returncode}, expected {proc.expect}: "
+                               f"{tail(proc.log)} (log: {proc.log})")
         return proc
+
+    def wait_all(self, timeout: int = 600):
+        """Wait for every command started with wait=False (they ran side by side)."""
+        pending, self.pending = self.pending, []
+        t0 = time.time()
+        for proc in pending:
+            self._wait(proc, max(1, int(timeout - (time.time() - t0))))
 
     def train(self, name: str, args: list[str], **kw):
         return self.sh(name, [sys.executable, "train.py", *args, *self.common], **kw)
 
+    def torchrun(self, name: str, n: int, script: Path, args: list[str], **kw):
+        """`script args` on n processes of this node, each through the probe."""
+        return self.sh(name, [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                              str(PROBE), str(script), *args], **kw)
+
     def run(self, name: str, fn):
-        t0 = time.time()
+        """One check: PASS / SKIP / FAIL, seconds, what it measured and what its processes used."""
+        t0, self.check = time.time(), re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
         try:
             what = fn()
-            print(f"PASS {name:<34} {time.time() - t0:6.1f} s  {what}", flush=True)
-            return True
+            used = self.probe()[0]
+            skip = isinstance(what, str) and what.startswith("SKIP")
+            print(f"{'SKIP' if skip else 'PASS'} {name:<34} {time.time() - t0:6.1f} s  "
+                  f"{what[6:] if skip else what}" + ("" if skip else f" [{used}]"), flush=True)
+            return None if skip else True
         except Exception as e:  # a failed check is reported, the others still run
             self.failed.append(name)
             print(f"FAIL {name:<34} {time.time() - t0:6.1f} s  {type(e).__name__}: {e}", flush=True)
             with open(self.out / f"{name}.log", "a") as log:
                 traceback.print_exc(file=log)
             return False
+        finally:
+            for proc in self.pending:  # a check that raised leaves none running
+                proc.kill()
+            self.pending = []
 
 
 def tail(path: Path, n: int = 1) -> str:
@@ -231,26 +277,6 @@ def gpt_d20(c: Check, data: Path, tiny: bool) -> str:
             f"val_bpb={records(run_dir, 'val')[-1]['val_bpb']:.3f}")
 
 
-def dino_in1k(c: Check, data: Path, tiny: bool) -> str:
-    """A few steps of experiment=dino_in1k as the paper runs it per GPU (ViT-S/16 with 5
-    Laplacian heads, 2 x 224 px + 8 x 96 px crops, head to 65,536, bf16, compile, batch 64 per
-    GPU as DINO's 1024 on 16 GPUs, 8 loader workers) on ImageNet-sized JPEGs: images/s."""
-    folder = data / "imagenet_320px"
-    if not folder.exists():
-        import fakedata
-
-        fakedata.write_imagenet_folder(folder, n_classes=4, per_class=16 if tiny else 64, size=64 if tiny else 320)
-    run_dir = c.out / "runs" / "dino_in1k"
-    size = (["model.depth=1", "model.embed_dim=96", "data.img_size=64", "trainer.multicrop.local_size=32",
-             "trainer.head.out_dim=1024", "trainer.global_batch_size=16", "trainer.num_workers=2"] if tiny
-            else ["trainer.global_batch_size=64", "trainer.num_workers=8"])
-    c.train("dino_in1k", ["experiment=dino_in1k", "model=vits_5L", *size, f"data.root={folder}",
-                          f"run_dir={run_dir}", "trainer.max_steps=10", "trainer.log_every=1"], timeout=900)
-    recs = records(run_dir)[2:]  # after compilation and warm-up
-    img_s = statistics.median(r["img_per_s"] for r in recs)
-    return f"vits_5L: {img_s:,.0f} img/s (10 crops each), {step_ms(run_dir)}; loss {recs[-1]['loss']:.3f}"
-
-
 def vision_evals(c: Check, device: str, seg: bool) -> str:
     """eval.knn + eval.linear, or eval.segmentation (trainer=seg_linear), on dino_digits' checkpoint."""
     ckpt = c.out / "runs" / "dino_digits" / "ckpt/last.pt"
@@ -342,14 +368,21 @@ def main():
         c.sh("probe", [sys.executable, "-c", code], timeout=120)
         return tail(c.out / "probe.log")
 
-    def tests():
-        c.sh("tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"],
+    def tests(select: str):
+        name = "flash" if "flash" in select else "tests"
+        c.sh(name, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-k", select],
              env=dict(c.env, LAPLACE_TEST_DEVICE=args.device), timeout=600)
-        return tail(c.out / "tests.log")
+        return tail(c.out / f"{name}.log")
 
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
     checks = {
         "probe": probe,
-        "tests -m cuda": tests,
+        "tests -m cuda": lambda: tests("not flash_kernel"),
+        "flash attention (SDPA's flash kernel forced)": lambda: tests("flash_kernel"),
+        "compile: eager = compiled": lambda: gpu_cluster.compile_equality(c, data),
+        "ranks: 2 processes, one model": lambda: gpu_cluster.ranks(c, data, gpus),
         "deit3_in1k": lambda: stop_and_resume(c, "deit3_in1k", [
             "experiment=deit3_in1k", "model=vitb_12L", *vit, f"data.root={data / 'imagenet'}",
             "data.img_size=64", "trainer.eval_every=2", workers], 6, 32),
@@ -372,7 +405,8 @@ def main():
         "gpt_d20: paper-size steps": lambda: gpt_d20(c, data, args.tiny),
         "dino_digits": lambda: stop_and_resume(c, "dino_digits", [
             "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
-        "dino_in1k: paper-size steps": lambda: dino_in1k(c, data, args.tiny),
+        "dino_in1k: paper-size steps": lambda: gpu_cluster.paper_images(c, "dino_in1k", data),
+        "deit3: paper-size steps": lambda: gpu_cluster.paper_images(c, "deit3_in1k", data),
         "knn + linear": lambda: vision_evals(c, args.device, seg=False),
         "seg_linear": lambda: vision_evals(c, args.device, seg=True),
         "lm-eval: laplace_pydoc": lambda: lm_eval(c, args.device),
@@ -387,7 +421,8 @@ def main():
     ran = {}
     for name, fn in checks.items():
         if args.only is None or name.split()[0].rstrip(":") in args.only:
-            ran[name] = c.run(name, fn)
+            if (result := c.run(name, fn)) is not None:  # None: skipped
+                ran[name] = result
     if table is not None:
         gpu = torch_device_name(args.device)
         command = " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])

@@ -6,12 +6,22 @@ results stay tagged), reports `device == cuda:0`, and every op's output is tagge
 is. An op that mixes a tagged tensor with an untagged CPU tensor raises CUDA's "Expected all
 tensors to be on the same device"; as on CUDA, a 0-dim CPU tensor may join a pointwise op, and
 copies, indexing with CPU indices and `.item()` cross freely. `.numpy()` of a tagged tensor
-raises as CUDA's does; a generator made for "cuda" must meet tagged tensors only. Kernels, NCCL, streams, bf16 autocast and memory are not modelled.
+raises as CUDA's does; a generator made for "cuda" must meet tagged tensors only; the device's
+own generator state (torch.cuda.get/set_rng_state) is kept, and naming a second device raises.
+Kernels, NCCL, streams, bf16 autocast and memory are not modelled.
+
+What would make the host wait for the device is counted in `tags.syncs` (one line per sync: the
+op and our innermost calling line): a value read from a device tensor (`.item()`, `float()`,
+`bool()`, `if t > 0`, `.tolist()`), a copy to the host, an op whose output size depends on the
+values (nonzero, boolean-mask indexing, unique, masked_select, repeat_interleave without
+output_size), torch.equal / allclose and torch.cuda.synchronize.
 """
 from __future__ import annotations
 
 import contextlib
 import sys
+import traceback
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -27,6 +37,21 @@ _CROSSING = {aten._to_copy.default, aten.copy_.default, aten.set_.source_Tensor,
              aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default,
              aten._local_scalar_dense.default, aten.lift_fresh.default, aten.detach.default}
 
+# Ops whose result the host needs before it can go on (on CUDA: a device-to-host wait).
+_SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten._unique2.default, aten.unique_dim.default,
+            aten.unique_consecutive.default, aten.masked_select.default, aten.repeat_interleave.Tensor,
+            aten.equal.default, aten.allclose.default}
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _caller() -> str:
+    """The innermost line of this repository (not this file) on the stack: where a sync was asked for."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = Path(frame.filename)
+        if path.is_relative_to(_ROOT) and path.name != "fakedevice.py" and ".venv" not in path.parts:
+            return f"{path.relative_to(_ROOT)}:{frame.lineno} {frame.line}"
+    return "?"
+
 
 class _Tags:
     """data_ptr of a tagged storage -> one tensor holding it (kept alive, so a freed CUDA
@@ -35,6 +60,10 @@ class _Tags:
     def __init__(self):
         self.held: dict = {}
         self.gens: dict[int, torch.Generator] = {}  # id -> generator made for "cuda"
+        self.syncs: list[str] = []  # "<what>: <our innermost line>", one per device-to-host wait
+
+    def sync(self, what: str):
+        self.syncs.append(f"{what}: {_caller()}")
 
     @staticmethod
     def _ptr(t: torch.Tensor):
@@ -94,6 +123,9 @@ class _Dispatch(TorchDispatchMode):
                 self.tags.add(outs)
             tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
             tagged = any(self.tags.has(t) for t in tensors)
+            if tagged and (func in _SYNCING or (func is aten.index.Tensor and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]))):
+                self.tags.sync(str(func))
             if tagged and func not in _CROSSING:
                 pointwise = torch.Tag.pointwise in func.tags
                 for t in tensors:
@@ -130,6 +162,8 @@ class _Function(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.cuda:
             return self._move(args[0], True, (), {k: v for k, v in kwargs.items() if k == "non_blocking"})
+        if func is torch.Tensor.tolist and self.tags.has(args[0]):
+            self.tags.sync("tolist")
         if func is torch.Tensor.cpu:
             return self._move(args[0], False, (), {})
         if func is torch.Tensor.to:
@@ -166,9 +200,32 @@ class _Function(TorchFunctionMode):
         if to_cuda == self.tags.has(t):
             return t.to(*rest, **kwargs)
         kwargs.pop("copy", None)
+        if not to_cuda:
+            self.tags.sync("copy to the host")
         out = t.to("cpu", *rest, copy=True, **kwargs)
         (self.tags.add if to_cuda else self.tags.drop)(out)
         return out
+
+
+def _cuda_rng(count: int = 1) -> list:
+    """torch.cuda's get/set_rng_state(_all) over `count` devices' generators (CPU generators here):
+    a device index past the last raises IndexError, as CUDA's default_generators[idx] does."""
+    gens = [torch.Generator().manual_seed(i) for i in range(count)]
+
+    def gen(device="cuda") -> torch.Generator:
+        idx = torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
+        return gens[0 if idx is None else idx]  # index None: the current device, 0
+
+    def set_state(new_state, device="cuda"):
+        gen(device).set_state(new_state)
+
+    def set_all(states):
+        for i, state in enumerate(states):
+            set_state(state, i)
+
+    funcs = dict(get_rng_state=lambda device="cuda": gen(device).get_state(), set_rng_state=set_state,
+                 get_rng_state_all=lambda: [g.get_state() for g in gens], set_rng_state_all=set_all)
+    return [mock.patch(f"{where}.{name}", f) for where in ("torch.cuda", "torch.cuda.random") for name, f in funcs.items()]
 
 
 def _generator_class(tags: _Tags):
@@ -200,7 +257,7 @@ def fake_cuda():
                mock.patch("torch.Generator", _generator_class(tags)),
                mock.patch("torch.cuda.set_device", lambda d: None),
                mock.patch("torch.cuda.current_device", lambda: 0),
-               mock.patch("torch.cuda.synchronize", lambda d=None: None),
+               mock.patch("torch.cuda.synchronize", lambda d=None: tags.sync("torch.cuda.synchronize")),
                mock.patch("torch.cuda.get_device_name", lambda d=None: "fakedevice"),
                mock.patch("torch.cuda.get_device_properties", lambda d=None: mock.Mock(
                    name="fakedevice", total_memory=2**30, L2_cache_size=2**20, major=9, minor=0,
@@ -211,7 +268,8 @@ def fake_cuda():
                mock.patch("torch.cuda.memory_allocated", lambda d=None: 0),
                mock.patch("torch.cuda.max_memory_allocated", lambda d=None: 0),
                # The optimizers ask the current CUDA stream whether a graph is being captured.
-               mock.patch("torch.accelerator.current_stream", lambda d=None: mock.Mock(is_capturing=lambda: False))]
+               mock.patch("torch.accelerator.current_stream", lambda d=None: mock.Mock(is_capturing=lambda: False)),
+               *_cuda_rng()]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)

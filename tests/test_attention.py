@@ -360,6 +360,37 @@ def test_laplacian_projection_under_bf16_autocast_matches_plain_autograd(k, devi
     assert results[0][0].dtype == torch.bfloat16 and results[0][2].dtype == torch.float32
 
 
+# The paper's attention shapes: ViT-S/16 at 224 px (6 heads of 64, 197 tokens, 5 Laplacian) and
+# the GPT d20 (10 heads of 128, causal, 5 Laplacian; 256 of its 2048 positions).
+FLASH_SHAPES = {"vit": (384, 6, 5, 197, False), "gpt": (1280, 10, 5, 256, True)}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", ["vit", "gpt"])
+def test_flash_kernel_runs_the_layer(config, device):
+    """SDPA restricted to its flash kernel (the one a GPU picks in bf16 without a mask) runs the
+    layer with Laplacian heads, forward and backward, and gives the math kernel's result: nothing
+    of ours (a mask, a dtype, a layout) pushes training off flash. (scripts/gpu_check.sh runs it.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dim, heads, k, n, causal = FLASH_SHAPES[config]
+    torch.manual_seed(0)
+    m = Attention(dim, heads, k, **CONFIGS[config]).to(device)
+    x = torch.randn(2, n, dim, device=device)
+    rope = tuple(t.to(device) for t in rope_table(0, n, dim // heads, torch.float32)) if config == "gpt" else None
+    results = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        # bf16 as trained on a GPU; float32 on the CPU, whose bf16 matmuls here take seconds
+        with sdpa_kernel(backend), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = m(xi, is_causal=causal, rope=rope)
+        out.float().square().mean().backward()
+        results.append((out.float(), xi.grad, m.qkv.weight.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.slow
 def test_compiled_attention_matches_eager():
     """torch.compile traces LaplacianProjection: outputs and gradients as in eager mode."""

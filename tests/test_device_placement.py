@@ -45,10 +45,44 @@ def test_stand_in_raises_where_cuda_would():
         torch.multinomial(x.abs()[0], 2, generator=torch.Generator(device="cuda").manual_seed(0))
 
 
+def test_stand_in_counts_host_syncs():
+    with fake_cuda() as tags:
+        x = torch.randn(3, 4).to("cuda")
+        y = (x * 2).sum(0)
+        w = torch.nn.Parameter(x.clone())
+        w.grad = x.clone()
+        assert torch.nn.utils.clip_grad_norm_([w], 1.0).is_cuda  # the norm stays on the device
+        torch.randn(3).to("cuda", non_blocking=True)  # host to device: no wait
+        assert tags.syncs == []
+        y.sum().item(), float(x[0, 0]), bool(x.sum() > 0), x.tolist(), x.cpu(), x[x > 0], x.nonzero()
+        torch.cuda.synchronize()
+    assert len(tags.syncs) == 8, tags.syncs
+    assert all("tests/test_device_placement.py:" in line for line in tags.syncs), tags.syncs
+
+
+@pytest.fixture(autouse=True)
+def float32_matmuls():
+    """Each test starts with float32 matmuls in full precision (torch's default) and leaves them so."""
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision("highest")
+
+
+def test_a_cuda_device_turns_tf32_on_the_cpu_does_not():
+    from laplace.dist import resolve_device
+
+    assert resolve_device("cpu").type == "cpu" and torch.get_float32_matmul_precision() == "highest"
+    with fake_cuda():
+        assert resolve_device("auto").type == "cuda"
+    assert torch.get_float32_matmul_precision() == "high"
+
+
 def _run_on_fake_cuda(cfg) -> dict:
     with fake_cuda() as tags:
         metrics = run(cfg)
         assert tags.held, "nothing was placed on the device: the run ignored trainer.device=cuda"
+    assert torch.get_float32_matmul_precision() == "high", "training on CUDA without TF32"
+    torch.set_float32_matmul_precision("highest")
     return metrics
 
 
@@ -85,13 +119,64 @@ def test_dino_step_and_evaluation(make_cfg):
     _run_on_fake_cuda(cfg)
 
 
+# ---------------------------------------------------------------- host syncs of the loop
+
+QUIET = ["trainer.max_steps=4", "trainer.log_every=100", "trainer.eval_every=100", "trainer.ckpt_every=100"]
+
+
+def _syncs_of_steps(train) -> list[list[str]]:
+    """train() on the stand-in device; the device-to-host syncs made in each optimizer step
+    (from one step's schedules to the next one's: its loop tail included)."""
+    from train.engine import Trainer
+
+    starts, set_schedules = [], Trainer._set_schedules
+    with fake_cuda() as tags:
+        def mark(self, step):
+            starts.append(len(tags.syncs))
+            return set_schedules(self, step)
+
+        with mock.patch.object(Trainer, "_set_schedules", mark):
+            train()
+        syncs = list(tags.syncs)
+    return [syncs[a:b] for a, b in zip(starts, starts[1:])]
+
+
+@pytest.mark.parametrize("name", ["deit3", "gpt", "dino", "seg_linear"])
+def test_steps_between_log_steps_make_no_host_sync(name, make_cfg, tmp_path, request):
+    """Steps 2 and 3 of 4 (no log, evaluation or checkpoint at either) never make the host wait
+    for the device (an `.item()`, a `bool()` of a device tensor, a copy to the host, ...): the
+    GPU keeps a queue of work. Step 1 may (first-call set-up); step 4 logs."""
+    if name == "seg_linear":
+        ckpt = request.getfixturevalue("vit_ckpt")
+        train = lambda: _cli("eval.segmentation", f"checkpoint={ckpt}", "eval=seg_digits_linear", "iters=4",  # noqa: E731
+                             "batch_size=4", "data.n_train=8", "data.n_val=2", "trainer.device=cuda",
+                             "trainer.compile=false", f"paths.data_dir={tmp_path / 'data'}", "trainer.progress=false",
+                             f"run_dir={tmp_path / 'seg'}", *QUIET)
+    else:
+        fakedata.write_cifar(tmp_path / "cifar", "cifar10", n_train=16, n_test=8)
+        over = {"deit3": ["experiment=deit3_cifar10", *VIT, "data.img_size=32", "data.patch_size=8",
+                          f"data.root={tmp_path / 'cifar'}", "trainer.global_batch_size=8"],
+                "gpt": ["experiment=gpt_pydoc", "model=gpt_d2_1L", "data.seq_len=32", "optim=muon",
+                        "trainer.global_batch_size=8", *VIT[2:]],
+                "dino": ["experiment=dino_digits", *VIT, "trainer.global_batch_size=8", *DINO]}[name]
+        cfg = make_cfg(*over, *QUIET)
+        train = lambda: run(cfg)  # noqa: E731
+    steps = _syncs_of_steps(train)
+    assert len(steps) == 3, steps
+    assert steps[1] == steps[2] == [], steps[1:]
+
+
 def _cli(module: str, *args: str):
-    """`python -m module args` in this process (the same entry point), so it runs on the stand-in."""
+    """`python -m module args` in this process (the same entry point), so it runs on the stand-in;
+    one on the device runs float32 matmuls in TF32."""
+    torch.set_float32_matmul_precision("highest")
     with mock.patch.object(sys, "argv", [module, *args]):
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         except SystemExit as e:
             assert not e.code, f"python -m {module} exited with {e.code}"
+    if any(a.endswith("device=cuda") for a in args):
+        assert torch.get_float32_matmul_precision() == "high", f"python -m {module} on CUDA without TF32"
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +233,9 @@ def test_gpt_shards_muon_sft_generate_and_lm_eval(make_cfg, tmp_path):
     with fake_cuda():
         _cli("eval.generate", f"checkpoint={ckpt}", "chat=true", "prompt=What is a class", "max_new_tokens=4",
              "device=cuda")
+        torch.set_float32_matmul_precision("highest")
         lm = LaplaceLM(ckpt, device="cuda", batch_size=2)
-        assert lm.device.type == "cuda"
+        assert lm.device.type == "cuda" and torch.get_float32_matmul_precision() == "high"
         req = lambda kind, *a: Instance(request_type=kind, doc={}, arguments=a, idx=0)  # noqa: E731
         lls = lm.loglikelihood([req("loglikelihood", "A class is", " a"), req("loglikelihood", "Lists", " are")])
         rolling = lm.loglikelihood_rolling([req("loglikelihood_rolling", "The for statement")])

@@ -116,6 +116,59 @@ def test_foreign_and_corrupt_checkpoints_are_refused(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
 
 
+def _mapped(path) -> list[str]:
+    """This process's memory mappings of `path` (Linux's /proc/self/maps), '(deleted)' once replaced."""
+    return [ln for ln in open("/proc/self/maps") if str(path) in ln]
+
+
+def test_resume_maps_the_checkpoint_and_the_next_save_leaves_the_mapping_valid(make_cfg, tmp_path):
+    """Every rank reads its resume checkpoint memory-mapped (the ranks of a node share its pages,
+    read from disk once) rather than each reading the whole file; the next save renames a new
+    last.pt over it (atomic_write), so what was mapped stays the old file's bytes."""
+    from train.resume import find_checkpoint
+
+    run(make_cfg(*TINY_VIT, "model=vitt_1L", "trainer.max_steps=1", run_dir=tmp_path / "r"))
+    path, ckpt = find_checkpoint(tmp_path / "r/ckpt", True)
+    assert _mapped(path.resolve()), "the checkpoint was read into memory, not mapped"
+    before = {k: v.clone() for k, v in ckpt["model"].items()}
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(path, model=model, config=ckpt["config"], loop=ckpt["loop"])
+    assert all(torch.equal(ckpt["model"][k], v) for k, v in before.items())
+    assert all(ln.rstrip().endswith("(deleted)") for ln in _mapped(path.resolve()))
+    assert set(load_checkpoint(path)["model"]) == {"weight", "bias"}
+
+
+def test_a_checkpoint_in_torchs_legacy_format_still_resumes(tmp_path):
+    """A file torch < 1.6 wrote (no zip archive) cannot be mapped: it is read instead."""
+    from laplace.checkpoint import FORMAT, VERSION
+
+    path = tmp_path / "last.pt"
+    torch.save({"format": FORMAT, "version": VERSION, "model": {"w": torch.ones(2)}, "config": {}}, path,
+               _use_new_zipfile_serialization=False)
+    assert torch.equal(load_checkpoint(path, mmap=True)["model"]["w"], torch.ones(2))
+
+
+def test_the_rng_restore_takes_this_devices_state_whatever_the_saved_device_count(make_cfg, tmp_path):
+    """A rank keeps its own CUDA device's generator state: a run saved where 8 GPUs were visible
+    to each rank (torchrun) resumes where each sees one (Slurm's --gpus-per-task), and back."""
+    from unittest import mock
+
+    from fakedevice import fake_cuda
+    from laplace.checkpoint import rng_state, set_rng_state
+
+    with fake_cuda(), mock.patch("torch.cuda.is_initialized", lambda: True):
+        torch.cuda.set_rng_state(torch.Generator().manual_seed(5).get_state())
+        saved = rng_state()
+        assert torch.equal(saved["cuda"], torch.Generator().manual_seed(5).get_state())
+        with pytest.raises(IndexError):  # the stand-in has one device, as a one-GPU task
+            torch.cuda.set_rng_state(saved["cuda"], 1)
+        older = dict(saved, cuda=[torch.Generator().manual_seed(i).get_state() for i in range(8)])
+        set_rng_state(older)  # a checkpoint of laplace before: every visible device's state
+        assert torch.equal(torch.cuda.get_rng_state(), torch.Generator().manual_seed(0).get_state())
+        set_rng_state(saved)
+        assert torch.equal(torch.cuda.get_rng_state(), saved["cuda"])
+
+
 def test_save_killed_half_way_keeps_previous_last(tmp_path):
     """SIGKILL a process in the middle of writing last.pt: the previous one still loads."""
     path = tmp_path / "last.pt"

@@ -1,7 +1,11 @@
 """scripts/gpu_check.sh writes README's "What has run on a GPU" table itself (scripts/gpu_table.py);
-its CPU dry run keeps working and never touches the README."""
+its CPU dry run keeps working and never touches the README; what its checks measure (the probe of
+every command, the rank comparison, the loader alone) works on the CPU."""
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import subprocess
 import sys
 
@@ -11,6 +15,8 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
+import gpu_cluster  # noqa: E402
+import gpu_probe  # noqa: E402
 import gpu_table  # noqa: E402
 
 DOC = f"""# Title
@@ -94,6 +100,71 @@ def test_commit_is_short_and_says_dirty(tmp_path):
     assert gpu_table.commit(tmp_path) == head + "+dirty"
 
 
+GRAPH_BREAK_AND_RECOMPILE = """
+import sys, torch
+def f(x):
+    y = x.sin()
+    print("a graph break")
+    return y.cos()
+g = torch.compile(f, backend="eager")
+g(torch.randn(4)); g(torch.randn(4, 2))  # another rank: a recompile
+sys.exit(3)
+"""
+
+
+@pytest.mark.slow  # ~10 s: a Python that imports torch and compiles twice
+def test_the_probe_records_graph_breaks_recompiles_and_memory_and_keeps_the_exit_status(tmp_path):
+    env = dict(os.environ, GPU_PROBE_DIR=str(tmp_path / "probe"))
+    proc = subprocess.run([sys.executable, "scripts/gpu_probe.py", "-c", GRAPH_BREAK_AND_RECOMPILE], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    [rec] = [json.loads(p.read_text()) for p in (tmp_path / "probe").glob("*.json")]
+    assert rec["graph_breaks"] >= 1 and rec["recompiles"] >= 1 and rec["graphs"] >= 2, rec
+    assert rec["peak_gib"] is None and rec["rss_gib"] > 0  # no CUDA here: the resident set instead
+    assert "Recompiling function f" in proc.stderr  # the log says why
+    (tmp_path / "probe" / "2.json").write_text(json.dumps(dict(rec, peak_gib=3.5, graph_breaks=0, recompiles=2)))
+    line, tot = gpu_probe.summary(tmp_path / "probe")
+    assert tot["processes"] == 2 and tot["peak_gib"] == 3.5 and tot["recompiles"] == rec["recompiles"] + 2
+    assert line.startswith("peak 3.5 GiB;") and f"{tot['graph_breaks']} graph breaks" in line
+
+
+def test_a_check_passes_skips_or_fails_with_what_its_commands_used(tmp_path, capsys):
+    args = argparse.Namespace(out=str(tmp_path), device="cpu", compile=True)
+    c = gpu_check.Check(args)
+    (tmp_path / "probe" / "echo").mkdir(parents=True)  # as the probe leaves it (test above)
+    (tmp_path / "probe" / "echo" / "1.json").write_text(json.dumps(
+        {"peak_gib": 2.0, "reserved_gib": 2.5, "rss_gib": 1.0, "graph_breaks": 0, "break_reasons": [],
+         "recompiles": 1, "graphs": 3}))
+    assert c.run("echo", lambda: c.sh("echo", ["sh", "-c", "echo hi"]) and "said hi") is True
+    assert c.run("skipped", lambda: "SKIP: one GPU") is None
+    assert c.run("broken", lambda: c.sh("broken", ["sh", "-c", "exit 2"])) is False
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("PASS echo") and out[0].endswith("said hi [peak 2.0 GiB; 3 graphs, 0 graph breaks, "
+                                                              "1 recompiles]"), out[0]
+    assert out[1].startswith("SKIP skipped") and out[1].endswith("one GPU")
+    assert out[2].startswith("FAIL broken") and "exit status 2, expected 0" in out[2]
+    assert c.failed == ["broken"] and (tmp_path / "echo.log").read_text().splitlines()[-1] == "hi"
+
+
+def test_rank_fingerprints_that_differ_are_named():
+    same = {"w": "a", "b": "c"}
+    result = {"dino": {"phases": {"set-up": [same, same], "end": [same, {"w": "a", "b": "x", "extra": "y"}]}}}
+    assert gpu_cluster.rank_differences(result) == ["dino end: 2 tensors differ (b, extra)"]
+    assert gpu_cluster.rank_differences({"gpt": {"phases": {"set-up": [same, dict(same)]}}}) == []
+
+
+def test_the_loader_alone_is_measured_on_the_configs_own_feed(tmp_path, capsys):
+    import fakedata
+
+    fakedata.write_imagenet_folder(tmp_path / "imagenet", n_classes=2, per_class=8, size=40)
+    gpu_cluster.print_loader_rate(["experiment=dino_in1k", "model=vits_5L", *gpu_cluster.paper_sizes(True)["dino_in1k"],
+                                   f"data.root={tmp_path / 'imagenet'}", "trainer.global_batch_size=4",
+                                   "trainer.num_workers=0", "trainer.device=cpu", f"paths.runs_dir={tmp_path}",
+                                   f"run_dir={tmp_path / 'loader'}"], batches=3)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("LOADER ") and float(line.split()[1]) > 0
+
+
 @pytest.mark.slow  # ~40 s (~100 s on 2 busy cores): the script itself on CPU, two of its checks
 def test_cpu_dry_run_writes_its_rows_to_the_given_file_not_the_readme(tmp_path):
     """deit3_cifar100 trains, stops and resumes; analysis fails (no deit3_in1k checkpoint in a
@@ -103,13 +174,14 @@ def test_cpu_dry_run_writes_its_rows_to_the_given_file_not_the_readme(tmp_path):
     table = tmp_path / "TABLE.md"
     table.write_text(DOC)
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--no-compile", "--tiny",
-                           "--out", str(tmp_path / "out"), "--only", "deit3_cifar100", "analysis",
+                           "--out", str(tmp_path / "out"), "--only", "deit3_cifar100", "analysis", "compile",
                            "--table", str(table)], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS deit3_cifar100" in proc.stdout and "FAIL analysis of CUDA checkpoints" in proc.stdout, proc.stdout
+    assert "SKIP compile: eager = compiled" in proc.stdout  # --no-compile: nothing to compare
     assert (ROOT / "README.md").read_bytes() == readme
     text = table.read_text()
     assert _row(text, "`trainer=deit3` training").startswith("| `trainer=deit3` training | pass | ")
     row = _row(text, "`python -m analysis`")
     assert row.startswith("| `python -m analysis` | FAIL: analysis of CUDA checkpoints | ")
-    assert " | cpu (dry run) | " in row and "--only deit3_cifar100 analysis --table" in row
+    assert " | cpu (dry run) | " in row and "--only deit3_cifar100 analysis compile --table" in row

@@ -1,5 +1,7 @@
-"""bf16 autocast and torch.compile on CPU for every trainer family: DeiT-III, GPT on
-token shards with Muon, GPT chat SFT and DINO; a GPU run adds speed, not new code paths.
+"""bf16 autocast and torch.compile on CPU for every trainer family, each a shipped experiment shrunk
+by overrides: DeiT-III ImageNet (the first author's recipe: QK-norm), the GPT d20 on token shards with Muon, GPT chat SFT and DINO
+ImageNet; a GPU run adds speed, not new code paths. The paper's experiments compile (and use bf16)
+by default on CUDA.
 
 bf16: a few steps with trainer.amp=true stay finite and near the fp32 losses (tolerances below
 are the measured gaps with margin: docs/LOG.md). Compile: the model's forward has no graph break
@@ -33,28 +35,49 @@ VIT = ["model=vitt_3L", "model.depth=1", "model.embed_dim=48", "trainer.num_work
 GPT = ["model=gpt_d2_1L", "trainer.global_batch_size=4", "trainer.num_workers=0",
        "trainer.progress=false", "trainer.log_every=1", f"trainer.max_steps={STEPS}", "trainer.device=cpu",
        "trainer.sample_prompts=[]"]
-# family -> (overrides, largest relative |bf16 - fp32| loss gap allowed, most compiled graphs over the
-# run). Measured gaps over 3 steps: deit3 2e-5, gpt_muon 4e-5, gpt_sft 1e-4, dino 3.5e-3.
+TINY_IMAGES = ["data.img_size=32", "data.patch_size=8"]
+# family -> (the shipped experiment shrunk by overrides, largest relative |bf16 - fp32| loss gap
+# allowed, most compiled graphs over the run). Measured gaps over 3 steps: docs/LOG.md.
 FAMILIES = {
-    "deit3": (["experiment=deit3_cifar10", *VIT, "data.img_size=32", "data.patch_size=8",
-               "trainer.global_batch_size=16", "trainer.micro_batch_size=8"], 0.005, 4),
-    "gpt_muon": (["experiment=gpt_tiny", *GPT, "data.seq_len=64", "data.vocab_size=512"], 0.005, 4),
+    # the paper's ImageNet run as its author ran it: QK-norm, timm's '3a', AdamW, Mixup with soft BCE
+    "deit3": (["experiment=deit3_in1k_author", *VIT, *TINY_IMAGES, "trainer.global_batch_size=16",
+               "trainer.micro_batch_size=8"], 0.005, 4),
+    "gpt_muon": (["experiment=gpt_d20", *GPT, "trainer.micro_batch_size=null", "data.seq_len=64",
+                  "data.vocab_size=512", "data.val_tokens=1024"], 0.005, 4),
     # SFT rows keep data.seq_len=256: shorter ones cut the assistant turns off (every target masked)
     "gpt_sft": (["experiment=gpt_tiny_sft", *GPT], 0.005, 4),
-    "dino": (["experiment=dino_digits", *VIT, "trainer.global_batch_size=8", "trainer.head.out_dim=64",
-              "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16", "trainer.multicrop.local_crops=2",
-              "data.val_fraction=0.99"], 0.03, 6),
+    "dino": (["experiment=dino_in1k", *VIT, *TINY_IMAGES, "trainer.multicrop.local_size=16",
+              "trainer.global_batch_size=8", "trainer.head.out_dim=64", "trainer.head.hidden_dim=32",
+              "trainer.head.bottleneck_dim=16", "trainer.multicrop.local_crops=2"], 0.03, 6),
 }
+# The paper's experiments (and the stages they start from): compiled and in bf16 on CUDA by default.
+PAPER = ["deit3_in1k_author", "deit3_in1k", "deit3_in1k_ft224", "deit3_cifar10", "deit3_cifar100", "deit3_cifar10_ft",
+         "deit3_cifar100_ft", "dino_in1k", "gpt_d12", "gpt_d20", "gpt_d20_mid"]
+
+
+@pytest.mark.parametrize("experiment", PAPER)
+def test_the_papers_experiments_compile_on_cuda_by_default(experiment, make_cfg):
+    from fakedevice import fake_cuda
+    from train import get_trainer
+
+    over = [f"experiment={experiment}", "trainer.init_from=pretrained.pt"]  # the _ft ones need one
+    cfg = make_cfg(*over, "trainer.device=cuda")
+    with fake_cuda():
+        trainer = get_trainer(cfg.trainer.name)(cfg)
+    assert trainer.compile and trainer.amp, cfg.trainer.compile
+    cpu = make_cfg(*over, "trainer.device=cpu")
+    assert not get_trainer(cpu.trainer.name)(cpu).compile  # auto: eager where inductor's compile time dominates
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, pydoc_shards):
-    """Per family the data overrides: fake CIFAR-10, the session's pydoc shards, and a one-step
-    shard-pretrained GPT for SFT to start from (the family's own fp32 baseline of training)."""
+    """Per family the data overrides: a fake ImageNet folder, the session's pydoc shards, and a
+    one-step shard-pretrained GPT for SFT to start from (the family's own fp32 baseline of training)."""
     root = tmp_path_factory.mktemp("pc_data")
-    fakedata.write_cifar(root / "cifar", "cifar10", n_train=40, n_test=10)
-    return {"deit3": [f"data.root={root / 'cifar'}"], "gpt_muon": [f"data.root={pydoc_shards}"],
-            "dino": [], "gpt_sft": None, "root": root, "shards": pydoc_shards}
+    fakedata.write_imagenet_folder(root / "imagenet", n_classes=4, per_class=10, size=40)
+    images = [f"data.root={root / 'imagenet'}"]
+    return {"deit3": images, "gpt_muon": [f"data.root={pydoc_shards}"], "dino": images, "gpt_sft": None,
+            "root": root, "shards": pydoc_shards}
 
 
 @pytest.fixture(scope="module")

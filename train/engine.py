@@ -20,7 +20,8 @@ A trainer supplies (class attributes, then hooks):
     before_optimizer_step (clips), after_optimizer_step (e.g. an EMA), export_model (what
     load_model rebuilds), build_sampler, wrap_model, collate, on_fit_end: see each default.
 All training state lives in the model and the optimizers (DINO's centre too): a checkpoint
-holds those, the data position and each rank's RNG states.
+holds those, the data position and each rank's RNG states. Every rank trains rank 0's model (set-up
+broadcasts it whole); what is drawn while training (drop-path, Mixup) is each rank's own.
 """
 from __future__ import annotations
 
@@ -123,7 +124,13 @@ class Trainer:
         self.resumed = resume is not None
         if resume is not None:
             self._restore(*resume)
+        # Rank 0's model is the run's (every rank built its own from its own seed): the whole trained
+        # module, not only what DDP wraps and broadcasts (DINO's teacher and centre; main_dino copies
+        # the student into the teacher after wrapping it for the same reason).
+        dist.broadcast_module_(self.model)
         self.net = self.wrap_model(self.model)
+        # Batch norms that no collective keeps equal (gloo has no SyncBatchNorm): averaged each step.
+        self.unsynced_stats = dist.unsynced_running_stats(self.model) if self.dist.distributed else []
         self.is_set_up = True
         return self
 
@@ -182,7 +189,10 @@ class Trainer:
         net = model
         if self.dist.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            net = nn.parallel.DistributedDataParallel(net, device_ids=ids)
+            # No buffer broadcast before every forward: each is equal on every rank by construction
+            # (rotary tables, head masks), by its own all-reduce (DINO's centre, SyncBatchNorm's
+            # statistics) or by the engine's average after each step (plain batch norm under gloo).
+            net = nn.parallel.DistributedDataParallel(net, device_ids=ids, forward_sync_buffers=False)
         return torch.compile(net) if self.compile else net
 
     def collate(self, items):
@@ -344,6 +354,7 @@ class Trainer:
             for opt in self.optimizers.values():
                 opt.step()
             self.after_optimizer_step()
+            dist.average_(self.unsynced_stats)
             for opt in self.optimizers.values():
                 opt.zero_grad(set_to_none=True)
             self.step = step = self.step + 1

@@ -21,7 +21,7 @@ def find_checkpoint(ckpt_dir: Path, is_main: bool) -> tuple[Path, dict] | None:
     candidates = resume_candidates(ckpt_dir)
     for path in candidates:
         try:
-            return path, load_checkpoint(path, map_location="cpu")
+            return path, load_checkpoint(path, map_location="cpu", mmap=True)  # once per node, not per rank
         except CheckpointError as e:
             if is_main:
                 print(f"[laplace] cannot resume from it: {e}", file=sys.stderr)

@@ -37,6 +37,7 @@ class DINOLoss(nn.Module):
         # The step's teacher-output sum and row count, one row: [sum_1..sum_K, rows]. Not
         # checkpointed: the engine saves between steps, when it is zero.
         self.register_buffer("_pending", torch.zeros(1, out_dim + 1), persistent=False)
+        self._fed = False  # a forward since the last update: known on the host, without reading _pending
 
     def forward(self, student_out: torch.Tensor, teacher_out: torch.Tensor,
                 teacher_temp: float) -> torch.Tensor:
@@ -57,14 +58,16 @@ class DINOLoss(nn.Module):
         with torch.no_grad():
             self._pending[:, :-1] += teacher_out.sum(dim=0, keepdim=True)
             self._pending[:, -1] += teacher_out.shape[0]
+        self._fed = True
         return total / pairs
 
     @torch.no_grad()
     def update_center(self):
         """Once per optimizer step, on every rank: one all-reduce of the step's sum and rows."""
-        stats = all_reduce_sum(self._pending)
-        if stats[0, -1] == 0:
+        if not self._fed:
             raise RuntimeError("DINOLoss.update_center: no teacher output since the last update")
+        stats = all_reduce_sum(self._pending)
         batch_center = stats[:, :-1] / stats[:, -1:]
         self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)
         self._pending.zero_()
+        self._fed = False
