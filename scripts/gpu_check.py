@@ -406,7 +406,7 @@ def main():
         "dino_digits": lambda: stop_and_resume(c, "dino_digits", [
             "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
         "dino_in1k: paper-size steps": lambda: gpu_cluster.paper_images(c, "dino_in1k", data),
-        "deit3: paper-size steps": lambda: gpu_cluster.paper_images(c, "deit3_in1k", data),
+        "deit3: paper-size steps": lambda: gpu_cluster.paper_images(c, "deit3_in1k_author", data),
         "knn + linear": lambda: vision_evals(c, args.device, seg=False),
         "seg_linear": lambda: vision_evals(c, args.device, seg=True),
         "lm-eval: laplace_pydoc": lambda: lm_eval(c, args.device),

@@ -25,8 +25,10 @@ def tiny(data: Path) -> dict[str, list[str]]:
     images = [f"data.root={data / 'imagenet'}", "data.img_size=64", "model.drop_path_rate=0.0",
               "trainer.global_batch_size=16", "trainer.num_workers=2"]
     return {
-        "deit3_in1k": ["experiment=deit3_in1k", "model=vitb_12L", "model.depth=2", *images,
-                       "trainer.mixup=0.0", "trainer.cutmix=0.0", "trainer.eval_every=100"],
+        # the paper's ImageNet run as its first author ran it (QK-norm, timm's '3a', AdamW)
+        "deit3_in1k_author": ["experiment=deit3_in1k_author", "model=vitb_12L", "model.depth=2", *images,
+                              "trainer.micro_batch_size=null", "trainer.mixup=0.0", "trainer.cutmix=0.0",
+                              "trainer.eval_every=100"],
         "gpt_d20": ["experiment=gpt_d20", "model=gpt_d2_1L", f"data.root={data / 'pydoc_512'}", "data.vocab_size=512",
                     "data.seq_len=128", "data.val_tokens=8192", "trainer.global_batch_size=8",
                     "trainer.micro_batch_size=null", "trainer.sample_prompts=[]", "trainer.eval_every=100"],
@@ -142,8 +144,8 @@ def paper_sizes(tiny: bool) -> dict[str, list[str]]:
     """The image experiments per GPU as the paper runs them; tiny: the smallest that still runs."""
     small = ["model.depth=1", "model.embed_dim=96", "data.img_size=64", "trainer.global_batch_size=16",
              "trainer.num_workers=2"]
-    return {"deit3_in1k": ["model=vitb_12L", *(small if tiny else ["trainer.global_batch_size=256",
-                                                                   "trainer.num_workers=8"])],
+    return {"deit3_in1k_author": ["model=vitb_12L", *(small + ["trainer.micro_batch_size=null"] if tiny else
+                                                      ["trainer.global_batch_size=256", "trainer.num_workers=8"])],
             "dino_in1k": ["model=vits_5L", *(small + ["trainer.multicrop.local_size=32", "trainer.head.out_dim=1024"]
                                              if tiny else ["trainer.global_batch_size=64", "trainer.num_workers=8"])]}
 
