@@ -34,7 +34,7 @@ def model_node(name: str) -> dict:
     if arch == "vit":
         node.update(drop_path_rate=0.0, init_values=1e-6, **_VIT_FROM_DATA)
     else:
-        node.update(_GPT_FROM_DATA)
+        node.update(grad_checkpointing=False, **_GPT_FROM_DATA)
     return node
 
 
