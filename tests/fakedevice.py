@@ -6,7 +6,11 @@ results stay tagged), reports `device == cuda:0`, and every op's output is tagge
 is. An op that mixes a tagged tensor with an untagged CPU tensor raises CUDA's "Expected all
 tensors to be on the same device"; as on CUDA, a 0-dim CPU tensor may join a pointwise op, and
 copies, indexing with CPU indices and `.item()` cross freely. `.numpy()` of a tagged tensor
-raises as CUDA's does; a generator made for "cuda" must meet tagged tensors only. Kernels, NCCL, streams, bf16 autocast and memory are not modelled.
+raises as CUDA's does; a generator made for "cuda" must meet tagged tensors only. CUDA autocast
+is CPU autocast (`torch.autocast("cuda")`, `torch.is_autocast_enabled("cuda")` and
+`torch.get_autocast_dtype("cuda")` act on the CPU's state, where the kernels really run), so a
+model casting to autocast's dtype by hand meets kernels that autocast too. Kernels, NCCL, streams,
+CUDA's own autocast op lists and memory are not modelled.
 """
 from __future__ import annotations
 
@@ -191,6 +195,20 @@ def _generator_class(tags: _Tags):
     return Generator
 
 
+class _CPUAutocast(torch.amp.autocast):
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        super().__init__("cpu" if device_type == "cuda" else device_type, dtype, enabled, cache_enabled)
+
+
+def _autocast_patches() -> list:
+    """CUDA's autocast state read and set as the CPU's (the stand-in's tensors live there)."""
+    on, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    cpu = lambda d: "cpu" if d in (None, "cuda") else d  # noqa: E731  (no argument: CUDA's, as torch reads it)
+    return [mock.patch("torch.autocast", _CPUAutocast),
+            mock.patch("torch.is_autocast_enabled", lambda device_type=None: on(cpu(device_type))),
+            mock.patch("torch.get_autocast_dtype", lambda device_type: dtype(cpu(device_type)))]
+
+
 @contextlib.contextmanager
 def fake_cuda():
     """torch.cuda "available" with one device; tensors placed on it checked as CUDA would."""
@@ -211,7 +229,8 @@ def fake_cuda():
                mock.patch("torch.cuda.memory_allocated", lambda d=None: 0),
                mock.patch("torch.cuda.max_memory_allocated", lambda d=None: 0),
                # The optimizers ask the current CUDA stream whether a graph is being captured.
-               mock.patch("torch.accelerator.current_stream", lambda d=None: mock.Mock(is_capturing=lambda: False))]
+               mock.patch("torch.accelerator.current_stream", lambda d=None: mock.Mock(is_capturing=lambda: False)),
+               *_autocast_patches()]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)

@@ -103,12 +103,59 @@ def test_loader_tokenizer_and_analysis_sections(smoke):
             assert positive(a[key]), key
 
 
+def test_gpt_memory_section_without_nanochat(smoke):
+    """Ours alone (no --nanochat): k = 0 and with grad_checkpointing, which keeps less."""
+    _, record = smoke
+    mem = record["gpt_memory"]
+    assert mem["dtype"] == "bf16 autocast" and mem["ratios"] == [] and mem["nanochat"] is None
+    rows = {(r["name"], r["grad_checkpointing"]): r["saved_bytes_per_token"] for r in mem["rows"]}
+    assert set(rows) == {("gpt_d1_0L", False), ("gpt_d1_0L", True)}
+    assert 0 < rows[("gpt_d1_0L", True)] < rows[("gpt_d1_0L", False)]
+
+
+# A folder laid out as nanochat's package, its GPT our own: the plumbing of --nanochat (the real
+# gpt.py lives outside the repository; docs/LOG.md has its figures).
+FAKE_NANOCHAT = """
+from dataclasses import dataclass
+import torch
+from laplace.gpt import GPT as Ours
+
+@dataclass
+class GPTConfig:
+    sequence_len: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    n_embd: int
+
+class GPT(Ours):
+    def __init__(self, c):
+        super().__init__(c.vocab_size, c.n_layer, width=c.n_embd, num_heads=c.n_head, max_seq_len=c.sequence_len)
+        self.transformer = torch.nn.ModuleDict({"wte": self.wte})
+"""
+
+
+def test_gpt_memory_against_a_nanochat_folder(tmp_path, capsys):
+    (tmp_path / "ref" / "nanochat").mkdir(parents=True)
+    (tmp_path / "ref" / "nanochat" / "gpt.py").write_text(FAKE_NANOCHAT)
+    record = main(["--smoke", "--sections", "gpt_memory", "--nanochat", str(tmp_path / "ref"),
+                   "--out", str(tmp_path / "out")])
+    mem = record["gpt_memory"]
+    assert [r["impl"] for r in mem["rows"]] == ["laplace", "laplace", "nanochat"]
+    (plain, ckpt) = mem["ratios"]
+    assert plain["ratio"] == pytest.approx(1.0) and plain["met"] and ckpt["met"] is None
+    assert "| 1 | gpt_d1_0L / nanochat eec0c79 | 1.0000 | met |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no nanochat/gpt.py"):
+        main(["--smoke", "--sections", "gpt_memory", "--nanochat", str(tmp_path), "--out", str(tmp_path / "o")])
+
+
 def test_markdown_has_the_tables(smoke):
     out, record = smoke
     text = next(out.glob("*.md")).read_text()
     assert text == markdown(record) and text in record["stdout"]  # the table is printed too
     for title in ("## Attention layer alone", "## Training step", "## Ratios and targets", "## LM loader",
-                  "## Tokenizer", "## Analysis accumulator"):
+                  "## Tokenizer", "## Analysis accumulator", "## GPT activation memory"):
         assert title in text
     assert "| model | k | mode | shape | median ms |" in text
     for names in EXPECTED.values():
