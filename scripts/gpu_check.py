@@ -231,6 +231,28 @@ def gpt_d20(c: Check, data: Path, tiny: bool) -> str:
             f"val_bpb={records(run_dir, 'val')[-1]['val_bpb']:.3f}")
 
 
+def gpt_d20_memory(c: Check, args) -> str:
+    """gpt_d20 at the paper's micro batch, 32 x 2048 tokens per GPU (nanochat's d20 fits it in an 80 GB
+    H100): peak memory of two training steps of gpt_d20_5L with the process held to an 80 GB card's
+    79.6 GiB, without and with model.grad_checkpointing, compiled as the runs are
+    (`python -m bench --sections gpt_memory`, its record in <out>/benchmarks). Fails if the shipped
+    setting (no checkpointing) runs out of memory, naming what to set."""
+    out = c.out / "benchmarks" / "gpt_d20_memory"
+    size = ["--smoke"] if args.tiny else ["--memory-depths", "20", "--gpt-batch-size", "32", "--seq-len", "2048",
+                                          "--vocab-size", "65536", "--memory-cap-gib", "79.6"]
+    c.sh("gpt_d20_memory", [sys.executable, "-m", "bench", "--device", args.device, "--sections", "gpt_memory",
+                            *size, *(["--compile"] if args.compile else []), "--out", str(out)], timeout=900)
+    mem = json.loads(max(out.glob("*.json"), key=lambda f: f.stat().st_mtime).read_text())["gpt_memory"]
+    rows = [r for r in mem["rows"] if "oom" in r] or mem["rows"]  # CPU dry run: no peaks
+    fmt = lambda r: ("OOM" if r["oom"] else f"{r['peak_gib']:.1f} GiB") if "oom" in r else "no peak on CPU"  # noqa: E731
+    what = "; ".join(f"{r['name']}{' grad_checkpointing' if r['grad_checkpointing'] else ''}: {fmt(r)}, "
+                     f"{r['saved_bytes_per_token']:,.0f} saved B/token" for r in rows)
+    if any(r.get("oom") and not r["grad_checkpointing"] for r in rows):
+        raise RuntimeError(f"gpt_d20's micro batch {mem['batch']} does not fit {mem['cap_gib']} GiB: set "
+                           f"model.grad_checkpointing=true or trainer.micro_batch_size=16 ({what})")
+    return what
+
+
 def dino_in1k(c: Check, data: Path, tiny: bool) -> str:
     """A few steps of experiment=dino_in1k as the paper runs it per GPU (ViT-S/16 with 5
     Laplacian heads, 2 x 224 px + 8 x 96 px crops, head to 65,536, bf16, compile, batch 64 per
@@ -370,6 +392,7 @@ def main():
             f"+data.root={data / 'shards'}", "data.seq_len=128", "trainer.num_workers=0"], 6, 16),
         "gpt pipeline: BPE, Muon, SFT, chat": lambda: gpt_pipeline(c, data, gpt, args.device),
         "gpt_d20: paper-size steps": lambda: gpt_d20(c, data, args.tiny),
+        "gpt_d20_memory: micro batch 32 in 80 GB": lambda: gpt_d20_memory(c, args),
         "dino_digits": lambda: stop_and_resume(c, "dino_digits", [
             "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
         "dino_in1k: paper-size steps": lambda: dino_in1k(c, data, args.tiny),
