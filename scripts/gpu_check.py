@@ -235,8 +235,9 @@ def gpt_d20_memory(c: Check, args) -> str:
     """gpt_d20 at the paper's micro batch, 32 x 2048 tokens per GPU (nanochat's d20 fits it in an 80 GB
     H100): peak memory of two training steps of gpt_d20_5L with the process held to an 80 GB card's
     79.6 GiB, without and with model.grad_checkpointing, compiled as the runs are
-    (`python -m bench --sections gpt_memory`, its record in <out>/benchmarks). Fails if the shipped
-    setting (no checkpointing) runs out of memory, naming what to set."""
+    (`python -m bench --sections gpt_memory`, its record in <out>/benchmarks; one GPU, so DDP's
+    gradient buckets, ~2.2 GB more on several, are not in it). Fails if the shipped setting (no
+    checkpointing) runs out of memory, naming what to set."""
     out = c.out / "benchmarks" / "gpt_d20_memory"
     size = ["--smoke"] if args.tiny else ["--memory-depths", "20", "--gpt-batch-size", "32", "--seq-len", "2048",
                                           "--vocab-size", "65536", "--memory-cap-gib", "79.6"]

@@ -41,7 +41,7 @@ def split_batch(global_batch: int, micro_batch: int | None, world: int) -> tuple
     its whole share). Where it does not divide a process's share of the global batch, the largest
     divisor of the share below it is taken, so one recipe runs on any number of GPUs that divides
     its global batch: gpt_d20's 256 sequences with at most 32 per forward are 32 x 8 x 1 on 8 GPUs
-    and 16 x 16 x 1 on 16 (nanochat asks for --device_batch_size=16 there by hand).
+    and 16 x 16 x 1 on 16 (where nanochat's assert wants --device_batch_size=16 set by hand).
     """
     if global_batch < 1 or global_batch % world:
         raise ConfigError(f"trainer.global_batch_size={global_batch} does not split over {world} processes: "
