@@ -16,7 +16,7 @@ from laplace.dist import use_tf32
 from . import report
 from .pipeline import analysis_one, analysis_subprocess, bench_stream, bench_tokenizer
 
-SECTIONS = ("layer", "step", "loader", "tokenizer", "analysis")
+SECTIONS = ("layer", "step", "gpt_memory", "loader", "tokenizer", "analysis")
 FAMILIES = ("vits", "vitb", "gpt")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,19 +27,19 @@ DEFAULTS = {
                  loader_tokens=100_000_000, loader_seq_len=2048, loader_batch=32,
                  tokenizer_vocab=4096, tokenizer_chars=20_000_000, tokenizer_threads=[1, 2],
                  analysis_tokens=[100_000, 1_000_000], analysis_dim=768, analysis_seqs=1000,
-                 analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=None),
+                 analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=None, memory_depths=[20]),
     "cpu": dict(dtype="fp32", batch_size=2, img_size=224, gpt_batch_size=2, seq_len=128, gpt_depth=8,
                 vocab_size=65536, steps=3, warmup=1, layer_steps=30, layer_warmup=3,
                 loader_tokens=20_000_000, loader_seq_len=2048, loader_batch=32,
                 tokenizer_vocab=4096, tokenizer_chars=20_000_000, tokenizer_threads=[1, 2],
                 analysis_tokens=[100_000, 1_000_000], analysis_dim=768, analysis_seqs=1000,
-                analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=100_000),
+                analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=100_000, memory_depths=[4, 8]),
     "smoke": dict(dtype="fp32", batch_size=2, img_size=32, gpt_batch_size=2, seq_len=16, gpt_depth=4,
                   vocab_size=256, steps=1, warmup=1, layer_steps=1, layer_warmup=1,
                   loader_tokens=20_000, loader_seq_len=64, loader_batch=4,
                   tokenizer_vocab=512, tokenizer_chars=20_000, tokenizer_threads=[1],
                   analysis_tokens=[2_000, 4_000], analysis_dim=32, analysis_seqs=10,
-                  analysis_classes=5, analysis_batch=512, analysis_matmul_tokens=None),
+                  analysis_classes=5, analysis_batch=512, analysis_matmul_tokens=None, memory_depths=[1]),
 }
 
 
@@ -67,6 +67,12 @@ def parse_args(argv=None):
     g.add_argument("--warmup", type=int, default=None, help="untimed training steps per model (5 / 1)")
     g.add_argument("--layer-steps", type=int, default=None, help="timed layer steps (50 / 30)")
     g.add_argument("--layer-warmup", type=int, default=None, help="untimed layer steps (10 / 3)")
+    g = p.add_argument_group("GPT activation memory (gpt_memory: bench/gpt_memory.py; bf16 autocast)")
+    g.add_argument("--memory-depths", type=int, nargs="+", default=None, help="GPT depths (20 / 4 8)")
+    g.add_argument("--nanochat", default=None, metavar="DIR",
+                   help="a folder holding karpathy/nanochat's nanochat/ package (eec0c79): its GPT beside ours")
+    g.add_argument("--memory-cap-gib", type=float, default=None,
+                   help="CUDA: the process may use only this much of the card (79.6: an 80 GB H100)")
     g = p.add_argument_group("loader, tokenizer and analysis (defaults: CUDA / CPU)")
     g.add_argument("--loader-tokens", type=int, default=None, help="tokens on disk (1e8 / 2e7)")
     g.add_argument("--loader-seq-len", type=int, default=None, help="TokenStream window (2048)")
@@ -157,7 +163,8 @@ def main(argv=None) -> dict:
                   command=report.command_line(argv),
                   args={k: v for k, v in vars(args).items() if k != "analysis_one"},
                   machine=report.machine_info(args.device_type), git_commit=report.git_commit(ROOT),
-                  note=args.note, cases=[], ratios=[], loader=None, tokenizer=None, analysis=None)
+                  note=args.note, cases=[], ratios=[], gpt_memory=None, loader=None, tokenizer=None,
+                  analysis=None)
     record["settings"] = {k: getattr(args, k) for k in ("device", "dtype", "modes", "steps", "warmup",
                                                          "layer_steps", "layer_warmup", "smoke")}
     m = record["machine"]
@@ -178,6 +185,12 @@ def main(argv=None) -> dict:
                 free(cases, args)
                 print(f"[{section} {family} {mode}: {time.perf_counter() - t0:.0f} s]", flush=True)
     record["ratios"] = report.ratios(record["cases"], args.device_type)
+    if "gpt_memory" in args.sections:
+        from . import gpt_memory
+
+        t0 = time.perf_counter()
+        record["gpt_memory"] = gpt_memory.run(args)
+        print(f"[gpt_memory: {time.perf_counter() - t0:.0f} s]", flush=True)
     if "loader" in args.sections:
         t0 = time.perf_counter()
         record["loader"] = bench_stream(args.loader_tokens, max(1, -(-args.loader_tokens // 4)),

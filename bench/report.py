@@ -227,7 +227,34 @@ def markdown(record: dict) -> str:
             row += [_f(r["cuda_peak_mib"], "{:,.0f}")] if not cpu else []
             rows.append(row)
         lines += md_table(head, rows)
+    if record.get("gpt_memory"):
+        lines += gpt_memory_markdown(record["gpt_memory"])
     return "\n".join(lines) + "\n"
+
+
+def gpt_memory_markdown(mem: dict) -> list[str]:
+    """The gpt_memory section (bench/gpt_memory.py) as Markdown lines."""
+    lines = ["", f"## GPT activation memory ({mem['dtype']}, vocab {mem['vocab_size']:,}, {mem['seq_len']} tokens "
+                 f"per sequence; saved bytes per token at 2 sequences minus at 1)", ""]
+    peak = any("oom" in r for r in mem["rows"])
+    head = ["depth", "width x heads", "model", "k", "grad ckpt", "saved bytes / token"] + \
+        ([f"peak GiB, step at {mem['batch']} x {mem['seq_len']}" + (f" (cap {mem['cap_gib']} GiB)" if mem["cap_gib"] else "")]
+         if peak else [])
+    rows = []
+    for r in mem["rows"]:
+        row = [str(r["depth"]), f"{r['width']} x {r['heads']}", r["name"], "-" if r["k"] is None else str(r["k"]),
+               "on" if r["grad_checkpointing"] else "off", f"{r['saved_bytes_per_token']:,.0f}"]
+        if peak:
+            row.append("-" if "oom" not in r else "OOM" if r["oom"] else _f(r["peak_gib"], "{:.1f}"))
+        rows.append(row)
+    lines += md_table(head, rows)
+    if mem["ratios"]:
+        lines += ["", "Against nanochat (target <= 1.00):", ""]
+        lines += md_table(["depth", "ratio", "saved bytes", "verdict"],
+                          [[str(r["depth"]), f"{r['num']} / {r['den']}", f"{r['ratio']:.4f}",
+                            "-" if r["met"] is None else "met" if r["met"] else "**NOT met**"]
+                           for r in mem["ratios"]])
+    return lines
 
 
 def command_line(argv=None) -> str:

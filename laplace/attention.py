@@ -120,7 +120,8 @@ class LaplacianProjection(torch.autograd.Function):
     """y = merge_heads(out, v, n_std) @ W^T + b, saving for backward only `out` and `v`.
 
     Plain autograd keeps the merged tensor for the weight gradient: a new activation as large as
-    the attention output (with k = 0 the merge is a view of SDPA's output, which SDPA keeps).
+    the attention output (at k = 0 too: there the merge is the head-merging copy of SDPA's
+    [B, H, N, D] output).
     Here the merge is recomputed in backward from `out` and `v`, which SDPA keeps anyway, so a
     Laplacian head adds no saved activation (the bf16 weight copy of autocast is not kept either:
     the weight is cast again in backward). Why by hand: autograd cannot be told to recompute one
@@ -156,7 +157,8 @@ class LaplacianProjection(torch.autograd.Function):
                 g_b = gy2.sum(0).to(weight.dtype)
             if need_out or need_v:
                 g_m = (gy @ weight.to(dt)).view(out.shape)  # d loss / d merged, [B, N, H, D]
-                if need_v:  # the identity term: the Laplacian heads' slice, zero elsewhere
+                if need_v and n_std < out.shape[2]:  # the identity term: the Laplacian heads' slice
+                    # (zero elsewhere; at k = 0 none)
                     if n_std:
                         g_v = g_m.new_zeros(g_m.shape)
                         g_v[:, :, n_std:] = g_m[:, :, n_std:]
@@ -306,6 +308,9 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, N, D]
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            # q and k are new tensors now: a view v would keep all of qkv's output (3x v) alive
+            # for backward; its own copy lets that be freed (nanochat's separate c_v).
+            v = v.contiguous()
         q, k = self.q_norm(q), self.k_norm(k)
 
         keys, values, mask = k, v, None
@@ -336,11 +341,12 @@ class Attention(nn.Module):
             # (1 - a) P V + a (V - P V), a per head in (0, 1).
             out = torch.lerp(out, v - out, self.laplacian_weight().view(-1, 1).to(out.dtype))
             out = self.proj(out.reshape(B, N, C))
-        elif (n_std < self.num_heads and attn is None and torch.is_grad_enabled()
+        elif (attn is None and torch.is_grad_enabled()
               and torch.amp.is_autocast_available(x.device.type)):  # not on "meta"
-            # Fused path with Laplacian heads: merge + projection keep no extra activation.
+            # Fused path: merge + projection keep no extra activation. Also at k = 0, where the
+            # merge is the head-merging copy of SDPA's [B, H, N, D] output, kept by plain autograd.
             out = LaplacianProjection.apply(out, v, self.proj.weight, self.proj.bias, n_std)
-        else:  # k = 0, the reference path (plain autograd: the ground truth), or no grad
+        else:  # the reference path (plain autograd: the ground truth), or no grad
             out = self.proj(merge_heads(out, v, n_std))
         out = self.proj_drop(out)
         return (out, attn) if return_attn else out

@@ -35,7 +35,7 @@ def model_node(name: str) -> dict:
         node.update(drop_path_rate=0.0, drop_path_schedule="uniform", init_values=1e-6, qk_norm=False,
                     **_VIT_FROM_DATA)
     else:
-        node.update(_GPT_FROM_DATA)
+        node.update(grad_checkpointing=False, **_GPT_FROM_DATA)
     return node
 
 

@@ -9,6 +9,15 @@ Design choices (nanochat, Oct 2025 - Jan 2026):
 - untied token embedding and output layer; logits soft-capped at 15 by 15 tanh(z / 15);
 - zero-initialised output projections and lm_head (nanochat's init).
 The depth-20 model with vocab 65,536 has exactly 560,988,160 parameters.
+
+Precision, as nanochat keeps it: under autocast the residual stream, the rotary tables (so q and
+k out of rotary) and the KV cache are in the compute dtype (bf16), the logits in float32. nanochat
+stores `wte` in bf16 on CUDA; ours keeps float32 master weights and casts the embedded tokens, so
+the forward sees the same bf16 values and the optimizer updates float32 weights. What changes
+against float32 activations: every residual addition is rounded to bf16, and so is the gradient
+flowing back along the residual stream. Without autocast (CPU) everything stays float32.
+`grad_checkpointing` recomputes each block in backward (torch.utils.checkpoint, non-reentrant):
+only the blocks' inputs are kept, for larger micro batches at ~1/3 more compute.
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .attention import Attention, KVCache, block_indices, laplacian_counts, rms_norm
 from .sampling import sample_next  # the one token-picking rule (also the streaming sampler's)
@@ -47,6 +57,14 @@ class Block(nn.Module):
         return x + self.mlp(rms_norm(x))
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """Autocast's dtype where it is on for t's device, else t's own."""
+    dev = t.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):  # not on "meta"
+        return torch.get_autocast_dtype(dev)
+    return t.dtype
+
+
 def gpt_dims(depth: int, aspect_ratio: int = 64, head_dim: int = 128) -> tuple[int, int]:
     """(width, num_heads) of nanochat's depth-parametrised model."""
     width = depth * aspect_ratio
@@ -67,19 +85,22 @@ class GPT(nn.Module):
         softcap: logit soft-cap (15); 0 disables it.
         width, num_heads: override the depth-derived shapes (tests, ablations).
         fused_attn: SDPA kernels (True) or the explicit-softmax reference path.
+        grad_checkpointing: recompute every block in backward instead of keeping its
+            activations (training only; the same losses and gradients).
     """
 
     def __init__(self, vocab_size: int = 65536, depth: int = 20,
                  num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed",
                  max_seq_len: int = 2048, softcap: float = 15.0, width: Optional[int] = None,
                  num_heads: Optional[int] = None, rope_base: float = 10000.0,
-                 fused_attn: bool = True):
+                 fused_attn: bool = True, grad_checkpointing: bool = False):
         super().__init__()
         d_width, d_heads = gpt_dims(depth)
         width, num_heads = width or d_width, num_heads or d_heads
         self.vocab_size, self.depth, self.width, self.num_heads = vocab_size, depth, width, num_heads
         self.head_dim = width // num_heads
         self.softcap = softcap
+        self.grad_checkpointing = grad_checkpointing
         self.num_laplacian_heads = laplacian_counts(num_laplacian_heads, depth, num_heads)
         self.wte = nn.Embedding(vocab_size, width)
         self.blocks = nn.ModuleList([Block(width, num_heads, k, laplacian_mode, fused_attn)
@@ -130,11 +151,14 @@ class GPT(nn.Module):
              collect: Optional[set[int]] = None):
         """Shared trunk: returns the final-norm output and any collected block outputs."""
         start = kv_cache.pos if kv_cache is not None else 0
-        x = rms_norm(self.wte(idx))
+        x = self.wte(idx)
+        x = x.to(compute_dtype(x))  # nanochat's bf16 residual stream (and rotary) under autocast
         rope = self._rope(start, idx.shape[1], x.dtype)
+        x = rms_norm(x)
+        recompute = self.grad_checkpointing and kv_cache is None and torch.is_grad_enabled()
         feats = {}
         for i, blk in enumerate(self.blocks):
-            x = blk(x, rope, kv_cache, i)
+            x = checkpoint(blk, x, rope, use_reentrant=False) if recompute else blk(x, rope, kv_cache, i)
             if collect is not None and i in collect:
                 feats[f"blocks.{i}"] = x
         if kv_cache is not None:
@@ -169,9 +193,10 @@ class GPT(nn.Module):
         return feats
 
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty cache in the compute dtype: autocast's if it is on here, else the weights'."""
         w = self.wte.weight
         return KVCache(self.depth, batch_size, self.num_heads, self.head_dim, max_len,
-                       device=w.device, dtype=w.dtype)
+                       device=w.device, dtype=compute_dtype(w))
 
     @torch.inference_mode()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

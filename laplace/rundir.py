@@ -37,7 +37,8 @@ EXECUTION_KEYS = ("run_dir", "paths.", "logger", "hydra.",
                   "data.root", "data.tokenizer", "data.cache_dir", "data.download",
                   "trainer.device", "trainer.num_workers", "trainer.progress", "trainer.stop_after",
                   "trainer.log_every", "trainer.eval_every", "trainer.ckpt_every", "trainer.keep_every",
-                  "trainer.micro_batch_size", "trainer.amp", "trainer.compile", "trainer.resume")
+                  "trainer.micro_batch_size", "trainer.amp", "trainer.compile", "trainer.resume",
+                  "model.grad_checkpointing")
 
 
 def short_name(name: str, limit: int) -> str:

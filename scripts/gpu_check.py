@@ -403,6 +403,7 @@ def main():
             f"+data.root={data / 'shards'}", "data.seq_len=128", "trainer.num_workers=0"], 6, 16),
         "gpt pipeline: BPE, Muon, SFT, chat": lambda: gpt_pipeline(c, data, gpt, args.device),
         "gpt_d20: paper-size steps": lambda: gpt_d20(c, data, args.tiny),
+        "gpt_d20_memory: micro batch 32 in 80 GB": lambda: gpu_cluster.gpt_d20_memory(c, args),
         "dino_digits": lambda: stop_and_resume(c, "dino_digits", [
             "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
         "dino_in1k: paper-size steps": lambda: gpu_cluster.paper_images(c, "dino_in1k", data),

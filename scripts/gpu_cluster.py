@@ -195,3 +195,26 @@ def print_loader_rate(overrides: list[str], batches: int = 20):
     for _ in range(batches):
         next(feed)
     print(f"LOADER {batches * trainer.micro_bs / (time.perf_counter() - t0):.1f}", flush=True)
+
+
+def gpt_d20_memory(c, args) -> str:
+    """gpt_d20 at the paper's micro batch, 32 x 2048 tokens per GPU (nanochat's d20 fits it in an 80 GB
+    H100): peak memory of two training steps of gpt_d20_5L with the process held to an 80 GB card's
+    79.6 GiB, without and with model.grad_checkpointing, compiled as the runs are
+    (`python -m bench --sections gpt_memory`, its record in <out>/benchmarks; one GPU, so DDP's
+    gradient buckets, ~2.2 GB more on several, are not in it). Fails if the shipped setting (no
+    checkpointing) runs out of memory, naming what to set."""
+    out = c.out / "benchmarks" / "gpt_d20_memory"
+    size = ["--smoke"] if args.tiny else ["--memory-depths", "20", "--gpt-batch-size", "32", "--seq-len", "2048",
+                                          "--vocab-size", "65536", "--memory-cap-gib", "79.6"]
+    c.sh("gpt_d20_memory", [sys.executable, "-m", "bench", "--device", args.device, "--sections", "gpt_memory",
+                            *size, *(["--compile"] if args.compile else []), "--out", str(out)], timeout=900)
+    mem = json.loads(max(out.glob("*.json"), key=lambda f: f.stat().st_mtime).read_text())["gpt_memory"]
+    rows = [r for r in mem["rows"] if "oom" in r] or mem["rows"]  # CPU dry run: no peaks
+    fmt = lambda r: ("OOM" if r["oom"] else f"{r['peak_gib']:.1f} GiB") if "oom" in r else "no peak on CPU"  # noqa: E731
+    what = "; ".join(f"{r['name']}{' grad_checkpointing' if r['grad_checkpointing'] else ''}: {fmt(r)}, "
+                     f"{r['saved_bytes_per_token']:,.0f} saved B/token" for r in rows)
+    if any(r.get("oom") and not r["grad_checkpointing"] for r in rows):
+        raise RuntimeError(f"gpt_d20's micro batch {mem['batch']} does not fit {mem['cap_gib']} GiB: set "
+                           f"model.grad_checkpointing=true or trainer.micro_batch_size=16 ({what})")
+    return what

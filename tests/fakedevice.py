@@ -8,7 +8,10 @@ tensors to be on the same device"; as on CUDA, a 0-dim CPU tensor may join a poi
 copies, indexing with CPU indices and `.item()` cross freely. `.numpy()` of a tagged tensor
 raises as CUDA's does; a generator made for "cuda" must meet tagged tensors only; the device's
 own generator state (torch.cuda.get/set_rng_state) is kept, and naming a second device raises.
-Kernels, NCCL, streams, bf16 autocast and memory are not modelled.
+CUDA autocast is CPU autocast (`torch.autocast("cuda")`, `torch.is_autocast_enabled("cuda")` and
+`torch.get_autocast_dtype("cuda")` act on the CPU's state, where the kernels really run), so a
+model casting to autocast's dtype by hand meets kernels that autocast too. Kernels, NCCL, streams,
+CUDA's own autocast op lists and memory are not modelled.
 
 What would make the host wait for the device is counted in `tags.syncs` (one line per sync: the
 op and our innermost calling line): a value read from a device tensor (`.item()`, `float()`,
@@ -248,6 +251,20 @@ def _generator_class(tags: _Tags):
     return Generator
 
 
+class _CPUAutocast(torch.amp.autocast):
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        super().__init__("cpu" if device_type == "cuda" else device_type, dtype, enabled, cache_enabled)
+
+
+def _autocast_patches() -> list:
+    """CUDA's autocast state read and set as the CPU's (the stand-in's tensors live there)."""
+    on, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    cpu = lambda d: "cpu" if d in (None, "cuda") else d  # noqa: E731  (no argument: CUDA's, as torch reads it)
+    return [mock.patch("torch.autocast", _CPUAutocast),
+            mock.patch("torch.is_autocast_enabled", lambda device_type=None: on(cpu(device_type))),
+            mock.patch("torch.get_autocast_dtype", lambda device_type: dtype(cpu(device_type)))]
+
+
 @contextlib.contextmanager
 def fake_cuda():
     """torch.cuda "available" with one device; tensors placed on it checked as CUDA would."""
@@ -269,7 +286,7 @@ def fake_cuda():
                mock.patch("torch.cuda.max_memory_allocated", lambda d=None: 0),
                # The optimizers ask the current CUDA stream whether a graph is being captured.
                mock.patch("torch.accelerator.current_stream", lambda d=None: mock.Mock(is_capturing=lambda: False)),
-               *_cuda_rng()]
+               *_cuda_rng(), *_autocast_patches()]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from bench import main
-from bench.report import git_commit, markdown, ratios, record_stem
+from bench.report import git_commit, gpt_memory_markdown, markdown, ratios, record_stem
 
 # --smoke: zoo names at their head counts (one block each); GPT depth 4 = 2 heads per layer.
 EXPECTED = {
@@ -103,12 +103,85 @@ def test_loader_tokenizer_and_analysis_sections(smoke):
             assert positive(a[key]), key
 
 
+def test_gpt_memory_section_without_nanochat(smoke):
+    """Ours alone (no --nanochat): k = 0 and with grad_checkpointing, which keeps less."""
+    _, record = smoke
+    mem = record["gpt_memory"]
+    assert mem["dtype"] == "bf16 autocast" and mem["ratios"] == [] and mem["nanochat"] is None
+    rows = {(r["name"], r["grad_checkpointing"]): r["saved_bytes_per_token"] for r in mem["rows"]}
+    assert set(rows) == {("gpt_d1_0L", False), ("gpt_d1_0L", True)}
+    assert 0 < rows[("gpt_d1_0L", True)] < rows[("gpt_d1_0L", False)]
+
+
+# A folder laid out as nanochat's package, its GPT our own: the plumbing of --nanochat (the real
+# gpt.py lives outside the repository; docs/LOG.md has its figures).
+FAKE_NANOCHAT = """
+from dataclasses import dataclass
+import torch
+from laplace.gpt import GPT as Ours
+
+@dataclass
+class GPTConfig:
+    sequence_len: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    n_embd: int
+
+class GPT(Ours):
+    def __init__(self, c):
+        super().__init__(c.vocab_size, c.n_layer, width=c.n_embd, num_heads=c.n_head, max_seq_len=c.sequence_len)
+        self.transformer = torch.nn.ModuleDict({"wte": self.wte})
+"""
+
+
+def test_gpt_memory_against_a_nanochat_folder(tmp_path, capsys):
+    (tmp_path / "ref" / "nanochat").mkdir(parents=True)
+    (tmp_path / "ref" / "nanochat" / "gpt.py").write_text(FAKE_NANOCHAT)
+    record = main(["--smoke", "--sections", "gpt_memory", "--nanochat", str(tmp_path / "ref"),
+                   "--out", str(tmp_path / "out")])
+    mem = record["gpt_memory"]
+    assert [r["impl"] for r in mem["rows"]] == ["laplace", "laplace", "nanochat"]
+    (plain, ckpt) = mem["ratios"]
+    assert plain["ratio"] == pytest.approx(1.0) and plain["met"] and ckpt["met"] is None
+    assert "| 1 | gpt_d1_0L / nanochat eec0c79 | 1.0000 | met |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no nanochat/gpt.py"):
+        main(["--smoke", "--sections", "gpt_memory", "--nanochat", str(tmp_path), "--out", str(tmp_path / "o")])
+
+
+def test_gpt_memory_cuda_path_on_the_stand_in(monkeypatch):
+    """The CUDA-only part runs through on tests/fakedevice.py's stand-in (which reports 0 bytes
+    allocated): two Muon + AdamW steps of a model, the process cap, a peak per Laplacian model and
+    OOM recorded as such. The stand-in cannot recompute a checkpointed block in backward (its
+    tensors come back untagged), so the steps are run on the plain model."""
+    import laplace
+    import torch
+    from fakedevice import fake_cuda
+    from bench import gpt_memory
+    from bench.cli import parse_args
+
+    fractions, stepped = [], []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f))
+    with fake_cuda():
+        model = laplace.create_model("gpt_d1_0L", vocab_size=256, max_seq_len=16).to("cuda")
+        assert gpt_memory.peak_step_gib(model, 2, 16, 256, "cuda", compiled=False) == 0.0
+        monkeypatch.setattr(gpt_memory, "peak_step_gib", lambda m, *a: stepped.append(m.grad_checkpointing)
+                            or (None if m.grad_checkpointing else 1.5))
+        args = parse_args(["--smoke", "--device", "cuda", "--sections", "gpt_memory", "--memory-cap-gib", "0.5"])
+        mem = gpt_memory.run(args)
+    assert fractions == [0.5] and stepped == [False, True]  # the cap: of the stand-in's 1 GiB
+    assert [(r["oom"], r["peak_gib"]) for r in mem["rows"]] == [(False, 1.5), (True, None)]
+    table = gpt_memory_markdown(mem)
+    assert any(line.endswith("| 1.5 |") for line in table) and any(line.endswith("| OOM |") for line in table)
+
+
 def test_markdown_has_the_tables(smoke):
     out, record = smoke
     text = next(out.glob("*.md")).read_text()
     assert text == markdown(record) and text in record["stdout"]  # the table is printed too
     for title in ("## Attention layer alone", "## Training step", "## Ratios and targets", "## LM loader",
-                  "## Tokenizer", "## Analysis accumulator"):
+                  "## Tokenizer", "## Analysis accumulator", "## GPT activation memory"):
         assert title in text
     assert "| model | k | mode | shape | median ms |" in text
     for names in EXPECTED.values():

@@ -243,7 +243,7 @@ VIT_NAMES = laplace.list_models("vit*")
 
 
 def test_list_models_covers_the_paper():
-    assert len(VIT_NAMES) == 4 + 7 + 13  # vitt 0..3, vits 0..6, vitb 0..12
+    assert len(VIT_NAMES) == 4 + 7 + 13 + 17  # vitt 0..3, vits 0..6, vitb 0..12, vitl 0..16
     assert {"vitb_0L", "vitb_12L", "vits_5L", "gpt_d20_5L", "gpt_d20_10L"} <= set(laplace.list_models())
     assert laplace.list_models("vitb_*") == [f"vitb_{k}L" for k in range(13)]
 

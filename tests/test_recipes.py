@@ -88,12 +88,25 @@ def test_deit3_trainer_keeps_no_ema():
     assert DeiT3Trainer.build_model is Trainer.build_model  # the zoo model alone: no EMA copy in it
 
 
-def test_gpt_rotary_tables_are_float32():
-    from laplace import create_model
+def test_gpt_keeps_nanochats_dtypes_under_bf16_autocast(monkeypatch):
+    """Under autocast the residual stream, the rotary tables as used (so q and k out of rotary)
+    and the KV cache are bf16, as nanochat keeps them; without autocast all float32. The stored
+    tables and the embedding weight stay float32 (nanochat: bf16 tables, a bf16 wte on CUDA)."""
+    from laplace import attention, create_model
 
+    seen, rotary = [], attention.apply_rotary
+    monkeypatch.setattr(attention, "apply_rotary", lambda x, cos, sin: seen.append((x.dtype, cos.dtype))
+                        or rotary(x, cos, sin))
     m = create_model("gpt_d2_0L", vocab_size=64, max_seq_len=16)
-    m(torch.randint(0, 64, (1, 8)))
-    assert m.rope_cos.dtype == m.rope_sin.dtype == torch.float32
+    idx = torch.randint(0, 64, (1, 8))
+    for amp, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        seen.clear()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            feats = m.forward_features(idx, norm=False)
+            cache = m.new_kv_cache(1, 8)
+        assert {f.dtype for f in feats.values()} == {dtype} and cache.kv.dtype == dtype
+        assert set(seen) == {(dtype, dtype)}
+    assert m.rope_cos.dtype == m.rope_sin.dtype == m.wte.weight.dtype == torch.float32
 
 
 def test_bits_per_byte_counts_true_utf8_bytes():

@@ -43,7 +43,7 @@ from laplace.checkpoint import (CheckpointError, clean_state_dict, load_pretrain
 from laplace.errors import ConfigError
 from laplace.io import write_json
 
-from .feeds import MapFeed, epoch_sampler
+from .feeds import MapFeed, epoch_sampler, split_batch
 from .logger import MetricsLogger
 from .optim import (apply_group_schedules, build_optimizer, build_schedules, check_group_schedules,
                     clip_gradients)
@@ -70,12 +70,7 @@ class Trainer:
         self.amp = (tc.amp == "auto" and self.device.type == "cuda") or tc.amp is True
         self.compile = (tc.compile == "auto" and self.device.type == "cuda") or tc.compile is True
         # Batch arithmetic: the global batch is a property of the recipe, not of the cluster.
-        world = self.dist.world_size
-        self.micro_bs = tc.micro_batch_size or tc.global_batch_size // world
-        if self.micro_bs < 1 or tc.global_batch_size % (self.micro_bs * world):
-            raise ConfigError(f"trainer.global_batch_size={tc.global_batch_size} is not a multiple of "
-                              f"micro_batch_size ({self.micro_bs}) x world size ({world})")
-        self.accum = tc.global_batch_size // (self.micro_bs * world)
+        self.micro_bs, self.accum = split_batch(tc.global_batch_size, tc.micro_batch_size, self.dist.world_size)
         if OmegaConf.is_missing(tc, "init_from"):  # a trainer built without train.run's check_required
             raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
                               "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")

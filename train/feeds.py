@@ -31,6 +31,28 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from laplace.errors import ConfigError
+
+
+def split_batch(global_batch: int, micro_batch: int | None, world: int) -> tuple[int, int]:
+    """(micro batch, accumulation steps) of the global batch on `world` processes.
+
+    `trainer.micro_batch_size` is the most one process takes per forward (a memory bound; null:
+    its whole share). Where it does not divide a process's share of the global batch, the largest
+    divisor of the share below it is taken, so one recipe runs on any number of GPUs that divides
+    its global batch: gpt_d20's 256 sequences with at most 32 per forward are 32 x 8 x 1 on 8 GPUs
+    and 16 x 16 x 1 on 16 (where nanochat's assert wants --device_batch_size=16 set by hand).
+    """
+    if global_batch < 1 or global_batch % world:
+        raise ConfigError(f"trainer.global_batch_size={global_batch} does not split over {world} processes: "
+                          f"use a multiple of {world}, or a number of GPUs that divides it")
+    if micro_batch is not None and micro_batch < 1:
+        raise ConfigError(f"trainer.micro_batch_size={micro_batch}: use a count >= 1 (null: the whole share)")
+    share = global_batch // world
+    cap = min(micro_batch or share, share)
+    micro = next(d for d in range(cap, 0, -1) if share % d == 0)
+    return micro, share // micro
+
 
 class ResumableSampler(Sampler):
     """Yield (index, seed) pairs from `inner`, starting `start` samples into this rank's share.

@@ -109,13 +109,18 @@ class Recipe:
         """Parameters of the network a checkpoint holds (DINO: the teacher backbone)."""
         return sum(p.numel() for p in self.trainer.export_model().parameters())
 
-    def micro_batch(self, world_size: int = 1) -> int:
-        """Examples per process per forward on `world_size` processes (as the engine computes it)."""
+    def _split(self, world_size) -> tuple[int, int]:
+        from train.feeds import split_batch  # the engine's own batch arithmetic
+
         tc = self.cfg.trainer
-        return tc.micro_batch_size or tc.global_batch_size // int(world_size)
+        return split_batch(tc.global_batch_size, tc.micro_batch_size, int(world_size))
+
+    def micro_batch(self, world_size: int = 1) -> int:
+        """Examples per process per forward on `world_size` processes."""
+        return self._split(world_size)[0]
 
     def accum(self, world_size: int = 1) -> int:
-        return self.cfg.trainer.global_batch_size // (self.micro_batch(world_size) * int(world_size))
+        return self._split(world_size)[1]
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps in an epoch of `assume.train_size` examples on one process, counted by
