@@ -129,6 +129,13 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return all_reduce_sum(t) / (dist.get_world_size() if dist.is_initialized() else 1)
 
 
+def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t
+
+
 def all_gather_object(obj) -> list:
     if not dist.is_initialized():
         return [obj]
@@ -148,16 +155,43 @@ def broadcast_object(obj, src: int = 0):
 _CPU_GROUP = None
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is true on any (e.g. a stop signal one rank received).
-
-    Goes through a gloo group on the CPU, created on the first call (every rank calls this at
-    the same point of the loop), so asking every step costs no GPU synchronisation."""
+def _cpu_group():
+    """A gloo group of every rank, created on first use (every rank reaches it at the same
+    point): flags travel on the CPU, beside NCCL's or gloo's gradient traffic, never inside it."""
     global _CPU_GROUP
-    if not dist.is_initialized():
-        return bool(flag)
     if _CPU_GROUP is None:
-        _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-    t = torch.tensor([int(bool(flag))], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CPU_GROUP)
-    return bool(t.item())
+        _CPU_GROUP = dist.new_group(backend="gloo")
+    return _CPU_GROUP
+
+
+class StopVote:
+    """Agree on a flag across ranks without waiting for each other: `poll(flag)` returns True on
+    every rank, at the same call, once `flag` was true on any rank at the call before.
+
+    Each call starts an all-reduce (MAX) of this rank's flag on the CPU gloo group and returns
+    the result of the previous call's, which has long arrived: one step late, no device sync and
+    no rendezvous of the ranks' CPUs per step (a blocking check would make every rank's host
+    wait for the slowest one each step and drain the run-ahead of its kernel queue). `close()`
+    waits for the last reduction, which every rank started."""
+
+    def __init__(self):
+        self.group = _cpu_group() if dist.is_initialized() else None
+        self._pending = None  # (work, tensor) of the previous call
+
+    def poll(self, flag: bool) -> bool:
+        if self.group is None:
+            return bool(flag)
+        agreed = self._collect()
+        t = torch.tensor([int(bool(flag))], dtype=torch.int32)
+        self._pending = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
+        return agreed
+
+    def _collect(self) -> bool:
+        if self._pending is None:
+            return False
+        (work, t), self._pending = self._pending, None
+        work.wait()
+        return bool(t.item())
+
+    def close(self):
+        self._collect()

@@ -37,8 +37,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args, world=1, env=None):
-    """`world` processes of train.py as srun / torchrun would start them."""
+def _launch(args, world=1, env=None, session=False):
+    """`world` processes of train.py as srun / torchrun would start them; `session`: each in a
+    process group of its own (with its data workers), to be signalled whole as Slurm does."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -47,7 +48,7 @@ def _launch(args, world=1, env=None):
             e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(_cmd(*args), cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+                                      stderr=subprocess.PIPE, text=True, start_new_session=session))
     return procs
 
 
@@ -109,6 +110,44 @@ def test_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     straight, resumed = _signal_resume_and_compare(args, tmp_path, world=2, signalled_ranks=[1])
     assert _train(resumed, "first_token") == _train(straight, "first_token")
     assert load_checkpoint(resumed / "ckpt/last.pt")["loop"]["world_size"] == 2
+
+
+GROUP_RUNS = {
+    "deit3": [*TINY_VIT, "model=vitt_1L", "model.depth=1", "data.augment=three_augment", "trainer.max_steps=30"],
+    "dino": ["experiment=dino_digits", "model.depth=1", "model.embed_dim=48", "trainer.progress=false",
+             "trainer.global_batch_size=8", "trainer.log_every=1", "trainer.head.out_dim=64",
+             "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16", "trainer.multicrop.local_crops=2",
+             "data.val_fraction=0.9", "trainer.max_steps=30"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("trainer", sorted(GROUP_RUNS))
+def test_a_signal_to_the_process_group_with_workers_requeues_and_resumes(trainer, tmp_path):
+    """SIGTERM, then in the resumed run SIGUSR1, to the whole process group (2 data workers
+    included), as Slurm signals a job step: each time exit 75 with a resumable last.pt (the workers
+    used to die of SIGTERM and take the run down mid-checkpoint); the last run ends by itself
+    (ignoring SIGTERM, the workers used to hang DataLoader's shutdown) with the straight run's losses."""
+    args = [*GROUP_RUNS[trainer], "trainer.num_workers=2", "trainer.eval_every=1000", "trainer.ckpt_every=1000",
+            "trainer.device=cpu", f"paths.runs_dir={tmp_path / 'runs'}"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    codes, out = _finish(_launch([*args, f"run_dir={straight}"]), timeout=240)
+    assert codes == [0], out
+    stopped = 0
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        procs = _launch([*args, f"run_dir={resumed}"], session=True)
+        _wait_for_step(resumed, stopped + 3, procs)
+        os.killpg(procs[0].pid, sig)
+        codes, out = _finish(procs, timeout=120)
+        assert codes == [EXIT_REQUEUE], (sig, out)
+        step = load_checkpoint(resumed / "ckpt/last.pt")["loop"]["step"]
+        assert stopped + 3 <= step < 30 and f"saved step {step}" in out[0][0], out
+        stopped = step
+    codes, out = _finish(_launch([*args, f"run_dir={resumed}"], session=True), timeout=120)
+    assert codes == [0], out
+    assert f"resumed at step {stopped}" in out[0][0]
+    assert _train(resumed) == _train(straight)
 
 
 @pytest.mark.slow

@@ -225,6 +225,29 @@ def test_signalled_job_requeues_and_resumes_exactly(cluster, chain, runs):
 
 
 @pytest.mark.slow
+def test_two_task_job_signalled_requeues_and_resumes(cluster, submit, runs):
+    """train.sbatch with 2 srun tasks and a data worker each, `scancel --signal=USR1` part-way (it
+    reaches every process of the step, workers included): both ranks stop at the same step and exit
+    75, srun passes 75 on (the first rank to exit must not get the other killed), the job requeues
+    and the rerun ends with the losses of the same job left alone."""
+    args = [*TINY, "model=vitt_1L", "trainer.max_steps=60", "trainer.num_workers=1"]
+    (job,) = submit("submit.sh", "--ntasks-per-node=2", "--job-name=pre2", "train.sbatch", *args,
+                    f"run_dir={runs}/pre2")
+    (ref,) = submit("submit.sh", "--ntasks-per-node=2", "--job-name=ref2", "train.sbatch", *args,
+                    f"run_dir={runs}/ref2")
+    wait_for_steps(runs / "pre2", 3, timeout=120)
+    cluster.run("scancel", "--signal=USR1", job)
+    info, ref_info = cluster.wait(job, ref, timeout=300)
+    out = log(runs, "pre2", job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out[-3000:]
+    assert ref_info["JobState"] == "COMPLETED", log(runs, "ref2", ref)[-3000:]
+    assert "requeueing job" in out and "resumed at step" in out
+    resumed = train_losses(runs / "pre2")
+    assert [s for s, _ in resumed] == list(range(1, 61))
+    assert resumed == train_losses(runs / "ref2")
+
+
+@pytest.mark.slow
 def test_chain_runs_its_stages_in_order(cluster, chain, runs):
     ids, _, dirs = chain
     infos = [cluster.job(j) for j in ids]
