@@ -112,12 +112,15 @@ def test_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     assert load_checkpoint(resumed / "ckpt/last.pt")["loop"]["world_size"] == 2
 
 
+# trainer -> (signals, one per interruption; overrides): the GPT has no data workers.
 GROUP_RUNS = {
-    "deit3": [*TINY_VIT, "model=vitt_1L", "model.depth=1", "data.augment=three_augment", "trainer.max_steps=30"],
-    "dino": ["experiment=dino_digits", "model.depth=1", "model.embed_dim=48", "trainer.progress=false",
-             "trainer.global_batch_size=8", "trainer.log_every=1", "trainer.head.out_dim=64",
-             "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16", "trainer.multicrop.local_crops=2",
-             "data.val_fraction=0.9", "trainer.max_steps=30"],
+    "deit3": ((signal.SIGTERM, signal.SIGUSR1),
+              [*TINY_VIT, "model=vitt_1L", "model.depth=1", "data.augment=three_augment", "trainer.max_steps=30"]),
+    "dino": ((signal.SIGTERM,),
+             ["experiment=dino_digits", "model.depth=1", "model.embed_dim=48", "trainer.progress=false",
+              "trainer.global_batch_size=8", "trainer.log_every=1", "trainer.head.out_dim=64",
+              "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16", "trainer.multicrop.local_crops=2",
+              "data.val_fraction=0.9", "trainer.max_steps=30"]),
 }
 
 
@@ -125,17 +128,18 @@ GROUP_RUNS = {
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("trainer", sorted(GROUP_RUNS))
 def test_a_signal_to_the_process_group_with_workers_requeues_and_resumes(trainer, tmp_path):
-    """SIGTERM, then in the resumed run SIGUSR1, to the whole process group (2 data workers
-    included), as Slurm signals a job step: each time exit 75 with a resumable last.pt (the workers
-    used to die of SIGTERM and take the run down mid-checkpoint); the last run ends by itself
-    (ignoring SIGTERM, the workers used to hang DataLoader's shutdown) with the straight run's losses."""
-    args = [*GROUP_RUNS[trainer], "trainer.num_workers=2", "trainer.eval_every=1000", "trainer.ckpt_every=1000",
+    """SIGTERM (deit3: then, in the resumed run, SIGUSR1) to the whole process group, 2 data
+    workers included, as Slurm signals a job step: each time exit 75 with a resumable last.pt (the
+    workers used to die of SIGTERM and take the run down mid-checkpoint); the last run ends by
+    itself (workers that merely ignore SIGTERM hang DataLoader's shutdown) with the straight losses."""
+    signals, overrides = GROUP_RUNS[trainer]
+    args = [*overrides, "trainer.num_workers=2", "trainer.eval_every=1000", "trainer.ckpt_every=1000",
             "trainer.device=cpu", f"paths.runs_dir={tmp_path / 'runs'}"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     codes, out = _finish(_launch([*args, f"run_dir={straight}"]), timeout=240)
     assert codes == [0], out
     stopped = 0
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in signals:
         procs = _launch([*args, f"run_dir={resumed}"], session=True)
         _wait_for_step(resumed, stopped + 3, procs)
         os.killpg(procs[0].pid, sig)
@@ -148,6 +152,45 @@ def test_a_signal_to_the_process_group_with_workers_requeues_and_resumes(trainer
     assert codes == [0], out
     assert f"resumed at step {stopped}" in out[0][0]
     assert _train(resumed) == _train(straight)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_multi_gpu_launcher_exits_75_on_a_signal_and_resumes(tmp_path):
+    """README's one-node multi-process command, 2 gloo ranks: SIGUSR1 to its process group, then
+    SIGTERM to the launcher alone (passed on to the ranks), each time exit 75 with last.pt (torchrun:
+    SIGUSR1 killed it, 138, leaving the ranks as orphans; SIGTERM gave 1, so no requeue); the
+    requeued command finishes the run (that its losses are exact over 2 processes: the test above)."""
+    root = write_token_shards(tmp_path / "shards", tokens=20000)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train.launch", "--nproc_per_node=2", str(ROOT / "train.py"), *STREAM,
+           f"+data.root={root}", "trainer.max_steps=30", "trainer.device=cpu", f"run_dir={run_dir}"]
+
+    def launch():
+        return [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)]
+
+    stopped = 0
+    for deliver in (lambda p: os.killpg(p.pid, signal.SIGUSR1), lambda p: p.send_signal(signal.SIGTERM)):
+        procs = launch()
+        _wait_for_step(run_dir, stopped + 3, procs)
+        deliver(procs[0])
+        codes, out = _finish(procs)
+        assert codes == [EXIT_REQUEUE], out
+        step = load_checkpoint(run_dir / "ckpt/last.pt")["loop"]["step"]
+        assert stopped + 3 <= step < 30 and "stop requested" in out[0][0], out
+        stopped = step
+    codes, out = _finish(launch())
+    assert codes == [0], out
+    assert f"resumed at step {stopped}" in out[0][0]
+    assert [s for s, _ in _train(run_dir)] == list(range(1, 31))
+
+
+def test_the_launcher_status_is_the_ranks():
+    from train.launch import run_status
+
+    assert run_status([0, 0]) == 0 and run_status([75, 75]) == 75 and run_status([0, 75]) == 75
+    assert run_status([75, 137, 1]) == 137  # the first failure (here a rank killed by SIGKILL)
 
 
 @pytest.mark.slow
