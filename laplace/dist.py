@@ -4,20 +4,24 @@ Works under torchrun (RANK / WORLD_SIZE / LOCAL_RANK), under SLURM's srun (SLURM
 SLURM_STEP_NUM_TASKS / SLURM_LOCALID, with MASTER_ADDR from the first node of the allocation)
 and as a plain single process. gloo on CPU, nccl on CUDA. A plain `python train.py` in the
 batch script of a multi-task job (SLURM_NTASKS > 1, but no srun step) runs as one process.
+A collective that fails because a rank is gone (killed, out of memory, its node down) becomes one
+line naming that rank (`lost_peer`), found by a roll call through the rendezvous store.
 """
 from __future__ import annotations
 
 import os
 import random
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, UserError
 
 
 @dataclass
@@ -96,6 +100,7 @@ def setup(device: str = "auto") -> DistInfo:
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
+        _store().set(f"laplace/where/{rank}", f"{socket.gethostname()}, pid {os.getpid()}")  # for lost_peer
     return DistInfo(rank, world, local_rank, dev)
 
 
@@ -195,3 +200,51 @@ class StopVote:
 
     def close(self):
         self._collect()
+
+
+class PeerLost(UserError):
+    """A collective failed because another rank is gone: one line naming it."""
+
+
+# What gloo and NCCL say when the other end of a collective has vanished.
+_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+         "remote process exited", "remote worker")
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()  # the rendezvous store of the default group
+
+
+def lost_peer(e: BaseException, wait_s: float = 3.0) -> PeerLost | None:
+    """If `e` is a collective failing because a rank is gone, a PeerLost naming the ranks that do
+    not answer a roll call in the rendezvous store within `wait_s` (every survivor fails within
+    moments of the loss and calls in), else None: `e` is then an error of its own."""
+    seen, chain = set(), e
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, dist.DistError) or any(m in str(chain) for m in _GONE):
+            break
+        chain = chain.__cause__ or chain.__context__
+    if chain is None or not dist.is_initialized():
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = [f"laplace/alive/{r}" for r in range(world)]
+    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    try:
+        # A plain connection first: the store's own client logs a C++ stack trace when its server is gone.
+        socket.create_connection((addr, int(port)), timeout=wait_s).close()
+        store = _store()
+        store.set(keys[rank], "1")
+        deadline = time.monotonic() + wait_s
+        while (missing := [r for r in range(world) if r != rank and not store.check([keys[r]])]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        where = {r: store.get(f"laplace/where/{r}").decode() for r in missing}
+    except Exception:  # the store itself is gone: it lives with rank 0 (torchrun: with its agent)
+        return PeerLost(f"rank {rank} of {world}: lost rank 0 (the rendezvous store at {addr}:{port} is gone "
+                        f"too): see its log for why; run the same command again to resume from the last checkpoint")
+    if not missing:
+        return None
+    lost = "; ".join(f"rank {r} ({where[r]})" for r in missing)
+    return PeerLost(f"rank {rank} of {world}: lost {lost}: it stopped answering (killed, out of memory, or "
+                    f"its node failed; see its log); run the same command again to resume from the last checkpoint")

@@ -194,6 +194,25 @@ def test_the_launcher_status_is_the_ranks():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_lost_rank_is_one_line_naming_it(victim, tmp_path):
+    """kill -9 of one of 2 gloo processes mid-run: the other exits 1 within seconds with one line
+    naming the lost rank (rank 0 also hosts the rendezvous store), not gloo's traceback."""
+    root = write_token_shards(tmp_path / "shards", tokens=20000)
+    procs = _launch([*STREAM, f"+data.root={root}", "trainer.max_steps=3000", "trainer.device=cpu",
+                     f"run_dir={tmp_path / 'run'}"], world=2)
+    _wait_for_step(tmp_path / "run", 3, procs)
+    procs[victim].kill()
+    t0 = time.time()
+    survivor = procs[1 - victim]
+    _, err = survivor.communicate(timeout=60)
+    assert survivor.returncode == 1 and time.time() - t0 < 10
+    lost = f"lost rank {victim} (the rendezvous store" if victim == 0 else f"lost rank 1 ({socket.gethostname()}, pid"
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(f"error: rank {1 - victim} of 2: {lost}"), err
+    procs[victim].wait(timeout=10)
+
+
+@pytest.mark.slow
 def test_a_bug_with_data_workers_running_exits_within_seconds(tmp_path):
     env = dict(ENV, CRASH_AT_STEP="2")
     run_dir = tmp_path / "crash"

@@ -130,6 +130,9 @@ def run(cfg: DictConfig) -> dict:
     except BaseException as e:
         if log is not None and not isinstance(e, Preempted):
             log.exception(e)  # the whole traceback, also when the terminal shows one line
+        lost = dist.lost_peer(e) if isinstance(e, Exception) else None
+        if lost is not None:  # a rank is gone: say which, not gloo's or NCCL's traceback
+            raise lost from e
         raise
     finally:
         if log is not None:
