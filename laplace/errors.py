@@ -82,6 +82,16 @@ def name_storage_error(e: BaseException, path) -> None:
         full.filename = str(path)
 
 
+def one_line(e: UserError) -> str:
+    """The message of a user error. torch re-raises a data-loader worker's exception as
+    `type(e)("Caught <type> in DataLoader worker process N.\nOriginal Traceback ...")`: there the
+    message is the traceback's last line, after its "module.Type: "."""
+    lines = str(e).strip().splitlines()
+    if len(lines) > 1 and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+        return lines[-1].split(": ", 1)[-1]
+    return lines[0] if lines else type(e).__name__
+
+
 def cli_errors(fn):
     """Wrap a command-line entry point: a `UserError` prints as `error: <one line>`, any
     other exception keeps its traceback (a bug to report), and every failure exits non-zero
@@ -101,8 +111,7 @@ def cli_errors(fn):
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 traceback.print_exc()
             else:
-                lines = str(e).strip().splitlines()
-                print(f"error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
+                print(f"error: {one_line(e)}", file=sys.stderr)
             hard_exit(1)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

@@ -409,6 +409,12 @@ class Trainer:
         if hasattr(self.feed, "close"):
             self.feed.close()
         vote.close()
+        sets = {k: s for k, s in (("train", self.train_set), ("val", self.val_set)) if hasattr(s, "skipped_corrupt")}
+        if sets:  # data.skip_corrupt: what this invocation skipped, over all ranks and workers
+            n = dist.all_reduce_sum(torch.tensor([s.skipped_corrupt for s in sets.values()], device=self.device)).tolist()
+            if self.dist.is_main and any(n):
+                print(f"[laplace] data.skip_corrupt: {sum(n)} reads of an unreadable image served the next "
+                      f"sample ({', '.join(f'{k} {c}' for k, c in zip(sets, n))}); the files are named above", flush=True)
         dist.barrier()
 
     def _evaluate(self, logger: MetricsLogger, step: int) -> dict:
