@@ -38,6 +38,7 @@ from laplace import create_model, dist
 from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_pretrained, results_header, rng_state,
                                 save_checkpoint, set_rng_state)
+from laplace.data.images import report_skipped
 from laplace.errors import ConfigError
 from laplace.io import write_json
 
@@ -409,12 +410,7 @@ class Trainer:
         if hasattr(self.feed, "close"):
             self.feed.close()
         vote.close()
-        sets = {k: s for k, s in (("train", self.train_set), ("val", self.val_set)) if hasattr(s, "skipped_corrupt")}
-        if sets:  # data.skip_corrupt: what this invocation skipped, over all ranks and workers
-            n = dist.all_reduce_sum(torch.tensor([s.skipped_corrupt for s in sets.values()], device=self.device)).tolist()
-            if self.dist.is_main and any(n):
-                print(f"[laplace] data.skip_corrupt: {sum(n)} reads of an unreadable image served the next "
-                      f"sample ({', '.join(f'{k} {c}' for k, c in zip(sets, n))}); the files are named above", flush=True)
+        report_skipped({"train": self.train_set, "val": self.val_set}, self.device, self.dist.is_main)
         dist.barrier()
 
     def _evaluate(self, logger: MetricsLogger, step: int) -> dict:

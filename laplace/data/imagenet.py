@@ -14,9 +14,10 @@ Usage:
 
 Images are decoded one item at a time in __getitem__ (never the whole split in memory), and
 both dataset types pickle into DataLoader workers (the parquet one as a memory-mapped Arrow
-table). An image that does not decode is one line naming its file (parquet: file and row), or,
-with `skip_corrupt` (data.skip_corrupt), skipped and counted (laplace.data.images). On first use, `datasets` converts the parquet files into an Arrow cache (as large as
-the parquet files; point `cache_dir` at fast local disk); later runs reuse it.
+table). On first use, `datasets` converts the parquet files into an Arrow cache (as large as
+the parquet files; point `cache_dir` at fast local disk); later runs reuse it. An image that does
+not decode is one line naming its file (parquet: file and row), or, with `skip_corrupt`
+(data.skip_corrupt), skipped and counted (laplace.data.images).
 """
 
 import bisect

@@ -12,8 +12,10 @@ from __future__ import annotations
 import multiprocessing
 import sys
 
+import torch
 from PIL import Image, UnidentifiedImageError
 
+from laplace import dist
 from laplace.errors import UserError
 
 MAX_IN_A_ROW = 32  # more unreadable samples in a row than this: the data is wrong, not a few files
@@ -75,3 +77,16 @@ class CorruptImages:
                     print(f"[laplace] data.skip_corrupt: skipped {e.name} ({e.reason})", file=sys.stderr, flush=True)
         raise CorruptImageError(f"{min(n, MAX_IN_A_ROW)} unreadable images in a row from sample {index}: "
                                 f"is data.root the dataset you meant?")
+
+
+def report_skipped(datasets: dict, device, is_main: bool):
+    """Rank 0 prints how often the named datasets served a sample in place of an unreadable image
+    (data.skip_corrupt), summed over every rank and its workers. Every rank calls it (a collective)."""
+    sets = {k: d for k, d in datasets.items() if hasattr(d, "skipped_corrupt")}
+    if not sets:
+        return
+    n = dist.all_reduce_sum(torch.tensor([d.skipped_corrupt for d in sets.values()], device=device)).tolist()
+    if is_main and any(n):
+        counts = ", ".join(f"{k} {c}" for k, c in zip(sets, n))
+        print(f"[laplace] data.skip_corrupt: {sum(n)} reads of an unreadable image served the next sample "
+              f"({counts}); the files are named above", flush=True)
