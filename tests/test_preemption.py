@@ -112,7 +112,8 @@ def test_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     assert load_checkpoint(resumed / "ckpt/last.pt")["loop"]["world_size"] == 2
 
 
-# trainer -> (signals, one per interruption; overrides): the GPT has no data workers.
+# trainer -> (signals, one per interruption; overrides). The GPT has no data workers; DINO's exact
+# resume is tests/test_dino.py's (here: that its workers survive the signal and the resumed run ends).
 GROUP_RUNS = {
     "deit3": ((signal.SIGTERM, signal.SIGUSR1),
               [*TINY_VIT, "model=vitt_1L", "model.depth=1", "data.augment=three_augment", "trainer.max_steps=30"]),
@@ -131,13 +132,15 @@ def test_a_signal_to_the_process_group_with_workers_requeues_and_resumes(trainer
     """SIGTERM (deit3: then, in the resumed run, SIGUSR1) to the whole process group, 2 data
     workers included, as Slurm signals a job step: each time exit 75 with a resumable last.pt (the
     workers used to die of SIGTERM and take the run down mid-checkpoint); the last run ends by
-    itself (workers that merely ignore SIGTERM hang DataLoader's shutdown) with the straight losses."""
+    itself (workers that merely ignore SIGTERM hang DataLoader's shutdown), deit3's with the
+    losses of a straight run."""
     signals, overrides = GROUP_RUNS[trainer]
     args = [*overrides, "trainer.num_workers=2", "trainer.eval_every=1000", "trainer.ckpt_every=1000",
             "trainer.device=cpu", f"paths.runs_dir={tmp_path / 'runs'}"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    codes, out = _finish(_launch([*args, f"run_dir={straight}"]), timeout=240)
-    assert codes == [0], out
+    if trainer == "deit3":
+        codes, out = _finish(_launch([*args, f"run_dir={straight}"]), timeout=240)
+        assert codes == [0], out
     stopped = 0
     for sig in signals:
         procs = _launch([*args, f"run_dir={resumed}"], session=True)
@@ -151,7 +154,9 @@ def test_a_signal_to_the_process_group_with_workers_requeues_and_resumes(trainer
     codes, out = _finish(_launch([*args, f"run_dir={resumed}"], session=True), timeout=120)
     assert codes == [0], out
     assert f"resumed at step {stopped}" in out[0][0]
-    assert _train(resumed) == _train(straight)
+    assert [s for s, _ in _train(resumed)] == list(range(1, 31))
+    if trainer == "deit3":
+        assert _train(resumed) == _train(straight)
 
 
 @pytest.mark.slow
@@ -164,7 +169,7 @@ def test_the_multi_gpu_launcher_exits_75_on_a_signal_and_resumes(tmp_path):
     root = write_token_shards(tmp_path / "shards", tokens=20000)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "train.launch", "--nproc_per_node=2", str(ROOT / "train.py"), *STREAM,
-           f"+data.root={root}", "trainer.max_steps=30", "trainer.device=cpu", f"run_dir={run_dir}"]
+           f"+data.root={root}", "trainer.max_steps=60", "trainer.device=cpu", f"run_dir={run_dir}"]
 
     def launch():
         return [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -178,12 +183,12 @@ def test_the_multi_gpu_launcher_exits_75_on_a_signal_and_resumes(tmp_path):
         codes, out = _finish(procs)
         assert codes == [EXIT_REQUEUE], out
         step = load_checkpoint(run_dir / "ckpt/last.pt")["loop"]["step"]
-        assert stopped + 3 <= step < 30 and "stop requested" in out[0][0], out
+        assert stopped + 3 <= step < 60 and "stop requested" in out[0][0], out  # agreed within 2 votes
         stopped = step
     codes, out = _finish(launch())
     assert codes == [0], out
     assert f"resumed at step {stopped}" in out[0][0]
-    assert [s for s, _ in _train(run_dir)] == list(range(1, 31))
+    assert [s for s, _ in _train(run_dir)] == list(range(1, 61))
 
 
 def test_the_launcher_status_is_the_ranks():
