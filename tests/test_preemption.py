@@ -191,6 +191,35 @@ def test_the_multi_gpu_launcher_exits_75_on_a_signal_and_resumes(tmp_path):
     assert [s for s, _ in _train(run_dir)] == list(range(1, 61))
 
 
+VOTE = """
+import sys, time
+from laplace import dist
+dist.setup("cpu")
+rank = dist.dist.get_rank()
+vote, stop = dist.StopVote(every_s=0.2), None
+for step in range(1, 200):
+    time.sleep(0.03 if rank else 0.001)  # unequal steps: each rank proposes its own vote cadence
+    if vote.poll(rank == 1 and step >= 7):  # only rank 1 got the signal, at step 7
+        stop = step
+        break
+vote.close()
+print("stopped at", stop)
+"""
+
+
+def test_the_stop_vote_agrees_on_one_step_without_waiting_every_step(tmp_path):
+    """2 gloo ranks whose steps differ 30x in length, the signal on one: both stop at the same step,
+    within two votes (a vote at least every STOP_VOTE_MAX_STEPS steps)."""
+    from laplace.dist import STOP_VOTE_MAX_STEPS
+
+    proc = subprocess.run([sys.executable, "-m", "train.launch", "--nproc_per_node=2", "-c", VOTE], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [int(ln.split()[-1]) for ln in proc.stdout.splitlines() if ln.startswith("stopped at")]
+    assert len(steps) == 2 and steps[0] == steps[1], proc.stdout
+    assert 7 <= steps[0] <= 7 + 2 * STOP_VOTE_MAX_STEPS + 1, steps
+
+
 def test_the_launcher_status_is_the_ranks():
     from train.launch import run_status
 

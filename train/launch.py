@@ -2,7 +2,7 @@
 a requeue needs (one node; several nodes: slurm/train.sbatch, srun starts the ranks there).
 
     python -m train.launch --nproc_per_node=8 train.py experiment=deit3_in1k model=vitb_12L
-    python -m train.launch --nproc_per_node=2 -m eval.knn checkpoint=...
+    python -m train.launch --nproc_per_node=8 -m eval.knn checkpoint=...
 
 Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT). What differs from torchrun, for preemption (train/signals.py):
@@ -85,16 +85,22 @@ def launch(nproc: int, command: list[str], port: int | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m train.launch", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m train.launch", usage="%(prog)s --nproc_per_node=N "
+                                 "[--master_port=P] (SCRIPT | -m MODULE | -c CODE) [ARGS...]",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc_per_node", "--nproc-per-node", type=int, required=True,
                     help="processes (ranks) to start, one per GPU")
     ap.add_argument("--master_port", "--master-port", type=int, default=None,
                     help="the rendezvous port on 127.0.0.1 (default: a free one)")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS] or -m MODULE [ARGS]")
-    args = ap.parse_args(argv)
-    if args.nproc_per_node < 1 or not args.command:
+    argv = sys.argv[1:] if argv is None else argv
+    # The launcher's options come first; the command (which may start with -m or -c) after them.
+    head = 0
+    while head < len(argv) and (argv[head].startswith("--") or argv[head] == "-h"):
+        head += 1 if "=" in argv[head] or argv[head] in ("-h", "--help") else 2
+    args, command = ap.parse_args(argv[:head]), argv[head:]
+    if args.nproc_per_node < 1 or not command:
         ap.error("give --nproc_per_node=N (N >= 1) and a command: train.py ARGS or -m MODULE ARGS")
-    return launch(args.nproc_per_node, args.command, args.master_port)
+    return launch(args.nproc_per_node, command, args.master_port)
 
 
 if __name__ == "__main__":
