@@ -188,7 +188,8 @@ class StopVote:
     run-ahead of its kernel queue). Votes come every STOP_VOTE_EVERY_S seconds or
     STOP_VOTE_MAX_STEPS steps, whichever is first: each carries this rank's proposal for the steps
     until the next one (from its step time), and the ranks take the smallest, so all of them know
-    the step of the next vote. A signal is acted on within two votes. `close()` waits for the last vote, which every rank started."""
+    the step of the next vote. A signal is acted on within two votes. `close()` waits for the last
+    vote, which every rank started."""
 
     def __init__(self, every_s: float = STOP_VOTE_EVERY_S):
         self.group = _cpu_group() if dist.is_initialized() else None
@@ -241,7 +242,10 @@ def lost_peer(e: BaseException, wait_s: float = 3.0) -> PeerLost | None:
     seen, chain = set(), e
     while chain is not None and id(chain) not in seen:
         seen.add(id(chain))
-        if isinstance(chain, dist.DistError) or any(m in str(chain) for m in _GONE):
+        # gloo and NCCL raise RuntimeErrors (DistError among them); an OSError such as a closed
+        # stdout's BrokenPipeError is this process's own
+        if isinstance(chain, RuntimeError) and (isinstance(chain, dist.DistError) or
+                                                any(m in str(chain) for m in _GONE)):
             break
         chain = chain.__cause__ or chain.__context__
     if chain is None or not dist.is_initialized():
