@@ -9,6 +9,7 @@ line naming that rank (`lost_peer`), found by a roll call through the rendezvous
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -235,6 +237,20 @@ def _store():
     return dist.distributed_c10d._get_default_store()  # the rendezvous store of the default group
 
 
+@contextlib.contextmanager
+def _no_stderr():
+    """File descriptor 2 to /dev/null for a while (C++ code writes there, past sys.stderr)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def lost_peer(e: BaseException, wait_s: float = 3.0) -> PeerLost | None:
     """If `e` is a collective failing because a rank is gone, a PeerLost naming the ranks that do
     not answer a roll call in the rendezvous store within `wait_s` (every survivor fails within
@@ -254,15 +270,16 @@ def lost_peer(e: BaseException, wait_s: float = 3.0) -> PeerLost | None:
     keys = [f"laplace/alive/{r}" for r in range(world)]
     addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
     try:
-        # A plain connection first: the store's own client logs a C++ stack trace when its server is gone.
-        socket.create_connection((addr, int(port)), timeout=wait_s).close()
-        store = _store()
-        store.set(keys[rank], "1")
-        deadline = time.monotonic() + wait_s
-        while (missing := [r for r in range(world) if r != rank and not store.check([keys[r]])]) and \
-                time.monotonic() < deadline:
-            time.sleep(0.1)
-        where = {r: store.get(f"laplace/where/{r}").decode() for r in missing}
+        socket.create_connection((addr, int(port)), timeout=wait_s).close()  # a host that is down: fast
+        with _no_stderr():  # the store's client prints a C++ stack trace when its server is gone
+            store = _store()
+            store.set_timeout(timedelta(seconds=wait_s))
+            store.set(keys[rank], "1")
+            deadline = time.monotonic() + wait_s
+            while (missing := [r for r in range(world) if r != rank and not store.check([keys[r]])]) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+            where = {r: store.get(f"laplace/where/{r}").decode() for r in missing}
     except Exception:  # the store itself is gone: it lives with rank 0 (torchrun: with its agent)
         return PeerLost(f"rank {rank} of {world}: lost rank 0 (the rendezvous store at {addr}:{port} is gone "
                         f"too): see its log for why; run the same command again to resume from the last checkpoint")
