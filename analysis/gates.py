@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from analysis.runs import GROUP_KEYS, sort_key
+from laplace.io import atomic_write
 
 
 def checkpoint_gates(path) -> dict[str, list[float]]:
@@ -216,7 +217,7 @@ def write_gate_tables(records: list[dict], out, echo: bool = True) -> list[Path]
         for ext, text in (("md", md), ("csv", to_csv(g))):
             path = Path(out) / f"gates_{g['name']}.{ext}"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            atomic_write(path, text.encode())
             paths.append(path)
     for line in skipped:
         print(f"[tables] gates: {line}", flush=True)

@@ -31,7 +31,7 @@ from analysis.gates import write_gate_tables
 from analysis.runs import aggregate, collect, metric_value, runs_roots, sort_key
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
-from laplace.io import write_json
+from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
 
 PAPER = Path(__file__).with_name("paper.yaml")
@@ -342,7 +342,7 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
             print(md, flush=True)
         for ext, text in (("md", md), ("tex", tex), ("csv", sheet)):
             path = out / f"{name}.{ext}"
-            path.write_text(text)
+            atomic_write(path, text.encode())
             paths.append(path)
     if not only:  # learned gates: a table per experiment, block x head (analysis/gates.py)
         paths += write_gate_tables(done, out, echo)

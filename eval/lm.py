@@ -47,7 +47,7 @@ from omegaconf.errors import MissingMandatoryValue
 from laplace.checkpoint import load_checkpoint, results_header, run_dir_of
 from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
-from laplace.io import write_json
+from laplace.io import atomic_write, write_json
 from laplace.rundir import MAX_NAME, check_writable, short_name
 
 TASKS_DIR = Path(__file__).resolve().with_name("tasks")
@@ -368,8 +368,7 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
         if cfg.log_samples:
             for task, samples in (res.get("samples") or {}).items():
                 lines = "".join(json.dumps(s, default=str) + "\n" for s in samples)
-                (d / f"samples_{task}.jsonl").parent.mkdir(parents=True, exist_ok=True)
-                (d / f"samples_{task}.jsonl").write_text(lines)
+                atomic_write(d / f"samples_{task}.jsonl", lines.encode())
         write_json(results_path, record)
         out.write(format_table(rows, f"[lm_eval] {path} (step {shared['step']})") + "\n")
         out.write(f"[lm_eval] wrote {results_path}\n")

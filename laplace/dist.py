@@ -4,20 +4,26 @@ Works under torchrun (RANK / WORLD_SIZE / LOCAL_RANK), under SLURM's srun (SLURM
 SLURM_STEP_NUM_TASKS / SLURM_LOCALID, with MASTER_ADDR from the first node of the allocation)
 and as a plain single process. gloo on CPU, nccl on CUDA. A plain `python train.py` in the
 batch script of a multi-task job (SLURM_NTASKS > 1, but no srun step) runs as one process.
+A collective that fails because a rank is gone (killed, out of memory, its node down) becomes one
+line naming that rank (`lost_peer`), found by a roll call through the rendezvous store.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, UserError
 
 
 @dataclass
@@ -109,6 +115,7 @@ def setup(device: str = "auto") -> DistInfo:
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
+        _store().set(f"laplace/where/{rank}", f"{socket.gethostname()}, pid {os.getpid()}")  # for lost_peer
     return DistInfo(rank, world, local_rank, dev)
 
 
@@ -170,6 +177,12 @@ def average_(tensors: list[torch.Tensor]):
     for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(v.view_as(t))
 
+def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t
+
 
 def all_gather_object(obj) -> list:
     if not dist.is_initialized():
@@ -190,16 +203,129 @@ def broadcast_object(obj, src: int = 0):
 _CPU_GROUP = None
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is true on any (e.g. a stop signal one rank received).
-
-    Goes through a gloo group on the CPU, created on the first call (every rank calls this at
-    the same point of the loop), so asking every step costs no GPU synchronisation."""
+def _cpu_group():
+    """A gloo group of every rank, created on first use (every rank reaches it at the same
+    point): flags travel on the CPU, beside NCCL's or gloo's gradient traffic, never inside it."""
     global _CPU_GROUP
-    if not dist.is_initialized():
-        return bool(flag)
     if _CPU_GROUP is None:
-        _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-    t = torch.tensor([int(bool(flag))], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CPU_GROUP)
-    return bool(t.item())
+        _CPU_GROUP = dist.new_group(backend="gloo")
+    return _CPU_GROUP
+
+
+# How often ranks vote on stopping: every step of a second or longer, else every this many seconds
+# but at least every STOP_VOTE_MAX_STEPS steps. A stop is agreed at most two votes after the signal
+# (~2 s, then the checkpoint is written), well inside the KillWait seconds (30 by default) between
+# Slurm's SIGTERM and its SIGKILL; the vote's cost is then under c / (10 t) of a step of t seconds
+# for a collective of c (tens of microseconds to a millisecond), however short the steps.
+STOP_VOTE_EVERY_S = 1.0
+STOP_VOTE_MAX_STEPS = 10
+
+
+class StopVote:
+    """Agree on a flag across ranks without waiting for each other: `poll(flag)`, called once per
+    step, returns True on every rank at the same step once `flag` was true on any rank.
+
+    A vote is an all-reduce (MAX) on the CPU gloo group, started without waiting (async); its
+    result is read at the next vote, long after it arrived: no device sync, no rendezvous of the
+    ranks' hosts (a blocking check would make every host wait for the slowest one and drain the
+    run-ahead of its kernel queue). Votes come every STOP_VOTE_EVERY_S seconds or
+    STOP_VOTE_MAX_STEPS steps, whichever is first: each carries this rank's proposal for the steps
+    until the next one (from its step time), and the ranks take the smallest, so all of them know
+    the step of the next vote. A signal is acted on within two votes. `close()` waits for the last
+    vote, which every rank started."""
+
+    def __init__(self, every_s: float = STOP_VOTE_EVERY_S):
+        self.group = _cpu_group() if dist.is_initialized() else None
+        self.every_s, self._pending = every_s, None  # (work, tensor) of the last vote
+        self._wait, self._since, self._t = 1, 0, time.monotonic()  # steps between votes: 1 at first
+
+    def poll(self, flag: bool) -> bool:
+        if self.group is None:
+            return bool(flag)
+        self._since += 1
+        if self._since < self._wait:
+            return False
+        stop, wait = self._collect()
+        now = time.monotonic()
+        step_s, self._since, self._t = (now - self._t) / self._since, 0, now
+        propose = max(1, min(STOP_VOTE_MAX_STEPS, int(self.every_s / max(step_s, 1e-9))))
+        t = torch.tensor([int(bool(flag)), -propose], dtype=torch.int64)  # MAX of -steps: the fewest
+        self._pending = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
+        self._wait = wait or 1
+        return stop
+
+    def _collect(self) -> tuple[bool, int]:
+        if self._pending is None:
+            return False, 0
+        (work, t), self._pending = self._pending, None
+        work.wait()
+        return bool(t[0]), -int(t[1])
+
+    def close(self):
+        self._collect()
+
+
+class PeerLost(UserError):
+    """A collective failed because another rank is gone: one line naming it."""
+
+
+# What gloo and NCCL say when the other end of a collective has vanished.
+_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+         "remote process exited", "remote worker")
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()  # the rendezvous store of the default group
+
+
+@contextlib.contextmanager
+def _no_stderr():
+    """File descriptor 2 to /dev/null for a while (C++ code writes there, past sys.stderr)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def lost_peer(e: BaseException, wait_s: float = 3.0) -> PeerLost | None:
+    """If `e` is a collective failing because a rank is gone, a PeerLost naming the ranks that do
+    not answer a roll call in the rendezvous store within `wait_s` (every survivor fails within
+    moments of the loss and calls in), else None: `e` is then an error of its own."""
+    seen, chain = set(), e
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        # gloo and NCCL raise RuntimeErrors (DistError among them); an OSError such as a closed
+        # stdout's BrokenPipeError is this process's own
+        if isinstance(chain, RuntimeError) and (isinstance(chain, dist.DistError) or
+                                                any(m in str(chain) for m in _GONE)):
+            break
+        chain = chain.__cause__ or chain.__context__
+    if chain is None or not dist.is_initialized():
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = [f"laplace/alive/{r}" for r in range(world)]
+    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    try:
+        socket.create_connection((addr, int(port)), timeout=wait_s).close()  # a host that is down: fast
+        with _no_stderr():  # the store's client prints a C++ stack trace when its server is gone
+            store = _store()
+            store.set_timeout(timedelta(seconds=wait_s))
+            store.set(keys[rank], "1")
+            deadline = time.monotonic() + wait_s
+            while (missing := [r for r in range(world) if r != rank and not store.check([keys[r]])]) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+            where = {r: store.get(f"laplace/where/{r}").decode() for r in missing}
+    except Exception:  # the store itself is gone: it lives with rank 0 (torchrun: with its agent)
+        return PeerLost(f"rank {rank} of {world}: lost rank 0 (the rendezvous store at {addr}:{port} is gone "
+                        f"too): see its log for why; run the same command again to resume from the last checkpoint")
+    if not missing:
+        return None
+    lost = "; ".join(f"rank {r} ({where[r]})" for r in missing)
+    return PeerLost(f"rank {rank} of {world}: lost {lost}: it stopped answering (killed, out of memory, or "
+                    f"its node failed; see its log); run the same command again to resume from the last checkpoint")

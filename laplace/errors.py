@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import re
 import signal
 import sys
 import traceback
@@ -61,6 +62,10 @@ def _kill_children() -> None:
 
 # Errors of the storage, not of the program: full, over quota, read-only, not ours to write.
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+# numpy's ndarray.tofile (np.save of a large array) on a full disk or quota: a short fwrite,
+# reported as OSError("N requested and M written") with no errno.
+_SHORT_WRITE = re.compile(r"^\d+ requested and \d+ written$")
+SHORT_WRITE = "short write: the disk is full or over quota"
 
 
 def storage_error(e: BaseException | None) -> OSError | None:
@@ -69,10 +74,14 @@ def storage_error(e: BaseException | None) -> OSError | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+        if isinstance(e, OSError) and (e.errno in STORAGE_ERRNOS or _short_write(e)):
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def _short_write(e: OSError) -> bool:
+    return e.errno is None and bool(e.args) and bool(_SHORT_WRITE.match(str(e.args[0])))
 
 
 def name_storage_error(e: BaseException, path) -> None:
@@ -80,6 +89,16 @@ def name_storage_error(e: BaseException, path) -> None:
     full = storage_error(e)
     if full is not None and full.filename is None:
         full.filename = str(path)
+
+
+def one_line(e: UserError) -> str:
+    """The message of a user error. torch re-raises a data-loader worker's exception as
+    `type(e)("Caught <type> in DataLoader worker process N.\nOriginal Traceback ...")`: there the
+    message is the traceback's last line, after its "module.Type: "."""
+    lines = str(e).strip().splitlines()
+    if len(lines) > 1 and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+        return lines[-1].split(": ", 1)[-1]
+    return lines[0] if lines else type(e).__name__
 
 
 def cli_errors(fn):
@@ -101,8 +120,7 @@ def cli_errors(fn):
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 traceback.print_exc()
             else:
-                lines = str(e).strip().splitlines()
-                print(f"error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
+                print(f"error: {one_line(e)}", file=sys.stderr)
             hard_exit(1)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
@@ -112,7 +130,8 @@ def cli_errors(fn):
             if full is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
                 hint = ("check its permissions" if full.errno in (errno.EACCES, errno.EPERM) else
                         "free space there, or write elsewhere (run_dir= / out=)")
-                print(f"error: {full.filename or 'the output'}: {full.strerror}; {hint}", file=sys.stderr)
+                print(f"error: {full.filename or 'the output'}: {full.strerror or SHORT_WRITE}; {hint}",
+                      file=sys.stderr)
             else:  # a bug: the whole traceback, then out
                 traceback.print_exc()
             hard_exit(1)

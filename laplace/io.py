@@ -1,5 +1,6 @@
 """Atomic file writes: the one implementation behind checkpoints, token shards, tokenizer files,
-prepare's meta.json, the feature cache and every results.json.
+prepare's meta.json, the feature cache, every results.json and the run's config.yaml; and
+whole-line appends for the logs (`append_line`).
 
 A temp file in the same folder (hidden: `.<name>.*.tmp`, which `list_shards` and readers skip)
 is written, fsynced and renamed over the target, then the folder is fsynced so the rename
@@ -53,6 +54,29 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
         finally:
             os.close(dfd)
     return path
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append `line` + newline to a log file (metrics.jsonl, samples.jsonl) whole or not at all:
+    a full disk or quota cuts the write short, and the part written is cut off again, so readers
+    never meet half a line in the middle of the file. The error names the file."""
+    path, data = Path(path), (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # unbuffered: nothing is left to flush (and fail again) at close
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:  # nothing more to do: readers skip a torn last line
+                pass
+            name_storage_error(e, path)
+            raise
+    finally:
+        os.close(fd)
 
 
 def _create_temp(path: Path) -> tuple[int, str]:

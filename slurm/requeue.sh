@@ -7,7 +7,10 @@
 # requeued job runs the same command and resumes. A signal that lands before Python has installed
 # its handlers (while it imports) kills the tasks with 128 + signal (138 USR1, 143 TERM): requeued
 # too, the new job resumes from whatever last.pt exists. Seen on Slurm 22.05: srun returns the
-# tasks' highest status. A whole-job cancel (scancel --full, or the time limit itself) SIGKILLs
+# tasks' highest status, and --kill-on-bad-exit=1 terminates the step as soon as one task ends
+# non-zero, 75 included (SIGTERM to the others, SIGKILL KillWait seconds later, which would read
+# 137): the ranks therefore leave together after a last barrier, keep their stop handler until
+# they exit, and their data workers ignore the signal. A whole-job cancel (scancel --full, or the time limit itself) SIGKILLs
 # the tasks after KillWait: no checkpoint, no requeue; hence the warning signal well before it.
 EXIT_REQUEUE=75
 

@@ -37,8 +37,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args, world=1, env=None):
-    """`world` processes of train.py as srun / torchrun would start them."""
+def _launch(args, world=1, env=None, session=False):
+    """`world` processes of train.py as srun / torchrun would start them; `session`: each in a
+    process group of its own (with its data workers), to be signalled whole as Slurm does."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -47,7 +48,7 @@ def _launch(args, world=1, env=None):
             e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(_cmd(*args), cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+                                      stderr=subprocess.PIPE, text=True, start_new_session=session))
     return procs
 
 
@@ -109,6 +110,140 @@ def test_signal_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     straight, resumed = _signal_resume_and_compare(args, tmp_path, world=2, signalled_ranks=[1])
     assert _train(resumed, "first_token") == _train(straight, "first_token")
     assert load_checkpoint(resumed / "ckpt/last.pt")["loop"]["world_size"] == 2
+
+
+# trainer -> (signals, one per interruption; overrides). The GPT has no data workers; DINO's exact
+# resume is tests/test_dino.py's (here: that its workers survive the signal and the resumed run ends).
+GROUP_RUNS = {
+    "deit3": ((signal.SIGTERM, signal.SIGUSR1),
+              [*TINY_VIT, "model=vitt_1L", "model.depth=1", "data.augment=three_augment", "trainer.max_steps=30"]),
+    "dino": ((signal.SIGTERM,),
+             ["experiment=dino_digits", "model.depth=1", "model.embed_dim=48", "trainer.progress=false",
+              "trainer.global_batch_size=8", "trainer.log_every=1", "trainer.head.out_dim=64",
+              "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16", "trainer.multicrop.local_crops=2",
+              "data.val_fraction=0.9", "trainer.max_steps=30"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("trainer", sorted(GROUP_RUNS))
+def test_a_signal_to_the_process_group_with_workers_requeues_and_resumes(trainer, tmp_path):
+    """SIGTERM (deit3: then, in the resumed run, SIGUSR1) to the whole process group, 2 data
+    workers included, as Slurm signals a job step: each time exit 75 with a resumable last.pt (the
+    workers used to die of SIGTERM and take the run down mid-checkpoint); the last run ends by
+    itself (workers that merely ignore SIGTERM hang DataLoader's shutdown), deit3's with the
+    losses of a straight run."""
+    signals, overrides = GROUP_RUNS[trainer]
+    args = [*overrides, "trainer.num_workers=2", "trainer.eval_every=1000", "trainer.ckpt_every=1000",
+            "trainer.device=cpu", f"paths.runs_dir={tmp_path / 'runs'}"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    if trainer == "deit3":
+        codes, out = _finish(_launch([*args, f"run_dir={straight}"]), timeout=240)
+        assert codes == [0], out
+    stopped = 0
+    for sig in signals:
+        procs = _launch([*args, f"run_dir={resumed}"], session=True)
+        _wait_for_step(resumed, stopped + 3, procs)
+        os.killpg(procs[0].pid, sig)
+        codes, out = _finish(procs, timeout=120)
+        assert codes == [EXIT_REQUEUE], (sig, out)
+        step = load_checkpoint(resumed / "ckpt/last.pt")["loop"]["step"]
+        assert stopped + 3 <= step < 30 and f"saved step {step}" in out[0][0], out
+        stopped = step
+    codes, out = _finish(_launch([*args, f"run_dir={resumed}"], session=True), timeout=120)
+    assert codes == [0], out
+    assert f"resumed at step {stopped}" in out[0][0]
+    assert [s for s, _ in _train(resumed)] == list(range(1, 31))
+    if trainer == "deit3":
+        assert _train(resumed) == _train(straight)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_multi_gpu_launcher_exits_75_on_a_signal_and_resumes(tmp_path):
+    """README's one-node multi-process command, 2 gloo ranks: SIGUSR1 to its process group, then
+    SIGTERM to the launcher alone (passed on to the ranks), each time exit 75 with last.pt (torchrun:
+    SIGUSR1 killed it, 138, leaving the ranks as orphans; SIGTERM gave 1, so no requeue); the
+    requeued command finishes the run (that its losses are exact over 2 processes: the test above)."""
+    root = write_token_shards(tmp_path / "shards", tokens=20000)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train.launch", "--nproc_per_node=2", str(ROOT / "train.py"), *STREAM,
+           f"+data.root={root}", "trainer.max_steps=60", "trainer.device=cpu", f"run_dir={run_dir}"]
+
+    def launch():
+        return [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)]
+
+    stopped = 0
+    for deliver in (lambda p: os.killpg(p.pid, signal.SIGUSR1), lambda p: p.send_signal(signal.SIGTERM)):
+        procs = launch()
+        _wait_for_step(run_dir, stopped + 3, procs)
+        deliver(procs[0])
+        codes, out = _finish(procs)
+        assert codes == [EXIT_REQUEUE], out
+        step = load_checkpoint(run_dir / "ckpt/last.pt")["loop"]["step"]
+        assert stopped + 3 <= step < 60 and "stop requested" in out[0][0], out  # agreed within 2 votes
+        stopped = step
+    codes, out = _finish(launch())
+    assert codes == [0], out
+    assert f"resumed at step {stopped}" in out[0][0]
+    assert [s for s, _ in _train(run_dir)] == list(range(1, 61))
+
+
+VOTE = """
+import sys, time
+from laplace import dist
+dist.setup("cpu")
+rank = dist.dist.get_rank()
+vote, stop = dist.StopVote(every_s=0.2), None
+for step in range(1, 200):
+    time.sleep(0.03 if rank else 0.001)  # unequal steps: each rank proposes its own vote cadence
+    if vote.poll(rank == 1 and step >= 7):  # only rank 1 got the signal, at step 7
+        stop = step
+        break
+vote.close()
+print("stopped at", stop)
+"""
+
+
+def test_the_stop_vote_agrees_on_one_step_without_waiting_every_step(tmp_path):
+    """2 gloo ranks whose steps differ 30x in length, the signal on one: both stop at the same step,
+    within two votes (a vote at least every STOP_VOTE_MAX_STEPS steps)."""
+    from laplace.dist import STOP_VOTE_MAX_STEPS
+
+    proc = subprocess.run([sys.executable, "-m", "train.launch", "--nproc_per_node=2", "-c", VOTE], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [int(ln.split()[-1]) for ln in proc.stdout.splitlines() if ln.startswith("stopped at")]
+    assert len(steps) == 2 and steps[0] == steps[1], proc.stdout
+    assert 7 <= steps[0] <= 7 + 2 * STOP_VOTE_MAX_STEPS + 1, steps
+
+
+def test_the_launcher_status_is_the_ranks():
+    from train.launch import run_status
+
+    assert run_status([0, 0]) == 0 and run_status([75, 75]) == 75 and run_status([0, 75]) == 75
+    assert run_status([75, 137, 1]) == 137  # the first failure (here a rank killed by SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_lost_rank_is_one_line_naming_it(victim, tmp_path):
+    """kill -9 of one of 2 gloo processes mid-run: the other exits 1 within seconds with one line
+    naming the lost rank (rank 0 also hosts the rendezvous store), not gloo's traceback."""
+    root = write_token_shards(tmp_path / "shards", tokens=20000)
+    procs = _launch([*STREAM, f"+data.root={root}", "trainer.max_steps=3000", "trainer.device=cpu",
+                     f"run_dir={tmp_path / 'run'}"], world=2)
+    _wait_for_step(tmp_path / "run", 3, procs)
+    procs[victim].kill()
+    t0 = time.time()
+    survivor = procs[1 - victim]
+    _, err = survivor.communicate(timeout=60)
+    assert survivor.returncode == 1 and time.time() - t0 < 10
+    lost = f"lost rank {victim} (the rendezvous store" if victim == 0 else f"lost rank 1 ({socket.gethostname()}, pid"
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(f"error: rank {1 - victim} of 2: {lost}"), err
+    procs[victim].wait(timeout=10)
 
 
 @pytest.mark.slow

@@ -85,6 +85,13 @@ def wait_for_steps(run_dir: Path, n: int, timeout: float = 60):
     raise TimeoutError(f"{run_dir} did not reach step {n} in {timeout:.0f} s")
 
 
+def until(cond, what: str, timeout: float = 120, info=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s {info()}"
+        time.sleep(0.3)
+
+
 # ---------------------------------------------------------------- the scripts, with no cluster
 
 
@@ -222,6 +229,38 @@ def test_signalled_job_requeues_and_resumes_exactly(cluster, chain, runs):
     assert [s for s, _ in resumed] == list(range(1, 81))  # every step once: the log was cut at the checkpoint
     assert resumed == straight  # bit-identical losses
     assert json.loads((dirs[0] / "results.json").read_text())["steps"] == 80
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_task_job_signalled_twice_requeues_and_resumes(cluster, submit, runs):
+    """train.sbatch with 2 srun tasks and a data worker each: `scancel --signal=USR1` part-way, then
+    `--signal=TERM` in the requeued run (both reach every process of the step, workers included).
+    Each time both ranks stop at the same step and srun passes 75 on (the first task to end must not
+    get the other killed with another status), the job requeues, and the third start ends with the
+    losses of the same job left alone."""
+    args = [*TINY, "model=vitt_1L", "trainer.max_steps=60", "trainer.num_workers=1"]
+    (job,) = submit("submit.sh", "--ntasks-per-node=2", "--job-name=pre2", "train.sbatch", *args,
+                    f"run_dir={runs}/pre2")
+    (ref,) = submit("submit.sh", "--ntasks-per-node=2", "--job-name=ref2", "train.sbatch", *args,
+                    f"run_dir={runs}/ref2")
+    stopped = 0
+    for restarts, sig in enumerate(("USR1", "TERM")):
+        until(lambda: cluster.job(job).get("JobState") == "RUNNING" and
+              cluster.job(job).get("Restarts") == str(restarts), what=f"start {restarts + 1} of {job}")
+        wait_for_steps(runs / "pre2", stopped + 3, timeout=120)
+        cluster.run("scancel", f"--signal={sig}", job)
+        until(lambda: log(runs, "pre2", job).count("requeueing job") == restarts + 1, what=f"requeue after {sig}",
+              info=lambda: log(runs, "pre2", job)[-3000:])
+        stopped = int(log(runs, "pre2", job).rsplit("saved step ", 1)[1].split(",")[0])
+    info, ref_info = cluster.wait(job, ref, timeout=300)
+    out = log(runs, "pre2", job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", out[-3000:]
+    assert ref_info["JobState"] == "COMPLETED", log(runs, "ref2", ref)[-3000:]
+    assert out.count("requeueing job") == 2 and out.count("resumed at step") == 2
+    resumed = train_losses(runs / "pre2")
+    assert [s for s, _ in resumed] == list(range(1, 61))
+    assert resumed == train_losses(runs / "ref2")
 
 
 @pytest.mark.slow

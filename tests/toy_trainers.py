@@ -9,6 +9,8 @@ by import path: `trainer.name=toy_trainers:EMAToy` (the tests folder is on the p
     StreamLM    a GPT fed by laplace.data.shards.TokenStream (shards under data.root)
     Crashing    the supervised trainer whose train_step fails at a given step
     SignalledDuringSetup  the supervised trainer, sent SIGUSR1 before its first step
+    Diverging   the supervised trainer whose loss (DIVERGE=loss) or one weight (DIVERGE=weights)
+                turns NaN at step DIVERGE_AT
 """
 from __future__ import annotations
 
@@ -123,3 +125,20 @@ class SignalledDuringSetup(DeiT3Trainer):
 
         os.kill(os.getpid(), signal.SIGUSR1)
         return super().build_datasets()
+
+
+class Diverging(DeiT3Trainer):
+    """NaN at step DIVERGE_AT: in the loss (so in the gradients and then the weights), or written
+    into one weight after the optimizer step while the loss stays finite (DIVERGE=weights)."""
+
+    def _now(self, what: str) -> bool:
+        return os.environ.get("DIVERGE", "loss") == what and self.step + 1 == int(os.environ["DIVERGE_AT"])
+
+    def train_step(self, batch):
+        loss, extra = super().train_step(batch)
+        return (loss * float("nan") if self._now("loss") else loss), extra
+
+    @torch.no_grad()
+    def after_optimizer_step(self):
+        if self._now("weights"):
+            self.model.head.weight[0, 0] = float("inf")

@@ -105,6 +105,7 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config (also the entry used by tests and sweeps)."""
     from laplace import dist
+    from laplace.io import atomic_write
 
     from .logger import RunLog
     from .signals import Preempted, StopRequest
@@ -125,11 +126,14 @@ def run(cfg: DictConfig) -> dict:
         with StopRequest() as stop:
             trainer = cls(cfg).setup()  # before config.yaml: set-up completes the config (tokenizer)
             if trainer.dist.is_main:
-                OmegaConf.save(cfg, Path(cfg.run_dir) / "config.yaml", resolve=True)
+                atomic_write(Path(cfg.run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
             metrics = trainer.fit(stop)
     except BaseException as e:
         if log is not None and not isinstance(e, Preempted):
             log.exception(e)  # the whole traceback, also when the terminal shows one line
+        lost = dist.lost_peer(e) if isinstance(e, Exception) else None
+        if lost is not None:  # a rank is gone: say which, not gloo's or NCCL's traceback
+            raise lost from e
         raise
     finally:
         if log is not None:

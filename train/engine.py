@@ -26,7 +26,6 @@ broadcasts it whole); what is drawn while training (drop-path, Mixup) is each ra
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from laplace import create_model, dist
 from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_pretrained, results_header, rng_state,
                                 save_checkpoint, set_rng_state)
+from laplace.data.images import report_skipped
 from laplace.errors import ConfigError
 from laplace.io import write_json
 
@@ -48,7 +48,8 @@ from .logger import MetricsLogger
 from .optim import (apply_group_schedules, build_optimizer, build_schedules, check_group_schedules,
                     clip_gradients)
 from .resume import check_resumable, find_checkpoint
-from .signals import EXIT_REQUEUE, Preempted, StopRequest
+from .finite import FiniteGuard
+from .signals import EXIT_REQUEUE, Preempted, StopRequest, ignore_in_worker
 
 
 class Trainer:
@@ -211,8 +212,10 @@ class Trainer:
         w = self.cfg.trainer.num_workers
         # An own generator: creating a loader iterator then draws no number from the global
         # RNG, so a resumed run's model randomness (drop-path, mixup) matches an uninterrupted one.
+        # The workers leave SIGTERM / SIGUSR1 to this process (train/signals.py).
         return dict(num_workers=w, pin_memory=self.device.type == "cuda", persistent_workers=w > 0,
-                    collate_fn=self.collate, generator=torch.Generator().manual_seed(self.cfg.seed))
+                    collate_fn=self.collate, generator=torch.Generator().manual_seed(self.cfg.seed),
+                    worker_init_fn=ignore_in_worker if w > 0 else None)
 
     def eval_loader(self, dataset: Dataset, batch_size: int | None = None) -> DataLoader:
         """Each rank gets every world_size-th sample (no padding, so sums over ranks are exact)."""
@@ -330,6 +333,10 @@ class Trainer:
         batches = iter(self.feed)
         t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
         metrics = {}
+        # A stop is agreed one step after a rank got the signal (StopVote: no per-step wait), and
+        # every loss is watched on the device so that no checkpoint step writes a diverged state.
+        vote = dist.StopVote()
+        guard = FiniteGuard(self.device, self.run_dir, self.step if self.resumed else None)
         while self.step < stop_at:
             self.net.train()
             self._set_schedules(self.step)
@@ -354,16 +361,15 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
             self.step = step = self.step + 1
             window_loss, window_n = window_loss + loss_sum, window_n + 1
+            guard.update(step, loss_sum)
 
             if step % tc.log_every == 0 or step == stop_at:
                 dt = time.perf_counter() - t0
                 # Averaged over ranks (all reach this line at the same step): the logged loss
                 # is the global batch's, whatever the world size.
                 window_loss = dist.all_reduce_mean(torch.as_tensor(window_loss, device=self.device))
+                guard.check(step)
                 mean_loss = float(window_loss) / window_n
-                if not math.isfinite(mean_loss):
-                    raise FloatingPointError(f"training loss is {mean_loss} at step {step}; lower "
-                                             f"the learning rate or set optim.grad_clip")
                 # Gates of the exported model (DINO: the teacher's backbone), so every paradigm logs
                 # gate.blocks.<i>.h<h> and the last record equals the checkpoint's gates.
                 rec = {"loss": mean_loss, **self.hparams, f"{self.unit}_per_s": seen / dt,
@@ -380,16 +386,20 @@ class Trainer:
                 metrics = self._evaluate(logger, step)
             saved = step % ckpt_every == 0 or step == stop_at
             if saved:
+                guard.check(step, self.model)
                 self.save()
             # Every rank stops at the same step, whichever got the signal.
-            if dist.any_rank(stop.signum is not None) and step < stop_at:
+            if vote.poll(stop.signum is not None) and step < stop_at:
                 if not saved:
+                    guard.check(step, self.model)
                     self.save()
                 if main:
                     print(f"[laplace] stop requested (signal): saved step {step}, exiting with "
                           f"status {EXIT_REQUEUE} to be requeued", flush=True)
                 logger.finish()
+                self._shut_down(vote)
                 raise Preempted(step, stop.signum or 0)
+        self._shut_down(vote)
         if bar is not None:
             bar.close()
         if self.step >= self.total_steps:
@@ -398,6 +408,16 @@ class Trainer:
             self.on_fit_end(metrics)
         logger.finish()
         return metrics
+
+    def _shut_down(self, vote: dist.StopVote):
+        """End the loop's own processes and collectives, then meet every rank: all leave together,
+        after rank 0's last words (wandb included), so that srun --kill-on-bad-exit, seeing the
+        first task end, finds the others ending too rather than killing one mid-exit."""
+        if hasattr(self.feed, "close"):
+            self.feed.close()
+        vote.close()
+        report_skipped({"train": self.train_set, "val": self.val_set}, self.device, self.dist.is_main)
+        dist.barrier()
 
     def _evaluate(self, logger: MetricsLogger, step: int) -> dict:
         self.net.eval()

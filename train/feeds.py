@@ -149,6 +149,7 @@ class MapFeed:
         self.loader = DataLoader(SeededDataset(dataset), batch_size=micro_batch_size,
                                  sampler=self.sampler, drop_last=True, **loader_kwargs)
         self.epoch, self.position = 0, 0  # position: samples consumed in the epoch, all ranks
+        self._batches = None  # the loader's live iterator (its workers), for close()
 
     @property
     def _rank_samples(self) -> int:
@@ -178,7 +179,8 @@ class MapFeed:
             if left <= 0:  # resumed exactly at an epoch's end
                 self.epoch, self.position = self.epoch + 1, 0
                 continue
-            for i, batch in enumerate(self.loader):
+            self._batches = iter(self.loader)
+            for i, batch in enumerate(self._batches):
                 last = i == left - 1
                 if last:
                     self.epoch, self.position = self.epoch + 1, 0
@@ -187,3 +189,18 @@ class MapFeed:
                 yield batch
                 if last:  # the loader may hold the samples of a partial step: never used
                     break
+
+    def close(self):
+        """Stop the data-loader workers now and wait for them. The workers ignore SIGTERM
+        (train.signals.ignore_in_worker), so neither DataLoader's own shutdown, which falls back
+        to it, nor multiprocessing's exit handler, which SIGTERMs daemonic children and then
+        joins them without a timeout, may be left to do it: the process would hang at exit."""
+        it, self._batches = self._batches, None
+        self.loader._iterator = None  # the persistent workers' iterator, kept by the DataLoader
+        if it is None or not hasattr(it, "_shutdown_workers"):  # no workers (num_workers=0)
+            return
+        it._shutdown_workers()  # asks them to exit and joins them
+        for w in it._workers:
+            if w.is_alive():  # stuck in a dataset call: the signal it cannot ignore
+                w.kill()
+                w.join()

@@ -28,6 +28,7 @@ import math
 
 import torch
 from laplace.dist import all_reduce_sum
+from laplace.io import append_line
 
 from .engine import Trainer
 from .optim import build_muon_adamw
@@ -153,8 +154,8 @@ class GPTTrainer(Trainer):
 
         texts = sample_texts(self.model, self.tokenizer, prompts,
                              max_new_tokens=self.cfg.trainer.sample_tokens)
-        with open(self.run_dir / "samples.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.step, "samples": dict(zip(prompts, texts))}) + "\n")
+        append_line(self.run_dir / "samples.jsonl",
+                    json.dumps({"step": self.step, "samples": dict(zip(prompts, texts))}))
         if not self.cfg.trainer.progress:
             for p, t in zip(prompts, texts):
                 print(f"[sample] {p!r} -> {t!r}", flush=True)

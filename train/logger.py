@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from laplace.errors import UserError
-from laplace.io import atomic_write
+from laplace.io import append_line, atomic_write
 
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:
@@ -59,8 +59,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         rec = {"step": step, **tags, **{k: _plain(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_line(self.path, json.dumps(rec))
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
 
@@ -111,13 +110,24 @@ class _Tee:
         self.stream, self.log = stream, log
 
     def write(self, s: str) -> int:
-        if "\r" not in s:
-            self.log.write(s)
+        if "\r" not in s and self.log is not None:
+            try:
+                self.log.write(s)
+            except OSError as e:  # a full disk: the copy stops, the run goes on (and its next
+                self._lost(e)     # checkpoint or metrics line says which file in one line)
         return self.stream.write(s)
 
     def flush(self):
-        self.log.flush()
+        if self.log is not None:
+            try:
+                self.log.flush()
+            except OSError as e:
+                self._lost(e)
         self.stream.flush()
+
+    def _lost(self, e: OSError):
+        name, self.log = self.log.name, None
+        self.stream.write(f"[laplace] {name}: {e.strerror or e}; no longer copying the output there\n")
 
     def __getattr__(self, name):  # isatty, fileno, encoding, ... of the real stream
         return getattr(self.stream, name)
@@ -140,8 +150,14 @@ class RunLog:
     def exception(self, e: BaseException):
         import traceback
 
-        self.file.write("".join(traceback.format_exception(e)))
+        try:
+            self.file.write("".join(traceback.format_exception(e)))
+        except OSError:  # the disk that failed the run: the terminal still shows the error
+            pass
 
     def close(self):
         sys.stdout, sys.stderr = self.saved
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:
+            pass

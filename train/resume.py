@@ -1,10 +1,16 @@
 """What a resume checks before it restores anything (train/engine.py restores): the newest
 readable checkpoint of the run directory, written by a laplace that keeps all training state in
 model and optimizers, for the same configuration and the same data. Every refusal is one
-CheckpointError line; trainer.resume=force continues on another configuration or data."""
+CheckpointError line; trainer.resume=force continues on another configuration or data.
+
+A checkpoint written before a config key existed has no value for it: `ADDED_KEYS` declares, for
+each key added over time, the value that does what the code did before the key (or ANY: the key
+acts on no training step). Such a checkpoint resumes when this run's value is that one, so an
+upgrade of laplace is no reason for trainer.resume=force; any other value is a recipe change."""
 from __future__ import annotations
 
 import sys
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from laplace.checkpoint import CheckpointError, load_checkpoint, resume_candidates
@@ -13,6 +19,32 @@ from laplace.rundir import EXECUTION_KEYS
 
 # Resume does not compare these either: they only act on a fresh run.
 _FRESH_ONLY_KEYS = ("trainer.init_from", "trainer.init_head")
+
+ANY = object()  # an added key whose value changes no training step (a label, evaluation, logging)
+# Key (fnmatch pattern) -> the value that behaves as the code before the key; newest last.
+ADDED_KEYS = {
+    "model.laplacian_mode": "fixed",      # every Laplacian head I - P, as the paper, before learned gates
+    "data.modality": ANY,                 # 2026-11-29 db68ed3: a label the trainer checks data against
+    "optim.grad_clip_mode": "global",     # 2026-11-29 db68ed3: clip_grad_norm_ over all parameters
+    "trainer.head.use_bn": False,         # 2026-11-30 b9c5239: DINO's head without BatchNorm
+    "data.kind": "windows",               # 2026-11-30 d53e1ea: pydoc_text as in-memory windows
+    "trainer.sample_prompts": ANY,        # 2026-11-30 d53e1ea: greedy samples at evaluation, to a file
+    "trainer.sample_tokens": ANY,
+    "trainer.peak_flops": ANY,            # the denominator of the logged MFU
+    "data.masked": True,                  # 2026-12-01 72f5b9a: SFT rows always had the masked loss
+    "data.probe_crop_pct": ANY,           # 2026-12-01 5f26102: k-NN / linear probes only
+    "*.schedules.*.warmdown": None,       # 2026-12-01 3a574a8: a node without it had no warm-down
+    "model.qk_norm": False,               # 2026-12-01 issue 30: the ViT had no QK-norm
+    "model.drop_path_schedule": "uniform",  # 2026-12-01 issue 30: the same drop-path rate in every block
+}
+
+
+def old_behaviour(key: str):
+    """ADDED_KEYS' value for `key` (ANY, or the value equal to the code before it), else KeyError."""
+    for pattern, value in ADDED_KEYS.items():
+        if fnmatchcase(key, pattern):
+            return value
+    raise KeyError(key)
 
 
 def find_checkpoint(ckpt_dir: Path, is_main: bool) -> tuple[Path, dict] | None:
@@ -63,8 +95,23 @@ def check_resumable(path: Path, ckpt: dict, config: dict, data_identity: dict | 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
     """'key: checkpoint value -> this run's value' for every training-relevant difference
-    (execution keys such as workers, devices or cadences are not compared)."""
+    (execution keys such as workers, devices or cadences are not compared; a key the checkpoint
+    predates is compared as its ADDED_KEYS value)."""
     a, b = flatten(saved), flatten(current)
-    missing = "<unset>"
-    return [f"{k}: {a.get(k, missing)} -> {b.get(k, missing)}" for k in sorted(set(a) | set(b))
-            if not k.startswith(EXECUTION_KEYS + _FRESH_ONLY_KEYS) and a.get(k, missing) != b.get(k, missing)]
+    diffs = []
+    for k in sorted(set(a) | set(b)):
+        if k.startswith(EXECUTION_KEYS + _FRESH_ONLY_KEYS):
+            continue
+        was = a.get(k, "<unset>")
+        if k not in a and k in b:
+            try:
+                old = old_behaviour(k)
+            except KeyError:
+                pass
+            else:
+                if old is ANY or old == b[k]:
+                    continue
+                was = f"<unset: {old} before the key>"
+        if was != b.get(k, "<unset>"):
+            diffs.append(f"{k}: {was} -> {b.get(k, '<unset>')}")
+    return diffs

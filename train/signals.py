@@ -1,11 +1,18 @@
 """Preemption: SIGUSR1 / SIGTERM ask a run to stop at the end of its step and be requeued.
 
 On a cluster the scheduler warns a job before its time limit or preemption (Slurm:
-`#SBATCH --signal=USR1@120` for the warning, SIGTERM at the end). The handler only records
-the request; the engine finishes the optimizer step in flight, agrees with every rank on
-stopping (one rank may get the signal first), writes `last.pt` and exits with
-`EXIT_REQUEUE`, which slurm/*.sbatch turns into `scontrol requeue`. The requeued job runs
-the same command and resumes exactly.
+`#SBATCH --signal=USR1@120` for the warning, SIGTERM at the end, SIGKILL KillWait seconds later,
+30 by default). Slurm signals every process of the job step, torchrun-like launchers the whole
+process group: the data-loader workers get the signal too. So:
+  * the main process only records the request (`StopRequest`); the engine finishes the step in
+    flight, agrees with every rank on the step to stop at (one rank may get the signal first,
+    laplace.dist.StopVote), writes `last.pt`, shuts its workers down and exits with
+    `EXIT_REQUEUE`, which slurm/*.sbatch and train.launch turn into a requeue;
+  * a data-loader worker ignores both signals (`ignore_in_worker`, every loader's worker_init_fn):
+    torch's worker would die of SIGTERM and take the main process down with "DataLoader worker is
+    killed by signal" mid-checkpoint. The workers are then stopped by the engine's own shutdown
+    (train.feeds.MapFeed.close), since DataLoader's falls back to SIGTERM, which they now ignore.
+The requeued job runs the same command and resumes exactly.
 """
 from __future__ import annotations
 
@@ -28,8 +35,10 @@ class Preempted(SystemExit):
 
 class StopRequest:
     """A context manager that turns SIGUSR1 / SIGTERM into a flag (`signum`, None until one
-    arrives) and restores the previous handlers on exit. Outside the main thread (where
-    Python cannot install handlers) it stays inert."""
+    arrives) and restores the previous handlers on exit, except when leaving with `Preempted`:
+    the process is about to exit 75, and a second signal meanwhile (srun terminating the step
+    once its first task has ended) must not turn that status into 143. Outside the main thread
+    (where Python cannot install handlers) it stays inert."""
 
     def __init__(self, signals=SIGNALS):
         self.signals, self.signum, self._previous = signals, None, {}
@@ -43,8 +52,16 @@ class StopRequest:
                 self._previous[s] = signal.signal(s, self._handler)
         return self
 
-    def __exit__(self, *exc):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+    def __exit__(self, exc_type, exc, tb):
+        if not (exc_type is not None and issubclass(exc_type, Preempted)):
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
         self._previous = {}
         return False
+
+
+def ignore_in_worker(worker_id: int):
+    """worker_init_fn of the engine's data loaders: the stop signals are the main process's to
+    act on (torch installs a SIGTERM handler in each worker that dies loudly; this replaces it)."""
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)

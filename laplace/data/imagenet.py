@@ -15,24 +15,47 @@ Usage:
 Images are decoded one item at a time in __getitem__ (never the whole split in memory), and
 both dataset types pickle into DataLoader workers (the parquet one as a memory-mapped Arrow
 table). On first use, `datasets` converts the parquet files into an Arrow cache (as large as
-the parquet files; point `cache_dir` at fast local disk); later runs reuse it.
+the parquet files; point `cache_dir` at fast local disk); later runs reuse it. An image that does
+not decode is one line naming its file (parquet: file and row), or, with `skip_corrupt`
+(data.skip_corrupt), skipped and counted (laplace.data.images).
 """
 
+import bisect
 import glob
 import io
 import os
 from collections.abc import Callable
 
 import torch
-from PIL import Image
 from torchvision import datasets as tv_datasets
 
 from laplace.data import DatasetNotFoundError
 from laplace.errors import ConfigError
 
+from .images import CorruptImages, open_rgb
+
 NUM_CLASSES = 1000
 _FOLDER_SPLIT = {True: "train", False: "val"}
 _PARQUET_SPLIT = {True: "train", False: "validation"}
+
+
+def _open_file(path: str):
+    return open_rgb(path, path)  # a module function: it pickles into spawned workers
+
+
+class ImageFolder(tv_datasets.ImageFolder):
+    """torchvision's ImageFolder whose unreadable files are one line naming them, or skipped."""
+
+    def __init__(self, root: str, transform: Callable | None = None, skip_corrupt: bool = False):
+        super().__init__(root, transform=transform, loader=_open_file)
+        self.corrupt = CorruptImages(skip_corrupt)
+
+    def __getitem__(self, index: int) -> tuple:
+        return self.corrupt.get(super().__getitem__, index, len(self))
+
+    @property
+    def skipped_corrupt(self) -> int:
+        return self.corrupt.skipped
 
 
 class ParquetImageNet(torch.utils.data.Dataset):
@@ -42,28 +65,44 @@ class ParquetImageNet(torch.utils.data.Dataset):
         files: parquet file paths of one split.
         transform: applied to each decoded RGB PIL image.
         cache_dir: where `datasets` keeps its Arrow cache (None: the HF default).
+        skip_corrupt: serve the next row in place of one whose image does not decode (counted).
     """
 
-    def __init__(self, files: list[str], transform: Callable | None = None, cache_dir: str | None = None):
+    def __init__(self, files: list[str], transform: Callable | None = None, cache_dir: str | None = None,
+                 skip_corrupt: bool = False):
+        import pyarrow.parquet as pq
         from datasets import Image as HFImage
         from datasets import load_dataset
 
-        ds = load_dataset("parquet", data_files=sorted(files), split="train", cache_dir=cache_dir)
+        self.files = sorted(files)
+        ds = load_dataset("parquet", data_files=self.files, split="train", cache_dir=cache_dir)
         # decode=False hands us the raw {bytes, path} struct, whether or not the files carry
         # HF feature metadata, and leaves decoding (and its errors) to one place below.
         self.ds = ds.cast_column("image", HFImage(decode=False))
         self.transform = transform
+        # The rows concatenate the files in order: where each file starts, to name a bad row.
+        self.starts = [0]
+        for f in self.files[:-1]:
+            self.starts.append(self.starts[-1] + pq.read_metadata(f).num_rows)
+        self.corrupt = CorruptImages(skip_corrupt)
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def __getitem__(self, index: int) -> tuple:
-        row = self.ds[int(index)]
+        return self.corrupt.get(self._load, int(index), len(self))
+
+    def _load(self, index: int) -> tuple:
+        row = self.ds[index]
         image = row["image"]
         src = io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]
-        with Image.open(src) as img:
-            img = img.convert("RGB")  # also forces the lazy PIL decode before the file closes
+        k = bisect.bisect_right(self.starts, index) - 1
+        img = open_rgb(src, f"{self.files[k]} row {index - self.starts[k]}")
         return (self.transform(img) if self.transform else img), row["label"]
+
+    @property
+    def skipped_corrupt(self) -> int:
+        return self.corrupt.skipped
 
 
 def _parquet_files(root: str, train: bool) -> list[str]:
@@ -81,6 +120,7 @@ def build_imagenet(
     transform: Callable | None = None,
     fmt: str = "auto",
     cache_dir: str | None = None,
+    skip_corrupt: bool = False,
 ) -> torch.utils.data.Dataset:
     """Build an ImageNet-1k split; items are (transformed RGB PIL image, int label in 0..999).
 
@@ -90,16 +130,18 @@ def build_imagenet(
         transform: applied to each PIL image.
         fmt: "folder", "parquet", or "auto" (folder if present, else parquet).
         cache_dir: Arrow cache directory for the parquet layout (None: HF default).
+        skip_corrupt: serve the next sample in place of an unreadable image (counted) instead
+            of stopping with one line naming it.
     """
     if fmt not in ("auto", "folder", "parquet"):
         raise ConfigError(f"unknown ImageNet format {fmt!r}; expected 'auto', 'folder' or 'parquet'")
     root = os.path.abspath(os.path.expanduser(root))
     folder = os.path.join(root, _FOLDER_SPLIT[train])
     if fmt in ("auto", "folder") and os.path.isdir(folder):
-        return tv_datasets.ImageFolder(folder, transform=transform)
+        return ImageFolder(folder, transform=transform, skip_corrupt=skip_corrupt)
     files = _parquet_files(root, train) if fmt in ("auto", "parquet") else []
     if files:
-        return ParquetImageNet(files, transform=transform, cache_dir=cache_dir)
+        return ParquetImageNet(files, transform=transform, cache_dir=cache_dir, skip_corrupt=skip_corrupt)
     split = _PARQUET_SPLIT[train]
     looked = {
         "folder": f"{folder}/<wnid>/*.JPEG (folder layout)",

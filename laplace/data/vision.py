@@ -78,5 +78,7 @@ def build_vision_dataset(cfg, train: bool):
     if cfg.name == "imagenet":
         from .imagenet import build_imagenet
 
-        return build_imagenet(cfg.root, train, tf, fmt=cfg.format, cache_dir=cfg.cache_dir)
+        # .get: the data node of a checkpoint written before the key (analysis reads those)
+        return build_imagenet(cfg.root, train, tf, fmt=cfg.format, cache_dir=cfg.cache_dir,
+                              skip_corrupt=bool(cfg.get("skip_corrupt", False)))
     raise ConfigError(f"data={cfg.name!r} is not an image dataset; choose one of {NAMES}")
