@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -79,7 +80,10 @@ def test_device_index_follows_visible_gpus(slurm_env, fake_cuda, monkeypatch, vi
     calls = []
     monkeypatch.setattr(dist.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist.dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
+    where = {}  # setup() leaves each rank's host and pid in the rendezvous store (for lost_peer)
+    monkeypatch.setattr(dist, "_store", lambda: types.SimpleNamespace(set=where.__setitem__))
     info = dist.setup("cuda")
     assert info.device == torch.device("cuda", expected) and info.local_rank == 1
+    assert list(where) == ["laplace/where/1"]
     assert calls == [(("nccl",), {"rank": 1, "world_size": 2})]
     assert dist.resolve_device("cuda:1") == torch.device("cuda", 1)  # an explicit index is kept
