@@ -8,7 +8,7 @@ Design (DeiT III, "Revenge of the ViT", and timm's `deit3_*` models):
   "linear"` is timm's rule, 0 in the first block rising to the rate in the last);
 - optional QK-norm (`qk_norm=True`): a LayerNorm over each head's queries and keys, as the
   paper's first author trained every ImageNet model (timm `qk_norm=True`; see configs/reference/
-  in1k_paper.yaml);
+  deit3_in1k_author.yaml);
 - the class token after the final norm feeds the linear head;
 - any input size divisible by the patch: the patch position embeddings are resampled
   (bicubic) to the input's grid in the forward, by `pos_embed_resample`'s rule (see
