@@ -177,6 +177,7 @@ def average_(tensors: list[torch.Tensor]):
     for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(v.view_as(t))
 
+
 def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         t = t.clone()

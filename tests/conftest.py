@@ -25,8 +25,9 @@ TINY_VIT = ["model.depth=2", "model.embed_dim=48", "trainer.num_workers=0", "tra
 
 @pytest.fixture(autouse=True)
 def _torch_threads():
-    # Two cores here: keep tests from oversubscribing them.
-    torch.set_num_threads(2)
+    # scripts/test.sh runs one thread per pytest worker (OMP_NUM_THREADS=1, which the tests'
+    # subprocesses inherit): more would only oversubscribe the cores and spin.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
 @pytest.fixture

@@ -1,9 +1,10 @@
 """slurm/ on a real Slurm: a one-node cluster started for this module (tests/slurm_cluster.py)
-runs our own scripts with a tiny CPU model. Checked: DDP over two srun tasks; a job signalled
-part-way that checkpoints, requeues itself and ends with the losses of an uninterrupted job; a
-dependent chain (train -> fine-tune -> analysis) whose stages run in order; a sweep; Hydra's
-submitit launcher, on the cluster and locally. Where Slurm cannot run (not installed, not root)
-the cluster tests skip and say why; CI (.ci/run) installs it. About 2 minutes on 2 cores.
+runs our own scripts with a tiny CPU model. Checked: a job signalled part-way that checkpoints,
+requeues itself and ends with the losses of an uninterrupted job, with one srun task and with two
+(DDP, signalled twice); a dependent chain (train -> fine-tune -> analysis) whose stages run in
+order; a sweep; Hydra's submitit launcher, on the cluster and locally. Where Slurm cannot run
+(not installed, not root) the cluster tests skip and say why; CI (.ci/run) installs it. About 3
+minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -187,17 +188,6 @@ def test_submit_composes_site_flags_and_lets_the_command_line_win(tmp_path):
 # ---------------------------------------------------------------- on the cluster
 
 
-@pytest.mark.slow
-def test_two_task_job_trains_with_ddp(cluster, submit, runs):
-    (job,) = submit("submit.sh", "--ntasks-per-node=2", "--job-name=ddp", "train.sbatch", *TINY,
-                    "model=vitt_1L", "trainer.max_steps=4", f"run_dir={runs}/ddp")
-    info = cluster.wait(job, timeout=120)
-    out = log(runs, "ddp", job)
-    assert info["JobState"] == "COMPLETED", out[-3000:]
-    assert "global batch 32 = 16 x 2 x 1 accum" in out
-    assert json.loads((runs / "ddp/results.json").read_text())["steps"] == 4
-
-
 @pytest.fixture(scope="module")
 def chain(cluster, submit, runs):
     """A 3-stage chain (train.sbatch -> run.sbatch python train.py, fine-tuning stage 1's
@@ -258,6 +248,8 @@ def test_two_task_job_signalled_twice_requeues_and_resumes(cluster, submit, runs
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", out[-3000:]
     assert ref_info["JobState"] == "COMPLETED", log(runs, "ref2", ref)[-3000:]
     assert out.count("requeueing job") == 2 and out.count("resumed at step") == 2
+    assert "global batch 32 = 16 x 2 x 1 accum" in out  # DDP over the two srun tasks
+    assert json.loads((runs / "pre2/results.json").read_text())["steps"] == 60
     resumed = train_losses(runs / "pre2")
     assert [s for s, _ in resumed] == list(range(1, 61))
     assert resumed == train_losses(runs / "ref2")
