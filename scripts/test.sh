@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# README command 2: set up .venv, then run the whole test suite (slow tests included).
-# Extra arguments go to pytest, e.g. -m "not slow" or -k attention.
+# README command 2: set up .venv, then run the test suite.
+#   bash scripts/test.sh          every test not marked slow (about 6 minutes on 2 cores)
+#   bash scripts/test.sh --all    every test: also the slow end-to-end ones (Slurm, preemption, the
+#                                 quick start, the miniature; about 18 minutes), as CI (.ci/run) runs it
+# Further arguments go to pytest, e.g. -k attention, or -m cuda (a later -m replaces ours).
 source "$(dirname "$0")/env.sh"
-# Three pytest workers (pytest-xdist) for two cores: serially the suite keeps one core busy (its user
-# time equals its wall time), and on two workers 1.5 cores, the rest waiting on subprocesses and
-# signals; work stealing keeps the last minutes busy too. `-n 0` runs it serially. One thread per
-# worker and per subprocess (they inherit it): workers of two threads each spin on two cores (five
-# of its files took 21% longer so; docs/LOG.md).
+marker=(-m "not slow")
+if [[ "${1:-}" == "--all" ]]; then
+  shift
+  marker=()
+fi
+# Two pytest workers (pytest-xdist) for two cores, stealing work at the end; `-n 0` runs serially.
+# One thread per worker and per subprocess (they inherit it): two workers of two threads each spin
+# on two cores (five of its files took 21% longer so; three workers gained nothing: docs/LOG.md).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-python -m pytest -q -n 3 --dist worksteal "$@"
+python -m pytest -q -n 2 --dist worksteal "${marker[@]}" "$@"
