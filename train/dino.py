@@ -135,6 +135,8 @@ class DINOTrainer(Trainer):
 
     # ---- the step ------------------------------------------------------------------------
     def train_step(self, crops):
+        if isinstance(crops, dict):  # multicrop.device_augment: uint8 crops and their parameters
+            crops = self.multicrop.augment_batch(crops)
         return self.model(crops, self.hparams["teacher_temp"], student=self.net, teacher=self.teacher_net), {}
 
     def before_optimizer_step(self):

@@ -78,6 +78,10 @@ def build_vision_dataset(cfg, train: bool):
     if cfg.name == "imagenet":
         from .imagenet import build_imagenet
 
+        if cfg.get("reduced_decode", False):  # JPEGs decoded at the size the crop needs
+            from .decode import ReducedDecode
+
+            tf = ReducedDecode(tf)
         # .get: the data node of a checkpoint written before the key (analysis reads those)
         return build_imagenet(cfg.root, train, tf, fmt=cfg.format, cache_dir=cfg.cache_dir,
                               skip_corrupt=bool(cfg.get("skip_corrupt", False)))

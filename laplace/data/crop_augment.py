@@ -1,0 +1,95 @@
+"""DINO's per-crop augmentations on whole batches on the training device (multicrop.device_augment).
+
+The workers' MultiCrop drew every crop's parameters exactly as the reference pipeline draws them
+(laplace.data.multicrop.PARAMS, one row per crop) and sent uint8 crops. `augment` applies them to
+a batch [B, 3, S, S] at once, in the reference's order: flip, colour jitter (brightness,
+contrast, saturation, hue, in the crop's own drawn order), grayscale, Gaussian blur, solarize,
+normalise. The colour formulas are torchvision's tensor kernels (T.ColorJitter on tensors, no
+rounding to uint8 between steps); the blur is a true Gaussian of standard deviation `radius`
+(PIL approximates it with three box blurs). tests/test_multicrop_fast.py bounds the difference to
+the PIL pipeline. No host synchronisation: every choice is a `torch.where` over the batch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as nnf
+
+from .multicrop import PARAMS
+
+C = {k: i for i, k in enumerate(PARAMS)}
+
+
+def _gray(x: torch.Tensor) -> torch.Tensor:
+    return (0.2989 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)  # torchvision's weights
+
+
+def _blend(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    f = f.view(-1, 1, 1, 1)
+    return (f * x + (1 - f) * y).clamp(0, 1)
+
+
+def _hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Rotate each image's hue by shift (a fraction of the circle): through HSV, as torchvision."""
+    r, g, b = x.unbind(1)
+    v, minc = x.max(1).values, x.min(1).values
+    cr = v - minc
+    s = cr / v.clamp_min(1e-12)
+    d = cr.clamp_min(1e-12)
+    rc, gc, bc = (v - r) / d, (v - g) / d, (v - b) / d
+    h = torch.where(v == r, bc - gc, torch.where(v == g, 2 + rc - bc, 4 + gc - rc))
+    h = (torch.fmod(h / 6 + 1, 1) + shift.view(-1, 1, 1)) % 1
+    i = torch.floor(h * 6)
+    f = h * 6 - i
+    i = (i.long() % 6).unsqueeze(1)
+    p, q, t = (v * (1 - s)).clamp(0, 1), (v * (1 - s * f)).clamp(0, 1), (v * (1 - s * (1 - f))).clamp(0, 1)
+    pick = [torch.stack(c, 1).gather(1, i) for c in ((v, q, p, p, t, v), (t, v, v, q, p, p), (p, p, t, v, v, q))]
+    return torch.cat(pick, 1)
+
+
+JITTER = (
+    lambda x, f: _blend(x, torch.zeros_like(x), f),  # brightness
+    lambda x, f: _blend(x, _gray(x).mean((1, 2, 3), keepdim=True), f),  # contrast
+    lambda x, f: _blend(x, _gray(x), f),  # saturation
+    _hue,
+)
+
+
+def _blur(x: torch.Tensor, radius: torch.Tensor, on: torch.Tensor, max_radius: float) -> torch.Tensor:
+    """Separable Gaussian blur, standard deviation `radius` per image (edges repeated); images
+    with `on` false get the identity kernel."""
+    B, ch, H, W = x.shape
+    half = math.ceil(3 * max_radius)
+    t = torch.arange(-half, half + 1, device=x.device, dtype=x.dtype)
+    k = torch.exp(-t**2 / (2 * radius.clamp_min(1e-3).view(-1, 1) ** 2))
+    k = torch.where(on.view(-1, 1), k / k.sum(1, keepdim=True), (t == 0).to(x.dtype).expand(B, -1))
+    k = k.repeat_interleave(ch, 0)  # [B * 3, K]: one kernel per image and channel
+    y = x.reshape(1, B * ch, H, W)
+    y = nnf.conv2d(nnf.pad(y, (half, half, 0, 0), mode="replicate"), k.view(B * ch, 1, 1, -1), groups=B * ch)
+    y = nnf.conv2d(nnf.pad(y, (0, 0, half, half), mode="replicate"), k.view(B * ch, 1, -1, 1), groups=B * ch)
+    return y.view(B, ch, H, W)
+
+
+def augment(crops: torch.Tensor, params: torch.Tensor, mean, std, max_radius: float = 2.0) -> torch.Tensor:
+    """uint8 crops [B, 3, S, S] and their parameter rows [B, len(PARAMS)] (same device) -> the
+    augmented, normalised float32 batch."""
+    with torch.autocast(crops.device.type, enabled=False):  # in float32 inside the step's autocast too
+        return _augment(crops.float() / 255, params, mean, std, max_radius)
+
+
+def _augment(x, params, mean, std, max_radius):
+    on = lambda k: params[:, C[k]] > 0.5  # noqa: E731
+    x = torch.where(on("flip").view(-1, 1, 1, 1), x.flip(-1), x)
+    jitter = on("jitter")
+    for pos in range(4):
+        for k, op in enumerate(JITTER):
+            pick = (jitter & (params[:, C[f"order{pos}"]] == k)).view(-1, 1, 1, 1)
+            x = torch.where(pick, op(x, params[:, C["brightness"] + k]), x)
+    x = torch.where(on("grayscale").view(-1, 1, 1, 1), _gray(x).expand_as(x), x)
+    x = _blur(x, params[:, C["radius"]], on("blur"), max_radius)
+    # PIL inverts the uint8 pixels >= 128: a float rounds to 128 from 127.5 / 255 on
+    x = torch.where(on("solarize").view(-1, 1, 1, 1) & (x >= 127.5 / 255), 1 - x, x)
+    m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    return (x - m) / s
