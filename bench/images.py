@@ -13,9 +13,12 @@ feed's SeededDataset (sample i seeded with i), so its rate is one worker's:
     dino       DINO's multi-crop, 2 x 224 + 8 x 96 (laplace.data.multicrop, trainer=dino's defaults)
     eval       the evaluation transform (resize + centre crop) at data.img_size / data.eval_crop_pct
 
-deit3, timm_3a and eval run twice: full-size decode (`data.reduced_decode=false`) and decoded at
-the size the crop needs (laplace.data.decode); the pixel difference between the two on the same
-seeds is recorded. The demand is the GPU's images/s (GPU_RECORD, scaled to the path's model and
+deit3, timm_3a and eval run with the full-size decode (`full`: `data.reduced_decode=false`, the
+code before issue 33) and decoded at the size the crop needs (`reduced`, laplace.data.decode; the
+pixel difference between the two on the same seeds is recorded); deit3 and dino also with
+`device`: the worker decodes, crops and draws, the colour work is left to the training device
+(data.device_augment, trainer.multicrop.device_augment; its cost there is not in these figures).
+dino's `reduced` draws all ten crops first and decodes once (MultiCrop.plan). The demand is the GPU's images/s (GPU_RECORD, scaled to the path's model and
 resolution) divided by the workers one GPU gets (WORKERS_PER_GPU).
 """
 from __future__ import annotations
@@ -26,7 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 from PIL import Image
@@ -40,7 +42,7 @@ GPU_RECORD = dict(gpu="NVIDIA H200", model="ViT-B/16", img_size=224, mode="eager
                   source="issue 33 (first wave; no committed record)")
 WORKERS_PER_GPU = 8
 PATHS = ("decode", "deit3", "timm_3a", "dino", "eval")
-MODES = dict(decode=("full",), deit3=("full", "reduced"), timm_3a=("full", "reduced"), dino=("full", "reduced", "device"),
+MODES = dict(decode=("full",), deit3=("full", "reduced", "device"), timm_3a=("full", "reduced"), dino=("full", "reduced", "device"),
              eval=("full", "reduced"))
 
 
@@ -148,13 +150,10 @@ def transform(path: str, node, multicrops: dict, mode: str):
         return None
     if path == "dino":
         return multicrops[mode]
-    cfg = OmegaConf.merge(node, {"augment": "three_augment" if path == "deit3" else node.augment})
+    cfg = OmegaConf.merge(node, {"augment": "three_augment" if path == "deit3" else node.augment,
+                                 "device_augment": mode == "device"})
     tf = build_transform(cfg, train=path != "eval")
     return ReducedDecode(tf) if mode == "reduced" else tf
-
-
-def _pixels(x) -> torch.Tensor:
-    return torch.cat([c.flatten() for c in x]) if isinstance(x, list) else torch.as_tensor(np.asarray(x)).flatten()
 
 
 def run_path(ds, items: int, warmup: int) -> dict:
@@ -205,18 +204,17 @@ def run(args) -> dict:
         with tempfile.TemporaryDirectory(prefix="bench_images_") as root:
             out = write_layouts(root, args.images_files)
             for layout in ("folder", "parquet"):
+                ds = build_imagenet(root, True, None, fmt=layout, cache_dir=os.path.join(root, "hf_cache"))
                 for path in PATHS:
                     for mode in MODES[path]:
-                        ds = build_imagenet(root, True, transform(path, node, multicrops, mode), fmt=layout,
-                                            cache_dir=os.path.join(root, "hf_cache"))
+                        ds.transform = transform(path, node, multicrops, mode)
                         r = run_path(ds, args.images_items, args.images_warmup)
                         need, how = demand(path, node.img_size, multicrop)
-                        r.update(path=path, layout=layout, decode=mode,
-                                 gpu_images_per_s=need, demand_per_worker=need / WORKERS_PER_GPU,
-                                 demand_basis=how)
+                        r.update(path=path, layout=layout, decode=mode, gpu_images_per_s=need,
+                                 demand_per_worker=need / WORKERS_PER_GPU, demand_basis=how)
                         r["supply_over_demand"] = r["images_per_s"] / r["demand_per_worker"]
                         rows.append(r)
-                        print(f"[images] {layout:7s} {path:8s} {r['decode']:7s} {r['images_per_s']:7.1f} img/s "
+                        print(f"[images] {layout:7s} {path:8s} {mode:7s} {r['images_per_s']:7.1f} img/s "
                               f"(demand {r['demand_per_worker']:.0f}/worker, x{r['supply_over_demand']:.2f})",
                               flush=True)
             for path in ("deit3", "timm_3a", "eval"):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import torch
 from PIL import Image, ImageFilter, ImageOps
 from torchvision import transforms as T
@@ -37,12 +36,10 @@ from torchvision.transforms import functional as F
 
 from laplace.errors import ConfigError
 
+from .crop_augment import augment, param_row
 from .decode import crop_resize, draft, loaded_rgb, reduction
 from .transforms import ToRGB
 
-# A crop's parameters as one float row (device_augment): what each reference step drew.
-PARAMS = ("flip", "jitter", "order0", "order1", "order2", "order3", "brightness", "contrast", "saturation",
-          "hue", "grayscale", "blur", "radius", "solarize")
 
 BICUBIC = T.InterpolationMode.BICUBIC
 
@@ -171,8 +168,6 @@ class MultiCrop:
     def augment_batch(self, batch: dict) -> list[torch.Tensor]:
         """device_augment's batch (multicrop_collate) -> the normalised crop batches, augmented on
         the device the batch is on."""
-        from .crop_augment import augment
-
         return [augment(c, p, self.mean, self.std, self.blur_radius[1]) for c, p in zip(batch["crops"], batch["params"])]
 
     def reference(self, img: Image.Image) -> list[torch.Tensor]:
@@ -203,17 +198,6 @@ def apply(img: Image.Image, p: dict) -> Image.Image:
     if p["radius"] is not None:
         img = img.filter(ImageFilter.GaussianBlur(radius=p["radius"]))
     return ImageOps.solarize(img) if p["solarize"] else img
-
-
-def param_row(p: dict) -> torch.Tensor:
-    """A view's parameters as the float row PARAMS names (a skipped jitter: order 0-3, neutral factors)."""
-    order, factors = [0, 1, 2, 3], [1.0, 1.0, 1.0, 0.0]
-    if p["jitter"]:
-        order = [int(k) for k in p["order"]]
-        factors = [n if f is None else float(f) for f, n in zip(p["factors"], factors)]
-    radius = p["radius"]
-    row = [p["flip"], p["jitter"], *order, *factors, p["grayscale"], radius is not None, radius or 0.0, p["solarize"]]
-    return torch.tensor(np.array(row, dtype=np.float32))
 
 
 def multicrop_collate(items):

@@ -11,6 +11,10 @@
                          bicubic per image) + flip + `data.auto_augment` + colour jitter; with
                          `3a` (the first author's ImageNet runs) timm keeps the jitter on
     none                 the evaluation transform (resize + centre crop)
+
+ImageNet's JPEGs are decoded at the size the first crop needs (`data.reduced_decode`,
+laplace.data.decode); `data.device_augment=true` leaves 3-Augment's flip-free colour work
+(grayscale / solarize / blur, jitter, normalisation) to the training step (laplace.data.crop_augment).
 """
 from __future__ import annotations
 
@@ -59,6 +63,13 @@ def build_transform(cfg, train: bool):
         return timm_transform(cfg, mean, std, "bicubic")
     if cfg.augment == "timm":
         return timm_transform(cfg, mean, std, _required(cfg, "train_interpolation", "random"))
+    if cfg.get("device_augment", False):
+        if cfg.augment != "three_augment":
+            raise ConfigError(f"data.device_augment=true moves 3-Augment's colour work to the device: it needs "
+                              f"data.augment=three_augment, not {cfg.augment}")
+        from .crop_augment import ThreeAugmentCrops
+
+        return ThreeAugmentCrops(cfg.img_size, cfg.get("color_jitter", 0.3), mean, std)
     # data=digits states no colour jitter (its augment is none): an override gets DeiT-III's 0.3.
     return three_augment(cfg.img_size, cfg.get("color_jitter", 0.3),
                          simple_random_crop=cfg.augment == "simple_random_crop", mean=mean, std=std)
@@ -78,7 +89,7 @@ def build_vision_dataset(cfg, train: bool):
     if cfg.name == "imagenet":
         from .imagenet import build_imagenet
 
-        if cfg.get("reduced_decode", False):  # JPEGs decoded at the size the crop needs
+        if cfg.get("reduced_decode", False) and isinstance(tf, T.Compose):  # JPEGs decoded at the crop's size
             from .decode import ReducedDecode
 
             tf = ReducedDecode(tf)

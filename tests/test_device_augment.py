@@ -1,6 +1,7 @@
-"""DINO's multi-crop drawn first and decoded once (MultiCrop.plan / decode / rest) and its
-device-side augmentation (multicrop.device_augment, laplace.data.crop_augment) against the
-reference pipelines (MultiCrop.reference: DINO's T.Compose per view), on real photographs."""
+"""DINO's multi-crop drawn first and decoded once (MultiCrop.plan / decode / rest), and the
+device-side augmentation of DINO's crops (trainer.multicrop.device_augment) and of 3-Augment
+(data.device_augment; laplace.data.crop_augment) against the reference pipelines (DINO's
+T.Compose per view, three_augment), on real photographs."""
 from __future__ import annotations
 
 import io
@@ -12,11 +13,17 @@ import torch
 
 from bench.images import jpeg, photos
 from laplace.data.images import load, open_rgb
-from laplace.data.multicrop import PARAMS, MultiCrop, multicrop_collate
+from laplace.data.crop_augment import PARAMS, ThreeAugmentCrops, augment
+from laplace.data.multicrop import MultiCrop, multicrop_collate
 
 SEEDS = range(6)
 # Device-side against PIL, 0-255 units, measured on these photographs (docs/LOG.md, issue 33).
 MEAN_BOUND, MAX_BOUND = 3.0, 255.0
+
+
+def within_bound(got: torch.Tensor, want: torch.Tensor, std) -> None:
+    d = ((got - want).abs() * torch.tensor(std).view(1, 3, 1, 1) * 255).flatten()
+    assert float(d.mean()) < MEAN_BOUND and float(d.max()) <= MAX_BOUND, (float(d.mean()), float(d.max()))
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +72,39 @@ def test_device_augment_matches_the_pil_pipeline(files):
     batch = multicrop_collate(items)
     assert set(batch) == {"crops", "params"} and batch["crops"][0].shape == (len(items), 3, 224, 224)
     out = dev.augment_batch(batch)
-    std = torch.tensor(mc.std).view(1, 3, 1, 1) * 255
-    diffs = []
     for v, got in enumerate(out):
         want = torch.stack([r[v] for r in refs])
         assert got.shape == want.shape and got.dtype == torch.float32
-        diffs.append(((got - want).abs() * std).flatten())
-    d = torch.cat(diffs)
-    assert float(d.mean()) < MEAN_BOUND and float(d.max()) <= MAX_BOUND, (float(d.mean()), float(d.max()))
+        within_bound(got, want, mc.std)
+
+
+def test_three_augment_on_the_device_matches_three_augment(files):
+    """3-Augment's worker half (decode, crop, draws) + the batched device half: three_augment's
+    draws (equal generator states) and pixels within the bound."""
+    dev = ThreeAugmentCrops(96)
+    refs, crops, rows = [], [], []
+    for data in files:
+        decoded = open_rgb(io.BytesIO(data), "photo")
+        for seed in SEEDS:
+            ref, ref_torch, ref_py = seeded(seed, lambda: dev.reference(decoded))
+            (crop, row), new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", dev))
+            assert torch.equal(ref_torch, new_torch) and ref_py == new_py
+            refs.append(ref), crops.append(crop), rows.append(row)
+    got = augment(torch.stack(crops), torch.stack(rows), dev.mean, dev.std, jitter_last=True)
+    within_bound(got, torch.stack(refs), dev.std)
+
+
+def test_batched_jitter_is_torchvisions_tensor_jitter_per_image():
+    """Each batched colour op with a factor per image equals torchvision's tensor kernel applied
+    image by image (the PIL pipeline differs from both by its uint8 rounding between steps)."""
+    from torchvision.transforms import functional as F
+
+    from laplace.data.crop_augment import JITTER
+
+    x = torch.rand(4, 3, 9, 7, generator=torch.Generator().manual_seed(0))
+    factors = [torch.tensor([0.6, 1.0, 1.2, 1.4]), torch.tensor([0.6, 0.9, 1.1, 1.4]),
+               torch.tensor([0.8, 1.0, 1.1, 1.2]), torch.tensor([-0.1, -0.02, 0.05, 0.1])]
+    kernels = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation, F.adjust_hue)
+    for op, kernel, f in zip(JITTER, kernels, factors):
+        want = torch.stack([kernel(x[i], float(f[i])) for i in range(4)])
+        torch.testing.assert_close(op(x, f), want, atol=2e-6, rtol=0)
