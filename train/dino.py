@@ -97,6 +97,7 @@ class DINOTrainer(Trainer):
             raise ConfigError(f"data={d.name}: its training set takes no transform; trainer=dino "
                               f"needs one of digits, cifar10, cifar100, imagenet")
         train_set.transform = self.multicrop
+        self.multicrop.reduce = bool(d.get("reduced_decode", False))
         return train_set, None
 
     def collate(self, items):

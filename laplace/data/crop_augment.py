@@ -1,13 +1,15 @@
-"""DINO's per-crop augmentations on whole batches on the training device (multicrop.device_augment).
+"""Crop augmentations on whole batches on the training device (data.device_augment for DeiT-III's
+3-Augment, trainer.multicrop.device_augment for DINO's multi-crop).
 
-The workers' MultiCrop drew every crop's parameters exactly as the reference pipeline draws them
-(laplace.data.multicrop.PARAMS, one row per crop) and sent uint8 crops. `augment` applies them to
-a batch [B, 3, S, S] at once, in the reference's order: flip, colour jitter (brightness,
-contrast, saturation, hue, in the crop's own drawn order), grayscale, Gaussian blur, solarize,
-normalise. The colour formulas are torchvision's tensor kernels (T.ColorJitter on tensors, no
-rounding to uint8 between steps); the blur is a true Gaussian of standard deviation `radius`
-(PIL approximates it with three box blurs). tests/test_multicrop_fast.py bounds the difference to
-the PIL pipeline. No host synchronisation: every choice is a `torch.where` over the batch.
+A worker then only decodes, crops and draws: it draws every crop's parameters exactly as the
+reference pipeline draws them (same calls, same order: the same values for the same seed) and
+sends the uint8 crop with its parameter row (PARAMS). `augment` applies a batch of them at once:
+flip, colour jitter (brightness, contrast, saturation, hue, in the crop's own drawn order),
+grayscale, Gaussian blur, solarize, normalise (3-Augment: the jitter last). The colour formulas
+are torchvision's tensor kernels (no rounding to uint8 between steps, as PIL's); the blur is a
+true Gaussian of standard deviation `radius` (PIL approximates one with three box blurs).
+tests/test_device_augment.py bounds the difference to the PIL pipelines. No host
+synchronisation: every choice is a `torch.where` over the batch.
 """
 from __future__ import annotations
 

@@ -47,8 +47,9 @@ def reduction(box: tuple, out: tuple[int, int]) -> int:
 
 
 def draft(img: Image.Image, s: int) -> int:
-    """Ask libjpeg to decode `img` (opened, undecoded) at 1/s; the scale it will use (1: none)."""
-    if s > 1 and img.format == "JPEG" and img.draft(None, (img.size[0] // s, img.size[1] // s)) is not None:
+    """Ask libjpeg to decode `img` (opened, undecoded) at 1/s; the scale it will use (1: none, as
+    for every other format: PIL's draft is a no-op there)."""
+    if s > 1 and img.draft(None, (img.size[0] // s, img.size[1] // s)) is not None:
         return img.decoderconfig[0]  # the scale PIL chose (equal to s but for images of a few pixels)
     return 1
 

@@ -22,7 +22,7 @@ No draw depends on a pixel, so `plan` draws every crop's parameters first, in th
 order (the same values for the same seed), and the image is decoded once, at the reduced size
 (laplace.data.decode) that the crop needing the most resolution allows. With `device_augment`
 a worker only decodes and crops: it hands over uint8 crops and each crop's parameter row
-(PARAMS), and `laplace.data.crop_augment.augment` applies flip, jitter, grayscale, blur,
+(laplace.data.crop_augment.PARAMS), and `laplace.data.crop_augment.augment` applies flip, jitter, grayscale, blur,
 solarize and normalisation to whole batches on the training device.
 """
 from __future__ import annotations
@@ -120,6 +120,7 @@ class MultiCrop:
         self.jitter = T.ColorJitter(*color_jitter)
         self.blur_radius, self.device_augment = tuple(blur_radius), bool(device_augment)
         self.mean, self.std = tuple(mean), tuple(std)
+        self.reduce = True  # decode at reduced size where every crop allows (the trainer sets data.reduced_decode)
 
     @classmethod
     def from_config(cls, node, mean, std) -> MultiCrop:
@@ -154,7 +155,8 @@ class MultiCrop:
         """An opened, undecoded image -> each view's resized crop (PIL) and parameters, decoded
         once at the reduced size the most demanding crop allows."""
         plans = self.plan(img)
-        s = draft(img, min(reduction(box, (v[0], v[0])) for (box, _), v in zip(plans, self.views)))
+        s = min(reduction(box, (v[0], v[0])) for (box, _), v in zip(plans, self.views)) if self.reduce else 1
+        s = draft(img, s)
         rgb = loaded_rgb(img)
         return [(crop_resize(rgb, box, s, (v[0], v[0]), Image.BICUBIC), p) for (box, p), v in zip(plans, self.views)]
 
