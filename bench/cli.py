@@ -49,8 +49,8 @@ DEFAULTS = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench",
                                 description="Speed and memory of Laplacian heads, our models against timm's, the "
-                                            "LM loader, the tokenizer and the analysis accumulator, written as "
-                                            "records.")
+                                            "LM loader, the image input paths, the tokenizer and the analysis "
+                                            "accumulator, written as records.")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="bf16 = bf16 autocast; default bf16 on CUDA, fp32 on CPU")

@@ -5,16 +5,13 @@ T.Compose per view, three_augment), on real photographs."""
 from __future__ import annotations
 
 import io
-import random
 
-import numpy as np
-import pytest
 import torch
 
-from bench.images import jpeg, photos
-from laplace.data.images import load, open_rgb
 from laplace.data.crop_augment import PARAMS, ThreeAugmentCrops, augment
+from laplace.data.images import load, open_rgb
 from laplace.data.multicrop import MultiCrop, multicrop_collate
+from test_decode import files, seeded  # noqa: F401 (files: the photographs' fixture)
 
 SEEDS = range(6)
 # Device-side against PIL, 0-255 units, measured on these photographs (docs/LOG.md, issue 33):
@@ -26,19 +23,6 @@ MEAN_BOUND, MAX_BOUND = 2.5, 96.0
 def within_bound(got: torch.Tensor, want: torch.Tensor, std) -> None:
     d = ((got - want).abs() * torch.tensor(std).view(1, 3, 1, 1) * 255).flatten()
     assert float(d.mean()) < MEAN_BOUND and float(d.max()) <= MAX_BOUND, (float(d.mean()), float(d.max()))
-
-
-@pytest.fixture(scope="module")
-def files() -> list[bytes]:
-    return [jpeg(img) for _, img in photos()]
-
-
-def seeded(seed: int, fn):
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-    out = fn()
-    return out, torch.get_rng_state(), random.getstate()
 
 
 def test_planned_crops_are_the_reference_bit_for_bit(files):

@@ -46,8 +46,9 @@ def open_rgb(src, name: str, decode=None) -> Image.Image:
 
 
 def load(src, name: str, transform=None):
-    """The transformed image of `src`. A transform with `decode` (ReducedDecode) decodes the file
-    itself, at the size its crop needs, then applies its `rest`; any other gets the decoded RGB image."""
+    """The transformed image of `src`. A transform with `decode` (ReducedDecode, MultiCrop,
+    ThreeAugmentCrops) decodes the opened file itself, at the size its crops need, inside the error
+    naming above, then applies its `rest`; any other transform gets the decoded RGB image."""
     decode = getattr(transform, "decode", None)
     if decode is not None:
         return transform.rest(open_rgb(src, name, decode))

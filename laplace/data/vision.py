@@ -13,8 +13,8 @@
     none                 the evaluation transform (resize + centre crop)
 
 ImageNet's JPEGs are decoded at the size the first crop needs (`data.reduced_decode`,
-laplace.data.decode); `data.device_augment=true` leaves 3-Augment's flip-free colour work
-(grayscale / solarize / blur, jitter, normalisation) to the training step (laplace.data.crop_augment).
+laplace.data.decode); `data.device_augment=true` leaves 3-Augment's colour work (one of
+grayscale / solarize / blur, jitter, normalisation) to the training step (laplace.data.crop_augment).
 """
 from __future__ import annotations
 
@@ -58,11 +58,6 @@ def build_transform(cfg, train: bool):
         return eval_transform(cfg.img_size, cfg.eval_crop_pct, mean, std)
     if cfg.augment not in AUGMENTS:
         raise ConfigError(f"data.augment={cfg.augment!r}: choose one of {', '.join(AUGMENTS)}")
-    if cfg.augment == "randaugment":  # DeiT-III's fine-tuning: RandAugment, bicubic crops
-        _required(cfg, "auto_augment", "rand-m9-mstd0.5-inc1")
-        return timm_transform(cfg, mean, std, "bicubic")
-    if cfg.augment == "timm":
-        return timm_transform(cfg, mean, std, _required(cfg, "train_interpolation", "random"))
     if cfg.get("device_augment", False):
         if cfg.augment != "three_augment":
             raise ConfigError(f"data.device_augment=true moves 3-Augment's colour work to the device: it needs "
@@ -70,6 +65,11 @@ def build_transform(cfg, train: bool):
         from .crop_augment import ThreeAugmentCrops
 
         return ThreeAugmentCrops(cfg.img_size, cfg.get("color_jitter", 0.3), mean, std)
+    if cfg.augment == "randaugment":  # DeiT-III's fine-tuning: RandAugment, bicubic crops
+        _required(cfg, "auto_augment", "rand-m9-mstd0.5-inc1")
+        return timm_transform(cfg, mean, std, "bicubic")
+    if cfg.augment == "timm":
+        return timm_transform(cfg, mean, std, _required(cfg, "train_interpolation", "random"))
     # data=digits states no colour jitter (its augment is none): an override gets DeiT-III's 0.3.
     return three_augment(cfg.img_size, cfg.get("color_jitter", 0.3),
                          simple_random_crop=cfg.augment == "simple_random_crop", mean=mean, std=std)
