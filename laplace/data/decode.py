@@ -13,8 +13,8 @@ laplace.data.images.load) and draws that step's crop exactly as the step does, o
 coordinates of the file's header: the same random draws in the same order, so the same boxes and
 parameters for the same seed. It then takes the largest scale 1/s at which the crop still holds
 at least the output's pixels on both sides, decodes at it, and resizes the crop box mapped onto
-the reduced image (x / s). `rest` is the remainder of the Compose, unchanged; `__call__` on a
-decoded image is the wrapped Compose itself. What differs: where s > 1, libjpeg's scaled IDCT
+the reduced image (x / s). `rest` is the remainder of the Compose (its ToTensor + Normalize fused:
+the same values); `__call__` on a decoded image is the wrapped Compose itself. What differs: where s > 1, libjpeg's scaled IDCT
 does the first factor s of the down-sampling instead of PIL's filter (tests/test_decode.py
 bounds the pixel difference). Where no crop can be reduced (s = 1) the pixels are the reference's.
 """
@@ -23,9 +23,11 @@ from __future__ import annotations
 import math
 import random
 
+import torch
 from PIL import Image
-from timm.data.transforms import RandomResizedCropAndInterpolation
+from timm.data.transforms import MaybeToTensor, RandomResizedCropAndInterpolation
 from torchvision import transforms as T
+from torchvision.transforms import functional as F
 from torchvision.transforms.functional import pil_modes_mapping
 
 from .transforms import ToRGB
@@ -82,6 +84,32 @@ def _flat(transform) -> list:
     return [transform]
 
 
+class ToNormalizedTensor:
+    """ToTensor + Normalize with their arithmetic ((x / 255 - mean) / std in float32: the same
+    values bit for bit) and two float copies fewer.
+
+    Args:
+        mean, std: per-channel normalisation constants.
+    """
+
+    def __init__(self, mean, std):
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        return F.pil_to_tensor(img).contiguous().float().div_(255).sub_(self.mean).div_(self.std)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()})"
+
+
+def fused_tail(steps: list) -> list:
+    """steps with a final ToTensor + Normalize replaced by ToNormalizedTensor."""
+    if len(steps) >= 2 and isinstance(steps[-2], (T.ToTensor, MaybeToTensor)) and isinstance(steps[-1], T.Normalize):
+        return steps[:-2] + [ToNormalizedTensor(steps[-1].mean, steps[-1].std)]
+    return steps
+
+
 class ReducedDecode:
     """A crop-first transform that decodes JPEGs at the reduced size its crop needs (module docstring).
 
@@ -98,7 +126,7 @@ class ReducedDecode:
         if isinstance(first, T.Resize) and (not isinstance(first.size, int) and len(first.size) != 1
                                             or first.max_size is not None):
             raise TypeError(f"ReducedDecode: T.Resize must resize the short side, got {first!r}")
-        self.transform, self.first, self.rest = transform, first, T.Compose(steps[k + 1:])
+        self.transform, self.first, self.rest = transform, first, T.Compose(fused_tail(steps[k + 1:]))
 
     def __call__(self, img: Image.Image):
         return self.transform(img)

@@ -37,7 +37,7 @@ from torchvision.transforms import functional as F
 from laplace.errors import ConfigError
 
 from .crop_augment import augment, param_row
-from .decode import crop_resize, draft, loaded_rgb, reduction
+from .decode import ToNormalizedTensor, crop_resize, draft, loaded_rgb, reduction
 from .transforms import ToRGB
 
 
@@ -120,6 +120,7 @@ class MultiCrop:
         self.jitter = T.ColorJitter(*color_jitter)
         self.blur_radius, self.device_augment = tuple(blur_radius), bool(device_augment)
         self.mean, self.std = tuple(mean), tuple(std)
+        self.to_tensor = ToNormalizedTensor(self.mean, self.std)
         self.reduce = True  # decode at reduced size where every crop allows (the trainer sets data.reduced_decode)
 
     @classmethod
@@ -165,7 +166,7 @@ class MultiCrop:
         (uint8 crops, their parameter rows) for laplace.data.crop_augment.augment."""
         if self.device_augment:
             return [F.pil_to_tensor(c) for c, _ in crops], [param_row(p) for _, p in crops]
-        return [F.normalize(F.to_tensor(apply(c, p)), self.mean, self.std) for c, p in crops]
+        return [self.to_tensor(apply(c, p)) for c, p in crops]
 
     def augment_batch(self, batch: dict) -> list[torch.Tensor]:
         """device_augment's batch (multicrop_collate) -> the normalised crop batches, augmented on
