@@ -19,9 +19,8 @@ from laplace.data.images import load, open_rgb
 from laplace.data.vision import build_transform
 
 SEEDS = range(12)
-# Measured on these photographs (docs/LOG.md, issue 33), 120 samples: mean 0.70 / max 63 at 96 px, 0.79 / 46
-# at 128 (eval at 128: 1.44 / 25); the bounds
-# leave room for other libjpeg builds.
+# Measured on these photographs (docs/LOG.md, issue 33), 120 samples, 0-255 units: mean 0.70 / max 63 at
+# 96 px, 0.79 / 46 at 128 (the evaluation at 128: 1.44 / 25); the bounds leave room for other libjpeg builds.
 MEAN_BOUND, MAX_BOUND = 1.5, 96.0
 
 
