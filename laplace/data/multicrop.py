@@ -22,8 +22,8 @@ No draw depends on a pixel, so `plan` draws every crop's parameters first, in th
 order (the same values for the same seed), and the image is decoded once, at the reduced size
 (laplace.data.decode) that the crop needing the most resolution allows. With `device_augment`
 a worker only decodes and crops: it hands over uint8 crops and each crop's parameter row
-(laplace.data.crop_augment.PARAMS), and `laplace.data.crop_augment.augment` applies flip, jitter, grayscale, blur,
-solarize and normalisation to whole batches on the training device.
+(laplace.data.crop_augment.PARAMS), and `augment_batch` applies flip, jitter, grayscale, blur,
+solarize and normalisation to whole batches on the training device (laplace.data.crop_augment).
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ from laplace.errors import ConfigError
 from .crop_augment import augment, param_row
 from .decode import ToNormalizedTensor, crop_resize, draft, loaded_rgb, reduction
 from .transforms import ToRGB
-
 
 BICUBIC = T.InterpolationMode.BICUBIC
 
@@ -84,6 +83,7 @@ class MultiCrop:
         local_blur, local_solarize: probabilities for every local crop (DINO: 0.5, 0.0).
         flip: horizontal flip probability; color_jitter: (brightness, contrast, saturation,
             hue); color_jitter_prob; grayscale: probability; blur_radius: (min, max).
+        device_augment: return (uint8 crops, parameter rows) for `augment_batch` on the device.
         mean, std: normalisation.
     """
 
