@@ -131,6 +131,11 @@ class ReducedDecode:
     def __call__(self, img: Image.Image):
         return self.transform(img)
 
+    @property
+    def transforms(self) -> list:
+        """The wrapped Compose's steps, for code that reads a T.Compose's."""
+        return self.transform.transforms
+
     def plan(self, img: Image.Image) -> tuple[tuple, tuple[int, int], int]:
         """(box on the full-size image, output (w, h), PIL resample), drawn as the first step draws."""
         f = self.first
