@@ -7,7 +7,8 @@
 Sections (--sections): one attention layer and a whole training step of ViT-S, ViT-B and the GPT
 at k = 0, half and all Laplacian heads against timm (models.py, timed and probed for memory by
 timing.py), the GPT's saved bytes per token beside nanochat's own gpt.py (gpt_memory.py), the LM
-loader and the tokenizer (pipeline.py), the analysis accumulator (pipeline.py,
+loader and the tokenizer (pipeline.py), one data-loader worker's images/s on each image input path
+(images.py), the analysis accumulator (pipeline.py,
 a fresh process per size). report.py turns a run into its JSON and Markdown record. What each
 number means, and how it is measured: README, "Benchmark". A tool on the top floor: it times the
 library, the loop and the consumers, and nothing below imports it.

@@ -16,7 +16,7 @@ from laplace.dist import use_tf32
 from . import report
 from .pipeline import analysis_one, analysis_subprocess, bench_stream, bench_tokenizer
 
-SECTIONS = ("layer", "step", "gpt_memory", "loader", "tokenizer", "analysis")
+SECTIONS = ("layer", "step", "gpt_memory", "loader", "images", "tokenizer", "analysis")
 FAMILIES = ("vits", "vitb", "gpt")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,27 +27,30 @@ DEFAULTS = {
                  loader_tokens=100_000_000, loader_seq_len=2048, loader_batch=32,
                  tokenizer_vocab=4096, tokenizer_chars=20_000_000, tokenizer_threads=[1, 2],
                  analysis_tokens=[100_000, 1_000_000], analysis_dim=768, analysis_seqs=1000,
-                 analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=None, memory_depths=[20]),
+                 analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=None, memory_depths=[20],
+                 images_files=48, images_items=300, images_warmup=10, images_diff_items=50),
     "cpu": dict(dtype="fp32", batch_size=2, img_size=224, gpt_batch_size=2, seq_len=128, gpt_depth=8,
                 vocab_size=65536, steps=3, warmup=1, layer_steps=30, layer_warmup=3,
                 loader_tokens=20_000_000, loader_seq_len=2048, loader_batch=32,
                 tokenizer_vocab=4096, tokenizer_chars=20_000_000, tokenizer_threads=[1, 2],
                 analysis_tokens=[100_000, 1_000_000], analysis_dim=768, analysis_seqs=1000,
-                analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=100_000, memory_depths=[4, 8]),
+                analysis_classes=100, analysis_batch=4096, analysis_matmul_tokens=100_000, memory_depths=[4, 8],
+                images_files=48, images_items=200, images_warmup=10, images_diff_items=50),
     "smoke": dict(dtype="fp32", batch_size=2, img_size=32, gpt_batch_size=2, seq_len=16, gpt_depth=4,
                   vocab_size=256, steps=1, warmup=1, layer_steps=1, layer_warmup=1,
                   loader_tokens=20_000, loader_seq_len=64, loader_batch=4,
                   tokenizer_vocab=512, tokenizer_chars=20_000, tokenizer_threads=[1],
                   analysis_tokens=[2_000, 4_000], analysis_dim=32, analysis_seqs=10,
-                  analysis_classes=5, analysis_batch=512, analysis_matmul_tokens=None, memory_depths=[1]),
+                  analysis_classes=5, analysis_batch=512, analysis_matmul_tokens=None, memory_depths=[1],
+                  images_files=3, images_items=2, images_warmup=1, images_diff_items=1),
 }
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench",
                                 description="Speed and memory of Laplacian heads, our models against timm's, the "
-                                            "LM loader, the tokenizer and the analysis accumulator, written as "
-                                            "records.")
+                                            "LM loader, the image input paths, the tokenizer and the analysis "
+                                            "accumulator, written as records.")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="bf16 = bf16 autocast; default bf16 on CUDA, fp32 on CPU")
@@ -87,6 +90,14 @@ def parse_args(argv=None):
     g.add_argument("--analysis-batch", type=int, default=None, help="tokens per update() (4096)")
     g.add_argument("--analysis-matmul-tokens", type=int, default=None,
                    help="tokens of the X^T X reference (all / 1e5: it measures a rate)")
+    g = p.add_argument_group("image input paths (images: bench/images.py; defaults CUDA / CPU)")
+    g.add_argument("--images-files", type=int, default=None, help="JPEG files written per layout (48)")
+    g.add_argument("--images-items", type=int, default=None, help="timed samples per path (300 / 200)")
+    g.add_argument("--images-warmup", type=int, default=None, help="untimed samples per path (10)")
+    g.add_argument("--images-diff-items", type=int, default=None,
+                   help="samples compared, reduced against full-size decode (50)")
+    g.add_argument("--images-size", type=int, default=None,
+                   help="data.img_size (default: experiment=deit3_in1k_author's, 192)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="folder of the records (default: docs/benchmarks)")
     g.add_argument("--note", default="", help="free text stored in the record (e.g. the machine's load)")
@@ -163,8 +174,8 @@ def main(argv=None) -> dict:
                   command=report.command_line(argv),
                   args={k: v for k, v in vars(args).items() if k != "analysis_one"},
                   machine=report.machine_info(args.device_type), git_commit=report.git_commit(ROOT),
-                  note=args.note, cases=[], ratios=[], gpt_memory=None, loader=None, tokenizer=None,
-                  analysis=None)
+                  note=args.note, cases=[], ratios=[], gpt_memory=None, loader=None, images=None,
+                  tokenizer=None, analysis=None)
     record["settings"] = {k: getattr(args, k) for k in ("device", "dtype", "modes", "steps", "warmup",
                                                          "layer_steps", "layer_warmup", "smoke")}
     m = record["machine"]
@@ -196,6 +207,12 @@ def main(argv=None) -> dict:
         record["loader"] = bench_stream(args.loader_tokens, max(1, -(-args.loader_tokens // 4)),
                                         args.loader_seq_len, args.loader_batch)
         print(f"[loader: {time.perf_counter() - t0:.0f} s]", flush=True)
+    if "images" in args.sections:
+        from . import images
+
+        t0 = time.perf_counter()
+        record["images"] = images.run(args)
+        print(f"[images: {time.perf_counter() - t0:.0f} s]", flush=True)
     if "tokenizer" in args.sections:
         t0 = time.perf_counter()
         record["tokenizer"] = bench_tokenizer(args.tokenizer_vocab, args.tokenizer_chars, args.tokenizer_threads)

@@ -204,6 +204,8 @@ def markdown(record: dict) -> str:
             [[f"{ld['tokens']:,}", str(ld["shards"]), f"{ld['seq_len']} x {ld['micro_batch']}",
               f"{ld['tokens_per_s']:,.0f}", f"{ld['batches_per_s']:,.0f}", f"{ld['anon_growth_mib']:+.1f}",
               f"{ld['mem_after_mib'].get('RssFile', float('nan')):,.0f}"]])
+    if record.get("images"):
+        lines += images_markdown(record["images"])
     tk = record.get("tokenizer")
     if tk:
         lines += ["", f"## Tokenizer (BPE vocab {tk['vocab']:,} trained on the help text in {tk['train_s']:.2f} s; "
@@ -230,6 +232,26 @@ def markdown(record: dict) -> str:
     if record.get("gpt_memory"):
         lines += gpt_memory_markdown(record["gpt_memory"])
     return "\n".join(lines) + "\n"
+
+
+def images_markdown(im: dict) -> list[str]:
+    """The images section (bench/images.py) as Markdown lines."""
+    g = im["gpu_record"]
+    shots = ", ".join(f"{p['name']} {p['size'][0]}x{p['size'][1]} ({p['jpeg_kib']:.0f} KiB)" for p in im["photos"])
+    lines = ["", f"## Image input paths: one worker process, 1 torch thread ({im['files']} JPEGs of {shots}; "
+                 f"img_size {im['img_size']}, eval crop {im['eval_crop_pct']})", "",
+             f"Demand: {g['gpu']} {g['model']} {g['img_size']} px {g['mode']} {g['images_per_s']:,.0f} img/s "
+             f"({g['source']}), scaled per path, / {im['workers_per_gpu']} workers per GPU.", ""]
+    lines += md_table(["path", "layout", "decode", "img/s", "img/s per CPU s", "demand / worker", "supply / demand"],
+                      [[r["path"], r["layout"], r["decode"], f"{r['images_per_s']:,.1f}",
+                        f"{r['cpu_images_per_s']:,.1f}", f"{r['demand_per_worker']:,.0f}",
+                        f"{r['supply_over_demand']:.2f}"] for r in im["rows"]])
+    if im.get("pixel_difference"):
+        lines += ["", "Reduced against full-size decode, same seeds (0-255 pixel units):", ""]
+        lines += md_table(["path", "samples", "mean abs", "max abs", "share > 8"],
+                          [[d["path"], str(d["items"]), f"{d['mean_abs']:.3f}", f"{d['max_abs']:.1f}",
+                            f"{100 * d['share_over_8']:.2f}%"] for d in im["pixel_difference"]])
+    return lines
 
 
 def gpt_memory_markdown(mem: dict) -> list[str]:

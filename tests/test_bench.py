@@ -42,7 +42,7 @@ def test_smoke_writes_one_json_and_one_markdown_record(smoke):
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_cpu_[a-z0-9-]+_smoke", js.stem), js.stem
     rec = json.loads(js.read_text())
     for key in ("schema", "date", "command", "args", "settings", "machine", "git_commit", "cases",
-                "ratios", "loader", "tokenizer", "analysis"):
+                "ratios", "loader", "images", "tokenizer", "analysis"):
         assert key in rec, key
     m = rec["machine"]
     for key in ("kind", "cpu", "cpu_count", "cpus_usable", "torch_threads", "python", "torch", "timm"):
@@ -101,6 +101,24 @@ def test_loader_tokenizer_and_analysis_sections(smoke):
         for key in ("update_tokens_per_s", "matmul_tokens_per_s", "update_vs_matmul", "peak_rss_mib",
                     "update_gflops", "matmul_gflops"):
             assert positive(a[key]), key
+
+
+def test_images_section(smoke):
+    """Every input path from both on-disk layouts, each decode mode, with its demand and the
+    reduced-decode pixel difference (bench/images.py)."""
+    from bench.images import MODES, WORKERS_PER_GPU
+
+    out, _ = smoke
+    im = json.loads(next(out.glob("*.json")).read_text())["images"]
+    assert len(im["photos"]) >= 2 and all(p["size"] in ([500, 375], [375, 500]) for p in im["photos"])
+    got = {(r["layout"], r["path"], r["decode"]) for r in im["rows"]}
+    assert got == {(lay, p, m) for lay in ("folder", "parquet") for p, modes in MODES.items() for m in modes}
+    for r in im["rows"]:
+        assert r["items"] == 2 and positive(r["images_per_s"]) and positive(r["cpu_images_per_s"])
+        assert r["demand_per_worker"] == pytest.approx(r["gpu_images_per_s"] / WORKERS_PER_GPU)
+        assert r["supply_over_demand"] == pytest.approx(r["images_per_s"] / r["demand_per_worker"])
+    assert {d["path"] for d in im["pixel_difference"]} == {"deit3", "timm_3a", "eval"}
+    assert all(d["max_abs"] >= d["mean_abs"] >= 0 for d in im["pixel_difference"])
 
 
 def test_gpt_memory_section_without_nanochat(smoke):
@@ -181,6 +199,7 @@ def test_markdown_has_the_tables(smoke):
     text = next(out.glob("*.md")).read_text()
     assert text == markdown(record) and text in record["stdout"]  # the table is printed too
     for title in ("## Attention layer alone", "## Training step", "## Ratios and targets", "## LM loader",
+                  "## Image input paths",
                   "## Tokenizer", "## Analysis accumulator", "## GPT activation memory"):
         assert title in text
     assert "| model | k | mode | shape | median ms |" in text

@@ -25,6 +25,7 @@ from laplace import create_model
 from laplace.checkpoint import CheckpointError, load_checkpoint, load_pretrained, save_checkpoint
 from laplace.config import model_node
 from laplace.data.vision import build_transform
+from laplace.errors import ConfigError
 from train.logger import read_metrics
 from train import run
 from train.feeds import SeededDataset
@@ -218,6 +219,19 @@ def test_experiment_trains_two_steps(experiment, tiny_data, make_cfg, tmp_path):
         for k in close:  # two steps at a fine-tuning lr barely move the weights
             torch.testing.assert_close(got[k], src[k], atol=5e-3, rtol=0)
         assert got["pos_embed"].shape[1] == 16 and got["head.weight"].shape[0] == cfg.data.num_classes
+
+
+def test_device_augment_trains_two_steps(tiny_data, make_cfg, tmp_path):
+    """data.device_augment: the workers send uint8 crops with their parameter rows, the step
+    augments them (laplace.data.crop_augment); any other data.augment is refused in one line."""
+    root, _ = tiny_data
+    cfg = make_cfg("experiment=deit3_in1k", *TINY, f"data.root={root / 'imagenet'}", "data.device_augment=true",
+                   "trainer.max_steps=2")
+    assert math.isfinite(run(cfg)["val_loss"])
+    bad = make_cfg("experiment=deit3_in1k_author", *TINY, f"data.root={root / 'imagenet'}", "data.device_augment=true",
+                   run_dir=tmp_path / "bad")
+    with pytest.raises(ConfigError, match="data.device_augment=true .* needs data.augment=three_augment"):
+        run(bad)
 
 
 @pytest.mark.parametrize("model", ["vitb_12L", "vits_5L", "vitt_3L"])

@@ -324,7 +324,9 @@ def test_a_checkpoint_with_the_centre_outside_the_model_is_refused_in_one_line(m
     assert all(torch.equal(v, ckpt["train_model"][f"teacher.backbone.{k}"]) for k, v in vit.state_dict().items())
 
 
-def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path):
+@pytest.mark.parametrize("device_augment", [False, True])
+def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path, device_augment):
+    """device_augment: the workers decode and crop, the step augments the batch (laplace.data.crop_augment)."""
     with pytest.raises(ConfigError, match="data.root"):  # the experiment names no data location
         run(make_cfg("experiment=dino_in1k", "model=vits_5L", run_dir=tmp_path / "no_root"))
     root = tmp_path / "imagenet"
@@ -335,7 +337,8 @@ def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path):
         "model.depth=1", "model.embed_dim=48", f"data.root={root}",
         "data.img_size=32", "trainer.multicrop.local_size=16", "trainer.global_batch_size=4",
         "trainer.max_steps=2", "trainer.num_workers=0", "trainer.progress=false", "trainer.log_every=1",
-        "trainer.head.out_dim=64", "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16"))
+        "trainer.head.out_dim=64", "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16",
+        f"trainer.multicrop.device_augment={str(device_augment).lower()}"))
     assert metrics == {}
     run_dir = tmp_path / "run"
     losses = [r["loss"] for r in read_metrics(run_dir) if r.get("split") == "train"]

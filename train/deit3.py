@@ -31,6 +31,7 @@ from timm.data import Mixup
 from timm.data.distributed_sampler import RepeatAugSampler
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
 
+from laplace.data.crop_augment import augment
 from laplace.data.vision import build_vision_dataset
 from laplace.dist import all_reduce_sum
 from laplace.errors import ConfigError
@@ -109,6 +110,9 @@ class DeiT3Trainer(Trainer):
 
     def train_step(self, batch):
         x, y = batch
+        if isinstance(x, (list, tuple)):  # data.device_augment: uint8 crops and their parameter rows
+            d = self.cfg.data
+            x = augment(*x, tuple(d.mean), tuple(d.std), jitter_last=True)
         if self.mixup is not None:
             x, y = self.mixup(x, y)  # numpy RNG: per rank, saved in checkpoints
         logits = self.net(x)

@@ -97,6 +97,7 @@ class DINOTrainer(Trainer):
             raise ConfigError(f"data={d.name}: its training set takes no transform; trainer=dino "
                               f"needs one of digits, cifar10, cifar100, imagenet")
         train_set.transform = self.multicrop
+        self.multicrop.reduce = bool(d.get("reduced_decode", False))
         return train_set, None
 
     def collate(self, items):
@@ -135,6 +136,8 @@ class DINOTrainer(Trainer):
 
     # ---- the step ------------------------------------------------------------------------
     def train_step(self, crops):
+        if isinstance(crops, dict):  # multicrop.device_augment: uint8 crops and their parameters
+            crops = self.multicrop.augment_batch(crops)
         return self.model(crops, self.hparams["teacher_temp"], student=self.net, teacher=self.teacher_net), {}
 
     def before_optimizer_step(self):

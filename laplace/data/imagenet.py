@@ -32,7 +32,7 @@ from torchvision import datasets as tv_datasets
 from laplace.data import DatasetNotFoundError
 from laplace.errors import ConfigError
 
-from .images import CorruptImages, open_rgb
+from .images import CorruptImages, load, open_rgb
 
 NUM_CLASSES = 1000
 _FOLDER_SPLIT = {True: "train", False: "val"}
@@ -51,7 +51,12 @@ class ImageFolder(tv_datasets.ImageFolder):
         self.corrupt = CorruptImages(skip_corrupt)
 
     def __getitem__(self, index: int) -> tuple:
-        return self.corrupt.get(super().__getitem__, index, len(self))
+        return self.corrupt.get(self._load, index, len(self))
+
+    def _load(self, index: int) -> tuple:
+        path, target = self.samples[index]
+        target = self.target_transform(target) if self.target_transform is not None else target
+        return load(path, path, self.transform), target
 
     @property
     def skipped_corrupt(self) -> int:
@@ -97,8 +102,7 @@ class ParquetImageNet(torch.utils.data.Dataset):
         image = row["image"]
         src = io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]
         k = bisect.bisect_right(self.starts, index) - 1
-        img = open_rgb(src, f"{self.files[k]} row {index - self.starts[k]}")
-        return (self.transform(img) if self.transform else img), row["label"]
+        return load(src, f"{self.files[k]} row {index - self.starts[k]}", self.transform), row["label"]
 
     @property
     def skipped_corrupt(self) -> int:

@@ -30,18 +30,30 @@ class CorruptImageError(UserError):
         self.name, self.reason = name, reason
 
 
-def open_rgb(src, name: str) -> Image.Image:
-    """Decode `src` (a path or a binary file object) fully, as RGB; if it does not decode,
+def open_rgb(src, name: str, decode=None) -> Image.Image:
+    """Decode `src` (a path or a binary file object) fully, as RGB, or with `decode` (a function
+    of the opened, undecoded image, laplace.data.decode) as it decodes; if it does not decode,
     CorruptImageError naming `name`."""
     try:
         with Image.open(src) as img:
-            return img.convert("RGB")  # forces the lazy decode before the file closes
+            return decode(img) if decode else img.convert("RGB")  # decoded before the file closes
     except UnidentifiedImageError:
         reason = "not an image format PIL reads"
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated, broken
         reason = " ".join(str(e).split()) or type(e).__name__
     raise CorruptImageError(f"{name} is not a readable image ({reason}): replace or remove it, or set "
                             f"data.skip_corrupt=true to skip such files", name, reason)
+
+
+def load(src, name: str, transform=None):
+    """The transformed image of `src`. A transform with `decode` (ReducedDecode, MultiCrop,
+    ThreeAugmentCrops) decodes the opened file itself, at the size its crops need, inside the error
+    naming above, then applies its `rest`; any other transform gets the decoded RGB image."""
+    decode = getattr(transform, "decode", None)
+    if decode is not None:
+        return transform.rest(open_rgb(src, name, decode))
+    img = open_rgb(src, name)
+    return transform(img) if transform is not None else img
 
 
 class CorruptImages:

@@ -17,6 +17,13 @@ Everything comes from the config node (`trainer.multicrop`, see configs/trainer/
 
 Randomness: torch's global generator (crop, flip, jitter, grayscale) and Python's `random`
 (blur, solarize, as DINO's utils): the training feed seeds both per sample (train/feeds.py).
+
+No draw depends on a pixel, so `plan` draws every crop's parameters first, in the reference's
+order (the same values for the same seed), and the image is decoded once, at the reduced size
+(laplace.data.decode) that the crop needing the most resolution allows. With `device_augment`
+a worker only decodes and crops: it hands over uint8 crops and each crop's parameter row
+(laplace.data.crop_augment.PARAMS), and `augment_batch` applies flip, jitter, grayscale, blur,
+solarize and normalisation to whole batches on the training device (laplace.data.crop_augment).
 """
 from __future__ import annotations
 
@@ -25,9 +32,12 @@ import random
 import torch
 from PIL import Image, ImageFilter, ImageOps
 from torchvision import transforms as T
+from torchvision.transforms import functional as F
 
 from laplace.errors import ConfigError
 
+from .crop_augment import augment, param_row
+from .decode import ToNormalizedTensor, crop_resize, draft, loaded_rgb, reduction
 from .transforms import ToRGB
 
 BICUBIC = T.InterpolationMode.BICUBIC
@@ -73,6 +83,7 @@ class MultiCrop:
         local_blur, local_solarize: probabilities for every local crop (DINO: 0.5, 0.0).
         flip: horizontal flip probability; color_jitter: (brightness, contrast, saturation,
             hue); color_jitter_prob; grayscale: probability; blur_radius: (min, max).
+        device_augment: return (uint8 crops, parameter rows) for `augment_batch` on the device.
         mean, std: normalisation.
     """
 
@@ -81,7 +92,7 @@ class MultiCrop:
                  global_blur=(1.0, 0.1), global_solarize=(0.0, 0.2), local_blur: float = 0.5,
                  local_solarize: float = 0.0, flip: float = 0.5, color_jitter=(0.4, 0.4, 0.2, 0.1),
                  color_jitter_prob: float = 0.8, grayscale: float = 0.2, blur_radius=(0.1, 2.0),
-                 mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)):
+                 device_augment: bool = False, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)):
         if len(global_blur) != len(global_solarize) or not global_blur:
             raise ConfigError(f"multicrop.global_blur {list(global_blur)} and global_solarize "
                               f"{list(global_solarize)} need one probability per global crop (DINO: 2)")
@@ -99,9 +110,18 @@ class MultiCrop:
             return T.Compose([ToRGB(), T.RandomResizedCrop(size, scale=tuple(scale), interpolation=BICUBIC),
                               *flip_and_color_jitter, GaussianBlur(blur, *blur_radius), *tail, *normalize])
 
+        # The reference pipelines (one T.Compose per view); plan() draws what they draw.
         self.global_transforms = [view(global_size, global_scale, b, s)
                                   for b, s in zip(global_blur, global_solarize)]
         self.local_transform = view(local_size, local_scale, local_blur, local_solarize)
+        self.views = [(int(global_size), tuple(global_scale), b, s) for b, s in zip(global_blur, global_solarize)]
+        self.views += [(int(local_size), tuple(local_scale), local_blur, local_solarize)] * self.n_local
+        self.flip, self.jitter_prob, self.grayscale = flip, color_jitter_prob, grayscale
+        self.jitter = T.ColorJitter(*color_jitter)
+        self.blur_radius, self.device_augment = tuple(blur_radius), bool(device_augment)
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.to_tensor = ToNormalizedTensor(self.mean, self.std)
+        self.reduce = True  # decode at reduced size where every crop allows (the trainer sets data.reduced_decode)
 
     @classmethod
     def from_config(cls, node, mean, std) -> MultiCrop:
@@ -116,10 +136,50 @@ class MultiCrop:
     def n_crops(self) -> int:
         return self.n_global + self.n_local
 
-    def __call__(self, img: Image.Image) -> list[torch.Tensor]:
-        crops = [t(img) for t in self.global_transforms]
-        crops += [self.local_transform(img) for _ in range(self.n_local)]
-        return crops
+    def plan(self, img: Image.Image) -> list[tuple[tuple, dict]]:
+        """Every view's (box on the full-size image, parameters), drawn in the reference's order
+        from torch's and Python's generators; only the image's size is read."""
+        out = []
+        for size, scale, blur, solarize in self.views:
+            i, j, h, w = T.RandomResizedCrop.get_params(img, list(scale), [3 / 4, 4 / 3])
+            p = dict(flip=bool(torch.rand(1) < self.flip), jitter=not self.jitter_prob < torch.rand(1))
+            if p["jitter"]:
+                j_ = self.jitter
+                p["order"], *p["factors"] = j_.get_params(j_.brightness, j_.contrast, j_.saturation, j_.hue)
+            p["grayscale"] = bool(torch.rand(1) < self.grayscale)
+            p["radius"] = None if random.random() > blur else random.uniform(*self.blur_radius)
+            p["solarize"] = solarize > 0 and random.random() < solarize
+            out.append(((j, i, j + w, i + h), p))
+        return out
+
+    def decode(self, img: Image.Image) -> list[tuple[Image.Image, dict]]:
+        """An opened, undecoded image -> each view's resized crop (PIL) and parameters, decoded
+        once at the reduced size the most demanding crop allows."""
+        plans = self.plan(img)
+        s = min(reduction(box, (v[0], v[0])) for (box, _), v in zip(plans, self.views)) if self.reduce else 1
+        s = draft(img, s)
+        rgb = loaded_rgb(img)
+        return [(crop_resize(rgb, box, s, (v[0], v[0]), Image.BICUBIC), p) for (box, p), v in zip(plans, self.views)]
+
+    def rest(self, crops: list[tuple[Image.Image, dict]]):
+        """The planned crops -> normalised tensors (the reference's pixels), or with device_augment
+        (uint8 crops, their parameter rows) for laplace.data.crop_augment.augment."""
+        if self.device_augment:
+            return [F.pil_to_tensor(c) for c, _ in crops], [param_row(p) for _, p in crops]
+        return [self.to_tensor(apply(c, p)) for c, p in crops]
+
+    def augment_batch(self, batch: dict) -> list[torch.Tensor]:
+        """device_augment's batch (multicrop_collate) -> the normalised crop batches, augmented on
+        the device the batch is on."""
+        return [augment(c, p, self.mean, self.std, self.blur_radius[1]) for c, p in zip(batch["crops"], batch["params"])]
+
+    def reference(self, img: Image.Image) -> list[torch.Tensor]:
+        """The reference pipelines (DINO's T.Compose per view) on a decoded image: what `plan`,
+        `decode` and `rest` reproduce (tests/test_multicrop_fast.py)."""
+        return [t(img) for t in self.global_transforms] + [self.local_transform(img) for _ in range(self.n_local)]
+
+    def __call__(self, img: Image.Image):
+        return self.rest(self.decode(img if img.mode == "RGB" else img.convert("RGB")))
 
     def __repr__(self) -> str:
         lines = [f"global {i + 1}: {t}" for i, t in enumerate(self.global_transforms)]
@@ -127,9 +187,29 @@ class MultiCrop:
         return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"
 
 
-def multicrop_collate(items) -> list[torch.Tensor]:
-    """[(crops, label), ...] -> one batch per crop position: [tensor [B, 3, S_v, S_v] for v].
-    Labels are dropped (self-supervised)."""
+def apply(img: Image.Image, p: dict) -> Image.Image:
+    """One view's flip, jitter, grayscale, blur and solarize on PIL, as the reference applies them."""
+    if p["flip"]:
+        img = F.hflip(img)
+    if p["jitter"]:
+        adjust = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation, F.adjust_hue)
+        for k in p["order"]:
+            if p["factors"][k] is not None:
+                img = adjust[k](img, p["factors"][k])
+    if p["grayscale"]:
+        img = F.rgb_to_grayscale(img, num_output_channels=3)
+    if p["radius"] is not None:
+        img = img.filter(ImageFilter.GaussianBlur(radius=p["radius"]))
+    return ImageOps.solarize(img) if p["solarize"] else img
+
+
+def multicrop_collate(items):
+    """[(crops, label), ...] -> one batch per crop position: [tensor [B, 3, S_v, S_v] for v]; with
+    device_augment {"crops": [uint8 batches], "params": [[B, len(PARAMS)] per view]}. Labels are
+    dropped (self-supervised)."""
     crops = [it[0] if isinstance(it, (tuple, list)) and not isinstance(it[0], torch.Tensor) else it
              for it in items]
+    if isinstance(crops[0], tuple):  # device_augment: (uint8 crops, parameter rows)
+        return {key: [torch.stack([c[k][v] for c in crops]) for v in range(len(crops[0][0]))]
+                for k, key in enumerate(("crops", "params"))}
     return [torch.stack([c[v] for c in crops]) for v in range(len(crops[0]))]

@@ -11,6 +11,10 @@
                          bicubic per image) + flip + `data.auto_augment` + colour jitter; with
                          `3a` (the first author's ImageNet runs) timm keeps the jitter on
     none                 the evaluation transform (resize + centre crop)
+
+ImageNet's JPEGs are decoded at the size the first crop needs (`data.reduced_decode`,
+laplace.data.decode); `data.device_augment=true` leaves 3-Augment's colour work (one of
+grayscale / solarize / blur, jitter, normalisation) to the training step (laplace.data.crop_augment).
 """
 from __future__ import annotations
 
@@ -54,6 +58,13 @@ def build_transform(cfg, train: bool):
         return eval_transform(cfg.img_size, cfg.eval_crop_pct, mean, std)
     if cfg.augment not in AUGMENTS:
         raise ConfigError(f"data.augment={cfg.augment!r}: choose one of {', '.join(AUGMENTS)}")
+    if cfg.get("device_augment", False):
+        if cfg.augment != "three_augment":
+            raise ConfigError(f"data.device_augment=true moves 3-Augment's colour work to the device: it needs "
+                              f"data.augment=three_augment, not {cfg.augment}")
+        from .crop_augment import ThreeAugmentCrops
+
+        return ThreeAugmentCrops(cfg.img_size, cfg.get("color_jitter", 0.3), mean, std)
     if cfg.augment == "randaugment":  # DeiT-III's fine-tuning: RandAugment, bicubic crops
         _required(cfg, "auto_augment", "rand-m9-mstd0.5-inc1")
         return timm_transform(cfg, mean, std, "bicubic")
@@ -78,6 +89,10 @@ def build_vision_dataset(cfg, train: bool):
     if cfg.name == "imagenet":
         from .imagenet import build_imagenet
 
+        if cfg.get("reduced_decode", False) and isinstance(tf, T.Compose):  # JPEGs decoded at the crop's size
+            from .decode import ReducedDecode
+
+            tf = ReducedDecode(tf)
         # .get: the data node of a checkpoint written before the key (analysis reads those)
         return build_imagenet(cfg.root, train, tf, fmt=cfg.format, cache_dir=cfg.cache_dir,
                               skip_corrupt=bool(cfg.get("skip_corrupt", False)))
