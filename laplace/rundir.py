@@ -35,6 +35,7 @@ MAX_NAME = 120  # characters of a run directory's last component (file systems a
 # compare them with the checkpoint's config, and the tables do not group runs by them.
 EXECUTION_KEYS = ("run_dir", "paths.", "logger", "hydra.",
                   "data.root", "data.tokenizer", "data.cache_dir", "data.download", "data.skip_corrupt",
+                  "data.reduced_decode",
                   "trainer.device", "trainer.num_workers", "trainer.progress", "trainer.stop_after",
                   "trainer.log_every", "trainer.eval_every", "trainer.ckpt_every", "trainer.keep_every",
                   "trainer.micro_batch_size", "trainer.amp", "trainer.compile", "trainer.resume",

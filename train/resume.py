@@ -36,7 +36,6 @@ ADDED_KEYS = {
     "*.schedules.*.warmdown": None,       # 2026-12-01 3a574a8: a node without it had no warm-down
     "model.qk_norm": False,               # 2026-12-01 issue 30: the ViT had no QK-norm
     "model.drop_path_schedule": "uniform",  # 2026-12-01 issue 30: the same drop-path rate in every block
-    "data.reduced_decode": False,         # 2026-12-02 issue 33: every JPEG decoded at full size
     "data.device_augment": False,         # 2026-12-02 issue 33: 3-Augment's colour work in the workers
     "trainer.multicrop.device_augment": False,  # 2026-12-02 issue 33: DINO's crops augmented in the workers
 }
