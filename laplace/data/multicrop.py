@@ -175,7 +175,7 @@ class MultiCrop:
 
     def reference(self, img: Image.Image) -> list[torch.Tensor]:
         """The reference pipelines (DINO's T.Compose per view) on a decoded image: what `plan`,
-        `decode` and `rest` reproduce (tests/test_multicrop_fast.py)."""
+        `decode` and `rest` reproduce (tests/test_device_augment.py)."""
         return [t(img) for t in self.global_transforms] + [self.local_transform(img) for _ in range(self.n_local)]
 
     def __call__(self, img: Image.Image):
