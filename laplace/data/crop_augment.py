@@ -13,6 +13,7 @@ synchronisation: every choice is a `torch.where` over the batch.
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -168,6 +169,12 @@ def _augment(x, params, mean, std, max_radius, jitter_last):
     x = torch.where(on("solarize") & (x >= 127.5 / 255), 1 - x, x)
     if jitter_last:
         x = _jitter(x, params)
-    m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
-    s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    m, s = _channel_constants(tuple(mean), tuple(std), x.device, x.dtype)
     return (x - m) / s
+
+
+@functools.lru_cache(maxsize=8)
+def _channel_constants(mean: tuple, std: tuple, device: torch.device, dtype: torch.dtype):
+    """mean and std as [1, 3, 1, 1] tensors on `device`, made once: a host-to-device copy of a
+    new tensor every step would make the host wait for the GPU's queue."""
+    return tuple(torch.tensor(v, device=device, dtype=dtype).view(1, 3, 1, 1) for v in (mean, std))
