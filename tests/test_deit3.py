@@ -222,7 +222,7 @@ def test_experiment_trains_two_steps(experiment, tiny_data, make_cfg, tmp_path):
 
 
 def test_device_augment_trains_two_steps(tiny_data, make_cfg, tmp_path):
-    """data.device_augment: the workers send uint8 crops with their parameter rows, the step
+    """data.device_augment: the workers send decoded images with their crops' boxes and parameters, the step
     augments them (laplace.data.crop_augment); any other data.augment is refused in one line."""
     root, _ = tiny_data
     cfg = make_cfg("experiment=deit3_in1k", *TINY, f"data.root={root / 'imagenet'}", "data.device_augment=true",

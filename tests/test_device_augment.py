@@ -8,7 +8,7 @@ import io
 
 import torch
 
-from laplace.data.crop_augment import PARAMS, ThreeAugmentCrops, augment
+from laplace.data.crop_augment import PARAMS, ThreeAugmentCrops, crop_and_augment, decoded_collate
 from laplace.data.images import load, open_rgb
 from laplace.data.multicrop import MultiCrop, multicrop_collate
 from test_decode import files, seeded  # noqa: F401 (files: the photographs' fixture)
@@ -41,8 +41,9 @@ def test_planned_crops_are_the_reference_bit_for_bit(files):
 
 
 def test_device_augment_matches_the_pil_pipeline(files):
-    """The workers' uint8 crops with their parameter rows, augmented as batches: the reference's
-    draws (equal generator states) and pixels within the bound."""
+    """The workers' decoded images with each crop's window, box and parameter row, cut, resized
+    and augmented as batches: the reference's draws (equal generator states) and pixels within
+    the bound."""
     mc, dev = MultiCrop(local_crops=2), MultiCrop(local_crops=2, device_augment=True)
     refs, items = [], []
     for data in files:
@@ -51,12 +52,12 @@ def test_device_augment_matches_the_pil_pipeline(files):
             ref, ref_torch, ref_py = seeded(seed, lambda: mc.reference(decoded))
             item, new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", dev))
             assert torch.equal(ref_torch, new_torch) and ref_py == new_py
-            crops, rows = item
-            assert all(c.dtype == torch.uint8 for c in crops) and all(r.shape == (len(PARAMS),) for r in rows)
+            assert item["image"].dtype == torch.uint8 and item["params"].shape == (mc.n_crops, len(PARAMS))
+            assert item["windows"].shape == item["boxes"].shape == (mc.n_crops, 4)
             refs.append(ref)
             items.append((item, 0))
     batch = multicrop_collate(items)
-    assert set(batch) == {"crops", "params"} and batch["crops"][0].shape == (len(items), 3, 224, 224)
+    assert set(batch) == {"images", "windows", "boxes", "params"} and batch["images"].shape[0] == len(items)
     out = dev.augment_batch(batch)
     for v, got in enumerate(out):
         want = torch.stack([r[v] for r in refs])
@@ -65,18 +66,20 @@ def test_device_augment_matches_the_pil_pipeline(files):
 
 
 def test_three_augment_on_the_device_matches_three_augment(files):
-    """3-Augment's worker half (decode, crop, draws) + the batched device half: three_augment's
-    draws (equal generator states) and pixels within the bound."""
+    """3-Augment's worker half (decode, draws) + the batched device half (crop, resize, colour):
+    three_augment's draws (equal generator states) and pixels within the bound, also with images
+    of different sizes padded into one batch."""
     dev = ThreeAugmentCrops(96)
-    refs, crops, rows = [], [], []
+    refs, samples = [], []
     for data in files:
         decoded = open_rgb(io.BytesIO(data), "photo")
         for seed in SEEDS:
             ref, ref_torch, ref_py = seeded(seed, lambda: dev.reference(decoded))
-            (crop, row), new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", dev))
+            sample, new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", dev))
             assert torch.equal(ref_torch, new_torch) and ref_py == new_py
-            refs.append(ref), crops.append(crop), rows.append(row)
-    got = augment(torch.stack(crops), torch.stack(rows), dev.mean, dev.std, jitter_last=True)
+            refs.append(ref), samples.append(sample)
+    assert len({s["image"].shape for s in samples}) > 1  # landscape and portrait photographs
+    (got,) = crop_and_augment(decoded_collate(samples), [dev.size], dev.mean, dev.std, jitter_last=True)
     within_bound(got, torch.stack(refs), dev.std)
 
 

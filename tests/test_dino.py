@@ -326,7 +326,7 @@ def test_a_checkpoint_with_the_centre_outside_the_model_is_refused_in_one_line(m
 
 @pytest.mark.parametrize("device_augment", [False, True])
 def test_dino_in1k_smoke_on_an_image_folder_and_load_model(make_cfg, tmp_path, device_augment):
-    """device_augment: the workers decode and crop, the step augments the batch (laplace.data.crop_augment)."""
+    """device_augment: the workers decode, the step cuts, resizes and augments the batch (laplace.data.crop_augment)."""
     with pytest.raises(ConfigError, match="data.root"):  # the experiment names no data location
         run(make_cfg("experiment=dino_in1k", "model=vits_5L", run_dir=tmp_path / "no_root"))
     root = tmp_path / "imagenet"

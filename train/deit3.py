@@ -31,7 +31,7 @@ from timm.data import Mixup
 from timm.data.distributed_sampler import RepeatAugSampler
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
 
-from laplace.data.crop_augment import augment
+from laplace.data.crop_augment import crop_and_augment, decoded_collate
 from laplace.data.vision import build_vision_dataset
 from laplace.dist import all_reduce_sum
 from laplace.errors import ConfigError
@@ -99,6 +99,11 @@ class DeiT3Trainer(Trainer):
                               f"({self.micro_bs}) must be even; change trainer.micro_batch_size")
         self.criterion = build_criterion(tc, nc).to(self.device)
 
+    def collate(self, items):
+        if isinstance(items[0][0], dict):  # data.device_augment: images of different sizes, padded
+            return decoded_collate([x for x, _ in items]), torch.utils.data.default_collate([y for _, y in items])
+        return super().collate(items)
+
     def build_datasets(self):
         return build_vision_dataset(self.cfg.data, True), build_vision_dataset(self.cfg.data, False)
 
@@ -110,9 +115,9 @@ class DeiT3Trainer(Trainer):
 
     def train_step(self, batch):
         x, y = batch
-        if isinstance(x, (list, tuple)):  # data.device_augment: uint8 crops and their parameter rows
+        if isinstance(x, dict):  # data.device_augment: decoded images, their crops' boxes and parameters
             d = self.cfg.data
-            x = augment(*x, tuple(d.mean), tuple(d.std), jitter_last=True)
+            x = crop_and_augment(x, [d.img_size], tuple(d.mean), tuple(d.std), jitter_last=True)[0]
         if self.mixup is not None:
             x, y = self.mixup(x, y)  # numpy RNG: per rank, saved in checkpoints
         logits = self.net(x)

@@ -1,15 +1,19 @@
-"""Crop augmentations on whole batches on the training device (data.device_augment for DeiT-III's
-3-Augment, trainer.multicrop.device_augment for DINO's multi-crop).
+"""Resized crops and their augmentations on whole batches on the training device
+(data.device_augment for DeiT-III's 3-Augment, trainer.multicrop.device_augment for DINO's multi-crop).
 
-A worker then only decodes, crops and draws: it draws every crop's parameters exactly as the
-reference pipeline draws them (same calls, same order: the same values for the same seed) and
-sends the uint8 crop with its parameter row (PARAMS). `augment` applies a batch of them at once:
-flip, colour jitter (brightness, contrast, saturation, hue, in the crop's own drawn order),
-grayscale, Gaussian blur, solarize, normalise (3-Augment: the jitter last). The colour formulas
-are torchvision's tensor kernels (no rounding to uint8 between steps, as PIL's); the blur is a
-true Gaussian of standard deviation `radius` (PIL approximates one with three box blurs).
-tests/test_device_augment.py bounds the difference to the PIL pipelines. No host
-synchronisation: every choice is a `torch.where` over the batch.
+A worker then only decodes and draws: it draws every crop's box and parameters exactly as the
+reference pipeline draws them (same calls, same order: the same values for the same seed), decodes
+the image once (at the reduced size the crops allow, laplace.data.decode) and sends the uint8 image
+with each crop's window and box (laplace.data.resample.window) and parameter row (PARAMS):
+`decoded_sample`, batched by `decoded_collate` (images padded to the batch's largest).
+On the device `crop_and_augment` cuts and resizes every crop as PIL's bicubic does
+(laplace.data.resample.resize_crops) and `augment` applies flip, colour jitter (brightness,
+contrast, saturation, hue, in the crop's own drawn order), grayscale, Gaussian blur, solarize and
+normalisation (3-Augment: the jitter last). The colour formulas are torchvision's tensor kernels
+(no rounding to uint8 between steps, as PIL's); the blur is a true Gaussian of standard deviation
+`radius` (PIL approximates one with three box blurs). tests/test_device_augment.py bounds the
+difference to the PIL pipelines. No host synchronisation: every choice is a `torch.where` over
+the batch.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ import torch
 import torch.nn.functional as nnf
 from torchvision.transforms import functional as F
 
-from .decode import ReducedDecode
+from .decode import ReducedDecode, draft, loaded_rgb, reduction
+from .resample import resize_crops, window
 from .transforms import three_augment
 
 # A crop's parameters as one float row: what each step of the reference pipeline drew.
@@ -43,10 +48,11 @@ def param_row(p: dict) -> torch.Tensor:
 
 
 class ThreeAugmentCrops:
-    """DeiT-III's 3-Augment with the colour work left to the training device (data.device_augment):
-    the crop is decoded (at reduced size where it allows, laplace.data.decode) and every later
-    parameter drawn exactly as three_augment's steps draw them; returns (uint8 crop [3, S, S],
-    its parameter row) for `augment(..., jitter_last=True)`.
+    """DeiT-III's 3-Augment with the crop and colour work left to the training device
+    (data.device_augment): the crop's box and every later parameter drawn exactly as
+    three_augment's steps draw them, the image decoded (at reduced size where the crop allows,
+    laplace.data.decode); returns decoded_sample's dict for
+    `crop_and_augment(batch, [img_size], ..., jitter_last=True)`.
 
     Args:
         as three_augment's (no simple_random_crop).
@@ -61,6 +67,7 @@ class ThreeAugmentCrops:
         self.jitter = steps[4] if color_jitter else None
         self.blur = self.choice.transforms[2]
         self.mean, self.std = tuple(steps[-1].mean), tuple(steps[-1].std)
+        self.size = int(img_size)
 
     def params(self) -> dict:
         """The draws of flip, the one-of-three and the jitter, in three_augment's order."""
@@ -78,16 +85,47 @@ class ThreeAugmentCrops:
             p["order"], *p["factors"] = j.get_params(j.brightness, j.contrast, j.saturation, j.hue)
         return p
 
-    def decode(self, img):
-        return self.crop.decode(img), self.params()
+    def decode(self, img) -> dict:
+        """An opened, undecoded image -> decoded_sample's dict of its one crop."""
+        box, out, _ = self.crop.plan(img)  # bicubic: three_augment's interpolation
+        s = draft(img, reduction(box, out))
+        rgb = loaded_rgb(img)
+        return decoded_sample(rgb, [(window(box, s, rgb.size), self.params())])
 
-    def rest(self, planned) -> tuple[torch.Tensor, torch.Tensor]:
-        crop, p = planned
-        return F.pil_to_tensor(crop), param_row(p)
+    def rest(self, sample: dict) -> dict:
+        return sample
 
-    def __call__(self, img):
-        """A decoded image (any mode) -> (uint8 crop, parameter row)."""
-        return self.rest((self.crop.decode(img.convert("RGB") if img.mode != "RGB" else img), self.params()))
+    def __call__(self, img) -> dict:
+        """A decoded image (any mode) -> decoded_sample's dict (the image is the crop's input)."""
+        return self.decode(img.convert("RGB") if img.mode != "RGB" else img)
+
+
+def decoded_sample(rgb, views: list) -> dict:
+    """A decoded image and its crops [((window, box), parameters), ...] -> what a worker hands
+    over: the uint8 image [3, H, W], windows [V, 4] (int), boxes [V, 4] and parameter rows [V, P]."""
+    return dict(image=F.pil_to_tensor(rgb), windows=torch.tensor([w for (w, _), _ in views], dtype=torch.int32),
+                boxes=torch.tensor([b for (_, b), _ in views], dtype=torch.float32),
+                params=torch.stack([param_row(p) for _, p in views]))
+
+
+def decoded_collate(samples: list[dict]) -> dict:
+    """decoded_sample's dicts -> one batch: images [B, 3, H, W] uint8, zero-padded to the largest
+    (no crop window reaches the padding), windows and boxes [B, V, 4], params [B, V, P]."""
+    H = max(s["image"].shape[1] for s in samples)
+    W = max(s["image"].shape[2] for s in samples)
+    images = torch.zeros(len(samples), 3, H, W, dtype=torch.uint8)
+    for i, s in enumerate(samples):
+        images[i, :, : s["image"].shape[1], : s["image"].shape[2]] = s["image"]
+    return dict(images=images, **{k: torch.stack([s[k] for s in samples]) for k in ("windows", "boxes", "params")})
+
+
+def crop_and_augment(batch: dict, sizes: list[int], mean, std, max_radius: float = 2.0,
+                     jitter_last: bool = False) -> list[torch.Tensor]:
+    """decoded_collate's batch (on the training device) -> one normalised batch [B, 3, S, S] per
+    crop position, S = sizes[v]: each crop cut and resized (resize_crops), then `augment`ed."""
+    images = batch["images"].float()
+    return [augment(resize_crops(images, batch["windows"][:, v], batch["boxes"][:, v], size),
+                    batch["params"][:, v], mean, std, max_radius, jitter_last) for v, size in enumerate(sizes)]
 
 
 def _gray(x: torch.Tensor) -> torch.Tensor:
@@ -142,8 +180,8 @@ def _blur(x: torch.Tensor, radius: torch.Tensor, on: torch.Tensor, max_radius: f
 
 def augment(crops: torch.Tensor, params: torch.Tensor, mean, std, max_radius: float = 2.0,
             jitter_last: bool = False) -> torch.Tensor:
-    """uint8 crops [B, 3, S, S] and their parameter rows [B, len(PARAMS)] (same device) -> the
-    augmented, normalised float32 batch. Order: flip, jitter, grayscale, blur, solarize (DINO);
+    """Crops [B, 3, S, S] (uint8, or float holding 0-255 values as resize_crops returns) and their
+    parameter rows [B, len(PARAMS)] (same device) -> the augmented, normalised float32 batch. Order: flip, jitter, grayscale, blur, solarize (DINO);
     jitter_last: flip, grayscale, blur, solarize, jitter (3-Augment)."""
     with torch.autocast(crops.device.type, enabled=False):  # in float32 inside the step's autocast too
         return _augment(crops.float() / 255, params, mean, std, max_radius, jitter_last)

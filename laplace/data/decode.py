@@ -20,7 +20,6 @@ bounds the pixel difference). Where no crop can be reduced (s = 1) the pixels ar
 """
 from __future__ import annotations
 
-import math
 import random
 
 import torch
@@ -30,6 +29,7 @@ from torchvision import transforms as T
 from torchvision.transforms import functional as F
 from torchvision.transforms.functional import pil_modes_mapping
 
+from .resample import window
 from .transforms import ToRGB
 
 SCALES = (8, 4, 2)  # libjpeg's DCT scales PIL's draft offers, largest first
@@ -58,14 +58,12 @@ def draft(img: Image.Image, s: int) -> int:
 
 def crop_resize(rgb: Image.Image, box: tuple, s: int, out: tuple[int, int], resample: int) -> Image.Image:
     """The crop `box` (full-size coordinates) of `rgb`, decoded at 1/s, resized to `out`."""
-    if s == 1:  # torchvision's resized_crop / resize on the full image: the reference pixels
-        return (rgb if box == (0, 0, *rgb.size) else rgb.crop(box)).resize(out, resample)
-    # The crop on the reduced image, on pixels of 1/s: cut the enclosing whole pixels (the
-    # filter sees no pixel outside the crop, as in the reference), resize the exact box.
-    l, t, r, b = (v / s for v in box)
-    x0, y0 = math.floor(l), math.floor(t)
-    x1, y1 = min(math.ceil(r), rgb.size[0]), min(math.ceil(b), rgb.size[1])
-    return rgb.crop((x0, y0, x1, y1)).resize(out, resample, box=(l - x0, t - y0, min(r, x1) - x0, min(b, y1) - y0))
+    if s == 1 and box == (0, 0, *rgb.size):  # torchvision's resize of the whole image: the reference pixels
+        return rgb.resize(out, resample)
+    # The whole pixels enclosing the crop (the filter sees no pixel outside it, as in the
+    # reference, which crops first), then the exact box on them (s = 1: the crop itself).
+    win, in_win = window(box, s, rgb.size)
+    return rgb.crop(win).resize(out, resample, box=None if s == 1 else in_win)
 
 
 def loaded_rgb(img: Image.Image) -> Image.Image:

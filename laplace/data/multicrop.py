@@ -21,9 +21,10 @@ Randomness: torch's global generator (crop, flip, jitter, grayscale) and Python'
 No draw depends on a pixel, so `plan` draws every crop's parameters first, in the reference's
 order (the same values for the same seed), and the image is decoded once, at the reduced size
 (laplace.data.decode) that the crop needing the most resolution allows. With `device_augment`
-a worker only decodes and crops: it hands over uint8 crops and each crop's parameter row
-(laplace.data.crop_augment.PARAMS), and `augment_batch` applies flip, jitter, grayscale, blur,
-solarize and normalisation to whole batches on the training device (laplace.data.crop_augment).
+a worker only decodes: it hands over the uint8 image with each crop's window, box and parameter
+row (laplace.data.crop_augment.decoded_sample), and `augment_batch` cuts and resizes the crops
+and applies flip, jitter, grayscale, blur, solarize and normalisation to whole batches on the
+training device (laplace.data.crop_augment.crop_and_augment).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ from torchvision.transforms import functional as F
 
 from laplace.errors import ConfigError
 
-from .crop_augment import augment, param_row
+from .crop_augment import crop_and_augment, decoded_collate, decoded_sample
 from .decode import ToNormalizedTensor, crop_resize, draft, loaded_rgb, reduction
+from .resample import window
 from .transforms import ToRGB
 
 BICUBIC = T.InterpolationMode.BICUBIC
@@ -83,7 +85,8 @@ class MultiCrop:
         local_blur, local_solarize: probabilities for every local crop (DINO: 0.5, 0.0).
         flip: horizontal flip probability; color_jitter: (brightness, contrast, saturation,
             hue); color_jitter_prob; grayscale: probability; blur_radius: (min, max).
-        device_augment: return (uint8 crops, parameter rows) for `augment_batch` on the device.
+        device_augment: return the decoded image and its crops' boxes and parameters for
+            `augment_batch` on the device.
         mean, std: normalisation.
     """
 
@@ -152,26 +155,29 @@ class MultiCrop:
             out.append(((j, i, j + w, i + h), p))
         return out
 
-    def decode(self, img: Image.Image) -> list[tuple[Image.Image, dict]]:
-        """An opened, undecoded image -> each view's resized crop (PIL) and parameters, decoded
-        once at the reduced size the most demanding crop allows."""
+    def decode(self, img: Image.Image):
+        """An opened, undecoded image, decoded once at the reduced size the most demanding crop
+        allows -> each view's resized crop (PIL) and parameters; with device_augment
+        decoded_sample's dict (the image, each crop's window, box and parameters)."""
         plans = self.plan(img)
         s = min(reduction(box, (v[0], v[0])) for (box, _), v in zip(plans, self.views)) if self.reduce else 1
         s = draft(img, s)
         rgb = loaded_rgb(img)
+        if self.device_augment:  # cut and resized on the device (laplace.data.resample)
+            return decoded_sample(rgb, [(window(box, s, rgb.size), p) for box, p in plans])
         return [(crop_resize(rgb, box, s, (v[0], v[0]), Image.BICUBIC), p) for (box, p), v in zip(plans, self.views)]
 
-    def rest(self, crops: list[tuple[Image.Image, dict]]):
-        """The planned crops -> normalised tensors (the reference's pixels), or with device_augment
-        (uint8 crops, their parameter rows) for laplace.data.crop_augment.augment."""
+    def rest(self, decoded):
+        """The planned crops -> normalised tensors (the reference's pixels); device_augment's dict
+        as it is."""
         if self.device_augment:
-            return [F.pil_to_tensor(c) for c, _ in crops], [param_row(p) for _, p in crops]
-        return [self.to_tensor(apply(c, p)) for c, p in crops]
+            return decoded
+        return [self.to_tensor(apply(c, p)) for c, p in decoded]
 
     def augment_batch(self, batch: dict) -> list[torch.Tensor]:
-        """device_augment's batch (multicrop_collate) -> the normalised crop batches, augmented on
-        the device the batch is on."""
-        return [augment(c, p, self.mean, self.std, self.blur_radius[1]) for c, p in zip(batch["crops"], batch["params"])]
+        """device_augment's batch (multicrop_collate) -> the normalised crop batches, cut, resized
+        and augmented on the device the batch is on."""
+        return crop_and_augment(batch, [v[0] for v in self.views], self.mean, self.std, self.blur_radius[1])
 
     def reference(self, img: Image.Image) -> list[torch.Tensor]:
         """The reference pipelines (DINO's T.Compose per view) on a decoded image: what `plan`,
@@ -205,11 +211,9 @@ def apply(img: Image.Image, p: dict) -> Image.Image:
 
 def multicrop_collate(items):
     """[(crops, label), ...] -> one batch per crop position: [tensor [B, 3, S_v, S_v] for v]; with
-    device_augment {"crops": [uint8 batches], "params": [[B, len(PARAMS)] per view]}. Labels are
-    dropped (self-supervised)."""
+    device_augment decoded_collate's dict. Labels are dropped (self-supervised)."""
     crops = [it[0] if isinstance(it, (tuple, list)) and not isinstance(it[0], torch.Tensor) else it
              for it in items]
-    if isinstance(crops[0], tuple):  # device_augment: (uint8 crops, parameter rows)
-        return {key: [torch.stack([c[k][v] for c in crops]) for v in range(len(crops[0][0]))]
-                for k, key in enumerate(("crops", "params"))}
+    if isinstance(crops[0], dict):  # device_augment: the decoded images and their crops
+        return decoded_collate(crops)
     return [torch.stack([c[v] for c in crops]) for v in range(len(crops[0]))]
