@@ -14,7 +14,8 @@ the DINO checkpoint and eval.lm (lm-eval) the SFT one; the tests marked `cuda` r
 to <out>/benchmarks; the GPT's paper-size steps report tokens/s (MFU). What a cluster job depends
 on (scripts/gpu_cluster.py): the paper experiments eager = compiled, one model on 2 NCCL ranks
 and one GPU's losses (on a node with 2+ GPUs), DINO's and DeiT-III's paper-size steps with their
-loader's images/s beside. One line per check (PASS / SKIP / FAIL, seconds, what it measured,
+loader's images/s at 8 workers beside (as shipped, and with the crops and colour work on the GPU:
+trainer.multicrop.device_augment, data.device_augment). One line per check (PASS / SKIP / FAIL, seconds, what it measured,
 and what its processes used: peak GPU memory, graphs, graph breaks, recompiles, recorded by
 scripts/gpu_probe.py around every command); the exit status is 1 if any check failed. Logs of every command
 go to --out (default: a fresh temporary folder), named after the check. After a CUDA run the
@@ -408,6 +409,10 @@ def main():
             "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
         "dino_in1k: paper-size steps": lambda: gpu_cluster.paper_images(c, "dino_in1k", data),
         "deit3: paper-size steps": lambda: gpu_cluster.paper_images(c, "deit3_in1k_author", data),
+        "dino_in1k, crops on the GPU": lambda: gpu_cluster.paper_images(c, "dino_in1k", data,
+                                                                        "trainer.multicrop.device_augment"),
+        "deit3_in1k 3-Augment, crops on the GPU": lambda: gpu_cluster.paper_images(c, "deit3_in1k", data,
+                                                                                   "data.device_augment"),
         "knn + linear": lambda: vision_evals(c, args.device, seg=False),
         "seg_linear": lambda: vision_evals(c, args.device, seg=True),
         "lm-eval: laplace_pydoc": lambda: lm_eval(c, args.device),

@@ -144,28 +144,34 @@ def paper_sizes(tiny: bool) -> dict[str, list[str]]:
     """The image experiments per GPU as the paper runs them; tiny: the smallest that still runs."""
     small = ["model.depth=1", "model.embed_dim=96", "data.img_size=64", "trainer.global_batch_size=16",
              "trainer.num_workers=2"]
-    return {"deit3_in1k_author": ["model=vitb_12L", *(small + ["trainer.micro_batch_size=null"] if tiny else
-                                                      ["trainer.global_batch_size=256", "trainer.num_workers=8"])],
+    deit3 = ["model=vitb_12L", *(small + ["trainer.micro_batch_size=null"] if tiny else
+                                 ["trainer.global_batch_size=256", "trainer.num_workers=8"])]
+    return {"deit3_in1k_author": deit3, "deit3_in1k": deit3,
             "dino_in1k": ["model=vits_5L", *(small + ["trainer.multicrop.local_size=32", "trainer.head.out_dim=1024"]
                                              if tiny else ["trainer.global_batch_size=64", "trainer.num_workers=8"])]}
 
 
-def paper_images(c, name: str, data: Path) -> str:
+def paper_images(c, name: str, data: Path, device_augment: str | None = None) -> str:
     """Ten steps of experiment=<name> as the paper runs it per GPU (bf16, compiled as shipped),
     then its data loader alone (the same feed, the model not run): training images/s beside the
-    images/s the loader gives one process. A loader slower than the GPU bounds the run."""
-    size = paper_sizes(c.args.tiny)[name]
+    images/s the loader gives one process at the production worker count. A loader slower than
+    the GPU bounds the run. device_augment: the config key that moves the crops and colour work
+    to the GPU (data.device_augment, trainer.multicrop.device_augment), set true: the training
+    figure then includes their GPU time, the loader's is the workers' decode alone."""
+    size = paper_sizes(c.args.tiny)[name.replace("deit3_in1k_author", "deit3_in1k") if device_augment else name]
     folder = image_folder(data, c.args.tiny)
-    run_dir = c.out / "runs" / name
-    over = [f"experiment={name}", *size, f"data.root={folder}", "trainer.max_steps=10", "trainer.eval_every=1000"]
-    c.train(name, [*over, f"run_dir={run_dir}", "trainer.log_every=1"], timeout=900)
+    label = f"{name}_device" if device_augment else name
+    run_dir = c.out / "runs" / label
+    over = [f"experiment={name}", *size, f"data.root={folder}", "trainer.max_steps=10", "trainer.eval_every=1000",
+            *([f"{device_augment}=true"] if device_augment else [])]
+    c.train(label, [*over, f"run_dir={run_dir}", "trainer.log_every=1"], timeout=900)
     from train.logger import logged
 
     recs = logged(run_dir, "train")[2:]  # after compilation and warm-up
     gpu = statistics.median(r["img_per_s"] for r in recs)
     code = f"import gpu_cluster; gpu_cluster.print_loader_rate({[*over, *c.common, f'run_dir={run_dir}_loader']!r})"
-    c.sh(f"{name}_loader", [sys.executable, "-c", code], timeout=600)
-    rate = float(next(ln for ln in (c.out / f"{name}_loader.log").read_text().splitlines()
+    c.sh(f"{label}_loader", [sys.executable, "-c", code], timeout=600)
+    rate = float(next(ln for ln in (c.out / f"{label}_loader.log").read_text().splitlines()
                       if ln.startswith("LOADER ")).split()[1])
     bound = "loader-bound" if rate < 1.1 * gpu else "the model's step bounds it"
     ms = statistics.median(r["step_ms"] for r in recs)

@@ -153,12 +153,17 @@ def test_rank_fingerprints_that_differ_are_named():
     assert gpu_cluster.rank_differences({"gpt": {"phases": {"set-up": [same, dict(same)]}}}) == []
 
 
-def test_the_loader_alone_is_measured_on_the_configs_own_feed(tmp_path, capsys):
+@pytest.mark.parametrize("experiment,device_augment", [("dino_in1k", None), ("dino_in1k", "trainer.multicrop.device_augment"),
+                                                       ("deit3_in1k", "data.device_augment")])
+def test_the_loader_alone_is_measured_on_the_configs_own_feed(tmp_path, capsys, experiment, device_augment):
+    """As the GPU legs measure it, also with the crops left to the device (the workers' decode alone)."""
     import fakedata
 
     fakedata.write_imagenet_folder(tmp_path / "imagenet", n_classes=2, per_class=8, size=40)
-    gpu_cluster.print_loader_rate(["experiment=dino_in1k", "model=vits_5L", *gpu_cluster.paper_sizes(True)["dino_in1k"],
+    size = [o for o in gpu_cluster.paper_sizes(True)[experiment] if not o.startswith("model=")]
+    gpu_cluster.print_loader_rate([f"experiment={experiment}", "model=vits_5L", *size,
                                    f"data.root={tmp_path / 'imagenet'}", "trainer.global_batch_size=4",
+                                   *([f"{device_augment}=true"] if device_augment else []),
                                    "trainer.num_workers=0", "trainer.device=cpu", f"paths.runs_dir={tmp_path}",
                                    f"run_dir={tmp_path / 'loader'}"], batches=3)
     line = capsys.readouterr().out.strip().splitlines()[-1]
