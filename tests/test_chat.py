@@ -267,7 +267,7 @@ def test_missing_data_is_a_one_line_error(hub, tmp_path):
     with pytest.raises(DatasetNotFoundError) as e:
         build_mixture([{"task": "mmlu", "path": str(tmp_path / "nope")}], seed=0)
     msg = str(e.value)
-    assert "\n" not in msg and "data.tasks[0].path" in msg and "huggingface-cli download --repo-type dataset" in msg
+    assert "\n" not in msg and "data.tasks[0].path" in msg and "hf download <hub id> --repo-type dataset" in msg
     with pytest.raises(DatasetNotFoundError, match="no 'validation' split files") as e:
         load_split(str(hub / "gsm8k"), "main", "validation", key="data.tasks[1].path")
     assert "\n" not in str(e.value)
@@ -305,4 +305,4 @@ def test_unreachable_hub_id_is_a_one_line_error(tmp_path):
                           timeout=120, check=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and "DatasetNotFoundError: data.tasks[0].path=cais/mmlu" in last
-    assert "huggingface-cli download --repo-type dataset cais/mmlu --local-dir DIR" in last
+    assert "hf download cais/mmlu --repo-type dataset --local-dir DIR" in last

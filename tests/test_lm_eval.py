@@ -66,7 +66,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def hf_root(tmp_path_factory) -> Path:
     """Local copies in the hub repos' layouts and columns (a handful of rows each), as
-    `huggingface-cli download --local-dir DIR/<repo name>` leaves them (jsonl instead of parquet)."""
+    `hf download <repo> --repo-type dataset --local-dir DIR/<repo name>` leaves them (jsonl instead of parquet)."""
     root = tmp_path_factory.mktemp("hf")
     arc = [{"id": f"Mercury_{i}", "question": f"Which planet is number {i + 1} from the sun?",
             "choices": {"text": ["Mercury", "Venus", "Earth", "Mars"], "label": ["A", "B", "C", "D"]},

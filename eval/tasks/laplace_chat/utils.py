@@ -19,8 +19,8 @@ special tokens' strings: `<|bos|><|user_start|>USER<|user_end|><|assistant_start
 Data (`load_dataset`, the tasks' `custom_dataset`): the hub dataset through `datasets`
 (offline: HF_DATASETS_OFFLINE=1 with a filled HF cache), or with the TaskManager metadata
 `data_root=DIR` a local copy at `DIR/<repo name>` in the hub repo's layout (DIR/ai2_arc,
-DIR/mmlu, DIR/gsm8k, DIR/openai_humaneval, e.g. from `huggingface-cli download --repo-type
-dataset allenai/ai2_arc --local-dir DIR/ai2_arc`; parquet or jsonl), read by
+DIR/mmlu, DIR/gsm8k, DIR/openai_humaneval, e.g. from `hf download allenai/ai2_arc
+--repo-type dataset --local-dir DIR/ai2_arc`; parquet or jsonl), read by
 `laplace.data.chat.load_split`.
 
 Generated code runs only when asked: the HumanEval task is `unsafe_code` (lm-eval wants
@@ -79,7 +79,7 @@ def load_dataset(repo: str, subset: str | None = None, split: str = "test", data
         path = os.path.join(os.path.expanduser(str(data_root)), repo.split("/")[-1])
         if not os.path.isdir(path):
             raise DatasetNotFoundError(f"data_root={data_root}: no folder {path} (the copy of {repo}); make it "
-                                       f"with `huggingface-cli download --repo-type dataset {repo} --local-dir {path}`")
+                                       f"with `hf download {repo} --repo-type dataset --local-dir {path}`")
         return datasets.DatasetDict({split: load_split(path, subset, split, key="data_root")})
     try:
         return datasets.DatasetDict({split: load_split(repo, subset, split, key="repo")})
@@ -88,7 +88,7 @@ def load_dataset(repo: str, subset: str | None = None, split: str = "test", data
         name = repo.split("/")[-1]
         raise DatasetNotFoundError(
             f"{repo} ({subset}, {split}): {reason}; offline, fill the HF cache (HF_DATASETS_OFFLINE=1 then "
-            f"reads it) or download a copy, `huggingface-cli download --repo-type dataset {repo} "
+            f"reads it) or download a copy, `hf download {repo} --repo-type dataset "
             f"--local-dir DIR/{name}`, and pass data_root=DIR") from None
 
 

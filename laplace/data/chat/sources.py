@@ -50,17 +50,17 @@ def load_split(path: str, subset: str | None, split: str, *, key: str = "path",
                                              cache_dir=cache_dir)
         looked = " or ".join(f"{c}/{split}-*.parquet" for c in candidates)
         raise DatasetNotFoundError(f"{key}={path}: no {split!r} split files ({looked}); download the "
-                                   f"dataset with `huggingface-cli download --repo-type dataset <hub "
-                                   f"id> --local-dir {path}`")
+                                   f"dataset with `hf download <hub id> --repo-type dataset "
+                                   f"--local-dir {path}`")
     if not _HUB_ID.match(str(path)):
         raise DatasetNotFoundError(f"{key}={path}: no such folder; download the dataset with "
-                                   f"`huggingface-cli download --repo-type dataset <hub id> "
+                                   f"`hf download <hub id> --repo-type dataset "
                                    f"--local-dir {path}`, or give its hub id")
     try:
         return datasets.load_dataset(str(path), name=subset, split=split, cache_dir=cache_dir)
     except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise DatasetNotFoundError(f"{key}={path}: cannot load the hub dataset (subset {subset}, split "
-                                   f"{split}): {first}; offline, download it with `huggingface-cli "
-                                   f"download --repo-type dataset {path} --local-dir DIR` and set "
+                                   f"{split}): {first}; offline, download it with `hf download "
+                                   f"{path} --repo-type dataset --local-dir DIR` and set "
                                    f"{key}=DIR") from None
