@@ -158,9 +158,10 @@ def draw_maps(maps: dict, image: np.ndarray, title: str, stem: Path, upsample: s
                 m = maps[kind][b, h]
                 ax = row[h + 1]
                 ax.imshow(_upsample(m, (H, W), upsample), cmap="viridis", interpolation="none")  # min-max, as DINO's
-                if threshold is not None:
-                    ax.contour(_upsample(mass_mask(m, threshold).astype(np.float32), (H, W), "nearest"),
-                               levels=[0.5], colors="white", linewidths=0.8)
+                keep = mass_mask(m, threshold) if threshold is not None else None
+                if keep is not None and 0 < keep.sum() < keep.size:  # every patch (or none) kept: no outline
+                    ax.contour(_upsample(keep.astype(np.float32), (H, W), "nearest"), levels=[0.5], colors="white",
+                               linewidths=0.8)
                 if kind == "patch":
                     ax.add_patch(Rectangle(**square))
                 ax.set_title(maps["labels"][b][h], fontsize=8, color="C3" if maps["weights"][b][h] > 0.5 else "k")

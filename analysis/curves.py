@@ -38,15 +38,25 @@ BANDS = ("sd", "minmax", "se2")
 X_KEYS = ("step", "epoch")
 
 
-def logged_curve(run_dir, metric: str, x: str = "step") -> dict[float, float]:
-    """{x: value} of one metric in a run's metrics.jsonl (train or val records, whichever log
-    it); a later record at the same x replaces an earlier one."""
+def logged_curves(run_dir, metrics, x: str = "step") -> dict[str, dict]:
+    """{metric: {x: value}} of a run's metrics.jsonl, read once (train and val records, whichever
+    log a metric); a later record at the same x replaces an earlier one ({} without the file)."""
     from train.logger import read_metrics
 
+    out = {m: {} for m in metrics}
     if not (Path(run_dir) / "metrics.jsonl").exists():
-        return {}
-    return {r[x]: float(r[metric]) for r in read_metrics(run_dir)
-            if isinstance(r.get(metric), (int, float)) and r.get(x) is not None}
+        return out
+    for r in read_metrics(run_dir):
+        if r.get(x) is not None:
+            for m in metrics:
+                if isinstance(r.get(m), (int, float)):
+                    out[m][r[x]] = float(r[m])
+    return out
+
+
+def logged_curve(run_dir, metric: str, x: str = "step") -> dict:
+    """{x: value} of one metric of a run (see `logged_curves`)."""
+    return logged_curves(run_dir, [metric], x)[metric]
 
 
 def default_metrics(run_dirs) -> list[str]:
@@ -156,7 +166,7 @@ def collect_curves(records: list[dict], metrics: list[str], x: str = "step") -> 
     exps = experiments(records)
     for exp, recs in exps.items():
         for r in sorted(recs, key=lambda r: (r["mode"] != "fixed", sort_key(r["k"]), sort_key(r["seed"]))):
-            curves = {m: logged_curve(r["run_dir"], m, x) for m in metrics}
+            curves = logged_curves(r["run_dir"], metrics, x)
             if not any(curves.values()):
                 why = "no metrics.jsonl" if not (Path(r["run_dir"]) / "metrics.jsonl").exists() else \
                     f"none of {metrics} logged against {x}"
