@@ -195,7 +195,7 @@ def _patch(value, grid: tuple[int, int]) -> tuple[int, int]:
 def title_of(model_name: str, maps: dict, mode: str, threshold: Optional[float]) -> str:
     k = [int(sum(w == 1.0 for w in ws)) for ws in maps["weights"]]
     heads = maps["cls"].shape[1]
-    lap = ("gates a per head: the output is (1 - a) PV + a (V - PV)" if mode == "learned" else
+    lap = ("learned gates a per head (titles in red: a > 0.5): the output is (1 - a) PV + a (V - PV)" if mode == "learned" else
            f"{'/'.join(map(str, sorted(set(k))))} of {heads} heads Laplacian (titles in red): a Laplacian "
            f"head outputs V - PV, it mixes by I - P")
     th = f"; white: the patches holding {threshold:.0%} of a map's mass" if threshold is not None else ""
