@@ -15,6 +15,8 @@ import math
 import statistics
 from pathlib import Path
 
+from analysis.curves import draw_curves, mean_se
+
 METRICS = {"val_acc1": "val top-1 (%)", "val_bpb": "val bits per byte", "knn": "20-NN top-1 of the teacher (%)"}
 
 
@@ -34,9 +36,9 @@ def _knn_at(ckpt: Path, run_out: Path) -> float:
 def run_curve(run_dir: Path, metric: str, cache: Path) -> dict[int, float]:
     """{step: value} of one run."""
     if metric != "knn":
-        from train.logger import logged
+        from analysis.curves import logged_curve
 
-        return {int(r["step"]): float(r[metric]) for r in logged(run_dir, "val") if r.get(metric) is not None}
+        return {int(s): v for s, v in logged_curve(run_dir, metric).items()}
     points = {}
     for ckpt in sorted(run_dir.glob("ckpt/step_*.pt"), key=lambda p: int(p.stem.split("_")[1])):
         step = int(ckpt.stem.split("_")[1])
@@ -68,11 +70,6 @@ def curves(runs: dict[str, list[Path]], metrics: dict[str, str], cache: Path) ->
     return out
 
 
-def _mean_se(xs: list[float]) -> tuple[float, float]:
-    m = statistics.mean(xs)
-    return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
-
-
 def curves_markdown(data: dict, metrics: dict[str, str]) -> list[str]:
     """Per paradigm: a table (rows = step, columns = arms, mean ± 2 se (n)) and, per arm, the
     change over the last quarter of the steps."""
@@ -89,7 +86,7 @@ def curves_markdown(data: dict, metrics: dict[str, str]) -> list[str]:
                 if not xs:
                     cells.append("")
                     continue
-                m, se = _mean_se(xs)
+                m, se = mean_se(xs)
                 cells.append(f"{m:.4g}" + ("" if math.isnan(se) else f" ± {2 * se:.2g}") + f" ({len(xs)})")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
         lines += ["", "Change over the last quarter of training (the value at the last step minus the value at "
@@ -118,32 +115,7 @@ def last_quarters(points: dict[int, list[float]]) -> tuple[tuple[int, int], tupl
 
 def plot_curves(data: dict, metrics: dict[str, str], path_stem: Path) -> list[Path]:
     """One panel per paradigm, one line per arm (mean over seeds, band of ± 2 se); .png and .pdf."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     if not data:
         return []
-    fig, axes = plt.subplots(1, len(data), figsize=(4.6 * len(data), 3.6), squeeze=False)
-    for ax, (paradigm, arms) in zip(axes[0], data.items()):
-        for arm, points in arms.items():
-            st = sorted(points)
-            ms = [_mean_se(points[s]) for s in st]
-            mean = [m for m, _ in ms]
-            se = [0.0 if math.isnan(e) else e for _, e in ms]
-            line, = ax.plot(st, mean, marker="o", ms=3, label=arm)
-            ax.fill_between(st, [m - 2 * e for m, e in zip(mean, se)], [m + 2 * e for m, e in zip(mean, se)],
-                            color=line.get_color(), alpha=0.15)
-        ax.set_title(paradigm)
-        ax.set_xlabel("step")
-        ax.set_ylabel(METRICS[metrics[paradigm]])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path_stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = [path_stem.with_suffix(s) for s in (".png", ".pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=130)
-    plt.close(fig)
-    return paths
+    panels = {paradigm: (METRICS[metrics[paradigm]], arms) for paradigm, arms in data.items()}
+    return draw_curves(panels, path_stem, "se2")[1]

@@ -1,0 +1,238 @@
+"""Learning curves of training runs: what every trainer logs to <run>/metrics.jsonl, against the step.
+
+    python -m analysis.curves runs=runs/deit3/digits
+    python -m analysis.curves runs='runs/deit3/digits/vitt_*' metrics=[loss,val_acc1] out=reports/curves
+    python -m analysis.curves runs=[runs/a,runs/b] x=epoch band=minmax
+
+Runs are found and read as by `python -m analysis.tables` (analysis/runs.py: every folder with
+a run's config.yaml, its k and mode from that config) and split into experiments (trainer x
+dataset x model family x recipe, `analysis.runs.experiments`). One panel per metric; in each, one
+line per experiment and number of Laplacian heads k (and mode, when learned): the mean over the
+seeds that share them, with a band (`band`): sd = +-1 sample standard deviation (the default, as
+the other figures), minmax = the lowest to the highest seed, se2 = +-2 standard errors (the
+miniature's). One seed: a line without a band. The legend gives each line's number of seeds.
+A seed that did not log a step is left out of that step's mean.
+
+Written: <out>.png, <out>.pdf and <out>.json (the numbers drawn: per metric and line, x, mean,
+lo, hi, n and every seed's values); out defaults to <first runs folder>/curves. stdout: one
+line per run left out (no metrics.jsonl, or no metric asked for), then `[curves] wrote <path>`.
+"""
+from __future__ import annotations
+
+import glob
+import math
+import statistics
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+from omegaconf import DictConfig, ListConfig
+from omegaconf.errors import MissingMandatoryValue
+
+from laplace.cli import hydra_entry
+from laplace.errors import ConfigError
+from laplace.io import write_json
+from laplace.rundir import check_writable
+
+BANDS = ("sd", "minmax", "se2")
+X_KEYS = ("step", "epoch")
+
+
+def logged_curves(run_dir, metrics, x: str = "step") -> dict[str, dict]:
+    """{metric: {x: value}} of a run's metrics.jsonl, read once (train and val records, whichever
+    log a metric); a later record at the same x replaces an earlier one ({} without the file)."""
+    from train.logger import read_metrics
+
+    out = {m: {} for m in metrics}
+    if not (Path(run_dir) / "metrics.jsonl").exists():
+        return out
+    for r in read_metrics(run_dir):
+        if r.get(x) is not None:
+            for m in metrics:
+                if isinstance(r.get(m), (int, float)):
+                    out[m][r[x]] = float(r[m])
+    return out
+
+
+def logged_curve(run_dir, metric: str, x: str = "step") -> dict:
+    """{x: value} of one metric of a run (see `logged_curves`)."""
+    return logged_curves(run_dir, [metric], x)[metric]
+
+
+def default_metrics(run_dirs) -> list[str]:
+    """The loss, then every val_* metric the runs logged (sorted): what metrics=null draws."""
+    from train.logger import read_metrics
+
+    keys = set()
+    for d in run_dirs:
+        if (Path(d) / "metrics.jsonl").exists():
+            for r in read_metrics(d):
+                keys |= {k for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return [k for k in ("loss", "val_loss") if k in keys] + sorted(
+        k for k in keys if k.startswith("val_") and k != "val_loss")
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n)); the error is NaN for one value."""
+    m = statistics.mean(xs)
+    return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
+
+
+def band_of(xs: list[float], band: str) -> tuple[float, float, float]:
+    """(mean, lo, hi) of the seeds' values at one x: lo..hi is +-1 sample std (sd), the seeds'
+    range (minmax) or +-2 standard errors (se2); lo = hi = mean for one value."""
+    m, se = mean_se(xs)
+    if band == "minmax":
+        return m, min(xs), max(xs)
+    if len(xs) < 2:
+        return m, m, m
+    half = statistics.stdev(xs) if band == "sd" else 2 * se
+    return m, m - half, m + half
+
+
+def line_stats(points: dict[float, list[float]], band: str) -> dict:
+    """One line's numbers: x (sorted), mean, lo, hi and n (seeds) at each x."""
+    xs = sorted(points)
+    stats = [band_of(points[x], band) for x in xs]
+    return {"x": xs, "mean": [s[0] for s in stats], "lo": [s[1] for s in stats], "hi": [s[2] for s in stats],
+            "n": [len(points[x]) for x in xs], "values": [points[x] for x in xs]}
+
+
+def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title: Optional[str] = None):
+    """One panel per entry of `panels` {title: (ylabel, {label: {x: [value per seed]}})}, one line
+    per label (the mean, a band by `band_of`), at most 3 panels a row; writes stem.png (130 dpi)
+    and stem.pdf. Returns (the figure's axes, the paths): the figure is closed."""
+    from analysis.plots import plt
+
+    cols = min(len(panels), 3)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+    axes = list(axes.ravel())
+    for ax, (name, (ylabel, lines)) in zip(axes, panels.items()):
+        for label, points in lines.items():
+            s = line_stats(points, band)
+            line, = ax.plot(s["x"], s["mean"], marker="o", ms=3, label=label)
+            ax.fill_between(s["x"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15)
+        ax.set_title(name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_suffix(s) for s in (".png", ".pdf")]
+    for p in paths:
+        fig.savefig(p, dpi=130)
+    plt.close(fig)
+    return axes[:len(panels)], paths
+
+
+# ----------------------------------------------------------------------------- the command
+
+def _roots(cfg) -> list[Path]:
+    """runs= as folders: a path, a list, or glob patterns (each must match a folder)."""
+    from analysis.runs import runs_roots
+
+    try:
+        value = cfg.runs
+    except MissingMandatoryValue:
+        raise ConfigError("runs is required: python -m analysis.curves runs=DIR (or runs=[DIR1,DIR2], or a "
+                          "quoted glob runs='runs/deit3/digits/vitt_*'), folders holding run directories") from None
+    items = [str(p) for p in (value if isinstance(value, (ListConfig, list)) else [value])]
+    folders = []
+    for item in items:
+        if glob.has_magic(item):
+            found = sorted(p for p in glob.glob(item) if Path(p).is_dir())
+            if not found:
+                raise ConfigError(f"runs={item}: the pattern matches no folder; check it (quoted, e.g. "
+                                  f"runs='runs/deit3/digits/vitt_*')")
+            folders += found
+        else:
+            folders.append(item)
+    return runs_roots(SimpleNamespace(runs=folders), "analysis.curves")
+
+
+def collect_curves(records: list[dict], metrics: list[str], x: str = "step") -> tuple[dict, list[str]]:
+    """{metric: {line label: {x: [value per seed]}}} of `records` (analysis.runs.read_run's), and
+    a note per run left out. A line is one experiment's (k, mode); the experiment is named in the
+    label only when the runs hold several."""
+    from analysis.runs import arm_label, experiments, sort_key
+
+    data, notes = {m: {} for m in metrics}, []
+    exps = experiments(records)
+    for exp, recs in exps.items():
+        for r in sorted(recs, key=lambda r: (r["mode"] != "fixed", sort_key(r["k"]), sort_key(r["seed"]))):
+            curves = logged_curves(r["run_dir"], metrics, x)
+            if not any(curves.values()):
+                why = "no metrics.jsonl" if not (Path(r["run_dir"]) / "metrics.jsonl").exists() else \
+                    f"none of {metrics} logged against {x}"
+                notes.append(f"{r['run_dir']}: {why}; left out")
+                continue
+            label = arm_label(r["k_label"], r["mode"])
+            label = f"{exp} {label}" if len(exps) > 1 else label
+            for m, points in curves.items():
+                line = data[m].setdefault(label, {})
+                for at, v in points.items():
+                    line.setdefault(at, []).append(v)
+    return {m: lines for m, lines in data.items() if lines}, notes
+
+
+def _seeds(lines: dict) -> dict:
+    """Line labels with their number of seeds: "k=1 (2 seeds)"."""
+    out = {}
+    for label, points in lines.items():
+        n = max(len(v) for v in points.values())
+        out[f"{label} ({n} seed{'s' if n > 1 else ''})"] = points
+    return out
+
+
+SPREAD = {"sd": "band: +-1 sample std over seeds", "minmax": "band: min-max over seeds",
+          "se2": "band: +-2 standard errors over seeds"}
+
+
+def run(cfg: DictConfig) -> dict:
+    """Read the runs of cfg.runs, draw their learning curves; returns {"axes", "paths", "data"}."""
+    from analysis.runs import find_runs, read_run
+
+    if cfg.band not in BANDS:
+        raise ConfigError(f"band={cfg.band}: choose one of {', '.join(BANDS)}")
+    if cfg.x not in X_KEYS:
+        raise ConfigError(f"x={cfg.x}: choose one of {', '.join(X_KEYS)} (the fields every metrics.jsonl line has)")
+    roots = _roots(cfg)
+    records = [r for r in (read_run(d) for d in find_runs(roots)) if r is not None]
+    if not records:
+        raise ConfigError(f"runs={cfg.runs}: no run directories (folders with a run's config.yaml) found there")
+    metrics = list(cfg.metrics) if cfg.metrics is not None else default_metrics(r["run_dir"] for r in records)
+    if not metrics:
+        raise ConfigError(f"runs={cfg.runs}: the runs logged no loss or val_* metric; name some with metrics=[...]")
+    stem = Path(cfg.out) if cfg.out else roots[0] / "curves"
+    check_writable(stem.parent, "out")
+    data, notes = collect_curves(records, metrics, cfg.x)
+    for note in notes:
+        print(f"[curves] {note}", flush=True)
+    missing = [m for m in metrics if m not in data]
+    if not data:
+        raise ConfigError(f"metrics={metrics}: no run logged any of them; see the keys of a run's metrics.jsonl")
+    for m in missing:
+        print(f"[curves] {m}: logged by none of the runs; no panel", flush=True)
+    panels = {m: (m, _seeds(lines)) for m, lines in data.items()}
+    n = len(records) - len(notes)
+    axes, paths = draw_curves(panels, stem, cfg.band, cfg.x, f"{n} run{'s' if n > 1 else ''}: mean over seeds, "
+                                                             f"{SPREAD[cfg.band]}")
+    numbers = {m: {label: line_stats(points, cfg.band) for label, points in lines.items()}
+               for m, (_, lines) in panels.items()}
+    paths.append(write_json(stem.with_suffix(".json"), {"band": cfg.band, "x": cfg.x, "metrics": numbers}, indent=1))
+    for p in paths:
+        print(f"[curves] wrote {p}", flush=True)
+    return {"axes": axes, "paths": paths, "data": numbers}
+
+
+main = hydra_entry("curves")(run)
+
+
+if __name__ == "__main__":
+    main()
