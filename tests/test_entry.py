@@ -14,7 +14,8 @@ from conftest import ROOT
 
 ENTRIES = {"train.py": "config", "eval/knn.py": "knn", "eval/linear.py": "linear", "eval/segmentation.py":
            "segmentation", "eval/lm.py": "lm_eval", "eval/generate.py": "generate",
-           "analysis/__main__.py": "analysis", "analysis/tables.py": "tables", "analysis/figures.py": "figures", "prepare.py": "prepare"}
+           "analysis/__main__.py": "analysis", "analysis/tables.py": "tables", "analysis/figures.py": "figures",
+           "analysis/curves.py": "curves", "analysis/attention.py": "attention", "prepare.py": "prepare"}
 
 
 def _run(args, cwd, **env):
