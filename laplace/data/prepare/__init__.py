@@ -1,5 +1,6 @@
 """`prepare`: a text source -> a tokenizer and token shards for the GPT (the command: prepare.py at
-the repository root; every default: configs/prepare.yaml; the manual: docs/text_data.md)."""
+the repository root; every default: configs/prepare.yaml; the manual: docs/text_data.md), or with
+`source=imagefolder` ImageNet's class folders -> parquet shards in the Hugging Face layout (.images)."""
 from __future__ import annotations
 
 import json
@@ -76,7 +77,11 @@ def prepare(cfg: DictConfig) -> dict:
     """Write the tokenizer, shards and meta.json of cfg (configs/prepare.yaml); returns the meta."""
     if OmegaConf.is_missing(cfg, "source"):
         raise ConfigError("source is required: source=pydoc | stdlib | a parquet folder or glob | a "
-                          "datasets hub id (e.g. source=pydoc vocab_size=4096)")
+                          "datasets hub id (e.g. source=pydoc vocab_size=4096) | imagefolder (in=<ImageNet folder>)")
+    if cfg.source == "imagefolder":
+        from .images import prepare_images
+
+        return prepare_images(cfg)
     docs_per_shard = _positive(cfg, "docs_per_shard")
     val_docs = _positive(cfg, "val_docs", allow_zero=True)
     max_docs = _positive(cfg, "max_docs", allow_null=True)
