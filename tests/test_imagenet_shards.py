@@ -106,7 +106,7 @@ def test_settings_are_pinned(folder, tmp_path):
     src, wnids = folder
     out = tmp_path / "shards"
     convert(src, out)
-    with pytest.raises(ConfigError, match="images_per_shard=5, but out=.* holds shards of 4"):
+    with pytest.raises(ConfigError, match="images_per_shard=5, but out=.* made with images_per_shard=4; set images_per_shard=4"):
         convert(src, out, "images_per_shard=5")
     extra = src / "train" / wnids[1] / "zz_new.JPEG"
     extra.write_bytes((src / "train" / wnids[1] / f"{wnids[1]}_0.JPEG").read_bytes())
@@ -151,3 +151,20 @@ def test_cache_dir_from_config_is_honoured(folder, tmp_path, make_cfg, monkeypat
     build_vision_dataset(cfg.data, train=True)
     assert [p.name for p in other.rglob("*.arrow")] and not hf_default.exists()
     assert json.loads((out / "meta.json").read_text())["validation"]["images"] == 15
+
+
+def test_shuffle_seed_orders_the_training_rows(folder, tmp_path):
+    src, _ = folder
+    out = tmp_path / "shards"
+    meta = convert(src, out, "shuffle_seed=3")
+    shards = build_imagenet(out, train=True, fmt="parquet", cache_dir=tmp_path / "cache")
+    files_route = build_imagenet(src, train=True, fmt="folder")
+    rows = [(shards.ds[i]["image"]["bytes"], shards.ds[i]["label"]) for i in range(len(shards))]
+    samples = [(Path(p).read_bytes(), label) for p, label in files_route.samples]
+    assert sorted(rows) == sorted(samples) and rows != samples  # the same images and labels, reordered
+    assert [r[1] for r in rows] == [samples[i][1] for i in np.random.default_rng(3).permutation(15)]
+    val = build_imagenet(out, train=False, fmt="parquet", cache_dir=tmp_path / "cache")
+    assert [val.ds[i]["label"] for i in range(15)] == [c for c in range(3) for _ in range(5)]  # val: folder order
+    assert meta["shuffle_seed"] == 3
+    with pytest.raises(ConfigError, match="shuffle_seed=null, but out=.* made with shuffle_seed=3"):
+        convert(src, out)

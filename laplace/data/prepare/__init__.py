@@ -14,24 +14,13 @@ from laplace.errors import ConfigError
 from laplace.io import atomic_write
 from laplace.tokenizer import MIN_VOCAB, Tokenizer, _cores, capped_texts, load_tokenizer, train_bpe
 
-from .settings import check_settings, remove_outputs, settings_of
+from .settings import _positive, check_settings, remove_outputs, settings_of
 from .sources import SourceError, open_source
 from .writer import Stats, write_train, write_val
 
 __all__ = ["SourceError", "make_tokenizer", "output_dir", "prepare"]
 
 META_VERSION = 1
-
-
-def _positive(cfg, key: str, allow_null: bool = False, allow_zero: bool = False) -> int | None:
-    v = cfg[key]
-    if v is None and allow_null:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v \
-            or int(v) < (0 if allow_zero else 1):
-        what = "a non-negative" if allow_zero else "a positive"
-        raise ConfigError(f"{key}={v} must be {what} integer{' or null' if allow_null else ''}")
-    return int(v)
 
 
 def output_dir(cfg, src) -> Path:

@@ -12,7 +12,10 @@ schema's metadata, as the hub's imagenet-1k files: the bytes are the file's own 
 path its file name. Rows follow torchvision ImageFolder's order (classes in sorted wnid order, then
 files in sorted order), and labels are its class indices, so row i of a split is sample i of the
 folder route, and the labels are the hub's (its ids are the sorted-wnid order too). The class
-names in the schema are the wnids (the folders know no others).
+names in the schema are the wnids (the folders know no others). In that order a row group holds one
+or two classes: `shuffle_seed` puts the training rows in a seeded random order instead, for readers
+that draw whole row groups (the paper's first author's ParquetDistributedSampler); our training
+feed draws a uniform permutation either way.
 
 Shard i holds rows [i * images_per_shard, (i + 1) * images_per_shard). Each is written to a hidden
 temp file and renamed (laplace.io.atomic_write), so a killed run leaves whole shards and a temp
@@ -123,8 +126,11 @@ def write_shard(path: Path, rows: list, feats, pool: ThreadPoolExecutor, group_b
     return total
 
 
+PINNED = ("images_per_shard", "shuffle_seed")  # besides the file lists: what decides the shards
+
+
 def _settings(cfg, fingerprints: dict) -> dict:
-    return {"source": "imagefolder", "images_per_shard": int(cfg.images_per_shard), "splits": fingerprints}
+    return {"source": "imagefolder", **{k: cfg[k] for k in PINNED}, "splits": fingerprints}
 
 
 def _check_settings(out: Path, settings: dict, where: str) -> None:
@@ -135,10 +141,11 @@ def _check_settings(out: Path, settings: dict, where: str) -> None:
     if old.get("source") != "imagefolder":
         raise ConfigError(f"out={out} holds another prepare output (source={old.get('source')}); "
                           f"set out= to a new folder")
-    if old["images_per_shard"] != settings["images_per_shard"]:
-        raise ConfigError(f"images_per_shard={settings['images_per_shard']}, but out={out} holds shards of "
-                          f"{old['images_per_shard']}; set images_per_shard={old['images_per_shard']} to "
-                          f"resume, or out= to another folder, or add rebuild=true")
+    for k in PINNED:
+        if old.get(k) != settings[k]:
+            now, was = ("null" if v is None else v for v in (settings[k], old.get(k)))  # as YAML says it
+            raise ConfigError(f"{k}={now}, but out={out} holds shards made with {k}={was}; set {k}={was} "
+                              f"to resume, or out= to another folder, or add rebuild=true")
     for split, fp in settings["splits"].items():
         was = old["splits"].get(split)
         if was is not None and was != fp:
@@ -192,13 +199,14 @@ def prepare_images(cfg) -> dict:
     """Convert cfg.in's train/ and val/ folders into parquet shards in out (configs/prepare.yaml)."""
     from laplace.tokenizer import _cores
 
-    from . import _positive
+    from .settings import _positive
 
     if cfg["in"] is None:
         raise ConfigError("source=imagefolder needs in=<folder holding train/<wnid>/*.JPEG and "
                           "val/<wnid>/*.JPEG>, e.g. in=/data/imagenet")
     src = Path(str(cfg["in"])).expanduser().absolute()
     per_shard = _positive(cfg, "images_per_shard")
+    seed = _positive(cfg, "shuffle_seed", allow_null=True, allow_zero=True)
     threads = _positive(cfg, "num_workers", allow_null=True) or _cores()
     name = cfg.name or f"{src.name}_parquet"
     out = Path(str(cfg.out)).expanduser() if cfg.out is not None else Path(str(cfg.paths.data_dir)).expanduser() / name
@@ -228,9 +236,14 @@ def prepare_images(cfg) -> dict:
     atomic_write(out / ".settings.json", json.dumps({**settings, "splits": {**old, **settings["splits"]}},
                                                     indent=1).encode())
 
+    if seed is not None and "train" in scans:  # after the fingerprint, which is of the folders' own order
+        import numpy as np
+
+        folder, cls, train = scans["train"]
+        scans["train"] = (folder, cls, [train[i] for i in np.random.default_rng(seed).permutation(len(train))])
     feats, group_bytes = features(classes), _row_group_bytes()
     meta = {"version": META_VERSION, "source": f"imagefolder {src}", "images_per_shard": per_shard,
-            "classes": classes}
+            "shuffle_seed": seed, "classes": classes}
     with ThreadPoolExecutor(threads) as pool:
         for s, (_, _, samples) in scans.items():
             shards = convert_split(samples, s, out / "data", per_shard, feats, pool, group_bytes,
