@@ -102,6 +102,24 @@ def test_rerun_keeps_shards_and_resume_replaces_a_killed_write(folder, tmp_path)
     assert [ds.ds[i]["label"] for i in range(len(ds))] == [c for c in range(3) for _ in range(5)]
 
 
+def test_row_groups_of_about_the_configured_bytes(folder, tmp_path, monkeypatch):
+    import laplace.data.prepare.images as images
+
+    src, _ = folder
+    out = tmp_path / "shards"
+    jpeg = max(p.stat().st_size for p in src.rglob("*.JPEG"))
+    monkeypatch.setattr(images, "_row_group_bytes", lambda: 2 * jpeg)  # `datasets`' 100 MB, scaled down
+    convert(src, out, "num_workers=1")  # files read 8 at a time: a row group closes after each batch
+    groups = [pq.ParquetFile(f).metadata.num_row_groups for f in shard_files(out, "train")]
+    assert groups == [1, 1, 1, 1]  # 4 rows (one batch) per shard
+    convert(src, tmp_path / "big", "images_per_shard=15", "num_workers=1")
+    meta = pq.ParquetFile(shard_files(tmp_path / "big", "train")[0]).metadata
+    assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == [8, 7]
+    ds = build_imagenet(tmp_path / "big", train=True, fmt="parquet", cache_dir=tmp_path / "cache")
+    files_route = build_imagenet(src, train=True, fmt="folder")
+    assert [ds.ds[i]["image"]["bytes"] for i in range(15)] == [Path(p).read_bytes() for p, _ in files_route.samples]
+
+
 def test_settings_are_pinned(folder, tmp_path):
     src, wnids = folder
     out = tmp_path / "shards"

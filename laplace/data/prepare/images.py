@@ -95,11 +95,12 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def write_shard(path: Path, rows: list, feats, pool: ThreadPoolExecutor, group_bytes: int) -> int:
+def write_shard(path: Path, rows: list, feats, pool: ThreadPoolExecutor, batch: int, group_bytes: int) -> int:
     """Write rows [(file, label)] to `path` atomically; return the bytes of the images written.
 
-    Files are read by the pool's threads (a network file system serves many reads at once), in
-    order, and written in row groups of about `group_bytes`, so memory holds one row group."""
+    The pool's threads read the files `batch` at a time (a network file system serves many reads
+    at once; Executor.map reads all it is given before yielding, so not the whole shard at once),
+    in order; rows go out in row groups of about `group_bytes`: memory holds about one row group."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -110,16 +111,15 @@ def write_shard(path: Path, rows: list, feats, pool: ThreadPoolExecutor, group_b
         nonlocal total
         writer = pq.ParquetWriter(f, schema)
         images, labels, size = [], [], 0
-        for (file, label), data in zip(rows, pool.map(_read, (r[0] for r in rows))):
-            images.append({"bytes": data, "path": os.path.basename(file)})
-            labels.append(label)
-            size += len(data)
-            if size >= group_bytes:
+        for lo in range(0, len(rows), batch):
+            chunk = rows[lo:lo + batch]
+            for (file, label), data in zip(chunk, pool.map(_read, (r[0] for r in chunk))):
+                images.append({"bytes": data, "path": os.path.basename(file)})
+                labels.append(label)
+                size += len(data)
+            if size >= group_bytes or lo + batch >= len(rows):
                 writer.write_table(pa.table({"image": images, "label": labels}, schema=schema))
                 total, images, labels, size = total + size, [], [], 0
-        if images:
-            writer.write_table(pa.table({"image": images, "label": labels}, schema=schema))
-            total += size
         writer.close()
 
     atomic_write(path, write, sole_writer=True)  # sole_writer: a killed run's temp file is removed first
@@ -166,8 +166,8 @@ def _remove_outputs(out: Path, everything: bool) -> None:
             (out / name).unlink(missing_ok=True)
 
 
-def convert_split(samples: list, split: str, folder: Path, per_shard: int, feats, pool, group_bytes: int,
-                  progress: bool) -> list[dict]:
+def convert_split(samples: list, split: str, folder: Path, per_shard: int, feats, pool, batch: int,
+                  group_bytes: int, progress: bool) -> list[dict]:
     """The shards of one split in `folder`; returns [{file, images}] in order."""
     n = max(1, -(-len(samples) // per_shard))
     stale = [p for p in folder.glob(f"{split}-*.parquet") if not p.name.endswith(f"-of-{n:05d}.parquet")]
@@ -184,7 +184,7 @@ def convert_split(samples: list, split: str, folder: Path, per_shard: int, feats
             continue
         if path.exists():
             print(f"[prepare] {path} is not a whole shard of {len(rows)} images: writing it again", flush=True)
-        new_bytes += write_shard(path, rows, feats, pool, group_bytes)
+        new_bytes += write_shard(path, rows, feats, pool, batch, group_bytes)
         new_images += len(rows)
         if progress:  # the rates are this run's: shards kept from an earlier run do not count
             secs = max(time.perf_counter() - t0, 1e-9)
@@ -246,11 +246,11 @@ def prepare_images(cfg) -> dict:
             "shuffle_seed": seed, "classes": classes}
     with ThreadPoolExecutor(threads) as pool:
         for s, (_, _, samples) in scans.items():
-            shards = convert_split(samples, s, out / "data", per_shard, feats, pool, group_bytes,
-                                   bool(cfg.progress))
+            shards = convert_split(samples, s, out / "data", per_shard, feats, pool, 8 * threads,
+                                   group_bytes, bool(cfg.progress))
             meta[s] = {"images": len(samples), "shards": shards}
     atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
-    print(f"[prepare] " + ", ".join(f"{s}: {meta[s]['images']:,} images in {len(meta[s]['shards'])} shards"
+    print("[prepare] " + ", ".join(f"{s}: {meta[s]['images']:,} images in {len(meta[s]['shards'])} shards"
                                     for s in scans) + f" in {time.perf_counter() - t0:.1f} s; "
           f"read them with data.root={out}", flush=True)
     return meta
