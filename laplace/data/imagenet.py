@@ -15,7 +15,10 @@ Usage:
 Images are decoded one item at a time in __getitem__ (never the whole split in memory), and
 both dataset types pickle into DataLoader workers (the parquet one as a memory-mapped Arrow
 table). On first use, `datasets` converts the parquet files into an Arrow cache (as large as
-the parquet files; point `cache_dir` at fast local disk); later runs reuse it. An image that does
+the parquet files) in `cache_dir` (data.cache_dir: by default under the data folder,
+${paths.data_dir}/cache/datasets, not HF's ~/.cache; point it at fast local disk); later runs
+reuse it. `python prepare.py source=imagefolder` writes the parquet layout from the folder one
+(laplace.data.prepare.images). An image that does
 not decode is one line naming its file (parquet: file and row), or, with `skip_corrupt`
 (data.skip_corrupt), skipped and counted (laplace.data.images).
 """
@@ -69,7 +72,7 @@ class ParquetImageNet(torch.utils.data.Dataset):
     Args:
         files: parquet file paths of one split.
         transform: applied to each decoded RGB PIL image.
-        cache_dir: where `datasets` keeps its Arrow cache (None: the HF default).
+        cache_dir: where `datasets` keeps its Arrow cache (data.cache_dir; None: the HF default).
         skip_corrupt: serve the next row in place of one whose image does not decode (counted).
     """
 
@@ -80,6 +83,7 @@ class ParquetImageNet(torch.utils.data.Dataset):
         from datasets import load_dataset
 
         self.files = sorted(files)
+        cache_dir = os.path.abspath(os.path.expanduser(str(cache_dir))) if cache_dir is not None else None
         ds = load_dataset("parquet", data_files=self.files, split="train", cache_dir=cache_dir)
         # decode=False hands us the raw {bytes, path} struct, whether or not the files carry
         # HF feature metadata, and leaves decoding (and its errors) to one place below.
@@ -133,7 +137,7 @@ def build_imagenet(
         train: the training split if True, else the 50k validation split.
         transform: applied to each PIL image.
         fmt: "folder", "parquet", or "auto" (folder if present, else parquet).
-        cache_dir: Arrow cache directory for the parquet layout (None: HF default).
+        cache_dir: Arrow cache directory for the parquet layout (data.cache_dir; None: HF default).
         skip_corrupt: serve the next sample in place of an unreadable image (counted) instead
             of stopping with one line naming it.
     """

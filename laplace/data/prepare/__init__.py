@@ -1,5 +1,6 @@
 """`prepare`: a text source -> a tokenizer and token shards for the GPT (the command: prepare.py at
-the repository root; every default: configs/prepare.yaml; the manual: docs/text_data.md)."""
+the repository root; every default: configs/prepare.yaml; the manual: docs/text_data.md), or with
+`source=imagefolder` ImageNet's class folders -> parquet shards in the Hugging Face layout (.images)."""
 from __future__ import annotations
 
 import json
@@ -13,24 +14,13 @@ from laplace.errors import ConfigError
 from laplace.io import atomic_write
 from laplace.tokenizer import MIN_VOCAB, Tokenizer, _cores, capped_texts, load_tokenizer, train_bpe
 
-from .settings import check_settings, remove_outputs, settings_of
+from .settings import _positive, check_settings, remove_outputs, settings_of
 from .sources import SourceError, open_source
 from .writer import Stats, write_train, write_val
 
 __all__ = ["SourceError", "make_tokenizer", "output_dir", "prepare"]
 
 META_VERSION = 1
-
-
-def _positive(cfg, key: str, allow_null: bool = False, allow_zero: bool = False) -> int | None:
-    v = cfg[key]
-    if v is None and allow_null:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v \
-            or int(v) < (0 if allow_zero else 1):
-        what = "a non-negative" if allow_zero else "a positive"
-        raise ConfigError(f"{key}={v} must be {what} integer{' or null' if allow_null else ''}")
-    return int(v)
 
 
 def output_dir(cfg, src) -> Path:
@@ -76,7 +66,11 @@ def prepare(cfg: DictConfig) -> dict:
     """Write the tokenizer, shards and meta.json of cfg (configs/prepare.yaml); returns the meta."""
     if OmegaConf.is_missing(cfg, "source"):
         raise ConfigError("source is required: source=pydoc | stdlib | a parquet folder or glob | a "
-                          "datasets hub id (e.g. source=pydoc vocab_size=4096)")
+                          "datasets hub id (e.g. source=pydoc vocab_size=4096) | imagefolder (in=<ImageNet folder>)")
+    if cfg.source == "imagefolder":
+        from .images import prepare_images
+
+        return prepare_images(cfg)
     docs_per_shard = _positive(cfg, "docs_per_shard")
     val_docs = _positive(cfg, "val_docs", allow_zero=True)
     max_docs = _positive(cfg, "max_docs", allow_null=True)

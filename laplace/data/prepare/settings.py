@@ -63,3 +63,16 @@ def remove_outputs(out: Path, everything: bool) -> None:
         if everything:
             for p in folder.glob(name):
                 p.unlink(missing_ok=True)
+
+
+def _positive(cfg, key: str, allow_null: bool = False, allow_zero: bool = False) -> int | None:
+    """cfg[key] as a positive (`allow_zero`: non-negative) integer, or None where `allow_null`;
+    anything else is one line naming the key."""
+    v = cfg[key]
+    if v is None and allow_null:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v \
+            or int(v) < (0 if allow_zero else 1):
+        what = "a non-negative" if allow_zero else "a positive"
+        raise ConfigError(f"{key}={v} must be {what} integer{' or null' if allow_null else ''}")
+    return int(v)
