@@ -99,7 +99,8 @@ def test_author_imagenet_recipe_step_and_evaluation(make_cfg, tmp_path):
     transform, Mixup with BCE on ImageNet's parquet layout."""
     fakedata.write_imagenet_parquet(tmp_path / "in1k", n_classes=4, per_class=4, size=40)
     cfg = make_cfg("experiment=deit3_in1k_author", "model=vitb_6L", *VIT, "data.img_size=32", "data.patch_size=8",
-                   f"data.root={tmp_path / 'in1k'}", "trainer.global_batch_size=8", "trainer.micro_batch_size=8")
+                   f"data.root={tmp_path / 'in1k'}", f"data.cache_dir={tmp_path / 'cache'}",
+                   "trainer.global_batch_size=8", "trainer.micro_batch_size=8")
     assert cfg.model.qk_norm and cfg.data.augment == "timm"
     metrics = _run_on_fake_cuda(cfg)
     assert math.isfinite(metrics["val_loss"])
