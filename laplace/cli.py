@@ -125,7 +125,6 @@ def run_command(name: str) -> None:
         runpy.run_path(sys.argv[0], run_name="__main__")
 
 
-
 # One function per console script (pyproject's [project.scripts] names them).
 def train():
     run_command("laplace-train")

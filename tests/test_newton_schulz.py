@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from laplace import create_model
 from train.optim import NS_COEFFICIENTS, NS_EPS, StackedMuon, adjust_lr, build_muon_adamw, zeropower_via_newtonschulz
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
+needs_torch_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
 
 MUON_CFG = OmegaConf.load("configs/optim/muon.yaml")
 
@@ -25,10 +25,12 @@ def torch_defaults():
     return tuple(d["ns_coefficients"]), d["eps"]
 
 
+@needs_torch_muon
 def test_our_constants_are_torchs_defaults():
     assert torch_defaults() == (NS_COEFFICIENTS, NS_EPS)
 
 
+@needs_torch_muon
 @pytest.mark.parametrize("shape", [(12, 20), (20, 12), (16, 16)])
 @pytest.mark.parametrize("nesterov, weight_decay, adjust", [
     (True, 0.0, "original"), (False, 0.1, "original"), (True, 0.05, "match_rms_adamw"), (True, 0.0, None)])
@@ -71,6 +73,7 @@ def test_adjust_lr():
                     weight_decay=0.0, adjust_lr_fn="spectral")
 
 
+@needs_torch_muon
 def test_stacked_qkv_is_torchs_muon_on_three_matrices():
     """A d2 GPT's Muon (the fused qkv [3C, C] as row_blocks 3) for three steps equals
     torch.optim.Muon on separate copies of q, k and v [C, C] and of every other matrix: the
@@ -108,6 +111,7 @@ def test_stacked_qkv_is_torchs_muon_on_three_matrices():
         torch.testing.assert_close(params[name].detach().chunk(n)[i], q.detach(), msg=f"{name} block {i}")
 
 
+@needs_torch_muon
 def test_torchs_saved_state_resumes_in_ours():
     """A run saved with torch's Muon (our StackedMuon was a subclass of it) resumes in ours: the
     same group keys and `momentum_buffer`, and the next step is the same."""
