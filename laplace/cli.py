@@ -8,16 +8,43 @@
 One place finds configs/ (`config_dir`): a path relative to the calling file, Hydra's usual
 `config_path="../configs"`, points into site-packages after a non-editable install, where
 there is no configs/.
+
+The console scripts (`laplace-train`, `laplace-knn`, ...; pyproject's [project.scripts]) are
+`COMMANDS`: each runs the checkout's `python train.py` / `python -m eval.knn` as those run
+(`runpy`, same argv, same `__main__`), so a console script and the README's command line are one
+program. Only `laplace` is installed as a package (pyproject says why); the commands' modules
+(train/, eval/, analysis/, bench/) are read from the checkout, as configs/ is.
 """
 from __future__ import annotations
 
 import functools
 import os
+import runpy
+import sys
 from pathlib import Path
 
 from .errors import UserError, cli_errors
 
 CONFIG_DIR_ENV = "LAPLACE_CONFIG_DIR"
+
+# console script -> what it runs: a file of the checkout (`python train.py`) or a module
+# (`python -m eval.knn`). laplace-export (laplace.export:main) is a function of the package itself.
+COMMANDS = {
+    "laplace-train": "train.py",
+    "laplace-launch": "-m train.launch",
+    "laplace-recipe": "-m train.recipe",
+    "laplace-prepare": "prepare.py",
+    "laplace-knn": "-m eval.knn",
+    "laplace-linear": "-m eval.linear",
+    "laplace-segmentation": "-m eval.segmentation",
+    "laplace-generate": "-m eval.generate",
+    "laplace-lm-eval": "-m eval.lm",
+    "laplace-lm-harness": "-m eval.lm_adapter",
+    "laplace-analysis": "-m analysis",
+    "laplace-tables": "-m analysis.tables",
+    "laplace-figures": "-m analysis.figures",
+    "laplace-bench": "-m bench",
+}
 
 
 def config_dir(config_name: str = "config") -> Path:
@@ -71,3 +98,85 @@ def _required(fn):
             raise required_error(e.full_key) from None
 
     return wrapped
+
+
+def checkout() -> Path:
+    """The checkout whose train/, eval/, analysis/ and bench/ the commands run: the one the
+    laplace package sits in (`pip install -e .`), else the working directory."""
+    for place in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        if (place / "train.py").is_file() and (place / "train" / "__init__.py").is_file():
+            return place.resolve()
+    raise UserError(f"the command lines run the repository's train/, eval/, analysis/ and bench/, which are not "
+                    f"installed as packages: install the checkout editable (pip install -e <checkout>) or run "
+                    f"from the checkout ({Path.cwd()} is none)")
+
+
+def run_command(name: str) -> None:
+    """Run console script `name` (a key of COMMANDS) as its command line runs: `python -m mod`
+    (runpy.run_module, the module as __main__) or `python file.py` (runpy.run_path), with
+    sys.argv[1:] as they are and the checkout first on sys.path, as `python` puts it there."""
+    root = cli_errors(checkout)()
+    target = COMMANDS[name]
+    sys.path.insert(0, str(root))
+    if target.startswith("-m "):
+        runpy.run_module(target[3:], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv[0] = str(root / target)
+        runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+# One function per console script (pyproject's [project.scripts] names them).
+def train():
+    run_command("laplace-train")
+
+
+def launch():
+    run_command("laplace-launch")
+
+
+def recipe():
+    run_command("laplace-recipe")
+
+
+def prepare():
+    run_command("laplace-prepare")
+
+
+def knn():
+    run_command("laplace-knn")
+
+
+def linear():
+    run_command("laplace-linear")
+
+
+def segmentation():
+    run_command("laplace-segmentation")
+
+
+def generate():
+    run_command("laplace-generate")
+
+
+def lm_eval():
+    run_command("laplace-lm-eval")
+
+
+def lm_harness():
+    run_command("laplace-lm-harness")
+
+
+def analysis():
+    run_command("laplace-analysis")
+
+
+def tables():
+    run_command("laplace-tables")
+
+
+def figures():
+    run_command("laplace-figures")
+
+
+def bench():
+    run_command("laplace-bench")

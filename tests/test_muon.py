@@ -1,5 +1,5 @@
-"""Muon + AdamW (optim=muon): torch's Muon is nanochat's update, and the GPT's parameters are
-routed as nanochat routes them."""
+"""Muon + AdamW (optim=muon): our Muon (train/optim.py, torch's update) is nanochat's update, and
+the GPT's parameters are routed as nanochat routes them."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from laplace import create_model
 from laplace.errors import ConfigError
-from train.optim import apply_group_schedules, build_muon_adamw, build_schedules
+import train.optim
+from train.optim import StackedMuon, apply_group_schedules, build_muon_adamw, build_schedules
 
 MUON_CFG = OmegaConf.load("configs/optim/muon.yaml")
 
@@ -30,16 +31,22 @@ def newton_schulz_reference(g: torch.Tensor, steps: int = 5, dtype=torch.bfloat1
     return x.T if tall else x
 
 
+MUONS = {"ours": StackedMuon}
+if hasattr(torch.optim, "Muon"):  # torch's public class (since torch 2.9)
+    MUONS["torch"] = torch.optim.Muon
+
+
+@pytest.mark.parametrize("muon", MUONS)
 @pytest.mark.parametrize("shape", [(8, 16), (16, 8)])
-def test_torch_muon_is_nanochats_update(shape):
+def test_muon_is_nanochats_update(shape, muon):
     """Two steps (the second uses the momentum buffer) against the hand-written update:
-    Nesterov momentum, Newton-Schulz, lr x sqrt(max(1, rows / cols))."""
+    Nesterov momentum, Newton-Schulz, lr x sqrt(max(1, rows / cols)); for our Muon and torch's."""
     torch.manual_seed(0)
     w0 = torch.randn(shape)
     grads = [torch.randn(shape), torch.randn(shape)]
     lr, mom = 0.02, 0.95
     p = torch.nn.Parameter(w0.clone())
-    opt = torch.optim.Muon([p], lr=lr, momentum=mom, nesterov=True, weight_decay=0.0, adjust_lr_fn="original")
+    opt = MUONS[muon]([p], lr=lr, momentum=mom, nesterov=True, ns_steps=5, weight_decay=0.0, adjust_lr_fn="original")
     ref, buf = w0.clone(), torch.zeros(shape)
     for g in grads:
         p.grad = g.clone()
@@ -103,9 +110,9 @@ def test_one_muon_step_on_q_k_v_is_nanochats_separate_matrices(monkeypatch):
     other matrix as one matrix (the MLP's [4C, C] with scale 2).
 
     In float64: bf16 Newton-Schulz differs by ~30% between two orders of the same operations,
-    which would hide the 70% of a wrong split. So torch's Newton-Schulz (equal to nanochat's
+    which would hide the 70% of a wrong split. So our Newton-Schulz (equal to nanochat's
     above) is replaced by the float64 one written here, on both sides."""
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz",
+    monkeypatch.setattr(train.optim, "zeropower_via_newtonschulz",
                         lambda g, coefs, steps, eps: newton_schulz_reference(g, steps, torch.float64))
     torch.manual_seed(0)
     model = create_model("gpt_d2_1L", vocab_size=300).double()

@@ -46,7 +46,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.optim._muon as _muon
 from timm.optim import create_optimizer_v2
 
 from laplace.attention import Attention
@@ -215,18 +214,80 @@ def clip_gradients(optimizers: dict[str, torch.optim.Optimizer], max_norm: float
     return torch.stack(sq).sum().sqrt() if sq else None
 
 
-class StackedMuon(torch.optim.Muon):
-    """torch's Muon, where a group with `row_blocks: n` holds matrices that are n matrices
-    stacked by rows, each orthogonalised on its own with its own shape scale.
+# Muon's Newton-Schulz and learning-rate adjustment, written here rather than called from
+# torch.optim._muon: those are private functions whose signatures change between torch releases.
+# Every operation is torch's (torch 2.14's torch/optim/_muon.py), in the same order, so the step
+# equals torch.optim.Muon's bit for bit (tests/test_newton_schulz.py holds this against the public
+# class).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's default
+NS_EPS = 1e-7  # torch.optim.Muon's default: floor of the Frobenius norm the update is divided by
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
-    Why a wrapper: our attention keeps one fused `qkv` weight [3C, C] (timm's names and
+
+def zeropower_via_newtonschulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                               eps: float) -> torch.Tensor:
+    """Muon's orthogonalisation of a 2-D matrix: scaled to unit Frobenius norm, then `steps`
+    quintic Newton-Schulz iterations X <- aX + (bA + cA^2)X with A = XX^T, in bf16, on the wide
+    orientation (a tall matrix is transposed and back). The result is US'V^T with S' ~ 0.5..1.5
+    rather than UV^T (the coefficients maximise the slope at 0). Returns a bf16 tensor."""
+    if grad.ndim != 2:
+        raise ValueError(f"Newton-Schulz orthogonalises a 2-D matrix, not a tensor of shape {list(grad.shape)}")
+    a, b, c = coefficients
+    x = grad.bfloat16()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))  # spectral norm <= Frobenius norm = 1
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
+        x = torch.addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
+    return x.T if tall else x
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
+    """Muon's learning rate for a [rows, cols] matrix: "original" (None: the same; Keller Jordan's)
+    lr * sqrt(max(1, rows / cols)); "match_rms_adamw" (Moonshot's) lr * 0.2 * sqrt(max(rows, cols)),
+    an update of AdamW's RMS so that AdamW's lr and weight decay carry over."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
+
+
+class StackedMuon(torch.optim.Optimizer):
+    """Muon (torch.optim.Muon's update), where a group with `row_blocks: n` holds matrices that
+    are n matrices stacked by rows, each orthogonalised on its own with its own shape scale.
+
+    Why stacked: our attention keeps one fused `qkv` weight [3C, C] (timm's names and
     checkpoints, one projection kernel) where nanochat has separate `c_q`, `c_k`, `c_v`
     [C, C]. One Newton-Schulz of the stacked gradient orthogonalises the three together and
     scales by sqrt(3): after one step of a d2 GPT its q/k/v updates differ from nanochat's by
     64-74%. Momentum and weight decay are elementwise, so only the orthogonalisation and the
-    shape scale are done per block; both are torch's own functions, and groups without
-    `row_blocks` take torch's step unchanged.
+    shape scale are done per block; groups without `row_blocks` take torch's step as it is.
+
+    Why not a subclass of torch.optim.Muon: its step calls private functions of
+    torch.optim._muon. The hyper-parameters, group keys and state (`momentum_buffer`) are
+    torch's, so optimizer state saved by either loads into the other.
     """
+
+    def __init__(self, params, *, lr: float, momentum: float, nesterov: bool, ns_steps: int,
+                 weight_decay: float, adjust_lr_fn: str | None,
+                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS):
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
+        if len(ns_coefficients) != 3:
+            raise ValueError(f"ns_coefficients={ns_coefficients!r}: the quintic's three (a, b, c)")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon updates 2-D matrices; a parameter has shape {list(p.shape)}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -235,26 +296,27 @@ class StackedMuon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, bufs = [], [], []
-            self._init_group(group, params, grads, bufs)
             n = group.get("row_blocks", 1)  # a parameter group, not config: only stacked ones say
             lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
-            if n == 1:
-                _muon.muon(params, grads, bufs, lr=lr, weight_decay=wd, momentum=m,
-                           nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
-                           eps=group["eps"], ns_steps=group["ns_steps"],
-                           adjust_lr_fn=group["adjust_lr_fn"], has_complex=False)
-                continue
-            for p, g, buf in zip(params, grads, bufs):
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse or torch.is_complex(p):
+                    raise RuntimeError("Muon updates dense real matrices")
                 if p.shape[0] % n:
                     raise ValueError(f"a [{p.shape[0]}, {p.shape[1]}] matrix has no {n} equal row blocks")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
                 buf.lerp_(g, 1 - m)
                 update = g.lerp(buf, m) if group["nesterov"] else buf
-                p.mul_(1 - lr * wd)
-                for p_i, u_i in zip(p.chunk(n), update.chunk(n)):  # views: updated in place
-                    o = _muon._zeropower_via_newtonschulz(u_i, group["ns_coefficients"],
-                                                          group["ns_steps"], group["eps"])
-                    p_i.add_(o, alpha=-_muon._adjust_lr(lr, group["adjust_lr_fn"], p_i.shape))
+                p.mul_(1 - lr * wd)  # decoupled weight decay, at the group's lr (torch's)
+                # One block (n = 1) is the whole matrix; chunks are row views, updated in place.
+                for p_i, u_i in zip(p.chunk(n), update.chunk(n)):
+                    o = zeropower_via_newtonschulz(u_i, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                    p_i.add_(o, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p_i.shape))
         return loss
 
 
