@@ -43,7 +43,7 @@ def test_a_missing_mandatory_value_is_one_line():
 
 
 def test_configs_found_without_a_checkout_beside_the_code(tmp_path):
-    """The packages copied alone (as a non-editable install puts them in site-packages): run from
+    """The packages copied alone, away from any checkout (the folders on PYTHONPATH): run from
     elsewhere, one line says where configs/ was looked for; LAPLACE_CONFIG_DIR or a checkout as
     the working directory supply it. Hydra still names the job after the entry module."""
     site = tmp_path / "site"
