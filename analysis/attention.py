@@ -70,9 +70,8 @@ def capture_attention(model, images: torch.Tensor, blocks: Sequence[int]) -> dic
 
 def head_weights(attn) -> list[float]:
     """Per head, the weight a of V - P V in its output: 0 (standard) or 1 (Laplacian) in the fixed
-    mode, the learned gate otherwise (laplace.attention.Attention.laplacian_weight)."""
-    w = attn.laplacian_weight()
-    return [0.0] * attn.num_heads if w is None else w.detach().float().flatten().cpu().tolist()
+    mode, the learned gate otherwise (laplace.attention.Attention.gates)."""
+    return attn.gates().detach().float().cpu().tolist()
 
 
 def head_label(h: int, weight: float, mode: str) -> str:

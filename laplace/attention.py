@@ -17,11 +17,8 @@ Which heads are Laplacian: the last `num_laplacian_heads` of the layer (the pape
 choice). Beyond the paper, `laplacian_mode="learned"` gives every head a gate a_h = sigmoid(g_h)
 and outputs (1 - a_h) P V + a_h (V - P V), so training decides how much each head smooths.
 The gates start at sigmoid(+-1) = 0.73 / 0.27 (`GATE_START_LOGIT`, see `gate_start`).
-The fixed mode subtracts on the Laplacian heads inside the head-merging copy, and the fused
-path merges and projects in one autograd function (`LaplacianProjection`) that keeps only the
-SDPA output and V for backward (SDPA keeps both anyway) and recomputes the merge there: with
-plain autograd the merged tensor is one more saved activation (+20% of a ViT attention layer's
-saved bytes, +5% of a ViT training step, measured by `python -m bench`).
+In training, the heads are merged and projected by laplace.merged_projection, which saves less
+for backward than plain autograd (`save_memory`, on by default; the same values).
 
 The same class serves the ViT (bidirectional, qkv bias, timm parameter names, optional QK-norm
 as timm's: a LayerNorm over each head's queries and keys) and the GPT (causal, rotary,
@@ -38,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import ConfigError
+from .merged_projection import laplacian, merge, merged_projection
 
 LAPLACIAN_MODES = ("fixed", "learned")
 #: Learned gates start at logit +1 (the last k heads: a = 0.73) or -1 (the others: a = 0.27).
@@ -102,84 +100,16 @@ class KVCache:
         self.pos += n
 
 
-def merge_heads(out: torch.Tensor, v: torch.Tensor, n_std: int) -> torch.Tensor:
-    """Heads [B, N, H, D] -> [B, N, H * D], the last H - n_std heads as v - out (Laplacian)."""
-    B, N, H, D = out.shape
-    if n_std == 0:
-        merged = v - out
-    elif n_std < H:
-        # The cat is the head-merging copy that the standard path makes anyway, so k > 0 costs
-        # one elementwise op on k heads.
-        merged = torch.cat((out[:, :, :n_std], v[:, :, n_std:] - out[:, :, n_std:]), dim=2)
-    else:
-        merged = out
-    return merged.reshape(B, N, H * D)
-
-
-class LaplacianProjection(torch.autograd.Function):
-    """y = merge_heads(out, v, n_std) @ W^T + b, saving for backward only `out` and `v`.
-
-    Plain autograd keeps the merged tensor for the weight gradient: a new activation as large as
-    the attention output (at k = 0 too: there the merge is the head-merging copy of SDPA's
-    [B, H, N, D] output).
-    Here the merge is recomputed in backward from `out` and `v`, which SDPA keeps anyway, so a
-    Laplacian head adds no saved activation (the bf16 weight copy of autocast is not kept either:
-    the weight is cast again in backward). Why by hand: autograd cannot be told to recompute one
-    op (activation checkpointing of the layer would recompute SDPA too).
-    Autocast: the compute dtype is autocast's when it is on, as F.linear's would be.
-    """
-
-    @staticmethod
-    def forward(ctx, out, v, weight, bias, n_std: int):
-        dev = out.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else out.dtype
-        with torch.autocast(dev, enabled=False):
-            merged = merge_heads(out.to(dt), v.to(dt), n_std)
-            y = F.linear(merged, weight.to(dt), None if bias is None else bias.to(dt))
-        ctx.save_for_backward(out, v, weight)
-        ctx.n_std, ctx.dt, ctx.has_bias = n_std, dt, bias is not None
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gy):
-        out, v, weight = ctx.saved_tensors
-        n_std, dt = ctx.n_std, ctx.dt
-        need_out, need_v, need_w, need_b = ctx.needs_input_grad[:4]
-        g_out = g_v = g_w = g_b = None
-        with torch.autocast(gy.device.type, enabled=False):
-            gy = gy.to(dt)
-            gy2 = gy.reshape(-1, gy.shape[-1])
-            if need_w:
-                merged = merge_heads(out.to(dt), v.to(dt), n_std)
-                g_w = (gy2.t() @ merged.reshape(gy2.shape[0], -1)).to(weight.dtype)
-            if need_b and ctx.has_bias:
-                g_b = gy2.sum(0).to(weight.dtype)
-            if need_out or need_v:
-                g_m = (gy @ weight.to(dt)).view(out.shape)  # d loss / d merged, [B, N, H, D]
-                if need_v and n_std < out.shape[2]:  # the identity term: the Laplacian heads' slice
-                    # (zero elsewhere; at k = 0 none)
-                    if n_std:
-                        g_v = g_m.new_zeros(g_m.shape)
-                        g_v[:, :, n_std:] = g_m[:, :, n_std:]
-                    else:
-                        g_v = g_m
-                    g_v = g_v.to(v.dtype)
-                if need_out:  # -P V on the Laplacian heads; g_m is ours, negated in place
-                    if n_std:
-                        g_m[:, :, n_std:].neg_()
-                        g_out = g_m
-                    else:
-                        g_out = -g_m
-                    g_out = g_out.to(out.dtype)
-        return g_out, g_v, g_w, g_b, None
+def laplacian_mask(num_heads: int, num_laplacian_heads: int, device=None) -> torch.Tensor:
+    """[H]: 1.0 on the last k heads (the Laplacian ones), 0.0 on the others."""
+    mask = torch.zeros(num_heads, device=device)
+    mask[num_heads - num_laplacian_heads:] = 1.0
+    return mask
 
 
 def gate_start(num_heads: int, num_laplacian_heads: int, device=None) -> torch.Tensor:
     """The learned gates' starting logits: +GATE_START_LOGIT on the last k heads, - on the others."""
-    is_lap = torch.zeros(num_heads, device=device)
-    is_lap[num_heads - num_laplacian_heads:] = 1.0
-    return GATE_START_LOGIT * (2.0 * is_lap - 1.0)
+    return GATE_START_LOGIT * (2.0 * laplacian_mask(num_heads, num_laplacian_heads, device) - 1.0)
 
 
 @torch.no_grad()
@@ -241,12 +171,14 @@ class Attention(nn.Module):
             weights are timm's `q_norm` / `k_norm` (the first author's `qk_norm=True` models).
         attn_drop, proj_drop: dropout on attention weights / output (DeiT-III uses 0).
         fused: use F.scaled_dot_product_attention; False forms P explicitly (reference path).
+        save_memory: merge and project the heads keeping no extra activation for backward
+            (laplace.merged_projection); False: plain autograd.
     """
 
     def __init__(self, dim: int, num_heads: int, num_laplacian_heads: int = 0,
                  laplacian_mode: str = "fixed", qkv_bias: bool = False, proj_bias: bool = True,
                  qk_norm: bool = False, norm_layer: Optional[Callable[[int], nn.Module]] = None,
-                 attn_drop: float = 0.0, proj_drop: float = 0.0, fused: bool = True):
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, fused: bool = True, save_memory: bool = True):
         super().__init__()
         if dim % num_heads:
             raise ConfigError(f"dim={dim} is not divisible by num_heads={num_heads}")
@@ -260,7 +192,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.num_laplacian_heads = num_laplacian_heads
         self.laplacian_mode = laplacian_mode
-        self.fused = fused
+        self.fused, self.save_memory = fused, save_memory
         self.attn_drop = attn_drop
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         norm_layer = norm_layer or RMSNorm
@@ -268,33 +200,22 @@ class Attention(nn.Module):
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
-        if laplacian_mode == "learned":
+        if laplacian_mode == "learned":  # the paper's fixed heads add no parameter
             self.laplacian_gate = nn.Parameter(torch.empty(num_heads))
-        else:
-            # A buffer, not a parameter: the paper's heads add no parameters. Not persistent,
-            # so checkpoints and timm state dicts carry no extra key.
-            self.register_buffer("is_laplacian", torch.empty(num_heads), persistent=False)
         self.reset_laplacian()
 
     @torch.no_grad()
     def reset_laplacian(self):
-        """(Re)set which heads are Laplacian: the last k. Also after `to_empty` from meta."""
-        is_lap = torch.zeros(self.num_heads, device=self.qkv.weight.device)
-        is_lap[self.num_heads - self.num_laplacian_heads:] = 1.0
-        if is_lap.is_meta:
-            return
-        if self.laplacian_mode == "learned":
-            self.laplacian_gate.copy_(gate_start(self.num_heads, self.num_laplacian_heads, is_lap.device))
-        else:
-            self.is_laplacian.copy_(is_lap)
+        """(Re)set the learned gates to their start (`gate_start`); also after `to_empty` from meta."""
+        if self.laplacian_mode == "learned" and not self.laplacian_gate.is_meta:
+            self.laplacian_gate.copy_(gate_start(self.num_heads, self.num_laplacian_heads, self.laplacian_gate.device))
 
-    def laplacian_weight(self) -> Optional[torch.Tensor]:
-        """Per-head weight a_h of V - P V in the output, shape [H, 1, 1]; None if all zero."""
+    def gates(self) -> torch.Tensor:
+        """[H]: each head's weight a of V - P V in its output: the learned sigmoid(logit), or in the
+        fixed mode 1 on the last k heads and 0 on the others."""
         if self.laplacian_mode == "learned":
-            return torch.sigmoid(self.laplacian_gate).view(-1, 1, 1)
-        if self.num_laplacian_heads == 0:
-            return None
-        return self.is_laplacian.view(-1, 1, 1)
+            return torch.sigmoid(self.laplacian_gate)
+        return laplacian_mask(self.num_heads, self.num_laplacian_heads, self.qkv.weight.device)
 
     def forward(self, x: torch.Tensor, is_causal: bool = False,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
@@ -303,7 +224,7 @@ class Attention(nn.Module):
         """x: [B, N, C]. rope: (cos, sin) for these N positions. With `kv_cache`, x holds the
         new tokens only and attends to the cached prefix. Returns [B, N, C], and P
         [B, H, N, N_keys] as well when return_attn (reference path only)."""
-        B, N, C = x.shape
+        B, N, _ = x.shape
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, N, D]
         if rope is not None:
@@ -328,26 +249,17 @@ class Attention(nn.Module):
         drop = self.attn_drop if self.training else 0.0
         attn = None
         if self.fused and not return_attn:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                 dropout_p=drop, is_causal=is_causal)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=drop, is_causal=is_causal)
         else:
             out, attn = self._reference(q, keys, values, mask, is_causal, drop)
 
-        # `v` is the value of each query token itself: the identity term of (I - P) V, also
-        # under a KV cache. Heads are merged in the same copy: [B, H, N, D] -> [B, N, H, D].
-        out, v = out.transpose(1, 2), v.transpose(1, 2)
-        n_std = self.num_heads - self.num_laplacian_heads
-        if self.laplacian_mode == "learned":
-            # (1 - a) P V + a (V - P V), a per head in (0, 1).
-            out = torch.lerp(out, v - out, self.laplacian_weight().view(-1, 1).to(out.dtype))
-            out = self.proj(out.reshape(B, N, C))
-        elif (attn is None and torch.is_grad_enabled()
-              and torch.amp.is_autocast_available(x.device.type)):  # not on "meta"
-            # Fused path: merge + projection keep no extra activation. Also at k = 0, where the
-            # merge is the head-merging copy of SDPA's [B, H, N, D] output, kept by plain autograd.
-            out = LaplacianProjection.apply(out, v, self.proj.weight, self.proj.bias, n_std)
-        else:  # the reference path (plain autograd: the ground truth), or no grad
-            out = self.proj(merge_heads(out, v, n_std))
+        # `v` is each query token's own value: the identity term of (I - P) V, also under a KV cache.
+        if self.laplacian_mode == "learned":  # (1 - a) P V + a (V - P V), a per head in (0, 1)
+            out = self.proj(merge(torch.lerp(out, v - out, self.gates().view(-1, 1, 1).to(out.dtype))))
+        elif self.save_memory and attn is None and torch.is_grad_enabled() and torch.amp.is_autocast_available(x.device.type):
+            out = merged_projection(out, v, self.num_laplacian_heads, self.proj)  # as below, less saved
+        else:
+            out = self.proj(merge(laplacian(out, v, self.num_laplacian_heads)))  # V - P V on the last k heads
         out = self.proj_drop(out)
         return (out, attn) if return_attn else out
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from laplace.attention import Attention, KVCache, merge_heads
+from laplace.attention import Attention, KVCache
+from laplace.merged_projection import laplacian, merge
 from laplace.gpt import GPT
 from laplace.vit import VisionTransformer
 from conftest import randomize_
@@ -235,7 +236,7 @@ def _check_counts(model, counts):
         assert blk.attn.num_laplacian_heads == k, i
         # The Laplacian heads are the LAST k of the layer.
         expected = torch.tensor([0.0] * (HEADS - k) + [1.0] * k)
-        assert torch.equal(blk.attn.is_laplacian, expected), i
+        assert torch.equal(blk.attn.gates(), expected), i
 
 
 def test_per_layer_counts_vit_fused_matches_reference():
@@ -300,7 +301,7 @@ def test_laplacian_heads_add_no_parameters():
         assert (a * (1 - a)).min() > 0.19  # sigmoid's slope: 0.018 at the old start +-4
 
 
-# ---- LaplacianProjection: the fused path's merge + projection -------------------------------
+# ---- save_memory: the heads merged and projected by laplace.merged_projection ----------------
 
 def _saved_bytes(module, fn) -> int:
     """Bytes autograd keeps for backward of fn() (storages counted once, parameters left out)."""
@@ -316,7 +317,23 @@ def _plain_autograd(m: Attention, x):
     B, N, C = x.shape
     q, k, v = m.qkv(x).view(B, N, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return m.proj(merge_heads(o.transpose(1, 2), v.transpose(1, 2), HEADS - m.num_laplacian_heads))
+    return m.proj(merge(laplacian(o, v, m.num_laplacian_heads)))
+
+
+@pytest.mark.parametrize("config", ["vit", "gpt"])
+@pytest.mark.parametrize("k", [0, 1, HEADS])
+def test_save_memory_gives_plain_autograds_values_bit_for_bit(config, k):
+    """save_memory=False is plain autograd; the flag changes what is saved, not one value."""
+    rope = rope_table(0, 9) if config == "gpt" else None
+    results = []
+    for save in (True, False):
+        torch.manual_seed(0)
+        m = Attention(DIM, HEADS, k, **CONFIGS[config], save_memory=save).double()
+        x = torch.randn(2, 9, DIM, dtype=torch.float64, requires_grad=True)
+        out = m(x, is_causal=config == "gpt", rope=rope)
+        out.square().sum().backward()
+        results.append([out, x.grad, *[p.grad for p in m.parameters()]])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.cuda
@@ -393,7 +410,7 @@ def test_flash_kernel_runs_the_layer(config, device):
 
 @pytest.mark.slow
 def test_compiled_attention_matches_eager():
-    """torch.compile traces LaplacianProjection: outputs and gradients as in eager mode."""
+    """torch.compile traces merged_projection: outputs and gradients as in eager mode."""
     torch.manual_seed(0)
     eager = Attention(DIM, HEADS, 2, **CONFIGS["vit"])
     compiled = Attention(DIM, HEADS, 2, **CONFIGS["vit"])

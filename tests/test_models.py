@@ -258,7 +258,7 @@ def _check_vit(name: str, device: str, depth: int = 12):
     assert all(b.attn.num_laplacian_heads == k for b in model.blocks)
     assert out.shape == (2, 3)
     if device == "cpu":
-        assert all(int(b.attn.is_laplacian.sum()) == k for b in model.blocks)
+        assert all(int(b.attn.gates().sum()) == k for b in model.blocks)
         assert torch.isfinite(out).all()
 
 
@@ -302,7 +302,7 @@ def test_small_gpt_names_build_and_run(name):
     width, heads = gpt_dims(depth)
     model = laplace.create_model(name, vocab_size=50, depth=min(depth, 2), width=width, num_heads=heads).eval()
     assert model.num_laplacian_heads == [k] * min(depth, 2)
-    assert all(int(b.attn.is_laplacian.sum()) == k for b in model.blocks)
+    assert all(int(b.attn.gates().sum()) == k for b in model.blocks)
     idx = torch.randint(0, 50, (1, 6))
     with torch.no_grad():
         loss = model(idx, targets=idx)
@@ -383,7 +383,7 @@ def test_meta_built_gpt_initialises_learned_gates_and_laplacian_heads():
             g = GPT(vocab_size=16, depth=2, width=64, num_heads=4, num_laplacian_heads=1, laplacian_mode=mode)
         g.to_empty(device="cpu")
         g.init_weights()
-        a = g.blocks[0].attn.laplacian_weight().flatten()
+        a = g.blocks[0].attn.gates()
         expected = torch.tensor([0.0, 0.0, 0.0, 1.0])
         torch.testing.assert_close(a, torch.sigmoid(2 * expected - 1) if mode == "learned" else expected)
 
