@@ -16,6 +16,8 @@
 # the same command names the same folders, so re-submitting a chain resumes its unfinished stage
 # (finished stages end at once). A folder Hydra cannot take unquoted is passed single-quoted.
 # SBATCH FLAGS before the first :: apply to every stage; a stage's own come after them and win.
+# A stage's --after=N[,M...] (ours, not sbatch's) makes it wait for stages N, M... instead of the
+# previous one: two stages with --after=1 run side by side once stage 1 has succeeded.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/slurm/config.sh"
@@ -61,11 +63,25 @@ if [ -z "$name" ]; then  # from stage 1's arguments: experiment and model values
   [ ${#name} -le 100 ] || name="${name:0:89}-$(echo -n "$name" | sha1sum | cut -c1-10)"
 fi
 runs=$LAPLACE_RUNS
-dirs=() prev=''
+dirs=() ids=() prev=''
 for (( s = 0; s < n; s++ )); do
   stage=("${args[@]:${starts[s]}:$(( starts[s + 1] - starts[s] - 1 ))}")
-  flags=()
-  while [ ${#stage[@]} -gt 0 ] && [[ ${stage[0]} == -* ]]; do flags+=("${stage[0]}"); stage=("${stage[@]:1}"); done
+  flags=() deps=$prev
+  while [ ${#stage[@]} -gt 0 ] && [[ ${stage[0]} == -* ]]; do
+    if [[ ${stage[0]} == --after=* ]]; then  # the job ids of the stages named
+      deps=''
+      IFS=, read -r -a on <<< "${stage[0]#*=}"
+      for j in "${on[@]}"; do
+        if ! [[ $j =~ ^[0-9]+$ ]] || [ "$j" -lt 1 ] || [ "$j" -gt "$s" ]; then
+          echo "chain.sh: stage $(( s + 1 )): ${stage[0]} names no earlier stage (1..$s)" >&2; exit 2
+        fi
+        deps+=${deps:+:}${ids[j - 1]}
+      done
+    else
+      flags+=("${stage[0]}")
+    fi
+    stage=("${stage[@]:1}")
+  done
   [ ${#stage[@]} -gt 0 ] || { echo "chain.sh: stage $(( s + 1 )) names no script; $usage" >&2; exit 2; }
   script=${stage[0]} rest=("${stage[@]:1}")
   label=$(value experiment "${rest[@]}"); label=${label:-$(basename "$script" .sbatch)}
@@ -86,9 +102,10 @@ for (( s = 0; s < n; s++ )); do
     [ -n "$(value run_dir "${rest[@]}")" ] || words+=("run_dir=$(quoted "$dir")")
   fi
   after=()
-  [ -z "$prev" ] || after=(--dependency="afterok:$prev" --kill-on-invalid-dep=yes)
+  [ -z "$deps" ] || after=(--dependency="afterok:$deps" --kill-on-invalid-dep=yes)
   prev=$(bash "$ROOT/slurm/submit.sh" --job-name="$label" "${after[@]}" "${common[@]}" "${flags[@]}" \
     "$script" "${words[@]}")
+  ids+=("$prev")
   echo "$prev"
   echo "[chain] stage $(( s + 1 )): job $prev${after:+ (after ${after[0]#*:})}: $script ${words[*]}" >&2
 done
