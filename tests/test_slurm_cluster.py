@@ -111,11 +111,13 @@ def test_gpt_d20_chain_stages_and_opt_in_code_execution(tmp_path):
     assert "experiment=gpt_d20 model=gpt_d20_5L data.root=/d seed=1" in pre
     assert "experiment=gpt_d20_mid" in mid and "data.root=/d" not in mid and "/1_gpt_d20/ckpt/last.pt" in mid
     assert "experiment=gpt_d20_sft" in sft and "/2_gpt_d20_mid/ckpt/last.pt" in sft
-    assert "--gpus-per-node=1 --ntasks-per-node=1" in bench and "/3_gpt_d20_sft/ckpt/last.pt" in bench
+    assert "--ntasks-per-node=1 --gpus-per-node=1" in bench and "/3_gpt_d20_sft/ckpt/last.pt" in bench
     assert "laplace_chat_gsm8k" in bench and "humaneval" not in bench and "allow_code_execution" not in bench
     assert "analysis.sbatch" in analysis and "/1_gpt_d20/ckpt/last.pt" in analysis
     bench = stages("--allow-code-execution", "data.root=/d")[3]
     assert "tasks=\\[laplace_chat\\]" in bench and "allow_code_execution=true" in bench
+    env["LAPLACE_GPUS_PER_NODE"] = "0"  # a CPU-only site: no GPU request, which such a cluster refuses
+    assert "--gpus-per-node=1" not in stages("data.root=/d")[3]
 
 
 def sbatch_words(stderr: str) -> list[tuple[list[str], list[str]]]:

@@ -24,10 +24,13 @@ for a in "$@"; do
     *) rest+=("$a") ;;
   esac
 done
+source "$(dirname "$0")/../config.sh"
+one=(--nodes=1 --ntasks-per-node=1)  # one task; one GPU of the site's type where jobs have GPUs
+[ "$LAPLACE_GPUS_PER_NODE" = 0 ] || one+=(--gpus-per-node="${LAPLACE_GPU_TYPE:+$LAPLACE_GPU_TYPE:}1")
 exec bash "$(dirname "$0")/../chain.sh" \
   :: "${flags[@]}" train.sbatch experiment=gpt_d20 "model=$MODEL" "${pre[@]}" "${rest[@]}" \
   :: "${flags[@]}" train.sbatch experiment=gpt_d20_mid "model=$MODEL" 'trainer.init_from={1}/ckpt/last.pt' "${rest[@]}" \
   :: "${flags[@]}" train.sbatch experiment=gpt_d20_sft "model=$MODEL" 'trainer.init_from={2}/ckpt/last.pt' "${rest[@]}" \
-  :: --nodes=1 --gpus-per-node=1 --ntasks-per-node=1 run.sbatch python -m eval.lm 'checkpoint={3}/ckpt/last.pt' "$tasks" "${code[@]}" \
+  :: "${one[@]}" run.sbatch python -m eval.lm 'checkpoint={3}/ckpt/last.pt' "$tasks" "${code[@]}" \
      ${EVAL_DATA_ROOT:+"data_root=$EVAL_DATA_ROOT"} \
   :: analysis.sbatch 'checkpoint={1}/ckpt/last.pt'
