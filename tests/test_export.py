@@ -146,6 +146,8 @@ def test_an_existing_out_is_refused_unless_overwrite(tmp_path):
 
 
 def test_command_line_writes_the_folder_and_errors_are_one_line(tmp_path):
+    from laplace.export import _main
+
     ckpt, _ = _checkpoint(tmp_path, VIT0, DATA)
     out = tmp_path / "export"
 
@@ -156,20 +158,22 @@ def test_command_line_writes_the_folder_and_errors_are_one_line(tmp_path):
     p = cli(f"checkpoint={ckpt}", f"out={out}")
     assert p.returncode == 0, p.stderr[-2000:]
     assert (out / "model.safetensors").is_file() and f"exported {ckpt} to {out}" in p.stdout
-    for args, line in [
-        ((f"checkpoint={ckpt}", f"out={out}"),
-         f"error: out={out} exists and is not empty; choose another folder or pass overwrite=true"),
-        ((f"checkpoint={tmp_path / 'no.pt'}", f"out={tmp_path / 'x'}"), f"error: no checkpoint at {tmp_path / 'no.pt'}"),
-        ((f"checkpoint={ckpt}",), "error: out= is required; usage: python -m laplace.export checkpoint=PATH "
-                                  "out=DIR [overwrite=true]"),
+    assert p.stderr == ""  # no warning either (runpy's, were laplace.export imported by `import laplace`)
+    p = cli(f"checkpoint={ckpt}", f"out={out}")
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
+        f"error: out={out} exists and is not empty; choose another folder or pass overwrite=true"], p.stderr[-2000:]
+    usage = r"\(?usage: python -m laplace.export checkpoint=PATH out=DIR \[overwrite=true\]\)?"
+    for args, pattern in [
+        ((f"checkpoint={tmp_path / 'no.pt'}", f"out={tmp_path / 'x'}"), rf"^no checkpoint at {tmp_path / 'no.pt'}$"),
+        ((f"checkpoint={ckpt}",), rf"^out= is required; {usage}$"),
         ((f"checkpoint={ckpt}", f"out={out}", "overwite=true"),
-         "error: unknown key 'overwite'; valid: checkpoint, out, overwrite (usage: python -m laplace.export "
-         "checkpoint=PATH out=DIR [overwrite=true])"),
+         rf"^unknown key 'overwite'; valid: checkpoint, out, overwrite {usage}$"),
+        ((f"checkpoint={ckpt}", f"out={out}", "overwrite=maybe"), r"^overwrite='maybe': choose true or false$"),
+        ((str(ckpt),), rf"is not key=value; {usage}$"),
     ]:
-        p = cli(*args)
-        assert p.returncode == 1 and p.stderr.strip().splitlines() == [line], p.stderr[-2000:]
-    p = cli(f"checkpoint={ckpt}", f"out={out}", "overwrite=true")
-    assert p.returncode == 0, p.stderr[-2000:]
+        with pytest.raises(ConfigError if "no.pt" not in args[0] else CheckpointError, match=pattern):
+            _main(list(args))
+    assert _main([f"checkpoint={ckpt}", f"out={out}", "overwrite=true"]) == out
 
 
 def test_a_corrupt_or_foreign_folder_is_one_line(tmp_path):
@@ -229,3 +233,26 @@ def test_a_hub_id_offline_or_malformed_is_one_line(tmp_path):
     assert lines[0].startswith("laplace-org/vitt_0L: no such local folder, and the Hugging Face Hub did not give it: ")
     assert "HF_HUB_OFFLINE" in lines[0]
     assert lines[1] == "no/such/folder: no such file or folder, and not a Hugging Face Hub id (org/name)"
+
+
+def test_a_trained_run_exports_with_its_results(make_cfg, tmp_path):
+    """A real two-step run on the built-in digits: its config, checkpoint and results.json as the
+    trainer wrote them; the card carries its measured numbers and timm loads the export."""
+    from conftest import TINY_VIT
+    from train import run
+
+    run_dir = tmp_path / "runs" / "deit3" / "digits" / "vitt_0L_s0"
+    cfg = make_cfg("model=vitt_0L", *TINY_VIT, "trainer.max_steps=2", run_dir=run_dir)
+    metrics = run(cfg)
+    out = export(run_dir / "ckpt" / "last.pt", tmp_path / "export")
+    card = (out / "README.md").read_text()
+    assert f"| results.json | digits | final/val_acc1 | {metrics['val_acc1']:.6g} |" in card
+    assert "Recipe:" not in card and "- Data: digits" in card and "- Steps: 2" in card
+    model = laplace.load_model(run_dir / "ckpt" / "last.pt")
+    x = torch.randn(2, 3, cfg.data.img_size, cfg.data.img_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(x)
+        assert torch.equal(laplace.from_pretrained(out)(x), want)
+        torch.testing.assert_close(timm.create_model(f"local-dir:{out}", pretrained=True).eval()(x), want,
+                                   rtol=1e-5, atol=1e-6)
+    assert json.loads((out / "config.json").read_text())["pretrained_cfg"]["mean"] == list(cfg.data.mean)
