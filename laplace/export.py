@@ -6,7 +6,7 @@
 
 The folder holds model.safetensors (the state dict `load_model` loads), config.json (its
 "laplace" node: format, version and the zoo model node that rebuilds the network; for a ViT
-without Laplacian heads also timm's own fields, written by timm's `save_config_for_hf`, so timm
+without Laplacian heads also timm's own fields, written by timm's `save_for_hf`, so timm
 builds it as its VisionTransformer) and README.md (a model card). The folder is written beside
 `out` and renamed into place, so a kill leaves no half-written export.
 """
@@ -82,12 +82,12 @@ def _write(folder: Path, model: nn.Module, info: dict, card: str, timm_arch: Opt
 
     from .io import atomic_write
 
-    # save_model (not save_file): tensors the model shares are stored once, not refused.
-    save_model(model, str(folder / EXPORT_WEIGHTS), metadata={"format": "pt"})
     if timm_arch is None:
+        # save_model (not save_file): tensors the model shares are stored once, not refused.
+        save_model(model, str(folder / EXPORT_WEIGHTS), metadata={"format": "pt"})
         atomic_write(folder / EXPORT_CONFIG, (json.dumps({"laplace": info}, indent=2) + "\n").encode())
     else:
-        _write_timm_config(folder / EXPORT_CONFIG, model, info, timm_arch, timm_args, data)
+        _save_for_timm(folder, model, info, timm_arch, timm_args, data)
     atomic_write(folder / EXPORT_CARD, card.encode())
 
 
@@ -158,14 +158,16 @@ def _timm_model(model: nn.Module, arch: str, args: dict) -> nn.Module:
     return t
 
 
-def _write_timm_config(path: Path, model: nn.Module, info: dict, arch: str, args: dict, data: dict) -> None:
-    from timm.models._hub import save_config_for_hf
+def _save_for_timm(folder: Path, model: nn.Module, info: dict, arch: str, args: dict, data: dict) -> None:
+    """timm's own export (`save_for_hf`): model.safetensors of timm's model (our weights, loaded
+    strictly and checked for equal logits) and timm's config.json, our "laplace" node in it."""
+    from timm.models import save_for_hf
 
     # The preprocessing the model was trained with (timm's data config), where the run says it.
     data_config = {k: v for k, v in (("mean", data.get("mean")), ("std", data.get("std")),
                                      ("crop_pct", data.get("eval_crop_pct"))) if v is not None}
-    save_config_for_hf(_timm_model(model, arch, args), str(path), model_config={"laplace": info},
-                       data_config=data_config or None)
+    save_for_hf(_timm_model(model, arch, args), str(folder), model_config={"laplace": info},
+                safe_serialization=True, data_config=data_config or None)
 
 
 def _source(path: Path, ckpt: dict) -> dict:
