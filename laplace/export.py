@@ -174,7 +174,10 @@ def _source(path: Path, ckpt: dict) -> dict:
     """Where the weights come from: the checkpoint, its step, code revision, data, experiment."""
     config = ckpt["config"]
     data = config.get("data") or {}
-    src = {"checkpoint": str(path), "step": (ckpt.get("loop") or {}).get("step"),
+    # the run's name and the file in it, not the absolute path: the folder is meant to be shared
+    run = run_dir_of(path)
+    src = {"run": run.resolve().name, "checkpoint": str(path.resolve().relative_to(run.resolve())),
+           "step": (ckpt.get("loop") or {}).get("step"),
            "git_rev": ckpt.get("git_rev"), "trainer": (config.get("trainer") or {}).get("name"),
            "data": data.get("name"), "experiment": _experiment(config)}
     if data.get("tokenizer"):

@@ -30,12 +30,13 @@ DATA = {"name": "cifar100", "mean": [0.5071, 0.4865, 0.4409], "std": [0.2673, 0.
         "eval_crop_pct": 1.0}
 
 
-def _checkpoint(tmp_path: Path, node: dict, data: dict, experiment: str = "deit3_cifar100") -> tuple[Path, torch.nn.Module]:
+def _checkpoint(tmp_path: Path, node: dict, data: dict, experiment: str = "deit3_cifar100",
+                trainer: str = "deit3") -> tuple[Path, torch.nn.Module]:
     """A checkpoint as train.py lays it out: <runs>/<trainer>/<experiment>/<model>_s0/ckpt/last.pt."""
-    run = tmp_path / "runs" / "deit3" / experiment / f"{node['name']}_s0"
+    run = tmp_path / "runs" / trainer / experiment / f"{node['name']}_s0"
     model = randomize_(create_model(**node)).eval()
     path = save_checkpoint(run / "ckpt" / "last.pt", model=model, loop={"step": 40},
-                           config={"model": node, "data": data, "run_dir": str(run), "trainer": {"name": "deit3"}})
+                           config={"model": node, "data": data, "run_dir": str(run), "trainer": {"name": trainer}})
     return path, model
 
 
@@ -81,6 +82,8 @@ def test_vit_without_laplacian_heads_round_trips_and_loads_in_plain_timm(tmp_pat
 
     assert cfg["laplace"]["model"] == VIT0 and cfg["laplace"]["timm"] is True
     assert cfg["laplace"]["source"]["experiment"] == "deit3_cifar100" and cfg["laplace"]["source"]["step"] == 40
+    assert cfg["laplace"]["source"]["run"] == "vitt_0L_s0" and cfg["laplace"]["source"]["checkpoint"] == "ckpt/last.pt"
+    assert str(tmp_path) not in (out / "config.json").read_text() + (out / "README.md").read_text()
     assert cfg["pretrained_cfg"]["mean"] == DATA["mean"] and cfg["pretrained_cfg"]["input_size"] == [3, 32, 32]
     assert "license" not in cfg["pretrained_cfg"]  # the ImageNet weights' licence is not these weights'
     card = (out / "README.md").read_text()
@@ -112,7 +115,7 @@ def test_laplacian_vit_round_trips_and_timm_is_refused(tmp_path):
 
 def test_gpt_round_trips(tmp_path):
     data = {"name": "pydoc_text", "tokenizer": "bytes"}
-    ckpt, model = _checkpoint(tmp_path, GPT, data, experiment="gpt_pydoc")
+    ckpt, model = _checkpoint(tmp_path, GPT, data, experiment="gpt_pydoc", trainer="gpt")
     out = export(ckpt, tmp_path / "export")
     idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -121,7 +124,8 @@ def test_gpt_round_trips(tmp_path):
     card = (out / "README.md").read_text()
     assert "nanochat GPT" in card and "k = 1 of 1 heads per layer" in card and "Tokenizer (not included): bytes" in card
     assert "timm cannot load it: gpt_d2_1L is a language model" in card and CITATION in card
-    assert "pipeline_tag: text-generation" in card
+    assert "pipeline_tag: text-generation" in card and "- Trainer: gpt" in card
+    assert "`experiment=gpt_pydoc` (its recipe card: docs/recipes/gpt_pydoc.md" in card
     with pytest.raises(CheckpointError, match="timm cannot build this export: gpt_d2_1L is a language model"):
         load_timm(out)
 
