@@ -96,6 +96,20 @@ def test_vit_without_laplacian_heads_round_trips_and_loads_in_plain_timm(tmp_pat
     assert 'timm.create_model("local-dir:<this folder>", pretrained=True)' in card
 
 
+def test_a_headless_backbone_without_layerscale_loads_in_timm(tmp_path):
+    """What DINO exports (num_classes=0: class-token features), here without LayerScale."""
+    node = dict(VIT0, num_classes=0, init_values=None, pos_embed_resample="dino")
+    ckpt, model = _checkpoint(tmp_path, node, DATA, experiment="dino_digits", trainer="dino")
+    out = export(ckpt, tmp_path / "export")
+    x = _images()
+    with torch.no_grad():
+        want = model(x)
+        assert want.shape == (2, 48) and torch.equal(laplace.load_model(out)(x), want)
+        t = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+        assert t.blocks[0].ls1.__class__.__name__ == "Identity"
+        torch.testing.assert_close(t(x), want, rtol=1e-5, atol=1e-6)
+
+
 def test_laplacian_vit_round_trips_and_timm_is_refused(tmp_path):
     ckpt, model = _checkpoint(tmp_path, VIT2, DATA)
     out = export(ckpt, tmp_path / "export")
