@@ -98,7 +98,7 @@ def test_vit_without_laplacian_heads_round_trips_and_loads_in_plain_timm(tmp_pat
 
 def test_a_headless_backbone_without_layerscale_loads_in_timm(tmp_path):
     """What DINO exports (num_classes=0: class-token features), here without LayerScale."""
-    node = dict(VIT0, num_classes=0, init_values=None, pos_embed_resample="dino")
+    node = dict(VIT0, num_classes=0, init_values=0, pos_embed_resample="dino")  # 0: no LayerScale
     ckpt, model = _checkpoint(tmp_path, node, DATA, experiment="dino_digits", trainer="dino")
     out = export(ckpt, tmp_path / "export")
     x = _images()
@@ -106,7 +106,7 @@ def test_a_headless_backbone_without_layerscale_loads_in_timm(tmp_path):
         want = model(x)
         assert want.shape == (2, 48) and torch.equal(laplace.load_model(out)(x), want)
         t = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
-        assert t.blocks[0].ls1.__class__.__name__ == "Identity"
+        assert isinstance(model.blocks[0].ls1, torch.nn.Identity) and isinstance(t.blocks[0].ls1, torch.nn.Identity)
         torch.testing.assert_close(t(x), want, rtol=1e-5, atol=1e-6)
 
 
