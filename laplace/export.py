@@ -259,11 +259,9 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
     vit = isinstance(model, VisionTransformer)
     ks, heads = model.num_laplacian_heads, (model.blocks[0].attn.num_heads if len(model.blocks) else 0)
     mode = model.blocks[0].attn.laplacian_mode if len(model.blocks) else "fixed"
-    tags = ["laplace", "laplacian-heads", "image-classification" if vit else "text-generation"]
-    if timm_arch:
-        tags.append("timm")
-    lines = ["---", "tags:", *[f"- {t}" for t in tags],
-             f"pipeline_tag: {'image-classification' if vit else 'text-generation'}",
+    task = ("image-classification" if model.num_classes else "image-feature-extraction") if vit else "text-generation"
+    tags = ["laplace", "laplacian-heads", task, *(["timm"] if timm_arch else [])]
+    lines = ["---", "tags:", *[f"- {t}" for t in tags], f"pipeline_tag: {task}",
              *(["library_name: timm"] if timm_arch else []), "---", f"# {name}", "",
              f"A {'Vision Transformer' if vit else 'GPT language model'} with Laplacian heads "
              f"((I - P) V instead of P V; Zhang & Papyan, arXiv:2602.09297), trained with laplace.", "",
@@ -272,8 +270,9 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
         a = _constructor_args(node)
         lines.append(f"- Architecture: ViT (DeiT-III style), width {model.embed_dim}, depth {len(model.blocks)}, "
                      f"{heads} heads, patch {model.patch_embed.patch_size[0]}, input "
-                     f"{model.patch_embed.img_size[0]} px, {model.num_classes} classes, LayerScale "
-                     f"{a['init_values']}, QK-norm {bool(a['qk_norm'])}, class-token pooling")
+                     f"{model.patch_embed.img_size[0]} px, {model.num_classes or 'no'} classes, "
+                     f"{'LayerScale (init ' + str(a['init_values']) + ')' if a['init_values'] else 'no LayerScale'}, "
+                     f"QK-norm {'on' if a['qk_norm'] else 'off'}, class-token pooling")
     else:
         lines.append(f"- Architecture: nanochat GPT, width {model.width}, depth {model.depth}, {heads} heads, "
                      f"vocabulary {model.vocab_size}")

@@ -108,6 +108,8 @@ def test_a_headless_backbone_without_layerscale_loads_in_timm(tmp_path):
         t = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
         assert isinstance(model.blocks[0].ls1, torch.nn.Identity) and isinstance(t.blocks[0].ls1, torch.nn.Identity)
         torch.testing.assert_close(t(x), want, rtol=1e-5, atol=1e-6)
+    card = (out / "README.md").read_text()
+    assert "pipeline_tag: image-feature-extraction" in card and "no classes, no LayerScale, QK-norm on" in card
 
 
 def test_laplacian_vit_round_trips_and_timm_is_refused(tmp_path):
