@@ -18,7 +18,8 @@ A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
 Writes go through `laplace.io.atomic_write` (temp file in the same folder, fsync, rename, folder
 fsync), so a kill during a save never leaves a broken `last.pt`; the temp file of a killed
 writer is removed by the next save. A resume reads memory-mapped (`load_checkpoint(mmap=True)`).
-`load_model(path)` rebuilds the model from the checkpoint alone; `load_pretrained` loads a
+`load_model(path)` rebuilds the model from the checkpoint alone, or from a folder that
+`python -m laplace.export` wrote (config.json + model.safetensors); `load_pretrained` loads a
 checkpoint or a timm / DeiT state dict into a model for fine-tuning.
 """
 from __future__ import annotations
@@ -245,8 +246,69 @@ def model_from_checkpoint(ckpt: dict, device: Any = "cpu", eval_mode: bool = Tru
 
 def load_model(path: str | os.PathLike, map_location: Any = "cpu", eval_mode: bool = True,
                **overrides) -> nn.Module:
-    """Rebuild the model of a checkpoint from the checkpoint alone (see model_from_checkpoint)."""
+    """Rebuild the model of a checkpoint, or of a folder `python -m laplace.export` wrote, from
+    it alone (see model_from_checkpoint)."""
+    if Path(path).is_dir():
+        return _load_export(Path(path), map_location, eval_mode, **overrides)
     return model_from_checkpoint(load_checkpoint(path), map_location, eval_mode, **overrides)
+
+
+# An exported folder (laplace/export.py): Hugging Face's file names, so the Hub and timm find
+# the files; config.json's "laplace" node says what it is and rebuilds the model.
+EXPORT_FORMAT, EXPORT_VERSION = "laplace-export", 1
+EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_CARD = "config.json", "model.safetensors", "README.md"
+
+
+def read_export_config(folder: str | os.PathLike) -> dict:
+    """The "laplace" node of an exported folder's config.json, validated; a foreign or corrupt
+    folder raises CheckpointError."""
+    import json
+
+    folder = Path(folder)
+    cfg_path = folder / EXPORT_CONFIG
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{folder} is a folder without {EXPORT_CONFIG}, not an exported laplace model; "
+                              f"write one with `python -m laplace.export checkpoint=<run>/ckpt/last.pt out={folder}`")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path} is not readable JSON (corrupt or truncated): {str(e)[:200]}") from None
+    node = cfg.get("laplace") if isinstance(cfg, dict) else None
+    if not (isinstance(node, dict) and node.get("format") == EXPORT_FORMAT):
+        raise CheckpointError(f"{cfg_path} is not a laplace export's (no laplace.format={EXPORT_FORMAT!r}); "
+                              f"a timm folder loads with timm.create_model('local-dir:{folder}')")
+    if not isinstance(node.get("version"), int) or node["version"] > EXPORT_VERSION:
+        raise CheckpointError(f"{cfg_path} has export version {node.get('version')!r}, not one this code "
+                              f"reads (<= {EXPORT_VERSION}); update laplace")
+    if not (isinstance(node.get("model"), dict) and node["model"].get("name")):
+        raise CheckpointError(f"{cfg_path} has no laplace.model node (the model's name and shape), so its "
+                              f"model cannot be rebuilt; export the checkpoint again")
+    return node
+
+
+def _load_export(folder: Path, map_location: Any, eval_mode: bool, **overrides) -> nn.Module:
+    from safetensors.torch import load_model as load_safetensors
+
+    from .zoo import create_model
+
+    node = read_export_config(folder)
+    weights = folder / EXPORT_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{folder} has {EXPORT_CONFIG} but no {EXPORT_WEIGHTS}; copy the whole exported folder")
+    kwargs = {**node["model"], **overrides}
+    model = create_model(**kwargs)
+    try:
+        # safetensors' load_model, not load_file + load_state_dict: it restores tensors that the
+        # export stored once because the model shares them (save_model drops the aliases).
+        load_safetensors(model, str(weights), strict=True)
+    except RuntimeError as e:  # missing / unexpected keys or shapes (torch's load_state_dict message)
+        raise CheckpointError(f"{weights} does not match model {kwargs['name']!r} of its {EXPORT_CONFIG}: "
+                              f"{' '.join(str(e).split())[:300]}") from None
+    except Exception as e:  # safetensors' own error for a corrupt or truncated file
+        raise CheckpointError(f"{weights} is not a readable safetensors file (corrupt or truncated): "
+                              f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}") from None
+    model.to(map_location)
+    return model.eval() if eval_mode else model
 
 
 _HEADS = ("head.", "lm_head.")  # the classifier of a ViT, the output layer of a GPT

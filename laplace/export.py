@@ -1,0 +1,390 @@
+"""Shareable weights: a laplace checkpoint as a Hugging Face style model folder.
+
+    python -m laplace.export checkpoint=runs/deit3/cifar100/vitb_12L_s0/ckpt/last.pt out=exports/vitb_12L
+    model = laplace.load_model("exports/vitb_12L")         # or laplace.from_pretrained("org/name")
+    timm.create_model("local-dir:exports/vitb_0L", pretrained=True)   # a ViT without Laplacian heads
+
+The folder holds model.safetensors (the state dict `load_model` loads), config.json (its
+"laplace" node: format, version and the zoo model node that rebuilds the network; for a ViT
+without Laplacian heads also timm's own fields, written by timm's `save_for_hf`, so timm
+builds it as its VisionTransformer) and README.md (a model card). The folder is written beside
+`out` and renamed into place, so a kill leaves no half-written export.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_VERSION, EXPORT_WEIGHTS, CheckpointError,
+                         load_checkpoint, load_model, model_from_checkpoint, read_export_config, run_dir_of)
+from .errors import ConfigError, UserError, cli_errors
+
+CITATION = """@article{zhang2026laplacian,
+  title   = {Laplacian Heads Improve Transformers by Smoothing Token Representations},
+  author  = {Zhang and Papyan},
+  journal = {arXiv preprint arXiv:2602.09297},
+  year    = {2026}
+}"""
+# timm's VisionTransformer that the zoo's widths are (every shape argument is given explicitly
+# in config.json's model_args; the name only picks timm's defaults for the rest).
+_TIMM_ARCHS = {"vitt": "vit_tiny_patch16_224", "vits": "vit_small_patch16_224",
+               "vitb": "vit_base_patch16_224", "vitl": "vit_large_patch16_224"}
+_HEADER_KEYS = {"model", "num_laplacian_heads", "laplacian_mode", "dataset", "checkpoint"}
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write the exported folder `out` of a laplace checkpoint; returns it.
+
+    Args:
+        checkpoint: a laplace checkpoint (`<run>/ckpt/last.pt`).
+        out: the folder to write; an existing non-empty one is refused unless `overwrite`.
+        overwrite: replace what `out` holds.
+    """
+    src, out = Path(checkpoint), Path(out)
+    if src.is_dir():
+        raise ConfigError(f"checkpoint={src} is a folder; pass the checkpoint file, e.g. {src}/ckpt/last.pt")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={out} is a file; give a folder to write the export into")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"out={out} exists and is not empty; choose another folder or pass overwrite=true")
+    ckpt = load_checkpoint(src)
+    model = model_from_checkpoint(ckpt)
+    node = dict(ckpt["config"]["model"])
+    timm_arch, timm_args, why_not = timm_equivalent(model, node)
+    info = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "model": node,
+            "timm": timm_arch is not None, **({"timm_unsupported": why_not} if why_not else {}),
+            "source": _source(src, ckpt)}
+    card = model_card(model, node, info, _results(src), timm_arch)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
+    try:
+        tmp.mkdir()
+        _write(tmp, model, info, card, timm_arch, timm_args, ckpt["config"].get("data") or {})
+        _swap_in(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failure's leftovers
+    return out
+
+
+def _write(folder: Path, model: nn.Module, info: dict, card: str, timm_arch: Optional[str],
+           timm_args: dict, data: dict) -> None:
+    from safetensors.torch import save_model
+
+    from .io import atomic_write
+
+    if timm_arch is None:
+        # save_model (not save_file): tensors the model shares are stored once, not refused.
+        save_model(model, str(folder / EXPORT_WEIGHTS), metadata={"format": "pt"})
+        atomic_write(folder / EXPORT_CONFIG, (json.dumps({"laplace": info}, indent=2) + "\n").encode())
+    else:
+        _save_for_timm(folder, model, info, timm_arch, timm_args, data)
+    atomic_write(folder / EXPORT_CARD, card.encode())
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename the finished folder `tmp` to `out`; an existing `out` is moved aside first and
+    removed after, so `out` is at every moment the old export or the new one."""
+    old = None
+    if out.is_dir():
+        if any(out.iterdir()):
+            old = out.parent / f".{out.name}.{secrets.token_hex(4)}.old"
+            os.rename(out, old)
+        else:
+            out.rmdir()
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, Optional[str]]:
+    """(timm architecture, its model_args, None) when timm's VisionTransformer is this model
+    (a ViT without Laplacian heads: same parameter names, class token without a position
+    embedding, LayerScale, QK-norm, class-token pooling), else (None, {}, why not)."""
+    from .vit import VisionTransformer
+
+    if not isinstance(model, VisionTransformer):
+        return None, {}, f"{node['name']} is a language model (GPT); timm has no such architecture"
+    if any(model.num_laplacian_heads):
+        return None, {}, (f"{node['name']} has Laplacian heads ({_k_text(model.num_laplacian_heads)} per layer); "
+                          f"timm's VisionTransformer has none")
+    if any(b.attn.laplacian_mode != "fixed" for b in model.blocks):
+        return None, {}, f"{node['name']} has learned Laplacian gates; timm's VisionTransformer has none"
+    a = _constructor_args(node)
+    blk = model.blocks[0]
+    args = dict(img_size=model.patch_embed.img_size[0], patch_size=model.patch_embed.patch_size[0],
+                in_chans=model.patch_embed.proj.in_channels, embed_dim=model.embed_dim,
+                depth=len(model.blocks), num_heads=blk.attn.num_heads,
+                mlp_ratio=blk.mlp.fc1.out_features / model.embed_dim, num_classes=model.num_classes,
+                qk_norm=bool(a["qk_norm"]), init_values=a["init_values"],
+                class_token=True, no_embed_class=True, global_pool="token", reg_tokens=0)
+    return _TIMM_ARCHS[node["name"][:4]], args, None
+
+
+def _constructor_args(node: dict) -> dict:
+    """The zoo node with the constructor's defaults filled in (what create_model builds)."""
+    from .vit import VisionTransformer
+    from .zoo import model_defaults
+
+    sig = inspect.signature(VisionTransformer).parameters
+    return {**{k: p.default for k, p in sig.items()}, **model_defaults(node["name"]),
+            **{k: v for k, v in node.items() if v is not None}}
+
+
+def _timm_model(model: nn.Module, arch: str, args: dict) -> nn.Module:
+    """timm's model for `model` with its weights, checked to give the same logits."""
+    import timm
+
+    # license / tag: of the ImageNet weights the architecture name stands for, not of these
+    t = timm.create_model(arch, pretrained=False, pretrained_cfg_overlay=dict(license=None, tag=None), **args)
+    t.load_state_dict(model.state_dict(), strict=True)
+    t.eval()
+    x = torch.randn(1, args["in_chans"], args["img_size"], args["img_size"],
+                    generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model.eval()(x), t(x)
+    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):  # a bug of ours: the claim must hold
+        raise RuntimeError(f"timm's {arch} gives other logits than {type(model).__name__} "
+                           f"(max |diff| {(ours - theirs).abs().max().item():.3g})")
+    return t
+
+
+def _save_for_timm(folder: Path, model: nn.Module, info: dict, arch: str, args: dict, data: dict) -> None:
+    """timm's own export (`save_for_hf`): model.safetensors of timm's model (our weights, loaded
+    strictly and checked for equal logits) and timm's config.json, our "laplace" node in it."""
+    from timm.models import save_for_hf
+
+    # The preprocessing the model was trained with (timm's data config), where the run says it.
+    data_config = {k: v for k, v in (("mean", data.get("mean")), ("std", data.get("std")),
+                                     ("crop_pct", data.get("eval_crop_pct"))) if v is not None}
+    save_for_hf(_timm_model(model, arch, args), str(folder), model_config={"laplace": info},
+                safe_serialization=True, data_config=data_config or None)
+
+
+def _source(path: Path, ckpt: dict) -> dict:
+    """Where the weights come from: the checkpoint, its step, code revision, data, experiment."""
+    config = ckpt["config"]
+    data = config.get("data") or {}
+    # the run's name and the file in it, not the absolute path: the folder is meant to be shared
+    run = run_dir_of(path)
+    src = {"run": run.resolve().name, "checkpoint": str(path.resolve().relative_to(run.resolve())),
+           "step": (ckpt.get("loop") or {}).get("step"),
+           "git_rev": ckpt.get("git_rev"), "trainer": (config.get("trainer") or {}).get("name"),
+           "data": data.get("name"), "experiment": _experiment(config)}
+    if data.get("tokenizer"):
+        src["tokenizer"] = str(data["tokenizer"])
+    return src
+
+
+def _experiment(config: dict) -> Optional[str]:
+    """The experiment of the run, when its run dir says it: train.py names run dirs
+    <runs_dir>/<trainer>/<experiment or data>/<model>_s<seed>, and an experiment is a
+    configs/experiment/<name>.yaml of this checkout."""
+    from .cli import config_dir
+
+    run_dir = config.get("run_dir")
+    if not run_dir:
+        return None
+    name = Path(str(run_dir)).parent.name
+    if name == (config.get("data") or {}).get("name"):
+        return None
+    try:
+        return name if (config_dir("config") / "experiment" / f"{name}.yaml").is_file() else None
+    except UserError:  # no configs/ (an installed package): the run dir alone does not tell
+        return None
+
+
+def _results(checkpoint: Path) -> list[tuple[str, dict]]:
+    """(path relative to the run, record) of the run's results.json files (the trainer's, and
+    the evaluations' in eval/*/) that were measured on this checkpoint."""
+    run = run_dir_of(checkpoint)
+    found = []
+    for p in [run / "results.json", *sorted(run.glob("eval/*/results.json"))]:
+        try:
+            rec = json.loads(p.read_text()) if p.is_file() else None
+        except (OSError, ValueError):  # a results file being rewritten or broken: not ours to fix here
+            continue
+        if isinstance(rec, dict) and _same_checkpoint(rec.get("checkpoint"), checkpoint):
+            found.append((str(p.relative_to(run)), rec))
+    return found
+
+
+def _same_checkpoint(recorded, checkpoint: Path) -> bool:
+    # The record's path was written from the run's cwd: resolved here it may point elsewhere,
+    # so <ckpt dir>/<file> equal counts too (last.pt of another run sits in another run dir).
+    if not recorded:
+        return False
+    r = Path(str(recorded))
+    return r.resolve() == checkpoint.resolve() or r.parts[-2:] == checkpoint.resolve().parts[-2:]
+
+
+def metrics_of(record: dict) -> dict[str, float]:
+    """The measured numbers of a results.json: the trainers' `final` / `best`, k-NN's and the
+    linear probe's top-1 / top-5, segmentation's mIoU / aAcc / mAcc, lm-eval's task/metric."""
+    out = {}
+    for group in ("final", "best", "knn", "linear"):
+        for k, v in (record.get(group) or {}).items():
+            if _number(v) and k not in ("step", "lr", "base_lr"):
+                out[f"{group}/{k}"] = v
+    for k, v in record.items():
+        if (k in ("mIoU", "aAcc", "mAcc") or "/" in k) and k not in _HEADER_KEYS and _number(v):
+            out[k] = v
+    return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _k_text(ks) -> str:
+    ks = list(ks)
+    return str(ks[0]) if len(set(ks)) == 1 else str(ks)
+
+
+def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str, dict]],
+               timm_arch: Optional[str]) -> str:
+    """README.md of the export: what the model is, how it was trained and measured, how to load it."""
+    from .vit import VisionTransformer
+
+    name, src = node["name"], info["source"]
+    vit = isinstance(model, VisionTransformer)
+    ks, heads = model.num_laplacian_heads, (model.blocks[0].attn.num_heads if len(model.blocks) else 0)
+    mode = model.blocks[0].attn.laplacian_mode if len(model.blocks) else "fixed"
+    task = ("image-classification" if model.num_classes else "image-feature-extraction") if vit else "text-generation"
+    tags = ["laplace", "laplacian-heads", task, *(["timm"] if timm_arch else [])]
+    lines = ["---", "tags:", *[f"- {t}" for t in tags], f"pipeline_tag: {task}",
+             *(["library_name: timm"] if timm_arch else []), "---", f"# {name}", "",
+             f"A {'Vision Transformer' if vit else 'GPT language model'} with Laplacian heads "
+             f"((I - P) V instead of P V; Zhang & Papyan, arXiv:2602.09297), trained with laplace.", "",
+             "## Model", ""]
+    if vit:
+        a = _constructor_args(node)
+        lines.append(f"- Architecture: ViT (DeiT-III style), width {model.embed_dim}, depth {len(model.blocks)}, "
+                     f"{heads} heads, patch {model.patch_embed.patch_size[0]}, input "
+                     f"{model.patch_embed.img_size[0]} px, {model.num_classes or 'no'} classes, "
+                     f"{'LayerScale (init ' + str(a['init_values']) + ')' if a['init_values'] else 'no LayerScale'}, "
+                     f"QK-norm {'on' if a['qk_norm'] else 'off'}, class-token pooling")
+    else:
+        lines.append(f"- Architecture: nanochat GPT, width {model.width}, depth {model.depth}, {heads} heads, "
+                     f"vocabulary {model.vocab_size}")
+    lines += [f"- Laplacian heads: k = {_k_text(ks)} of {heads} heads per layer (the last k; {mode} mode)",
+              f"- Parameters: {sum(p.numel() for p in model.parameters()):,}"]
+    lines += ["", "## Training", ""]
+    if src.get("experiment"):
+        exp = src["experiment"]
+        lines.append(f"- Recipe: `experiment={exp}` (its recipe card: docs/recipes/{exp}.md in the laplace repository)")
+    lines += [f"- {label}: {src[key]}" for key, label in (("trainer", "Trainer"), ("data", "Data"),
+                                                          ("step", "Steps"), ("tokenizer", "Tokenizer (not included)"),
+                                                          ("git_rev", "Code revision")) if src.get(key) is not None]
+    rows = [(where, rec.get("dataset"), k, v) for where, rec in results for k, v in metrics_of(rec).items()]
+    if rows:
+        lines += ["", "## Metrics", "", "| results | dataset | metric | value |", "|---|---|---|---|"]
+        lines += [f"| {w} | {d} | {k} | {v:.6g} |" for w, d, k, v in rows]
+    lines += ["", "## Usage", "", "```python", "import laplace",
+              "model = laplace.from_pretrained(\"<this folder or its Hub id>\")", "```"]
+    if timm_arch:
+        lines += ["", "Without Laplacian heads this is timm's VisionTransformer, so timm loads it too:", "",
+                  "```python", "import timm", "model = timm.create_model(\"local-dir:<this folder>\", pretrained=True)"
+                  "  # or \"hf-hub:<Hub id>\"", "```"]
+    else:
+        lines += ["", f"timm cannot load it: {info['timm_unsupported']}."]
+    lines += ["", "## Citation", "", "```bibtex", CITATION, "```", ""]
+    return "\n".join(lines)
+
+
+def local_or_hub(name_or_path: str | os.PathLike, revision: Optional[str], cache_dir) -> Path:
+    """A local folder as it is; anything else a Hugging Face Hub id, downloaded (or found in
+    the cache) with huggingface_hub."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=[EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_CARD]))
+    except HFValidationError:
+        raise CheckpointError(f"{name_or_path}: no such file or folder, and not a Hugging Face Hub id "
+                              f"(org/name)") from None
+    except (OSError, ValueError) as e:  # offline and not cached, not found, no access
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{name_or_path}: no such local folder, and the Hugging Face Hub did not give "
+                              f"it: {first[:200]}") from None
+
+
+def from_pretrained(name_or_path: str | os.PathLike, revision: Optional[str] = None, cache_dir=None,
+                    map_location: Any = "cpu", eval_mode: bool = True, **overrides) -> nn.Module:
+    """The model of an exported folder, a Hugging Face Hub id ("org/name", downloaded with
+    huggingface_hub) or a laplace checkpoint file, rebuilt by `laplace.load_model`.
+
+    Not huggingface_hub's PyTorchModelHubMixin: the mixin ties config.json to one class's
+    constructor arguments, while an export names a zoo model (ViT or GPT, chosen by name) and a
+    k = 0 ViT's config.json must also be timm's; only the download is the library's here.
+    """
+    return load_model(local_or_hub(name_or_path, revision, cache_dir), map_location, eval_mode, **overrides)
+
+
+def load_timm(name_or_path: str | os.PathLike, revision: Optional[str] = None, cache_dir=None,
+              **timm_kwargs) -> nn.Module:
+    """timm's VisionTransformer of an export without Laplacian heads (what
+    `timm.create_model("local-dir:DIR" / "hf-hub:ID", pretrained=True)` builds); an export timm
+    cannot build (Laplacian heads, a GPT) is refused with one line naming why."""
+    import timm
+
+    folder = local_or_hub(name_or_path, revision, cache_dir)
+    if not folder.is_dir():
+        raise CheckpointError(f"{name_or_path} is a file; timm loads an exported folder "
+                              f"(python -m laplace.export checkpoint={name_or_path} out=DIR)")
+    info = read_export_config(folder)
+    if not info.get("timm"):
+        raise CheckpointError(f"{name_or_path}: timm cannot build this export: {info.get('timm_unsupported')}; "
+                              f"load it with laplace.load_model / laplace.from_pretrained")
+    return timm.create_model(f"local-dir:{folder}", pretrained=True, **timm_kwargs)
+
+
+_USAGE = "usage: python -m laplace.export checkpoint=PATH out=DIR [overwrite=true]"
+_KEYS = ("checkpoint", "out", "overwrite")
+
+
+def main(argv: Optional[list[str]] = None) -> Path:
+    """The command line (console script `laplace-export`): key=value arguments."""
+    return cli_errors(_main)(sys.argv[1:] if argv is None else list(argv))
+
+
+def _main(argv: list[str]) -> Path:
+    # key=value parsed by OmegaConf (Hydra's values: overwrite=true is a bool) without a Hydra
+    # config: an installed package has no configs/ folder, and the command has three keys.
+    from omegaconf import OmegaConf
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(_USAGE)
+        raise SystemExit(0)
+    for a in argv:
+        if "=" not in a:
+            raise ConfigError(f"argument {a!r} is not key=value; {_USAGE}")
+        if a.split("=", 1)[0] not in _KEYS:
+            raise ConfigError(f"unknown key {a.split('=', 1)[0]!r}; valid: {', '.join(_KEYS)} ({_USAGE})")
+    args = OmegaConf.to_container(OmegaConf.from_dotlist(argv))
+    for key in ("checkpoint", "out"):
+        if args.get(key) in (None, ""):
+            raise ConfigError(f"{key}= is required; {_USAGE}")
+    overwrite = args.get("overwrite", False)
+    if not isinstance(overwrite, bool):
+        raise ConfigError(f"overwrite={overwrite!r}: choose true or false")
+    out = export(str(args["checkpoint"]), str(args["out"]), overwrite=overwrite)
+    print(f"[laplace] exported {args['checkpoint']} to {out}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
