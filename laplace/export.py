@@ -30,7 +30,7 @@ from .errors import ConfigError, UserError, cli_errors
 
 CITATION = """@article{zhang2026laplacian,
   title   = {Laplacian Heads Improve Transformers by Smoothing Token Representations},
-  author  = {Zhang and Papyan},
+  author  = {Zhang, Yuchong and Papyan, Vardan},
   journal = {arXiv preprint arXiv:2602.09297},
   year    = {2026}
 }"""
