@@ -101,6 +101,15 @@ def test_progress_off_a_terminal_is_plain_lines(monkeypatch):
     assert "\r" not in err.getvalue() and len(lines) >= 2, err.getvalue()
     assert all(ln.startswith("[laplace] features: ") for ln in lines) and "5/5 (100%)" in lines[-1]
     assert progress_bar(5, False, interval=0).disable  # another rank or progress=false: nothing
+    err.truncate(0)
+    err.seek(0)
+    bar = progress_bar(20, interval=0.3, desc="paced")
+    for _ in range(20):  # 1 s of updates: a line every 0.3 s, not one per update
+        time.sleep(0.05)
+        bar.update(1)
+    bar.close()
+    lines = err.getvalue().splitlines()
+    assert 3 <= len(lines) <= 8 and len(set(lines)) == len(lines) and "20/20" in lines[-1], lines
     assert format_metrics(4, {"top1": 0.5, "n": 3}) == "[laplace] step 4 val: top1=0.5000, n=3"
 
 
@@ -167,6 +176,18 @@ def test_wandb_group_tags_mode_and_eval_results_in_the_training_run(make_cfg, tm
     assert evaluation["group"] == "toy_sweep" and evaluation["steps"] == []  # summary only, no step
     assert evaluation["summary"]["knn/top1"] == pytest.approx(rec["knn"]["top1"])
     assert evaluation["summary"]["knn/per_k/5/top5"] == pytest.approx(rec["knn"]["per_k"]["5"]["top5"])
+
+    # `python -m analysis` on it: its headline numbers too, in a third folder of the same id.
+    from analysis.__main__ import headline, run as analyse
+
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        acfg = compose("analysis", overrides=[f"checkpoint={run_dir / 'ckpt/last.pt'}", "device=cpu",
+                                              "metrics=[anova,spectral]", "max_tokens=2000", "figures=false",
+                                              "progress=false"])
+    (res,) = analyse(acfg)
+    *_, analysed = offline_runs(run_dir)
+    assert analysed["id"] == record["id"] and len(offline_runs(run_dir)) == 3
+    assert analysed["summary"]["analysis/within_seq_share"] == pytest.approx(headline(res)["within_seq_share"])
 
 
 def test_a_resumed_run_sends_no_step_twice(make_cfg, tmp_path, offline):

@@ -315,9 +315,9 @@ class Trainer:
     def _fit(self, stop: StopRequest) -> dict:
         cfg, tc = self.cfg, self.cfg.trainer
         main = self.dist.is_main
-        logger = MetricsLogger(self.run_dir, enabled=main,
-                               wandb_cfg=OmegaConf.to_container(cfg.logger.wandb, resolve=True) if cfg.logger.wandb else None,
-                               config=self.plain_config(), resume_step=self.step if self.resumed else None)
+        wandb_cfg = OmegaConf.to_container(cfg.logger.wandb, resolve=True) if cfg.logger.wandb else None
+        logger = MetricsLogger(self.run_dir, enabled=main, wandb_cfg=wandb_cfg, config=self.plain_config(),
+                               resume_step=self.step if self.resumed else None)
         if main:
             print(f"[laplace] run_dir={self.run_dir} {'resumed at step ' + str(self.step) if self.resumed else 'new run'}; "
                   f"{self.total_steps} steps ({self.steps_per_epoch}/epoch), global batch "
@@ -376,7 +376,8 @@ class Trainer:
                        **{k: float(v) for k, v in extras.items()}}
                 logger.log(step, rec, split="train")
                 if bar is not None:
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}/s": f"{seen / dt:.0f}"})
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}/s": f"{seen / dt:.0f}"},
+                                    refresh=False)  # shown at the next redraw: off a terminal, a line per interval
                 t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
             if bar is not None:
                 bar.update(1)

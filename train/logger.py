@@ -54,7 +54,11 @@ def wandb_mode(configured: Optional[str]) -> tuple[str, str]:
         ignored = f"; WANDB_MODE={env} in the environment is ignored" if env and env != configured else ""
         return configured, f"logger.wandb.mode{ignored}"
     if env:
-        return env, "WANDB_MODE (logger.wandb.mode is null)"
+        mode = {"dryrun": "offline", "run": "online"}.get(env, env)  # wandb's older spellings
+        if mode not in WANDB_MODES:
+            raise ConfigError(f"WANDB_MODE={env} (logger.wandb.mode is null): set it to one of "
+                              f"{', '.join(WANDB_MODES)}, or set logger.wandb.mode")
+        return mode, "WANDB_MODE (logger.wandb.mode is null)"
     return "online", "wandb's default (logger.wandb.mode is null and WANDB_MODE unset)"
 
 
@@ -108,7 +112,8 @@ class MetricsLogger:
         self.wandb_has = -1  # the last step W&B has: on resume, nothing up to it is sent again
         if not enabled:
             return
-        sent_before = read_wandb_record(run_dir) is not None  # W&B got this file's lines
+        before = read_wandb_record(run_dir)
+        sent_before = before is not None and before.get("mode") != "disabled"  # W&B got this file's lines
         if resume_step is not None and self.path.exists():
             records = read_metrics(run_dir)
             if sent_before:
@@ -238,12 +243,15 @@ class _Lines:
     redraws glued onto one line. tqdm formats (rate, ETA, postfix); this only ends its lines."""
 
     def __init__(self, stream):
-        self.stream = stream
+        self.stream, self.last = stream, None
 
     def write(self, s: str) -> None:
         s = s.replace("\r", "").strip()
-        if s:  # tqdm's clears (spaces between two \r) and its closing newline carry no text
+        # tqdm's clears (spaces between two \r) and its closing newline carry no text; closing
+        # redraws the last state, which the last update may have printed already
+        if s and s != self.last:
             self.stream.write(s + "\n")
+            self.last = s
 
     def flush(self) -> None:
         self.stream.flush()
@@ -284,11 +292,15 @@ def progress_interval(cfg) -> float:
 
 
 def print_line(text: str) -> None:
-    """One plain line on stdout that leaves an open progress bar intact (tqdm.write clears the
-    bar, prints, redraws it): what every evaluation prints, whatever the bar setting."""
-    from tqdm import tqdm
+    """One plain line on stdout, what every evaluation prints whatever the bar setting. On a
+    terminal through tqdm.write, which clears an open bar, prints and redraws it; off a terminal
+    the bars are lines themselves, and a redraw would only add one."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
 
-    tqdm.write(text, file=sys.stdout)
+        tqdm.write(text, file=sys.stdout)
+    else:
+        print(text)
     sys.stdout.flush()
 
 
