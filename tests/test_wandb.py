@@ -110,7 +110,7 @@ def test_progress_off_a_terminal_is_plain_lines(monkeypatch):
     bar.close()
     lines = err.getvalue().splitlines()
     assert 3 <= len(lines) <= 8 and len(set(lines)) == len(lines) and "20/20" in lines[-1], lines
-    assert format_metrics(4, {"top1": 0.5, "n": 3}) == "[laplace] step 4 val: top1=0.5000, n=3"
+    assert format_metrics(4, {"top1": 0.5, "n": 3}) == "[laplace] step 4: top1=0.5000, n=3"
 
 
 def test_a_run_with_the_bar_prints_progress_lines_and_every_evaluation(make_cfg, tmp_path, capsys):
@@ -119,7 +119,7 @@ def test_a_run_with_the_bar_prints_progress_lines_and_every_evaluation(make_cfg,
     run(cfg)
     out, err = capsys.readouterr()
     evals = [ln for ln in out.splitlines() if ln.startswith("[laplace] step ")]
-    assert [ln.split(" val:")[0] for ln in evals] == ["[laplace] step 2", "[laplace] step 4"], out
+    assert [ln.split(":")[0] for ln in evals] == ["[laplace] step 2", "[laplace] step 4"], out
     assert "val_acc1=" in evals[0]
     bars = [ln for ln in err.splitlines() if ln.startswith("[laplace] train: ")]
     assert bars and "\r" not in err and "4/4 (100%)" in bars[-1], err

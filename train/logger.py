@@ -304,10 +304,10 @@ def print_line(text: str) -> None:
     sys.stdout.flush()
 
 
-def format_metrics(step: int, metrics: dict, label: str = "val") -> str:
-    """`[laplace] step 120 val: top1=81.2500, loss=0.4321` (numbers with 4 decimals)."""
+def format_metrics(step: int, metrics: dict) -> str:
+    """`[laplace] step 120: val_loss=0.4321, val_acc1=81.2500` (floats with 4 decimals)."""
     parts = [f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()]
-    return f"[laplace] step {step} {label}: " + ", ".join(parts)
+    return f"[laplace] step {step}: " + ", ".join(parts)
 
 
 # ---- evaluations and analyses into the training run's W&B run ------------------------------
