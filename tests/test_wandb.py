@@ -147,7 +147,7 @@ def _train(make_cfg, run_dir, *extra):
                         "logger=wandb", "trainer.eval_every=2", *extra, run_dir=run_dir))
 
 
-def test_wandb_group_tags_mode_and_eval_results_in_the_training_run(make_cfg, tmp_path, offline, capsys):
+def test_wandb_group_tags_mode_and_eval_and_analysis_results_in_the_training_run(make_cfg, tmp_path, offline, capsys):
     offline.setenv("WANDB_MODE", "online")  # logger.wandb.mode=offline wins: no network is tried
     run_dir = tmp_path / "runs" / "deit3" / "toy_sweep" / "vitt_0L_s3"
     _train(make_cfg, run_dir, "trainer.max_steps=2", "seed=3")
@@ -177,8 +177,15 @@ def test_wandb_group_tags_mode_and_eval_results_in_the_training_run(make_cfg, tm
     assert evaluation["summary"]["knn/top1"] == pytest.approx(rec["knn"]["top1"])
     assert evaluation["summary"]["knn/per_k/5/top5"] == pytest.approx(rec["knn"]["per_k"]["5"]["top5"])
 
-    # `python -m analysis` on it: its headline numbers too, in a third folder of the same id.
+    # `python -m eval.linear` and `python -m analysis` on it: their numbers too, same id.
     from analysis.__main__ import headline, run as analyse
+    from eval.linear import evaluate_linear
+
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        lcfg = compose("linear", overrides=[f"checkpoint={run_dir / 'ckpt/last.pt'}", "device=cpu", "num_workers=0",
+                                            "epochs=2", "lr_grid=[0.1]", "n_last_blocks=1"])
+    lin = evaluate_linear(lcfg)
+    assert offline_runs(run_dir)[-1]["summary"]["linear/top1"] == pytest.approx(lin["linear"]["top1"])
 
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         acfg = compose("analysis", overrides=[f"checkpoint={run_dir / 'ckpt/last.pt'}", "device=cpu",
@@ -186,7 +193,7 @@ def test_wandb_group_tags_mode_and_eval_results_in_the_training_run(make_cfg, tm
                                               "progress=false"])
     (res,) = analyse(acfg)
     *_, analysed = offline_runs(run_dir)
-    assert analysed["id"] == record["id"] and len(offline_runs(run_dir)) == 3
+    assert analysed["id"] == record["id"] and len(offline_runs(run_dir)) == 4
     assert analysed["summary"]["analysis/within_seq_share"] == pytest.approx(headline(res)["within_seq_share"])
 
 
