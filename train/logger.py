@@ -75,8 +75,9 @@ def read_wandb_record(run_dir) -> Optional[dict]:
 
 def init_wandb(run_dir, cfg: dict, config: Optional[dict], source_hint: str = ""):
     """wandb.init for the run in `run_dir`, with the mode `wandb_mode` chooses (one line saying
-    which and why). The run id is the one <run_dir>/wandb.json recorded (a moved run directory
-    keeps its W&B run), else cfg's `id`, else `wandb_run_id`; resume="allow" continues it."""
+    which and why). The run id is cfg's `id` where one is given, else the one <run_dir>/wandb.json
+    recorded (a moved run directory keeps its W&B run), else `wandb_run_id`; resume="allow"
+    continues that run."""
     import wandb  # only when asked: wandb's import is slow
 
     mode, source = wandb_mode(cfg.get("mode"))
