@@ -211,3 +211,23 @@ def test_a_resumed_run_sends_no_step_twice(make_cfg, tmp_path, offline):
     steps = first["steps"] + resumed["steps"]
     assert steps == sorted(set(steps))
     assert [r["step"] for r in read_metrics(run_dir) if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_lm_results_reach_the_gpt_runs_wandb_run(make_cfg, tmp_path, offline, pydoc_shards):
+    """`python -m eval.lm` on a GPT run that used W&B: lm/<task>/<metric> in that run's summary."""
+    pytest.importorskip("lm_eval")
+    offline.setenv("HF_DATASETS_OFFLINE", "1")
+    offline.setenv("HF_HUB_OFFLINE", "1")
+    from eval.lm import evaluate_lm
+
+    run_dir = tmp_path / "runs" / "gpt" / "gpt_tiny" / "gpt_d2_1L_s0"
+    run(make_cfg("experiment=gpt_tiny", "model=gpt_d2_1L", f"data.root={pydoc_shards}", "data.vocab_size=512",
+                 "data.seq_len=64", "trainer.global_batch_size=4", "trainer.max_steps=2", "trainer.num_workers=0",
+                 "trainer.progress=false", "trainer.sample_prompts=[]", "logger=wandb", run_dir=run_dir))
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("lm_eval", overrides=[f"checkpoint={run_dir / 'ckpt/last.pt'}", "tasks=[laplace_pydoc]",
+                                            "bootstrap_iters=0", "device=cpu", "limit=4"])
+    [saved] = evaluate_lm(cfg)
+    train_run, evaluation = offline_runs(run_dir)
+    assert train_run["tags"] == ["k=1", "gpt_tiny", "seed=0", "gpt_d2_1L"] and evaluation["id"] == train_run["id"]
+    assert evaluation["summary"]["lm/laplace_pydoc_mc/acc"] == pytest.approx(saved["laplace_pydoc_mc/acc"])
