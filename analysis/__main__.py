@@ -36,6 +36,7 @@ from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import check_writable
+from train.logger import log_to_training_run
 
 def analysis_dir(checkpoint, out=None) -> Path:
     """Where the analysis of one checkpoint goes: beside it, named after it; with `out`, in
@@ -179,6 +180,7 @@ def run(cfg: DictConfig) -> list[dict]:
             runs.append(res)
             _print_run(res)
             print(f"[analysis] wrote {write_json(analysis_dir(p, out) / 'analysis.json', res, indent=1)}", flush=True)
+            log_to_training_run(p, headline(res), "analysis")  # when the checkpoint's run used W&B
             if cfg.figures:
                 plots.draw_all([res], analysis_dir(p, out), cfg.spectrum_layer)
         if cfg.pca_maps and vit:

@@ -40,6 +40,7 @@ from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
 from laplace.vit import VisionTransformer
+from train.logger import progress_bar, progress_interval
 
 CACHE_VERSION = 1
 
@@ -128,7 +129,8 @@ def _save_cache(path: Path, key: dict, feats: torch.Tensor, labels: torch.Tensor
 def extract_features(model: nn.Module, dataset, *, kind: str = "cls", n_last_blocks: int = 4,
                      avgpool: bool = False, device: Any = "cpu", batch_size: int = 256, num_workers: int = 0,
                      dist_info: DistInfo | None = None, cache: Path | None = None,
-                     key: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     key: dict | None = None, progress: float | None = None,
+                     desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
     """(features [N, F] float32, labels [N] int64) of `dataset`, both on `device`.
 
     Args:
@@ -138,6 +140,8 @@ def extract_features(model: nn.Module, dataset, *, kind: str = "cls", n_last_blo
         dist_info: the launch (laplace.dist.setup); None = one process.
         cache: the cache file; with `key`, a file holding the same key is returned without
             running the model, otherwise the features are computed and written (rank 0).
+        progress: None, no bar; else rank 0 shows one over the batches (train.logger.progress_bar,
+            a plain line every `progress` seconds where stderr is no terminal).
     """
     info = dist_info or DistInfo(device=torch.device(device))
     device = torch.device(device)
@@ -150,7 +154,9 @@ def extract_features(model: nn.Module, dataset, *, kind: str = "cls", n_last_blo
     loader = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                         pin_memory=device.type == "cuda", drop_last=False)
     feats, labels = [], []
-    for x, y in loader:
+    bar = progress_bar(len(loader), progress is not None and info.is_main, interval=progress or 0, desc=desc,
+                       unit="batch", iterable=loader)
+    for x, y in bar:
         x = x.to(device, non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             f = batch_features(model, x, kind, n_last_blocks, avgpool)
@@ -183,7 +189,8 @@ def probe_data_node(data_cfg, crop_pct: float | None = None) -> DictConfig:
 
 def split_features(model, info: dict, data_cfg, split: str, *, kind: str, n_last_blocks: int, avgpool: bool,
                    crop_pct: float | None, device, batch_size: int, num_workers: int,
-                   dist_info: DistInfo | None, cache_dir: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   dist_info: DistInfo | None, cache_dir: Path | None,
+                   progress: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Features of the `split` ("train" / "val") of the data node, with the probes' evaluation
     transform (`probe_data_node`), cached under `cache_dir`."""
     from laplace.data.vision import build_vision_dataset
@@ -196,7 +203,8 @@ def split_features(model, info: dict, data_cfg, split: str, *, kind: str, n_last
         cache = Path(cache_dir) / f"features_{d.name}_{split}_{name}.pt"
         key = cache_key(info, d, split, name, len(dataset), d.get("eval_crop_pct", 1.0))
     return extract_features(model, dataset, kind=kind, n_last_blocks=n_last_blocks, avgpool=avgpool, device=device,
-                            batch_size=batch_size, num_workers=num_workers, dist_info=dist_info, cache=cache, key=key)
+                            batch_size=batch_size, num_workers=num_workers, dist_info=dist_info, cache=cache, key=key,
+                            progress=progress, desc=f"{name} features, {d.name} {split}")
 
 
 def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False):
@@ -210,7 +218,7 @@ def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False)
     cache_dir = (run_dir_of(cfg.checkpoint) / "eval") if cfg.cache else None
     common = dict(kind=kind, n_last_blocks=n_last_blocks, avgpool=avgpool, crop_pct=cfg.crop_pct,
                   device=dist_info.device, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                  dist_info=dist_info, cache_dir=cache_dir)
+                  dist_info=dist_info, cache_dir=cache_dir, progress=progress_interval(cfg))
     train = split_features(model, info, cfg.data, "train", **common)
     val = split_features(model, info, cfg.data, "val", **common)
     return train, val, info, dist_info

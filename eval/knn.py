@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
+from train.logger import log_to_training_run
 
 
 from .features import eval_features, run_and_clean_up, write_results
@@ -81,11 +82,13 @@ def evaluate_knn(cfg: DictConfig) -> dict:
     k = min(int(cfg.k), len(xtr))
     for kk, r in res.items():
         print(f"[knn] {kk:>4}-NN T={cfg.T}: top1 {r['top1']:.2f}  top5 {r['top5']:.2f}")
-    return write_results(cfg, info, "knn", {
+    record = write_results(cfg, info, "knn", {
         "k": int(cfg.k), "T": float(cfg.T), "feature": "cls_norm_l2",
         "n_train": len(xtr), "n_val": len(xva),
         "knn": {"top1": res[k]["top1"], "top5": res[k]["top5"],
                 "per_k": {str(kk): r for kk, r in res.items()}}})
+    log_to_training_run(info["checkpoint"], record["knn"], "knn")  # when the run used W&B
+    return record
 
 
 @hydra_entry("knn")

@@ -38,6 +38,7 @@ from torch import nn
 
 from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
+from train.logger import log_to_training_run
 
 
 from .features import eval_features, run_and_clean_up, write_results
@@ -156,7 +157,7 @@ def evaluate_linear(cfg: DictConfig) -> dict:
         print(f"[linear] base lr {row['base_lr']:g} (lr {row['lr']:g}): held-out top1 {row['heldout_top1']:.2f}{mark}")
     print(f"[linear] val top1 {r['top1']:.2f}  top5 {r['top5']:.2f} (lr {r['lr']:g}, "
           f"{'retrained on the full train set' if r['retrained'] else 'the chosen head'})")
-    return write_results(cfg, info, "linear", {
+    record = write_results(cfg, info, "linear", {
         "n_last_blocks": int(cfg.n_last_blocks), "avgpool": bool(cfg.avgpool), "feature_dim": xtr.shape[1],
         "epochs": int(cfg.epochs), "train_batch_size": int(cfg.train_batch_size), "seed": int(cfg.seed),
         "val_fraction": float(cfg.val_fraction), "retrained": r["retrained"], "augmentation": "none (cached)",
@@ -164,6 +165,8 @@ def evaluate_linear(cfg: DictConfig) -> dict:
         "grid": r["grid"],
         "linear": {"top1": r["top1"], "top5": r["top5"], "lr": r["lr"], "base_lr": r["base_lr"],
                    "heldout_top1": r["heldout_top1"]}})
+    log_to_training_run(info["checkpoint"], record["linear"], "linear")  # when the run used W&B
+    return record
 
 
 @hydra_entry("linear")

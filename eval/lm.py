@@ -49,6 +49,7 @@ from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from laplace.rundir import MAX_NAME, check_writable, short_name
+from train.logger import log_to_training_run
 
 TASKS_DIR = Path(__file__).resolve().with_name("tasks")
 STANDARD_TASKS = ("arc_easy", "arc_challenge", "mmlu", "gsm8k", "humaneval")
@@ -373,6 +374,7 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
         out.write(format_table(rows, f"[lm_eval] {path} (step {shared['step']})") + "\n")
         out.write(f"[lm_eval] wrote {results_path}\n")
         out.flush()
+        log_to_training_run(path, flat, "lm")  # "lm/<task>/<metric>", when the GPT's run used W&B
         records.append(record)
     return records
 

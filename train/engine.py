@@ -44,7 +44,7 @@ from laplace.errors import ConfigError
 from laplace.io import write_json
 
 from .feeds import MapFeed, epoch_sampler, split_batch
-from .logger import MetricsLogger
+from .logger import MetricsLogger, format_metrics, print_line, progress_bar
 from .optim import (apply_group_schedules, build_optimizer, build_schedules, check_group_schedules,
                     clip_gradients)
 from .resume import check_resumable, find_checkpoint
@@ -315,9 +315,9 @@ class Trainer:
     def _fit(self, stop: StopRequest) -> dict:
         cfg, tc = self.cfg, self.cfg.trainer
         main = self.dist.is_main
-        logger = MetricsLogger(self.run_dir, enabled=main,
-                               wandb_cfg=OmegaConf.to_container(cfg.logger.wandb) if cfg.logger.wandb else None,
-                               config=self.plain_config(), resume_step=self.step if self.resumed else None)
+        wandb_cfg = OmegaConf.to_container(cfg.logger.wandb, resolve=True) if cfg.logger.wandb else None
+        logger = MetricsLogger(self.run_dir, enabled=main, wandb_cfg=wandb_cfg, config=self.plain_config(),
+                               resume_step=self.step if self.resumed else None)
         if main:
             print(f"[laplace] run_dir={self.run_dir} {'resumed at step ' + str(self.step) if self.resumed else 'new run'}; "
                   f"{self.total_steps} steps ({self.steps_per_epoch}/epoch), global batch "
@@ -326,10 +326,8 @@ class Trainer:
         eval_every = tc.eval_every or self.steps_per_epoch
         ckpt_every = tc.ckpt_every or self.steps_per_epoch
         stop_at = min(self.total_steps, self.step + tc.stop_after) if tc.stop_after else self.total_steps
-        bar = None
-        if main and tc.progress:
-            from tqdm import tqdm
-            bar = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True)
+        bar = progress_bar(self.total_steps, interval=cfg.logger.progress_interval,
+                           desc="train", initial=self.step, unit="step") if main and tc.progress else None
         batches = iter(self.feed)
         t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
         metrics = {}
@@ -378,7 +376,8 @@ class Trainer:
                        **{k: float(v) for k, v in extras.items()}}
                 logger.log(step, rec, split="train")
                 if bar is not None:
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}/s": f"{seen / dt:.0f}"})
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}/s": f"{seen / dt:.0f}"},
+                                    refresh=False)  # shown at the next redraw: off a terminal, a line per interval
                 t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
             if bar is not None:
                 bar.update(1)
@@ -425,8 +424,8 @@ class Trainer:
             metrics = self.evaluate()
         if metrics:
             logger.log(step, metrics, split="val", epoch=self.epoch)
-            if self.dist.is_main and not self.cfg.trainer.progress:
-                print(f"[laplace] step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
+            if self.dist.is_main:  # one plain line, bar or not (tqdm.write keeps the bar whole)
+                print_line(format_metrics(step, metrics))
         return metrics
 
     def write_results(self, results: dict):

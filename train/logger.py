@@ -1,5 +1,7 @@
 """Run logging: `metrics.jsonl` always (one JSON object a line, as DINO/DeiT's log.txt), wandb
-on rank 0 when `logger=wandb`."""
+on rank 0 when `logger=wandb`; the progress bar every loop and evaluation shows (`progress_bar`),
+one plain line per evaluation (`print_line`), and the evaluations' results sent to the W&B run of
+the training run they evaluate (`log_to_training_run`)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,8 +12,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from laplace.errors import UserError
-from laplace.io import append_line, atomic_write
+from omegaconf import OmegaConf
+
+from laplace.errors import ConfigError, UserError
+from laplace.io import append_line, atomic_write, write_json
+
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_RECORD = "wandb.json"  # <run_dir>/wandb.json: the W&B run of a training run (id, project, mode, ...)
 
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:
@@ -23,16 +30,78 @@ def wandb_run_id(run_dir: str | os.PathLike) -> str:
     return f"{readable}-{hashlib.sha1(path.encode()).hexdigest()[:10]}"
 
 
+def run_group(run_dir) -> str:
+    """The experiment a run directory belongs to, `<runs>/<trainer>/<experiment or data>/<run>`:
+    its parent folder, so that a sweep's runs (one per k, seed, model) share it. An evaluation run
+    `<run>/eval/<name>` (eval.segmentation) belongs to its training run's experiment. The
+    resolver `${run_group:${run_dir}}` of configs/logger/wandb.yaml."""
+    p = Path(str(run_dir))
+    return p.parent.parent.parent.name if p.parent.name == "eval" else p.parent.name
+
+
+OmegaConf.register_new_resolver("run_group", run_group, replace=True)
+
+
+def wandb_mode(configured: Optional[str]) -> tuple[str, str]:
+    """(the W&B mode, where it came from): logger.wandb.mode wins over $WANDB_MODE (a stray
+    `export WANDB_MODE=online` on a login node must not send an offline recipe online); with
+    `logger.wandb.mode=null` the environment decides, else wandb's own default (online)."""
+    env = os.environ.get("WANDB_MODE")
+    if configured is not None:
+        if configured not in WANDB_MODES:
+            raise ConfigError(f"logger.wandb.mode={configured}: choose one of {', '.join(WANDB_MODES)} "
+                              f"(or null to take WANDB_MODE from the environment)")
+        ignored = f"; WANDB_MODE={env} in the environment is ignored" if env and env != configured else ""
+        return configured, f"logger.wandb.mode{ignored}"
+    if env:
+        mode = {"dryrun": "offline", "run": "online"}.get(env, env)  # wandb's older spellings
+        if mode not in WANDB_MODES:
+            raise ConfigError(f"WANDB_MODE={env} (logger.wandb.mode is null): set it to one of "
+                              f"{', '.join(WANDB_MODES)}, or set logger.wandb.mode")
+        return mode, "WANDB_MODE (logger.wandb.mode is null)"
+    return "online", "wandb's default (logger.wandb.mode is null and WANDB_MODE unset)"
+
+
+def read_wandb_record(run_dir) -> Optional[dict]:
+    """<run_dir>/wandb.json (what `MetricsLogger` wrote when the run started W&B), or None."""
+    path = Path(run_dir) / WANDB_RECORD
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: unreadable ({e}); remove it to start a new W&B run") from None
+
+
+def init_wandb(run_dir, cfg: dict, config: Optional[dict], source_hint: str = ""):
+    """wandb.init for the run in `run_dir`, with the mode `wandb_mode` chooses (one line saying
+    which and why). The run id is cfg's `id` where one is given, else the one <run_dir>/wandb.json
+    recorded (a moved run directory keeps its W&B run), else `wandb_run_id`; resume="allow"
+    continues that run."""
+    import wandb  # only when asked: wandb's import is slow
+
+    mode, source = wandb_mode(cfg.get("mode"))
+    print(f"[laplace] wandb mode {mode} (from {source}{source_hint})", file=sys.stderr, flush=True)
+    rec = read_wandb_record(run_dir) or {}
+    run_id = cfg.get("id") or rec.get("id") or wandb_run_id(run_dir)
+    tags = [str(t)[:64] for t in (cfg.get("tags") or [])]  # W&B refuses longer tags
+    return wandb.init(project=cfg.get("project"), entity=cfg.get("entity"), id=run_id, resume="allow",
+                      name=cfg.get("name") or Path(run_dir).name, group=cfg.get("group"), tags=tags or None,
+                      mode=mode, dir=str(run_dir), config=config), mode
+
+
 class MetricsLogger:
     """Append metrics to <run_dir>/metrics.jsonl and optionally to wandb (rank 0 only).
 
     Args:
         run_dir: the run directory.
         enabled: False on ranks other than 0: every call is then a no-op.
-        wandb_cfg: None, or the `logger` config with project / entity / mode / name / id.
+        wandb_cfg: None, or the `logger.wandb` config (project, entity, name, mode, group, tags, id).
         config: the resolved run config, sent to wandb.
         resume_step: on resume, lines logged after this step (written after the last
-            checkpoint by the interrupted run) are dropped, so the file reads as one run.
+            checkpoint by the interrupted run) are dropped, so the file reads as one run; W&B
+            got those steps already and keeps them, so steps up to the last one it was sent are
+            not sent again (W&B drops a step lower than its last, with a warning).
     """
 
     def __init__(self, run_dir: str | os.PathLike, enabled: bool = True,
@@ -41,26 +110,30 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb = None
+        self.wandb_has = -1  # the last step W&B has: on resume, nothing up to it is sent again
         if not enabled:
             return
+        before = read_wandb_record(run_dir)
+        sent_before = before is not None and before.get("mode") != "disabled"  # W&B got this file's lines
         if resume_step is not None and self.path.exists():
-            kept = [json.dumps(r) for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
+            records = read_metrics(run_dir)
+            if sent_before:
+                self.wandb_has = max((r.get("step", 0) for r in records), default=-1)
+            kept = [json.dumps(r) for r in records if r.get("step", 0) <= resume_step]
             atomic_write(self.path, "".join(ln + "\n" for ln in kept).encode())
         if wandb_cfg:
-            import wandb  # only when asked: wandb's import is slow
-
-            os.environ.setdefault("WANDB_MODE", wandb_cfg.get("mode") or "offline")
-            self.wandb = wandb.init(project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"),
-                                    name=wandb_cfg.get("name") or Path(run_dir).name,
-                                    id=wandb_cfg.get("id") or wandb_run_id(run_dir),
-                                    resume="allow", dir=str(run_dir), config=config)
+            self.wandb, mode = init_wandb(run_dir, wandb_cfg, config)
+            # What an evaluation of this run's checkpoints needs to find its W&B run again.
+            write_json(Path(run_dir) / WANDB_RECORD, {
+                "id": self.wandb.id, "project": wandb_cfg.get("project"), "entity": wandb_cfg.get("entity"),
+                "group": wandb_cfg.get("group"), "tags": list(wandb_cfg.get("tags") or []), "mode": mode})
 
     def log(self, step: int, metrics: dict, **tags):
         if not self.enabled:
             return
         rec = {"step": step, **tags, **{k: _plain(v) for k, v in metrics.items()}}
         append_line(self.path, json.dumps(rec))
-        if self.wandb is not None:
+        if self.wandb is not None and step > self.wandb_has:
             self.wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
 
     def finish(self):
@@ -161,3 +234,118 @@ class RunLog:
             self.file.close()
         except OSError:
             pass
+
+
+# ---- what a user reads: progress and one line per evaluation --------------------------------
+
+class _Lines:
+    """A stream for tqdm where stderr is no terminal (a Slurm log, `> file`): each redraw becomes
+    one plain line, so the log holds a line every `mininterval` seconds instead of carriage-return
+    redraws glued onto one line. tqdm formats (rate, ETA, postfix); this only ends its lines."""
+
+    def __init__(self, stream):
+        self.stream, self.last = stream, None
+
+    def write(self, s: str) -> None:
+        s = s.replace("\r", "").strip()
+        # tqdm's clears (spaces between two \r) and its closing newline carry no text; closing
+        # redraws the last state, which the last update may have printed already
+        if s and s != self.last:
+            self.stream.write(s + "\n")
+            self.last = s
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress_bar(total: Optional[int], enabled: bool = True, *, interval: float, desc: Optional[str] = None,
+                 initial: int = 0, unit: str = "it", leave: bool = True, iterable=None):
+    """The progress bar of every loop (training, feature extraction, segmentation validation).
+
+    On a terminal: tqdm's bar. Where stderr is not a terminal (Slurm's log file): tqdm writing a
+    plain line (`desc n/total (p%) [elapsed<eta, rate]`) at most every `interval` seconds
+    (`logger.progress_interval`), through `_Lines`. tqdm rather than periodic prints of our own,
+    because it already times, rates and estimates; only the carriage returns had to go.
+    `enabled` False (another rank, `progress=false`): a bar that shows nothing. With `iterable`,
+    iterating the bar iterates it."""
+    from tqdm import tqdm
+
+    if not enabled:
+        return tqdm(iterable, total=total, initial=initial, disable=True)
+    if sys.stderr.isatty():
+        return tqdm(iterable, total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, leave=leave)
+    fmt = "{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+    return tqdm(iterable, total=total, initial=initial, desc=f"[laplace] {desc or 'progress'}", unit=unit,
+                file=_Lines(sys.stderr), mininterval=interval, maxinterval=interval,
+                bar_format=fmt if total else None, leave=True)
+
+
+def progress_interval(cfg) -> float:
+    """`logger.progress_interval` of an entry config. Entry configs without a logger node
+    (eval.knn, eval.linear) take the logger group's default file, configs/logger/jsonl.yaml,
+    unless the command line adds `+logger.progress_interval=S`."""
+    node = cfg.get("logger") if hasattr(cfg, "get") else None
+    if node is not None and node.get("progress_interval") is not None:
+        return float(node.progress_interval)
+    from laplace.cli import config_dir
+
+    return float(OmegaConf.load(config_dir() / "logger" / "jsonl.yaml").progress_interval)
+
+
+def print_line(text: str) -> None:
+    """One plain line on stdout, what every evaluation prints whatever the bar setting. On a
+    terminal through tqdm.write, which clears an open bar, prints and redraws it; off a terminal
+    the bars are lines themselves, and a redraw would only add one."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        tqdm.write(text, file=sys.stdout)
+    else:
+        print(text)
+    sys.stdout.flush()
+
+
+def format_metrics(step: int, metrics: dict) -> str:
+    """`[laplace] step 120: val_loss=0.4321, val_acc1=81.2500` (floats with 4 decimals)."""
+    parts = [f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()]
+    return f"[laplace] step {step}: " + ", ".join(parts)
+
+
+# ---- evaluations and analyses into the training run's W&B run ------------------------------
+
+def _flat(d: dict, prefix: str) -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}/{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = v
+    return out
+
+
+def log_to_training_run(checkpoint, results: dict, prefix: str) -> Optional[str]:
+    """Put an evaluation's numbers (`results`, nested dicts flattened to `<prefix>/a/b`) into the
+    summary of the W&B run of the training run that wrote `checkpoint`, when that run used W&B
+    (its <run>/wandb.json; otherwise nothing happens and wandb is not imported). A checkpoint
+    other than last.pt adds its name: `knn@step_1000/top1`.
+
+    The mode is the training run's (its logger.wandb.mode; WANDB_MODE only where that was null).
+    Online, wandb.init(id=..., resume="allow") continues the run itself. Offline, wandb 0.31 does
+    not resume: it writes another offline folder with the same id under <run>/wandb/, which
+    `wandb sync <run>/wandb/offline-run-*` uploads into the same W&B run after the run's own
+    (it syncs a run's folders in order of start time). Returns the W&B run id, or None."""
+    from laplace.checkpoint import run_dir_of
+
+    run_dir = run_dir_of(checkpoint)
+    rec = read_wandb_record(run_dir)
+    if rec is None or rec.get("mode") == "disabled":
+        return None
+    stem = Path(checkpoint).stem
+    flat = _flat(results, prefix if stem == "last" else f"{prefix}@{stem}")
+    run, _ = init_wandb(run_dir, {**rec, "mode": rec.get("mode")}, None,
+                        source_hint=f", the training run's, recorded in {run_dir / WANDB_RECORD}")
+    run.summary.update(flat)
+    run.finish()
+    print(f"[laplace] {len(flat)} result(s) {prefix}/... logged to W&B run {rec['id']} ({run_dir})", flush=True)
+    return rec["id"]

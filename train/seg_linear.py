@@ -22,6 +22,7 @@ from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
 
 from .engine import Trainer
+from .logger import progress_bar
 from .seg_metrics import SegMetric
 
 
@@ -160,7 +161,10 @@ class SegLinearTrainer(Trainer):
         window = tc.crop_size
         stride = tc.slide_stride or math.ceil(window * 2 / 3)  # 341 for 512, as DINOv2
         metric = SegMetric(k, device=self.device)
-        for x, y in self.eval_loader(self.val_set, batch_size=1):  # images differ in size
+        loader = self.eval_loader(self.val_set, batch_size=1)  # images differ in size
+        bar = progress_bar(len(loader), self.dist.is_main and tc.progress, interval=self.cfg.logger.progress_interval,
+                           desc="val (sliding windows)", unit="img", leave=False, iterable=loader)
+        for x, y in bar:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             logits = slide_inference(self.net, x, k, window, stride)
             logits = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
