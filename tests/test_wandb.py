@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.conftest import CONFIGS, TINY_VIT
+from conftest import CONFIGS, TINY_VIT
 from train import run
 from train.logger import format_metrics, progress_bar, read_metrics, wandb_mode
 
@@ -231,3 +231,15 @@ def test_lm_results_reach_the_gpt_runs_wandb_run(make_cfg, tmp_path, offline, py
     train_run, evaluation = offline_runs(run_dir)
     assert train_run["tags"] == ["k=1", "gpt_tiny", "seed=0", "gpt_d2_1L"] and evaluation["id"] == train_run["id"]
     assert evaluation["summary"]["lm/laplace_pydoc_mc/acc"] == pytest.approx(saved["laplace_pydoc_mc/acc"])
+
+
+def test_the_wandb_config_resolves_from_the_command_line():
+    """`python train.py logger=wandb --cfg job --resolve` prints the node: its ${run_group:...}
+    resolver is registered before Hydra resolves."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "train.py", "logger=wandb", "model=vitt_1L", "--cfg", "job", "--resolve"],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "- k=1" in proc.stdout and "- vitt_1L" in proc.stdout

@@ -13,6 +13,8 @@ from laplace.errors import ConfigError
 from laplace import model_defaults
 from laplace.rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
 
+from . import logger  # noqa: F401  (registers ${run_group:...} before Hydra resolves the config)
+
 # name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
 # outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
 # Only the loop's own trainers: a floor above (eval) builds on the engine but is not named here.
