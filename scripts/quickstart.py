@@ -88,8 +88,14 @@ def _minsec(s: float) -> str:
 
 def stage_table(elapsed: float) -> None:
     """Each stage's wall and CPU time, the install's (scripts/env.sh exports it) and the totals."""
+    import torch
+
+    from bench.report import cpu_model
+
     install = os.environ.get("LAPLACE_INSTALL_SECONDS")
-    print("\nStage times (wall m:s, CPU s = user + system of the stage's processes)")
+    # Machines of one name differ (AVX-512 or AVX2 kernels, the VM's day): the times name both.
+    print(f"\nStage times on {cpu_model()}, {len(os.sched_getaffinity(0))} cores, torch CPU kernels "
+          f"{torch.backends.cpu.get_cpu_capability()} (wall m:s, CPU s = user + system of the stage's processes)")
     print("  (a pair's two trainings run side by side, one thread each: their wall times overlap)")
     if install:
         print(f"  {'install (.venv; 0 when already there)':<40} {_minsec(float(install)):>8}")

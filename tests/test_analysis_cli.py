@@ -227,7 +227,9 @@ def test_quickstart_prints_geometry(tmp_path):
         assert (tmp_path / "quickstart" / paradigm / "analysis" / "spectrum.png").exists()
     assert (tmp_path / "quickstart" / "dino" / "analysis" / "pca_maps.png").exists()  # both models' rows
     # the closing table: the install's time (from scripts/env.sh), one row per command, the totals
-    stages = lines[lines.index("Stage times (wall m:s, CPU s = user + system of the stage's processes)") + 2:]
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("Stage times on "))
+    assert "cores, torch CPU kernels" in lines[head]  # the machine the times are of
+    stages = lines[head + 2:]
     names = [ln[:42].strip() for ln in stages]
     assert names == ["install (.venv; 0 when already there)", "train vitt_0L", "train vitt_3L", "analysis vit",
                      "prepare (BPE 4096, shards)", "train gpt_d2_0L", "train gpt_d2_1L", "analysis lm",
