@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import SlurmCluster, Unavailable
-from test_slurm_cluster import log, sbatch_words, site_env
+from test_slurm_cluster import cluster, log, sbatch_words, site_env  # noqa: F401 (cluster: the fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,18 +53,6 @@ def test_dino_chain_dependencies_and_overrides(tmp_path):
     proc = subprocess.run(["bash", "slurm/chain.sh", "::", "train.sbatch", "::", "--after=2", "analysis.sbatch"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "stage 2: --after=2 names no earlier stage (1..1)" in proc.stderr
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = SlurmCluster(cpus=8)
-    try:
-        c.start()
-    except Unavailable as e:
-        pytest.skip(f"no Slurm cluster here: {e}")
-    yield c
-    leftovers = c.stop()
-    assert not leftovers, f"processes still running after the cluster stopped: {leftovers}"
 
 
 @pytest.mark.slow
