@@ -47,7 +47,11 @@ def test_the_constraints_are_this_venv():
     it pins is at its pinned version (the [seg] extra's packages only where .ci/run added them)."""
     if os.path.realpath(sys.prefix) != os.path.realpath(ROOT / ".venv"):
         pytest.skip(f"this Python ({sys.prefix}) is not the venv scripts/env.sh builds ({ROOT / '.venv'})")
-    installed = {canonicalize_name(d.metadata["Name"]): Version(d.version) for d in metadata.distributions()}
+    # The first distribution of a name on sys.path, as metadata.version(name) reads it: an imported
+    # setuptools appends its _vendor folder (older packaging, platformdirs, ...) to sys.path.
+    installed = {}
+    for d in metadata.distributions():
+        installed.setdefault(canonicalize_name(d.metadata["Name"]), Version(d.version))
     differ = {n: (str(v), str(installed[n])) for n, v in PINS.items() if n in installed and installed[n] != v}
     assert not differ, f"installed versions differ from constraints.txt (pinned, installed): {differ}"
 
