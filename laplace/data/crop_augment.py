@@ -181,8 +181,9 @@ def _blur(x: torch.Tensor, radius: torch.Tensor, on: torch.Tensor, max_radius: f
 def augment(crops: torch.Tensor, params: torch.Tensor, mean, std, max_radius: float = 2.0,
             jitter_last: bool = False) -> torch.Tensor:
     """Crops [B, 3, S, S] (uint8, or float holding 0-255 values as resize_crops returns) and their
-    parameter rows [B, len(PARAMS)] (same device) -> the augmented, normalised float32 batch. Order: flip, jitter, grayscale, blur, solarize (DINO);
-    jitter_last: flip, grayscale, blur, solarize, jitter (3-Augment)."""
+    parameter rows [B, len(PARAMS)] (same device) -> the augmented, normalised float32 batch.
+    Order: flip, jitter, grayscale, blur, solarize (DINO); jitter_last: flip, grayscale, blur,
+    solarize, jitter (3-Augment)."""
     with torch.autocast(crops.device.type, enabled=False):  # in float32 inside the step's autocast too
         return _augment(crops.float() / 255, params, mean, std, max_radius, jitter_last)
 
