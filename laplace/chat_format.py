@@ -189,9 +189,3 @@ def render_for_completion(tok, conversation) -> list[int]:
     conversation["messages"] = messages
     ids, _ = render_conversation(tok, conversation, max_tokens=None)
     return ids + [tok.special_id("<|assistant_start|>")]
-
-
-def visualize(tok, ids: Sequence[int], mask: Sequence[int]) -> str:
-    """Debug view of a rendering: trained tokens in green, the rest in red, separated by `|`."""
-    green, red, reset = "\033[92m", "\033[91m", "\033[0m"
-    return "|".join(f"{green if m else red}{tok.decode([i])}{reset}" for i, m in zip(ids, mask))

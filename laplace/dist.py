@@ -193,14 +193,6 @@ def all_gather_object(obj) -> list:
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 _CPU_GROUP = None
 
 

@@ -88,7 +88,10 @@ def test_muon_stays_the_gpt_trainers(make_cfg):
     from train import check_engine_config, get_trainer
 
     cfg = make_cfg("experiment=gpt_pydoc", "model=gpt_d2_0L", "optim=muon")
-    check_engine_config(get_trainer("gpt"), cfg)  # the GPT trainer routes Muon itself: no error
+    assert check_engine_config(get_trainer("gpt"), cfg) is None  # the GPT trainer routes Muon itself
+    vit = make_cfg("model=vitt_0L", *TINY_VIT, "optim=muon")  # the engine's own optimizers have no Muon
+    with pytest.raises(ConfigError, match="optim=muon splits a GPT's parameters"):
+        check_engine_config(get_trainer("deit3"), vit)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

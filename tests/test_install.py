@@ -138,8 +138,15 @@ def test_the_wheel_holds_laplace_alone_and_the_editable_install_the_checkout(tmp
     # The folder comes by the environment: setuptools reads sys.argv as setup.py's arguments.
     code = ("import os; from pathlib import Path; from setuptools import build_meta as b; out = os.environ['OUT']; "
             "Path(out, 'built').write_text(b.build_wheel(out) + ' ' + b.build_editable(out))")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "OUT": str(tmp_path)},
-                       capture_output=True, text=True, timeout=180)
+    leftovers = [ROOT / "build", ROOT / "laplace.egg-info"]
+    before = {d: d.exists() for d in leftovers}
+    try:
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "OUT": str(tmp_path)},
+                           capture_output=True, text=True, timeout=180)
+    finally:  # setuptools builds in the project folder: leave the checkout as it was
+        for d, existed in before.items():
+            if not existed:
+                shutil.rmtree(d, ignore_errors=True)
     assert p.returncode == 0, p.stderr[-3000:]
     wheel, editable = (tmp_path / name for name in (tmp_path / "built").read_text().split())
     with zipfile.ZipFile(wheel) as z:
