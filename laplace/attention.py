@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .merged_projection import laplacian, merge, merged_projection
+from .merged_projection import merge, merge_laplacian, merged_projection
 
 LAPLACIAN_MODES = ("fixed", "learned")
 #: Learned gates start at logit +1 (the last k heads: a = 0.73) or -1 (the others: a = 0.27).
@@ -259,7 +259,7 @@ class Attention(nn.Module):
         elif self.save_memory and attn is None and torch.is_grad_enabled() and torch.amp.is_autocast_available(x.device.type):
             out = merged_projection(out, v, self.num_laplacian_heads, self.proj)  # as below, less saved
         else:
-            out = self.proj(merge(laplacian(out, v, self.num_laplacian_heads)))  # V - P V on the last k heads
+            out = self.proj(merge_laplacian(out, v, self.num_laplacian_heads))  # V - P V on the last k heads
         out = self.proj_drop(out)
         return (out, attn) if return_attn else out
 
