@@ -113,10 +113,13 @@ def test_gpt_step_and_evaluation(make_cfg):
     assert math.isfinite(metrics["val_loss"])
 
 
-def test_dino_step_and_evaluation(make_cfg, tmp_path):
+@pytest.mark.parametrize("device_augment", [False, True])
+def test_dino_step_and_evaluation(make_cfg, tmp_path, device_augment):
+    """device_augment: the crops cut, resized and augmented on the device (laplace.data.resample)."""
     cfg = make_cfg("experiment=dino_digits", *VIT, "trainer.global_batch_size=8", "trainer.head.out_dim=64",
                    "trainer.head.hidden_dim=32", "trainer.head.bottleneck_dim=16",
-                   "trainer.multicrop.local_crops=2", "data.val_fraction=0.99")
+                   "trainer.multicrop.local_crops=2", "data.val_fraction=0.99",
+                   f"trainer.multicrop.device_augment={str(device_augment).lower()}")
     _run_on_fake_cuda(cfg)  # asserts that the run placed its tensors on the device
     from train.logger import read_metrics
 
@@ -146,7 +149,7 @@ def _syncs_of_steps(train) -> list[list[str]]:
     return [syncs[a:b] for a, b in zip(starts, starts[1:])]
 
 
-@pytest.mark.parametrize("name", ["deit3", "gpt", "dino", "seg_linear"])
+@pytest.mark.parametrize("name", ["deit3", "gpt", "dino", "dino_device_augment", "seg_linear"])
 def test_steps_between_log_steps_make_no_host_sync(name, make_cfg, tmp_path, request):
     """Steps 2 and 3 of 4 (no log, evaluation or checkpoint at either) never make the host wait
     for the device (an `.item()`, a `bool()` of a device tensor, a copy to the host, ...): the
@@ -163,7 +166,9 @@ def test_steps_between_log_steps_make_no_host_sync(name, make_cfg, tmp_path, req
                           f"data.root={tmp_path / 'cifar'}", "trainer.global_batch_size=8"],
                 "gpt": ["experiment=gpt_pydoc", "model=gpt_d2_1L", "data.seq_len=32", "optim=muon",
                         "trainer.global_batch_size=8", *VIT[2:]],
-                "dino": ["experiment=dino_digits", *VIT, "trainer.global_batch_size=8", *DINO]}[name]
+                "dino": ["experiment=dino_digits", *VIT, "trainer.global_batch_size=8", *DINO],
+                "dino_device_augment": ["experiment=dino_digits", *VIT, "trainer.global_batch_size=8", *DINO,
+                                        "trainer.multicrop.device_augment=true"]}[name]
         cfg = make_cfg(*over, *QUIET)
         train = lambda: run(cfg)  # noqa: E731
     steps = _syncs_of_steps(train)
