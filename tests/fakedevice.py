@@ -287,6 +287,11 @@ def fake_cuda():
                # The optimizers ask the current CUDA stream whether a graph is being captured.
                mock.patch("torch.accelerator.current_stream", lambda d=None: mock.Mock(is_capturing=lambda: False)),
                *_cuda_rng(), *_autocast_patches()]
+    # Device tensors our code caches (made once per device) were tagged by an earlier context
+    # and are plain CPU tensors now: made again in this one, as a fresh process would.
+    from laplace.data.crop_augment import _channel_constants
+
+    _channel_constants.cache_clear()
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
