@@ -35,6 +35,7 @@ import torch
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
+from laplace import model_label
 from laplace.chat_format import render_for_completion
 from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.data import DatasetNotFoundError
@@ -65,7 +66,7 @@ def load_generator_model(path, device: str = "auto", tokenizer: str | None = Non
     """(GPT in eval mode on its device, its tokenizer) from a checkpoint file; `tokenizer`:
     a path (or bytes | gpt2) instead of the one the checkpoint's config names."""
     ckpt = load_checkpoint(path)
-    name = ckpt["config"]["model"]["name"]
+    name = model_label(ckpt["config"]["model"])
     model = model_from_checkpoint(ckpt, resolve_device(device))
     if not isinstance(model, GPT):
         raise ConfigError(f"checkpoint={path} holds {name}, not a GPT: generation needs a language model")

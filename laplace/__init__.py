@@ -7,9 +7,9 @@
     model = laplace.from_pretrained("org/name")               # an export on the Hugging Face Hub
 """
 from .checkpoint import load_model
-from .zoo import create_model, list_models, model_defaults
+from .zoo import create_model, list_models, model_defaults, model_label
 
-__all__ = ["create_model", "from_pretrained", "list_models", "load_model", "model_defaults"]
+__all__ = ["create_model", "from_pretrained", "list_models", "load_model", "model_defaults", "model_label"]
 __version__ = "0.1.0"
 
 

@@ -136,9 +136,10 @@ def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[in
         if len(counts) != depth:
             raise ConfigError(f"num_laplacian_heads has {len(counts)} entries but the model has "
                               f"{depth} layers: give one count per layer or a single int")
-    for i, k in enumerate(counts):
+    for i, k in enumerate(counts):  # the one range check of k (the zoo's names and every model come here)
         if not 0 <= k <= num_heads:
-            raise ConfigError(f"num_laplacian_heads={k} in layer {i} is outside 0..{num_heads} "
+            where = "" if isinstance(num_laplacian_heads, numbers.Integral) else f" in layer {i}"
+            raise ConfigError(f"num_laplacian_heads={k}{where} is outside 0..{num_heads} "
                               f"(this model has {num_heads} heads per layer)")
     return counts
 
@@ -182,9 +183,7 @@ class Attention(nn.Module):
         super().__init__()
         if dim % num_heads:
             raise ConfigError(f"dim={dim} is not divisible by num_heads={num_heads}")
-        if not 0 <= num_laplacian_heads <= num_heads:
-            raise ConfigError(f"num_laplacian_heads={num_laplacian_heads} is outside "
-                              f"0..{num_heads} (num_heads)")
+        num_laplacian_heads, = laplacian_counts(num_laplacian_heads, 1, num_heads)
         if laplacian_mode not in LAPLACIAN_MODES:
             raise ConfigError(f"laplacian_mode={laplacian_mode!r}: choose one of {LAPLACIAN_MODES}")
         self.num_heads = num_heads

@@ -38,6 +38,7 @@ import torch.nn as nn
 from .dist import unwrap
 from .errors import ConfigError, UserError
 from .io import atomic_write
+from .zoo import model_label
 
 FORMAT = "laplace-checkpoint"
 VERSION = 2
@@ -342,8 +343,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: 
         k = model_cfg.num_laplacian_heads
         want = (k if isinstance(k, int) else list(k), model_cfg.laplacian_mode)
         if got != want:  # Laplacian heads add no parameters: a mismatch would load silently
-            raise CheckpointError(f"{path} was trained as {src_cfg['name']} ({got[0]} {got[1]} "
-                                  f"Laplacian heads) but the model is {model_cfg.name} ({want[0]} "
+            raise CheckpointError(f"{path} was trained as {model_label(src_cfg)} ({got[0]} {got[1]} "
+                                  f"Laplacian heads) but the model is {model_label(model_cfg)} ({want[0]} "
                                   f"{want[1]}); fine-tune each model from its own pre-training")
     own = model.state_dict()
     head_keys = [k for k in own if k.startswith(_HEADS)]
@@ -400,7 +401,7 @@ def load_backbone(checkpoint, model_node=None, img_size: Optional[int] = None, h
     model = create_model(**node)
     _load_into(model, sd, f"checkpoint={path}", node["name"])
     model.requires_grad_(False).eval().to(device)
-    return model, {"node": node, "model": node["name"], "checkpoint": str(path), "step": step, "source": source}
+    return model, {"node": node, "model": model_label(node), "checkpoint": str(path), "step": step, "source": source}
 
 
 def _backbone_source(path: Path, model_node, img_size, head: bool) -> tuple[dict, dict, Optional[int], str]:
@@ -443,6 +444,6 @@ def results_header(model: dict, dataset: Optional[str], checkpoint, **fields) ->
     what `analysis.tables` groups runs by. `model` is the model node; `fields` follow."""
     k = model["num_laplacian_heads"]
     # checkpoints from before learned modes have no laplacian_mode: theirs was fixed
-    return {"model": model["name"], "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
+    return {"model": model_label(model), "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
             "laplacian_mode": model.get("laplacian_mode", "fixed"), "dataset": dataset,
             "checkpoint": str(checkpoint), **fields}

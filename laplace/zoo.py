@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import numbers
 import re
 
 import torch.nn as nn
@@ -41,26 +42,52 @@ def _valid_names_hint() -> str:
     return f"valid names: {ks}, gpt_d{{depth}}_{{k}}L with k <= heads (e.g. gpt_d20_{{0..10}}L)"
 
 
-def model_defaults(name: str) -> dict:
-    """The architecture arguments a name stands for: {"arch": "vit"|"gpt", **kwargs}."""
+def parse_name(name: str) -> tuple[str, int]:
+    """A zoo name as (family, k): "vitb_12L" -> ("vitb", 12), "gpt_d20_5L" -> ("gpt_d20", 5).
+    The only place a name is read; k is not checked against the heads here (see model_defaults)."""
     m = _NAME.match(name)
     if m is None:
         raise UnknownModelError(f"unknown model {name!r}; {_valid_names_hint()}")
-    k = int(m["k"])
-    if m["vit"]:
-        cfg = dict(arch="vit", **VIT_ARCHS[m["vit"]])
+    return name[:m.start("k") - 1], int(m["k"])
+
+
+def model_defaults(name: str) -> dict:
+    """The architecture arguments a name stands for: {"arch": "vit"|"gpt", **kwargs}."""
+    family, k = parse_name(name)
+    if family in VIT_ARCHS:
+        cfg = dict(arch="vit", **VIT_ARCHS[family])
         heads = cfg["num_heads"]
     else:
-        depth = int(m["depth"])
+        depth = int(family[len("gpt_d"):])
         if depth < 1:
             raise UnknownModelError(f"model {name!r}: depth must be >= 1")
         heads = gpt_dims(depth)[1]
         cfg = dict(arch="gpt", depth=depth)
-    if k > heads:
+    if k > heads:  # the range check itself is the models' (laplacian_counts); this one names the name
         raise UnknownModelError(f"model {name!r} asks for {k} Laplacian heads but has only "
                                 f"{heads} heads per layer; use k in 0..{heads}")
     cfg["num_laplacian_heads"] = k
     return cfg
+
+
+def model_label(node) -> str:
+    """What a model node is called in run folders, logs and results: the family of its `name`
+    with the node's own k, so `model=vitb_12L model.num_laplacian_heads=3` is "vitb_3L" (the node
+    holds the architecture; the name only chose the config it started from). Per-layer counts
+    join with "-" ("gpt_d12_0-0-6-6L") unless they are all equal; a name outside the zoo is
+    returned as it is."""
+    name = str(node["name"])
+    try:
+        family, k = parse_name(name)
+    except UnknownModelError:
+        return name
+    k = node.get("num_laplacian_heads", k)
+    if isinstance(k, numbers.Integral):
+        k = int(k)
+    else:  # a per-layer list (ListConfig or list)
+        ks = [int(x) for x in k]
+        k = ks[0] if len(set(ks)) == 1 else "-".join(map(str, ks))
+    return f"{family}_{k}L"
 
 
 def create_model(name: str, **overrides) -> nn.Module:

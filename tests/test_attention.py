@@ -213,7 +213,7 @@ def test_bad_arguments_raise_clear_errors():
         VisionTransformer(laplacian_mode="sometimes", **vit)
     with pytest.raises(ValueError, match="4 entries but the model has 2 layers"):
         GPT(vocab_size=16, depth=2, width=DIM, num_heads=HEADS, num_laplacian_heads=[0, 1, 2, 3])
-    with pytest.raises(ValueError, match=r"-1 in layer 0"):
+    with pytest.raises(ValueError, match=r"num_laplacian_heads=-1 is outside 0\.\.4"):
         GPT(vocab_size=16, depth=2, width=DIM, num_heads=HEADS, num_laplacian_heads=-1)
 
 

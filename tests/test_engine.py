@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+import laplace
 from laplace.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from laplace.errors import ConfigError
 from train.logger import read_metrics
@@ -299,6 +300,27 @@ def test_run_dir_names_stay_short_stable_and_distinct(make_cfg):
     assert len(name) <= MAX_NAME and name.startswith("vitb_12L_s0_") and a == run_dir_from_overrides(cfg, many)
     assert a != b
     assert os.path.basename(run_dir_from_overrides(cfg, ["optim.lr=1e-4"])) == "vitb_12L_s0_optim.lr=1e-4"
+
+
+def test_the_label_follows_the_model_node_not_the_name(make_cfg):
+    """k has one source, the model node: `model=vitb_12L model.num_laplacian_heads=3` is the model
+    `model=vitb_3L` builds, so it gets its label (run folder, results, W&B tag), not "12L"."""
+    from laplace.checkpoint import results_header
+    from omegaconf import OmegaConf
+    from train import run_dir_from_overrides
+
+    over = ["model=vitb_12L", "model.num_laplacian_heads=3"]
+    cfg = make_cfg(*over)
+    assert laplace.model_label(cfg.model) == "vitb_3L"
+    same = make_cfg("model=vitb_3L")
+    assert run_dir_from_overrides(cfg, over) == run_dir_from_overrides(same, ["model=vitb_3L"])
+    assert results_header(OmegaConf.to_container(cfg.model), "digits", "x")["model"] == "vitb_3L"
+    per_layer = make_cfg("model=gpt_d2_0L", "model.num_laplacian_heads=[0,1]")
+    assert laplace.model_label(per_layer.model) == "gpt_d2_0-1L"
+    assert laplace.model_label(make_cfg("model=gpt_d2_0L", "model.num_laplacian_heads=[1,1]").model) == "gpt_d2_1L"
+    assert laplace.model_label({"name": "my_net"}) == "my_net"  # outside the zoo: the name itself
+    wb = make_cfg(*over, "logger=wandb").logger.wandb
+    assert "vitb_3L" in list(wb.tags) and "k=3" in list(wb.tags)
 
 
 def test_wandb_ids_differ_between_stages_of_one_experiment(tmp_path):

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from laplace.config import check_required
 from laplace.errors import ConfigError
-from laplace import model_defaults
+from laplace import model_defaults, model_label
 from laplace.rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
 
 from . import logger  # noqa: F401  (registers ${run_group:...} before Hydra resolves the config)
@@ -87,18 +87,19 @@ def _fitting(arch: str | None = None, modality: str | None = None) -> str:
 
 
 def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
-    """<runs_dir>/<trainer>/<experiment or data>/<model>_s<seed>[_<other overrides>].
+    """<runs_dir>/<trainer>/<experiment or data>/<model label>_s<seed>[_<other overrides>].
 
     A name longer than MAX_NAME keeps its readable start and ends in a hash of the whole,
     so it stays unique and the same command finds the same directory again."""
     keep = []
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
-        if key in ("model", "data", "trainer", "seed", "experiment") or key.startswith(EXECUTION_KEYS):
-            continue
+        if key in ("model", "data", "trainer", "seed", "experiment", "model.num_laplacian_heads") or \
+                key.startswith(EXECUTION_KEYS):
+            continue  # the label says k
         keep.append(re.sub(r"[^A-Za-z0-9_.,=+-]", "-", o))
     exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
-    name = f"{cfg.model.name}_s{cfg.seed}" + ("_" + ",".join(sorted(keep)) if keep else "")
+    name = f"{model_label(cfg.model)}_s{cfg.seed}" + ("_" + ",".join(sorted(keep)) if keep else "")
     name = short_name(name, MAX_NAME)
     trainer = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.trainer.name)
     return str(Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name) / name)

@@ -35,7 +35,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from laplace import create_model, dist
+from laplace import create_model, dist, model_label
 from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_pretrained, results_header, rng_state,
                                 save_checkpoint, set_rng_state)
@@ -268,7 +268,7 @@ class Trainer:
         try:
             self.model.load_state_dict(ckpt.get("train_model", ckpt["model"]), strict=True)
         except RuntimeError as e:
-            raise CheckpointError(f"{path} does not fit model {self.cfg.model.name}: "
+            raise CheckpointError(f"{path} does not fit model {model_label(self.cfg.model)}: "
                                   f"{' '.join(str(e).split())[:300]}") from None
         states = ckpt["optimizer"]
         if set(states) != set(self.optimizers):

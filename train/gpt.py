@@ -27,6 +27,7 @@ import json
 import math
 
 import torch
+from laplace import model_label
 from laplace.dist import all_reduce_sum
 from laplace.io import append_line
 
@@ -94,7 +95,7 @@ class GPTTrainer(Trainer):
         if self.dist.is_main:
             n = sum(p.numel() for p in model.parameters())
             per_step = self.cfg.trainer.global_batch_size * self.units_per_sample
-            print(f"[laplace] {self.cfg.model.name}: {n:,} parameters; {per_step:,} {self.unit} per step",
+            print(f"[laplace] {model_label(self.cfg.model)}: {n:,} parameters; {per_step:,} {self.unit} per step",
                   flush=True)
         self.flops_per_token = flops_per_token(model, self.cfg.data.seq_len)
         self.peak = self.cfg.trainer.peak_flops or peak_flops(self.device)

@@ -14,6 +14,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from laplace import model_label
 from laplace.errors import ConfigError, UserError
 from laplace.io import append_line, atomic_write, write_json
 
@@ -40,6 +41,8 @@ def run_group(run_dir) -> str:
 
 
 OmegaConf.register_new_resolver("run_group", run_group, replace=True)
+# `${model_label:${model}}`: the model's name with the node's own k (laplace.model_label)
+OmegaConf.register_new_resolver("model_label", lambda node: model_label(node), replace=True)
 
 
 def wandb_mode(configured: Optional[str]) -> tuple[str, str]:
