@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf import DictConfig
 
 from analysis.geometry import analyze_checkpoint, check_metrics, eval_split, layer_names, load_for_analysis
 from laplace.checkpoint import run_dir_of
 from laplace.cli import hydra_entry
+from laplace.config import required_list
 from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import check_writable
@@ -62,12 +62,8 @@ def headline(res: dict) -> dict:
 
 
 def _checkpoints(cfg) -> list[Path]:
-    try:
-        value = cfg.checkpoint
-    except MissingMandatoryValue:
-        raise ConfigError("checkpoint is required: python -m analysis checkpoint=PATH "
-                          "(or checkpoint=[PATH1,PATH2] to compare)") from None
-    paths = [Path(p) for p in (value if isinstance(value, ListConfig) else [value])]
+    paths = [Path(p) for p in required_list(cfg, "checkpoint", "python -m analysis checkpoint=PATH "
+                                                               "(or checkpoint=[PATH1,PATH2] to compare)")]
     for p in paths:
         if not p.is_file():
             raise ConfigError(f"checkpoint={p}: no such file; pass checkpoint=PATH to a laplace checkpoint, "

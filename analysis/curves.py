@@ -26,10 +26,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from omegaconf import DictConfig, ListConfig
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf import DictConfig
 
 from laplace.cli import hydra_entry
+from laplace.config import required_list
 from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import check_writable
@@ -137,12 +137,8 @@ def _roots(cfg) -> list[Path]:
     """runs= as folders: a path, a list, or glob patterns (each must match a folder)."""
     from analysis.runs import runs_roots
 
-    try:
-        value = cfg.runs
-    except MissingMandatoryValue:
-        raise ConfigError("runs is required: python -m analysis.curves runs=DIR (or runs=[DIR1,DIR2], or a "
-                          "quoted glob runs='runs/deit3/digits/vitt_*'), folders holding run directories") from None
-    items = [str(p) for p in (value if isinstance(value, (ListConfig, list)) else [value])]
+    items = required_list(cfg, "runs", "python -m analysis.curves runs=DIR (or runs=[DIR1,DIR2], or a quoted "
+                          "glob runs='runs/deit3/digits/vitt_*'), folders holding run directories")
     folders = []
     for item in items:
         if glob.has_magic(item):

@@ -33,7 +33,6 @@ from typing import TextIO
 
 import torch
 from omegaconf import DictConfig
-from omegaconf.errors import MissingMandatoryValue
 
 from laplace import model_label
 from laplace.chat_format import render_for_completion
@@ -41,6 +40,7 @@ from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.data import DatasetNotFoundError
 from laplace.dist import resolve_device
 from laplace.cli import hydra_entry
+from laplace.config import required
 from laplace.errors import ConfigError
 from laplace.gpt import GPT
 from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
@@ -50,11 +50,7 @@ QUIT = ("quit", "exit")
 
 
 def _checkpoint(cfg) -> Path:
-    try:
-        value = cfg.checkpoint
-    except MissingMandatoryValue:
-        raise ConfigError("checkpoint is required: python -m eval.generate checkpoint=PATH "
-                          "prompt=\"...\"") from None
+    value = required(cfg, "checkpoint", 'python -m eval.generate checkpoint=PATH prompt="..."')
     path = Path(str(value))
     if not path.is_file():
         raise ConfigError(f"checkpoint={value}: no such file; pass checkpoint=PATH to a GPT's laplace "

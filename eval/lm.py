@@ -42,10 +42,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
-from omegaconf.errors import MissingMandatoryValue
 
 from laplace.checkpoint import load_checkpoint, results_header, run_dir_of
 from laplace.cli import hydra_entry
+from laplace.config import required_list
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from laplace.rundir import MAX_NAME, check_writable, short_name
@@ -60,11 +60,7 @@ CODE_ENV = ("LAPLACE_ALLOW_CODE_EXECUTION", "HF_ALLOW_CODE_EVAL")
 
 def checkpoints(cfg) -> list[Path]:
     """The checkpoint files (one path or a list); a missing one is a one-line error."""
-    try:
-        value = cfg.checkpoint
-    except MissingMandatoryValue:
-        raise ConfigError("checkpoint is required: python -m eval.lm checkpoint=PATH tasks=[laplace_chat]") from None
-    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    values = required_list(cfg, "checkpoint", "python -m eval.lm checkpoint=PATH tasks=[laplace_chat]")
     if not values:
         raise ConfigError("checkpoint=[]: give at least one checkpoint")
     paths = []

@@ -15,7 +15,7 @@ import sys
 from typing import Iterable
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .errors import ConfigError
 from .zoo import list_models, model_defaults
@@ -61,6 +61,23 @@ def check_required(cfg: DictConfig) -> None:
 def required_error(key: str) -> ConfigError:
     """The one line for a mandatory value left unset (eagerly here, or lazily by laplace.cli)."""
     return ConfigError(f"{key} is required: {REQUIRED_HINTS.get(key, f'add {key}=<value> to the command')}")
+
+
+def required(cfg: DictConfig, key: str, usage: str):
+    """`cfg[key]`, or for a `???` left unset one line: "<key> is required: <usage>"."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        return cfg[key]
+    except MissingMandatoryValue:
+        raise ConfigError(f"{key} is required: {usage}") from None
+
+
+def required_list(cfg: DictConfig, key: str, usage: str) -> list[str]:
+    """A mandatory value that is one path or a list of them (`checkpoint=A` or `checkpoint=[A,B]`),
+    as a list of strings."""
+    value = required(cfg, key, usage)
+    return [str(v) for v in (value if isinstance(value, (ListConfig, list, tuple)) else [value])]
 
 
 def _missing(node, key: str = ""):
