@@ -85,7 +85,7 @@ def test_a_warmup_as_long_as_the_run_warns():
 def test_the_warmup_reaches_value_at_step_warmup_as_timm_and_nanochats_momentum():
     """Step i of a w-step warm-up is start + (value - start) i / w: `value` at step w (timm's
     CosineLRScheduler, nanochat's Muon momentum min(it / 300, 1)). DINO's linspace reaches it
-    at step w - 1: a deliberate difference of at most (value - start) / w (train/optim.py)."""
+    at step w - 1: a deliberate difference of at most (value - start) / w (docs/configs.md)."""
     s = Schedule.from_config(schedule_node(0.95, warmup=300, start=0.85), "m", 1000, 10)
     for it in (0, 1, 150, 299, 300, 301):
         assert s(it) == pytest.approx(0.85 * (1 - min(it / 300, 1)) + 0.95 * min(it / 300, 1))

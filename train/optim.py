@@ -1,42 +1,9 @@
 """Optimizers, schedules and gradient clipping: what the engine does around `optimizer.step()`.
 
-A trainer declares its optimizers (`Trainer.configure_optimizers`, one or several, each with
-its own parameter groups); the config declares schedules, i.e. any hyper-parameter of those
-groups (`optim.schedules`) or any value the trainer reads (`trainer.schedules`) as a function
-of the optimizer step. A schedule node states all six keys, null where unused:
-
-    # DeiT-III's learning rate
-    lr:           {value: 3.0e-3, warmup: 5ep, start: 1.0e-6, warmdown: null, end: 1.0e-5, shape: cosine}
-    # nanochat's: a multiplier of each group's lr_scale; its Muon momentum
-    lr:           {value: 1.0, warmup: null, start: null, warmdown: 20%, end: 0.0, shape: linear}
-    momentum:     {value: 0.95, warmup: 300, start: 0.85, warmdown: null, end: null, shape: constant}
-    # DINO's teacher temperature (trainer.schedules)
-    teacher_temp: {value: 0.07, warmup: 30ep, start: 0.04, warmdown: null, end: null, shape: constant}
-
-Why all six: Hydra merges a node of an experiment file into the node of the group it
-overrides key by key, so a partial node inherits the keys it does not name (an SFT "linear to
-0, no momentum warm-up" kept pre-training's 20% warm-down and 300-step warm-up). A complete
-node replaces every key, and a one-key command-line override (`optim.schedules.lr.warmup=20`)
-still works on a complete node. `Schedule.from_config` refuses a node missing a key. (A partial
-dict given on the command line for an existing node merges into it too, as Hydra does.)
-Why not fix the merge instead: Hydra has no marker that makes a node replace rather than merge,
-and undoing the merge in Python would need the composition's provenance, which it does not keep.
-
-Over the run's T optimizer steps a schedule rises linearly from `start` to `value` during
-`warmup` (step i: start + (value - start) i / warmup, so `value` is first reached at step
-`warmup`, as timm's schedulers and nanochat's momentum do; DINO's `cosine_scheduler` reaches it
-one step earlier, a difference of at most (value - start) / warmup at each warm-up step), holds
-`value`, then goes from `value` to `end` during the last `warmdown` steps (null: every step after
-the warm-up) with `shape` cosine | linear | constant (constant: stays at `value`; null: cosine if
-`end` is set, else constant). Lengths are steps (`300`), epochs (`5ep`) or a share of the run
-(`20%`). A warm-up as long as the run or longer (DINO refuses it) is a warning: the run never
-reaches `value`. Every schedule is a pure function of the step, so a resumed run needs only the step.
-
-A scheduled group hyper-parameter is set to `schedule(step) * group[name + "_scale"]`. The
-scale defaults to 1, or to 0 in a group built with the value 0 (biases and norms that timm
-keeps out of weight decay stay out of a weight-decay schedule). Trainers set scales per group:
-timm's layer decay sets `lr_scale`; nanochat's per-group learning rates are `lr_scale`s of a
-1.0 multiplier.
+timm's optimizers (`build_optimizer`), nanochat's Muon + AdamW (`build_muon_adamw`, `StackedMuon`),
+schedules of any group hyper-parameter or trainer value (`Schedule`, from the config's
+`optim.schedules` / `trainer.schedules`) and gradient clipping (`clip_gradients`). How a schedule
+node is written, why it states all six keys (Hydra's merge) and what it computes: docs/configs.md.
 """
 from __future__ import annotations
 
@@ -92,7 +59,7 @@ def parse_length(value, key: str, steps_per_epoch: int, total_steps: int) -> int
 
 @dataclass(frozen=True)
 class Schedule:
-    """A value as a function of the optimizer step (see the module docstring)."""
+    """A value as a function of the optimizer step (docs/configs.md)."""
 
     value: float
     total_steps: int
@@ -103,7 +70,7 @@ class Schedule:
     shape: str = "constant"
 
     def __call__(self, step: int) -> float:
-        if step < self.warmup:
+        if step < self.warmup:  # `value` is first reached at step `warmup` (timm; DINO: one earlier)
             return self.start + (self.value - self.start) * step / self.warmup
         end = self.value if self.end is None else self.end
         # The decay starts after the warm-up at the earliest (very short test runs).
@@ -173,6 +140,7 @@ def apply_group_schedules(optimizers: dict[str, torch.optim.Optimizer], schedule
             for name, v in values.items():
                 if name not in g:  # e.g. Muon's momentum is not a key of AdamW's groups
                     continue
+                # 0 for a group built at 0: timm's biases and norms stay out of a weight-decay schedule.
                 scale = g.setdefault(f"{name}_scale", 0.0 if g[name] == 0 else 1.0)
                 g[name] = v * scale
     return values
@@ -264,8 +232,8 @@ class StackedMuon(torch.optim.Optimizer):
     Why stacked: our attention keeps one fused `qkv` weight [3C, C] (timm's names and
     checkpoints, one projection kernel) where nanochat has separate `c_q`, `c_k`, `c_v`
     [C, C]. One Newton-Schulz of the stacked gradient orthogonalises the three together and
-    scales by sqrt(3): after one step of a d2 GPT its q/k/v updates differ from nanochat's by
-    64-74%. Momentum and weight decay are elementwise, so only the orthogonalisation and the
+    scales by sqrt(3), far from nanochat's separate updates (docs/LOG.md, "Muon on the fused
+    qkv"). Momentum and weight decay are elementwise, so only the orthogonalisation and the
     shape scale are done per block; groups without `row_blocks` take torch's step as it is.
 
     Why not a subclass of torch.optim.Muon: its step calls private functions of
@@ -330,14 +298,14 @@ def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optim
     (`lr_width_scale`), and no parameter gets weight decay by default.
 
     The Muon update is nanochat's (Keller Jordan's Muon) matrix by matrix: Nesterov momentum as
-    `buf.lerp_(g, 1 - m); g.lerp(buf, m)`, 5 quintic Newton-Schulz steps in bf16 with
-    coefficients (3.4445, -4.775, 2.0315) after scaling to unit Frobenius norm, and the shape
-    scale sqrt(max(1, rows / cols)): 1 for the [C, C] and [C, 4C] matrices, 2 for the MLP's
-    [4C, C]. The fused attention weight qkv [3C, C] is three matrices to Muon (`StackedMuon`,
+    `buf.lerp_(g, 1 - m); g.lerp(buf, m)`, `ns_steps` quintic Newton-Schulz steps in bf16
+    (`NS_COEFFICIENTS`) after scaling to unit Frobenius norm, and the shape scale
+    sqrt(max(1, rows / cols)): 1 for the [C, C] and [C, 4C] matrices, 2 for the MLP's [4C, C].
+    The fused attention weight qkv [3C, C] is three matrices to Muon (`StackedMuon`,
     `row_blocks: 3`): q, k and v are orthogonalised separately with scale 1, as nanochat's
     separate c_q, c_k, c_v. Each group's base learning rate is its `lr_scale`:
-    `optim.schedules.lr` is a multiplier (1.0, warm-down to 0), and `optim.schedules.momentum`
-    sets Muon's momentum (nanochat: 0.85 -> 0.95 over 300 steps).
+    `optim.schedules.lr` is a multiplier of it, and `optim.schedules.momentum` sets Muon's
+    momentum (the values: configs/optim/muon.yaml).
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None or not hasattr(model, "wte") or not hasattr(model, "lm_head"):
