@@ -1,21 +1,16 @@
 """`trainer=deit3`: supervised image classification with the DeiT-III recipe on the shared engine.
 
-"DeiT III: Revenge of the ViT" (Touvron, Cord, Jegou 2022; facebookresearch/deit) pre-trains
-ViT-B on ImageNet-1k with:
+"DeiT III: Revenge of the ViT" (Touvron, Cord, Jegou 2022; facebookresearch/deit). The recipe's
+pieces and the keys that set them: 3-Augment (data.augment, laplace.data.transforms), Mixup /
+CutMix (trainer.mixup, cutmix, ...: timm's Mixup), BCE on binarised targets (trainer.loss,
+bce_target_thresh), repeated augmentation (trainer.repeated_aug: timm's RepeatAugSampler), LAMB
+(optim=lamb), drop-path and LayerScale (model.drop_path_rate, model.init_values). The values are
+set once, by the experiment files (configs/experiment/deit3_*.yaml, e.g. deit3_in1k then
+deit3_in1k_ft224 from its checkpoint) beside the reference they claim (configs/reference/);
+`python -m train.recipe` renders the two side by side (docs/recipes/). The trainer's own defaults
+are plain cross-entropy, so the digits quick start stays a quick start.
 
-    3-Augment + colour jitter 0.3            data.augment=three_augment (laplace.data.transforms)
-    Mixup 0.8 / CutMix 1.0, switch prob 0.5  trainer.mixup / cutmix / mixup_switch_prob (timm Mixup)
-    BCE on the binarised mixed targets       trainer.loss=bce, trainer.bce_target_thresh=0.0
-    repeated augmentation, 3 repeats         trainer.repeated_aug=3 (timm RepeatAugSampler)
-    LAMB lr 3e-3 (unscaled), wd 0.05,        optim=lamb
-      cosine, 5 warm-up epochs from 1e-6
-    drop-path 0.2 (uniform), LayerScale      model.drop_path_rate, model.init_values
-    800 epochs at 192 px, then 20 at 224     experiment=deit3_in1k, then deit3_in1k_ft224
-                                             (trainer.init_from = the 192 px checkpoint)
-
-The `experiment=deit3_*` files set these; the trainer's own defaults are plain cross-entropy,
-so the digits quick start stays a quick start. Mixing happens on the micro batch (what one
-process sees per forward, as DeiT mixes each GPU's batch), which must therefore be even.
+    python train.py experiment=deit3_cifar100 model=vitb_12L data.root=/data/cifar
 
 Fine-tuning (`trainer.init_from=PATH`, an engine option, fresh runs only) takes a laplace
 checkpoint or a timm / DeiT-III state dict (.pth, .bin, .safetensors; the original DeiT
@@ -94,6 +89,8 @@ class DeiT3Trainer(Trainer):
         super().__init__(cfg)
         tc, nc = cfg.trainer, cfg.data.num_classes
         self.mixup = build_mixup(tc, nc)
+        # Mixing happens on the micro batch (what one process sees per forward), as DeiT mixes
+        # each GPU's batch.
         if self.mixup is not None and self.micro_bs % 2:
             raise ConfigError(f"Mixup/CutMix pair each image with the flipped batch: the micro batch "
                               f"({self.micro_bs}) must be even; change trainer.micro_batch_size")

@@ -1,33 +1,21 @@
 """`trainer=dino`: self-supervised DINO pre-training of a zoo ViT on the shared engine.
 
 "Emerging Properties in Self-Supervised Vision Transformers" (Caron et al. 2021;
-facebookresearch/dino main_dino.py), its defaults (the README's 100-epoch ViT-S/16 command):
-
-    student = ViT (no classifier) + DINOHead      laplace.dino (out_dim 65,536, hidden 2048,
-    teacher = a copy, updated by EMA only           bottleneck 256, weight-normed last layer)
-    multi-crop: 2 global (224 px, scale 0.4-1)    trainer.multicrop (laplace.data.multicrop)
-      + 8 local (96 px, scale 0.05-0.4) crops;
-      the teacher sees the global crops only
-    loss: cross-entropy teacher(i) -> student(v),  laplace.dino.DINOLoss, student temp 0.1,
-      v != i, centred teacher (momentum 0.9,        trainer.student_temp / center_momentum
-      once per step from the global batch)
-    teacher temperature 0.04                       trainer.schedules.teacher_temp
-    teacher EMA momentum 0.996 -> 1 (cosine)       trainer.schedules.teacher_momentum
-    AdamW, lr 5e-4 x batch / 256, 10 warm-up ep,   optim.* (experiment=dino_*): param groups
-      cosine to 1e-6; weight decay 0.04 -> 0.4      as DINO's get_params_groups (biases and 1-D
-      (cosine), none on biases / norms              tensors without weight decay)
-    per-tensor gradient clipping at 3.0            optim.grad_clip=3.0, grad_clip_mode=param
-    last layer frozen during the first epoch       trainer.freeze_last_layer (epochs)
-    drop-path 0.1, bf16 autocast (DINO: fp16 +     model.drop_path_rate, the engine's autocast
-      loss scaler)
-    the zoo ViT: DeiT-III's class token (no        laplace.vit, as every paradigm's (DINO's ViT
-      position embedding, normal 1e-6)               adds pos_embed[0], trunc-normal 0.02, to it)
+facebookresearch/dino main_dino.py). The pieces and the keys that set them: student = zoo ViT
+(no classifier) + DINOHead, teacher = its EMA copy, the loss with its centre (laplace.dino;
+trainer.head, student_temp, center_momentum); multi-crop, the teacher seeing the global crops
+only (trainer.multicrop, laplace.data.multicrop); the teacher's temperature and EMA momentum
+(trainer.schedules.teacher_temp / teacher_momentum); AdamW with DINO's parameter groups
+(`dino_param_groups`) and its lr / weight-decay schedules (optim.*); per-tensor gradient clipping
+(optim.grad_clip, grad_clip_mode=param); the last layer frozen at first
+(trainer.freeze_last_layer). The values are set once, by configs/trainer/dino.yaml and the
+experiment files (configs/experiment/dino_*.yaml), beside the reference they claim
+(configs/reference/dino_*.yaml); `python -m train.recipe` renders the two side by side, with our
+deliberate differences (docs/recipes/dino_in1k.md: the zoo ViT's class token, bf16).
 
 The network is laplace.dino.DINO (student, teacher, head, loss with its centre: all of DINO's
 state is the model's); this file wires data, schedules and optimizer to it. The checkpoint's
-"model" is the TEACHER BACKBONE (a plain zoo ViT with num_classes=0, which the `model` node
-says), so `laplace.checkpoint.load_model` and every evaluation take it as any other ViT; the
-whole DINO module is the checkpoint's "train_model" (resume).
+"model" is the teacher backbone, a plain zoo ViT (`export_model`).
 
     python train.py experiment=dino_digits                        # CPU minutes
     python train.py experiment=dino_in1k model=vits_5L data.root=/data/imagenet
@@ -124,6 +112,9 @@ class DINOTrainer(Trainer):
         return super().wrap_model(model.student)  # DDP / compile around the student only
 
     def export_model(self):
+        # The checkpoint's "model" is the teacher backbone, a plain zoo ViT with num_classes=0 (as
+        # the `model` node says): load_model and every evaluation take it as any other ViT. The
+        # whole DINO module is its "train_model" (resume).
         return self.model.teacher.backbone
 
     def configure_optimizers(self):
