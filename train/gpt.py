@@ -7,19 +7,12 @@ mid-training and SFT (which start from a pre-training checkpoint through trainer
     python train.py experiment=gpt_d20 model=gpt_d20_5L data.root=/data/fineweb_edu   # the paper's run
     python train.py experiment=gpt_tiny model=gpt_d4_2L                               # built-in text, CPU
 
-nanochat's recipe lives in the configs: Muon + AdamW (optim=muon, train/optim.py), the batch
-in tokens (global_batch_size x data.seq_len = 524,288 for d20), a token budget of
-`trainer.tokens_per_param` x parameters (Chinchilla's 20) unless trainer.max_steps or
-data.train_tokens is set. Logged: loss, validation bits per byte, tokens/s, model FLOPs
+nanochat's recipe lives in the configs (configs/experiment/gpt_*.yaml beside
+configs/reference/gpt_*.yaml; `python -m train.recipe` renders them, docs/recipes/): Muon + AdamW
+(optim=muon, train/optim.py), the batch in tokens (global_batch_size x data.seq_len), a token
+budget of `trainer.tokens_per_param` x parameters unless trainer.max_steps or data.train_tokens
+is set. Logged: loss, validation bits per byte (see `evaluate`), tokens/s, model FLOPs
 utilisation, and greedy samples of fixed prompts at each evaluation (<run_dir>/samples.jsonl).
-
-Bits per byte: the targets' summed nats over their UTF-8 bytes, special tokens excluded, as
-nanochat's evaluate_bpb, but with a different byte table. nanochat's token_bytes decodes each
-token to text, so a token holding part of a multi-byte character decodes to U+FFFD and counts
-3 bytes per replacement character (one byte of "é": 3). Ours counts each token's real bytes
-(`Tokenizer.token_bytes`), which we hold to be right: over any text the counts then sum to its
-UTF-8 length, the "per byte" of the metric, whatever the tokenizer's splits; nanochat's count
-is larger on such tokens and its bits per byte lower on non-ASCII text (equal on ASCII).
 """
 from __future__ import annotations
 
@@ -55,8 +48,8 @@ def flops_per_token(model, seq_len: int) -> float:
 
 def token_budget_steps(cfg) -> int:
     """Pre-training steps of a config without trainer.max_steps: the token budget
-    (data.train_tokens, else trainer.tokens_per_param x parameters, nanochat's Chinchilla ratio
-    of 20) over the tokens of one step (global_batch_size x data.seq_len)."""
+    (data.train_tokens, else trainer.tokens_per_param x parameters, nanochat's Chinchilla ratio)
+    over the tokens of one step (global_batch_size x data.seq_len)."""
     tc, d = cfg.trainer, cfg.data
     budget = d.train_tokens
     if budget is None:
@@ -121,9 +114,14 @@ class GPTTrainer(Trainer):
         return self.data.val_batches(self.eval_loader)
 
     def evaluate(self) -> dict:
+        """Validation loss, and bits per byte: the targets' summed nats over their UTF-8 bytes,
+        special tokens excluded, as nanochat's evaluate_bpb but with another byte table."""
         batches = self._val_batches()
         if batches is None:
             return {}
+        # Each token's real bytes. nanochat's token_bytes decodes each token to text, so part of
+        # a multi-byte character becomes U+FFFD and counts 3 bytes (one byte of "é": 3); ours sum
+        # to the text's UTF-8 length whatever the splits (nanochat's bpb is lower on non-ASCII).
         token_bytes = self.tokenizer.token_bytes().to(self.device)
         if token_bytes.numel() < self.model.vocab_size:  # a tokenizer smaller than the embedding
             token_bytes = torch.cat([token_bytes, token_bytes.new_zeros(self.model.vocab_size - token_bytes.numel())])
