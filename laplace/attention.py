@@ -40,8 +40,8 @@ from .merged_projection import merge, merge_laplacian, merged_projection
 LAPLACIAN_MODES = ("fixed", "learned")
 #: Learned gates start at logit +1 (the last k heads: a = 0.73) or -1 (the others: a = 0.27).
 #: Why not nearer 0 / 1: Adam moves a logit by about lr per step, so a gate moves by about
-#: sigmoid'(logit) x lr; at +-4 (0.98 / 0.02) that slope is 0.018 and no gate of the miniature
-#: moved by more than 0.001 in 300 steps. At +-1 the slope is 0.20, 11 times larger. Why not 0:
+#: sigmoid'(logit) x lr; at +-4 (0.98 / 0.02) that slope is 0.018, at +-1 it is 0.20, 11 times
+#: larger (what the gates did from each start: docs/LOG.md, "Learned gates that move"). Why not 0:
 #: a = 0.5 gives 0.5 V and no attention at all ((1 - a) P V + a (V - P V) = a V + (1 - 2a) P V),
 #: and every head would start alike; at +-1 each head keeps 0.46 P V of its attention, with the
 #: sign the paper's k assigns.
