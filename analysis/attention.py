@@ -69,8 +69,8 @@ def capture_attention(model, images: torch.Tensor, blocks: Sequence[int]) -> dic
 
 
 def head_weights(attn) -> list[float]:
-    """Per head, the weight a of V - P V in its output: 0 (standard) or 1 (Laplacian) in the fixed
-    mode, the learned gate otherwise (laplace.attention.Attention.gates)."""
+    """Per head, the gate a (the weight of V - P V in its output): 0 (standard) or 1 (Laplacian)
+    in the fixed mode, the learned gate otherwise (laplace.attention.Attention.gates)."""
     return attn.gates().detach().float().cpu().tolist()
 
 

@@ -1,7 +1,7 @@
 """Where the learned Laplacian gates go. laplacian_mode=learned gives every head a gate
 a = sigmoid(g): 1 is a fully Laplacian head (V - PV), 0 a standard one (PV). Per block and
 head of every experiment with learned gates: the start (the init rule,
-laplace.attention.gate_start; a fine-tuned run: its pre-training's gates), the trajectory (the
+laplace.attention.gate_start_logits; a fine-tuned run: its pre-training's gates), the trajectory (the
 engine's `gate.blocks.<i>.h<h>` records in metrics.jsonl) and the end (the checkpoint), pooled
 over seeds as analysis.runs pools runs: mean and 2 standard errors.
 
@@ -40,7 +40,7 @@ def _start(record: dict, depth: int, heads: int) -> tuple[list[list[float]], lis
     """Where a run's gates started, and a note when that is not known exactly."""
     import torch
 
-    from laplace.attention import gate_start, laplacian_counts
+    from laplace.attention import gate_start_logits, laplacian_counts
     from laplace.errors import UserError
 
     notes = []
@@ -56,7 +56,7 @@ def _start(record: dict, depth: int, heads: int) -> tuple[list[list[float]], lis
         notes.append(f"{record['run_dir']}: start from the init rule: its init_from is not read ({why})")
     k = record["k"]
     counts = laplacian_counts(list(k) if isinstance(k, tuple) else k, depth, heads)
-    return [torch.sigmoid(gate_start(heads, c)).tolist() for c in counts], notes
+    return [torch.sigmoid(gate_start_logits(heads, c)).tolist() for c in counts], notes
 
 
 def run_gates(record: dict) -> Optional[dict]:

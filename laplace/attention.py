@@ -14,9 +14,10 @@ parameter is added. With a causal mask P is the causal attention matrix and (I -
 causal: row t is v_t minus the attention-weighted average of v_{<=t}.
 
 Which heads are Laplacian: the last `num_laplacian_heads` of the layer (the paper's fixed
-choice). Beyond the paper, `laplacian_mode="learned"` gives every head a gate a_h = sigmoid(g_h)
-and outputs (1 - a_h) P V + a_h (V - P V), so training decides how much each head smooths.
-The gates start at sigmoid(+-1) = 0.73 / 0.27 (`GATE_START_LOGIT`, see `gate_start`).
+choice). Beyond the paper, `laplacian_mode="learned"` gives every head a gate a_h = sigmoid(g_h),
+g_h its logit (the parameter `laplacian_gate`), and outputs (1 - a_h) P V + a_h (V - P V), so
+training decides how much each head smooths. The gates start at sigmoid(+-1) = 0.73 / 0.27
+(`GATE_START_LOGIT`, see `gate_start_logits`).
 In training, the heads are merged and projected by laplace.merged_projection, which saves less
 for backward than plain autograd (`save_memory`, on by default; the same values).
 
@@ -107,14 +108,15 @@ def laplacian_mask(num_heads: int, num_laplacian_heads: int, device=None) -> tor
     return mask
 
 
-def gate_start(num_heads: int, num_laplacian_heads: int, device=None) -> torch.Tensor:
-    """The learned gates' starting logits: +GATE_START_LOGIT on the last k heads, - on the others."""
+def gate_start_logits(num_heads: int, num_laplacian_heads: int, device=None) -> torch.Tensor:
+    """The gate logits g a learned attention starts from: +GATE_START_LOGIT on the last k heads,
+    - on the others."""
     return GATE_START_LOGIT * (2.0 * laplacian_mask(num_heads, num_laplacian_heads, device) - 1.0)
 
 
 @torch.no_grad()
 def learned_gates(model: nn.Module) -> dict[str, list[float]]:
-    """{layer: [a_h per head]} of every attention with learned gates ("blocks.0" for the
+    """{layer: [gate a_h = sigmoid(g_h) per head]} of every attention with learned gates ("blocks.0" for the
     attention at "blocks.0.attn"); empty when there are none."""
     return {name.removesuffix(".attn"): torch.sigmoid(m.laplacian_gate.float()).tolist()
             for name, m in model.named_modules()
@@ -200,18 +202,18 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
         if laplacian_mode == "learned":  # the paper's fixed heads add no parameter
-            self.laplacian_gate = nn.Parameter(torch.empty(num_heads))
+            self.laplacian_gate = nn.Parameter(torch.empty(num_heads))  # the gates' logits g
         self.reset_laplacian()
 
     @torch.no_grad()
     def reset_laplacian(self):
-        """(Re)set the learned gates to their start (`gate_start`); also after `to_empty` from meta."""
+        """(Re)set the gate logits to their start (`gate_start_logits`); also after `to_empty` from meta."""
         if self.laplacian_mode == "learned" and not self.laplacian_gate.is_meta:
-            self.laplacian_gate.copy_(gate_start(self.num_heads, self.num_laplacian_heads, self.laplacian_gate.device))
+            self.laplacian_gate.copy_(gate_start_logits(self.num_heads, self.num_laplacian_heads, self.laplacian_gate.device))
 
     def gates(self) -> torch.Tensor:
-        """[H]: each head's weight a of V - P V in its output: the learned sigmoid(logit), or in the
-        fixed mode 1 on the last k heads and 0 on the others."""
+        """[H]: each head's gate a, the weight of V - P V in its output: learned, sigmoid(g) of the
+        logits `laplacian_gate`; fixed, 1 on the last k heads and 0 on the others."""
         if self.laplacian_mode == "learned":
             return torch.sigmoid(self.laplacian_gate)
         return laplacian_mask(self.num_heads, self.num_laplacian_heads, self.qkv.weight.device)

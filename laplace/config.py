@@ -11,6 +11,7 @@ Mandatory values are Hydra's `???` (`trainer.init_from` of a fine-tuning experim
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Iterable
 
@@ -18,25 +19,27 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .errors import ConfigError
+from .gpt import GPT
+from .vit import VisionTransformer
 from .zoo import list_models, model_defaults
 
 # Keys a data node provides to the model (interpolations resolved when the config is used).
 _VIT_FROM_DATA = {"num_classes": "${data.num_classes}", "img_size": "${data.img_size}",
                   "patch_size": "${data.patch_size}"}
 _GPT_FROM_DATA = {"vocab_size": "${data.vocab_size}", "max_seq_len": "${data.seq_len}"}
+# Constructor arguments every node states (so `model.qk_norm=true` overrides a key that is
+# there), with the values of the constructor's own defaults: its signature is their one source.
+_STATED = {"vit": (VisionTransformer, ("laplacian_mode", "drop_path_rate", "drop_path_schedule",
+                                       "init_values", "qk_norm"), _VIT_FROM_DATA),
+           "gpt": (GPT, ("laplacian_mode", "grad_checkpointing"), _GPT_FROM_DATA)}
 
 
 def model_node(name: str) -> dict:
     """The Hydra `model` node of a zoo name (raises the zoo's one-line error if unknown)."""
     d = model_defaults(name)
-    arch = d.pop("arch")
-    node = {"name": name, **d, "laplacian_mode": "fixed"}
-    if arch == "vit":
-        node.update(drop_path_rate=0.0, drop_path_schedule="uniform", init_values=1e-6, qk_norm=False,
-                    **_VIT_FROM_DATA)
-    else:
-        node.update(grad_checkpointing=False, **_GPT_FROM_DATA)
-    return node
+    cls, stated, from_data = _STATED[d.pop("arch")]
+    params = inspect.signature(cls).parameters
+    return {"name": name, **d, **{k: params[k].default for k in stated}, **from_data}
 
 
 # What a mandatory value takes, where "add <key>=<value>" says too little.

@@ -19,7 +19,7 @@ from analysis.gates import gate_groups, run_gates, summary
 from analysis.runs import collect
 from analysis.tables import render_tables
 from laplace import create_model
-from laplace.attention import GATE_START_LOGIT, gate_metrics, gate_start, learned_gates
+from laplace.attention import GATE_START_LOGIT, gate_metrics, gate_start_logits, learned_gates
 from laplace.checkpoint import load_checkpoint, load_model
 from train import run
 from train.dino import dino_param_groups
@@ -118,7 +118,7 @@ def test_every_trainer_logs_gates_and_the_report_reads_them(paradigm, make_cfg, 
     depth, heads = len(g["layers"]), len(g["end"][0])
     logged = [[[r[f"gate.blocks.{i}.h{h}"] for h in range(heads)] for i in range(depth)] for r in train]
     assert g["steps"] == [0, 1, 2, 3] and g["trajectory"][1:] == logged  # the same cadence in all three
-    start = [torch.sigmoid(gate_start(heads, 1)).tolist()] * depth  # vitt_1L / gpt_d2_1L: k = 1
+    start = [torch.sigmoid(gate_start_logits(heads, 1)).tolist()] * depth  # vitt_1L / gpt_d2_1L: k = 1
     assert g["start"] == g["trajectory"][0] == start
     assert g["end"] == _ckpt_gates(tmp_path / "r") == g["trajectory"][-1] and not g["notes"]
 

@@ -389,7 +389,9 @@ def test_command_line_error_is_one_line(tmp_path):
                         f"out={tmp_path}/out"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        check=False)
     assert r.returncode == 1
-    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: ")
+    assert r.stderr.strip().splitlines() == [
+        f"error: source={tmp_path}/nope not found: looked for {tmp_path}/nope; set source to a folder or glob "
+        "of parquet files, pydoc, stdlib, or a datasets hub id (e.g. HuggingFaceFW/fineweb-edu)"], r.stderr[-2000:]
 
 
 def test_datasets_local_folder(tmp_path, monkeypatch):

@@ -104,7 +104,7 @@ def test_frozen_backbone_features_and_gradients():
     node = dict(name="vitt_0L", depth=2, embed_dim=48, num_heads=3, num_laplacian_heads=0, img_size=32,
                 patch_size=8, num_classes=10)
     vit = create_model(**node)
-    seg = FrozenBackboneSeg(vit, num_classes=10, layers=2, cls_token=True)
+    seg = FrozenBackboneSeg(vit, num_classes=10, num_layers=2, cls_token=True)
     x = torch.randn(2, 3, 32, 32)
     out = seg.train()(x)
     assert out.shape == (2, 10, 32, 32) and not seg.backbone.training

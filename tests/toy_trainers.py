@@ -1,16 +1,17 @@
-"""Trainers that exercise the engine's contract the way the DINO and GPT trainers will, named
-by import path: `trainer.name=toy_trainers:EMAToy` (the tests folder is on the path).
+"""Small trainers that exercise the engine's contract as train/dino.py and train/gpt.py use it,
+or fail on purpose, named by import path: `trainer.name=toy_trainers:EMAToy` (the tests folder
+is on the path).
 
     EMAToy      a student ViT, its EMA teacher and a loss centre in one module (DINO's
                 meta-architecture): two optimizers (AdamW for the blocks, SGD with momentum
-                for the rest), scheduled lr / weight decay / momentum, a scheduled EMA
-                momentum read from `trainer.schedules`, the head frozen for the first steps,
-                per-rank noise in the loss, the teacher exported as the model
+                for the rest) whose lr / weight decay / SGD momentum the tests schedule, an
+                EMA momentum read from `trainer.schedules`, the head frozen for the first
+                FREEZE_STEPS steps, per-rank noise in the loss, the teacher exported as the model
     StreamLM    a GPT fed by laplace.data.shards.TokenStream (shards under data.root)
-    Crashing    the supervised trainer whose train_step fails at a given step
-    SignalledDuringSetup  the supervised trainer, sent SIGUSR1 before its first step
-    Diverging   the supervised trainer whose loss (DIVERGE=loss) or one weight (DIVERGE=weights)
-                turns NaN at step DIVERGE_AT
+    Crashing    DeiT3Trainer whose train_step raises a ValueError at step CRASH_AT_STEP
+    SignalledDuringSetup  DeiT3Trainer, sent SIGUSR1 while it builds its data
+    Diverging   DeiT3Trainer whose loss turns NaN (DIVERGE=loss) or one weight inf (DIVERGE=weights)
+                at step DIVERGE_AT (counted from 1, as the logs count)
 """
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ class StreamLM(Trainer):
 
 
 class Crashing(DeiT3Trainer):
-    """Raises a plain ValueError (a bug, not bad input) in train_step at step CRASH_AT_STEP,
-    after writing the time of the crash to <run_dir>/crash_time."""
+    """Raises a plain ValueError (a bug, not bad input) in train_step at step CRASH_AT_STEP
+    (self.step, default 2), after writing the time of the crash to <run_dir>/crash_time."""
 
     def train_step(self, batch):
         if self.step == int(os.environ.get("CRASH_AT_STEP", 2)):
@@ -128,8 +129,9 @@ class SignalledDuringSetup(DeiT3Trainer):
 
 
 class Diverging(DeiT3Trainer):
-    """NaN at step DIVERGE_AT: in the loss (so in the gradients and then the weights), or written
-    into one weight after the optimizer step while the loss stays finite (DIVERGE=weights)."""
+    """At step DIVERGE_AT (self.step + 1): NaN in the loss (so in the gradients and then the
+    weights), or inf written into one weight (head.weight[0, 0]) after the optimizer step while the
+    loss stays finite (DIVERGE=weights)."""
 
     def _now(self, what: str) -> bool:
         return os.environ.get("DIVERGE", "loss") == what and self.step + 1 == int(os.environ["DIVERGE_AT"])

@@ -47,18 +47,20 @@ class FrozenBackboneSeg(nn.Module):
     Args:
         backbone: a laplace VisionTransformer (frozen here).
         num_classes: K.
-        layers: feature layers, the last `layers` blocks (1: the last), each after the final norm.
+        num_layers: how many feature layers, the last `num_layers` blocks (1: the last), each after
+            the final norm (trainer.layers).
         cls_token: also append the class token to every patch token.
     """
 
-    def __init__(self, backbone: VisionTransformer, num_classes: int, layers: int = 1, cls_token: bool = False):
+    def __init__(self, backbone: VisionTransformer, num_classes: int, num_layers: int = 1,
+                 cls_token: bool = False):
         super().__init__()
         depth = len(backbone.blocks)
-        if not 1 <= layers <= depth:
-            raise ConfigError(f"trainer.layers={layers}: use 1..{depth} (the last blocks' patch tokens)")
+        if not 1 <= num_layers <= depth:
+            raise ConfigError(f"trainer.layers={num_layers}: use 1..{depth} (the last blocks' patch tokens)")
         self.backbone = backbone.requires_grad_(False).eval()
-        self.layers, self.cls_token = list(range(depth - layers, depth)), cls_token
-        dim = backbone.norm.normalized_shape[0] * layers * (2 if cls_token else 1)
+        self.layers, self.cls_token = list(range(depth - num_layers, depth)), cls_token  # block indices
+        dim = backbone.norm.normalized_shape[0] * num_layers * (2 if cls_token else 1)
         self.head = LinearSegHead(dim, num_classes)
 
     def train(self, mode: bool = True):
