@@ -61,12 +61,12 @@ class GPTTrainer(Trainer):
         return self.data.train, self.data.val
 
     # What the engine reads of the data: throughput unit and batching (the run's length: train/plan.py).
+    # collate is the data's own function, not a method: a bound method would carry the whole
+    # trainer into each spawned loader worker.
     unit = property(lambda self: self.data.unit)
     units_per_sample = property(lambda self: self.data.units_per_sample)
+    collate = property(lambda self: self.data.collate)
     tokenizer = property(lambda self: self.data.tokenizer)
-
-    def collate(self, items):
-        return self.data.collate(items)
 
     def data_identity(self) -> dict | None:
         """The feed's identity (token shards) and the tokenizer's fingerprint: data.tokenizer may
