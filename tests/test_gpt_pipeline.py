@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from train.gpt import token_budget_steps
+from train.plan import token_budget_steps
 
 
 @pytest.mark.parametrize("model, params, steps", [("gpt_d20_5L", 560_988_160, 21_400),

@@ -16,11 +16,11 @@ from laplace.checkpoint import CheckpointError, load_checkpoint, load_model
 from laplace.data.shards import write_shard
 from laplace.errors import ConfigError
 from train import run
-from train.feeds import MapFeed, epoch_sampler
+from train.feeds import Feed, MapFeed, epoch_sampler
 from train.logger import read_metrics
 from train.optim import (Schedule, apply_group_schedules, build_schedules, check_group_schedules,
                          clip_gradients, parse_length, schedule_node)
-from train.deit3 import SeededRepeatAugSampler
+from train.deit3 import DeiT3Trainer, SeededRepeatAugSampler
 
 
 def _train(run_dir, key="loss"):
@@ -312,6 +312,31 @@ def test_map_feed_epochs_end_on_a_step_whatever_the_split():
     _, state = steps(1, 4, 4)
     assert state == {"epoch": 1, "position": 12}
     assert steps(2, 3, 3, state)[0] == want[4:]
+
+
+# ---------------------------------------------------------------- the step plan and Trainer.offline
+
+
+def test_the_engine_and_the_recipe_cards_count_with_one_step_plan(make_cfg, tmp_path):
+    """The engine's split and steps are train.plan.step_plan's, a recipe card's for the same data
+    too (repeated augmentation: an epoch of a multiple of 256 images), and Trainer.offline builds
+    the run's model and optimizer groups from the config alone."""
+    from train.plan import step_plan
+    from train.recipe import Recipe
+
+    (tmp_path / "run").mkdir()
+    cfg = make_cfg(*TINY_VIT, "model=vitt_1L", "model.depth=1", "trainer.micro_batch_size=16",
+                   "trainer.repeated_aug=3", "trainer.epochs=2")
+    t = DeiT3Trainer(cfg).setup()
+    assert isinstance(t.feed, Feed) and t.plan == step_plan(cfg, 1, t.feed.micro_batches_per_epoch)
+    assert (t.micro_bs, t.accum, t.total_steps) == (16, 2, 2 * t.steps_per_epoch)
+    card = Recipe(cfg, train_size=len(t.train_set))
+    assert (card.micro_batch(), card.accum(), card.steps_per_epoch(), card.total_steps()) == \
+        (t.micro_bs, t.accum, t.steps_per_epoch, t.total_steps)
+    assert t.steps_per_epoch == len(t.train_set) // 256 * 256 // 32
+    offline = DeiT3Trainer.offline(cfg)
+    shapes = lambda opts: {k: [[p.shape for p in g["params"]] for g in o.param_groups] for k, o in opts.items()}  # noqa: E731
+    assert shapes(offline.optimizers) == shapes(t.optimizers) and not offline.dist.is_main
 
 
 # ---------------------------------------------------------------- results and generation

@@ -22,6 +22,8 @@ state is the model's); this file wires data, schedules and optimizer to it. The 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from omegaconf import OmegaConf
 
@@ -107,9 +109,13 @@ class DINOTrainer(Trainer):
             # gloo on CPU each rank normalises its own batch). The teacher is converted too.
             model.student = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.student)
             model.teacher = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)
-        # The teacher takes no gradient: outside DDP, compiled on its own when compile is on.
-        self.teacher_net = torch.compile(model.teacher) if self.compile else model.teacher
         return super().wrap_model(model.student)  # DDP / compile around the student only
+
+    @functools.cached_property
+    def teacher_net(self):
+        """The teacher as the step calls it: it takes no gradient, so outside DDP, compiled on its
+        own when compile is on (read after wrap_model, which may have converted its batch norms)."""
+        return torch.compile(self.model.teacher) if self.compile else self.model.teacher
 
     def export_model(self):
         # The checkpoint's "model" is the teacher backbone, a plain zoo ViT with num_classes=0 (as

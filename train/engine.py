@@ -7,6 +7,7 @@ cadence, exact resume, preemption and logging. Two phases: construction reads th
 (process group, device, batch arithmetic, no data or model); `setup()` builds, in this order,
 data (and feed), model, pre-trained weights (a fresh run), optimizers and schedules, then
 restores a checkpoint and wraps the model (DDP, compile). `fit()` sets up first if needed.
+The run's length and split: the step plan (train/plan.py); the data: a Feed (train/feeds.py).
 
 A trainer supplies (class attributes, then hooks):
     unit, units_per_sample   what the throughput counts ("img", "tok"), and per sample
@@ -14,9 +15,9 @@ A trainer supplies (class attributes, then hooks):
                              and a command line that fits, for the error when it does not
     scheduled_values         names in trainer.schedules it reads from self.hparams (the
                              optimizers' own hyper-parameters follow optim.schedules)
-    build_datasets()         (train set, val set or None): map-style sets or a feed   required
+    build_datasets()         (train set, val set or None): map-style sets or a Feed   required
     train_step(batch)        (loss, {extra: value}) of one micro-batch                required
-    build_model, configure_optimizers, evaluate, default_total_steps, throughput_metrics,
+    build_model, configure_optimizers, evaluate, data_identity, throughput_metrics, model_metrics,
     before_optimizer_step (clips), after_optimizer_step (e.g. an EMA), export_model (what
     load_model rebuilds), build_sampler, wrap_model, collate, on_fit_end: see each default.
 All training state lives in the model and the optimizers (DINO's centre too): a checkpoint
@@ -29,6 +30,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -43,8 +45,9 @@ from laplace.data.images import report_skipped
 from laplace.errors import ConfigError
 from laplace.io import write_json
 
-from .feeds import MapFeed, epoch_sampler, split_batch
+from .feeds import Feed, MapFeed, describe_size, epoch_sampler, split_batch
 from .logger import MetricsLogger, format_metrics, print_line, progress_bar
+from .plan import step_plan
 from .optim import (apply_group_schedules, build_optimizer, build_schedules, check_group_schedules,
                     clip_gradients)
 from .resume import check_resumable, find_checkpoint
@@ -80,6 +83,20 @@ class Trainer:
                               f"checkpoint) or force")
         self.is_set_up = False
 
+    @classmethod
+    def offline(cls, cfg: DictConfig, device: str = "meta") -> Trainer:
+        """Model and optimizers from `cfg` alone on `device` (meta: shapes, no memory), to read what
+        a config trains (train/recipe.py): no process group, data, run directory, checkpoint or
+        construction checks; one process, no run's main one (hooks print nothing). What it runs
+        (build_model, configure_optimizers, export_model, build_sampler) reads no other state."""
+        t = cls.__new__(cls)  # __init__ would join the process group and check the run's options
+        t.cfg, t.device = cfg, torch.device(device)
+        t.dist = SimpleNamespace(rank=0, local_rank=0, world_size=1, device=t.device, is_main=False, distributed=False)
+        with t.device:
+            t.model = t.build_model()
+        t.optimizers = t.configure_optimizers()
+        return t
+
     def setup(self) -> Trainer:
         """Build data, model and optimizers and restore the run's checkpoint (once; returns self)."""
         if self.is_set_up:
@@ -91,11 +108,11 @@ class Trainer:
         self.feed = self._feed(self.train_set)
         if self.feed.micro_batches_per_epoch < 1:  # else the loop would wait forever for a batch
             raise ConfigError(f"data={cfg.data.name}: an epoch gives each of the {world} process(es) "
-                              f"fewer than one micro batch of {self.micro_bs} ({_size(self.train_set)}); "
+                              f"fewer than one micro batch of {self.micro_bs} ({describe_size(self.train_set)}); "
                               f"lower trainer.global_batch_size={tc.global_batch_size} or use more data")
-        self.steps_per_epoch = max(1, self.feed.micro_batches_per_epoch // self.accum)
-        self.data_identity = self._data_identity()
-        self.total_steps = tc.max_steps or self.default_total_steps()
+        self.plan = step_plan(cfg, world, self.feed.micro_batches_per_epoch)
+        self.steps_per_epoch, self.total_steps = self.plan.steps_per_epoch, self.plan.total_steps
+        self.data_id = self.data_identity()
         # 2. model, and the pre-trained weights of a fresh run (a resumed run restores its own)
         self.model = self.build_model().to(self.device)
         resume = find_checkpoint(self.ckpt_path.parent, self.dist.is_main)
@@ -131,9 +148,9 @@ class Trainer:
         return self
 
     # ---- to implement in a trainer -------------------------------------------------------
-    def build_datasets(self) -> tuple[Dataset, Dataset | None]:
+    def build_datasets(self) -> tuple[Dataset | Feed, Dataset | None]:
         """(training set, validation set or None). The training set is a map-style dataset
-        (served by MapFeed) or a feed itself (laplace.data.shards.TokenStream)."""
+        (served by MapFeed) or a Feed itself (laplace.data.shards.TokenStream)."""
         raise NotImplementedError
 
     def build_model(self) -> nn.Module:
@@ -152,14 +169,19 @@ class Trainer:
     def evaluate(self) -> dict:
         return {}
 
-    def default_total_steps(self) -> int:
-        """Optimizer steps when trainer.max_steps is unset: trainer.epochs epochs (a language
-        model overrides it with a token budget)."""
-        return self.cfg.trainer.epochs * self.steps_per_epoch
+    def data_identity(self) -> dict | None:
+        """What the training data is (not where: data.root may move), checked on resume
+        (train/resume.py). Default: the feed's identity (token shards), if it has one."""
+        return (dict(self.feed.identity()) if hasattr(self.feed, "identity") else None) or None  # optional
 
     def throughput_metrics(self, units_per_s: float) -> dict:
         """Extra figures logged beside the throughput (e.g. the GPT's model FLOPs utilisation)."""
         return {}
+
+    def model_metrics(self) -> dict:
+        """Figures of the model logged with every train record. Default: the learned gates of the
+        exported model (DINO: the teacher backbone), so the last record equals the checkpoint's."""
+        return gate_metrics(self.export_model())
 
     def before_optimizer_step(self) -> dict:
         """After the gradients of a step are complete, before the optimizers step: clips
@@ -198,10 +220,10 @@ class Trainer:
         """Called on every rank once training reached total_steps."""
 
     # ---- helpers for trainers ------------------------------------------------------------
-    def _feed(self, train_set):
+    def _feed(self, train_set) -> Feed:
         """Micro-batches of the training set (a MapFeed unless the set is a feed already)."""
-        if hasattr(train_set, "state_dict") and hasattr(train_set, "micro_batches_per_epoch"):
-            if hasattr(train_set, "set_step_windows"):  # epochs end on a step, whatever the split
+        if isinstance(train_set, Feed):
+            if hasattr(train_set, "set_step_windows"):  # optional (see Feed): epochs end on a step
                 train_set.set_step_windows(self.cfg.trainer.global_batch_size)
             return train_set
         return MapFeed(train_set, self.build_sampler(train_set), self.micro_bs, self.cfg.seed,
@@ -253,8 +275,8 @@ class Trainer:
                       "world_size": self.dist.world_size})
             if exported is not self.model:
                 entries["train_model"] = clean_state_dict(self.model.state_dict())
-            if self.data_identity:
-                entries["data_identity"] = self.data_identity
+            if self.data_id:
+                entries["data_identity"] = self.data_id
             save_checkpoint(self.ckpt_path, model=exported, config=self.plain_config(), **entries)
             keep = self.cfg.trainer.keep_every
             if keep and self.step % keep == 0:
@@ -263,7 +285,7 @@ class Trainer:
         dist.barrier()
 
     def _restore(self, path: Path, ckpt: dict):
-        check_resumable(path, ckpt, self.plain_config(), self.data_identity, self.cfg.data.get("root"),
+        check_resumable(path, ckpt, self.plain_config(), self.data_id, self.cfg.data.get("root"),
                         self.cfg.trainer.resume == "force", self.dist.is_main)
         try:
             self.model.load_state_dict(ckpt.get("train_model", ckpt["model"]), strict=True)
@@ -291,15 +313,6 @@ class Trainer:
             dist.seed_everything(self.cfg.seed + self.dist.rank + 7919 * self.step)
         if self.dist.is_main and path.name != "last.pt":
             print(f"[laplace] resumed from {path} (last.pt was missing or unreadable)", file=sys.stderr)
-
-    def _data_identity(self) -> dict | None:
-        """What the training data is (not where): the feed's identity (token shards) and the
-        tokenizer's fingerprint. data.root and data.tokenizer may move between machines; the
-        data they name may not change under a resumed run."""
-        ident = dict(self.feed.identity()) if hasattr(self.feed, "identity") else {}
-        if getattr(self, "tokenizer", None) is not None:
-            ident["tokenizer"] = self.tokenizer.fingerprint()[:16]
-        return ident or None
 
     # ---- the loop ------------------------------------------------------------------------
     def _set_schedules(self, step: int):
@@ -368,11 +381,9 @@ class Trainer:
                 window_loss = dist.all_reduce_mean(torch.as_tensor(window_loss, device=self.device))
                 guard.check(step)
                 mean_loss = float(window_loss) / window_n
-                # Gates of the exported model (DINO: the teacher's backbone), so every paradigm logs
-                # gate.blocks.<i>.h<h> and the last record equals the checkpoint's gates.
                 rec = {"loss": mean_loss, **self.hparams, f"{self.unit}_per_s": seen / dt,
                        "step_ms": 1000 * dt / window_n, "epoch": self.epoch,
-                       **self.throughput_metrics(seen / dt), **gate_metrics(self.export_model()),
+                       **self.throughput_metrics(seen / dt), **self.model_metrics(),
                        **{k: float(v) for k, v in extras.items()}}
                 logger.log(step, rec, split="train")
                 if bar is not None:
@@ -412,7 +423,7 @@ class Trainer:
         """End the loop's own processes and collectives, then meet every rank: all leave together,
         after rank 0's last words (wandb included), so that srun --kill-on-bad-exit, seeing the
         first task end, finds the others ending too rather than killing one mid-exit."""
-        if hasattr(self.feed, "close"):
+        if hasattr(self.feed, "close"):  # optional, see Feed
             self.feed.close()
         vote.close()
         report_skipped({"train": self.train_set, "val": self.val_set}, self.device, self.dist.is_main)
@@ -437,9 +448,3 @@ class Trainer:
                                     epochs=self.epoch, **results)
             write_json(self.run_dir / "results.json", record)
 
-
-def _size(dataset) -> str:
-    try:
-        return f"the training set has {len(dataset)} samples"
-    except TypeError:
-        return "a streamed training set"

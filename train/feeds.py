@@ -6,8 +6,9 @@ checkpoint. Two kinds serve every trainer:
     MapFeed       a map-style dataset (images) through an epoch-seeded sampler and a DataLoader
     TokenStream   fixed-length token windows from memory-mapped shards (laplace.data.shards)
 
-A feed has `__iter__` (micro-batches, forever), `state_dict()` / `load_state_dict()` (plain
-ints), `epoch` and `micro_batches_per_epoch` (per process). Positions are global, i.e.
+What the engine asks of a feed is `Feed` below: `__iter__` (micro-batches, forever),
+`state_dict()` / `load_state_dict()` (plain ints), `epoch` and `micro_batches_per_epoch` (per
+process), and where a feed has them `set_step_windows`, `identity` and `close`. Positions are global, i.e.
 counted over all ranks, so a run resumed on another number of processes continues where the
 old one stopped instead of skipping part of the epoch.
 
@@ -26,12 +27,40 @@ another split after an epoch end sees the samples of an uninterrupted one.
 from __future__ import annotations
 
 import random
+from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from laplace.errors import ConfigError
+
+
+@runtime_checkable
+class Feed(Protocol):
+    """The training data as the engine reads it (train/engine.py); a training set with these
+    members is used as it is, any other is served by a MapFeed.
+
+    Optional, called where a feed has them: `set_step_windows(global_batch)` (once, before the
+    first batch: epochs end on a whole optimizer step, laplace.data.shards.TokenStream),
+    `identity() -> dict` (what the data is, checked on resume: Trainer.data_identity) and
+    `close()` (at the loop's end: stop the feed's worker processes, MapFeed).
+    """
+
+    epoch: int  # the epoch of the next micro-batch (it moves on with an epoch's last one)
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Micro-batches each process takes in one epoch."""
+
+    def __iter__(self) -> Iterator:
+        """Micro-batches, forever, from the current position."""
+
+    def state_dict(self) -> dict:
+        """The position, as plain ints, global over ranks."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a state_dict() (of a run on any number of processes)."""
 
 
 def split_batch(global_batch: int, micro_batch: int | None, world: int) -> tuple[int, int]:
@@ -122,6 +151,14 @@ def epoch_sampler(n_or_dataset, shuffle: bool, seed: int, rank: int, world_size:
     """torch's DistributedSampler, used with world_size 1 too: one code path, seeded by epoch."""
     return DistributedSampler(n_or_dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                               seed=seed, drop_last=drop_last)
+
+
+def describe_size(dataset) -> str:
+    """A training set's size, for an error message."""
+    try:
+        return f"the training set has {len(dataset)} samples"
+    except TypeError:
+        return "a streamed training set"
 
 
 class MapFeed:

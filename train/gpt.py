@@ -16,6 +16,7 @@ utilisation, and greedy samples of fixed prompts at each evaluation (<run_dir>/s
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -46,20 +47,6 @@ def flops_per_token(model, seq_len: int) -> float:
     return 6 * n + 12 * model.depth * model.num_heads * model.head_dim * seq_len
 
 
-def token_budget_steps(cfg) -> int:
-    """Pre-training steps of a config without trainer.max_steps: the token budget
-    (data.train_tokens, else trainer.tokens_per_param x parameters, nanochat's Chinchilla ratio)
-    over the tokens of one step (global_batch_size x data.seq_len)."""
-    tc, d = cfg.trainer, cfg.data
-    budget = d.train_tokens
-    if budget is None:
-        from laplace import create_model
-
-        with torch.device("meta"):  # shapes only: no memory, no init
-            budget = tc.tokens_per_param * sum(p.numel() for p in create_model(**cfg.model).parameters())
-    return max(1, int(budget) // (tc.global_batch_size * d.seq_len))
-
-
 class GPTTrainer(Trainer):
     model_archs, data_modality = ("gpt",), "text"
     example = "python train.py experiment=gpt_tiny model=gpt_d4_2L"
@@ -73,14 +60,21 @@ class GPTTrainer(Trainer):
                                     init_from=self.cfg.trainer.init_from)
         return self.data.train, self.data.val
 
-    # What the engine reads of the data: throughput unit, batching and the tokenizer (data identity).
+    # What the engine reads of the data: throughput unit and batching (the run's length: train/plan.py).
+    # collate is the data's own function, not a method: a bound method would carry the whole
+    # trainer into each spawned loader worker.
     unit = property(lambda self: self.data.unit)
     units_per_sample = property(lambda self: self.data.units_per_sample)
     collate = property(lambda self: self.data.collate)
     tokenizer = property(lambda self: self.data.tokenizer)
 
-    def default_total_steps(self) -> int:
-        return token_budget_steps(self.cfg) if self.data.token_budget else super().default_total_steps()
+    def data_identity(self) -> dict | None:
+        """The feed's identity (token shards) and the tokenizer's fingerprint: data.tokenizer may
+        move between machines, the tokenizer it names may not change under a resumed run."""
+        identity = super().data_identity() or {}
+        if self.tokenizer is not None:
+            identity["tokenizer"] = self.tokenizer.fingerprint()[:16]
+        return identity or None
 
     # ---- model and optimizers ------------------------------------------------------------
     def build_model(self):
@@ -90,8 +84,6 @@ class GPTTrainer(Trainer):
             per_step = self.cfg.trainer.global_batch_size * self.units_per_sample
             print(f"[laplace] {model_label(self.cfg.model)}: {n:,} parameters; {per_step:,} {self.unit} per step",
                   flush=True)
-        self.flops_per_token = flops_per_token(model, self.cfg.data.seq_len)
-        self.peak = self.cfg.trainer.peak_flops or peak_flops(self.device)
         return model
 
     def configure_optimizers(self):
@@ -99,10 +91,19 @@ class GPTTrainer(Trainer):
             return build_muon_adamw(self.model, self.cfg.optim)
         return super().configure_optimizers()
 
+    @functools.cached_property
+    def flops(self) -> tuple[float, float | None]:
+        """(training FLOPs per token of the model, one device's bf16 peak or None), for the MFU."""
+        peak = self.cfg.trainer.peak_flops or peak_flops(self.device)
+        return flops_per_token(self.model, self.cfg.data.seq_len), peak
+
     def throughput_metrics(self, units_per_s: float) -> dict:
-        if self.unit != "tok" or not self.peak:
+        if self.unit != "tok":
             return {}
-        return {"mfu": units_per_s * self.flops_per_token / (self.peak * self.dist.world_size)}
+        per_token, peak = self.flops
+        if not peak:
+            return {}
+        return {"mfu": units_per_s * per_token / (peak * self.dist.world_size)}
 
     # ---- steps and evaluation ------------------------------------------------------------
     def train_step(self, batch):

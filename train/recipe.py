@@ -28,7 +28,6 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import yaml
@@ -89,75 +88,72 @@ class Recipe:
     # ---- the trainer, built without data on the meta device ------------------------------
     @property
     def trainer(self):
+        """The experiment's trainer with its model and optimizers only (Trainer.offline)."""
         def build():
             from train import get_trainer
 
-            cls = get_trainer(self.cfg.trainer.name)
-            t = cls.__new__(cls)  # no __init__: no process group, no data, no run directory
-            t.cfg, t.device = self.cfg, torch.device("meta")
-            t.dist = SimpleNamespace(is_main=False, rank=0, world_size=1, distributed=False)
-            with torch.device("meta"):
-                t.model = t.build_model()
-            return t
+            return get_trainer(self.cfg.trainer.name).offline(self.cfg)
         return self._once("trainer", build)
 
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return self._once("optimizers", lambda: self.trainer.configure_optimizers())
+        return self.trainer.optimizers
 
     def params(self) -> int:
         """Parameters of the network a checkpoint holds (DINO: the teacher backbone)."""
         return sum(p.numel() for p in self.trainer.export_model().parameters())
 
-    def _split(self, world_size) -> tuple[int, int]:
-        from train.feeds import split_batch  # the engine's own batch arithmetic
+    def plan(self, world_size: int = 1):
+        """The engine's step plan (train/plan.py) on `world_size` processes, an epoch being
+        `assume.train_size` examples: counted on one process by the engine's own feed over the
+        trainer's own sampler (DeiT-III's repeated augmentation keeps a multiple of 256 images; an
+        epoch ends on a whole step). Token shards have no such epoch: a token budget counts.
+        Without train_size, or on more processes (the split only), no epoch is counted (None)."""
+        from train.plan import step_plan, uses_token_budget
 
-        tc = self.cfg.trainer
-        return split_batch(tc.global_batch_size, tc.micro_batch_size, int(world_size))
+        def build():
+            per_epoch = None
+            if world_size == 1 and self.train_size is not None and not uses_token_budget(self.cfg):
+                from train.feeds import MapFeed
+
+                examples = range(int(self.train_size))  # only its length is used
+                micro = step_plan(self.cfg, 1, None).micro_batch
+                feed = MapFeed(examples, self.trainer.build_sampler(examples), micro,
+                               step_size=self.cfg.trainer.global_batch_size)
+                per_epoch = feed.micro_batches_per_epoch
+            return step_plan(self.cfg, world_size, per_epoch)
+        world_size = int(world_size)
+        return self._once(("plan", world_size), build)
 
     def micro_batch(self, world_size: int = 1) -> int:
         """Examples per process per forward on `world_size` processes."""
-        return self._split(world_size)[0]
+        return self.plan(world_size).micro_batch
 
     def accum(self, world_size: int = 1) -> int:
-        return self._split(world_size)[1]
+        return self.plan(world_size).accum
 
     def steps_per_epoch(self) -> int:
-        """Optimizer steps in an epoch of `assume.train_size` examples on one process, counted by
-        the engine's own feed over the trainer's own sampler (DeiT-III's repeated augmentation
-        keeps a multiple of 256 images; an epoch ends on a whole step)."""
-        tc = self.cfg.trainer
-        if self._token_budget():
+        """Optimizer steps in an epoch of `assume.train_size` examples (a token budget: the run)."""
+        plan = self.plan()
+        if plan.steps_per_epoch is not None:
+            return plan.steps_per_epoch
+        if plan.token_budget:
             return self.total_steps()  # a token budget, not epochs
-        if self.train_size is None:
-            raise ConfigError("this card needs `assume.train_size` (training examples per epoch)")
-        from train.feeds import MapFeed
-
-        examples = range(int(self.train_size))  # only its length is used
-        feed = MapFeed(examples, self.trainer.build_sampler(examples), self.micro_batch(1),
-                       step_size=tc.global_batch_size)
-        return max(1, feed.micro_batches_per_epoch // self.accum(1))
-
-    def _token_budget(self) -> bool:
-        """Token shards: steps from a token budget, not epochs (image data nodes have no `kind`)."""
-        return self.cfg.data.get("kind") == "shards"
+        raise ConfigError("this card needs `assume.train_size` (training examples per epoch)")
 
     def total_steps(self) -> int:
-        tc = self.cfg.trainer
-        if tc.max_steps:
-            return int(tc.max_steps)
-        if self._token_budget():
-            from train.gpt import token_budget_steps
-
-            return token_budget_steps(self.cfg)
-        return tc.epochs * self.steps_per_epoch()
+        total = self.plan().total_steps
+        if total is None:  # epochs of unknown size
+            raise ConfigError("this card needs `assume.train_size` (training examples per epoch)")
+        return total
 
     def tokens_per_step(self) -> int:
         return self.cfg.trainer.global_batch_size * self.cfg.data.seq_len
 
     def _spe(self, uses_epochs: bool) -> int:
         """Steps per epoch for a schedule; only needed when it counts in epochs."""
-        if self._token_budget() or (not uses_epochs and self.train_size is None):
+        plan = self.plan()
+        if plan.steps_per_epoch is None and (plan.token_budget or not uses_epochs):
             return 1
         return self.steps_per_epoch()
 

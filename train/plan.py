@@ -1,0 +1,79 @@
+"""The step plan: how a run's global batch splits into micro batches and accumulation, and how many
+optimizer steps an epoch and the whole run take.
+
+One pure function of the config and the size of an epoch, `step_plan`, which the engine runs with
+its feed's size and the recipe cards (train/recipe.py) with an assumed one, so a card's steps are
+the steps a run takes. The global batch is a property of the recipe, not of the cluster: the split
+(train.feeds.split_batch) adapts to the number of processes, the step count does not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from .feeds import split_batch
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A run's batch arithmetic and length on `world_size` processes.
+
+    micro_batch: samples per process per forward; accum: micro batches per process per optimizer
+    step (global batch = micro_batch x world size x accum). steps_per_epoch: optimizer steps in one
+    epoch, None where the epoch's size is not known. total_steps: optimizer steps of the run, None
+    where it counts epochs of unknown size. token_budget: the run's length is a token budget.
+    """
+
+    micro_batch: int
+    accum: int
+    steps_per_epoch: int | None
+    total_steps: int | None
+    token_budget: bool
+
+
+def uses_token_budget(cfg: DictConfig) -> bool:
+    """Pre-training on token shards (data.kind=shards, laplace/data/kinds.py): the run's length is
+    a token budget, not epochs (image data nodes have no `kind`)."""
+    return cfg.data.get("kind") == "shards"
+
+
+def token_budget_steps(cfg: DictConfig) -> int:
+    """Pre-training steps of a config without trainer.max_steps: the token budget
+    (data.train_tokens, else trainer.tokens_per_param x parameters, nanochat's Chinchilla ratio)
+    over the tokens of one step (global_batch_size x data.seq_len)."""
+    tc, d = cfg.trainer, cfg.data
+    budget = d.train_tokens
+    if budget is None:
+        from laplace import create_model
+
+        with torch.device("meta"):  # shapes only: no memory, no init
+            budget = tc.tokens_per_param * sum(p.numel() for p in create_model(**cfg.model).parameters())
+    return max(1, int(budget) // (tc.global_batch_size * d.seq_len))
+
+
+def step_plan(cfg: DictConfig, world_size: int, micro_batches_per_epoch: int | None) -> StepPlan:
+    """The step plan of `cfg` on `world_size` processes.
+
+    Args:
+        cfg: the composed training config (trainer.global_batch_size, micro_batch_size, max_steps,
+            epochs; for a token budget also data and model).
+        world_size: the number of processes.
+        micro_batches_per_epoch: what the training feed gives each process in one epoch (its
+            epochs end on a whole step, train/feeds.py); None: not known (a recipe card without data).
+
+    The run's length: trainer.max_steps when set, else the token budget of token shards, else
+    trainer.epochs epochs.
+    """
+    tc = cfg.trainer
+    micro, accum = split_batch(tc.global_batch_size, tc.micro_batch_size, int(world_size))
+    spe = None if micro_batches_per_epoch is None else max(1, micro_batches_per_epoch // accum)
+    budget = uses_token_budget(cfg)
+    if tc.max_steps:
+        total = int(tc.max_steps)
+    elif budget:
+        total = token_budget_steps(cfg)
+    else:
+        total = None if spe is None else tc.epochs * spe
+    return StepPlan(micro, accum, spe, total, budget)
