@@ -172,7 +172,7 @@ class Trainer:
     def data_identity(self) -> dict | None:
         """What the training data is (not where: data.root may move), checked on resume
         (train/resume.py). Default: the feed's identity (token shards), if it has one."""
-        return (dict(self.feed.identity()) if hasattr(self.feed, "identity") else None) or None  # optional
+        return (dict(self.feed.identity()) or None) if hasattr(self.feed, "identity") else None  # optional, see Feed
 
     def throughput_metrics(self, units_per_s: float) -> dict:
         """Extra figures logged beside the throughput (e.g. the GPT's model FLOPs utilisation)."""

@@ -42,7 +42,7 @@ def run_group(run_dir) -> str:
 
 OmegaConf.register_new_resolver("run_group", run_group, replace=True)
 # `${model_label:${model}}`: the model's name with the node's own k (laplace.model_label)
-OmegaConf.register_new_resolver("model_label", lambda node: model_label(node), replace=True)
+OmegaConf.register_new_resolver("model_label", model_label, replace=True)
 
 
 def wandb_mode(configured: Optional[str]) -> tuple[str, str]:
