@@ -133,3 +133,26 @@ def test_compile_auto_is_off_on_cpu(make_cfg, tmp_path, setting, compiled):
     expect = compiled or (setting == "auto" and on_cuda)
     assert trainer.compile is expect
     assert isinstance(trainer.net, torch._dynamo.eval_frame.OptimizedModule) is expect
+
+
+def test_resume_refuses_other_shards_and_records_the_tokenizer(make_cfg, tmp_path, pydoc_shards):
+    """The checkpoint records what the data is (the feed's identity, the GPT's tokenizer
+    fingerprint: Trainer.data_identity); the same run resumed on other token shards is refused."""
+    import shutil
+
+    import numpy as np
+
+    from laplace.checkpoint import CheckpointError, load_checkpoint
+    from train import run
+
+    data = tmp_path / "data"
+    shutil.copytree(pydoc_shards, data)
+    args = [*_pre(data, "trainer.max_steps=2", "trainer.eval_every=100", "trainer.sample_prompts=[]"),
+            "trainer.stop_after=1"]
+    run(make_cfg(*args, run_dir=tmp_path / "r"))
+    saved = load_checkpoint(tmp_path / "r" / "ckpt" / "last.pt")["data_identity"]
+    assert set(saved) == {"shards", "tokens", "digest", "tokenizer"} and saved["shards"] == 1
+    shard = data / "train" / "shard_00000.npy"
+    np.save(shard, np.roll(np.load(shard), 1))  # same length and counts, other tokens
+    with pytest.raises(CheckpointError, match="was trained on other data than data.root"):
+        run(make_cfg(*args, run_dir=tmp_path / "r"))
