@@ -260,6 +260,8 @@ def main():
     p.add_argument("--docs", default=None, help="where tables, figures and the report go (default: the profile's)")
     p.add_argument("--pca-maps", type=int, default=4)
     p.add_argument("--steps", type=int, default=None, help="shorter runs (a smoke test of the script)")
+    p.add_argument("--train-only", action="store_true",
+                   help="train and evaluate the runs, then stop (analyse and report in a later call)")
     args = p.parse_args()
     prof = PROFILES[args.profile]
     seeds = args.seeds if args.seeds is not None else prof["seeds"]
@@ -272,6 +274,9 @@ def main():
         sh([sys.executable, *cmd], log)
     runs = run_jobs(prof["recipes"], out, seeds, log, args.jobs or prof["jobs"], args.steps)
     t_train = time.time() - t0
+    if args.train_only:
+        print(f"[miniature] trained {sum(map(len, runs.values()))} runs in {t_train:.0f} s (--train-only)")
+        return
     analyse_all(runs, log, prof["recipes"])
     # The tables, figures and verdicts read exactly this invocation's runs (not others under --out).
     listed = "runs=[" + ",".join(str(d) for dirs in runs.values() for d in dirs) + "]"
