@@ -65,7 +65,7 @@ def batch_features(model: VisionTransformer, x: torch.Tensor, kind: str = "cls",
                    avgpool: bool = False) -> torch.Tensor:
     """Features [B, F] of images [B, 3, H, W] (see the module docstring)."""
     if kind == "cls":
-        out = model.forward_features(x, layers=[], norm=True)["norm"][:, 0].float()
+        out = model.pool(model.forward_features(x, layers=[], norm=True)["norm"]).float()
         return F.normalize(out, dim=-1, p=2)
     depth = len(model.blocks)
     if not 1 <= n_last_blocks <= depth:

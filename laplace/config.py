@@ -30,7 +30,7 @@ _GPT_FROM_DATA = {"vocab_size": "${data.vocab_size}", "max_seq_len": "${data.seq
 # Constructor arguments every node states (so `model.qk_norm=true` overrides a key that is
 # there), with the values of the constructor's own defaults: its signature is their one source.
 _STATED = {"vit": (VisionTransformer, ("laplacian_mode", "drop_path_rate", "drop_path_schedule",
-                                       "init_values", "qk_norm"), _VIT_FROM_DATA),
+                                       "init_values", "qk_norm", "global_pool"), _VIT_FROM_DATA),
            "gpt": (GPT, ("laplacian_mode", "grad_checkpointing"), _GPT_FROM_DATA)}
 
 

@@ -119,6 +119,8 @@ def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, 
                           f"timm's VisionTransformer has none")
     if any(b.attn.laplacian_mode != "fixed" for b in model.blocks):
         return None, {}, f"{node['name']} has learned Laplacian gates; timm's VisionTransformer has none"
+    if model.global_pool != "token":  # timm's avg pool normalises after the mean (fc_norm), ours before
+        return None, {}, f"{node['name']} has a mean-pooled head; timm's normalises after pooling, this one before"
     a = _constructor_args(node)
     blk = model.blocks[0]
     args = dict(img_size=model.patch_embed.img_size[0], patch_size=model.patch_embed.patch_size[0],
@@ -272,7 +274,8 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
                      f"{heads} heads, patch {model.patch_embed.patch_size[0]}, input "
                      f"{model.patch_embed.img_size[0]} px, {model.num_classes or 'no'} classes, "
                      f"{'LayerScale (init ' + str(a['init_values']) + ')' if a['init_values'] else 'no LayerScale'}, "
-                     f"QK-norm {'on' if a['qk_norm'] else 'off'}, class-token pooling")
+                     f"QK-norm {'on' if a['qk_norm'] else 'off'}, "
+                     f"{'class-token' if model.global_pool == 'token' else 'mean (patch tokens)'} pooling")
     else:
         lines.append(f"- Architecture: nanochat GPT, width {model.width}, depth {model.depth}, {heads} heads, "
                      f"vocabulary {model.vocab_size}")

@@ -69,6 +69,10 @@ class VisionTransformer(nn.Module):
         drop_path_schedule: "uniform" (DeiT-III: the same rate in every block) or "linear"
             (timm's VisionTransformer: 0 in the first block, rising linearly to the rate).
         qk_norm: LayerNorm (eps 1e-6) over each head's queries and keys (timm's `qk_norm`).
+        global_pool: what the head reads: "token" (the class token, DeiT-III's and the paper's)
+            or "avg" (the mean of the final-norm patch tokens; the class token stays in the
+            sequence). timm's "avg" normalises after pooling (fc_norm); here the final norm acts
+            per token before the mean, so the analysed "norm" layer is what the head averages.
         fused_attn: SDPA kernels (True) or the explicit-softmax reference path.
         pos_embed_resample: how the position embeddings follow an input of another size:
             "plain" (bicubic to the grid, as fine-tuning at another size resamples them) or
@@ -81,14 +85,18 @@ class VisionTransformer(nn.Module):
                  num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed",
                  init_values: Optional[float] = 1e-6, drop_path_rate: float = 0.0,
                  drop_path_schedule: str = "uniform", qk_norm: bool = False,
-                 fused_attn: bool = True, pos_embed_resample: str = "plain"):
+                 global_pool: str = "token", fused_attn: bool = True, pos_embed_resample: str = "plain"):
         super().__init__()
         if pos_embed_resample not in _RESAMPLE_RULES:
             raise ValueError(f"pos_embed_resample={pos_embed_resample!r}: choose {' or '.join(_RESAMPLE_RULES)}")
         if drop_path_schedule not in _DROP_PATH_SCHEDULES:
             raise ConfigError(f"drop_path_schedule={drop_path_schedule!r}: choose "
                               f"{' or '.join(_DROP_PATH_SCHEDULES)}")
+        if global_pool not in _POOLS:
+            raise ConfigError(f"global_pool={global_pool!r}: choose {' or '.join(_POOLS)} "
+                              f"(model.global_pool=token: the class token)")
         self.pos_embed_resample = pos_embed_resample
+        self.global_pool = global_pool
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.num_laplacian_heads = laplacian_counts(num_laplacian_heads, depth, num_heads)
@@ -157,10 +165,15 @@ class VisionTransformer(nn.Module):
         x = self.embed(x)
         for blk in self.blocks:
             x = blk(x)
-        return self.head(self.norm(x)[:, 0])  # class-token pooling
+        return self.head(self.pool(self.norm(x)))
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-norm tokens [B, 1 + N, D] -> what the head reads [B, D] (`global_pool`)."""
+        return x[:, 0] if self.global_pool == "token" else x[:, 1:].mean(dim=1)
 
 
 _RESAMPLE_RULES = ("plain", "dino")
+_POOLS = ("token", "avg")
 _DROP_PATH_SCHEDULES = ("uniform", "linear")
 
 

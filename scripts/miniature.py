@@ -260,6 +260,8 @@ def main():
     p.add_argument("--docs", default=None, help="where tables, figures and the report go (default: the profile's)")
     p.add_argument("--pca-maps", type=int, default=4)
     p.add_argument("--steps", type=int, default=None, help="shorter runs (a smoke test of the script)")
+    p.add_argument("--only", nargs="+", default=None, metavar="PARADIGM",
+                   help="train only these paradigms of the profile (the report still reads all of its runs)")
     p.add_argument("--train-only", action="store_true",
                    help="train and evaluate the runs, then stop (analyse and report in a later call)")
     args = p.parse_args()
@@ -272,7 +274,12 @@ def main():
     log = open(docs / "commands.log", "a")
     for cmd in prof["prepare"]:
         sh([sys.executable, *cmd], log)
-    runs = run_jobs(prof["recipes"], out, seeds, log, args.jobs or prof["jobs"], args.steps)
+    unknown = sorted(set(args.only or []) - set(prof["recipes"]))
+    if unknown:
+        p.error(f"--only {unknown[0]}: the {args.profile} profile trains {', '.join(prof['recipes'])}")
+    train = {pd: r for pd, r in prof["recipes"].items() if args.only is None or pd in args.only}
+    run_jobs(train, out, seeds, log, args.jobs or prof["jobs"], args.steps)
+    runs = run_jobs(prof["recipes"], out, seeds, log, steps=args.steps, dry=True)
     t_train = time.time() - t0
     if args.train_only:
         print(f"[miniature] trained {sum(map(len, runs.values()))} runs in {t_train:.0f} s (--train-only)")

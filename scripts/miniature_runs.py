@@ -80,14 +80,19 @@ LONG = {
 #    thread: 0.52 s a step, 400 steps as the long profile's (flat from ~400 there).
 #  - gpt: the long profile's recipe, k = 0 / 1 of 2 only (the paper's best LM: 5 of 10 heads).
 #  - dino: the long profile's recipe, k = 0 / 5 of 6 (the paper's best: ViT-S-5L).
-# 5 seeds, two runs at a time, seed by seed (a stopped study leaves whole seeds): ~90 min on 2 cores.
-STUDY = {
-    "deit3": dict(variants=[("vitt_0L", []), ("vitt_1L", []), ("vitt_3L", [])],
+# 5 seeds, two runs at a time, seed by seed (a stopped study leaves whole seeds): ~110 min on 2 cores.
+STUDY_DEIT = dict(variants=[("vitt_0L", []), ("vitt_1L", []), ("vitt_3L", [])],
                   args=["model.depth=4", "model.init_values=1.0", "model.qk_norm=true", "data.patch_size=4",
                         "trainer.max_steps=400", "trainer.global_batch_size=64", "trainer.eval_every=50",
                         "trainer.ckpt_every=100", "optim.lr=1e-3", "optim.schedules.lr.warmup=20"],
-                  curve="val_acc1"),
+                  curve="val_acc1")
+STUDY = {
+    "deit3": STUDY_DEIT,
     "gpt": dict(LONG["gpt"], variants=[("gpt_d3_0L", []), ("gpt_d3_1L", [])]),
+    # The mean-pooled head (model.global_pool=avg): the class-token head reads norm(x)[:, 0] only,
+    # so the last block's patch outputs get no gradient; here the loss reaches every patch token.
+    "deit3_avg": dict(STUDY_DEIT, variants=[("vitt_0L", []), ("vitt_3L", [])],
+                      args=STUDY_DEIT["args"] + ["model.global_pool=avg"]),
     "dino": dict(LONG["dino"], variants=[("vits_0L", []), ("vits_5L", [])]),
 }
 PROFILES = {
@@ -126,11 +131,13 @@ def label(name: str, extra: list[str]) -> str:
     return name + ("_learned" if "model.laplacian_mode=learned" in extra else "")
 
 
-def run_jobs(recipes: dict, out: Path, seeds, log, jobs: int = 1, steps: int | None = None) -> dict[str, list[Path]]:
+def run_jobs(recipes: dict, out: Path, seeds, log, jobs: int = 1, steps: int | None = None,
+             dry: bool = False) -> dict[str, list[Path]]:
     """Train (and evaluate) every (paradigm, variant, seed); {paradigm: run dirs}. Seed by seed,
     so that a stopped profile leaves whole seeds; `jobs` runs at a time, each on
     cpu_count // jobs threads. A finished run (results.json, and its evaluations' results) is
-    skipped, an interrupted one resumes. `steps` shortens the recipes (a smoke test)."""
+    skipped, an interrupted one resumes. `steps` shortens the recipes (a smoke test); `dry`
+    only names the run dirs."""
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[Path]] = {}
     todo = []
@@ -145,6 +152,8 @@ def run_jobs(recipes: dict, out: Path, seeds, log, jobs: int = 1, steps: int | N
                 evals = [(run_dir / "eval" / name, e) for name, e in r.get("evals", {}).items()]
                 cmds += [[sys.executable, *e, f"checkpoint={run_dir / 'ckpt/last.pt'}", f"run_dir={d}"] for d, e in evals]
                 todo.append((run_dir, cmds, [run_dir] + [d for d, _ in evals]))
+    if dry:
+        return runs
     env = None
     if jobs > 1:
         threads = str(max(1, (os.cpu_count() or 1) // jobs))

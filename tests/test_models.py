@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 import laplace
 from laplace.attention import rms_norm
+from laplace.config import model_node
+from laplace.errors import ConfigError
 from laplace.gpt import GPT, gpt_dims
 from laplace.vit import load_timm_state_dict
 from conftest import randomize_
@@ -361,6 +363,20 @@ def test_vit_forward_features():
         early = model.forward_features(x, layers=[2], norm=False)
         assert early.keys() == {"blocks.2"}
         torch.testing.assert_close(early["blocks.2"], feats["blocks.2"])
+
+
+def test_vit_mean_pooled_head_reads_the_mean_of_the_final_norm_patch_tokens():
+    torch.manual_seed(0)
+    model = laplace.create_model("vitt_3L", depth=2, img_size=32, patch_size=8, num_classes=5,
+                                 global_pool="avg").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        norm = model.forward_features(x)["norm"]
+        torch.testing.assert_close(model(x), model.head(norm[:, 1:].mean(1)))  # the class token left out
+        assert not torch.allclose(model(x), model.head(norm[:, 0]))
+    with pytest.raises(ConfigError, match="global_pool='max': choose token or avg"):
+        laplace.create_model("vitt_3L", depth=2, global_pool="max")
+    assert model_node("vitt_3L")["global_pool"] == "token"  # stated, so an override has a key
 
 
 def test_gpt_forward_features():

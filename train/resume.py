@@ -38,6 +38,7 @@ ADDED_KEYS = {
     "model.drop_path_schedule": "uniform",  # 2026-12-01 issue 30: the same drop-path rate in every block
     "data.device_augment": False,         # 2026-12-02 issue 33: 3-Augment's colour work in the workers
     "trainer.multicrop.device_augment": False,  # 2026-12-02 issue 33: DINO's crops augmented in the workers
+    "model.global_pool": "token",         # 2026-12-02 issue 34: the head read the class token
 }
 
 
