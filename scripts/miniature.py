@@ -4,6 +4,7 @@ learning curves and a verdict for each claim of the paper.
 
     bash scripts/miniature.sh                       # short: ~25 min on 2 cores; runs/miniature, docs/miniature
     bash scripts/miniature.sh --profile long        # long: ~2.5 h; runs/miniature_long, docs/miniature/long
+    bash scripts/miniature.sh --profile study       # study: ~2 h; runs/miniature_study, docs/miniature/study
     python scripts/miniature.py --seeds 0 --out /tmp/mini --docs /tmp/mini/docs   # one seed, a quick look
 
 The profiles, their recipes (one per paradigm, the same for every k) and why each setting:
@@ -20,14 +21,10 @@ Every run is the plain `python train.py ...` command printed before it runs (a f
 skipped, an interrupted one resumes), every checkpoint is measured by `python -m analysis`, and
 `python -m analysis.tables` / `python -m analysis.figures` render the tables and figures.
 
-Verdict rule, per claim, over the seeds: d = mean(all-Laplacian) - mean(baseline) and its
-standard error se = sqrt(s0^2 / n0 + s1^2 / n1) (sample standard deviations); "agrees" if d
-points the paper's way and |d| > 2 se, "disagrees" if it points the other way and |d| > 2 se,
-else "within noise". With one seed there is no spread: the verdict is "one seed: <direction>".
-The same rule compares the middle arm with the baseline in a second table. Each geometry claim
-is judged at the layer the paper measured it at; PAPER.md names none, so the claims table says
-"final norm (paper silent)" (`claim_layer`), and the same rule is applied at every block beside
-it (the analyses measure layers=all).
+What each claim is measured as (the paper's objects, other readings beside them), on which
+arm, at which layers, and the test (paired t over seeds, Holm's correction, the smallest
+detectable effect): scripts/miniature_claims.py. The study profile (~2 h) is the one whose
+report decides the claims; short and long keep their recipes and use the same rules.
 """
 from __future__ import annotations
 
@@ -46,36 +43,22 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from analysis.gates import gate_groups, to_markdown  # noqa: E402
-from analysis.runs import collect, metric_value  # noqa: E402
+from analysis.runs import collect  # noqa: E402
+from miniature_claims import (base_paradigm, block_table, by_seed, changes_table, claim_rows, claims_table, fmt,  # noqa: E402
+                              mechanism_section)
 from miniature_curves import curves, curves_markdown, plot_curves  # noqa: E402
 from miniature_runs import PROFILES, analyse_all, run_jobs, sh  # noqa: E402
 
-# The paper's claims: (paradigm, what, metric of analysis.runs records, +1 if the paper says it
-# grows with Laplacian heads, -1 if it shrinks). A profile is judged on the paradigms it trains.
-CLAIMS = [
-    ("deit3", "accuracy improves (val top-1)", "final.val_acc1", +1),
-    ("deit3", "within-image variance share drops (patch tokens)", "geometry.within_seq_share", -1),
-    ("deit3", "between-class variance share grows (patch tokens)", "geometry.between_class_share", +1),
-    ("deit3", "neural collapse strengthens (NC1 of the class token falls)", "geometry.nc1", -1),
-    ("deit3", "spectrum decays faster (PCs for 99% of patch variance fall)", "geometry.n_pcs_0.99", -1),
-    ("gpt", "language modelling improves (val bits per byte fall)", "final.val_bpb", -1),
-    ("gpt", "within-window variance share drops (shown for ViTs; asked of the LM too)", "geometry.within_seq_share", -1),
-    ("gpt", "linguistic collapse strengthens (next-token CDNV falls)", "geometry.lc_cdnv_mean", -1),
-    ("gpt", "spectrum decays faster (PCs for 99% of token variance fall)", "geometry.n_pcs_0.99", -1),
-    ("dino", "accuracy improves (20-NN top-1 of the teacher)", "knn.top1", +1),
-    ("dino", "accuracy improves (linear probe top-1)", "linear.top1", +1),
-    ("dino", "spectrum decays faster (PCs for 99% of patch variance fall)", "geometry.n_pcs_0.99", -1),
-    ("dino", "within-image variance share drops (shown supervised; asked of DINO too)", "geometry.within_seq_share", -1),
-]
-COLUMNS = {"deit3": [("val top-1", "final.val_acc1"), ("within-image share", "geometry.within_seq_share"),
-                     ("between-class share", "geometry.between_class_share"), ("NC1 (cls)", "geometry.nc1"),
-                     ("n_pcs_0.99", "geometry.n_pcs_0.99")],
+_VIT_COLS = [("within-image share", "geometry.within_seq_share"), ("between-class share", "geometry.between_class_share"),
+             ("within var", "geometry.within_seq_var"), ("between-class var", "geometry.between_class_var"),
+             ("NC1 (image means)", "geometry.patch_nc1"), ("NC1 (cls)", "geometry.nc1"),
+             ("PCs 99% per image", "geometry.per_seq_n_pcs_0.99"), ("PCs 99% pooled within", "geometry.within_n_pcs_0.99"),
+             ("PCs 99% global", "geometry.n_pcs_0.99")]
+COLUMNS = {"deit3": [("val top-1", "final.val_acc1"), *_VIT_COLS],
            "gpt": [("val bpb", "final.val_bpb"), ("within-window share", "geometry.within_seq_share"),
-                   ("next-token CDNV", "geometry.lc_cdnv_mean"), ("n_pcs_0.99", "geometry.n_pcs_0.99")],
-           "dino": [("20-NN top-1", "knn.top1"), ("linear top-1", "linear.top1"),
-                    ("within-image share", "geometry.within_seq_share"),
-                    ("between-class share", "geometry.between_class_share"), ("NC1 (cls)", "geometry.nc1"),
-                    ("n_pcs_0.99", "geometry.n_pcs_0.99")]}
+                   ("next-token CDNV", "geometry.lc_cdnv_mean"), ("PCs 99% per window", "geometry.per_seq_n_pcs_0.99"),
+                   ("PCs 99% pooled within", "geometry.within_n_pcs_0.99"), ("PCs 99% global", "geometry.n_pcs_0.99")],
+           "dino": [("20-NN top-1", "knn.top1"), ("linear top-1", "linear.top1"), *_VIT_COLS]}
 # What each profile can and cannot show, the report's first lines.
 SCOPE = {
     "short": "A smoke-sized look: 300 steps, 3 seeds, DeiT-III and GPT only; the runs are far from "
@@ -90,106 +73,27 @@ SCOPE = {
             "last quarter; the quarter before says how fast it still learns. What it cannot show: anything "
             "about the paper's scale (ViT-B on ImageNet, a 561 M GPT, ADE20K), its downstream LM tasks, or "
             "effects smaller than the spread of 5 seeds; digits and stdlib code are not natural images and prose.",
+    "study": "What this decides: each of the paper's claims on the paper's own object (NC1 of sequence means, "
+             "per-sequence spectra, ANOVA shares; other readings beside), the baseline against the arm nearest "
+             "the paper's, by a paired t over the seeds with Holm's correction, in a regime moved towards the "
+             "authors': ViTs of 4 blocks with 64 patch tokens per 8x8 digit and QK-norm, with a class-token and a "
+             "mean-pooled head; DINO with 5 of 6 heads Laplacian (16 tokens, as the long profile); the GPT k = 0 "
+             "vs 1 of 2 at the long profile's 500 steps. Read the learning curves and the smallest detectable "
+             "effects first: \"within noise\" rules out only effects above them. What it cannot show: the paper's "
+             "scale (ViT-B on ImageNet, a 561 M GPT, ADE20K), its LM tasks, or smaller effects; digits and stdlib "
+             "code are not natural images and prose.",
 }
-
-
-def verdict(base: list[float], lap: list[float], sign: int) -> tuple[str, float, float]:
-    """(verdict, d, se) by the rule of the module docstring."""
-    d = statistics.mean(lap) - statistics.mean(base)
-    if min(len(base), len(lap)) < 2:
-        way = "no difference" if d == 0 else "paper's direction" if d * sign > 0 else "the other direction"
-        return f"one seed: {way}", d, float("nan")
-    se = math.sqrt(statistics.variance(base) / len(base) + statistics.variance(lap) / len(lap))
-    if abs(d) > 2 * se:
-        return ("agrees" if d * sign > 0 else "disagrees"), d, se
-    return "within noise", d, se
-
-
-def _values(recs: list[dict], k: int, mode: str, metric: str) -> list[float]:
-    return [v for r in recs if r["k"] == k and r["mode"] == mode
-            for v in [metric_value(r, metric)] if v is not None]
-
-
-def _fmt(xs: list[float]) -> str:
-    return f"{statistics.mean(xs):.4g}" + (f" ± {statistics.stdev(xs):.2g}" if len(xs) > 1 else "") if xs else ""
-
-
-def claim_layer(metric: str) -> tuple[str | None, str]:
-    """(layer, how the report names it) of a claim's metric. PAPER.md names no layer for any
-    geometry claim, so each is read at the final norm (what the head reads) and says so;
-    accuracy and bits per byte are the model's output, at no layer."""
-    return ("norm", "final norm (paper silent)") if metric.startswith("geometry.") else (None, "model output")
-
-
-def at_layer(metric: str, layer: str | None) -> str:
-    """The records' key of a geometry metric at a layer ("geometry@blocks.2.nc1")."""
-    return metric if layer is None else f"geometry@{layer}.{metric[len('geometry.'):]}"
-
-
-def _arms(rs: list[dict], metric: str, arm: str = "all") -> tuple[list[float], list[float]]:
-    """(baseline k = 0, the compared arm) values of a metric; arm "all": every head Laplacian,
-    "middle": the fixed k between them (the smallest, if several)."""
-    ks = sorted({r["k"] for r in rs if r["mode"] == "fixed"})
-    if arm == "middle":
-        mid = [k for k in ks if 0 < k < ks[-1]]
-        return _values(rs, 0, "fixed", metric), (_values(rs, mid[0], "fixed", metric) if mid else [])
-    return _values(rs, 0, "fixed", metric), _values(rs, ks[-1] if ks else 0, "fixed", metric)
-
-
-def claims_table(recs: dict[str, list[dict]], arm: str = "all") -> list[str]:
-    """One row per claim of the trained paradigms: baseline (k = 0) vs the arm (every head
-    Laplacian, or the middle k) at the claim's layer, the verdict."""
-    what_arm = "all heads Laplacian" if arm == "all" else "the middle k"
-    lines = [f"| paradigm | claim (baseline vs {what_arm}) | layer | baseline | {what_arm} | d | 2 se | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
-    for paradigm, what, metric, sign in CLAIMS:
-        if paradigm not in recs:
-            continue
-        layer, where = claim_layer(metric)
-        base, lap = _arms(recs[paradigm], at_layer(metric, layer), arm)
-        if not base or not lap:
-            lines.append(f"| {paradigm} | {what} | {where} | | | | | not measured |")
-            continue
-        v, d, se = verdict(base, lap, sign)
-        lines.append(f"| {paradigm} | {what} | {where} | {_fmt(base)} | {_fmt(lap)} | {d:+.3g} | {2 * se:.2g} | **{v}** |")
-    return lines
-
-
-def block_claims_table(recs: dict[str, list[dict]]) -> list[str]:
-    """The geometry claims' verdicts at every measured layer (where along the depth a
-    difference appears), one table per paradigm: cells "d ± 2 se verdict"."""
-    from analysis.runs import layer_order
-
-    lines = []
-    for paradigm, rs in recs.items():
-        claims = [c for c in CLAIMS if c[0] == paradigm and claim_layer(c[2])[0] is not None]
-        layers = layer_order(rs)
-        if not claims or not layers:
-            continue
-        lines += [f"| {paradigm}: claim | " + " | ".join(layers) + " |", "|---|" + "---|" * len(layers)]
-        for _, what, metric, sign in claims:
-            cells = []
-            for layer in layers:
-                base, lap = _arms(rs, at_layer(metric, layer))
-                if base and lap:
-                    v, d, se = verdict(base, lap, sign)
-                    cells.append(f"{d:+.3g}" + ("" if math.isnan(se) else f" ± {2 * se:.2g}") + f" {v}")
-                else:
-                    cells.append("")
-            lines.append(f"| {what} | " + " | ".join(cells) + " |")
-        lines.append("")
-    return lines
 
 
 def variants_table(recs: dict[str, list[dict]]) -> list[str]:
     lines = []
     for paradigm, rs in recs.items():
-        cols = COLUMNS[paradigm]
+        cols = COLUMNS[base_paradigm(paradigm)]
         lines += [f"| {paradigm} | k | mode | seeds | " + " | ".join(c for c, _ in cols) + " |",
                   "|---|---|---|---|" + "---|" * len(cols)]
         for k, mode in sorted({(r["k"], r["mode"]) for r in rs}, key=lambda km: (km[1] != "fixed", km[0])):
             n = sum(r["k"] == k and r["mode"] == mode for r in rs)
-            cells = [_fmt(_values(rs, k, mode, m)) for _, m in cols]
+            cells = [fmt(by_seed(rs, k, m, mode).values()) for _, m in cols]
             lines.append(f"| {rs[0]['model'].rsplit('_', 1)[0]} | {k} | {mode} | {n} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
@@ -219,6 +123,8 @@ def stream_change(run_dirs: list[Path], n: int = 64) -> dict[str, list[float]]:
 def gates_section(recs: dict[str, list[dict]]) -> list[str]:
     """The report's learned gates: per paradigm, analysis.gates' table and summary (what
     `python -m analysis.tables` writes as gates_*.md)."""
+    if not any(r["mode"] == "learned" for rs in recs.values() for r in rs):
+        return []
     lines = ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
              "Where training takes them, per block and head (tables/gates_*.md; figures/gates_*.png):", ""]
     return lines + [to_markdown(g) for rs in recs.values() for g in gate_groups(rs)]
@@ -253,10 +159,11 @@ def wall_time(out: Path) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--profile", choices=sorted(PROFILES), default="short", help="short (~25 min) or long (~2.5 h)")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the profile's (short 0-2, long 0-4)")
-    p.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the profile's; short 1, long 2)")
-    p.add_argument("--out", default=None, help="runs root (default: the profile's, runs/miniature[_long])")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="short",
+                   help="short (~25 min), long (~2.5 h) or study (~2 h)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the profile's (short 0-2, long and study 0-4)")
+    p.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the profile's; short 1, long and study 2)")
+    p.add_argument("--out", default=None, help="runs root (default: the profile's, runs/miniature[_long|_study])")
     p.add_argument("--docs", default=None, help="where tables, figures and the report go (default: the profile's)")
     p.add_argument("--pca-maps", type=int, default=4)
     p.add_argument("--steps", type=int, default=None, help="shorter runs (a smoke test of the script)")
@@ -266,6 +173,9 @@ def main():
                    help="train and evaluate the runs, then stop (analyse and report in a later call)")
     args = p.parse_args()
     prof = PROFILES[args.profile]
+    unknown = sorted(set(args.only or []) - set(prof["recipes"]))
+    if unknown:
+        p.error(f"--only {unknown[0]}: the {args.profile} profile trains {', '.join(prof['recipes'])}")
     seeds = args.seeds if args.seeds is not None else prof["seeds"]
     out, docs = Path(args.out or ROOT / prof["out"]), Path(args.docs or ROOT / prof["docs"])
     docs.mkdir(parents=True, exist_ok=True)
@@ -274,9 +184,6 @@ def main():
     log = open(docs / "commands.log", "a")
     for cmd in prof["prepare"]:
         sh([sys.executable, *cmd], log)
-    unknown = sorted(set(args.only or []) - set(prof["recipes"]))
-    if unknown:
-        p.error(f"--only {unknown[0]}: the {args.profile} profile trains {', '.join(prof['recipes'])}")
     train = {pd: r for pd, r in prof["recipes"].items() if args.only is None or pd in args.only}
     run_jobs(train, out, seeds, log, args.jobs or prof["jobs"], args.steps)
     runs = run_jobs(prof["recipes"], out, seeds, log, steps=args.steps, dry=True)
@@ -296,6 +203,8 @@ def main():
     (docs / "tables" / "curves.md").write_text("\n".join(curves_markdown(curve_data, metrics)) + "\n")
 
     recs = {pd: [r for r in collect(dirs) if r["finished"]] for pd, dirs in runs.items()}
+    recs = {pd: rs for pd, rs in recs.items() if rs}
+    paper, other = claim_rows(recs, "paper"), claim_rows(recs, "other")
     flags = (f" --profile {args.profile}" if args.profile != "short" else "") + \
         (" --seeds " + " ".join(map(str, seeds)) if seeds != prof["seeds"] else "") + \
         (f" --steps {args.steps}" if args.steps else "")
@@ -304,18 +213,25 @@ def main():
               f"Command: `bash scripts/miniature.sh{flags}` on {platform.machine()} ({os.cpu_count()} cores), "
               f"torch {torch.__version__}. {wall_time(out)}This invocation: {time.time() - t0:.0f} s "
               f"({t_train:.0f} s training, finished runs skipped). Recipes and why: scripts/miniature_runs.py; "
-              f"the verdict rule: scripts/miniature.py. The paper's tables: tables/; figures: figures/.", "",
-              "## Claims", "", *claims_table(recs), "",
-              "The same claims, baseline vs the middle arm (the paper's best models are not all-Laplacian: "
-              "ViT-S-5L of 6 heads for DINO, 5 of 10 heads for the GPT):", "", *claims_table(recs, "middle"), "",
+              f"the claims and their test: scripts/miniature_claims.py. The paper's tables: tables/; figures: figures/.", "",
+              "## Claims", "",
+              "Each row: the baseline (k = 0) against the arm nearest the paper's (k of the heads), over the seeds "
+              "both have, a paired t on the per-seed differences; p two-sided; Holm's adjusted p over the table's "
+              "rows; the smallest detectable effect at 80% power and 5%; verdict at p < 0.05, raw and after Holm. "
+              "Definitions, arms, layers and the test: scripts/miniature_claims.py.", "",
+              "### On the paper's objects (these decide the claims)", "", *claims_table(paper), "",
+              "### Other readings of the same claims (their own Holm family)", "", *claims_table(other), "",
+              "### What the definitions and the test change, on these runs", "", *changes_table(paper, other), "",
+              *mechanism_section(recs),
               "## Learning curves", "",
               "Each arm's validation metric against the step, mean ± 2 se over seeds (n); figures/curves.png.",
               "", *curves_markdown(curve_data, metrics),
               "## Results by number of Laplacian heads (mean ± std over seeds)", "", *variants_table(recs),
-              "## Geometry at every block", "",
-              "The claims above at every layer (blocks.<i>: the residual stream after block i; norm: the final "
-              "norm), baseline vs every head Laplacian, d ± 2 se and the verdict. Every arm's numbers: "
-              "tables/per_block.md; figures: figures/blocks_<experiment>.png.", "", *block_claims_table(recs)]
+              "## Geometry at every block (descriptive)", "",
+              "Each claim's definition at every layer (blocks.<i>: the residual stream after block i; norm: the "
+              "final norm), the claim's arm minus the baseline, d ± 2 se of the paired per-seed differences: where "
+              "along the depth a difference appears, not further tests. Every arm's numbers: tables/per_block.md; "
+              "figures: figures/blocks_<experiment>.png.", "", *block_table(recs)]
     report += ["", "## How much the blocks change the residual stream", "",
                "Mean over tokens of ||h_i - h_(i-1)|| / ||h_(i-1)|| per block (h_(-1) = the embedding), "
                "64 validation sequences, averaged over seeds:", ""]

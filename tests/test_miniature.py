@@ -11,49 +11,77 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import miniature  # noqa: E402
+import miniature_claims as mc  # noqa: E402
 
 
-def test_verdict_rule():
-    base, lap = [1.0, 1.1, 0.9], [2.0, 2.1, 1.9]
-    v, d, se = miniature.verdict(base, lap, +1)
-    assert v == "agrees" and d == pytest.approx(1.0) and se == pytest.approx((0.01 / 3 * 2) ** 0.5)
-    assert miniature.verdict(base, lap, -1)[0] == "disagrees"
-    assert miniature.verdict(base, [1.05, 1.2, 0.95], +1)[0] == "within noise"  # d = 0.067 < 2 se
-    assert miniature.verdict([1.0], [2.0], +1)[0] == "one seed: paper's direction"
-    assert miniature.verdict([1.0], [1.0], -1)[0] == "one seed: no difference"
-
-
-def _record(k: int, seed: int, by_layer: dict) -> dict:
-    """A flat record as analysis.runs.collect makes it, with geometry at two layers."""
-    return {"k": k, "mode": "fixed", "seed": seed, "metrics": {"final.val_acc1": 50.0 + k + seed},
+def _record(k: int, seed: int, by_layer: dict, model: str = "vitt_0L", arch: str = "vit") -> dict:
+    """A flat record as analysis.runs.collect makes it, with geometry at the given layers."""
+    return {"k": k, "mode": "fixed", "seed": seed, "model": model, "arch": arch, "run_dir": "/nonexistent",
+            "metrics": {"final.val_acc1": 50.0 + k + seed + 0.1 * seed * seed},
             "layer_geometry": by_layer, "geometry": by_layer["norm"]}
 
 
-def test_claims_state_and_use_their_layer():
-    # nc1 falls with Laplacian heads at blocks.0 only; at the final norm the arms are the same
-    recs = {"deit3": [_record(k, s, {"blocks.0": {"nc1": (1.0 if k else 2.0) + 0.01 * s}, "norm": {"nc1": 3.0 + 0.01 * s}})
-                      for k in (0, 3) for s in (0, 1, 2)]}
-    for _, _, metric, _ in miniature.CLAIMS:  # PAPER.md names no layer for any claim
-        want = ("norm", "final norm (paper silent)") if metric.startswith("geometry.") else (None, "model output")
-        assert miniature.claim_layer(metric) == want
-    rows = {ln.split(" | ")[1]: ln for ln in miniature.claims_table(recs)[2:]}
-    nc1 = rows["neural collapse strengthens (NC1 of the class token falls)"]
-    assert "| final norm (paper silent) | 3.01 ± 0.01 | 3.01 ± 0.01 | +0 |" in nc1 and "**within noise**" in nc1
-    assert "| model output | 51 ± 1 | 54 ± 1 | +3 |" in rows["accuracy improves (val top-1)"]
-    block = miniature.block_claims_table(recs)
-    assert block[0] == "| deit3: claim | blocks.0 | norm |"
-    row = next(ln for ln in block if ln.startswith("| neural collapse strengthens"))
-    assert row.split(" | ")[1:] == ["-1 ± 0.016 agrees", "+0 ± 0.016 within noise |"]
-    assert not any(ln.startswith("| accuracy") for ln in block)  # no layer: not in the per-block table
+def test_claims_use_the_papers_objects_arms_and_layers():
+    names = {(c.paradigm, c.metric): c for c in mc.CLAIMS}
+    # the claim rows on the paper's objects; the class token's NC1 and the global spectrum kept beside
+    assert names["deit3", "geometry.patch_nc1"].family == "paper" and names["deit3", "geometry.nc1"].family == "other"
+    assert names["deit3", "geometry.per_seq_n_pcs_0.99"].family == "paper"
+    assert names["deit3", "geometry.n_pcs_0.99"].family == "other"
+    # the arm nearest the paper's: all 3 heads (ViT-B-12L), 5 of 6 for DINO, 1 of 2 for the LM's 5 of 10
+    deit = [_record(k, 0, {"norm": {}}) for k in (0, 1, 3)]
+    assert mc.claim_arm(deit, mc.ALL) == 3
+    assert mc.claim_arm([_record(k, 0, {"norm": {}}, "vits_0L") for k in (0, 3, 5, 6)], mc.DINO_BEST) == 5
+    assert mc.claim_arm([_record(k, 0, {"norm": {}}, "vits_0L") for k in (0, 3, 6)], mc.DINO_BEST) == 6
+    assert mc.claim_arm([_record(k, 0, {"norm": {}}, "gpt_d3_0L", "gpt") for k in (0, 1, 2)], mc.LM_BEST) == 1
+    # a class-token ViT: patch claims also at the last block's input; the class token's at the norm only
+    layers = {"blocks.0": {}, "blocks.1": {}, "blocks.2": {}, "norm": {}}
+    vit = [_record(0, 0, layers)]
+    assert mc.claim_layers(vit, names["deit3", "geometry.patch_nc1"]) == [
+        ("norm", "final norm"), ("blocks.1", "blocks.1 (deepest the loss reaches)")]
+    assert mc.claim_layers(vit, names["deit3", "geometry.nc1"]) == [("norm", "final norm")]
+    assert mc.claim_layers(vit, names["deit3", "final.val_acc1"]) == [(None, "model output")]
+    gpt = [_record(0, 0, layers, "gpt_d3_0L", "gpt")]
+    assert mc.claim_layers(gpt, names["gpt", "geometry.per_seq_n_pcs_0.99"]) == [("norm", "final norm")]
 
 
-def test_middle_arm_and_paradigms_not_trained():
-    recs = {"deit3": [_record(k, s, {"norm": {"nc1": 2.0 - 0.5 * k + 0.01 * s}}) for k in (0, 1, 3) for s in (0, 1, 2)]}
-    rows = {ln.split(" | ")[1]: ln for ln in miniature.claims_table(recs, "middle")[2:]}
-    assert "baseline vs the middle k" in miniature.claims_table(recs, "middle")[0]
-    assert "| 2.01 ± 0.01 | 1.51 ± 0.01 | -0.5 |" in rows["neural collapse strengthens (NC1 of the class token falls)"]
-    assert "| 2.01 ± 0.01 | 0.51 ± 0.01 | -1.5 |" in miniature.claims_table(recs)[5]  # all: k = 3
-    assert all(not ln.startswith(("| gpt", "| dino")) for ln in miniature.claims_table(recs))
+def test_claim_rows_are_paired_and_holm_corrected():
+    # patch NC1 falls by exactly 0.5 + 0.01 seed at the final norm: the pairing sees it; the
+    # seeds' spread (0.3 a seed) hides it from the earlier unpaired rule
+    def geo(k, s):
+        return {"blocks.0": {"patch_nc1": 2.0}, "blocks.1": {"patch_nc1": 2.0 + 0.1 * s},
+                "norm": {"patch_nc1": 2.0 + 0.3 * s - (0.5 + 0.01 * s) * (k > 0), "nc1": 1.0 + 0.3 * s}}
+    recs = {"deit3": [_record(k, s, geo(k, s)) for k in (0, 1, 3) for s in range(5)]}
+    rows = mc.claim_rows(recs, "paper")
+    nc1 = next(r for r in rows if r["claim"].metric == "geometry.patch_nc1" and r["layer"] == "norm")
+    assert nc1["k"] == 3 and nc1["test"].n == 5 and nc1["test"].df == 4
+    assert nc1["test"].d == pytest.approx(-0.52) and nc1["verdict"] == "agrees"
+    assert mc.old_rule(nc1["base"], nc1["arm"], -1) == "within noise"
+    acc = next(r for r in rows if r["claim"].metric == "final.val_acc1")
+    assert acc["test"].d == pytest.approx(3.0) and acc["verdict"] == "agrees"  # +3 in every seed
+    # Holm: the adjusted p is never below the raw one; metrics never measured are "not measured"
+    tested = [r for r in rows if r["test"] is not None]
+    assert all(r["holm_p"] >= r["test"].p for r in tested)
+    assert any(r["verdict"] == "not measured" for r in rows)  # e.g. the per-image spectrum
+    table = mc.claims_table(rows)
+    assert table[0].startswith("| paradigm | claim | definition | layer | k | baseline | arm | d | t (df) | p | Holm p |")
+    row = next(ln for ln in table if "sequence means" in ln and "| final norm |" in ln)
+    assert "| 3 of 3 |" in row and "| -0.52 |" in row and "**agrees**" in row
+    blocks = mc.block_table(recs)
+    assert blocks[0] == "| deit3: definition (arm k) | blocks.0 | blocks.1 | norm |"
+    row = next(ln for ln in blocks if ln.startswith("| NC1 of the image means"))
+    assert row.split(" | ")[1:] == ["+0 ± 0", "+0 ± 0", "-0.52 ± 0.014 |"]  # descriptive: no verdicts
+    assert not any(ln.startswith("| val top-1") for ln in blocks)  # no layer: not in the per-block table
+    changes = mc.changes_table(rows, mc.claim_rows(recs, "other"))
+    line = next(ln for ln in changes if "neural collapse" in ln)
+    # the earlier reading (class-token NC1, unpaired) saw nothing; the paired test on the image means does
+    assert line.split(" | ")[2:] == ["within noise (NC1 of the class token)", "within noise", "agrees",
+                                     line.split(" | ")[-1]]
+
+
+def test_paradigms_not_trained_get_no_rows():
+    recs = {"deit3": [_record(k, s, {"norm": {"nc1": 2.0 - 0.5 * k + 0.01 * s}}) for k in (0, 3) for s in (0, 1, 2)]}
+    assert {r["paradigm"] for r in mc.claim_rows(recs, "paper")} == {"deit3"}
+    assert mc.base_paradigm("deit3_avg") == "deit3" and mc.claims_of("deit3_avg") == mc.claims_of("deit3")
 
 
 def test_curves_table_and_last_quarter():
@@ -78,14 +106,17 @@ def test_miniature_runs_end_to_end(tmp_path):
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (docs / "README.md").read_text()
-    trained = [c for c in miniature.CLAIMS if c[0] in ("deit3", "gpt")]  # the short profile's paradigms
-    for claim in trained:  # every claim got a verdict
-        assert claim[1] in report
+    trained = [c for c in mc.CLAIMS if c.paradigm in ("deit3", "gpt")]  # the short profile's paradigms
+    claims = report.split("## Learning curves")[0]
+    for c in trained:  # every claim's every definition got a row with a verdict, none unmeasured
+        assert f"| {c.definition} |" in claims
+    assert "not measured" not in claims and "| **one seed: " in claims
+    assert "| final norm |" in claims and "| blocks.2 (deepest the loss reaches) |" in claims
+    assert "### What the definitions and the test change, on these runs" in claims
     assert "| dino |" not in report
-    claims = report.split("## Geometry at every block")[0]  # the per-block verdicts follow
-    assert claims.count("one seed:") == 2 * len(trained)  # all heads Laplacian, and the middle arm
+    assert "## Do the heads smooth?" in claims and "**deit3, k = 3 fixed** (1 seeds)" in claims
     assert "## How much the blocks change the residual stream" in report and "- gpt gpt_d4_1L_learned:" in report
-    assert "final norm (paper silent)" in report and "| deit3: claim | blocks.0 | blocks.1 | blocks.2 | blocks.3 | norm |" in report
+    assert "| deit3: definition (arm k) | blocks.0 | blocks.1 | blocks.2 | blocks.3 | norm |" in report
     assert "blocks.3" in (docs / "tables/per_block.md").read_text() and list((docs / "figures").glob("blocks_*.png"))
     # the learned gates of every block, in both paradigms, as the tables and figures show them
     assert report.count("### gates_") == 2 and "| 3 | " in report and "moved toward Laplacian" in report
