@@ -178,7 +178,7 @@ def _peak_rss_mib() -> float:
 def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="all",
                   batch_size: int = 64, num_workers: int = 0, min_count: int = 5,
                   thresholds: Sequence[float] = (0.9, 0.99), progress: bool = True,
-                  per_seq_max_sequences: Optional[int] = 4096) -> dict:
+                  per_seq_max_sequences: Optional[int] = 1024) -> dict:
     """Run `dataset` through `model.forward_features` and measure every layer.
 
     Args:
@@ -191,7 +191,7 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
         thresholds: explained-variance fractions for n_pcs_<t>.
         progress: tqdm bar over batches.
         per_seq_max_sequences: spectral_per_seq averages over the first this many sequences of
-            `dataset` (None: all); the rest of the metrics use every sequence.
+            `dataset` (None: all; 0: not measured); the rest of the metrics use every sequence.
     Returns {"layers", "results": {kind: {layer: {group: {...}}}}, "throughput": {...}}.
     """
     from tqdm.auto import tqdm
@@ -206,7 +206,8 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
     # The patch accumulator always keeps per-image sums: the image means feed patch NC.
     accs = {n: GeometryAccumulator(D, acc_metrics, device=dev) for n in names}
     # per-sequence spectra (spectral_per_seq): every batch holds whole sequences
-    seqs = {n: SequenceSpectra(thresholds, per_seq_max_sequences) for n in names} if "spectral" in metrics else {}
+    seqs = ({n: SequenceSpectra(thresholds, per_seq_max_sequences) for n in names}
+            if "spectral" in metrics and per_seq_max_sequences != 0 else {})
     cls_rows: dict = {n: [] for n in names}
     cls_labels = []
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
@@ -315,7 +316,7 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
                        max_tokens: Optional[int] = None, batch_size: int = 64, num_workers: int = 0,
                        device: str = "auto", seed: int = 0, min_count: int = 5,
                        thresholds: Sequence[float] = (0.9, 0.99), progress: bool = True,
-                       loaded=None, per_seq_max_sequences: Optional[int] = 4096) -> dict:
+                       loaded=None, per_seq_max_sequences: Optional[int] = 1024) -> dict:
     """Load a checkpoint with `load_model`, build its evaluation data and measure it.
 
     Args:

@@ -135,6 +135,15 @@ def test_gpt_within_window_spectra_and_headline_keys(tmp_path):
     assert g["per_seq_effective_rank"] == got["spectral_per_seq"]["effective_rank"]
     assert "per_seq_n_sequences" not in g and "lc_cdnv_mean" in g
 
+    # per_seq_max_sequences: the first windows only; 0 leaves the per-window spectra out
+    few = analyze_model(model, ds, metrics=["spectral"], layers=[], batch_size=16, progress=False,
+                        per_seq_max_sequences=20)["results"]["tokens"]["norm"]
+    first = m.per_sequence_spectra(f[:20], seq[:20 * T])
+    assert few["spectral_per_seq"]["n_sequences"] == 20
+    assert few["spectral_per_seq"]["n_pcs_0.99"] == pytest.approx(first["n_pcs_0.99"], rel=1e-4)
+    none = analyze_model(model, ds, metrics=["spectral"], layers=[], progress=False, per_seq_max_sequences=0)
+    assert set(none["results"]["tokens"]["norm"]) == {"spectral", "spectral_within"}
+
 
 def test_vit_headline_keys_name_their_objects():
     """geometry() on a hand-made ViT layer: every key from its own object."""
