@@ -23,8 +23,9 @@ ViT `patch`: the patch tokens; sequence = image, label = the image's class.
     spectral_per_seq per-image spectra averaged over images: each image's patch tokens centred on
                      their own mean, that image's spectrum counted alone (n_pcs_<t>,
                      effective_rank as in `metrics.spectrum_metrics`), then the mean over images
-                     (a float; n_sequences = images averaged, n_no_variance = images whose tokens
-                     are all equal, left out). The paper's "tokens of one image concentrate".
+                     (a float; the first per_seq_max_sequences images, 1024 by default;
+                     n_sequences = images averaged, n_no_variance = images whose tokens are all
+                     equal, left out). The paper's "tokens of one image concentrate".
                      Our reading, a guess: the paper's non-integer 547.7 / 430.4 PCs are such an
                      average over sequences (or over seeds), not one pooled count.
     nc               Neural Collapse of the image means of the patch tokens (one row per image)
