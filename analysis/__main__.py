@@ -172,7 +172,8 @@ def run(cfg: DictConfig) -> list[dict]:
             res = analyze_checkpoint(p, metrics=metrics, layers=layers, max_tokens=cfg.max_tokens,
                                      batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed,
                                      min_count=cfg.min_count, thresholds=list(cfg.thresholds),
-                                     progress=cfg.progress, loaded=loaded)
+                                     progress=cfg.progress, loaded=loaded,
+                                     per_seq_max_sequences=cfg.get("per_seq_max_sequences", 1024))
             runs.append(res)
             _print_run(res)
             print(f"[analysis] wrote {write_json(analysis_dir(p, out) / 'analysis.json', res, indent=1)}", flush=True)

@@ -11,10 +11,23 @@ Layers: "blocks.<i>" is the residual stream after block i, "norm" the final-norm
 the head reads); the two can disagree, so both are measured. Token kinds and metrics:
 
 ViT `patch`: the patch tokens; sequence = image, label = the image's class.
-    anova            within/between image and class parts (streamed).
-    spectral         spectrum of the globally centred patch tokens (n_pcs_0.99, ...);
-    spectral_within  the same with each image's mean removed: how many directions the tokens of
-                     one image span (the paper's "tokens of one image concentrate").
+    anova            within/between image and class parts (streamed): total, within_seq,
+                     between_seq (= within_class + between_class), within_class, between_class,
+                     each a per-token mean square (mean over tokens of a squared distance, see
+                     `metrics.anova`), and their *_share of total.
+    spectral         spectrum of the globally centred patch tokens (n_pcs_0.99, ...): one
+                     covariance of all tokens of all images about their common mean.
+    spectral_within  pooled within-image spectrum: every token minus its own image's mean, ONE
+                     covariance of all those rows (how many directions the within-image
+                     variation of the whole set spans; an integer count).
+    spectral_per_seq per-image spectra averaged over images: each image's patch tokens centred on
+                     their own mean, that image's spectrum counted alone (n_pcs_<t>,
+                     effective_rank as in `metrics.spectrum_metrics`), then the mean over images
+                     (a float; the first per_seq_max_sequences images, 1024 by default;
+                     n_sequences = images averaged, n_no_variance = images whose tokens are all
+                     equal, left out). The paper's "tokens of one image concentrate".
+                     Our reading, a guess: the paper's non-integer 547.7 / 430.4 PCs are such an
+                     average over sequences (or over seeds), not one pooled count.
     nc               Neural Collapse of the image means of the patch tokens (one row per image)
                      with the classifier head W, b: the paper's "sequence means form a simplex
                      ETF aligned with the classifier". The head reads the class token, so nc3/nc4
@@ -24,10 +37,14 @@ ViT `cls`: the class token, one row per image; at "norm" it is exactly what the 
     nc (NC1-NC4 with the head), cdnv, spectral; in memory (N_images x D per layer). No ANOVA:
     a one-token sequence has no within part.
 GPT `tokens`: every position of a window; sequence = window, label = next-token id.
-    anova -> sequence parts only; nc / cdnv -> linguistic collapse (keys lc_*: next-token classes
-    with >= min_count rows, unembedding = lm_head.weight; the NCC agreement would need a second
-    pass and is left out); spectral -> global spectrum (the paper's 547.7 -> 430.4 PCs).
-Memory: per layer O(D^2 + (#sequences + #classes) D), plus the class tokens.
+    anova -> sequence parts only (total, within_seq, between_seq and shares); nc / cdnv ->
+    linguistic collapse (keys lc_*: next-token classes with >= min_count rows, unembedding =
+    lm_head.weight; the NCC agreement would need a second pass and is left out); spectral ->
+    global spectrum (where our table puts the paper's 547.7 -> 430.4 PCs), spectral_within
+    (pooled, window-centred) and spectral_per_seq (per window, mean over windows), as for the ViT.
+Memory: per layer O(D^2 + (#sequences + #classes) D), plus the class tokens. The per-sequence
+spectra cost one batched eigvalsh of [B, min(T, D), min(T, D)] per layer and batch
+(throughput.per_seq_spectra_s, part of accumulate_s).
 """
 from __future__ import annotations
 
@@ -41,7 +58,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 
 from analysis.metrics import cdnv, neural_collapse, spectral_decay
-from analysis.streaming import GeometryAccumulator
+from analysis.streaming import GeometryAccumulator, SequenceSpectra
 from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.dist import resolve_device
 from laplace.errors import ConfigError
@@ -161,7 +178,8 @@ def _peak_rss_mib() -> float:
 @torch.no_grad()
 def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="all",
                   batch_size: int = 64, num_workers: int = 0, min_count: int = 5,
-                  thresholds: Sequence[float] = (0.9, 0.99), progress: bool = True) -> dict:
+                  thresholds: Sequence[float] = (0.9, 0.99), progress: bool = True,
+                  per_seq_max_sequences: Optional[int] = 1024) -> dict:
     """Run `dataset` through `model.forward_features` and measure every layer.
 
     Args:
@@ -173,6 +191,8 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
         min_count: GPT: next-token classes with fewer rows are left out of linguistic collapse.
         thresholds: explained-variance fractions for n_pcs_<t>.
         progress: tqdm bar over batches.
+        per_seq_max_sequences: spectral_per_seq averages over the first this many sequences of
+            `dataset` (None: all; 0: not measured); the rest of the metrics use every sequence.
     Returns {"layers", "results": {kind: {layer: {group: {...}}}}, "throughput": {...}}.
     """
     from tqdm.auto import tqdm
@@ -186,10 +206,13 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
                    else list(dict.fromkeys(_GPT_ACC[m] for m in metrics)))
     # The patch accumulator always keeps per-image sums: the image means feed patch NC.
     accs = {n: GeometryAccumulator(D, acc_metrics, device=dev) for n in names}
+    # per-sequence spectra (spectral_per_seq): every batch holds whole sequences
+    seqs = ({n: SequenceSpectra(thresholds, per_seq_max_sequences) for n in names}
+            if "spectral" in metrics and per_seq_max_sequences != 0 else {})
     cls_rows: dict = {n: [] for n in names}
     cls_labels = []
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    fwd, fold = _Timer(dev), _Timer(dev)
+    fwd, fold, per_seq = _Timer(dev), _Timer(dev), _Timer(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     rss_before = _peak_rss_mib()  # torch, the model and the data set-up, before any statistics
@@ -211,6 +234,9 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
                         cls_rows[n].append(f[:, 0].cpu())
                 else:
                     accs[n].update(f.reshape(-1, D), sid.repeat_interleave(T), y.reshape(-1))
+                if seqs:
+                    with per_seq:
+                        seqs[n].update(f[:, 1:] if vit else f)
         if vit:
             cls_labels.append(y.cpu())
         seen, tokens = seen + B, tokens + B * T
@@ -228,10 +254,13 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
                                                                  metrics, thresholds)
         else:
             results["tokens"][n] = _finish_gpt(accs[n], model.lm_head.weight, metrics, min_count, thresholds)
+        if seqs:
+            results["patch" if vit else "tokens"][n]["spectral_per_seq"] = seqs.pop(n).compute()
         accs[n] = None  # free the layer's statistics before the next one is finished
     compute_s = time.perf_counter() - t1
     thr = {"sequences": seen, "tokens": tokens, "seconds": pass_s, "tokens_per_s": tokens / max(pass_s, 1e-9),
-           "forward_s": fwd.total, "accumulate_s": fold.total, "compute_s": compute_s,
+           "forward_s": fwd.total, "accumulate_s": fold.total, "per_seq_spectra_s": per_seq.total,
+           "compute_s": compute_s,
            "peak_rss_mib": _peak_rss_mib(), "peak_rss_before_pass_mib": rss_before, "device": str(dev)}
     if dev.type == "cuda":
         thr["peak_cuda_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
@@ -241,8 +270,7 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
 def _finish_vit(acc, cls_rows, labels, W, b, metrics, thresholds):
     patch = group_metrics(acc.compute(thresholds=thresholds)) if acc.metrics else {}
     if "spectral" in metrics:
-        within = acc.compute(thresholds=thresholds, spectral_center="sequence")
-        patch["spectral_within"] = group_metrics(within)["spectral"]
+        patch["spectral_within"] = acc.spectral(thresholds, center="sequence")
     if "nc" in metrics:
         _, means, seq_labels = acc.sequence_means()
         patch["nc"] = neural_collapse(means, seq_labels, weight=W, bias=b)
@@ -266,7 +294,10 @@ def _finish_gpt(acc, unembedding, metrics, min_count, thresholds):
         if "min_count" in str(e) or "or more rows" in str(e):
             raise ConfigError(f"min_count={min_count}: {e}; lower min_count or raise max_tokens") from None
         raise
-    return group_metrics(out)
+    groups = group_metrics(out)
+    if "spectral" in metrics:
+        groups["spectral_within"] = acc.spectral(thresholds, center="sequence")
+    return groups
 
 
 def load_for_analysis(path, data=None, device: str = "auto"):
@@ -286,7 +317,7 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
                        max_tokens: Optional[int] = None, batch_size: int = 64, num_workers: int = 0,
                        device: str = "auto", seed: int = 0, min_count: int = 5,
                        thresholds: Sequence[float] = (0.9, 0.99), progress: bool = True,
-                       loaded=None) -> dict:
+                       loaded=None, per_seq_max_sequences: Optional[int] = 1024) -> dict:
     """Load a checkpoint with `load_model`, build its evaluation data and measure it.
 
     Args:
@@ -302,7 +333,7 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
     dataset, per_seq = eval_split(model, data_node, seed, max_tokens)
     out = analyze_model(model, dataset, metrics=metrics, layers=layers, batch_size=batch_size,
                         num_workers=num_workers, min_count=min_count, thresholds=thresholds,
-                        progress=progress)
+                        progress=progress, per_seq_max_sequences=per_seq_max_sequences)
     counts = list(model.num_laplacian_heads)
     return {
         "checkpoint": str(Path(path).resolve()), "model": cfg["model"]["name"],
@@ -314,6 +345,7 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
         "n_tokens": out["throughput"]["tokens"],
         "settings": {"metrics": list(metrics), "layers": layers if isinstance(layers, str) else list(layers),
                      "max_tokens": max_tokens, "batch_size": batch_size, "seed": seed,
-                     "min_count": min_count, "thresholds": list(thresholds)},
+                     "min_count": min_count, "thresholds": list(thresholds),
+                     "per_seq_max_sequences": per_seq_max_sequences},
         **out,
     }

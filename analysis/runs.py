@@ -102,16 +102,45 @@ def flat_metrics(obj: dict, prefix: str = "") -> dict:
 
 
 def geometry(analysis: dict, layer: str = "norm") -> dict:
-    """Headline token geometry at one layer (default the final norm) of one analysis.json:
-    ANOVA shares and spectra of the patch tokens (GPT: all tokens), NC of the class token
-    (nc1, ...; the patch image means' NC as patch_nc1, ...), per-image spectra as
-    within_n_pcs_*; GPT: lc_*. {} when the layer was not measured."""
+    """Headline token geometry at one layer (default the final norm) of one analysis.json; {}
+    when the layer was not measured. Tokens: the ViT's patch tokens (sequence = image), the
+    GPT's tokens (sequence = window). Keys (see analysis/geometry.py for each object):
+
+    ANOVA of the tokens (results.<kind>.<layer>.anova):
+        within_seq_share, between_seq_share, within_class_share, between_class_share
+                         each part / total
+        total_var, within_seq_var, between_seq_var, within_class_var, between_class_var
+                         the raw parts, each a per-token mean square (the mean over tokens of a
+                         squared distance: total = mean_i ||x_i - mu||^2, within_seq =
+                         mean_i ||x_i - mu_s(i)||^2, ...; `analysis.metrics.anova`);
+                         *_class only for the ViT
+    Spectra (PCs for a share t of the variance, effective rank):
+        n_pcs_<t>, effective_rank, total_variance
+                         global: one covariance of all tokens about their common mean (spectral)
+        within_n_pcs_<t> pooled within-sequence: each token minus its own sequence's mean, one
+                         covariance of all those rows (spectral_within)
+        per_seq_n_pcs_<t>, per_seq_effective_rank
+                         per sequence: each sequence's own spectrum, the mean over sequences
+                         (spectral_per_seq; a float)
+    Collapse:
+        nc1, nc2_*, nc3, nc4, cdnv_mean, cdnv_std
+                         ViT: the class token (one row per image; what the head classifies)
+        patch_nc1, patch_nc2_*, ...
+                         ViT: the image means of the patch tokens (one row per image): the
+                         paper's object ("sequence means form a simplex ETF aligned with the
+                         classifier")
+        lc_*             GPT: linguistic collapse (classes = next-token ids)
+    """
     vit = analysis.get("arch") == "vit"
     res = analysis.get("results", {})
     at = res.get("patch" if vit else "tokens", {}).get(layer, {})
-    g = {k: v for k, v in at.get("anova", {}).items() if k.endswith("_share")}
+    anova = at.get("anova", {})
+    g = {k: v for k, v in anova.items() if k.endswith("_share")}
+    g.update({f"{k}_var": v for k, v in anova.items() if not k.endswith("_share")})
     g.update({k: v for k, v in at.get("spectral", {}).items() if k != "spectrum"})
     g.update({f"within_{k}": v for k, v in at.get("spectral_within", {}).items() if k.startswith("n_pcs")})
+    g.update({f"per_seq_{k}": v for k, v in at.get("spectral_per_seq", {}).items()
+              if k.startswith("n_pcs") or k == "effective_rank"})
     g.update(at.get("lc", {}))
     if vit:
         g.update({f"patch_{k}": v for k, v in at.get("nc", {}).items() if k.startswith("nc")})
@@ -348,7 +377,8 @@ def experiments(records: list[dict]) -> dict[str, list[dict]]:
 # architecture does not measure (a GPT has no class token and no classes of windows) is absent.
 BLOCK_METRICS = (("within_seq_share", "within-sequence share"), ("between_class_share", "between-class share"),
                  ("nc1", "NC1 (class token)"), ("patch_nc1", "NC1 (image means of patch tokens)"),
-                 ("lc_cdnv_mean", "CDNV (next-token classes)"), ("n_pcs_0.99", "PCs for 99% of the variance"))
+                 ("lc_cdnv_mean", "CDNV (next-token classes)"), ("n_pcs_0.99", "PCs for 99% of the variance"),
+                 ("per_seq_n_pcs_0.99", "PCs for 99% of one sequence's variance (mean over sequences)"))
 
 
 def arm_label(k_label: str, mode: str) -> str:

@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 import torch
 
 from analysis.metrics import (_sq, add_shares, as_float64, as_index, cdnv_from_class_stats, class_mean_geometry,
-                              lc_from_class_stats, nc1_from_scatter, ncc_mismatch, spectrum_metrics)
+                              lc_from_class_stats, nc1_from_scatter, ncc_mismatch, sequence_spectra,
+                              spectrum_metrics)
 
 METRICS = ("anova", "anova_seq", "nc", "cdnv", "lc", "spectral")
 
@@ -217,16 +218,93 @@ class GeometryAccumulator:
             out.update(lc_from_class_stats(means[kept], n_c[kept], var[kept],
                                            self._rows(unembedding, classes[kept]), lc_center, center_unembedding))
         if "spectral" in self.metrics:
-            if spectral_center == "global":
-                cov = (self.xtx - N * torch.outer(mu, mu)) / N
-            elif spectral_center == "sequence":
-                if not ns:
-                    raise ValueError("spectral_center='sequence' needs seq_ids")
-                cov = (self.xtx - (S / n_s[:, None]).T @ S) / N
-            else:
-                raise ValueError(f"spectral_center must be 'global' or 'sequence', not {spectral_center!r}")
-            out.update(spectrum_metrics(cov, thresholds, mean_square=Q / N))
+            out.update(self.spectral(thresholds, spectral_center))
         return out
+
+    @torch.no_grad()
+    def spectral(self, thresholds=(0.9, 0.99), center: str = "global") -> dict:
+        """The spectral keys of `compute` alone (n_pcs_<t>, effective_rank, total_variance,
+        spectrum), without finishing the other metrics.
+
+        center: "global" (the covariance of all rows about their mean) or "sequence" (the
+        pooled within-sequence covariance: every row minus its own sequence's mean, one
+        covariance of all those rows; needs seq_ids).
+        """
+        if "spectral" not in self.metrics:
+            raise ValueError("the spectrum needs metrics 'spectral'")
+        if self.n == 0:
+            raise ValueError("no data: call update() first")
+        N, mu = self.n, self.sum / self.n
+        ns = len(self._seq_row)
+        if center == "global":
+            cov = (self.xtx - N * torch.outer(mu, mu)) / N
+        elif center == "sequence":
+            if not ns:
+                raise ValueError("spectral_center='sequence' needs seq_ids")
+            S, n_s = self.seq_sum[:ns], self.seq_n[:ns]
+            cov = (self.xtx - (S / n_s[:, None]).T @ S) / N
+        else:
+            raise ValueError(f"spectral_center must be 'global' or 'sequence', not {center!r}")
+        return spectrum_metrics(cov, thresholds, mean_square=float(self.sq) / N)
+
+
+class SequenceSpectra:
+    """Per-sequence spectra averaged over sequences, streamed: each sequence's own tokens,
+    centred on their own mean, counted as `metrics.spectrum_metrics` counts
+    (`metrics.sequence_spectra`, batched), then averaged over the sequences that vary.
+
+    Every update holds whole sequences, one per row of [B, T, D] (a ViT's patch tokens of B
+    images, a GPT's B windows). The sums stay on the device until `compute`.
+
+        spec = SequenceSpectra(thresholds=(0.9, 0.99))
+        for feats in batches:            # [B, T, D]
+            spec.update(feats)
+        spec.compute()  # {"n_pcs_0.9", "n_pcs_0.99", "effective_rank", "n_sequences", "n_no_variance"}
+
+    `metrics.per_sequence_spectra` is the in-memory twin (equal counts; tests).
+
+    Args:
+        thresholds: explained-variance fractions for n_pcs_<t>.
+        max_sequences: only the first this many sequences are measured (later rows are
+            ignored); None: all. One small eigendecomposition per sequence and layer is the
+            cost, and a mean over a few thousand sequences is already precise.
+    """
+
+    def __init__(self, thresholds: Sequence[float] = (0.9, 0.99), max_sequences: Optional[int] = None):
+        self.thresholds = tuple(thresholds)
+        self.max_sequences = max_sequences
+        self.seen = 0
+        self.keys = [f"n_pcs_{t:g}" for t in self.thresholds] + ["effective_rank"]
+        self.sums = None
+        self.n = self.skipped = None
+
+    @torch.no_grad()
+    def update(self, features):
+        """Add B whole sequences: features [B, T, D]."""
+        x = features.detach().to(torch.float64)
+        if x.dim() != 3:
+            raise ValueError(f"expected [B, T, D] whole sequences, got shape {tuple(x.shape)}")
+        if self.max_sequences is not None:
+            x = x[:max(0, self.max_sequences - self.seen)]
+        self.seen += x.shape[0]
+        if not x.shape[0]:
+            return
+        one = sequence_spectra(x, self.thresholds)
+        v = one["varies"]
+        if self.sums is None:
+            z = torch.zeros((), dtype=torch.float64, device=x.device)
+            self.sums, self.n, self.skipped = {k: z.clone() for k in self.keys}, z.clone(), z.clone()
+        for k in self.keys:
+            self.sums[k] += torch.where(v, one[k], torch.zeros_like(one[k])).sum()
+        self.n += v.sum()
+        self.skipped += (~v).sum()
+
+    def compute(self) -> dict:
+        if self.sums is None:
+            raise ValueError("no data: call update() first")
+        n = float(self.n)
+        out = {k: float(s) / n if n else float("nan") for k, s in self.sums.items()}
+        return {**out, "n_sequences": n, "n_no_variance": float(self.skipped)}
 
 
 class NCCAgreement:

@@ -83,7 +83,8 @@ def test_vit_analysis_json_layout(vit):
     assert r0["throughput"]["tokens_per_s"] > 0 and r0["throughput"]["peak_rss_mib"] > 0
     for layer in r0["layers"]:
         patch, cls = r0["results"]["patch"][layer], r0["results"]["cls"][layer]
-        assert set(patch) == {"anova", "cdnv", "spectral", "spectral_within", "nc"}
+        assert set(patch) == {"anova", "cdnv", "spectral", "spectral_within", "spectral_per_seq", "nc"}
+        assert patch["spectral_per_seq"]["n_sequences"] == 64 and patch["spectral_per_seq"]["n_no_variance"] == 0
         assert set(cls) == {"nc", "cdnv", "spectral"}
         a = patch["anova"]
         _approx(a["within_seq"] + a["between_seq"], a["total"], rel=1e-10)
@@ -113,6 +114,7 @@ def test_vit_streamed_equals_in_memory(vit):
         ref = {"anova": m.anova(patches, seq, lab), "cdnv": m.cdnv(patches, lab),
                "spectral": m.spectral_decay(patches),
                "spectral_within": m.spectral_decay(patches, seq_ids=seq, center="sequence"),
+               "spectral_per_seq": m.per_sequence_spectra(patches, seq),
                "nc": m.neural_collapse(patches.mean(1), y, W, b)}
         ref_cls = {"nc": m.neural_collapse(cls, y, W, b), "cdnv": m.cdnv(cls, y), "spectral": m.spectral_decay(cls)}
         for got, want in ((got_patch, ref), (got_cls, ref_cls)):
@@ -120,6 +122,8 @@ def test_vit_streamed_equals_in_memory(vit):
                 for key, v in values.items():
                     if key == "spectrum":
                         assert got[group][key][:5] == pytest.approx(v[:5], rel=1e-4)
+                    elif group == "spectral_per_seq" and key.startswith("n_pcs_"):  # a mean of counts
+                        assert got[group][key] == pytest.approx(v, abs=1e-12), (layer, group, key)
                     elif key.startswith("n_pcs_") or key == "num_classes":
                         assert got[group][key] == v, (layer, group, key)
                     else:
@@ -156,13 +160,17 @@ def test_gpt_checkpoint(tmp_path):
         f = model.forward_features(x)["norm"].double()
     seq = torch.arange(len(ds)).repeat_interleave(64)
     got = res["results"]["tokens"]["norm"]
-    assert set(got) == {"anova", "lc", "spectral"}
+    assert set(got) == {"anova", "lc", "spectral", "spectral_within", "spectral_per_seq"}
     for key, v in m.anova(f, seq).items():
         _approx(got["anova"][key], v)
     lc = m.linguistic_collapse(f, nxt, unembedding=model.lm_head.weight, min_count=2)
     for key in ("lc_num_classes", "lc_cdnv_mean", "lc_equinorm", "lc_coherence_std", "lc_self_duality"):
         _approx(got["lc"][key], lc[key])
     assert got["spectral"]["n_pcs_0.99"] == m.spectral_decay(f)["n_pcs_0.99"]
+    assert got["spectral_within"]["n_pcs_0.99"] == m.spectral_decay(f, seq_ids=seq, center="sequence")["n_pcs_0.99"]
+    per_seq = m.per_sequence_spectra(f, seq)
+    assert got["spectral_per_seq"]["n_sequences"] == 32
+    assert got["spectral_per_seq"]["n_pcs_0.99"] == pytest.approx(per_seq["n_pcs_0.99"], abs=1e-12)
 
 
 def test_missing_checkpoint_is_one_line(tmp_path):

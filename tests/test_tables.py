@@ -212,7 +212,7 @@ def test_recipe_mark_on_miniature_runs(runs):
     assert "recipe differs" in rows[(VIT_FAMILY, "3", "digits")]["notes"]
     geo = _md_rows(runs, "geometry")  # every cell of the row has it: shown once, on the model
     assert "†" in geo[(VIT_FAMILY, "3")][geo["head"].index("model")]
-    assert "†" not in geo[(VIT_FAMILY, "3")][geo["head"].index("NC1 (cls)")]
+    assert "†" not in geo[(VIT_FAMILY, "3")][geo["head"].index("NC1 (class token)")]
 
 
 def test_benchmark_columns_plug_in(runs):
@@ -261,9 +261,11 @@ def test_figures(runs):
 _IN_JSON = {"vit": {"within_seq_share": ("patch", "anova", "within_seq_share"),
                     "between_class_share": ("patch", "anova", "between_class_share"),
                     "nc1": ("cls", "nc", "nc1"), "patch_nc1": ("patch", "nc", "nc1"),
-                    "n_pcs_0.99": ("patch", "spectral", "n_pcs_0.99")},
+                    "n_pcs_0.99": ("patch", "spectral", "n_pcs_0.99"),
+                    "per_seq_n_pcs_0.99": ("patch", "spectral_per_seq", "n_pcs_0.99")},
             "gpt": {"within_seq_share": ("tokens", "anova", "within_seq_share"),
-                    "lc_cdnv_mean": ("tokens", "lc", "lc_cdnv_mean"), "n_pcs_0.99": ("tokens", "spectral", "n_pcs_0.99")}}
+                    "lc_cdnv_mean": ("tokens", "lc", "lc_cdnv_mean"), "n_pcs_0.99": ("tokens", "spectral", "n_pcs_0.99"),
+                    "per_seq_n_pcs_0.99": ("tokens", "spectral_per_seq", "n_pcs_0.99")}}
 
 
 def _from_json(record: dict, layer: str, key: str) -> float:
@@ -335,3 +337,45 @@ def test_blocks_figure_with_missing_metrics(runs, tmp_path):
                                      for n, g in r["layer_geometry"].items()}} for r in recs]
     paths = figures.draw_blocks(part, tmp_path / "part", "x")
     assert [p.name for p in paths] == ["part.png", "part.pdf"] and all(p.stat().st_size > 5000 for p in paths)
+
+
+# ----------------------------------------------------------------------------- geometry on the paper's objects
+
+# Each geometry column and the analysis.json value it reads: (kind, group, key).
+_GEOMETRY_COLUMNS = {
+    "geometry": [("within-sequence share", "within_seq_share", ("patch", "anova", "within_seq_share")),
+                 ("between-class share", "between_class_share", ("patch", "anova", "between_class_share")),
+                 ("within-sequence var", "within_seq_var", ("patch", "anova", "within_seq")),
+                 ("between-class var", "between_class_var", ("patch", "anova", "between_class")),
+                 ("NC1 (sequence means)", "patch_nc1", ("patch", "nc", "nc1")),
+                 ("NC1 (class token)", "nc1", ("cls", "nc", "nc1")),
+                 ("PCs 99% (global)", "n_pcs_0.99", ("patch", "spectral", "n_pcs_0.99")),
+                 ("PCs 99% (pooled within-sequence)", "within_n_pcs_0.99", ("patch", "spectral_within", "n_pcs_0.99")),
+                 ("PCs 99% (per sequence; mean)", "per_seq_n_pcs_0.99", ("patch", "spectral_per_seq", "n_pcs_0.99"))],
+    "geometry_lm": [("PCs 99% (global)", "n_pcs_0.99", ("tokens", "spectral", "n_pcs_0.99")),
+                    ("PCs 99% (pooled within-window)", "within_n_pcs_0.99", ("tokens", "spectral_within", "n_pcs_0.99")),
+                    ("PCs 99% (per window; mean)", "per_seq_n_pcs_0.99", ("tokens", "spectral_per_seq", "n_pcs_0.99")),
+                    ("CDNV (next token)", "lc_cdnv_mean", ("tokens", "lc", "lc_cdnv_mean")),
+                    ("within-window share", "within_seq_share", ("tokens", "anova", "within_seq_share")),
+                    ("within-window var", "within_seq_var", ("tokens", "anova", "within_seq"))]}
+
+
+def test_geometry_tables_name_their_objects(runs):
+    """The geometry tables' columns, each read from its own object of every run's analysis.json
+    and pooled over seeds."""
+    recs = [r for r in runs_mod.collect(runs["root"] / "real")]
+    for name, cols in _GEOMETRY_COLUMNS.items():
+        md = _md_rows(runs, name)
+        assert md["head"][md["head"].index("k") + 1:] == [label for label, *_ in cols], name
+        sheet = {(r["model"], r["k"], r["column"]): r for r in _csv(runs, name)}
+        arch = "gpt" if name == "geometry_lm" else "vit"
+        for label, key, (kind, group, field) in cols:
+            for k in sorted({r["k"] for r in recs if r["arch"] == arch}):
+                mine = [r for r in recs if r["arch"] == arch and r["k"] == k]
+                vals = [json.loads(Path(r["analysis"]).read_text())["results"][kind]["norm"][group][field] for r in mine]
+                assert [r["geometry"][key] for r in mine] == vals, (name, key)
+                row = sheet[(mine[0]["family"], str(k), key)]
+                assert float(row["mean"]) == pytest.approx(statistics.fmean(vals), rel=1e-12) and int(row["n"]) == len(vals)
+    lm = _md_rows(runs, "geometry_lm")
+    assert lm[("gpt_d20", "0")][lm["head"].index("PCs 99% (global)")] == "paper 547.7"
+    assert lm[("gpt_d20", "0")][lm["head"].index("PCs 99% (per window; mean)")] == ""
