@@ -42,8 +42,9 @@ their within-sequence variance) only if training makes M = W_v W_o a negative di
     type    "softmax", "laplacian" or "learned a=0.73"; gate: a.
 
 Streamed over batches in float64 (per head O(D^2) numbers), the weights' part once per head.
-Memory: one batch's P of every layer at a time ([B, H, N, N]; lower mechanism_batch_size for
-long sequences).
+Memory: one layer's P of one batch at a time ([B, H, N, N] in the model's dtype, as its reference
+path forms it; lower mechanism_batch_size for long sequences); the float64 part is folded in
+chunks of sequences of about 256 MiB (`HeadAccumulator.CHUNK_ELEMENTS`).
 """
 from __future__ import annotations
 
@@ -144,10 +145,20 @@ class HeadAccumulator:
         self.recon_err = 0.0
         self.sequences = self.tokens = 0
 
+    #: float64 elements of one chunk's largest tensor ([b, H, N, max(N, D)]): about 256 MiB
+    CHUNK_ELEMENTS = 2 ** 25
+
     @torch.no_grad()
     def update(self, x: torch.Tensor, P: torch.Tensor, out: Optional[torch.Tensor] = None):
         """x [B, N, D] the attention's input, P [B, H, N, N] its heads' matrices, out (optional)
-        its output, checked against the heads' sum (recon_err)."""
+        its output, checked against the heads' sum (recon_err). Folded in chunks of sequences
+        (CHUNK_ELEMENTS) so that the float64 copies stay small."""
+        B, N, D = x.shape
+        step = max(1, self.CHUNK_ELEMENTS // (self.attn.num_heads * N * max(N, D)))
+        for i in range(0, B, step):
+            self._update(x[i:i + step], P[i:i + step], None if out is None else out[i:i + step])
+
+    def _update(self, x: torch.Tensor, P: torch.Tensor, out: Optional[torch.Tensor]):
         x64, P64 = x.double(), P.double()
         O = head_outputs(self.attn, x64, P64)
         if out is not None:

@@ -44,7 +44,7 @@ def _data(model, n: int = 6):
     return [(torch.randint(0, 97, (32,), generator=g), torch.zeros(32, dtype=torch.long)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("name", ["vitt_1L", "gpt_d2_1L"])
+@pytest.mark.parametrize("name", ["vitt_1L", "gpt_d4_1L"])
 @pytest.mark.parametrize("mode", ["fixed", "learned"])
 def test_head_outputs_sum_to_the_module_output(name, mode):
     """In the model's own forward (causal mask, rotary, QK-norm for the GPT): sum_h O_h + bias
@@ -83,6 +83,18 @@ def test_head_outputs_sum_to_the_module_output(name, mode):
     O = head_outputs(attn, xin, P)
     bias = 0 if attn.proj.bias is None else attn.proj.bias.double()
     torch.testing.assert_close(O.sum(1) + bias, out.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_and_batches_do_not_change_the_numbers(monkeypatch):
+    model = _model("gpt_d4_1L", "fixed")
+    data = _data(model, 5)
+    whole = head_mechanism(model, data, batch_size=5)
+    monkeypatch.setattr(HeadAccumulator, "CHUNK_ELEMENTS", 1)  # one sequence per chunk
+    parts = head_mechanism(model, data, batch_size=2)
+    for layer, hs in whole.items():
+        for a, b in zip(hs, parts[layer]):
+            assert a.pop("type") == b.pop("type")
+            assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
 
 
 def _hand_set(c: float, D: int = 8, causal: bool = False):
