@@ -346,9 +346,9 @@ def draw_mechanism(result: dict, stem: Path) -> list[Path]:
             for k in grid:
                 grid[k][i, h["head"]] = h[k]
     dmax = np.nanmax(np.abs(grid["dvar"])) if np.isfinite(grid["dvar"]).any() else 1.0
-    panels = (("cos_smooth", "cos(O, PX - X)  (> 0: smooths)", "RdBu", -1, 1),
-              ("dvar", "relative change of within-seq. variance  (< 0: smooths)", "RdBu_r", -dmax, dmax),
-              ("neg_mass", "negative eigen-mass of sym(W_v W_o)", "viridis", 0, 1))
+    panels = (("cos_smooth", "cos_smooth = cos(O, PX - X)\n> 0: smooths", "RdBu", -1, 1),
+              ("dvar", "dvar: rel. change of within-seq. variance\n< 0: smooths", "RdBu_r", -dmax, dmax),
+              ("neg_mass", "negative eigen-mass\nof sym(W_v W_o)", "viridis", 0, 1))
     fig, axes = plt.subplots(1, 3, figsize=(3 * max(2.5, 0.6 * H + 1.2), max(2.2, 0.45 * len(layers) + 1.4)),
                              squeeze=False)
     for ax, (key, title, cmap, lo, hi) in zip(axes[0], panels):

@@ -83,6 +83,13 @@ def test_head_outputs_sum_to_the_module_output(name, mode):
     O = head_outputs(attn, xin, P)
     bias = 0 if attn.proj.bias is None else attn.proj.bias.double()
     torch.testing.assert_close(O.sum(1) + bias, out.double(), rtol=1e-5, atol=1e-5)
+    if mode == "fixed":  # a Laplacian head's output is -(P X - X) M_h, the M whose eigenvalues are reported
+        D, dh = attn.proj.weight.shape[0], attn.head_dim
+        h = attn.num_heads - 1
+        Wv, Wo = attn.qkv.weight.double()[2 * D:], attn.proj.weight.double()
+        M = Wv[h * dh:(h + 1) * dh].T @ Wo[:, h * dh:(h + 1) * dh].T
+        S = P[:, h].double() @ xin.double() - xin.double()
+        torch.testing.assert_close(O[:, h], -S @ M, rtol=1e-6, atol=1e-6)
 
 
 def test_chunks_and_batches_do_not_change_the_numbers(monkeypatch):
