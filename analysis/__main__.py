@@ -208,10 +208,10 @@ def run(cfg: DictConfig) -> list[dict]:
                                      batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed,
                                      min_count=cfg.min_count, thresholds=list(cfg.thresholds),
                                      progress=cfg.progress, loaded=loaded)
-            if mechanism:
-                _mechanism(model, data_node, cfg, mechanism_bs, analysis_dir(p, out), res)
             runs.append(res)
             _print_run(res)
+            if mechanism:  # before analysis.json is written: it holds the result
+                _mechanism(model, data_node, cfg, mechanism_bs, analysis_dir(p, out), res)
             print(f"[analysis] wrote {write_json(analysis_dir(p, out) / 'analysis.json', res, indent=1)}", flush=True)
             log_to_training_run(p, headline(res), "analysis")  # when the checkpoint's run used W&B
             if cfg.figures:
