@@ -15,6 +15,12 @@ beside each other do not overwrite each other's results):
     <dir>/<name>_analysis/analysis.json      model, Laplacian heads, data node, settings, n tokens,
                                              throughput, results[kind][layer][metric group]
     <dir>/<name>_analysis/{anova,collapse,spectrum}.{png,pdf}
+    <dir>/<name>_analysis/mechanism.md, mechanism.{png,pdf}   with mechanism=true (the default):
+                                             does each head smooth? (analysis/mechanism.py) per
+                                             layer and head: cos(O_h, P X - X), the change of the
+                                             within-sequence variance, the eigen-signs of
+                                             sym(W_v W_o); also in analysis.json as "mechanism"
+                                             (heads, summary per head type, n tokens, seconds)
 With several checkpoints, the same figures with all of them on shared axes and summary.json
 (headline numbers per checkpoint) go to `analysis_out` (default <dir of the first>/compare_analysis);
 pca_maps.{png,pdf} go there too (one checkpoint: its own folder). `out=DIR` puts everything in DIR
@@ -135,6 +141,34 @@ def _check_outputs(cfg, paths: list[Path], metrics: list) -> None:
         check_writable(_out_dir(cfg, paths), "analysis_out" if cfg.analysis_out else "out")
 
 
+def _mechanism_options(cfg) -> tuple[bool, int]:
+    """(mechanism on, its batch size), checked before the long part."""
+    on, bs = cfg.get("mechanism", False), cfg.get("mechanism_batch_size")
+    if not isinstance(on, bool):
+        raise ConfigError(f"mechanism={on}: true or false (the per-head smoothing diagnostic)")
+    if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
+        raise ConfigError(f"mechanism_batch_size={bs}: a positive number of sequences, e.g. 8; null: batch_size")
+    return on, int(bs or cfg.batch_size)
+
+
+def _mechanism(model, data_node, cfg, batch_size: int, out: Path, res: dict) -> None:
+    """The per-head diagnostic on the analysis' split: into res["mechanism"], mechanism.md and
+    (with figures) mechanism.{png,pdf} in `out`."""
+    from analysis.mechanism import draw_mechanism, mechanism_model, to_markdown
+    from laplace.io import atomic_write
+
+    dataset, _ = eval_split(model, data_node, cfg.seed, cfg.max_tokens)
+    mech = mechanism_model(model, dataset, batch_size, cfg.num_workers, cfg.progress)
+    res["mechanism"] = mech
+    atomic_write(out / "mechanism.md", to_markdown({"model": res["model"], **mech}).encode())
+    if cfg.figures:
+        draw_mechanism({"model": res["model"], **mech}, out / "mechanism")
+    s = mech["summary"]
+    means = ", ".join(f"{k}={s[k]:+.3f}" for k in ("cos_smooth.softmax", "cos_smooth.laplacian", "cos_smooth.learned",
+                                                   "dvar.softmax", "dvar.laplacian", "dvar.learned") if k in s)
+    print(f"[analysis] mechanism: {mech['n_tokens']:,} tokens in {mech['seconds']:.1f} s; {means}", flush=True)
+
+
 def run(cfg: DictConfig) -> list[dict]:
     """Analyse every checkpoint, write analysis.json and figures; return the results."""
     from analysis import plots
@@ -145,6 +179,7 @@ def run(cfg: DictConfig) -> list[dict]:
     pca_threshold = check_options(cfg.pca_foreground, cfg.pca_threshold, cfg.pca_upsample)
 
     metrics = check_metrics(list(cfg.metrics))
+    mechanism, mechanism_bs = _mechanism_options(cfg)
     paths = _checkpoints(cfg)
     if cfg.cpu_threads:
         import torch
@@ -176,6 +211,8 @@ def run(cfg: DictConfig) -> list[dict]:
                                      per_seq_max_sequences=cfg.get("per_seq_max_sequences", 1024))
             runs.append(res)
             _print_run(res)
+            if mechanism:  # before analysis.json is written: it holds the result
+                _mechanism(model, data_node, cfg, mechanism_bs, analysis_dir(p, out), res)
             print(f"[analysis] wrote {write_json(analysis_dir(p, out) / 'analysis.json', res, indent=1)}", flush=True)
             log_to_training_run(p, headline(res), "analysis")  # when the checkpoint's run used W&B
             if cfg.figures:

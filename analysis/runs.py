@@ -36,6 +36,7 @@ GROUP_KEYS = ("trainer", "dataset", "family", "k", "mode", "recipe_id")
 _SKIP_DIRS = {"__pycache__", "wandb"}
 Metric = Union[str, Iterable[str], Callable[[dict], Optional[float]]]
 _AT_LAYER = re.compile(r"geometry@(norm|blocks\.\d+)\.(.+)")
+_MECH_AT_LAYER = re.compile(r"mechanism@(blocks\.\d+)\.(.+)")
 
 
 # ----------------------------------------------------------------------------- collecting
@@ -156,6 +157,17 @@ def layer_geometry(analysis: dict) -> dict:
     return {layer: geometry(analysis, layer) for layer in analysis.get("layers", [])}
 
 
+def mechanism_summary(analysis: Optional[dict]) -> dict:
+    """The per-head smoothing diagnostic of one analysis.json (analysis/mechanism.py), pooled per
+    head type: {"<key>.<type>": mean over the heads of all layers, "blocks.<i>": {"<key>.<type>": ...}}
+    with key in cos_smooth, cos_token, dvar, neg_mass, trace_fro and type in softmax, laplacian,
+    learned. {} when the analysis ran without it."""
+    s = ((analysis or {}).get("mechanism") or {}).get("summary") or {}
+    ok = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731
+    return {k: ({kk: float(vv) for kk, vv in v.items() if ok(vv)} if isinstance(v, dict) else float(v))
+            for k, v in s.items() if isinstance(v, dict) or ok(v)}
+
+
 def model_family(name: str, model_cfg: dict) -> str:
     """The zoo name without its _{k}L suffix, tagged where the config changed the shape
     (vitt_3L with model.depth=2 embed_dim=48 -> "vitt_d2_w48"), so shapes never pool."""
@@ -243,6 +255,7 @@ def read_run(run_dir) -> Optional[dict]:
         "img_size": img, "init_from": init_from, "pretrain": _pretrain(init_from),
         "finished": res is not None, "recipe_id": _recipe_id(cfg) if cfg else "",
         "metrics": metrics, "geometry": layers.get("norm", {}), "layer_geometry": layers,
+        "mechanism": mechanism_summary(analysis),
         "checkpoint": str(d / "ckpt" / f"{ckpt_stem}.pt"),  # here, not where it was written (runs move)
         "analysis": str(analysis_path) if analysis else None, "notes": notes,
     }
@@ -271,7 +284,8 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
     finished (results.json exists), recipe_id, recipe (a readable tag), metrics
     ({key: float}, see `flat_metrics`), geometry ({key: float} at the final norm, see
     `geometry`; {} when not analysed), layer_geometry (the same at every measured layer, see
-    `layer_geometry`), analysis (its path) and notes. `skipped` (if given) gets
+    `layer_geometry`), mechanism (the per-head smoothing diagnostic per head type, see
+    `mechanism_summary`; {} when not measured), analysis (its path) and notes. `skipped` (if given) gets
     a line for each run directory left out, saying why.
     """
     roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
@@ -298,8 +312,10 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
 
 def metric_value(record: dict, metric: Metric) -> Optional[float]:
     """A record's value of `metric`: a metrics key, "geometry.<key>" (at the final norm),
-    "geometry@<layer>.<key>" (at a measured layer: "geometry@blocks.2.nc1"), a list of keys
-    (the first present), or a function of the record. None when absent or not finite."""
+    "geometry@<layer>.<key>" (at a measured layer: "geometry@blocks.2.nc1"),
+    "mechanism.<key>" (the head diagnostic over all layers: "mechanism.cos_smooth.laplacian"),
+    "mechanism@blocks.<i>.<key>" (in one layer), a list of keys (the first present), or a
+    function of the record. None when absent or not finite."""
     if callable(metric):
         v = metric(record)
         return v if v is None or math.isfinite(v) else None
@@ -310,6 +326,15 @@ def metric_value(record: dict, metric: Metric) -> Optional[float]:
                 raise ConfigError(f"metric {key!r}: write geometry@<layer>.<key> with layer norm or blocks.<i>, "
                                   f"e.g. geometry@blocks.2.nc1")
             v = record.get("layer_geometry", {}).get(at[1], {}).get(at[2])
+        elif key.startswith("mechanism@"):
+            at = _MECH_AT_LAYER.fullmatch(key)
+            if at is None:
+                raise ConfigError(f"metric {key!r}: write mechanism@blocks.<i>.<key>, "
+                                  f"e.g. mechanism@blocks.0.cos_smooth.laplacian")
+            v = (record.get("mechanism") or {}).get(at[1], {}).get(at[2])
+        elif key.startswith("mechanism."):
+            v = (record.get("mechanism") or {}).get(key[len("mechanism."):])
+            v = v if isinstance(v, float) else None
         else:
             v = (record["geometry"].get(key[len("geometry."):]) if key.startswith("geometry.")
                  else record["metrics"].get(key))
