@@ -299,7 +299,7 @@ def mechanism_section(recs: dict[str, list[dict]]) -> list[str]:
         for k, mode in sorted({(r["k"], r["mode"]) for r in rs if isinstance(r["k"], int)},
                               key=lambda km: (km[1] != "fixed", km[0])):
             arm = [r for r in rs if r["k"] == k and r["mode"] == mode]
-            layers = sorted({n for r in arm for n in r.get("mechanism_layers", {})},
+            layers = sorted({n for r in arm for n in (r.get("mechanism") or {}) if n.startswith("blocks.")},
                             key=lambda n: int(n.split(".")[1]))
             if not layers:
                 continue
