@@ -78,3 +78,39 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             else:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
     return model
+
+
+def train_tiny_vit(tmp: Path, name: str = "vitt_1L") -> Path:
+    """A 2-step tiny ViT (TINY_VIT: 2 blocks, width 48) trained on digits in-process; its last.pt."""
+    from train import run as train_run
+
+    register_model_configs([name])
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={name}", *TINY_VIT, "trainer.max_steps=2",
+                                           f"paths.runs_dir={tmp / 'runs'}"])
+    with open_dict(cfg):
+        cfg.run_dir = str(tmp / name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before the per-test thread setting
+    try:
+        train_run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    return tmp / name / "ckpt" / "last.pt"
+
+
+def save_tiny_gpt(path, seq_len: int = 64) -> str:
+    """An untrained tiny GPT checkpoint (gpt_d2_1L, bytes) on pydoc_text; out-projections and
+    lm_head made non-zero so tokens mix and the unembedding is defined (nanochat's init zeroes them)."""
+    from laplace.checkpoint import save_checkpoint
+    from laplace.config import model_node
+    from laplace.zoo import create_model
+
+    node = model_node("gpt_d2_1L")
+    node.update(vocab_size=257, max_seq_len=seq_len)
+    torch.manual_seed(0)
+    model = create_model(**node)
+    for p in [model.lm_head.weight] + [w for b in model.blocks for w in (b.attn.proj.weight, b.mlp.c_proj.weight)]:
+        torch.nn.init.normal_(p, std=0.05)
+    cfg = {"model": node, "data": {"name": "pydoc_text", "vocab_size": 257, "seq_len": seq_len}}
+    return str(save_checkpoint(path, model=model, config=cfg))

@@ -16,10 +16,8 @@ from omegaconf import open_dict
 from analysis import metrics as m
 from analysis.__main__ import analysis_dir, run as analysis_run
 from analysis.geometry import eval_split, load_for_analysis
-from conftest import CONFIGS, ROOT, TINY_VIT
-from laplace.checkpoint import save_checkpoint
-from laplace.config import model_node, register_model_configs
-from laplace.zoo import create_model
+from conftest import CONFIGS, ROOT, TINY_VIT, save_tiny_gpt
+from laplace.config import register_model_configs
 from train import run as train_run
 
 VIT_ARGS = ["max_tokens=1100", "batch_size=24", "pca_maps=2"]  # 64 images of 17 tokens, 3 uneven batches
@@ -40,19 +38,6 @@ def _train_vit(model: str, tmp) -> str:
         cfg.run_dir = str(tmp / model)
     train_run(cfg)
     return str(tmp / model / "ckpt" / "last.pt")
-
-
-def _save_gpt(path) -> str:
-    """An untrained tiny GPT; out-projections and lm_head made non-zero so tokens mix and the
-    unembedding is defined (nanochat's init zeroes them)."""
-    node = model_node("gpt_d2_1L")
-    node.update(vocab_size=257, max_seq_len=64)
-    torch.manual_seed(0)
-    model = create_model(**node)
-    for p in [model.lm_head.weight] + [w for b in model.blocks for w in (b.attn.proj.weight, b.mlp.c_proj.weight)]:
-        torch.nn.init.normal_(p, std=0.05)
-    cfg = {"model": node, "data": {"name": "pydoc_text", "vocab_size": 257, "seq_len": 64}}
-    return str(save_checkpoint(path, model=model, config=cfg))
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +127,7 @@ def test_vit_figures(vit):
 
 
 def test_gpt_checkpoint(tmp_path):
-    ckpt = _save_gpt(tmp_path / "gpt" / "ckpt" / "last.pt")
+    ckpt = save_tiny_gpt(tmp_path / "gpt" / "ckpt" / "last.pt")
     proc = _analysis(f"checkpoint={ckpt}", "max_tokens=2048", "batch_size=12", "min_count=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((analysis_dir(ckpt) / "analysis.json").read_text())
@@ -188,7 +173,7 @@ def test_missing_checkpoint_is_one_line(tmp_path):
     (["checkpoint=GPT", "spectrum_layer=blocks.7"], "spectrum_layer=blocks.7: not a measured layer"),
 ])
 def test_bad_input_messages(overrides, expect, tmp_path):
-    ckpt = _save_gpt(tmp_path / "last.pt")
+    ckpt = save_tiny_gpt(tmp_path / "last.pt")
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("analysis", overrides=[o.replace("GPT", ckpt) for o in overrides] + ["progress=false"])
     with pytest.raises(ValueError, match=expect.replace("[", r"\[").replace("]", r"\]")):

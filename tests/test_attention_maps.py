@@ -11,34 +11,19 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import open_dict
 from PIL import Image
 
 from analysis.attention import capture_attention, mass_mask, run
-from conftest import CONFIGS, ROOT, TINY_VIT, randomize_
+from conftest import CONFIGS, ROOT, randomize_, train_tiny_vit
 from laplace.checkpoint import load_model, save_checkpoint
-from laplace.config import model_node, register_model_configs
+from laplace.config import model_node
 from laplace.zoo import create_model
-from train import run as train_run
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A 2-step tiny vitt_1L (3 heads, the last one Laplacian) on digits: 32 px, 4x4 patches."""
-    tmp = tmp_path_factory.mktemp("attn")
-    register_model_configs(["vitt_1L"])
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        cfg = compose("config", overrides=["model=vitt_1L", *TINY_VIT, "trainer.max_steps=2",
-                                           f"paths.runs_dir={tmp / 'runs'}"])
-    with open_dict(cfg):
-        cfg.run_dir = str(tmp / "vitt_1L")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # module fixtures run before conftest's per-test thread setting
-    try:
-        train_run(cfg)
-    finally:
-        torch.set_num_threads(threads)
-    return tmp / "vitt_1L" / "ckpt" / "last.pt"
+    return train_tiny_vit(tmp_path_factory.mktemp("attn"))
 
 
 @pytest.fixture

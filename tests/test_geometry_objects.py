@@ -13,9 +13,7 @@ from analysis import metrics as m
 from analysis.geometry import analyze_model, eval_split, load_for_analysis
 from analysis.runs import geometry
 from analysis.streaming import SequenceSpectra
-from laplace.checkpoint import save_checkpoint
-from laplace.config import model_node
-from laplace.zoo import create_model
+from conftest import save_tiny_gpt
 
 RANKS = (1, 2, 3, 5, 8)  # <= 9, so both 0.9 and 0.99 need every direction of an equal spectrum
 
@@ -87,22 +85,9 @@ def test_streamed_per_sequence_equals_direct(T, D):
     assert cap.compute()["n_sequences"] == 5 and cap.compute()["n_pcs_0.99"] == pytest.approx(first["n_pcs_0.99"])
 
 
-def _save_gpt(path) -> str:
-    """An untrained tiny GPT (as tests/test_analysis_cli.py makes it): out-projections and
-    lm_head made non-zero so tokens mix and the unembedding is defined."""
-    node = model_node("gpt_d2_1L")
-    node.update(vocab_size=257, max_seq_len=32)
-    torch.manual_seed(0)
-    model = create_model(**node)
-    for p in [model.lm_head.weight] + [w for b in model.blocks for w in (b.attn.proj.weight, b.mlp.c_proj.weight)]:
-        torch.nn.init.normal_(p, std=0.05)
-    cfg = {"model": node, "data": {"name": "pydoc_text", "vocab_size": 257, "seq_len": 32}}
-    return str(save_checkpoint(path, model=model, config=cfg))
-
-
 def test_gpt_within_window_spectra_and_headline_keys(tmp_path):
     torch.set_num_threads(1)
-    model, _, data = load_for_analysis(_save_gpt(tmp_path / "last.pt"), device="cpu")
+    model, _, data = load_for_analysis(save_tiny_gpt(tmp_path / "last.pt", seq_len=32), device="cpu")
     ds, T = eval_split(model, data, seed=0, max_tokens=40 * 32)
     res = analyze_model(model, ds, batch_size=16, min_count=2, progress=False)  # 40 windows: 16 + 16 + 8
     x = torch.stack([ds[i][0] for i in range(len(ds))])

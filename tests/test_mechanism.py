@@ -13,18 +13,16 @@ import sys
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import open_dict
 
 from analysis.__main__ import analysis_dir, run as analysis_run
 from analysis.geometry import eval_split, load_for_analysis
 from analysis.mechanism import (HeadAccumulator, head_mechanism, head_outputs, summary, sym_eigenvalues,
                                 to_markdown)
 from analysis.runs import metric_value, read_run
-from conftest import CONFIGS, ROOT, TINY_VIT, randomize_
+from conftest import CONFIGS, ROOT, randomize_, train_tiny_vit
 from laplace.attention import Attention
-from laplace.config import model_node, register_model_configs
+from laplace.config import model_node
 from laplace.zoo import create_model
-from train import run as train_run
 
 
 def _model(name: str, mode: str):
@@ -191,19 +189,7 @@ def test_summary_and_markdown():
 def analysed(tmp_path_factory):
     """A 2-step tiny vitt_1L (the last of 3 heads Laplacian) through `python -m analysis`."""
     tmp = tmp_path_factory.mktemp("mech")
-    register_model_configs(["vitt_1L"])
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        cfg = compose("config", overrides=["model=vitt_1L", *TINY_VIT, "trainer.max_steps=2",
-                                           f"paths.runs_dir={tmp / 'runs'}"])
-    with open_dict(cfg):
-        cfg.run_dir = str(tmp / "vitt_1L")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # module fixtures run before conftest's per-test thread setting
-    try:
-        train_run(cfg)
-    finally:
-        torch.set_num_threads(threads)
-    ckpt = tmp / "vitt_1L" / "ckpt" / "last.pt"
+    ckpt = train_tiny_vit(tmp)
     proc = subprocess.run([sys.executable, "-m", "analysis", f"checkpoint={ckpt}", "metrics=[anova]",
                            "max_tokens=1100", "batch_size=24", "mechanism_batch_size=16", "cpu_threads=1",
                            "progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
