@@ -11,33 +11,23 @@ import sys
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import open_dict
 
 from analysis import metrics as m
 from analysis.__main__ import analysis_dir, run as analysis_run
 from analysis.geometry import eval_split, load_for_analysis
-from conftest import CONFIGS, ROOT, TINY_VIT, save_tiny_gpt
-from laplace.config import register_model_configs
-from train import run as train_run
+from conftest import CONFIGS, ROOT, save_tiny_gpt, train_tiny_vit
 
 VIT_ARGS = ["max_tokens=1100", "batch_size=24", "pca_maps=2"]  # 64 images of 17 tokens, 3 uneven batches
 FIGURES = ("anova", "collapse", "spectrum")
 
 
+def _tiny_vit(model: str, tmp) -> str:
+    return str(train_tiny_vit(tmp, model))
+
+
 def _analysis(*args):
     return subprocess.run([sys.executable, "-m", "analysis", *args, "cpu_threads=1", "progress=false"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-
-def _train_vit(model: str, tmp) -> str:
-    register_model_configs([model])
-    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
-        cfg = compose("config", overrides=[f"model={model}", *TINY_VIT, "trainer.max_steps=2",
-                                           f"paths.runs_dir={tmp / 'runs'}"])
-    with open_dict(cfg):
-        cfg.run_dir = str(tmp / model)
-    train_run(cfg)
-    return str(tmp / model / "ckpt" / "last.pt")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +37,7 @@ def vit(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # module fixtures run before conftest's per-test thread setting
     try:
-        ckpts = [_train_vit(name, tmp) for name in ("vitt_0L", "vitt_3L")]
+        ckpts = [_tiny_vit(name, tmp) for name in ("vitt_0L", "vitt_3L")]
     finally:
         torch.set_num_threads(threads)
     proc = _analysis(f"checkpoint=[{','.join(ckpts)}]", f"analysis_out={tmp / 'compare'}", *VIT_ARGS)
