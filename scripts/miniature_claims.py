@@ -307,7 +307,7 @@ def mechanism_section(recs: dict[str, list[dict]]) -> list[str]:
             types = ("softmax", "laplacian") if mode == "fixed" else ("learned",)
             cols = [(t, key, name) for t in types for key, name in MECHANISM
                     if any(metric_value(r, f"mechanism.{key}.{t}") is not None for r in arm)]
-            lines += [f"**{paradigm}, k = {k} {mode}** ({len(arm)} seeds)", "",
+            lines += [f"**{paradigm}, k = {k} {mode}** (n = {len(arm)})", "",
                       "| layer | " + " | ".join(f"{t}: {name}" for t, _, name in cols) + " |",
                       "|---|" + "---|" * len(cols)]
             for layer in layers + ["all"]:

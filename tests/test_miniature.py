@@ -114,7 +114,7 @@ def test_miniature_runs_end_to_end(tmp_path):
     assert "| final norm |" in claims and "| blocks.2 (deepest the loss reaches) |" in claims
     assert "### What the definitions and the test change, on these runs" in claims
     assert "| dino |" not in report
-    assert "## Do the heads smooth?" in claims and "**deit3, k = 3 fixed** (1 seeds)" in claims
+    assert "## Do the heads smooth?" in claims and "**deit3, k = 3 fixed** (n = 1)" in claims
     assert "## How much the blocks change the residual stream" in report and "- gpt gpt_d4_1L_learned:" in report
     assert "| deit3: definition (arm k) | blocks.0 | blocks.1 | blocks.2 | blocks.3 | norm |" in report
     assert "blocks.3" in (docs / "tables/per_block.md").read_text() and list((docs / "figures").glob("blocks_*.png"))
