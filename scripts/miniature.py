@@ -120,6 +120,27 @@ def stream_change(run_dirs: list[Path], n: int = 64) -> dict[str, list[float]]:
     return [statistics.mean(col) for col in zip(*per_run)]
 
 
+def mechanism_figures(recs: dict[str, list[dict]], out: Path) -> list[str]:
+    """analysis.mechanism's per-head heatmaps of each arm's first seed, into out/mechanism_<paradigm>_<arm>.png;
+    the report's line naming them ("" when no analysis measured the mechanism)."""
+    import json
+
+    from analysis.mechanism import draw_mechanism
+
+    names = []
+    for paradigm, rs in recs.items():
+        for r in sorted(rs, key=lambda r: (str(r["k"]), r["mode"], str(r["seed"]))):
+            name = f"mechanism_{paradigm}_{Path(r['run_dir']).name.rsplit('_s', 1)[0]}"
+            if r.get("analysis") and name not in names:
+                res = json.loads(Path(r["analysis"]).read_text())
+                if res.get("mechanism"):
+                    draw_mechanism({**res["mechanism"], "model": f"{paradigm} {res['model']}, seed {r['seed']}"},
+                                   out / name)
+                    names.append(name)
+    return [f"Per head (layer x head, seed {min(r['seed'] for rs in recs.values() for r in rs)} of each arm): "
+            + ", ".join(f"figures/{n}.png" for n in names) + ".", ""] if names else []
+
+
 def gates_section(recs: dict[str, list[dict]]) -> list[str]:
     """The report's learned gates: per paradigm, analysis.gates' table and summary (what
     `python -m analysis.tables` writes as gates_*.md)."""
@@ -222,7 +243,7 @@ def main():
               "### On the paper's objects (these decide the claims)", "", *claims_table(paper), "",
               "### Other readings of the same claims (their own Holm family)", "", *claims_table(other), "",
               "### What the definitions and the test change, on these runs", "", *changes_table(paper, other), "",
-              *mechanism_section(recs),
+              *mechanism_section(recs), *mechanism_figures(recs, docs / "figures"),
               "## Learning curves", "",
               "Each arm's validation metric against the step, mean ± 2 se over seeds (n); figures/curves.png.",
               "", *curves_markdown(curve_data, metrics),
