@@ -182,7 +182,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", choices=sorted(PROFILES), default="short",
                    help="short (~25 min), long (~2.5 h) or study (~2 h)")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the profile's (short 0-2, long and study 0-4)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the profile's (short 0-2, long 0-4, study 0-3)")
     p.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the profile's; short 1, long and study 2)")
     p.add_argument("--out", default=None, help="runs root (default: the profile's, runs/miniature[_long|_study])")
     p.add_argument("--docs", default=None, help="where tables, figures and the report go (default: the profile's)")
