@@ -143,7 +143,7 @@ def _check_outputs(cfg, paths: list[Path], metrics: list) -> None:
 
 def _mechanism_options(cfg) -> tuple[bool, int]:
     """(mechanism on, its batch size), checked before the long part."""
-    on, bs = cfg.get("mechanism", False), cfg.get("mechanism_batch_size")
+    on, bs = cfg.mechanism, cfg.mechanism_batch_size
     if not isinstance(on, bool):
         raise ConfigError(f"mechanism={on}: true or false (the per-head smoothing diagnostic)")
     if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
@@ -208,7 +208,7 @@ def run(cfg: DictConfig) -> list[dict]:
                                      batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed,
                                      min_count=cfg.min_count, thresholds=list(cfg.thresholds),
                                      progress=cfg.progress, loaded=loaded,
-                                     per_seq_max_sequences=cfg.get("per_seq_max_sequences", 1024))
+                                     per_seq_max_sequences=cfg.per_seq_max_sequences)
             runs.append(res)
             _print_run(res)
             if mechanism:  # before analysis.json is written: it holds the result

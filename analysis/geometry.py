@@ -40,8 +40,9 @@ GPT `tokens`: every position of a window; sequence = window, label = next-token 
     anova -> sequence parts only (total, within_seq, between_seq and shares); nc / cdnv ->
     linguistic collapse (keys lc_*: next-token classes with >= min_count rows, unembedding =
     lm_head.weight; the NCC agreement would need a second pass and is left out); spectral ->
-    global spectrum (where our table puts the paper's 547.7 -> 430.4 PCs), spectral_within
-    (pooled, window-centred) and spectral_per_seq (per window, mean over windows), as for the ViT.
+    global spectrum, spectral_within
+    (pooled, window-centred) and spectral_per_seq (per window, mean over windows), as for the ViT;
+    our tables put the paper's 547.7 -> 430.4 PCs beside spectral_per_seq (our reading).
 Memory: per layer O(D^2 + (#sequences + #classes) D), plus the class tokens. The per-sequence
 spectra cost one batched eigvalsh of [B, min(T, D), min(T, D)] per layer and batch
 (throughput.per_seq_spectra_s, part of accumulate_s).
