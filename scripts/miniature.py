@@ -4,7 +4,7 @@ learning curves and a verdict for each claim of the paper.
 
     bash scripts/miniature.sh                       # short: ~25 min on 2 cores; runs/miniature, docs/miniature
     bash scripts/miniature.sh --profile long        # long: ~2.5 h; runs/miniature_long, docs/miniature/long
-    bash scripts/miniature.sh --profile study       # study: ~2 h; runs/miniature_study, docs/miniature/study
+    bash scripts/miniature.sh --profile study       # study: ~1.5 h; runs/miniature_study, docs/miniature/study
     python scripts/miniature.py --seeds 0 --out /tmp/mini --docs /tmp/mini/docs   # one seed, a quick look
 
 The profiles, their recipes (one per paradigm, the same for every k) and why each setting:
@@ -23,14 +23,13 @@ skipped, an interrupted one resumes), every checkpoint is measured by `python -m
 
 What each claim is measured as (the paper's objects, other readings beside them), on which
 arm, at which layers, and the test (paired t over seeds, Holm's correction, the smallest
-detectable effect): scripts/miniature_claims.py. The study profile (~2 h) is the one whose
+detectable effect): scripts/miniature_claims.py. The study profile (~1.5 h) is the one whose
 report decides the claims; short and long keep their recipes and use the same rules.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -181,7 +180,7 @@ def wall_time(out: Path) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", choices=sorted(PROFILES), default="short",
-                   help="short (~25 min), long (~2.5 h) or study (~2 h)")
+                   help="short (~25 min), long (~2.5 h) or study (~1.5 h)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the profile's (short 0-2, long 0-4, study 0-3)")
     p.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the profile's; short 1, long and study 2)")
     p.add_argument("--out", default=None, help="runs root (default: the profile's, runs/miniature[_long|_study])")

@@ -1,11 +1,14 @@
 """The miniature's profiles and their runs: which commands train, evaluate and measure each arm,
 run a few at a time, resumably (scripts/miniature.py writes the report from them).
 
-Two profiles, one recipe per paradigm for every k (never tuned per arm):
+Three profiles, one recipe per paradigm for every k (never tuned per arm):
     short  ~25 min on 2 cores: DeiT-III and GPT, 300 steps each, 3 seeds (the smoke-sized look)
-    long   ~2 h on 2 cores, two runs at a time on one thread each: DeiT-III, GPT and DINO trained
+    long   ~2.5 h on 2 cores, two runs at a time on one thread each: DeiT-III, GPT and DINO trained
            until their validation metric flattens, 5 seeds; why each setting: the comments below
            and docs/LOG.md ("the long miniature: pilots")
+    study  ~1.5 h on 2 cores, the same way: the paper's arms beside the baseline, ViTs with 64 tokens
+           and QK-norm (a class-token and a mean-pooled head), 4 seeds (STUDY below; the report's
+           claims and test: scripts/miniature_claims.py)
 """
 from __future__ import annotations
 
