@@ -58,7 +58,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 
-from analysis.metrics import cdnv, neural_collapse, spectral_decay
+from analysis.metrics import cdnv, neural_collapse
+from analysis.spectra import spectral_decay
 from analysis.streaming import GeometryAccumulator, SequenceSpectra
 from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.dist import resolve_device

@@ -368,3 +368,14 @@ def draw_mechanism(result: dict, stem: Path) -> list[Path]:
                  fontsize=9)
     fig.tight_layout()
     return save(fig, stem)
+
+
+def record_summary(analysis: Optional[dict]) -> dict:
+    """The per-head smoothing diagnostic of one analysis.json, as analysis.runs records carry it, pooled per
+    head type: {"<key>.<type>": mean over the heads of all layers, "blocks.<i>": {"<key>.<type>": ...}}
+    with key in cos_smooth, cos_token, dvar, neg_mass, trace_fro and type in softmax, laplacian,
+    learned. {} when the analysis ran without it."""
+    s = ((analysis or {}).get("mechanism") or {}).get("summary") or {}
+    ok = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731
+    return {k: ({kk: float(vv) for kk, vv in v.items() if ok(vv)} if isinstance(v, dict) else float(v))
+            for k, v in s.items() if isinstance(v, dict) or ok(v)}

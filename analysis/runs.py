@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Optional, Union
 from omegaconf import ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from analysis.mechanism import record_summary
 from laplace.config import flatten
 from laplace.errors import ConfigError
 from laplace.rundir import EXECUTION_KEYS
@@ -157,17 +158,6 @@ def layer_geometry(analysis: dict) -> dict:
     return {layer: geometry(analysis, layer) for layer in analysis.get("layers", [])}
 
 
-def mechanism_summary(analysis: Optional[dict]) -> dict:
-    """The per-head smoothing diagnostic of one analysis.json (analysis/mechanism.py), pooled per
-    head type: {"<key>.<type>": mean over the heads of all layers, "blocks.<i>": {"<key>.<type>": ...}}
-    with key in cos_smooth, cos_token, dvar, neg_mass, trace_fro and type in softmax, laplacian,
-    learned. {} when the analysis ran without it."""
-    s = ((analysis or {}).get("mechanism") or {}).get("summary") or {}
-    ok = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731
-    return {k: ({kk: float(vv) for kk, vv in v.items() if ok(vv)} if isinstance(v, dict) else float(v))
-            for k, v in s.items() if isinstance(v, dict) or ok(v)}
-
-
 def model_family(name: str, model_cfg: dict) -> str:
     """The zoo name without its _{k}L suffix, tagged where the config changed the shape
     (vitt_3L with model.depth=2 embed_dim=48 -> "vitt_d2_w48"), so shapes never pool."""
@@ -255,7 +245,7 @@ def read_run(run_dir) -> Optional[dict]:
         "img_size": img, "init_from": init_from, "pretrain": _pretrain(init_from),
         "finished": res is not None, "recipe_id": _recipe_id(cfg) if cfg else "",
         "metrics": metrics, "geometry": layers.get("norm", {}), "layer_geometry": layers,
-        "mechanism": mechanism_summary(analysis),
+        "mechanism": record_summary(analysis),
         "checkpoint": str(d / "ckpt" / f"{ckpt_stem}.pt"),  # here, not where it was written (runs move)
         "analysis": str(analysis_path) if analysis else None, "notes": notes,
     }
@@ -285,7 +275,7 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
     ({key: float}, see `flat_metrics`), geometry ({key: float} at the final norm, see
     `geometry`; {} when not analysed), layer_geometry (the same at every measured layer, see
     `layer_geometry`), mechanism (the per-head smoothing diagnostic per head type, see
-    `mechanism_summary`; {} when not measured), analysis (its path) and notes. `skipped` (if given) gets
+    `analysis.mechanism.record_summary`; {} when not measured), analysis (its path) and notes. `skipped` (if given) gets
     a line for each run directory left out, saying why.
     """
     roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)

@@ -30,8 +30,8 @@ from typing import Optional, Sequence
 import torch
 
 from analysis.metrics import (_sq, add_shares, as_float64, as_index, cdnv_from_class_stats, class_mean_geometry,
-                              lc_from_class_stats, nc1_from_scatter, ncc_mismatch, sequence_spectra,
-                              spectrum_metrics)
+                              lc_from_class_stats, nc1_from_scatter, ncc_mismatch)
+from analysis.spectra import sequence_spectra, spectrum_metrics
 
 METRICS = ("anova", "anova_seq", "nc", "cdnv", "lc", "spectral")
 
@@ -182,7 +182,7 @@ class GeometryAccumulator:
         Args:
             weight, bias: classifier [K, D] and [K] for nc2_equinorm_w and nc3 (nc4: NCCAgreement).
             unembedding: [V, D] LM head for the lc self-duality measures.
-            thresholds, spectral_center: as in `metrics.spectral_decay` ("sequence" needs seq_ids).
+            thresholds, spectral_center: as in `spectra.spectral_decay` ("sequence" needs seq_ids).
             min_count, lc_center, center_unembedding: as in `metrics.linguistic_collapse`.
         """
         if self.n == 0:
@@ -250,8 +250,8 @@ class GeometryAccumulator:
 
 class SequenceSpectra:
     """Per-sequence spectra averaged over sequences, streamed: each sequence's own tokens,
-    centred on their own mean, counted as `metrics.spectrum_metrics` counts
-    (`metrics.sequence_spectra`, batched), then averaged over the sequences that vary.
+    centred on their own mean, counted as `spectra.spectrum_metrics` counts
+    (`spectra.sequence_spectra`, batched), then averaged over the sequences that vary.
 
     Every update holds whole sequences, one per row of [B, T, D] (a ViT's patch tokens of B
     images, a GPT's B windows). The sums stay on the device until `compute`.
@@ -261,7 +261,7 @@ class SequenceSpectra:
             spec.update(feats)
         spec.compute()  # {"n_pcs_0.9", "n_pcs_0.99", "effective_rank", "n_sequences", "n_no_variance"}
 
-    `metrics.per_sequence_spectra` is the in-memory twin (equal counts; tests).
+    `spectra.per_sequence_spectra` is the in-memory twin (equal counts; tests).
 
     Args:
         thresholds: explained-variance fractions for n_pcs_<t>.

@@ -103,9 +103,7 @@ class KVCache:
 
 def laplacian_mask(num_heads: int, num_laplacian_heads: int, device=None) -> torch.Tensor:
     """[H]: 1.0 on the last k heads (the Laplacian ones), 0.0 on the others."""
-    mask = torch.zeros(num_heads, device=device)
-    mask[num_heads - num_laplacian_heads:] = 1.0
-    return mask
+    return (torch.arange(num_heads, device=device) >= num_heads - num_laplacian_heads).float()
 
 
 def gate_start_logits(num_heads: int, num_laplacian_heads: int, device=None) -> torch.Tensor:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from analysis import metrics as m
+from analysis import spectra as sp
 from analysis.streaming import GeometryAccumulator, NCCAgreement
 
 
@@ -189,14 +190,14 @@ def test_planted_rank_gives_its_number_of_components():
     basis = np.linalg.qr(rng.normal(size=(D, r)))[0].T * np.linspace(1, 2, r)[:, None]
     seq = np.repeat(np.arange(n_seq), L)
     x = rng.normal(size=(n_seq * L, r)) @ basis + 4.0
-    out = m.spectral_decay(x)
+    out = sp.spectral_decay(x)
     assert out["n_pcs_0.99"] == r and 1 <= out["n_pcs_0.9"] <= r
     assert sum(out["spectrum"]) == pytest.approx(1.0) and 1 < out["effective_rank"] <= r
     # per-sequence offsets in other directions add components unless centred per sequence
     offsets = rng.normal(size=(n_seq, D)) * 5
     y = x + offsets[seq]
-    assert m.spectral_decay(y)["n_pcs_0.99"] > r
-    assert m.spectral_decay(y, seq_ids=seq, center="sequence")["n_pcs_0.99"] == r
+    assert sp.spectral_decay(y)["n_pcs_0.99"] > r
+    assert sp.spectral_decay(y, seq_ids=seq, center="sequence")["n_pcs_0.99"] == r
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -240,9 +241,9 @@ def test_streaming_equals_in_memory(kind):
     assert_same(out, m.cdnv(x, y))
     lc = m.linguistic_collapse(x, y, unembedding=W)
     assert_same(out, {k: v for k, v in lc.items() if k != "lc_ncc_agreement"})
-    assert_same(out, m.spectral_decay(x))
+    assert_same(out, sp.spectral_decay(x))
     seq_spec = acc.compute(spectral_center="sequence", thresholds=(0.5, 0.95))
-    assert_same(seq_spec, m.spectral_decay(x, (0.5, 0.95), seq_ids=s, center="sequence"))
+    assert_same(seq_spec, sp.spectral_decay(x, (0.5, 0.95), seq_ids=s, center="sequence"))
     # second pass: NC4 and the NCC agreement from the streamed class means
     classes, means = acc.class_means()
     classes = classes.cpu().numpy()
@@ -291,10 +292,10 @@ def test_rows_that_do_not_vary_give_nan_shares_and_spectra_not_zero_by_zero():
         assert out["total"] == pytest.approx(0.0, abs=1e-12)
         assert all(np.isnan(out[f"{p}_share"]) for p in ("within_seq", "between_seq", "within_class",
                                                          "between_class"))
-    for spec in (m.spectral_decay(x), stream([(x, s, y)], metrics=("spectral",)).compute(),
-                 m.spectral_decay(np.random.default_rng(0).normal(size=(5, 4)), seq_ids=np.arange(5),
+    for spec in (sp.spectral_decay(x), stream([(x, s, y)], metrics=("spectral",)).compute(),
+                 sp.spectral_decay(np.random.default_rng(0).normal(size=(5, 4)), seq_ids=np.arange(5),
                                   center="sequence")):
         assert np.isnan(spec["n_pcs_0.99"]) and np.isnan(spec["effective_rank"])
         assert spec["total_variance"] == pytest.approx(0.0, abs=1e-12) and np.isnan(spec["spectrum"]).all()
-    varied = m.spectral_decay(x + np.random.default_rng(1).normal(size=x.shape))
+    varied = sp.spectral_decay(x + np.random.default_rng(1).normal(size=x.shape))
     assert varied["n_pcs_0.99"] >= 1 and not np.isnan(varied["spectrum"]).any()

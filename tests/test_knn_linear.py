@@ -101,7 +101,7 @@ class _Counting(torch.nn.Module):
     def __init__(self, vit):
         super().__init__()
         self.vit, self.calls = vit, 0
-        self.blocks, self.norm = vit.blocks, vit.norm
+        self.blocks, self.norm, self.pool = vit.blocks, vit.norm, vit.pool
 
     def forward_features(self, *a, **kw):
         self.calls += 1

@@ -1,0 +1,137 @@
+"""Spectral decay of token representations, in memory: how many principal components explain a
+fraction of the variance, of all tokens (one covariance), of tokens less their sequence's mean
+(pooled), or of each sequence alone (averaged over sequences). Float64, plain dicts of floats,
+as analysis.metrics; analysis.streaming computes the same in one pass.
+
+    from analysis.spectra import per_sequence_spectra, spectral_decay
+    spectral_decay(feats)["n_pcs_0.99"]                                   # global
+    spectral_decay(feats, seq_ids=seq, center="sequence")["n_pcs_0.99"]   # pooled within-sequence
+    per_sequence_spectra(feats, seq)["n_pcs_0.99"]                        # mean over sequences
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from analysis.metrics import _NO_VARIANCE, _check_rows, _sq, as_float64, as_index, group_sums
+
+
+def spectrum_metrics(cov: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99),
+                     tol: float = 1e-9, mean_square: float = 0.0) -> dict:
+    """n_pcs_<t>, effective_rank, total_variance and the normalised spectrum of a covariance.
+
+    n_pcs_<t> is the smallest k whose top-k eigenvalues explain at least t of the variance;
+    `tol` absorbs rounding so that data of planted rank r gives exactly r at t = 0.99. Rows
+    that do not vary (trace at the rounding level of their `mean_square`) have no normalised
+    spectrum: n_pcs, effective_rank and spectrum are NaN, not 0/0 read as one component.
+    """
+    lam = torch.linalg.eigvalsh(cov).flip(0).clamp_min(0)  # tiny negative rounding -> 0
+    if not lam.sum() > _NO_VARIANCE * mean_square:
+        nan = float("nan")
+        return {**{f"n_pcs_{t:g}": nan for t in thresholds}, "effective_rank": nan,
+                "total_variance": float(lam.sum()), "spectrum": [nan] * lam.numel()}
+    p = lam / lam.sum()
+    counts, erank = spectrum_counts(p, thresholds, tol)
+    out = {f"n_pcs_{t:g}": float(c) for t, c in zip(thresholds, counts)}
+    out["effective_rank"] = float(erank)
+    out["total_variance"] = float(lam.sum())
+    out["spectrum"] = p.tolist()
+    return out
+
+
+def spectrum_counts(p: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99), tol: float = 1e-9):
+    """The counting rule of `spectrum_metrics` on normalised spectra p[..., n] (descending,
+    non-negative, each summing to 1), batched over the leading dimensions.
+
+    Returns ([n_pcs per threshold: tensors [...]], effective_rank [...]): n_pcs_<t> = the
+    smallest k with sum of the top-k p >= t - tol (at most n), effective_rank = exp of the
+    entropy of p (0 log 0 = 0).
+    """
+    cum = torch.cumsum(p, -1)
+    n = p.shape[-1]
+    counts = [((cum < t - tol).sum(-1) + 1).clamp_max(n) for t in thresholds]
+    ent = torch.where(p > 0, p * p.clamp_min(torch.finfo(p.dtype).tiny).log(), torch.zeros_like(p)).sum(-1)
+    return counts, torch.exp(-ent)
+
+
+def sequence_spectra(x: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99), tol: float = 1e-9) -> dict:
+    """Spectrum of each sequence's own tokens, one sequence per row of x[B, T, D] (float64).
+
+    Each sequence is centred on its own mean; the eigenvalues of its covariance are those of
+    the small T x T Gram matrix (or of the D x D covariance when D < T), batched. Counted as
+    `spectrum_metrics` counts (same tol, same no-variance rule on the sequence's own mean
+    square). Returns tensors [B]: n_pcs_<t> (float, NaN for a sequence that does not vary),
+    effective_rank (the same) and varies (bool).
+    """
+    B, T, D = x.shape
+    xc = x - x.mean(1, keepdim=True)
+    gram = xc @ xc.transpose(1, 2) if T <= D else xc.transpose(1, 2) @ xc
+    lam = torch.linalg.eigvalsh(gram / T).flip(-1).clamp_min(0)
+    total = lam.sum(-1)
+    varies = total > _NO_VARIANCE * _sq(x).mean(1)
+    p = lam / torch.where(varies, total, torch.ones_like(total))[:, None]
+    counts, erank = spectrum_counts(p, thresholds, tol)
+    nan = torch.full_like(total, float("nan"))
+    out = {f"n_pcs_{t:g}": torch.where(varies, c.to(x.dtype), nan) for t, c in zip(thresholds, counts)}
+    out["effective_rank"] = torch.where(varies, erank, nan)
+    out["varies"] = varies
+    return out
+
+
+def per_sequence_spectra(features, seq_ids, thresholds: Sequence[float] = (0.9, 0.99)) -> dict:
+    """n_pcs_<t> and effective_rank of each sequence's own centred tokens (`spectral_decay`
+    with one sequence at a time), averaged over the sequences that vary.
+
+    The in-memory reference of the streamed `spectral_per_seq`: sequences may differ in
+    length. Keys n_pcs_<t>, effective_rank (means over sequences, NaN when none varies),
+    n_sequences (sequences averaged) and n_no_variance (sequences left out: their tokens are
+    all equal).
+    """
+    x = as_float64(features)
+    sid = as_index(seq_ids, x.device)
+    _check_rows(x, sid)
+    keys = [f"n_pcs_{t:g}" for t in thresholds] + ["effective_rank"]
+    vals = {k: [] for k in keys}
+    skipped = 0
+    for s in torch.unique(sid):
+        one = spectral_decay(x[sid == s], thresholds)
+        if math.isnan(one["effective_rank"]):
+            skipped += 1
+            continue
+        for k in keys:
+            vals[k].append(one[k])
+    out = {k: (math.fsum(v) / len(v) if v else float("nan")) for k, v in vals.items()}
+    return {**out, "n_sequences": float(len(vals[keys[0]])), "n_no_variance": float(skipped)}
+
+
+def spectral_decay(features, thresholds: Sequence[float] = (0.9, 0.99), seq_ids=None,
+                   center: str = "global") -> dict:
+    """Eigen-spectrum of the covariance of centred token representations.
+
+    Keys n_pcs_<t> (e.g. n_pcs_0.9, n_pcs_0.99), effective_rank (exp of the entropy of the
+    normalised spectrum), total_variance (trace) and spectrum (eigenvalues / sum, descending,
+    a list: the only non-float value).
+
+    Args:
+        features: [N, D] token representations.
+        thresholds: explained-variance fractions to report.
+        seq_ids: [N] sequence of each token; needed for center="sequence".
+        center: "global" subtracts the mean of all rows; "sequence" subtracts each sequence's
+            own mean (the spectrum of within-sequence variation, e.g. the tokens of one image).
+    """
+    x = as_float64(features)
+    if center == "global":
+        xc = x - x.mean(0)
+    elif center == "sequence":
+        if seq_ids is None:
+            raise ValueError("center='sequence' needs seq_ids")
+        sid = as_index(seq_ids, x.device)
+        _check_rows(x, sid)
+        _, inv = torch.unique(sid, return_inverse=True)
+        S, n_s = group_sums(x, inv, int(inv.max()) + 1)
+        xc = x - (S / n_s[:, None])[inv]
+    else:
+        raise ValueError(f"center must be 'global' or 'sequence', not {center!r}")
+    return spectrum_metrics(xc.T @ xc / x.shape[0], thresholds, mean_square=float(_sq(x).mean()))
