@@ -137,13 +137,19 @@ class HeadAccumulator:
     """The data part of one attention layer's per-head numbers, folded batch by batch (float64)."""
 
     def __init__(self, attn):
-        H = attn.num_heads
-        z = lambda: torch.zeros(H, dtype=torch.float64)  # noqa: E731
+        # The sums live on the attention's device: no host sync per batch, one in compute().
+        dev = attn.proj.weight.device
+        z = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=dev)  # noqa: E731
         self.attn = attn
-        self.os, self.oo, self.ss, self.cos_sum, self.cos_n, self.dw = z(), z(), z(), z(), z(), z()
-        self.xx = self.wx = 0.0
-        self.recon_err = 0.0
+        H = attn.num_heads
+        self.os, self.oo, self.ss, self.cos_sum, self.cos_n, self.dw = (z(H) for _ in range(6))
+        self.xx, self.wx, self._err = z(), z(), z()
         self.sequences = self.tokens = 0
+
+    @property
+    def recon_err(self) -> float:
+        """The largest relative deviation of the heads' sum from the module's output seen."""
+        return self._err.item()
 
     #: float64 elements of one chunk's largest tensor ([b, H, N, max(N, D)]): about 256 MiB
     CHUNK_ELEMENTS = 2 ** 25
@@ -165,26 +171,26 @@ class HeadAccumulator:
             bias = self.attn.proj.bias
             full = O.sum(1) + (0 if bias is None else bias.double())
             err = (full - out.double()).norm() / out.double().norm().clamp_min(1e-30)
-            self.recon_err = max(self.recon_err, err.item())
+            self._err = torch.maximum(self._err, err)
         S = P64 @ x64[:, None]
         S -= x64[:, None]  # [B, H, N, D]: P X - X
         ip, oo, ss = (O * S).sum(-1), (O * O).sum(-1), (S * S).sum(-1)  # [B, H, N]
         del S
-        self.os += ip.sum((0, 2)).cpu()
-        self.oo += oo.sum((0, 2)).cpu()
-        self.ss += ss.sum((0, 2)).cpu()
+        self.os += ip.sum((0, 2))
+        self.oo += oo.sum((0, 2))
+        self.ss += ss.sum((0, 2))
         prod = oo * ss
         ok = prod > 1e-300
-        self.cos_sum += torch.where(ok, ip / prod.clamp_min(1e-300).sqrt(), 0).sum((0, 2)).cpu()
-        self.cos_n += ok.sum((0, 2)).double().cpu()
+        self.cos_sum += torch.where(ok, ip / prod.clamp_min(1e-300).sqrt(), 0).sum((0, 2))
+        self.cos_n += ok.sum((0, 2)).double()
         # W(X + O) - W(X) = 2 <Xc, Oc> + |Oc|^2 = 2 <Xc, O> + |O|^2 - N |mean O|^2 (Xc: X less its sequence mean)
         N = x.shape[1]
         Xc = x64 - x64.mean(1, keepdim=True)
         cross = torch.einsum("bnd,bhnd->bh", Xc, O)
         mean_o = O.mean(2)  # [B, H, D]
-        self.dw += (2 * cross + oo.sum(2) - N * (mean_o * mean_o).sum(-1)).sum(0).cpu()
-        self.wx += (Xc * Xc).sum().item()
-        self.xx += (x64 * x64).sum().item()
+        self.dw += (2 * cross + oo.sum(2) - N * (mean_o * mean_o).sum(-1)).sum(0)
+        self.wx += (Xc * Xc).sum()
+        self.xx += (x64 * x64).sum()
         self.sequences += x.shape[0]
         self.tokens += x.shape[0] * N
 
@@ -193,15 +199,18 @@ class HeadAccumulator:
         attn = self.attn
         gates = attn.gates().detach().float().cpu().tolist()
         nan = float("nan")
+        os, oo, ss, cos_sum, cos_n, dw = (t.tolist() for t in (self.os, self.oo, self.ss, self.cos_sum,
+                                                               self.cos_n, self.dw))
+        wx, xx = self.wx.item(), self.xx.item()
         heads = []
         for h, spec in enumerate(weight_spectrum(attn)):
-            den = math.sqrt(self.oo[h].item() * self.ss[h].item())
+            den = math.sqrt(oo[h] * ss[h])
             heads.append({
                 "head": h, "type": head_type(gates[h], attn.laplacian_mode), "gate": gates[h],
-                "cos_smooth": self.os[h].item() / den if den > 0 else nan,
-                "cos_token": self.cos_sum[h].item() / self.cos_n[h].item() if self.cos_n[h] > 0 else nan,
-                "dvar": self.dw[h].item() / self.wx if self.wx > 0 else nan,
-                "out_norm": math.sqrt(self.oo[h].item() / self.xx) if self.xx > 0 else nan,
+                "cos_smooth": os[h] / den if den > 0 else nan,
+                "cos_token": cos_sum[h] / cos_n[h] if cos_n[h] > 0 else nan,
+                "dvar": dw[h] / wx if wx > 0 else nan,
+                "out_norm": math.sqrt(oo[h] / xx) if xx > 0 else nan,
                 **spec})
         return heads
 
