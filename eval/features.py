@@ -1,7 +1,8 @@
 """Frozen-backbone features of an image split, shared by `python -m eval.knn` and `python -m eval.linear`.
 
 Two kinds of feature, DINO's (facebookresearch/dino eval_knn.py / eval_linear.py):
-    cls       the class token after the final norm, L2-normalised (k-NN)
+    cls       what the head reads after the final norm (the class token; with model.global_pool=avg
+              the mean of the patch tokens), L2-normalised (k-NN)
     last<n>   the class tokens of the last n blocks, each after the final norm (DINO's
               `get_intermediate_layers` + norm), concatenated [B, n*D]; with `avgpool` the
               average of the last block's normed patch tokens is appended [B, (n+1)*D]
