@@ -166,3 +166,36 @@ def test_wall_time_counts_only_while_a_command_ran(tmp_path):
     text = miniature.wall_time(tmp_path)
     assert "15 min of wall time" in text and "21 min summed over 3 commands (deit3 8, gpt 13;" in text
     assert miniature.wall_time(tmp_path / "none") == ""
+
+
+def test_only_and_train_only_train_one_paradigm_then_stop(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_run_jobs(recipes, out, seeds, log, jobs=1, steps=None, dry=False):
+        calls.append((sorted(recipes), dry))
+        return {pd: [out / pd / f"x_s{s}" for s in seeds] for pd in recipes}
+
+    monkeypatch.setattr(miniature, "run_jobs", fake_run_jobs)
+    docs = tmp_path / "docs"
+    monkeypatch.setattr(sys, "argv", ["miniature.py", "--only", "gpt", "--train-only", "--out", str(tmp_path / "runs"),
+                                      "--docs", str(docs)])
+    miniature.main()
+    # the asked paradigm trained; the whole profile's run dirs named (dry); no analysis, no report
+    assert calls == [(["gpt"], False), (["deit3", "gpt"], True)] and not (docs / "README.md").exists()
+    monkeypatch.setattr(sys, "argv", ["miniature.py", "--only", "dino", "--out", str(tmp_path / "runs")])
+    with pytest.raises(SystemExit):
+        miniature.main()
+    assert "--only dino: the short profile trains deit3, gpt" in capsys.readouterr().err and len(calls) == 2
+
+
+def test_run_jobs_dry_names_the_runs_and_runs_nothing(tmp_path, monkeypatch):
+    import io
+
+    import miniature_runs as mr
+
+    monkeypatch.setattr(mr, "sh", lambda *a, **k: pytest.fail("a dry run_jobs ran a command"))
+    runs = mr.run_jobs({"gpt": dict(variants=[("gpt_d3_0L", []), ("gpt_d3_1L", mr.LEARNED)], args=[])},
+                       tmp_path, [0, 1], io.StringIO(), dry=True)
+    assert runs == {"gpt": [tmp_path / "gpt" / n for n in ("gpt_d3_0L_s0", "gpt_d3_1L_learned_s0", "gpt_d3_0L_s1",
+                                                           "gpt_d3_1L_learned_s1")]}
+    assert not (tmp_path / "timings.jsonl").exists()
