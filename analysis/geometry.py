@@ -65,6 +65,7 @@ from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.dist import resolve_device
 from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
+from laplace.zoo import features
 
 METRICS = ("anova", "nc", "cdnv", "spectral")
 _GPT_ACC = {"anova": "anova_seq", "nc": "lc", "cdnv": "lc", "spectral": "spectral"}
@@ -223,7 +224,7 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
     for x, y in tqdm(loader, desc="features", disable=not progress, leave=False):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         with fwd:
-            feats = model.forward_features(x, layers=block_ids)
+            feats = features(model, x, layers=block_ids)
         B, T = feats["norm"].shape[:2]
         sid = torch.arange(seen, seen + B, device=dev)
         with fold:

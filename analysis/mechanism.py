@@ -57,6 +57,8 @@ from typing import Optional
 import torch
 from torch.utils.data import DataLoader
 
+from laplace.zoo import features
+
 TYPES = ("softmax", "laplacian", "learned")
 #: The per-head numbers pooled by `summary` (and read by analysis.runs as mechanism.<key>.<type>).
 SUMMARY_KEYS = ("cos_smooth", "cos_token", "dvar", "neg_mass", "trace_fro")
@@ -253,7 +255,7 @@ def head_mechanism(model, dataset, batch_size: int = 64, num_workers: int = 0, p
     try:
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
         for x, _ in tqdm(loader, desc="mechanism", disable=not progress, leave=False):
-            model.forward_features(x.to(dev), norm=False)
+            features(model, x.to(dev), norm=False)
     finally:
         for h in handles:
             h.remove()

@@ -47,6 +47,7 @@ from PIL import Image
 
 from analysis.plots import plt
 from laplace.errors import ConfigError
+from laplace.zoo import features
 
 DPI = 150          # of the PNG grid; cell sizes are computed in pixels at this dpi
 MIN_CELL_PX = 240  # small images are enlarged by an integer factor to about this many pixels
@@ -143,7 +144,7 @@ def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: floa
     check_options(threshold is not None, threshold, upsample)
     dev = next(model.parameters()).device
     block = None if layer == "norm" else [int(layer.split(".")[1])]
-    feats = model.forward_features(images.to(dev), layers=block)
+    feats = features(model, images.to(dev), layers=block)
     if layer not in feats:
         raise ConfigError(f"pca_layer={layer}: use norm or blocks.<i> with i < {len(model.blocks)}")
     grid = tuple(model.patch_embed.grid_size)

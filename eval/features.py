@@ -41,6 +41,7 @@ from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
 from laplace.vit import VisionTransformer
+from laplace.zoo import features
 from train.logger import progress_bar, progress_interval
 
 CACHE_VERSION = 1
@@ -66,13 +67,13 @@ def batch_features(model: VisionTransformer, x: torch.Tensor, kind: str = "cls",
                    avgpool: bool = False) -> torch.Tensor:
     """Features [B, F] of images [B, 3, H, W] (see the module docstring)."""
     if kind == "cls":
-        out = model.pool(model.forward_features(x, layers=[], norm=True)["norm"]).float()
+        out = model.pool(model.forward_features(x)).float()  # timm: the final-norm tokens, pooled as the head reads them
         return F.normalize(out, dim=-1, p=2)
     depth = len(model.blocks)
     if not 1 <= n_last_blocks <= depth:
         raise ConfigError(f"n_last_blocks={n_last_blocks}: use 1..{depth} (the model's blocks)")
     layers = list(range(depth - n_last_blocks, depth))
-    feats = model.forward_features(x, layers=layers, norm=False)
+    feats = features(model, x, layers=layers, norm=False)
     normed = [model.norm(feats[f"blocks.{i}"]) for i in layers]
     out = [t[:, 0] for t in normed]
     if avgpool:

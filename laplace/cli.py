@@ -61,20 +61,16 @@ def config_dir(config_name: str = "config") -> Path:
 
 
 def hydra_entry(config_name: str):
-    """Make `fn(cfg)` a command line on configs/<config_name>.yaml: the zoo's `model/<name>`
-    nodes are registered first, and `fn` runs inside `cli_errors` (bad input, a `???` left
-    unset included: one `error:` line; a bug: its traceback; every failure exits at once),
-    inside Hydra's task function so that no error reaches Hydra's own handler."""
+    """Make `fn(cfg)` a command line on configs/<config_name>.yaml: `fn` runs inside `cli_errors`
+    (bad input, a `???` left unset included: one `error:` line; a bug: its traceback; every
+    failure exits at once), inside Hydra's task function so that no error reaches Hydra's own handler."""
 
     def decorate(fn):
         @functools.wraps(fn)
         def main():
             import hydra
 
-            from .config import register_model_configs
-
             path = cli_errors(config_dir)(config_name)
-            cli_errors(register_model_configs)()
             # the wrappers keep fn's name, module and file (functools.wraps): Hydra names the job after them
             task = cli_errors(_required(fn))
             return hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(task)()

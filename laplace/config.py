@@ -1,45 +1,37 @@
-"""Hydra glue: one `model/<name>` config node per zoo name, generated from the zoo.
+"""Hydra glue: the `model` node of a zoo name, mandatory values as one line, the config flattener.
 
-`model=vitb_12L` must work for every zoo name, including `gpt_d{depth}_{k}L` at any depth,
-which no finite folder of YAML files covers. So the nodes are generated from
-`laplace.zoo.model_defaults` (the single source of the architectures) and stored in Hydra's
-ConfigStore: the listed names, plus any `model=` value on the command line.
-Each node holds the constructor arguments, with data-dependent ones interpolated from the
-`data` node, so the resolved config.yaml of a run shows the whole architecture.
-Mandatory values are Hydra's `???` (`trainer.init_from` of a fine-tuning experiment):
-`check_required` turns the first one left unset into a one-line error before anything runs.
+`model=<zoo name>` works for every name, including `gpt_d{depth}_{k}L` at any depth, which no folder
+of YAML files covers: Hydra's `model` group is served by the config source in
+hydra_plugins/laplace_zoo.py, which asks `model_node` here. A node holds the constructor arguments,
+the data-dependent ones interpolated from the `data` node, so a run's config.yaml shows the whole
+architecture; its `name` is the family ("vitb", "gpt") and k lives in `num_laplacian_heads` alone.
 """
 from __future__ import annotations
 
 import inspect
-import sys
-from typing import Iterable
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .errors import ConfigError
-from .gpt import GPT
-from .vit import VisionTransformer
-from .zoo import list_models, model_defaults
+from .zoo import BUILDERS, model_defaults
 
 # Keys a data node provides to the model (interpolations resolved when the config is used).
-_VIT_FROM_DATA = {"num_classes": "${data.num_classes}", "img_size": "${data.img_size}",
-                  "patch_size": "${data.patch_size}"}
-_GPT_FROM_DATA = {"vocab_size": "${data.vocab_size}", "max_seq_len": "${data.seq_len}"}
-# Constructor arguments every node states (so `model.qk_norm=true` overrides a key that is
-# there), with the values of the constructor's own defaults: its signature is their one source.
-_STATED = {"vit": (VisionTransformer, ("laplacian_mode", "drop_path_rate", "drop_path_schedule",
-                                       "init_values", "qk_norm", "global_pool"), _VIT_FROM_DATA),
-           "gpt": (GPT, ("laplacian_mode", "grad_checkpointing"), _GPT_FROM_DATA)}
+FROM_DATA = {"vit": {"num_classes": "${data.num_classes}", "img_size": "${data.img_size}",
+                     "patch_size": "${data.patch_size}"},
+             "gpt": {"vocab_size": "${data.vocab_size}", "max_seq_len": "${data.seq_len}"}}
+# Arguments every node states (so `model.qk_norm=true` overrides a key that is there), valued by
+# the builder's own defaults: its signature is their one source.
+STATED = {"vit": ("laplacian_mode", "drop_path_rate", "drop_path_schedule", "init_values", "qk_norm", "global_pool"),
+          "gpt": ("laplacian_mode", "grad_checkpointing")}
 
 
 def model_node(name: str) -> dict:
-    """The Hydra `model` node of a zoo name (raises the zoo's one-line error if unknown)."""
+    """The Hydra `model` node of a zoo name (the zoo's one-line error if it is unknown)."""
     d = model_defaults(name)
-    cls, stated, from_data = _STATED[d.pop("arch")]
-    params = inspect.signature(cls).parameters
-    return {"name": name, **d, **{k: params[k].default for k in stated}, **from_data}
+    arch = d.pop("arch")
+    params = inspect.signature(BUILDERS[arch]).parameters
+    d.setdefault("num_laplacian_heads", 0)
+    return {**d, **{k: params[k].default for k in STATED[arch]}, **FROM_DATA[arch]}
 
 
 # What a mandatory value takes, where "add <key>=<value>" says too little.
@@ -93,22 +85,6 @@ def _missing(node, key: str = ""):
     elif isinstance(node, list):
         for i, v in enumerate(node):
             yield from _missing(v, f"{key}[{i}]")
-
-
-def _argv_model_names(argv: Iterable[str]) -> list[str]:
-    names = []
-    for a in argv:
-        if a.startswith("model="):
-            names += [n for n in a.split("=", 1)[1].split(",") if n]
-    return names
-
-
-def register_model_configs(extra: Iterable[str] = ()) -> None:
-    """Store a `model/<name>` node for every listed zoo name, `extra` names and `model=` values
-    of sys.argv (multirun comma lists included)."""
-    cs = ConfigStore.instance()
-    for name in dict.fromkeys([*list_models(), *extra, *_argv_model_names(sys.argv[1:])]):
-        cs.store(group="model", name=name, node=model_node(name))
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

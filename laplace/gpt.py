@@ -29,8 +29,57 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import Attention, KVCache, block_indices, laplacian_counts, rms_norm
+from .attention import LaplacianAttention, RMSNorm, laplacian_counts
 from .sampling import sample_next  # the one token-picking rule (also the streaming sampler's)
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    """Parameter-free RMSNorm over the last dim (nanochat's `norm`)."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def block_indices(layers, depth: int) -> set[int]:
+    """Validated block indices of `layers` (None: all; negative ones count from the end)."""
+    if layers is None:
+        return set(range(depth))
+    bad = [i for i in layers if not -depth <= i < depth]
+    if bad:
+        raise IndexError(f"layers={list(layers)}: index {bad[0]} is outside the {depth} blocks")
+    return {i % depth for i in layers}
+
+
+class KVCache:
+    """Pre-allocated keys and values of every layer for autoregressive generation.
+
+    Args:
+        num_layers: attention layers sharing the cache.
+        batch_size, num_heads, head_dim: the shape of one layer's keys.
+        max_len: the longest sequence (prompt + generated tokens) it holds.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_heads: int, head_dim: int,
+                 max_len: int, device=None, dtype=torch.float32):
+        self.kv = torch.zeros((num_layers, 2, batch_size, num_heads, max_len, head_dim), device=device, dtype=dtype)
+        self.max_len = max_len
+        self.pos = 0  # tokens stored (the same in every layer once a forward completes)
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
+        """Store the new keys and values [B, H, N, D] of `layer`; return what SDPA attends to:
+        (keys and values so far, mask, is_causal)."""
+        t0, t1 = self.pos, self.pos + k.shape[2]
+        if t1 > self.max_len:
+            raise ValueError(f"KV cache overflow: {t1} tokens > max_len={self.max_len}")
+        self.kv[layer, 0, :, :, t0:t1] = k
+        self.kv[layer, 1, :, :, t0:t1] = v
+        mask = None
+        if t0 > 0:
+            if is_causal and t1 - t0 > 1:  # SDPA's is_causal aligns the mask top-left: shift it past the prefix
+                mask = torch.arange(t0, t1, device=k.device)[:, None] >= torch.arange(t1, device=k.device)[None, :]
+            is_causal = False  # (one new token sees the whole prefix)
+        return self.kv[layer, 0, :, :, :t1], self.kv[layer, 1, :, :, :t1], mask, is_causal
+
+    def advance(self, n: int):
+        self.pos += n
 
 
 class MLP(nn.Module):
@@ -47,8 +96,9 @@ class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, num_laplacian_heads: int, laplacian_mode: str,
                  fused_attn: bool):
         super().__init__()
-        self.attn = Attention(dim, num_heads, num_laplacian_heads, laplacian_mode,
-                              qkv_bias=False, proj_bias=False, qk_norm=True, fused=fused_attn)
+        self.attn = LaplacianAttention(dim, num_heads, num_laplacian_heads, laplacian_mode, qkv_bias=False,
+                                       proj_bias=False, qk_norm=True, norm_layer=RMSNorm)
+        self.attn.fused_attn = fused_attn
         self.mlp = MLP(dim)
 
     def forward(self, x, rope, kv_cache=None, layer_idx=0):

@@ -1,13 +1,13 @@
-"""The model zoo by name: `create_model("vitb_12L")`, `create_model("gpt_d20_5L")`.
+"""The model zoo by name: `create_model("vitb_12L")`, `create_model("gpt_d20_5L")`, and `features`.
 
-Names:
-    vitt_{k}L   ViT-Tiny  /16 (192 wide, 3 heads),  k = 0..3 Laplacian heads per layer
-    vits_{k}L   ViT-Small /16 (384 wide, 6 heads),  k = 0..6
-    vitb_{k}L   ViT-Base  /16 (768 wide, 12 heads), k = 0..12
-    vitl_{k}L   ViT-Large /16 (1024 wide, 24 deep, 16 heads), k = 0..16
-    gpt_d{depth}_{k}L   nanochat GPT, width 64 x depth, heads = ceil(width / 128), k = 0..heads
-                        (d20 = the paper's 561M model with 10 heads; d12 for sweeps; d2 for tests)
-The count k is per layer; a per-layer list can be passed as `num_laplacian_heads=[...]`.
+    vitt_{k}L   ViT-Tiny/16 (192 wide, 3 heads), k = 0..3 Laplacian heads in every layer
+    vits_{k}L   ViT-S/16 (384, 6 heads), vitb_{k}L ViT-B/16 (768, 12 heads), vitl_{k}L ViT-L/16 (1024, 24 deep, 16 heads)
+    gpt_d{depth}_{k}L   nanochat's GPT, 64 x depth wide, heads of 128 (d20: the paper's 561M LM, 10 heads)
+
+A model node (configs, checkpoints) names the family alone ("vitb", "gpt") and holds k in
+`num_laplacian_heads` (an int or one count per layer): the one source of k. `model_label` derives
+what runs, logs and tables call it. Importing laplace registers the ViT names with timm, so
+`timm.create_model("vitb_12L")` works too.
 """
 from __future__ import annotations
 
@@ -15,94 +15,105 @@ import fnmatch
 import inspect
 import numbers
 import re
+from functools import partial
 
+import torch
 import torch.nn as nn
+from timm.models import build_model_with_cfg, register_model
+from timm.models import vision_transformer as timm_vit
 
 from .errors import ConfigError
-from .gpt import GPT, gpt_dims
-from .vit import VisionTransformer
+from .gpt import GPT, block_indices, gpt_dims
+from .vit import vit
 
-# ViT shapes as timm / DeiT (patch 16, mlp 4x). The class token feeds the head.
+# ViT shapes as timm / DeiT (patch 16, MLP 4x).
 VIT_ARCHS = {
     "vitt": dict(embed_dim=192, depth=12, num_heads=3),
     "vits": dict(embed_dim=384, depth=12, num_heads=6),
     "vitb": dict(embed_dim=768, depth=12, num_heads=12),
     "vitl": dict(embed_dim=1024, depth=24, num_heads=16),
 }
-GPT_LISTED_DEPTHS = (2, 4, 12, 20, 26)  # listed by list_models() (4: experiment=gpt_tiny's default); any depth >= 1 is accepted
-_NAME = re.compile(r"^(?:(?P<vit>vit[tsbl])|gpt_d(?P<depth>\d+))_(?P<k>\d+)L$")
+BUILDERS = {"vit": vit, "gpt": GPT}
+# Listed by list_models() (4: experiment=gpt_tiny's; 3: the study's); `model=` takes any depth >= 1.
+GPT_LISTED_DEPTHS = (2, 3, 4, 12, 20, 26)
+# The one parser of names: a zoo name ("vitb_12L", "gpt_d20_5L") or a node's family ("vitb", "gpt").
+_NAME = re.compile(r"^(?:(?P<vit>vit[tsbl])|gpt_d(?P<depth>\d+)|(?P<gpt>gpt))(?:_(?P<k>\d+)L)?$")
 
 
 class UnknownModelError(ConfigError):
     """A model name the zoo does not know (or too many Laplacian heads for it)."""
 
 
-def _valid_names_hint() -> str:
-    ks = ", ".join(f"{a}_{{0..{c['num_heads']}}}L" for a, c in VIT_ARCHS.items())
-    return f"valid names: {ks}, gpt_d{{depth}}_{{k}}L with k <= heads (e.g. gpt_d20_{{0..10}}L)"
-
-
-def parse_name(name: str) -> tuple[str, int]:
-    """A zoo name as (family, k): "vitb_12L" -> ("vitb", 12), "gpt_d20_5L" -> ("gpt_d20", 5).
-    The only place a name is read; k is not checked against the heads here (see model_defaults)."""
-    m = _NAME.match(name)
-    if m is None:
-        raise UnknownModelError(f"unknown model {name!r}; {_valid_names_hint()}")
-    return name[:m.start("k") - 1], int(m["k"])
-
-
 def model_defaults(name: str) -> dict:
-    """The architecture arguments a name stands for: {"arch": "vit"|"gpt", **kwargs}."""
-    family, k = parse_name(name)
-    if family in VIT_ARCHS:
-        cfg = dict(arch="vit", **VIT_ARCHS[family])
+    """The constructor arguments a name stands for: {"arch": "vit" | "gpt", "name": family, ...}."""
+    m = _NAME.match(str(name))
+    if m is None or (m["depth"] and m["k"] is None):  # gpt_d20 needs its k ("gpt" alone is a family)
+        vits = ", ".join(f"{a}_{{0..{c['num_heads']}}}L" for a, c in VIT_ARCHS.items())
+        raise UnknownModelError(f"unknown model {name!r}; valid names: {vits}, "
+                                f"gpt_d{{depth}}_{{k}}L with k <= heads (e.g. gpt_d20_{{0..10}}L)")
+    if m["vit"]:
+        cfg = dict(arch="vit", name=m["vit"], **VIT_ARCHS[m["vit"]])
         heads = cfg["num_heads"]
     else:
-        depth = int(family[len("gpt_d"):])
-        if depth < 1:
-            raise UnknownModelError(f"model {name!r}: depth must be >= 1")
-        heads = gpt_dims(depth)[1]
-        cfg = dict(arch="gpt", depth=depth)
-    if k > heads:  # the range check itself is the models' (laplacian_counts); this one names the name
-        raise UnknownModelError(f"model {name!r} asks for {k} Laplacian heads but has only "
-                                f"{heads} heads per layer; use k in 0..{heads}")
-    cfg["num_laplacian_heads"] = k
+        cfg = dict(arch="gpt", name="gpt")
+        if m["depth"]:
+            cfg["depth"] = int(m["depth"])
+            if cfg["depth"] < 1:
+                raise UnknownModelError(f"model {name!r}: depth must be >= 1")
+        heads = gpt_dims(cfg.get("depth", 20))[1]
+    if m["k"] is not None:
+        cfg["num_laplacian_heads"] = k = int(m["k"])
+        if k > heads:  # the models check k too (laplacian_counts); this names the name
+            raise UnknownModelError(f"model {name!r} asks for {k} Laplacian heads but has only "
+                                    f"{heads} heads per layer; use k in 0..{heads}")
     return cfg
 
 
+def looks_like_a_name(name: str) -> bool:
+    """Whether `name` has the form of a zoo name or family (it may still ask for too many heads)."""
+    return _NAME.match(str(name)) is not None
+
+
 def model_label(node) -> str:
-    """What a model node is called in run folders, logs and results: the family of its `name`
-    with the node's own k, so `model=vitb_12L model.num_laplacian_heads=3` is "vitb_3L" (the node
-    holds the architecture; the name only chose the config it started from). Per-layer counts
-    join with "-" ("gpt_d12_0-0-6-6L") unless they are all equal; a name outside the zoo is
-    returned as it is."""
-    name = str(node["name"])
+    """A model node's name in run folders, logs and results: the family with the node's own k
+    ("vitb_3L"; the GPT's family carries its depth, "gpt_d20_5L"). Per-layer counts join with "-"
+    ("gpt_d12_0-0-6-6L") unless all equal. A node written before k moved out of the name
+    ("name: vitb_12L") is read the same way; a name outside the zoo is returned as it is."""
     try:
-        family, k = parse_name(name)
+        d = model_defaults(node["name"])
     except UnknownModelError:
-        return name
-    k = node.get("num_laplacian_heads", k)
-    if isinstance(k, numbers.Integral):
-        k = int(k)
-    else:  # a per-layer list (ListConfig or list)
+        return str(node["name"])
+    family = d["name"] if d["arch"] == "vit" else f"gpt_d{node.get('depth', d.get('depth', 20))}"
+    k = node.get("num_laplacian_heads", d.get("num_laplacian_heads", 0))
+    if not isinstance(k, numbers.Integral):  # a per-layer list (ListConfig or list)
         ks = [int(x) for x in k]
         k = ks[0] if len(set(ks)) == 1 else "-".join(map(str, ks))
     return f"{family}_{k}L"
 
 
+def upgrade_node(node: dict) -> dict:
+    """A model node as this code writes it. Until b601d55 a node's name held k ("vitb_12L",
+    "gpt_d20_5L") beside `num_laplacian_heads`; now it names the family and k is the key alone."""
+    try:
+        family = model_defaults(node["name"])["name"]
+    except UnknownModelError:  # a name outside the zoo: kept
+        return node
+    return {**node, "name": family}
+
+
 def create_model(name: str, **overrides) -> nn.Module:
-    """Build a zoo model. `overrides` replace any constructor argument (img_size, patch_size,
-    num_classes, drop_path_rate, vocab_size, num_laplacian_heads as a per-layer list, ...);
-    None values are ignored so Hydra nodes can leave a key unset."""
-    cfg = model_defaults(name)
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    cls = VisionTransformer if cfg.pop("arch") == "vit" else GPT
-    accepted = inspect.signature(cls).parameters
+    """Build a zoo model: a timm VisionTransformer (laplace.vit) or the GPT. `name` is a zoo name
+    or a node's family; `overrides` replace any constructor argument (img_size, num_classes,
+    drop_path_rate, vocab_size, num_laplacian_heads as a per-layer list, ...). None values are
+    ignored, so a Hydra node may leave a key unset."""
+    cfg = {**model_defaults(name), **{k: v for k, v in overrides.items() if v is not None}}
+    cfg.pop("name")
+    build = BUILDERS[cfg.pop("arch")]
+    accepted = inspect.signature(build).parameters
     unknown = sorted(set(cfg) - set(accepted))
     if unknown:
-        raise ConfigError(f"model {name!r} takes no argument {unknown[0]!r}; valid: "
-                          f"{', '.join(accepted)}")
-    return cls(**cfg)
+        raise ConfigError(f"model {name!r} takes no argument {unknown[0]!r}; valid: {', '.join(accepted)}")
+    return build(**cfg)
 
 
 def list_models(pattern: str = "*") -> list[str]:
@@ -110,3 +121,37 @@ def list_models(pattern: str = "*") -> list[str]:
     names = [f"{a}_{k}L" for a, c in VIT_ARCHS.items() for k in range(c["num_heads"] + 1)]
     names += [f"gpt_d{d}_{k}L" for d in GPT_LISTED_DEPTHS for k in range(gpt_dims(d)[1] + 1)]
     return [n for n in names if fnmatch.fnmatch(n, pattern)]
+
+
+def features(model: nn.Module, x: torch.Tensor, layers=None, norm: bool = True) -> dict[str, torch.Tensor]:
+    """Token representations [B, T, D] of a ViT (class token first) or a GPT, for the analyses and
+    the frozen-feature evaluations: {"blocks.i": the residual stream after block i, for i in
+    `layers` (None: all; negative: from the end), "norm": the final norm's output (what the head
+    reads)}. A ViT's are timm's forward_intermediates (any timm VisionTransformer); blocks after the
+    last one asked are skipped when `norm` is False."""
+    if not isinstance(model, timm_vit.VisionTransformer):
+        return model.forward_features(x, layers=layers, norm=norm)
+    wanted = sorted(block_indices(layers, len(model.blocks)))
+    if not wanted:
+        return {"norm": model.forward_features(x)} if norm else {}
+    out = model.forward_intermediates(x, indices=wanted, return_prefix_tokens=True, output_fmt="NLC",
+                                      stop_early=not norm, intermediates_only=not norm)
+    final, blocks = out if norm else (None, out)
+    feats = {f"blocks.{i}": torch.cat((prefix, patches), dim=1) for i, (patches, prefix) in zip(wanted, blocks)}
+    return {**feats, "norm": final} if norm else feats
+
+
+def _timm_entry(name: str):
+    """timm's entry point for a zoo ViT: timm's builder around ours (a local-dir / hf-hub export's
+    config.json and weights go through timm's own loading)."""
+    def entry(pretrained: bool = False, **kwargs):
+        return build_model_with_cfg(partial(create_model, name), name, pretrained, **kwargs)
+
+    entry.__name__ = entry.__qualname__ = name
+    return entry
+
+
+# timm's convention: an entry point is an attribute of its module, listed in its __all__.
+__all__ = ["create_model", "features", "list_models", "model_defaults", "model_label"]
+for _name in list_models("vit*"):
+    globals()[_name] = register_model(_timm_entry(_name))

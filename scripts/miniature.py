@@ -47,6 +47,7 @@ from miniature_claims import (base_paradigm, block_table, by_seed, changes_table
                               mechanism_section)
 from miniature_curves import curves, curves_markdown, plot_curves  # noqa: E402
 from miniature_runs import PROFILES, analyse_all, run_jobs, sh  # noqa: E402
+from laplace.zoo import features  # noqa: E402
 
 _VIT_COLS = [("within-image share", "geometry.within_seq_share"), ("between-class share", "geometry.between_class_share"),
              ("within var", "geometry.within_seq_var"), ("between-class var", "geometry.between_class_var"),
@@ -102,7 +103,7 @@ def stream_change(run_dirs: list[Path], n: int = 64) -> dict[str, list[float]]:
     """Per block, the mean over tokens of ||h_i - h_(i-1)|| / ||h_(i-1)|| on n validation
     sequences (h_(-1): the embedding that enters block 0), averaged over the given runs."""
     from analysis.geometry import eval_split
-    from laplace.attention import rms_norm
+    from laplace.gpt import rms_norm
     from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 
     per_run = []
@@ -112,8 +113,8 @@ def stream_change(run_dirs: list[Path], n: int = 64) -> dict[str, list[float]]:
         ds, _ = eval_split(model, ckpt["config"]["data"], seed=0, max_tokens=None)
         x = torch.utils.data.default_collate([ds[i] for i in range(min(n, len(ds)))])[0]
         with torch.no_grad():
-            h0 = model.embed(x) if hasattr(model, "embed") else rms_norm(model.wte(x))
-            feats = model.forward_features(x, norm=False)
+            h0 = model._pos_embed(model.patch_embed(x)) if hasattr(model, "patch_embed") else rms_norm(model.wte(x))
+            feats = features(model, x, norm=False)
             hs = [h0] + [feats[f"blocks.{i}"] for i in range(len(model.blocks))]
         per_run.append([float(((b - a).norm(dim=-1) / a.norm(dim=-1)).mean()) for a, b in zip(hs, hs[1:])])
     return [statistics.mean(col) for col in zip(*per_run)]

@@ -10,7 +10,6 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from laplace.config import register_model_configs
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = str(ROOT / "configs")
@@ -55,8 +54,6 @@ def make_cfg(tmp_path):
     (trainer.device is LAPLACE_TEST_DEVICE's when that is set)."""
 
     def _make(*overrides, run_dir=None):
-        models = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
-        register_model_configs(models)
         dev = [f"trainer.device={TEST_DEVICE}"] if TEST_DEVICE != "cpu" else []
         with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
             cfg = compose("config", overrides=[f"paths.runs_dir={tmp_path / 'runs'}", *dev, *overrides])
@@ -84,7 +81,6 @@ def train_tiny_vit(tmp: Path, name: str = "vitt_1L") -> Path:
     """A 2-step tiny ViT (TINY_VIT: 2 blocks, width 48) trained on digits in-process; its last.pt."""
     from train import run as train_run
 
-    register_model_configs([name])
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=[f"model={name}", *TINY_VIT, "trainer.max_steps=2",
                                            f"paths.runs_dir={tmp / 'runs'}"])

@@ -58,8 +58,7 @@ def main(out: str, runs: str):
     from omegaconf import open_dict
 
     from laplace import dist
-    from laplace.config import register_model_configs
-    from train import run
+        from train import run
 
     real_init, real_new_group = tdist.init_process_group, tdist.new_group
 
@@ -89,7 +88,6 @@ def main(out: str, runs: str):
         mock.patch.object(dist, "cleanup", lambda: None).start()  # the group stays for the next run
         for line in runs.splitlines():
             RUN[0], entry, *overrides = line.split()  # label, config name (config | segmentation), overrides
-            register_model_configs([o.split("=", 1)[1] for o in overrides if o.startswith("model=")])
             with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"),
                                        version_base="1.3"):
                 cfg = compose(entry, overrides=overrides)

@@ -37,14 +37,12 @@ def main(out: str, runs: str):
     from omegaconf import open_dict
 
     from laplace import dist
-    from laplace.config import register_model_configs
-    from train import check_engine_config, get_trainer
+        from train import check_engine_config, get_trainer
 
     results = {}
     with mock.patch.object(dist, "cleanup", lambda: None):  # the group stays for the next run
         for line in runs.splitlines():
             label, entry, *overrides = line.split()
-            register_model_configs([o.split("=", 1)[1] for o in overrides if o.startswith("model=")])
             with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
                 cfg = compose(entry, overrides=overrides)
             with open_dict(cfg):

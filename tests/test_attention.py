@@ -1,23 +1,23 @@
 """Tests of `laplace.attention`: the Laplacian head V - P V against ground truths.
 
-    .venv/bin/python -m pytest tests/test_attention.py
-
 The fused (SDPA) path is checked against the reference path that forms P explicitly, forward
 and gradients, in float64 so tolerances can be tight; the reference path is in turn checked
-against attention written out by hand and against a closed form (uniform P gives V minus the
-running mean of V). The KV cache must reproduce the full causal forward token by token.
+against attention written out by hand, against explicit (I - P) V inside any timm ViT, and against
+a closed form (uniform P gives V minus the running mean of V). The KV cache must reproduce the
+full causal forward token by token.
 """
 import math
 from functools import partial
 
 import pytest
+import timm
 import torch
 import torch.nn as nn
 
-from laplace.attention import Attention, KVCache
-from laplace.merged_projection import laplacian, merge
-from laplace.gpt import GPT
-from laplace.vit import VisionTransformer
+import laplace
+from laplace.attention import LaplacianAttention, RMSNorm
+from laplace.gpt import GPT, KVCache
+from laplace.vit import vit
 from conftest import randomize_
 
 DIM, HEADS = 32, 4
@@ -28,8 +28,15 @@ HEAD_DIM = DIM // HEADS
 CONFIGS = {
     "vit": dict(qkv_bias=True, proj_bias=True, qk_norm=False),
     "vit_qk": dict(qkv_bias=True, proj_bias=True, qk_norm=True, norm_layer=partial(nn.LayerNorm, eps=1e-6)),
-    "gpt": dict(qkv_bias=False, proj_bias=False, qk_norm=True),
+    "gpt": dict(qkv_bias=False, proj_bias=False, qk_norm=True, norm_layer=RMSNorm),
 }
+
+
+def Attention(dim, heads, k=0, mode="fixed", fused=True, **kwargs):
+    """A LaplacianAttention with k and the fused / reference path chosen (timm's `fused_attn`)."""
+    attn = LaplacianAttention(dim, heads, num_laplacian_heads=k, laplacian_mode=mode, **kwargs)
+    attn.fused_attn = fused
+    return attn
 
 
 def rope_table(start: int, n: int, head_dim: int = HEAD_DIM, dtype=torch.float64):
@@ -192,7 +199,7 @@ def test_kv_cache_matches_full_causal_forward(fused, k, mode):
         t += n
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="overflow"):
-        cache.update(0, torch.zeros(B, HEADS, 1, HEAD_DIM), torch.zeros(B, HEADS, 1, HEAD_DIM))
+        cache.attend(0, torch.zeros(B, HEADS, 1, HEAD_DIM), torch.zeros(B, HEADS, 1, HEAD_DIM), True)
 
 
 def test_bad_arguments_raise_clear_errors():
@@ -201,16 +208,18 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match=r"num_laplacian_heads=-1 is outside"):
         Attention(DIM, HEADS, -1)
     with pytest.raises(ValueError, match="laplacian_mode='bogus'"):
-        Attention(DIM, HEADS, 1, laplacian_mode="bogus")
-    with pytest.raises(ValueError, match="not divisible"):
+        Attention(DIM, HEADS, 1, "bogus")
+    with pytest.raises(AssertionError, match="divisible"):  # timm's check
         Attention(30, HEADS)
-    vit = dict(img_size=16, patch_size=8, embed_dim=DIM, depth=3, num_heads=HEADS)
+    shape = dict(img_size=16, patch_size=8, embed_dim=DIM, depth=3, num_heads=HEADS)
     with pytest.raises(ValueError, match="2 entries but the model has 3 layers"):
-        VisionTransformer(num_laplacian_heads=[1, 2], **vit)
+        vit(num_laplacian_heads=[1, 2], **shape)
     with pytest.raises(ValueError, match=r"num_laplacian_heads=5 in layer 1 is outside 0\.\.4"):
-        VisionTransformer(num_laplacian_heads=[0, 5, 1], **vit)
+        vit(num_laplacian_heads=[0, 5, 1], **shape)
     with pytest.raises(ValueError, match="laplacian_mode"):
-        VisionTransformer(laplacian_mode="sometimes", **vit)
+        vit(laplacian_mode="sometimes", **shape)
+    with pytest.raises(ValueError, match="laplacian_mode"):
+        laplace.attn_layer(1, "sometimes")
     with pytest.raises(ValueError, match="4 entries but the model has 2 layers"):
         GPT(vocab_size=16, depth=2, width=DIM, num_heads=HEADS, num_laplacian_heads=[0, 1, 2, 3])
     with pytest.raises(ValueError, match=r"num_laplacian_heads=-1 is outside 0\.\.4"):
@@ -219,7 +228,7 @@ def test_bad_arguments_raise_clear_errors():
 
 def _tiny_vit(counts, fused, mode="fixed"):
     torch.manual_seed(0)
-    return VisionTransformer(img_size=16, patch_size=4, embed_dim=DIM, depth=len(counts),
+    return vit(img_size=16, patch_size=4, embed_dim=DIM, depth=len(counts),
                              num_heads=HEADS, num_classes=5, num_laplacian_heads=counts,
                              laplacian_mode=mode, fused_attn=fused)
 
@@ -301,80 +310,76 @@ def test_laplacian_heads_add_no_parameters():
         assert (a * (1 - a)).min() > 0.19  # sigmoid's slope: 0.018 at the old start +-4
 
 
-# ---- save_memory: the heads merged and projected by laplace.merged_projection ----------------
+def _saved_bytes(fn) -> int:
+    """Bytes autograd keeps for backward of fn(), each storage counted once, parameters left out."""
+    seen, total = set(), 0
 
-def _saved_bytes(module, fn) -> int:
-    """Bytes autograd keeps for backward of fn() (storages counted once, parameters left out)."""
-    from bench.timing import SavedBytes
+    def pack(t):
+        nonlocal total
+        if not isinstance(t, nn.Parameter) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+        return t
 
-    with SavedBytes(module) as saved:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn().sum()
-    return saved.bytes
-
-
-def _plain_autograd(m: Attention, x):
-    """The fused ViT path with the merge and projection in plain autograd (the old code)."""
-    B, N, C = x.shape
-    q, k, v = m.qkv(x).view(B, N, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
-    o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return m.proj(merge(laplacian(o, v, m.num_laplacian_heads)))
-
-
-@pytest.mark.parametrize("config", ["vit", "gpt"])
-@pytest.mark.parametrize("k", [0, 1, HEADS])
-def test_save_memory_gives_plain_autograds_values_bit_for_bit(config, k):
-    """save_memory=False is plain autograd; the flag changes what is saved, not one value."""
-    rope = rope_table(0, 9) if config == "gpt" else None
-    results = []
-    for save in (True, False):
-        torch.manual_seed(0)
-        m = Attention(DIM, HEADS, k, **CONFIGS[config], save_memory=save).double()
-        x = torch.randn(2, 9, DIM, dtype=torch.float64, requires_grad=True)
-        out = m(x, is_causal=config == "gpt", rope=rope)
-        out.square().sum().backward()
-        results.append([out, x.grad, *[p.grad for p in m.parameters()]])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    return total
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", ["vit", "gpt"])
 def test_laplacian_heads_keep_no_extra_activation(config, device):
-    """A Laplacian head must not make autograd keep more than k = 0 does (plain autograd kept
-    the merged heads: +20% of a ViT attention layer's saved bytes, +5% of a training step)."""
+    """A Laplacian head makes autograd keep nothing more than k = 0 does: the subtraction and the
+    concatenation save no tensor, so the merged heads the projection keeps are the only copy."""
     x = torch.randn(2, 17, DIM, device=device)
     rope = tuple(t.to(device) for t in rope_table(0, 17, dtype=torch.float32)) if config == "gpt" else None
     sizes = {}
     for k in (0, 1, HEADS):
         torch.manual_seed(0)
         m = Attention(DIM, HEADS, k, **CONFIGS[config]).to(device)
-        sizes[k] = _saved_bytes(m, lambda: m(x, rope=rope))
-    assert sizes[1] <= sizes[0] and sizes[HEADS] <= sizes[0], sizes
-    if config == "vit":  # the old plain-autograd merge did keep more: the test can tell
-        m = Attention(DIM, HEADS, HEADS, **CONFIGS[config]).to(device)
-        assert _saved_bytes(m, lambda: _plain_autograd(m, x)) > sizes[0]
+        sizes[k] = _saved_bytes(lambda: m(x, rope=rope))
+    assert sizes[0] == sizes[1] == sizes[HEADS], sizes
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("k", [1, HEADS])
-def test_laplacian_projection_under_bf16_autocast_matches_plain_autograd(k, device):
-    """Same dtypes and values as F.linear under autocast (a bf16 output, fp32 gradients of the
-    fp32 weights), within bf16 rounding."""
+def explicit_attention(attn: LaplacianAttention, x: torch.Tensor) -> torch.Tensor:
+    """The layer written out with I - P as a matrix: head h outputs (I - P_h) V_h if it is one of
+    the last k, else P_h V_h; the heads are concatenated and projected."""
+    B, N, C = x.shape
+    q, k, v = attn.qkv(x).view(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    P = ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).softmax(-1)  # [B, H, N, N]
+    eye = torch.eye(N, dtype=x.dtype)
+    lap = (torch.arange(attn.num_heads) >= attn.num_heads - attn.num_laplacian_heads).view(1, -1, 1, 1)
+    heads = torch.where(lap, (eye - P) @ v, P @ v)
+    return attn.proj(heads.transpose(1, 2).reshape(B, N, C))
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch16_224", "deit3_small_patch16_224"])
+def test_attn_layer_gives_any_timm_vit_explicit_laplacian_heads(name):
+    """laplace.attn_layer(k) in timm's own models: every layer's output is explicit (I - P) V on
+    its last k heads, P V on the others; set_laplacian_heads gives per-layer counts."""
     torch.manual_seed(0)
-    m = Attention(DIM, HEADS, k, **CONFIGS["vit"]).to(device)
-    x = torch.randn(2, 9, DIM, device=device)
-    w = torch.randn(2, 9, DIM, device=device)
-    results = []
-    for forward in (m, lambda xi: _plain_autograd(m, xi)):
-        m.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_(True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = forward(xi)
-        (out.float() * w).sum().backward()
-        results.append((out, xi.grad, m.proj.weight.grad, m.proj.bias.grad, m.qkv.weight.grad))
-    for a, b in zip(*results):
-        assert a.dtype == b.dtype
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
-    assert results[0][0].dtype == torch.bfloat16 and results[0][2].dtype == torch.float32
+    model = timm.create_model(name, pretrained=False, depth=3, img_size=32, patch_size=8, num_classes=4,
+                              attn_layer=laplace.attn_layer(3)).double().eval()
+    assert [blk.attn.num_laplacian_heads for blk in model.blocks] == [3, 3, 3]
+    laplace.set_laplacian_heads(model, [0, 6, 2])
+    seen = []
+    hooks = [blk.attn.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out))) for blk in model.blocks]
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    for h in hooks:
+        h.remove()
+    assert [m.num_laplacian_heads for m, _, _ in seen] == [0, 6, 2]
+    for m, x, out in seen:
+        torch.testing.assert_close(out, explicit_attention(m, x), rtol=1e-10, atol=1e-12)
+
+
+def test_zoo_vits_are_timms_and_registered_with_timm():
+    model = laplace.create_model("vitt_3L", depth=2, img_size=32, patch_size=8, num_classes=4)
+    assert isinstance(model, timm.models.vision_transformer.VisionTransformer)
+    assert model.num_laplacian_heads == [3, 3]
+    same = timm.create_model("vitt_3L", depth=2, img_size=32, patch_size=8, num_classes=4)
+    assert same.state_dict().keys() == model.state_dict().keys() and same.num_laplacian_heads == [3, 3]
 
 
 # The paper's attention shapes: ViT-S/16 at 224 px (6 heads of 64, 197 tokens, 5 Laplacian) and
@@ -410,7 +415,7 @@ def test_flash_kernel_runs_the_layer(config, device):
 
 @pytest.mark.slow
 def test_compiled_attention_matches_eager():
-    """torch.compile traces merged_projection: outputs and gradients as in eager mode."""
+    """torch.compile traces the Laplacian step: outputs and gradients as in eager mode."""
     torch.manual_seed(0)
     eager = Attention(DIM, HEADS, 2, **CONFIGS["vit"])
     compiled = Attention(DIM, HEADS, 2, **CONFIGS["vit"])

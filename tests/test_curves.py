@@ -16,13 +16,11 @@ from omegaconf import open_dict
 
 from analysis.curves import band_of, run
 from conftest import CONFIGS, ROOT, TINY_VIT
-from laplace.config import register_model_configs
 from train import run as train_run
 from train.logger import MetricsLogger
 
 
 def _train(model: str, seed: int, tmp) -> str:
-    register_model_configs([model])
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=[f"model={model}", *TINY_VIT, "trainer.max_steps=4", "trainer.eval_every=2",
                                            f"seed={seed}", f"paths.runs_dir={tmp / 'runs'}"])

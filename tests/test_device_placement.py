@@ -19,7 +19,6 @@ from omegaconf import open_dict
 
 from conftest import CONFIGS, ROOT
 from fakedevice import fake_cuda
-from laplace.config import register_model_configs
 from train import run
 
 VIT = ["model.depth=1", "model.embed_dim=48", "trainer.num_workers=0", "trainer.progress=false",
@@ -193,7 +192,6 @@ def _cli(module: str, *args: str):
 def vit_ckpt(tmp_path_factory):
     """A tiny ViT trained a step on digits, on the stand-in device (the supervised trainer)."""
     tmp = tmp_path_factory.mktemp("vit")
-    register_model_configs(["vitt_3L"])
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=["model=vitt_3L", *VIT, "model.depth=2", "trainer.global_batch_size=8",
                                            f"paths.runs_dir={tmp / 'runs'}"])

@@ -66,8 +66,12 @@ def test_configs_found_without_a_checkout_beside_the_code(tmp_path):
     assert job.returncode == 0 and re.search(r"^\s+name: knn$", job.stdout, re.M), job.stdout[-2000:] + job.stderr
 
 
-def test_train_registers_model_nodes_before_hydra_composes(tmp_path):
-    """model=<any zoo name> composes (register_model_configs ran first): here a depth no YAML has."""
-    p = _run(["train.py", "model=gpt_d3_1L", "--cfg", "job", "--package", "model"], ROOT, PYTHONPATH=str(ROOT))
-    assert p.returncode == 0 and "name: gpt_d3_1L" in p.stdout and "depth: 3" in p.stdout, p.stderr[-2000:]
-    assert Path(ROOT / "train.py").read_text().count("register_model_configs") == 0  # the decorator does it
+def test_any_zoo_name_composes_from_the_zoo_config_source(tmp_path):
+    """model=<any zoo name> composes (hydra_plugins/laplace_zoo.py): here a depth no list holds; an
+    unknown name is the zoo's one-line error, not Hydra's list of options."""
+    p = _run(["train.py", "model=gpt_d37_1L", "--cfg", "job", "--package", "model"], ROOT, PYTHONPATH=str(ROOT))
+    assert p.returncode == 0 and "name: gpt" in p.stdout and "depth: 37" in p.stdout, p.stderr[-2000:]
+    assert "num_laplacian_heads: 1" in p.stdout
+    bad = _run(["train.py", "model=vitb_13L"], ROOT, PYTHONPATH=str(ROOT))
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[0] == (
+        "error: model 'vitb_13L' asks for 13 Laplacian heads but has only 12 heads per layer; use k in 0..12")

@@ -14,7 +14,6 @@ from omegaconf import open_dict
 from eval.generate import generate
 from laplace.chat_format import render_for_completion
 from laplace.checkpoint import load_model
-from laplace.config import register_model_configs
 from laplace.errors import ConfigError
 from laplace.sampling import IncrementalDecoder, sample_texts, stream_tokens
 from laplace.tokenizer import load_tokenizer
@@ -25,7 +24,6 @@ TINY = ["experiment=gpt_pydoc", "model=gpt_d2_0L", "trainer.max_steps=2", "train
 
 
 def _train(tmp, name, *overrides) -> str:
-    register_model_configs(["gpt_d2_0L"])
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=[*TINY, *overrides, f"paths.runs_dir={tmp / 'runs'}"])
     with open_dict(cfg):

@@ -21,7 +21,7 @@ from eval.knn import knn_classify
 from eval.linear import accuracy, evaluate_linear, linear_probe
 from laplace import create_model
 from laplace.checkpoint import backbone_node, load_backbone, results_header, save_checkpoint
-from laplace.config import model_node, register_model_configs
+from laplace.config import model_node
 
 NODE = dict(model_node("vitt_0L"), depth=3, embed_dim=48, num_heads=3, img_size=16, patch_size=8, num_classes=10)
 
@@ -220,7 +220,6 @@ def test_timm_weights_through_the_model_group(tmp_path):
 
     node = dict(model_node("vitt_0L"), depth=1, img_size=32, patch_size=8, num_classes=10)
     torch.save(randomize_(create_model(**node)).state_dict(), tmp_path / "w.pth")
-    register_model_configs(["vitt_0L"])
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("knn", overrides=[f"checkpoint={tmp_path / 'w.pth'}", "model=vitt_0L", "model.depth=1",
                                         "device=cpu", "num_workers=0", "ks=[5]", "k=5", "cache=false",

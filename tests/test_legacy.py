@@ -24,7 +24,7 @@ def test_vit_checkpoint_and_export_give_the_same_logits():
     assert vit.num_laplacian_heads == [1, 3]
     _close(vit(EXPECTED["img"]), "vit_logits")
     _close(vit(EXPECTED["img16"]), "vit_logits16")  # position embeddings resampled to 2 x 2
-    feats = vit.forward_features(EXPECTED["img"])
+    feats = laplace.features(vit, EXPECTED["img"])
     _close(feats["blocks.0"], "vit_blocks.0")
     _close(feats["norm"], "vit_norm")
     _close(laplace.load_model(LEGACY / "export_vit")(EXPECTED["img"]), "vit_export_logits")

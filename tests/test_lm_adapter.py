@@ -27,8 +27,7 @@ def ckpt(tmp_path_factory):
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from laplace.config import register_model_configs
-    from laplace.data.prepare import prepare
+        from laplace.data.prepare import prepare
     from train import run
 
     root = tmp_path_factory.mktemp("lm_adapter")
@@ -36,7 +35,6 @@ def ckpt(tmp_path_factory):
         prep = compose("prepare", overrides=["source=pydoc", "vocab_size=512", f"out={root / 'data'}",
                                              "progress=false"])
     prepare(prep)
-    register_model_configs(["gpt_d2_1L"])
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=[
             f"paths.runs_dir={root / 'runs'}", "experiment=gpt_tiny", "model=gpt_d2_1L",

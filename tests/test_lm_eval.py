@@ -38,15 +38,13 @@ def ckpt(tmp_path_factory) -> Path:
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from laplace.config import register_model_configs
-    from laplace.data.prepare import prepare
+        from laplace.data.prepare import prepare
     from train import run
 
     base = tmp_path_factory.mktemp("lm_ckpt")
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         pcfg = compose("prepare", overrides=["source=pydoc", "vocab_size=512", f"out={base / 'data'}", "progress=false"])
     prepare(pcfg)
-    register_model_configs(["gpt_d2_1L"])
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=[
             f"paths.runs_dir={base / 'runs'}", "experiment=gpt_tiny", "model=gpt_d2_1L", f"data.root={base / 'data'}",

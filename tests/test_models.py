@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import laplace
-from laplace.attention import rms_norm
+from laplace.gpt import rms_norm
 from laplace.config import model_node
 from laplace.errors import ConfigError
 from laplace.gpt import GPT, gpt_dims
@@ -49,7 +49,7 @@ def _compare_with_timm(ours_name: str, timm_name: str):
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         ref, out = theirs(x), ours(x)
-        ref_tokens, our_tokens = theirs.forward_features(x), ours.forward_features(x, layers=[])
+        ref_tokens, our_tokens = theirs.forward_features(x), laplace.features(ours, x, layers=[])
     assert out.shape == (2, 1000)
     assert ref.std() > 0.1  # the perturbed weights give non-degenerate logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -312,10 +312,18 @@ def test_small_gpt_names_build_and_run(name):
     assert math.isclose(loss.item(), math.log(50), rel_tol=1e-5)
 
 
-def test_model_defaults():
-    assert laplace.model_defaults("vitb_12L") == dict(arch="vit", embed_dim=768, depth=12,
+def test_model_defaults_and_the_node_hold_k_once():
+    assert laplace.model_defaults("vitb_12L") == dict(arch="vit", name="vitb", embed_dim=768, depth=12,
                                                       num_heads=12, num_laplacian_heads=12)
-    assert laplace.model_defaults("gpt_d26_13L") == dict(arch="gpt", depth=26, num_laplacian_heads=13)
+    assert laplace.model_defaults("gpt_d26_13L") == dict(arch="gpt", name="gpt", depth=26, num_laplacian_heads=13)
+    # A node names the family; k and (for the GPT) the depth are its keys, the label follows them.
+    node = model_node("gpt_d12_6L")
+    assert (node["name"], node["depth"], node["num_laplacian_heads"]) == ("gpt", 12, 6)
+    assert laplace.model_label({**node, "num_laplacian_heads": [0] * 6 + [6] * 6}) == "gpt_d12_0-0-0-0-0-0-6-6-6-6-6-6L"
+    assert laplace.model_label({**model_node("vitb_12L"), "num_laplacian_heads": 3}) == "vitb_3L"
+    assert laplace.model_label({"name": "vitb_12L", "num_laplacian_heads": 3}) == "vitb_3L"  # a node of b601d55
+    assert laplace.model_defaults("vitb") == dict(arch="vit", name="vitb", embed_dim=768, depth=12, num_heads=12)
+    assert laplace.create_model("gpt", depth=2, num_laplacian_heads=1, vocab_size=8).num_laplacian_heads == [1, 1]
 
 
 def _one_line_error(exc_info) -> str:
@@ -343,24 +351,24 @@ def test_bad_names_give_one_line_errors():
     assert "bogus_arg" in _one_line_error(e)
 
 
-# -------------------------------------------------------------------------- forward_features
+# -------------------------------------------------------------------------- laplace.features
 
-def test_vit_forward_features():
+def test_vit_features_are_timms_intermediates():
     model = randomize_(laplace.create_model("vitt_2L", img_size=32, patch_size=8,
                                             num_classes=5)).eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        feats = model.forward_features(x)
+        feats = laplace.features(model, x)
         assert feats.keys() == {f"blocks.{i}" for i in range(12)} | {"norm"}
         assert feats["norm"].shape == (2, 1 + 16, 192)
         torch.testing.assert_close(model.norm(feats["blocks.11"]), feats["norm"])
         torch.testing.assert_close(model.head(feats["norm"][:, 0]), model(x))  # class token
-        last = model.forward_features(x, layers=[-1])
+        last = laplace.features(model, x, layers=[-1])
         assert last.keys() == {"blocks.11", "norm"}
         torch.testing.assert_close(last["blocks.11"], feats["blocks.11"])
-        only = model.forward_features(x, layers=[-1], norm=False)
+        only = laplace.features(model, x, layers=[-1], norm=False)
         assert only.keys() == {"blocks.11"}
-        early = model.forward_features(x, layers=[2], norm=False)
+        early = laplace.features(model, x, layers=[2], norm=False)
         assert early.keys() == {"blocks.2"}
         torch.testing.assert_close(early["blocks.2"], feats["blocks.2"])
 
@@ -371,7 +379,7 @@ def test_vit_mean_pooled_head_reads_the_mean_of_the_final_norm_patch_tokens():
                                  global_pool="avg").eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        norm = model.forward_features(x)["norm"]
+        norm = laplace.features(model, x)["norm"]
         torch.testing.assert_close(model(x), model.head(norm[:, 1:].mean(1)))  # the class token left out
         assert not torch.allclose(model(x), model.head(norm[:, 0]))
     with pytest.raises(ConfigError, match="global_pool='max': choose token or avg"):
@@ -379,17 +387,17 @@ def test_vit_mean_pooled_head_reads_the_mean_of_the_final_norm_patch_tokens():
     assert model_node("vitt_3L")["global_pool"] == "token"  # stated, so an override has a key
 
 
-def test_gpt_forward_features():
+def test_gpt_features():
     model = small_gpt("gpt_d2_0L", num_heads=4, num_laplacian_heads=[1, 3])
     idx = torch.randint(0, 32, (2, 10))
     with torch.no_grad():
-        feats = model.forward_features(idx)
+        feats = laplace.features(model, idx)
         assert feats.keys() == {"blocks.0", "blocks.1", "norm"}
         torch.testing.assert_close(rms_norm(feats["blocks.1"]), feats["norm"])
         torch.testing.assert_close(model.logits(feats["norm"]), model(idx))
-        last = model.forward_features(idx, layers=[-1])
+        last = laplace.features(model, idx, layers=[-1])
         assert last.keys() == {"blocks.1", "norm"}
-        assert model.forward_features(idx, layers=[-1], norm=False).keys() == {"blocks.1"}
+        assert laplace.features(model, idx, layers=[-1], norm=False).keys() == {"blocks.1"}
 
 
 def test_meta_built_gpt_initialises_learned_gates_and_laplacian_heads():
@@ -404,11 +412,11 @@ def test_meta_built_gpt_initialises_learned_gates_and_laplacian_heads():
         torch.testing.assert_close(a, torch.sigmoid(2 * expected - 1) if mode == "learned" else expected)
 
 
-def test_forward_features_rejects_out_of_range_layers():
+def test_features_reject_out_of_range_layers():
     model = laplace.create_model("vitt_0L", img_size=32, patch_size=16, num_classes=3)
     with pytest.raises(IndexError, match="outside the 12 blocks"):
-        model.forward_features(torch.randn(1, 3, 32, 32), layers=[30])
-    assert set(model.forward_features(torch.randn(1, 3, 32, 32), layers=[-12], norm=False)) == {"blocks.0"}
+        laplace.features(model, torch.randn(1, 3, 32, 32), layers=[30])
+    assert set(laplace.features(model, torch.randn(1, 3, 32, 32), layers=[-12], norm=False)) == {"blocks.0"}
 
 
 def test_numpy_int_laplacian_count_is_accepted():

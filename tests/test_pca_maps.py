@@ -25,7 +25,6 @@ from analysis.pca_maps import (
     grid_figure,
     pca_rgb,
 )
-from laplace.config import register_model_configs
 from laplace.errors import ConfigError
 from train import run as train_run
 
@@ -114,7 +113,6 @@ def test_grid_cells_and_full_resolution_files(tmp_path):
 
 
 def _train(model: str, tmp) -> str:
-    register_model_configs([model])
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=[f"model={model}", *TINY_VIT, "model.depth=1", "trainer.max_steps=2",
                                            f"paths.runs_dir={tmp / 'runs'}"])

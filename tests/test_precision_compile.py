@@ -25,7 +25,6 @@ from torch._dynamo.utils import counters
 
 from conftest import ROOT
 from laplace import create_model
-from laplace.config import register_model_configs
 from train import run
 from train.logger import read_metrics
 
@@ -87,7 +86,6 @@ def sft_init(data, tmp_path_factory):
     from conftest import CONFIGS
     from omegaconf import open_dict
 
-    register_model_configs(["gpt_d4_0L", "gpt_d2_1L"])
     out = tmp_path_factory.mktemp("pc_pre")
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("config", overrides=[f"paths.runs_dir={out / 'runs'}", "experiment=gpt_tiny", *GPT,

@@ -10,7 +10,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from laplace.config import register_model_configs
 from laplace.errors import ConfigError
 from train.optim import KEYS, Schedule, build_schedules, schedule_node
 
@@ -19,9 +18,6 @@ EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
 
 
 def _compose(name="config", overrides=()):
-    # The experiments' default models (gpt_d4_0L is outside the zoo list).
-    register_model_configs(re.findall(r"override /model: (\S+)", "".join(
-        p.read_text() for p in (CONFIGS / "experiment").glob("*.yaml"))))
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(name, overrides=list(overrides))
 

@@ -24,7 +24,6 @@ from analysis.geometry import analyze_checkpoint
 from conftest import CONFIGS, ROOT, TINY_VIT
 from laplace.errors import ConfigError
 from laplace.io import write_json
-from laplace.config import register_model_configs
 from train import run as train_run
 
 TINY_GPT = ["experiment=gpt_pydoc", "model=gpt_d2_1L", "data.seq_len=32", "trainer.global_batch_size=8",
@@ -35,7 +34,6 @@ VIT_FAMILY = "vitt_d2_w48"  # TINY_VIT overrides depth and width: its own family
 
 
 def _compose(*overrides, run_dir, config="config"):
-    register_model_configs([o.split("=", 1)[1] for o in overrides if o.startswith("model=")])
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose(config, overrides=list(overrides))
     with open_dict(cfg):

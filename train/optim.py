@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from timm.optim import create_optimizer_v2
 
-from laplace.attention import Attention
+from laplace.attention import LaplacianAttention
 from laplace.errors import ConfigError
 
 SHAPES = ("cosine", "linear", "constant")
@@ -312,7 +312,7 @@ def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optim
         raise ConfigError(f"optim.name={cfg.name}: Muon + AdamW routes a GPT's parameters (blocks, wte, "
                           f"lm_head); this model is a {type(model).__name__}: use optim=adamw")
     in_blocks = {id(p) for p in blocks.parameters()}
-    qkv = [m.qkv.weight for m in blocks.modules() if isinstance(m, Attention)]
+    qkv = [m.qkv.weight for m in blocks.modules() if isinstance(m, LaplacianAttention)]
     matrices = [p for p in blocks.parameters() if p.ndim == 2 and id(p) not in {id(q) for q in qkv}]
     scalars = [p for p in model.parameters()
                if id(p) not in {id(q) for q in matrices + qkv} and p is not model.wte.weight

@@ -35,7 +35,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from laplace.config import register_model_configs
 from laplace.errors import ConfigError, cli_errors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +46,6 @@ ROW_KEYS = {"name", "ours", "ours_is", "held_by", "ref", "src", "note", "deliber
 
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
     """The config `python train.py <overrides>` (or another entry config) would run with."""
-    register_model_configs(extra=[o.split("=", 1)[1] for o in overrides if o.startswith("model=")])
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name=config_name, overrides=list(overrides))
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from laplace.checkpoint import CheckpointError, load_checkpoint, resume_candidates
 from laplace.config import flatten
 from laplace.rundir import EXECUTION_KEYS
+from laplace.zoo import upgrade_node
 
 # Resume does not compare these either: they only act on a fresh run.
 _FRESH_ONLY_KEYS = ("trainer.init_from", "trainer.init_head")
@@ -78,7 +79,10 @@ def check_resumable(path: Path, ckpt: dict, config: dict, data_identity: dict | 
         raise CheckpointError(f"{path} keeps trainer state ({', '.join(ckpt['trainer'])}) outside the model "
                               f"(laplace before 2026-12-01): load_model still reads it, but resume it with "
                               f"revision {rev} or start a new run_dir")
-    diffs = config_differences(ckpt.get("config") or {}, config)
+    saved = dict(ckpt.get("config") or {})
+    if isinstance(saved.get("model"), dict):  # a node of b601d55 or before named the model with its k
+        saved["model"] = upgrade_node(saved["model"])
+    diffs = config_differences(saved, config)
     if diffs and not force:
         more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
         raise CheckpointError(f"{path} belongs to another configuration ({'; '.join(diffs[:3])}{more}); "

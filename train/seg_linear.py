@@ -20,6 +20,7 @@ from laplace.checkpoint import load_backbone
 from laplace.data.ade20k import IGNORE
 from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
+from laplace.zoo import features
 
 from .engine import Trainer
 from .logger import progress_bar
@@ -70,7 +71,7 @@ class FrozenBackboneSeg(nn.Module):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            feats = self.backbone.forward_features(x, layers=self.layers, norm=False)
+            feats = features(self.backbone, x, layers=self.layers, norm=False)
             gh, gw = self.backbone.patch_embed.grid_size
             out = []
             for i in self.layers:

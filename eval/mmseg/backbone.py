@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from mmengine.model import BaseModule
 from mmseg.registry import MODELS
 
-from laplace.attention import block_indices
+from laplace.gpt import block_indices
 from laplace.checkpoint import CheckpointError, load_checkpoint
 from laplace.vit import VisionTransformer, load_timm_state_dict
 from laplace.zoo import create_model
@@ -111,9 +111,9 @@ class LaplaceViT(BaseModule):
         gh, gw = vit.patch_embed.grid_size
         if h <= gh and w <= gw:
             x = F.pad(x, (0, gw * p - W, 0, gh * p - H))
-            return vit.embed(x), gw, (h, w)  # at the model's size
+            return vit._pos_embed(vit.patch_embed(x)), gw, (h, w)  # at the model's size
         # Larger: the ViT resamples its position embedding to the grid (plain bicubic).
-        return vit.embed(F.pad(x, (0, w * p - W, 0, h * p - H))), w, (h, w)
+        return vit._pos_embed(vit.patch_embed(F.pad(x, (0, w * p - W, 0, h * p - H)))), w, (h, w)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
