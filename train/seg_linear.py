@@ -5,7 +5,7 @@ size, and `build_model` rebuilds the backbone there (position embedding resample
 it. Its patch tokens after the final norm (of the last block, or of the last `trainer.layers`
 concatenated: DINOv2's "+ms"; `trainer.cls_token` also appends the class token to each patch)
 feed a batch norm + 1x1 convolution whose logits are bilinearly upsampled to the image.
-Validation: sliding windows (`slide_inference`), mIoU / aAcc / mAcc (train/seg_metrics.py). The
+Validation: sliding windows (`slide_inference`), mIoU / aAcc / mAcc (`seg_scores`, torchmetrics). The
 checkpoint it writes exports the backbone; the head is its `train_model`.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassConfusionMatrix, MulticlassJaccardIndex
 
 from laplace.checkpoint import load_backbone
 from laplace.data.ade20k import IGNORE
@@ -23,7 +25,6 @@ from laplace.vit import VisionTransformer
 
 from .engine import Trainer
 from .logger import progress_bar
-from .seg_metrics import SegMetric
 
 
 class LinearSegHead(nn.Module):
@@ -117,6 +118,27 @@ def slide_inference(model: nn.Module, img: torch.Tensor, num_classes: int, windo
     return logits / count
 
 
+def seg_metric(num_classes: int) -> MetricCollection:
+    """The pixel counts of mmseg's IoUMetric, accumulated by torchmetrics (on the predictions'
+    device, summed over ranks at `compute`): update(pred, label) with class-index tensors."""
+    return MetricCollection({
+        # Per-class IoU; a class neither labelled nor predicted is NaN (zero_division), as in mmseg.
+        "IoU": MulticlassJaccardIndex(num_classes, average="none", ignore_index=IGNORE, zero_division=math.nan),
+        # The same confusion matrix (one state: torchmetrics' compute group), for the accuracies.
+        "confmat": MulticlassConfusionMatrix(num_classes, ignore_index=IGNORE)})
+
+
+def seg_scores(metric: MetricCollection) -> dict:
+    """mIoU, aAcc, mAcc and the per-class IoU / Acc, in %, as mmseg's IoUMetric reports them."""
+    out = metric.compute()
+    iou, conf = out["IoU"].double().cpu(), out["confmat"].double().cpu()
+    # Accuracy by hand: torchmetrics' macro recall counts a class that is predicted but never
+    # labelled as 0, where mmseg leaves it out (0 / 0 = NaN here, skipped by nanmean).
+    acc = conf.diag() / conf.sum(1)
+    return {"mIoU": 100 * float(iou.nanmean()), "aAcc": 100 * float(conf.diag().sum() / conf.sum()),
+            "mAcc": 100 * float(acc.nanmean()), "IoU": (100 * iou).tolist(), "Acc": (100 * acc).tolist()}
+
+
 class SegLinearTrainer(Trainer):
     """`trainer=seg_linear`: the linear protocol on the engine (see the module docstring)."""
 
@@ -162,7 +184,7 @@ class SegLinearTrainer(Trainer):
         tc, k = self.cfg.trainer, self.cfg.data.num_classes
         window = tc.crop_size
         stride = tc.slide_stride or math.ceil(window * 2 / 3)  # 341 for 512, as DINOv2
-        metric = SegMetric(k, device=self.device)
+        metric = seg_metric(k).to(self.device)
         loader = self.eval_loader(self.val_set, batch_size=1)  # images differ in size
         bar = progress_bar(len(loader), self.dist.is_main and tc.progress, interval=self.cfg.logger.progress_interval,
                            desc="val (sliding windows)", unit="img", leave=False, iterable=loader)
@@ -171,8 +193,7 @@ class SegLinearTrainer(Trainer):
             logits = slide_inference(self.net, x, k, window, stride)
             logits = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
             metric.update(logits.argmax(1), y)
-        metric.all_reduce()
-        out = metric.compute()
+        out = seg_scores(metric)
         self._per_class = out
         return {"val_mIoU": out["mIoU"], "val_aAcc": out["aAcc"], "val_mAcc": out["mAcc"]}
 
