@@ -1,12 +1,8 @@
-"""`trainer=seg_linear`: a linear head on a frozen ViT, DINOv2's segmentation protocol, on the engine.
+"""`trainer=seg_linear`: a linear head on a frozen ViT, DINOv2's segmentation protocol, on the
+training engine (resume, preemption, DDP, logging). `python -m eval.segmentation` runs it.
 
-`python -m eval.segmentation` runs it: it fills the model node from `checkpoint` at the crop
-size, and `build_model` rebuilds the backbone there (position embedding resampled) and freezes
-it. Its patch tokens after the final norm (of the last block, or of the last `trainer.layers`
-concatenated: DINOv2's "+ms"; `trainer.cls_token` also appends the class token to each patch)
-feed a batch norm + 1x1 convolution whose logits are bilinearly upsampled to the image.
-Validation: sliding windows (`slide_inference`), mIoU / aAcc / mAcc (`seg_scores`, torchmetrics). The
-checkpoint it writes exports the backbone; the head is its `train_model`.
+The checkpoint it writes exports the frozen backbone (what `load_model` returns); the head is
+its `train_model`. results.json: mIoU, aAcc, mAcc and the per-class IoU, as mmseg's IoUMetric.
 """
 from __future__ import annotations
 
@@ -48,8 +44,8 @@ class FrozenBackboneSeg(nn.Module):
     Args:
         backbone: a laplace VisionTransformer (frozen here).
         num_classes: K.
-        num_layers: how many feature layers, the last `num_layers` blocks (1: the last), each after
-            the final norm (trainer.layers).
+        num_layers: the last `num_layers` blocks' patch tokens, concatenated (trainer.layers; 4:
+            DINOv2's "+ms" head, which takes patch channels only, 4 x 384 for ViT-S).
         cls_token: also append the class token to every patch token.
     """
 
@@ -83,15 +79,16 @@ class FrozenBackboneSeg(nn.Module):
         return torch.cat(out, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.features(x).float())
+        logits = self.head(self.features(x).float())  # the head in float32 under bf16 autocast too
+        # DINOv2's linear head: logits at the patch grid, upsampled bilinearly to the pixels
         return F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
 def seg_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Pixel cross-entropy as mmseg's CrossEntropyLoss (avg_non_ignore=False, DINOv2's
-    protocol): the sum over labelled pixels divided by ALL pixels of the batch, ignored ones
-    included. A crop without a labelled pixel gives 0 (no gradient), where a mean over the
-    labelled pixels only would be 0/0 and end the run with a NaN loss."""
+    """Pixel cross-entropy as mmseg's CrossEntropyLoss (avg_non_ignore=False, DINOv2's protocol)."""
+    # The sum over labelled pixels divided by ALL pixels of the batch, ignored ones included: a
+    # crop without a labelled pixel gives 0 (no gradient), where a mean over the labelled pixels
+    # only would be 0 / 0 and end the run with a NaN loss.
     loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
     return loss / labels.numel()
 
@@ -99,8 +96,9 @@ def seg_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def slide_inference(model: nn.Module, img: torch.Tensor, num_classes: int, window: int, stride: int) -> torch.Tensor:
     """Logits [B, K, H, W] of images [B, 3, H, W] from windows of `window` px every `stride` px
-    (mmseg's `slide` mode), the overlaps averaged. A window that sticks out is shifted back
-    inside; an image smaller than the window is padded (the padding's logits dropped)."""
+    (mmseg's `slide` mode), the overlaps averaged."""
+    # Hand-written: mmseg's EncoderDecoder.slide_inference is only in the [seg] extra, and
+    # neither torch nor timm has one.
     B, _, H, W = img.shape
     rows = max(H - window + stride - 1, 0) // stride + 1
     cols = max(W - window + stride - 1, 0) // stride + 1
@@ -108,10 +106,12 @@ def slide_inference(model: nn.Module, img: torch.Tensor, num_classes: int, windo
     count = img.new_zeros(1, 1, H, W)
     for r in range(rows):
         for c in range(cols):
+            # A window that sticks out is shifted back inside the image.
             y2, x2 = min(r * stride + window, H), min(c * stride + window, W)
             y1, x1 = max(y2 - window, 0), max(x2 - window, 0)
             crop = img[:, :, y1:y2, x1:x2]
             h, w = crop.shape[-2:]
+            # An image smaller than the window is padded to it; the padding's logits are dropped.
             out = model(F.pad(crop, (0, window - w, 0, window - h)))[:, :, :h, :w]
             logits[:, :, y1:y2, x1:x2] += out.float()
             count[:, :, y1:y2, x1:x2] += 1
@@ -147,6 +147,8 @@ class SegLinearTrainer(Trainer):
     example = "python -m eval.segmentation checkpoint=PATH eval=seg_ade20k_linear"
 
     def build_datasets(self):
+        # mmseg's ADE20K pipeline (laplace/data/ade20k.py): random rescale, crop, flip, colours;
+        # validation images at `data.scale` short side, labels at full size.
         from laplace.data.ade20k import ADE20K, SegEvalTransform, SegTrainTransform, write_digits_ade20k
 
         d, tc = self.cfg.data, self.cfg.trainer
@@ -185,6 +187,8 @@ class SegLinearTrainer(Trainer):
         window = tc.crop_size
         stride = tc.slide_stride or math.ceil(window * 2 / 3)  # 341 for 512, as DINOv2
         metric = seg_metric(k).to(self.device)
+        # Evaluation as DINOv2: sliding windows over the image at a 512 short side, the logits
+        # resized to the full annotation, where the pixels are counted.
         loader = self.eval_loader(self.val_set, batch_size=1)  # images differ in size
         bar = progress_bar(len(loader), self.dist.is_main and tc.progress, interval=self.cfg.logger.progress_interval,
                            desc="val (sliding windows)", unit="img", leave=False, iterable=loader)
@@ -198,6 +202,7 @@ class SegLinearTrainer(Trainer):
         return {"val_mIoU": out["mIoU"], "val_aAcc": out["aAcc"], "val_mAcc": out["mAcc"]}
 
     def on_fit_end(self, final_metrics: dict):
+        # results.json in <backbone run>/eval/seg_<data>_l<layers>/, where analysis.tables reads it
         tc, pc = self.cfg.trainer, getattr(self, "_per_class", {})
         self.write_results({
             "protocol": f"linear{'_ms' if tc.layers > 1 else ''}", "backbone_checkpoint": str(self.cfg.checkpoint),

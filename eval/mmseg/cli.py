@@ -34,12 +34,15 @@ def parser(description: str, checkpoint: bool = False) -> argparse.ArgumentParse
                         "model.backbone.checkpoint=PATH data_root=DIR train_cfg.max_iters=2000")
     p.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none",
                    help="job launcher (pytorch: under torchrun)")
+    # torch.distributed.launch passes --local-rank; torchrun sets LOCAL_RANK (mmseg's tools do both)
     p.add_argument("--local_rank", "--local-rank", type=int, default=0)
     return p
 
 
 def _match_widths(model):
     """in_channels of the neck, or of the heads without one, set to the LaplaceViT's width."""
+    # mmseg's configs name the heads' widths; ours follow the checkpoint, so one config serves
+    # ViT-S and ViT-B alike (a neck maps the backbone's width to its own for the heads).
     bb = model.backbone
     node = dict(bb.get("model") or {})
     if bb.get("checkpoint"):
@@ -70,15 +73,18 @@ def load_config(args) -> Config:
             ds.data_root = str(root)
     for ds in datasets:  # a missing folder: one line naming it, before anything is built
         for prefix in (ds.get("data_prefix") or {}).values():
-            if not (Path(ds.get("data_root") or ".") / prefix).is_dir():
+            folder = Path(ds.get("data_root") or ".") / prefix
+            if not folder.is_dir():
                 raise DatasetNotFoundError(
-                    f"no folder {Path(ds.get('data_root') or '.') / prefix}: for ADE20K unzip "
+                    f"no folder {folder}: for ADE20K unzip "
                     f"ADEChallengeData2016.zip (http://sceneparsing.csail.mit.edu) and pass "
                     f"--cfg-options data_root=DIR (ADEChallengeData2016 or the folder holding it)")
-    if cfg.model.get("backbone", {}).get("type") == "LaplaceViT":
+    if cfg.model.get("backbone", {}).get("type") == "LaplaceViT":  # other backbones: mmseg's config as it is
         _match_widths(cfg.model)
+    # Without it torch's weights_only default refuses mmengine's checkpoints: --resume fails.
     if not any(h.get("type") == "PlainCheckpointHook" for h in cfg.setdefault("custom_hooks", [])):
         cfg.custom_hooks.append(dict(type="PlainCheckpointHook"))
+    # No timestamp in the work dir: the same command with --resume continues it.
     name, ckpt = Path(args.config).stem, cfg.model.get("backbone", {}).get("checkpoint")
     if args.work_dir or not cfg.get("work_dir"):
         default = run_dir_of(ckpt) / "eval" / f"mmseg_{name}" if ckpt else Path("runs") / "mmseg" / name

@@ -94,7 +94,7 @@ class ADE20K(Dataset):
         with Image.open(img_path) as im:
             img = im.convert("RGB")
         with Image.open(ann_path) as an:
-            mask = np.array(an)  # class indices as stored (no "RGB" conversion: no colour palette)
+            mask = np.array(an)  # the class indices as stored, never converted
         if self.transform is None:
             return img, torch.from_numpy(reduce_zero_label(mask))
         return self.transform(img, mask)
