@@ -65,7 +65,7 @@ class LaplaceViT(BaseModule):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         p = self.vit.patch_embed.patch_size[0]
         # Whole-image inference passes any size: pad to whole patches (bottom / right); the ViT
-        # resamples its position embedding to the grid (plain bicubic, as mmseg's own ViT).
+        # resamples its position embedding to that grid (bicubic, by the model's own rule).
         x = F.pad(x, (0, -x.shape[-1] % p, 0, -x.shape[-2] % p))
         rows, cols = x.shape[-2] // p, x.shape[-1] // p
         feats = self.vit.forward_features(x, layers=self.out_indices, norm=False)
