@@ -141,6 +141,11 @@ def test_ade20k_layout_and_missing_data(tmp_path):
     with pytest.raises(DatasetNotFoundError) as e:
         ADE20K(tmp_path / "nowhere", "training")
     assert "ADEChallengeData2016" in str(e.value) and "data.root" in str(e.value) and "\n" not in str(e.value)
+    missing = sorted((base / "annotations/validation").glob("*.png"))[1]
+    missing.unlink()
+    with pytest.raises(DatasetNotFoundError) as e:  # an image without its annotation: named, in one line
+        ADE20K(base, "validation")
+    assert str(missing) in str(e.value) and "\n" not in str(e.value)
 
 
 def test_training_pipeline_crops_pads_and_ignores(tmp_path):
