@@ -1,5 +1,5 @@
-"""Frozen-backbone segmentation (eval/segmentation.py, train/seg_linear.py, train/seg_metrics.py,
-laplace/data/ade20k.py): the metric against a hand computation, sliding windows against
+"""Frozen-backbone segmentation (eval/segmentation.py, train/seg_linear.py, laplace/data/ade20k.py):
+the metric against a hand computation, a numpy oracle and mmseg's IoUMetric, sliding windows against
 whole-image inference, ADE20K's label convention and layout, the training pipeline, and the
 protocol end to end on the tiny ADE20K-layout digits set."""
 from __future__ import annotations
@@ -20,16 +20,15 @@ from laplace.data import DatasetNotFoundError
 from laplace.data.ade20k import (ADE20K, IGNORE, SegEvalTransform, SegTrainTransform, reduce_zero_label,
                                  write_digits_ade20k)
 from train import run
-from train.seg_linear import FrozenBackboneSeg, seg_loss, slide_inference
-from train.seg_metrics import SegMetric
+from train.seg_linear import FrozenBackboneSeg, seg_loss, seg_metric, seg_scores, slide_inference
 
 
 def test_miou_of_a_planted_prediction_by_hand():
     label = torch.tensor([[0, 0, 1, 1], [2, 2, 255, 255]])
     pred = torch.tensor([[0, 1, 1, 1], [2, 0, 0, 3]])
-    m = SegMetric(num_classes=4)
+    m = seg_metric(num_classes=4)
     m.update(pred, label)
-    out = m.compute()
+    out = seg_scores(m)
     # class 0: inter 1, label 2, pred 2 (one of them on an ignored pixel: not counted) -> union 3
     # (labelled pixels only: pred 0 at (0,0), (1,1)); class 1: inter 2, label 2, pred 3 -> 2/3;
     # class 2: inter 1, label 2, pred 1 -> 1/2; class 3: no label, predicted only on ignored -> NaN.
@@ -38,6 +37,63 @@ def test_miou_of_a_planted_prediction_by_hand():
     assert out["mIoU"] == pytest.approx(100 * sum(iou) / 3)
     assert out["aAcc"] == pytest.approx(100 * 4 / 6)
     assert out["mAcc"] == pytest.approx(100 * (1 / 2 + 1 + 1 / 2) / 3)
+
+
+def _random_predictions(k: int = 6, n: int = 3):
+    """n (prediction, label) pairs of 17 x 23 pixels: class 5 never labelled nor predicted (NaN),
+    class 4 predicted but never labelled (IoU 0, Acc NaN), some labels ignored (255)."""
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    for _ in range(n):
+        label = torch.randint(0, k - 2, (17, 23), generator=g)
+        label[torch.rand(label.shape, generator=g) < 0.2] = IGNORE
+        pred = torch.randint(0, k - 1, (17, 23), generator=g)
+        pred[label == 1] = 1  # class 1 always right: Acc 100
+        pairs.append((pred, label))
+    return pairs
+
+
+def _numpy_oracle(pairs, k: int) -> dict:
+    """mmseg's definitions written out in numpy: per class intersection / union and
+    intersection / labelled area over the labelled pixels, NaN left out of the means."""
+    inter, area_pred, area_label = np.zeros(k), np.zeros(k), np.zeros(k)
+    for pred, label in pairs:
+        keep = label.numpy() != IGNORE
+        p, t = pred.numpy()[keep], label.numpy()[keep]
+        inter += np.bincount(t[p == t], minlength=k)
+        area_pred += np.bincount(p, minlength=k)
+        area_label += np.bincount(t, minlength=k)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        iou, acc = inter / (area_pred + area_label - inter), inter / area_label
+    return {"IoU": 100 * iou, "Acc": 100 * acc, "mIoU": 100 * np.nanmean(iou), "mAcc": 100 * np.nanmean(acc),
+            "aAcc": 100 * inter.sum() / area_label.sum()}
+
+
+def test_metrics_equal_a_numpy_oracle_and_mmsegs_iou_metric():
+    k, pairs = 6, _random_predictions()
+    m = seg_metric(k)
+    for pred, label in pairs:
+        m.update(pred, label)
+    got, want = seg_scores(m), _numpy_oracle(pairs, k)
+    for key in ("mIoU", "aAcc", "mAcc"):
+        assert math.isfinite(got[key]) and got[key] == pytest.approx(want[key], rel=1e-6), key
+    for key in ("IoU", "Acc"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6)  # NaN where the oracle has NaN
+    assert math.isnan(got["IoU"][5]) and got["IoU"][4] == 0 and math.isnan(got["Acc"][4]) and got["Acc"][1] == 100
+
+    pytest.importorskip("eval.mmseg", reason="the [seg] extra is not installed")  # the mmcv-lite shim first
+    from mmseg.evaluation import IoUMetric
+
+    mm = IoUMetric(iou_metrics=["mIoU"])
+    mm.dataset_meta = {"classes": [str(c) for c in range(k)]}
+    mm.process({}, [{"pred_sem_seg": {"data": p[None]}, "gt_sem_seg": {"data": t[None]}} for p, t in pairs])
+    theirs = mm.compute_metrics(mm.results)
+    for key in ("mIoU", "aAcc", "mAcc"):  # mmseg rounds to 2 decimals
+        assert got[key] == pytest.approx(float(theirs[key]), abs=0.006), key
+    areas = [sum(a) for a in zip(*mm.results)]  # per class, unrounded: NaN where mmseg has NaN
+    per_class = IoUMetric.total_area_to_metrics(*areas, metrics=["mIoU"])
+    for key in ("IoU", "Acc"):
+        np.testing.assert_allclose(got[key], 100 * np.asarray(per_class[key], dtype=np.float64), rtol=1e-6)
 
 
 class PixelModel(torch.nn.Module):
@@ -85,6 +141,11 @@ def test_ade20k_layout_and_missing_data(tmp_path):
     with pytest.raises(DatasetNotFoundError) as e:
         ADE20K(tmp_path / "nowhere", "training")
     assert "ADEChallengeData2016" in str(e.value) and "data.root" in str(e.value) and "\n" not in str(e.value)
+    missing = sorted((base / "annotations/validation").glob("*.png"))[1]
+    missing.unlink()
+    with pytest.raises(DatasetNotFoundError) as e:  # an image without its annotation: named, in one line
+        ADE20K(base, "validation")
+    assert str(missing) in str(e.value) and "\n" not in str(e.value)
 
 
 def test_training_pipeline_crops_pads_and_ignores(tmp_path):

@@ -1,12 +1,8 @@
-"""`trainer=seg_linear`: a linear head on a frozen ViT, DINOv2's segmentation protocol, on the engine.
+"""`trainer=seg_linear`: a linear head on a frozen ViT, DINOv2's segmentation protocol, on the
+training engine (resume, preemption, DDP, logging). `python -m eval.segmentation` runs it.
 
-`python -m eval.segmentation` runs it: it fills the model node from `checkpoint` at the crop
-size, and `build_model` rebuilds the backbone there (position embedding resampled) and freezes
-it. Its patch tokens after the final norm (of the last block, or of the last `trainer.layers`
-concatenated: DINOv2's "+ms"; `trainer.cls_token` also appends the class token to each patch)
-feed a batch norm + 1x1 convolution whose logits are bilinearly upsampled to the image.
-Validation: sliding windows (`slide_inference`), mIoU / aAcc / mAcc (train/seg_metrics.py). The
-checkpoint it writes exports the backbone; the head is its `train_model`.
+The checkpoint it writes exports the frozen backbone (what `load_model` returns); the head is
+its `train_model`. results.json: mIoU, aAcc, mAcc and the per-class IoU, as mmseg's IoUMetric.
 """
 from __future__ import annotations
 
@@ -15,6 +11,8 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassConfusionMatrix, MulticlassJaccardIndex
 
 from laplace.checkpoint import load_backbone
 from laplace.data.ade20k import IGNORE
@@ -24,7 +22,6 @@ from laplace.zoo import features
 
 from .engine import Trainer
 from .logger import progress_bar
-from .seg_metrics import SegMetric
 
 
 class LinearSegHead(nn.Module):
@@ -48,8 +45,8 @@ class FrozenBackboneSeg(nn.Module):
     Args:
         backbone: a laplace VisionTransformer (frozen here).
         num_classes: K.
-        num_layers: how many feature layers, the last `num_layers` blocks (1: the last), each after
-            the final norm (trainer.layers).
+        num_layers: the last `num_layers` blocks' patch tokens, concatenated (trainer.layers; 4:
+            DINOv2's "+ms" head, which takes patch channels only, 4 x 384 for ViT-S).
         cls_token: also append the class token to every patch token.
     """
 
@@ -83,15 +80,16 @@ class FrozenBackboneSeg(nn.Module):
         return torch.cat(out, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.features(x).float())
+        logits = self.head(self.features(x).float())  # the head in float32 under bf16 autocast too
+        # DINOv2's linear head: logits at the patch grid, upsampled bilinearly to the pixels
         return F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
 def seg_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Pixel cross-entropy as mmseg's CrossEntropyLoss (avg_non_ignore=False, DINOv2's
-    protocol): the sum over labelled pixels divided by ALL pixels of the batch, ignored ones
-    included. A crop without a labelled pixel gives 0 (no gradient), where a mean over the
-    labelled pixels only would be 0/0 and end the run with a NaN loss."""
+    """Pixel cross-entropy as mmseg's CrossEntropyLoss (avg_non_ignore=False, DINOv2's protocol)."""
+    # The sum over labelled pixels divided by ALL pixels of the batch, ignored ones included: a
+    # crop without a labelled pixel gives 0 (no gradient), where a mean over the labelled pixels
+    # only would be 0 / 0 and end the run with a NaN loss.
     loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
     return loss / labels.numel()
 
@@ -99,8 +97,9 @@ def seg_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def slide_inference(model: nn.Module, img: torch.Tensor, num_classes: int, window: int, stride: int) -> torch.Tensor:
     """Logits [B, K, H, W] of images [B, 3, H, W] from windows of `window` px every `stride` px
-    (mmseg's `slide` mode), the overlaps averaged. A window that sticks out is shifted back
-    inside; an image smaller than the window is padded (the padding's logits dropped)."""
+    (mmseg's `slide` mode), the overlaps averaged."""
+    # Hand-written: mmseg's EncoderDecoder.slide_inference is only in the [seg] extra, and
+    # neither torch nor timm has one.
     B, _, H, W = img.shape
     rows = max(H - window + stride - 1, 0) // stride + 1
     cols = max(W - window + stride - 1, 0) // stride + 1
@@ -108,14 +107,37 @@ def slide_inference(model: nn.Module, img: torch.Tensor, num_classes: int, windo
     count = img.new_zeros(1, 1, H, W)
     for r in range(rows):
         for c in range(cols):
+            # A window that sticks out is shifted back inside the image.
             y2, x2 = min(r * stride + window, H), min(c * stride + window, W)
             y1, x1 = max(y2 - window, 0), max(x2 - window, 0)
             crop = img[:, :, y1:y2, x1:x2]
             h, w = crop.shape[-2:]
+            # An image smaller than the window is padded to it; the padding's logits are dropped.
             out = model(F.pad(crop, (0, window - w, 0, window - h)))[:, :, :h, :w]
             logits[:, :, y1:y2, x1:x2] += out.float()
             count[:, :, y1:y2, x1:x2] += 1
     return logits / count
+
+
+def seg_metric(num_classes: int) -> MetricCollection:
+    """The pixel counts of mmseg's IoUMetric, accumulated by torchmetrics (on the predictions'
+    device, summed over ranks at `compute`): update(pred, label) with class-index tensors."""
+    return MetricCollection({
+        # Per-class IoU; a class neither labelled nor predicted is NaN (zero_division), as in mmseg.
+        "IoU": MulticlassJaccardIndex(num_classes, average="none", ignore_index=IGNORE, zero_division=math.nan),
+        # The same confusion matrix (one state: torchmetrics' compute group), for the accuracies.
+        "confmat": MulticlassConfusionMatrix(num_classes, ignore_index=IGNORE)})
+
+
+def seg_scores(metric: MetricCollection) -> dict:
+    """mIoU, aAcc, mAcc and the per-class IoU / Acc, in %, as mmseg's IoUMetric reports them."""
+    out = metric.compute()
+    iou, conf = out["IoU"].double().cpu(), out["confmat"].double().cpu()
+    # Accuracy by hand: torchmetrics' macro recall counts a class that is predicted but never
+    # labelled as 0, where mmseg leaves it out (0 / 0 = NaN here, skipped by nanmean).
+    acc = conf.diag() / conf.sum(1)
+    return {"mIoU": 100 * float(iou.nanmean()), "aAcc": 100 * float(conf.diag().sum() / conf.sum()),
+            "mAcc": 100 * float(acc.nanmean()), "IoU": (100 * iou).tolist(), "Acc": (100 * acc).tolist()}
 
 
 class SegLinearTrainer(Trainer):
@@ -126,6 +148,8 @@ class SegLinearTrainer(Trainer):
     example = "python -m eval.segmentation checkpoint=PATH eval=seg_ade20k_linear"
 
     def build_datasets(self):
+        # mmseg's ADE20K pipeline (laplace/data/ade20k.py): random rescale, crop, flip, colours;
+        # validation images at `data.scale` short side, labels at full size.
         from laplace.data.ade20k import ADE20K, SegEvalTransform, SegTrainTransform, write_digits_ade20k
 
         d, tc = self.cfg.data, self.cfg.trainer
@@ -163,7 +187,9 @@ class SegLinearTrainer(Trainer):
         tc, k = self.cfg.trainer, self.cfg.data.num_classes
         window = tc.crop_size
         stride = tc.slide_stride or math.ceil(window * 2 / 3)  # 341 for 512, as DINOv2
-        metric = SegMetric(k, device=self.device)
+        metric = seg_metric(k).to(self.device)
+        # Evaluation as DINOv2: sliding windows over the image at a 512 short side, the logits
+        # resized to the full annotation, where the pixels are counted.
         loader = self.eval_loader(self.val_set, batch_size=1)  # images differ in size
         bar = progress_bar(len(loader), self.dist.is_main and tc.progress, interval=self.cfg.logger.progress_interval,
                            desc="val (sliding windows)", unit="img", leave=False, iterable=loader)
@@ -172,12 +198,12 @@ class SegLinearTrainer(Trainer):
             logits = slide_inference(self.net, x, k, window, stride)
             logits = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
             metric.update(logits.argmax(1), y)
-        metric.all_reduce()
-        out = metric.compute()
+        out = seg_scores(metric)
         self._per_class = out
         return {"val_mIoU": out["mIoU"], "val_aAcc": out["aAcc"], "val_mAcc": out["mAcc"]}
 
     def on_fit_end(self, final_metrics: dict):
+        # results.json in <backbone run>/eval/seg_<data>_l<layers>/, where analysis.tables reads it
         tc, pc = self.cfg.trainer, getattr(self, "_per_class", {})
         self.write_results({
             "protocol": f"linear{'_ms' if tc.layers > 1 else ''}", "backbone_checkpoint": str(self.cfg.checkpoint),

@@ -1,16 +1,14 @@
-"""mmsegmentation integration (the optional `[seg]` extra): our ViT as an mmseg backbone.
+"""mmsegmentation integration (the optional `[seg]` extra): our ViT as an mmseg backbone, for
+UperNet fine-tuning (configs/mmseg/ade20k_upernet.py).
 
     pip install -e ".[seg]"
-    python -m eval.mmseg.train configs/mmseg/ade20k_linear.py \\
+    python -m eval.mmseg.train configs/mmseg/ade20k_upernet.py \\
         --cfg-options model.backbone.checkpoint=runs/dino/.../ckpt/last.pt data_root=/data/ade
-    python -m eval.mmseg.train configs/mmseg/digits_linear.py --cfg-options model.backbone.checkpoint=...
-    python -m eval.mmseg.test configs/mmseg/ade20k_linear.py WORK_DIR/iter_40000.pth
+    python -m eval.mmseg.test configs/mmseg/ade20k_upernet.py WORK_DIR/iter_160000.pth --cfg-options ...
 
-Importing this package makes mmseg usable with mmcv-lite (shim.py, applied before mmseg is
-imported) and registers `LaplaceViT` (backbone.py) and `BNHead` (heads.py) in mmseg's MODELS
-and `PlainCheckpointHook` (hooks.py: checkpoints that load under torch's weights_only default,
-resume included) in its HOOKS, so a user's own mmseg scripts can `import eval.mmseg` and use
-them in any config.
+Importing this package lets mmseg run on mmcv-lite (shim.py) and registers `LaplaceViT`
+(backbone.py) and `PlainCheckpointHook` (hooks.py), so your own mmseg scripts can
+`import eval.mmseg` and use them in any config.
 """
 import warnings
 
@@ -21,7 +19,6 @@ from . import shim  # noqa: F401  (before anything imports mmseg)
 warnings.filterwarnings("ignore", message=".*MultiScaleDeformableAttention.*")
 
 from .backbone import LaplaceViT  # noqa: E402
-from .heads import BNHead  # noqa: E402
 from .hooks import PlainCheckpointHook  # noqa: E402
 
-__all__ = ["LaplaceViT", "BNHead", "PlainCheckpointHook"]
+__all__ = ["LaplaceViT", "PlainCheckpointHook"]

@@ -1,17 +1,12 @@
-"""What `python -m eval.mmseg.train` and `.test` share: arguments and the config they run.
+"""What `python -m eval.mmseg.train` and `.test` share: their arguments and the config they run.
 
 On top of mmseg's tools/train.py, the config gets:
-  - `--cfg-options data_root=DIR` reaches every dataloader's dataset (mmengine substitutes
-    `data_root` when the file is read, so overriding the variable alone would change nothing);
-    DIR may be the ADEChallengeData2016 folder or its parent, as everywhere in laplace;
-  - `builtin_digits = True` (configs/mmseg/digits_linear.py): the digits set is written there;
-  - `PlainCheckpointHook` in custom_hooks if the config lacks it (eval/mmseg/hooks.py: without
-    it, torch's weights_only default refuses mmengine's checkpoints, so --resume fails);
-  - the heads' input widths set from a LaplaceViT backbone's width (a ViT-S config runs a
-    ViT-T checkpoint unchanged);
-  - the work dir, when not given: beside the backbone checkpoint's run,
-    `<run>/eval/mmseg_<config name>` (as eval.segmentation's runs), else
-    `runs/mmseg/<config name>`. No timestamp: the same command with --resume continues it.
+  - `--cfg-options data_root=DIR` in every dataloader's dataset (DIR: ADEChallengeData2016 or the
+    folder holding it); a missing data folder is a one-line error;
+  - the heads' input widths from the LaplaceViT's width (a ViT-S config runs a ViT-B checkpoint);
+  - `PlainCheckpointHook` (hooks.py: without it `--resume` fails under torch's weights_only);
+  - a work dir beside the backbone checkpoint's run, `<run>/eval/mmseg_<config name>` (else
+    `runs/mmseg/<config name>`), with no timestamp: the same command with --resume continues it.
 """
 from __future__ import annotations
 
@@ -21,13 +16,16 @@ from pathlib import Path
 
 from mmengine.config import Config, DictAction
 
+from laplace.checkpoint import backbone_node, run_dir_of
 from laplace.data import DatasetNotFoundError
+from laplace.data.ade20k import FOLDER
 from laplace.errors import ConfigError
+from laplace.zoo import model_defaults
 
 
 def parser(description: str, checkpoint: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("config", help="an mmseg config, e.g. configs/mmseg/ade20k_linear.py")
+    p.add_argument("config", help="an mmseg config, e.g. configs/mmseg/ade20k_upernet.py")
     if checkpoint:
         p.add_argument("checkpoint", help="an mmseg checkpoint written by eval.mmseg.train (iter_N.pth)")
     p.add_argument("--work-dir", help="where logs and checkpoints go (default: see eval/mmseg/cli.py)")
@@ -36,92 +34,59 @@ def parser(description: str, checkpoint: bool = False) -> argparse.ArgumentParse
                         "model.backbone.checkpoint=PATH data_root=DIR train_cfg.max_iters=2000")
     p.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none",
                    help="job launcher (pytorch: under torchrun)")
+    # torch.distributed.launch passes --local-rank; torchrun sets LOCAL_RANK (mmseg's tools do both)
     p.add_argument("--local_rank", "--local-rank", type=int, default=0)
     return p
 
 
-def _dataloaders(cfg: Config):
-    return [cfg[k] for k in ("train_dataloader", "val_dataloader", "test_dataloader") if cfg.get(k)]
-
-
-def _set_data_root(cfg: Config, root: str):
-    from laplace.data.ade20k import FOLDER
-
-    path = Path(root).expanduser()
-    if (path / FOLDER).is_dir() or (cfg.get("builtin_digits") and path.name != FOLDER):
-        path = path / FOLDER  # the parent of ADEChallengeData2016 was given
-    cfg.data_root = str(path)
-    for loader in _dataloaders(cfg):
-        loader.dataset.data_root = str(path)
-
-
-def _backbone_width(backbone) -> int:
-    from laplace.checkpoint import load_checkpoint
-    from laplace.zoo import model_defaults
-
-    model = dict(backbone.get("model") or {})
-    if backbone.get("checkpoint"):
-        return load_checkpoint(backbone.checkpoint)["config"]["model"]["embed_dim"]
-    return model.get("embed_dim") or model_defaults(model["name"])["embed_dim"]
-
-
-def _match_widths(cfg: Config):
-    """in_channels of the neck, or of the heads without one, from the LaplaceViT's width."""
-    m = cfg.model
-    if m.get("backbone", {}).get("type") != "LaplaceViT":
-        return
-    if not (m.backbone.get("checkpoint") or (m.backbone.get("model") or {}).get("name")):
-        raise ConfigError("the LaplaceViT backbone needs a checkpoint: pass "
-                          "--cfg-options model.backbone.checkpoint=PATH (a laplace checkpoint of a ViT)")
-    width, n = _backbone_width(m.backbone), len(m.backbone.out_indices)
-    if m.get("neck"):
-        m.neck.in_channels = [width] * n
-        return
-    for head in (m.get("decode_head"), m.get("auxiliary_head")):
-        if head is None:
-            continue
-        if isinstance(head.in_channels, (list, tuple)):
-            head.in_channels = [width] * len(head.in_channels)
-        else:
-            head.in_channels = width
-        if head.type == "BNHead":
-            head.pop("channels", None)  # BNHead's width is its input's
+def _match_widths(model):
+    """in_channels of the neck, or of the heads without one, set to the LaplaceViT's width."""
+    # mmseg's configs name the heads' widths; ours follow the checkpoint, so one config serves
+    # ViT-S and ViT-B alike (a neck maps the backbone's width to its own for the heads).
+    bb = model.backbone
+    node = dict(bb.get("model") or {})
+    if bb.get("checkpoint"):
+        width = backbone_node(bb.checkpoint, node)["embed_dim"]  # one-line errors for a bad file
+    elif "name" in node:
+        width = node.get("embed_dim") or model_defaults(node["name"])["embed_dim"]
+    else:
+        raise ConfigError("the LaplaceViT backbone needs a checkpoint: pass --cfg-options "
+                          "model.backbone.checkpoint=PATH (a laplace checkpoint of a ViT)")
+    for m in [model.neck] if model.get("neck") else [model.get("decode_head"), model.get("auxiliary_head")]:
+        if m is not None:
+            many = isinstance(m.in_channels, (list, tuple))
+            m.in_channels = [width] * len(m.in_channels) if many else width
 
 
 def load_config(args) -> Config:
-    """The config file, the --cfg-options and the rules of the module docstring."""
+    """The config file, the --cfg-options and the additions of the module docstring."""
     os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     cfg = Config.fromfile(args.config)
     cfg.launcher = args.launcher
     cfg.merge_from_dict(args.cfg_options)
-    if "data_root" in args.cfg_options or cfg.get("builtin_digits"):
-        _set_data_root(cfg, args.cfg_options.get("data_root", cfg.data_root))
-    if cfg.get("builtin_digits"):
-        from laplace.data.ade20k import write_digits_ade20k
-
-        write_digits_ade20k(Path(cfg.data_root).parent)  # idempotent: a marker says it is complete
-    for loader in _dataloaders(cfg):  # a missing folder: one line naming it, before any build
-        ds = loader.dataset
-        folders = [Path(ds.get("data_root") or ".") / p for p in (ds.get("data_prefix") or {}).values()]
-        missing = [str(f) for f in folders if not f.is_dir()]
-        if missing:
-            raise DatasetNotFoundError(
-                f"no folder {missing[0]}: for ADE20K unzip ADEChallengeData2016.zip "
-                f"(http://sceneparsing.csail.mit.edu) and pass --cfg-options data_root=DIR "
-                f"(ADEChallengeData2016 or the folder holding it)")
-    _match_widths(cfg)
-    hooks = cfg.setdefault("custom_hooks", [])
-    if not any(h.get("type") == "PlainCheckpointHook" for h in hooks):
-        hooks.append(dict(type="PlainCheckpointHook"))
-    name = Path(args.config).stem
-    if args.work_dir:
-        cfg.work_dir = args.work_dir
-    elif not cfg.get("work_dir"):
-        ckpt = cfg.model.get("backbone", {}).get("checkpoint")
-        if ckpt:
-            path = Path(ckpt)
-            run = path.parent.parent if path.parent.name == "ckpt" else path.parent
-            cfg.work_dir = str(run / "eval" / f"mmseg_{name}")
-        else:
-            cfg.work_dir = str(Path("runs") / "mmseg" / name)
+    datasets = [cfg[k].dataset for k in ("train_dataloader", "val_dataloader", "test_dataloader") if cfg.get(k)]
+    if "data_root" in args.cfg_options:
+        # mmengine substituted the variable when it read the file: set it where it was used.
+        root = Path(args.cfg_options["data_root"]).expanduser()
+        root = root / FOLDER if (root / FOLDER).is_dir() else root
+        for ds in datasets:
+            ds.data_root = str(root)
+    for ds in datasets:  # a missing folder: one line naming it, before anything is built
+        for prefix in (ds.get("data_prefix") or {}).values():
+            folder = Path(ds.get("data_root") or ".") / prefix
+            if not folder.is_dir():
+                raise DatasetNotFoundError(
+                    f"no folder {folder}: for ADE20K unzip "
+                    f"ADEChallengeData2016.zip (http://sceneparsing.csail.mit.edu) and pass "
+                    f"--cfg-options data_root=DIR (ADEChallengeData2016 or the folder holding it)")
+    if cfg.model.get("backbone", {}).get("type") == "LaplaceViT":  # other backbones: mmseg's config as it is
+        _match_widths(cfg.model)
+    # Without it torch's weights_only default refuses mmengine's checkpoints: --resume fails.
+    if not any(h.get("type") == "PlainCheckpointHook" for h in cfg.setdefault("custom_hooks", [])):
+        cfg.custom_hooks.append(dict(type="PlainCheckpointHook"))
+    # No timestamp in the work dir: the same command with --resume continues it.
+    name, ckpt = Path(args.config).stem, cfg.model.get("backbone", {}).get("checkpoint")
+    if args.work_dir or not cfg.get("work_dir"):
+        default = run_dir_of(ckpt) / "eval" / f"mmseg_{name}" if ckpt else Path("runs") / "mmseg" / name
+        cfg.work_dir = str(args.work_dir or default)
     return cfg

@@ -1,19 +1,7 @@
-"""mmengine checkpoints that load with torch's `weights_only=True` default (resume included).
+"""mmengine checkpoints that load under torch's `weights_only=True` default, resume included.
 
-torch >= 2.6 loads with weights_only=True by default, and mmengine 0.10.7 calls `torch.load`
-without the argument. Its checkpoints hold the message hub's log history as
-`mmengine.logging.HistoryBuffer` objects (numpy arrays inside) and numpy scalars (the ETA), so
-`Runner(resume=True)`, `load_from` and mmseg's `init_model` fail with "Weights only load
-failed ... Unsupported global: HistoryBuffer" (mmengine issue 1655). Allow-listing those
-globals would also mean allowing `numpy._core.multiarray._reconstruct` and `builtins.getattr`,
-which is what weights_only exists to refuse; turning weights_only off globally
-(TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1) loses the protection for every file.
-
-So this hook makes the checkpoint plain data when it is written (a HistoryBuffer becomes a
-tagged dict of lists, numpy values become Python numbers or lists) and rebuilds the
-HistoryBuffers after loading, before the Runner hands them to the message hub. Our configs
-list it in `custom_hooks`; a checkpoint written without it still needs
-TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 to load, and only if you trust it.
+`python -m eval.mmseg.train` adds `PlainCheckpointHook` to every config; a checkpoint written
+without it needs TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 to load, and only if you trust it.
 """
 from __future__ import annotations
 
@@ -22,6 +10,13 @@ from mmengine.hooks import Hook
 from mmengine.logging import HistoryBuffer
 from mmseg.registry import HOOKS
 
+# torch >= 2.6 loads with weights_only=True by default and mmengine 0.10.7 calls torch.load without
+# the argument. Its checkpoints hold the message hub's log history as HistoryBuffer objects (numpy
+# arrays inside) and numpy scalars (the ETA), so `Runner(resume=True)`, `load_from` and mmseg's
+# `init_model` fail: "Unsupported global: HistoryBuffer" (mmengine issue 1655). Allow-listing them
+# would also allow numpy's `_reconstruct` and `builtins.getattr`, what weights_only exists to
+# refuse. So the hook writes the hub as plain data (a HistoryBuffer as a tagged dict of lists,
+# numpy values as Python numbers) and rebuilds the HistoryBuffers after loading.
 _TAG = "__history_buffer__"
 
 

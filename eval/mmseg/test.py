@@ -1,6 +1,6 @@
 """Evaluate an mmseg checkpoint, like mmseg's tools/test.py (mIoU, aAcc, mAcc on the test split).
 
-    python -m eval.mmseg.test configs/mmseg/ade20k_linear.py WORK_DIR/iter_40000.pth \
+    python -m eval.mmseg.test configs/mmseg/ade20k_upernet.py WORK_DIR/iter_160000.pth \
         --cfg-options model.backbone.checkpoint=runs/dino/.../ckpt/last.pt data_root=/data/ade
 
 The config's backbone checkpoint rebuilds the model's shapes; the weights then come from the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mmengine.runner import Runner
 
-from eval.mmseg import cli  # applies the mmcv shim and registers LaplaceViT / BNHead
+from eval.mmseg import cli  # applies the mmcv shim and registers LaplaceViT
 from laplace.errors import cli_errors
 
 

@@ -1,9 +1,9 @@
 """Train an mmseg model with our ViT, like mmseg's tools/train.py (mmengine's Runner).
 
-    python -m eval.mmseg.train configs/mmseg/ade20k_linear.py \
+    python -m eval.mmseg.train configs/mmseg/ade20k_upernet.py \
         --cfg-options model.backbone.checkpoint=runs/dino/.../ckpt/last.pt data_root=/data/ade
-    python -m eval.mmseg.train configs/mmseg/digits_linear.py --work-dir /tmp/seg \
-        --cfg-options model.backbone.checkpoint=PATH train_cfg.max_iters=50
+    python -m eval.mmseg.train configs/mmseg/ade20k_upernet.py --work-dir /tmp/seg \
+        --cfg-options model.backbone.checkpoint=PATH data_root=DIR train_cfg.max_iters=50
     torchrun --nproc-per-node 8 -m eval.mmseg.train CONFIG --launcher pytorch --cfg-options ...
     python -m eval.mmseg.train CONFIG --work-dir DIR --resume      # continue DIR's last checkpoint
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from mmengine.runner import Runner
 
-from eval.mmseg import cli  # applies the mmcv shim and registers LaplaceViT / BNHead
+from eval.mmseg import cli  # applies the mmcv shim and registers LaplaceViT
 from laplace.errors import cli_errors
 
 

@@ -6,9 +6,7 @@ The standard layout, as released (ADEChallengeData2016.zip):
     <root>/ADEChallengeData2016/images/{training,validation}/*.jpg
     <root>/ADEChallengeData2016/annotations/{training,validation}/*.png   (uint8: 0 = other, 1..150)
 
-`data.root` may point at the folder holding ADEChallengeData2016/ or at it. Labels follow
-mmseg's reduce-zero-label convention: 0 ("other") becomes 255 (ignored) and class c becomes
-c - 1, so the 150 classes are 0..149.
+`data.root` may point at the folder holding ADEChallengeData2016/ or at it.
 
 Pipelines (mmseg's ADE20K config, as DINOv2's linear evaluation uses it):
     train  short side to `scale` x U(0.5, 2.0) -> random crop `crop` (re-drawn up to 10 times
@@ -31,18 +29,21 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
+from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from laplace.data import DatasetNotFoundError
 
-IGNORE = 255
+IGNORE = 255  # the label of pixels left out of loss and metrics (mmseg's)
 FOLDER = "ADEChallengeData2016"
 SPLITS = ("training", "validation")
 
 
 def reduce_zero_label(mask: np.ndarray) -> np.ndarray:
     """ADE20K's annotation (0 = other, 1..K) -> labels 0..K-1 with 255 for "other"."""
+    # mmseg's reduce-zero-label convention: "other" is not a class of the benchmark, so it is
+    # ignored and the 150 classes become 0..149.
     label = mask.astype(np.int64) - 1
     label[mask == 0] = IGNORE
     return label
@@ -75,6 +76,8 @@ class ADE20K(Dataset):
         images = sorted((base / "images" / split).glob("*.jpg"))
         if not images:
             raise DatasetNotFoundError(f"ADE20K {split} split is empty: no *.jpg in {base / 'images' / split}")
+        # Every annotation is looked for now: a missing one stops the run at its start, in one
+        # line, not hours later in a worker.
         self.items = []
         for img in images:
             ann = base / "annotations" / split / f"{img.stem}.png"
@@ -91,41 +94,39 @@ class ADE20K(Dataset):
         with Image.open(img_path) as im:
             img = im.convert("RGB")
         with Image.open(ann_path) as an:
-            mask = np.array(an)
+            mask = np.array(an)  # the class indices as stored, never converted
         if self.transform is None:
             return img, torch.from_numpy(reduce_zero_label(mask))
         return self.transform(img, mask)
 
 
-def _normalise(img: torch.Tensor, mean, std) -> torch.Tensor:
-    return TF.normalize(TF.to_dtype(img, torch.float32, scale=True), list(mean), list(std))
-
-
 class SegTrainTransform:
-    """mmseg's ADE20K training pipeline (module docstring). All draws come from torch's RNG,
-    which the training feed seeds per sample.
+    """mmseg's ADE20K training pipeline (module docstring), on torchvision's v2 transforms where
+    they do the same thing. All draws come from torch's RNG, which the training feed seeds per sample.
 
     Args:
         crop: side of the square training crop.
         scale: base short side before the random ratio.
         ratio_range: the random scale ratio's range.
-        cat_max_ratio: the largest share of the crop one class may cover (mmseg checks up to
-            10 crops, re-drawing after each failure; hand-written: torchvision's RandomCrop
-            has no such rule).
+        cat_max_ratio: the largest share of the crop one class may cover.
         mean, std: normalisation constants.
     """
 
     def __init__(self, crop: int, scale: int, ratio_range=(0.5, 2.0), cat_max_ratio: float = 0.75,
                  mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)):
-        self.crop, self.scale, self.ratio_range = crop, scale, tuple(ratio_range)
-        self.cat_max_ratio, self.mean, self.std = cat_max_ratio, mean, std
-        # mmseg's PhotoMetricDistortion: brightness +-32/255, contrast and saturation 0.5-1.5,
-        # hue +-18 degrees, each applied with probability 1/2.
-        self.photometric = v2.Compose([
+        self.crop, self.scale, self.ratio_range, self.cat_max_ratio = crop, scale, tuple(ratio_range), cat_max_ratio
+        # After the crop: image and mask flipped together; colours, dtype and normalisation touch
+        # the image only (v2 passes a Mask through them).
+        self.after_crop = v2.Compose([
+            v2.RandomHorizontalFlip(),
+            # mmseg's PhotoMetricDistortion: brightness +-32/255, contrast and saturation 0.5-1.5,
+            # hue +-18 degrees, each applied with probability 1/2.
             v2.RandomApply([v2.ColorJitter(brightness=32 / 255)], p=0.5),
             v2.RandomApply([v2.ColorJitter(contrast=(0.5, 1.5))], p=0.5),
             v2.RandomApply([v2.ColorJitter(saturation=(0.5, 1.5))], p=0.5),
-            v2.RandomApply([v2.ColorJitter(hue=18 / 360)], p=0.5)])
+            v2.RandomApply([v2.ColorJitter(hue=18 / 360)], p=0.5),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(list(mean), list(std))])
 
     def _crop_box(self, label: torch.Tensor) -> tuple[int, int]:
         H, W = label.shape
@@ -134,8 +135,9 @@ class SegTrainTransform:
             return (int(torch.randint(0, max(H - self.crop, 0) + 1, ())),
                     int(torch.randint(0, max(W - self.crop, 0) + 1, ())))
 
-        # mmseg's RandomCrop: 10 checks, each failed one re-draws, so the 11th box is taken
-        # unchecked (a crop of ignored pixels only can stay: the loss is 0 on it).
+        # mmseg's RandomCrop with cat_max_ratio (torchvision's RandomCrop has no such rule): 10
+        # checks, each failed one re-draws, so the 11th box is taken unchecked (a crop of ignored
+        # pixels only can stay: the loss is 0 on it).
         top, left = draw()
         if self.cat_max_ratio < 1:
             for _ in range(10):
@@ -147,34 +149,30 @@ class SegTrainTransform:
         return top, left
 
     def __call__(self, img: Image.Image, mask: np.ndarray):
-        img = TF.pil_to_tensor(img)
-        label = torch.from_numpy(reduce_zero_label(mask))
+        img, label = tv_tensors.Image(TF.pil_to_tensor(img)), tv_tensors.Mask(reduce_zero_label(mask))
         lo, hi = self.ratio_range
         short = round(self.scale * float(torch.empty(()).uniform_(lo, hi)))
-        img = TF.resize(img, short, interpolation=v2.InterpolationMode.BILINEAR, antialias=True)
-        label = TF.resize(label[None], short, interpolation=v2.InterpolationMode.NEAREST)[0]
+        img, label = v2.Resize(short)(img, label)  # the image bilinear (antialiased), the mask nearest
         top, left = self._crop_box(label)
+        # mmseg crops, then pads images smaller than the crop at the bottom / right (hand-written:
+        # torchvision's RandomCrop pads before it crops); the padding's labels are ignored.
         img = img[:, top:top + self.crop, left:left + self.crop]
         label = label[top:top + self.crop, left:left + self.crop]
-        pad_h, pad_w = self.crop - img.shape[1], self.crop - img.shape[2]
-        if pad_h or pad_w:  # images smaller than the crop: padded, the padding ignored
-            img = F.pad(img, (0, pad_w, 0, pad_h), value=0)
-            label = F.pad(label, (0, pad_w, 0, pad_h), value=IGNORE)
-        if torch.rand(()) < 0.5:
-            img, label = img.flip(-1), label.flip(-1)
-        return _normalise(self.photometric(img), self.mean, self.std), label
+        pad = (0, self.crop - img.shape[2], 0, self.crop - img.shape[1])
+        img, label = F.pad(img, pad, value=0), F.pad(label, pad, value=IGNORE)
+        return self.after_crop(tv_tensors.Image(img), tv_tensors.Mask(label))
 
 
 class SegEvalTransform:
     """The image's short side to `scale`, normalised; the label kept at full resolution."""
 
     def __init__(self, scale: int, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)):
-        self.scale, self.mean, self.std = scale, mean, std
+        # Resized as a tensor (antialiased bilinear), as in training: not by PIL.
+        self.image = v2.Compose([v2.PILToTensor(), v2.Resize(scale), v2.ToDtype(torch.float32, scale=True),
+                                 v2.Normalize(list(mean), list(std))])
 
     def __call__(self, img: Image.Image, mask: np.ndarray):
-        img = TF.resize(TF.pil_to_tensor(img), self.scale, interpolation=v2.InterpolationMode.BILINEAR,
-                        antialias=True)
-        return _normalise(img, self.mean, self.std), torch.from_numpy(reduce_zero_label(mask))
+        return self.image(img), torch.from_numpy(reduce_zero_label(mask))
 
 
 def write_digits_ade20k(root, n_train: int = 300, n_val: int = 60, canvas: int = 64, seed: int = 0) -> Path:
