@@ -305,7 +305,7 @@ def test_laplacian_heads_add_no_parameters():
 
 def _saved_bytes(module, fn) -> int:
     """Bytes autograd keeps for backward of fn() (storages counted once, parameters left out)."""
-    from bench.timing import SavedBytes
+    from bench.gpt_memory import SavedBytes
 
     with SavedBytes(module) as saved:
         fn().sum()
