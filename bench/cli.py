@@ -18,9 +18,12 @@ SECTIONS = ("vit", "gpt_memory", "loader")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description="What Laplacian heads cost, ours against "
                                 "timm, the GPT's memory against nanochat's, a loader worker's images/s.")
+    # Positional names too: issue 42 writes the command as `python -m bench gpt_memory`.
     p.add_argument("only", nargs="*", metavar="SECTION", help=f"sections to run (default all): {', '.join(SECTIONS)}")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=None, help="the same, as an option")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    # One thread by default: on a shared host, idle OpenMP threads spin while they wait for a core
+    # and the timings wander; a loader worker runs with one thread anyway.
     p.add_argument("--threads", type=int, default=1, help="torch threads of the timed code (Timer's; 1 on a shared host)")
     p.add_argument("--smoke", action="store_true", help="tiny models, few images, brief timings (tests)")
     p.add_argument("--min-time", type=float, default=None, help="seconds of each Timer measurement (1; smoke 0.01)")
@@ -49,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.exit(2, f"error: --device {args.device}: this machine has no CUDA device torch can use; "
                   f"run on a GPU machine or pass --device cpu\n")
     # Defaults that depend on --smoke and the device (None: not given on the command line).
+    # Full sizes: ViT-B at 128 x 224 is the GPU protocol, 2 images keep a CPU run to minutes. The
+    # GPT's count is per token (SDPA keeps its output and a log-sum-exp per row, no N x N matrix),
+    # so 128 tokens suffice; nanochat's 65,536-token vocabulary keeps the logits' share as in the
+    # paper's runs.
     small = dict(min_time=0.01, img_size=32, batch_size=2, depths=[1], seq_len=16, vocab_size=256, images=3)
     full = dict(min_time=1.0, img_size=224, batch_size=128 if cuda else 2, depths=[4, 8], seq_len=128,
                 vocab_size=65536, images=48)
@@ -62,6 +69,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     from . import gpt_memory, images, vit  # after parsing: --help and argument errors stay quick
 
+    # What a reader needs to compare two records: when, what ran, on which code and machine.
     record = dict(date=datetime.now().astimezone().isoformat(timespec="seconds"),
                   command=shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
                   commit=report.git_commit(), machine=report.machine(args.device), note=args.note,
@@ -69,7 +77,7 @@ def main(argv=None) -> dict:
     m = record["machine"]
     print(f"[bench] {m.get('gpu') or m['cpu']} ({m['cpu_capability']}), {args.threads} thread(s): "
           f"{', '.join(args.sections)}", flush=True)
-    tables = {}
+    tables = {}  # section -> its DataFrame: the record's JSON and Markdown are both views of it
     for name in args.sections:
         t0 = time.perf_counter()
         tables[name] = dict(vit=vit, gpt_memory=gpt_memory, loader=images)[name].run(args)

@@ -90,6 +90,7 @@ def run(args) -> pd.DataFrame:
         models = {f"gpt_d{depth}_{k}L": k for k in sorted({0, heads // 2})}
         if args.nanochat:
             models["nanochat eec0c79"] = None
+        # k = 0 and half the heads: what the Laplacian step keeps shows at any k > 0.
         for name, k in models.items():
             torch.manual_seed(0)
             if k is None:
@@ -102,6 +103,7 @@ def run(args) -> pd.DataFrame:
             print(f"[gpt_memory] {name}: {per_token:,.0f} saved bytes per token", flush=True)
     df = pd.DataFrame(rows)
     if args.nanochat:
+        # Per depth: ours over nanochat's at the same shapes.
         ref = df[df.model == "nanochat eec0c79"].set_index("depth").saved_bytes_per_token
         df["vs nanochat"] = df.saved_bytes_per_token / df.depth.map(ref)
         df[f"within {TARGET}x"] = df["vs nanochat"] <= TARGET

@@ -46,12 +46,18 @@ def machine(device: str) -> dict:
 
 
 def git_commit() -> str | None:
+    """HEAD's commit, None outside a checkout: a record names the code it measured."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
                              text=True, timeout=10)
         return out.stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         return None  # no git, or not a checkout
+
+
+def number(x: float) -> str:
+    # Byte counts whole and grouped (572,064), ratios and milliseconds to five digits (1.0036).
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.5g}"
 
 
 def markdown(record: dict, tables: dict[str, pd.DataFrame]) -> str:
@@ -64,17 +70,19 @@ def markdown(record: dict, tables: dict[str, pd.DataFrame]) -> str:
         lines.append(f"- note: {record['note']}")
     for name, df in tables.items():
         # to_string, not to_markdown: that needs `tabulate`, which the project does not install.
-        lines += ["", f"## {name}: {TITLES[name]}", "", "```", df.to_string(index=False, float_format="{:.4g}".format,
-                                                                            na_rep="-"), "```"]
+        table = df.to_string(index=False, na_rep="-", float_format=number)
+        lines += ["", f"## {name}: {TITLES[name]}", "", "```", table, "```"]
     return "\n".join(lines) + "\n"
 
 
 def write(record: dict, tables: dict[str, pd.DataFrame], out: Path) -> list[Path]:
     """<out>/<date>_<time>_<device>_<CPU or GPU name>[_smoke].{json,md}; returns both paths."""
     name = record["machine"].get("gpu") or record["machine"]["cpu"]
+    # "AMD EPYC 7B13 (x)" -> "amd-epyc-7b13": machines of one kind sort together in the folder.
     slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\(.*?\)", "", name.lower())).strip("-")[:24]
     when = record["date"][:19].replace("T", "_").replace(":", "")  # 2026-12-02_231500: one record per run
     stem = f"{when}_{record['device']}_{slug}" + ("_smoke" if record["smoke"] else "")
+    # JSON: every row with full precision, for scripts; Markdown: the tables as printed.
     record = dict(record, sections={k: df.to_dict("records") for k, df in tables.items()})
     js = write_json(out / f"{stem}.json", record)
     md = atomic_write(out / f"{stem}.md", markdown(record, tables).encode())

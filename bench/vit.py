@@ -24,6 +24,7 @@ SMOKE = {"vits": dict(depth=1, embed_dim=48), "vitb": dict(depth=1, embed_dim=96
 def models(family: str, args) -> dict:
     """{name: (k, model)}: ours at k = 0, half and all heads, then timm's (k None)."""
     size = dict(img_size=args.img_size, **(SMOKE[family] if args.smoke else {}))
+    # The head count from timm's model of the family: k's range follows it (smoke keeps the zoo's).
     heads = timm.create_model(TIMM[family], **size).blocks[0].attn.num_heads
     out = {f"{family}_{k}L": (k, laplace.create_model(f"{family}_{k}L", **size)) for k in sorted({0, heads // 2, heads})}
     out[f"timm {TIMM[family]}"] = (None, timm.create_model(TIMM[family], **size))
@@ -35,6 +36,8 @@ def step(module, x, device: str):
     def fn():
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=device != "cpu"):
             out = module(x)
+        # A scalar from every output, so that backward runs through all of it; float32 as a
+        # loss would be. Gradients accumulate between runs: one add per parameter, alike for all.
         out.float().sum().backward()
     return fn
 
@@ -44,6 +47,7 @@ def run(args) -> pd.DataFrame:
     for family in args.families:
         for name, (k, model) in models(family, args).items():
             model = model.to(args.device).train()
+            # Through the public builders only: a block's `.attn` is the layer in ours and timm's.
             attn = model.blocks[0].attn
             images = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=args.device)
             N, C = model.patch_embed.num_patches + 1, model.embed_dim  # + the class token
@@ -62,6 +66,7 @@ def run(args) -> pd.DataFrame:
         order = list(range(len(cases)))
         for i in order[r % len(order):] + order[:r % len(order)]:
             measured[i].append(cases[i][1].blocked_autorange(min_run_time=args.min_time))
+    # Merging a case's measurements pools their times: the median and IQR over all rounds.
     rows = []
     for i, (row, _, (module, fn)) in enumerate(cases):
         m = benchmark.Measurement.merge(measured[i])[0]
@@ -71,6 +76,7 @@ def run(args) -> pd.DataFrame:
                          saved_mib=saved.bytes / 2**20))
         print(f"[vit] {row['part']:9s} {row['model']:28s} {1e3 * m.median:9.2f} ms", flush=True)
     df = pd.DataFrame(rows)
+    # Each row over its family and part's reference row: k = 0 (the overhead) and timm's (ours vs timm).
     for label, ref in (("k=0", df.k == 0), ("timm", df.k.isna())):
         base = df.loc[ref, ["family", "part", "ms", "saved_mib"]]
         both = df.merge(base, on=["family", "part"], how="left", suffixes=("", "_ref"))
