@@ -36,7 +36,9 @@ class SavedBytes:
             if s.data_ptr() not in self.skip:
                 # Keyed by storage: views of one tensor, saved by several ops, are one allocation.
                 self.storages[s.data_ptr()] = s.nbytes()
-            return t
+            # Detached: an op's own output, kept as is, would hold its grad_fn and so a cycle that
+            # Python's collector cannot see (a whole model leaked per count). Same storage, no copy.
+            return t.detach()
 
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         self.hooks.__enter__()

@@ -4,10 +4,12 @@ counts made by hand."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import math
 import re
+import weakref
 
 import pytest
 import torch
@@ -99,6 +101,18 @@ def test_saved_bytes_counts_each_storage_once_and_no_parameters():
         y = x * x  # mul saves both operands: the same storage
         y[:, :4].exp()  # exp saves its output: a new storage of 3 x 4 floats
     assert saved.bytes == 3 * 8 * 4 + 3 * 4 * 4
+
+
+def test_saved_bytes_leaves_the_graph_collectable():
+    """An op's own saved output must not keep its graph (and the model's weights) alive: the
+    d20 comparison held one model per count until it ran out of memory."""
+    x = torch.randn(3, 8, requires_grad=True)
+    with SavedBytes(torch.nn.Linear(1, 1)):
+        y = x.exp()  # exp saves its output
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is None
 
 
 # A folder laid out as nanochat's package, its GPT our own: the plumbing of --nanochat (the real
