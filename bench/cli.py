@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in (small if args.smoke else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    # On a CPU shared with other jobs, wall time counts their load too; one thread's CPU time does
+    # not (their contention for caches and memory stays). A GPU, or several threads: wall time.
+    args.clock = "wall" if cuda or args.threads > 1 else "cpu"
     return args
 
 

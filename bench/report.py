@@ -65,6 +65,7 @@ def markdown(record: dict, tables: dict[str, pd.DataFrame]) -> str:
     lines = [f"# bench {record['date']}", "",
              f"- machine: {m.get('gpu') or m['cpu']}, {m['cores']} cores, torch CPU kernels {m['cpu_capability']}",
              f"- versions: python {m['python']}, torch {m['torch']}, timm {m['timm']}",
+             f"- clock: {record['args']['clock']} time (vit; the loader: a worker's CPU time)",
              f"- commit: {record['commit']}", f"- command: `{record['command']}`"]
     if record["note"]:
         lines.append(f"- note: {record['note']}")

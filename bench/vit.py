@@ -8,6 +8,9 @@ Each is divided by the k = 0 row and by timm's row of its family and part.
 """
 from __future__ import annotations
 
+import time
+import timeit
+
 import pandas as pd
 import timm
 import torch
@@ -56,7 +59,8 @@ def run(args) -> pd.DataFrame:
                 fn = step(module, x, args.device)
                 # The model itself: torch.compile'd when --compile (after the attention is taken).
                 net = torch.compile(module) if args.compile else module
-                timer = benchmark.Timer("fn()", globals=dict(fn=step(net, x, args.device)),
+                clock = time.process_time if args.clock == "cpu" else timeit.default_timer  # Timer syncs CUDA
+                timer = benchmark.Timer("fn()", globals=dict(fn=step(net, x, args.device)), timer=clock,
                                         num_threads=args.threads, label=part, sub_label=name)
                 cases.append((dict(family=family, part=part, model=name, k=k), timer, (module, fn)))
     # Every case in turn, several rounds, the order rotated: a drift in the machine's load
@@ -66,6 +70,7 @@ def run(args) -> pd.DataFrame:
         order = list(range(len(cases)))
         for i in order[r % len(order):] + order[:r % len(order)]:
             measured[i].append(cases[i][1].blocked_autorange(min_run_time=args.min_time))
+        print(f"[vit] round {r + 1} of {args.rounds} measured", flush=True)
     # Merging a case's measurements pools their times: the median and IQR over all rounds.
     rows = []
     for i, (row, _, (module, fn)) in enumerate(cases):

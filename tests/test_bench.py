@@ -45,6 +45,7 @@ def test_smoke_writes_one_json_and_one_markdown_record(smoke):
         assert rec["machine"][key], key
     assert rec["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert rec["command"].startswith("python -m bench --smoke") and rec["args"]["smoke"] is True
+    assert rec["args"]["clock"] == "cpu" and "- clock: cpu time" in md.read_text()  # one thread on a CPU
     text = md.read_text()
     assert text in stdout  # the record is printed too
     for title in ("## vit:", "## gpt_memory:", "## loader:", "torch CPU kernels"):
