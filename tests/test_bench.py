@@ -1,24 +1,26 @@
-"""`python -m bench --smoke`: every case measured and written as a JSON record and a
-Markdown table (no timing assertions: the numbers only have to exist and be sane)."""
+"""`python -m bench --smoke`: every section runs end to end and writes its JSON and Markdown record
+(no timing assertions: the numbers only have to exist and be sane); the saved-bytes count against
+counts made by hand."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import math
 import re
+import weakref
 
 import pytest
+import torch
 
 from bench import main
-from bench.report import git_commit, gpt_memory_markdown, markdown, ratios, record_stem
+from bench.gpt_memory import SavedBytes
+from bench.images import GPU_RECORD, RUNS, WORKERS_PER_GPU
 
-# --smoke: zoo names at their head counts (one block each); GPT depth 4 = 2 heads per layer.
-EXPECTED = {
-    "vits": {"vits_0L": 0, "vits_3L": 3, "vits_6L": 6, "timm deit3_small": None},
-    "vitb": {"vitb_0L": 0, "vitb_6L": 6, "vitb_12L": 12, "timm deit3_base": None},
-    "gpt": {"gpt_d4_0L": 0, "gpt_d4_1L": 1, "gpt_d4_2L": 2},
-}
+# --smoke: the zoo's names at their head counts (one block each), then timm's DeiT-III.
+VITS = {"vits": ["vits_0L", "vits_3L", "vits_6L", "timm deit3_small_patch16_224"],
+        "vitb": ["vitb_0L", "vitb_6L", "vitb_12L", "timm deit3_base_patch16_224"]}
 
 
 def positive(x) -> bool:
@@ -30,109 +32,92 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        record = main(["--smoke", "--threads", "1", "--out", str(out)])
-    record["stdout"] = stdout.getvalue()
-    return out, record
+        result = main(["--smoke", "--rounds", "2", "--out", str(out)])
+    (js,), (md,) = sorted(out.glob("*.json")), sorted(out.glob("*.md"))
+    return json.loads(js.read_text()), md, result, stdout.getvalue()
 
 
 def test_smoke_writes_one_json_and_one_markdown_record(smoke):
-    out, record = smoke
-    (js,), (md,) = sorted(out.glob("*.json")), sorted(out.glob("*.md"))
-    assert js.stem == md.stem == record_stem(record)
-    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_cpu_[a-z0-9-]+_smoke", js.stem), js.stem
-    rec = json.loads(js.read_text())
-    for key in ("schema", "date", "command", "args", "settings", "machine", "git_commit", "cases",
-                "ratios", "loader", "images", "tokenizer", "analysis"):
-        assert key in rec, key
-    m = rec["machine"]
-    for key in ("kind", "cpu", "cpu_count", "cpus_usable", "torch_threads", "python", "torch", "timm"):
-        assert m[key], key
-    assert m["kind"] == "cpu" and m["torch_threads"] == 1
-    assert rec["args"]["smoke"] is True and rec["settings"]["modes"] == ["eager"]
+    rec, md, result, stdout = smoke
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d{6}_cpu_[a-z0-9-]+_smoke", md.stem), md.stem
+    assert set(rec["sections"]) == {"vit", "gpt_memory", "loader"}
+    for key in ("cpu", "cores", "cpu_capability", "torch", "timm", "python"):
+        assert rec["machine"][key], key
+    assert rec["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert rec["command"].startswith("python -m bench --smoke") and rec["args"]["smoke"] is True
+    assert rec["args"]["clock"] == "cpu" and "- clock: cpu time" in md.read_text()  # one thread on a CPU
+    text = md.read_text()
+    assert text in stdout  # the record is printed too
+    for title in ("## vit:", "## gpt_memory:", "## loader:", "torch CPU kernels"):
+        assert title in text
+    assert [str(f) for f in result["files"]] == [str(md.with_suffix(".json")), str(md)]
 
 
-def test_every_case_present_with_sane_numbers(smoke):
-    out, _ = smoke
-    rec = json.loads(next(out.glob("*.json")).read_text())
-    for section in ("layer", "step"):
-        for family, names in EXPECTED.items():
-            got = {c["name"]: c for c in rec["cases"] if c["section"] == section and c["family"] == family}
-            assert set(got) == set(names), (section, family, sorted(got))
-            for name, k in names.items():
-                c = got[name]
-                assert c["k"] == k and c["impl"] == ("timm" if k is None else "laplace")
-                steps = rec["settings"]["steps" if section == "step" else "layer_steps"]
-                assert c["mode"] == "eager" and len(c["times_ms"]) == steps
-                for key in ("median_ms", "min_ms", "max_ms", "saved_mb"):
-                    assert positive(c[key]), (name, key, c[key])
-                assert c["min_ms"] <= c["median_ms"] <= c["max_ms"]
-                # RSS growth of a tiny step can be 0 (the allocator reuses memory): finite only
-                assert math.isfinite(c["peak_mb"]) and c["peak_mb"] >= 0 and positive(c["cpu_ms"])
-                if section == "step":
-                    assert c["optimizer"].startswith("muon+adamw" if family == "gpt" else "adamw")
-    assert len(rec["cases"]) == 2 * sum(map(len, EXPECTED.values()))
-
-
-def test_ratios_have_targets_and_verdicts(smoke):
-    out, _ = smoke
-    rec = json.loads(next(out.glob("*.json")).read_text())
-    # per section: vits and vitb 2 vs k=0 + 2 vs timm (k = 0 and all), gpt 2 vs k=0
-    assert len(rec["ratios"]) == 2 * (4 + 4 + 2)
-    for r in rec["ratios"]:
-        assert r["target"] == (1.0 if r["kind"] == "vs timm" else 1.01)
-        assert positive(r["time"]) and positive(r["time_min"]) and positive(r["memory"])
-        assert r["memory_basis"] == "saved"
-        assert r["time_met"] == (r["time"] <= r["target"]) and r["memory_met"] == (r["memory"] <= r["target"])
-
-
-def test_loader_tokenizer_and_analysis_sections(smoke):
-    out, _ = smoke
-    rec = json.loads(next(out.glob("*.json")).read_text())
-    ld = rec["loader"]
-    assert ld["tokens"] > 0 and positive(ld["tokens_per_s"]) and ld["shards"] >= 1
-    tk = rec["tokenizer"]
-    assert tk["vocab"] == rec["args"]["tokenizer_vocab"] and tk["chars"] >= rec["args"]["tokenizer_chars"]
-    assert [r["threads"] for r in tk["runs"]] == rec["args"]["tokenizer_threads"]
-    for r in tk["runs"]:
-        assert r["tokens"] > 0 and positive(r["tokens_per_s"]) and positive(r["tokens_per_s_per_thread"])
-    assert 1 < tk["chars_per_token"] < 20  # a trained BPE merges bytes; no merge at all would give ~1
-    assert [a["tokens"] for a in rec["analysis"]] == rec["args"]["analysis_tokens"]
-    for a in rec["analysis"]:
-        for key in ("update_tokens_per_s", "matmul_tokens_per_s", "update_vs_matmul", "peak_rss_mib",
-                    "update_gflops", "matmul_gflops"):
-            assert positive(a[key]), key
-
-
-def test_images_section(smoke):
-    """Every input path from both on-disk layouts, each decode mode, with its demand and the
-    reduced-decode pixel difference (bench/images.py)."""
-    from bench.images import MODES, WORKERS_PER_GPU
-
-    out, _ = smoke
-    im = json.loads(next(out.glob("*.json")).read_text())["images"]
-    assert len(im["photos"]) >= 2 and all(p["size"] in ([500, 375], [375, 500]) for p in im["photos"])
-    got = {(r["layout"], r["path"], r["decode"]) for r in im["rows"]}
-    assert got == {(lay, p, m) for lay in ("folder", "parquet") for p, modes in MODES.items() for m in modes}
-    for r in im["rows"]:
-        assert r["items"] == 2 and positive(r["images_per_s"]) and positive(r["cpu_images_per_s"])
-        assert r["demand_per_worker"] == pytest.approx(r["gpu_images_per_s"] / WORKERS_PER_GPU)
-        assert r["supply_over_demand"] == pytest.approx(r["images_per_s"] / r["demand_per_worker"])
-    assert {d["path"] for d in im["pixel_difference"]} == {"deit3", "timm_3a", "eval"}
-    assert all(d["max_abs"] >= d["mean_abs"] >= 0 for d in im["pixel_difference"])
+def test_vit_rows_and_their_ratios(smoke):
+    rows = smoke[0]["sections"]["vit"]
+    for family, names in VITS.items():
+        for part in ("model", "attention"):
+            got = [r for r in rows if r["family"] == family and r["part"] == part]
+            assert [r["model"] for r in got] == names
+            k0, timm = got[0], got[-1]
+            assert k0["k"] == 0 and timm["k"] is None
+            for r in got:
+                assert positive(r["ms"]) and positive(r["saved_mib"]) and r["runs"] >= 2  # --rounds 2
+                assert r["time / k=0"] == pytest.approx(r["ms"] / k0["ms"])
+                assert r["saved / timm"] == pytest.approx(r["saved_mib"] / timm["saved_mib"])
+    assert len(rows) == 16
 
 
 def test_gpt_memory_section_without_nanochat(smoke):
-    """Ours alone (no --nanochat): k = 0 and with grad_checkpointing, which keeps less."""
-    _, record = smoke
-    mem = record["gpt_memory"]
-    assert mem["dtype"] == "bf16 autocast" and mem["ratios"] == [] and mem["nanochat"] is None
-    rows = {(r["name"], r["grad_checkpointing"]): r["saved_bytes_per_token"] for r in mem["rows"]}
-    assert set(rows) == {("gpt_d1_0L", False), ("gpt_d1_0L", True)}
-    assert 0 < rows[("gpt_d1_0L", True)] < rows[("gpt_d1_0L", False)]
+    rows = smoke[0]["sections"]["gpt_memory"]
+    assert [(r["depth"], r["model"], r["k"]) for r in rows] == [(1, "gpt_d1_0L", 0)]  # one head: k = 0 only
+    assert positive(rows[0]["saved_bytes_per_token"]) and "vs nanochat" not in rows[0]
+
+
+def test_loader_section(smoke):
+    rows = smoke[0]["sections"]["loader"]
+    assert [r["path"] for r in rows] == ["decode only"] + [" ".join(o) for o in RUNS]
+    for r in rows:
+        assert positive(r["img_per_s"]) and r["supply / demand"] == pytest.approx(r["img_per_s"] / r["demand_per_worker"])
+    # experiment=deit3_in1k trains at 192 px: 145 tokens an image against the record's 197 at 224.
+    assert rows[1]["demand_per_worker"] == pytest.approx(GPU_RECORD["images_per_s"] * 197 / 145 / WORKERS_PER_GPU)
+
+
+def test_sections_by_name_and_a_wrong_one(tmp_path, capsys):
+    rec = main(["gpt_memory", "--smoke", "--out", str(tmp_path)])
+    assert list(rec["tables"]) == ["gpt_memory"]
+    with pytest.raises(SystemExit):
+        main(["gpu_memory", "--smoke", "--out", str(tmp_path)])
+    assert "section 'gpu_memory': choose from vit, gpt_memory, loader" in capsys.readouterr().err
+
+
+def test_saved_bytes_counts_each_storage_once_and_no_parameters():
+    """A linear layer keeps its input (the weight is left out); x * x saves x twice, one storage."""
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    with SavedBytes(lin) as saved:
+        lin(x)
+    assert saved.bytes == 3 * 8 * 4
+    with SavedBytes(lin) as saved:
+        y = x * x  # mul saves both operands: the same storage
+        y[:, :4].exp()  # exp saves its output: a new storage of 3 x 4 floats
+    assert saved.bytes == 3 * 8 * 4 + 3 * 4 * 4
+
+
+def test_saved_bytes_leaves_the_graph_collectable():
+    """An op's own saved output must not keep its graph (and the model's weights) alive: the
+    d20 comparison held one model per count until it ran out of memory."""
+    x = torch.randn(3, 8, requires_grad=True)
+    with SavedBytes(torch.nn.Linear(1, 1)):
+        y = x.exp()  # exp saves its output
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is None
 
 
 # A folder laid out as nanochat's package, its GPT our own: the plumbing of --nanochat (the real
-# gpt.py lives outside the repository; docs/LOG.md has its figures).
+# gpt.py lives outside the repository; docs/benchmarks/ has its figures).
 FAKE_NANOCHAT = """
 from dataclasses import dataclass
 import torch
@@ -154,86 +139,12 @@ class GPT(Ours):
 """
 
 
-def test_gpt_memory_against_a_nanochat_folder(tmp_path, capsys):
+def test_gpt_memory_against_a_nanochat_folder(tmp_path):
     (tmp_path / "ref" / "nanochat").mkdir(parents=True)
     (tmp_path / "ref" / "nanochat" / "gpt.py").write_text(FAKE_NANOCHAT)
-    record = main(["--smoke", "--sections", "gpt_memory", "--nanochat", str(tmp_path / "ref"),
-                   "--out", str(tmp_path / "out")])
-    mem = record["gpt_memory"]
-    assert [r["impl"] for r in mem["rows"]] == ["laplace", "laplace", "nanochat"]
-    (plain, ckpt) = mem["ratios"]
-    assert plain["ratio"] == pytest.approx(1.0) and plain["met"] and ckpt["met"] is None
-    assert "| 1 | gpt_d1_0L / nanochat eec0c79 | 1.0000 | met |" in capsys.readouterr().out
+    rec = main(["gpt_memory", "--smoke", "--nanochat", str(tmp_path / "ref"), "--out", str(tmp_path / "out")])
+    df = rec["tables"]["gpt_memory"]
+    assert list(df.model) == ["gpt_d1_0L", "nanochat eec0c79"]
+    assert list(df["vs nanochat"]) == [1.0, 1.0] and df["within 1.02x"].all()
     with pytest.raises(SystemExit, match="no nanochat/gpt.py"):
-        main(["--smoke", "--sections", "gpt_memory", "--nanochat", str(tmp_path), "--out", str(tmp_path / "o")])
-
-
-def test_gpt_memory_cuda_path_on_the_stand_in(monkeypatch):
-    """The CUDA-only part runs through on tests/fakedevice.py's stand-in (which reports 0 bytes
-    allocated): two Muon + AdamW steps of a model, the process cap, a peak per Laplacian model and
-    OOM recorded as such. The stand-in cannot recompute a checkpointed block in backward (its
-    tensors come back untagged), so the steps are run on the plain model."""
-    import laplace
-    import torch
-    from fakedevice import fake_cuda
-    from bench import gpt_memory
-    from bench.cli import parse_args
-
-    fractions, stepped = [], []
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f))
-    with fake_cuda():
-        model = laplace.create_model("gpt_d1_0L", vocab_size=256, max_seq_len=16).to("cuda")
-        assert gpt_memory.peak_step_gib(model, 2, 16, 256, "cuda", compiled=False) == 0.0
-        monkeypatch.setattr(gpt_memory, "peak_step_gib", lambda m, *a: stepped.append(m.grad_checkpointing)
-                            or (None if m.grad_checkpointing else 1.5))
-        args = parse_args(["--smoke", "--device", "cuda", "--sections", "gpt_memory", "--memory-cap-gib", "0.5"])
-        mem = gpt_memory.run(args)
-    assert fractions == [0.5] and stepped == [False, True]  # the cap: of the stand-in's 1 GiB
-    assert [(r["oom"], r["peak_gib"]) for r in mem["rows"]] == [(False, 1.5), (True, None)]
-    table = gpt_memory_markdown(mem)
-    assert any(line.endswith("| 1.5 |") for line in table) and any(line.endswith("| OOM |") for line in table)
-
-
-def test_markdown_has_the_tables(smoke):
-    out, record = smoke
-    text = next(out.glob("*.md")).read_text()
-    assert text == markdown(record) and text in record["stdout"]  # the table is printed too
-    for title in ("## Attention layer alone", "## Training step", "## Ratios and targets", "## LM loader",
-                  "## Image input paths",
-                  "## Tokenizer", "## Analysis accumulator", "## GPT activation memory"):
-        assert title in text
-    assert "| model | k | mode | shape | median ms |" in text
-    for names in EXPECTED.values():
-        for name in names:
-            assert f"| {name} |" in text
-    assert "met" in text and "<= 1.01" in text and "<= 1.00" in text
-
-
-def test_ratio_verdicts():
-    def case(name, k, impl, ms, saved):
-        return dict(section="step", family="vitb", mode="eager", name=name, impl=impl, k=k, median_ms=ms,
-                    min_ms=ms, peak_mb=1.0, saved_mb=saved, cpu_ms=ms)
-
-    cs = [case("vitb_0L", 0, "laplace", 100.0, 10.0), case("vitb_12L", 12, "laplace", 101.5, 10.0),
-          case("timm deit3_base", None, "timm", 100.0, 10.0)]
-    rs = {(r["num"], r["den"]): r for r in ratios(cs, "cpu")}
-    assert set(rs) == {("vitb_12L", "vitb_0L"), ("vitb_0L", "timm deit3_base"), ("vitb_12L", "timm deit3_base")}
-    r = rs[("vitb_12L", "vitb_0L")]
-    assert r["time"] == pytest.approx(1.015) and not r["time_met"] and r["memory_met"]
-    assert rs[("vitb_0L", "timm deit3_base")]["time_met"]
-    cuda = ratios(cs, "cuda")
-    assert {r["memory_basis"] for r in cuda} == {"peak"}
-    compiled = ratios([dict(c, mode="compiled") for c in cs], "cpu")  # RSS only: no memory verdict
-    assert {(r["memory_basis"], r["memory_met"]) for r in compiled} == {("rss", None)}
-
-
-def test_git_commit_from_refs_and_packed_refs(tmp_path):
-    git = tmp_path / ".git"
-    (git / "refs/heads").mkdir(parents=True)
-    (git / "HEAD").write_text("ref: refs/heads/main\n")
-    (git / "packed-refs").write_text("# pack-refs\n" + "a" * 40 + " refs/heads/main\n")
-    assert git_commit(tmp_path) == "a" * 40
-    (git / "refs/heads/main").write_text("b" * 40 + "\n")
-    assert git_commit(tmp_path) == "b" * 40
-    assert git_commit(tmp_path / "nowhere") is None
-
+        main(["gpt_memory", "--smoke", "--nanochat", str(tmp_path), "--out", str(tmp_path / "o")])

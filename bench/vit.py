@@ -1,0 +1,90 @@
+"""What Laplacian heads cost, and our ViT against timm's (`python -m bench vit`).
+
+Forward + backward of a whole ViT and of its first attention layer alone, for each family of
+--families at k = 0, half and all heads Laplacian (`laplace.create_model("vits_{k}L")`) and for
+timm's DeiT-III of the same shape (`timm.create_model("deit3_small_patch16_224")`). Time: the
+median and IQR of torch.utils.benchmark.Timer; memory: the bytes autograd saves for backward.
+Each is divided by the k = 0 row and by timm's row of its family and part.
+"""
+from __future__ import annotations
+
+import time
+import timeit
+
+import pandas as pd
+import timm
+import torch
+from torch.utils import benchmark
+
+import laplace
+
+from .gpt_memory import SavedBytes
+
+TIMM = {"vits": "deit3_small_patch16_224", "vitb": "deit3_base_patch16_224"}
+SMOKE = {"vits": dict(depth=1, embed_dim=48), "vitb": dict(depth=1, embed_dim=96)}  # the zoo's head counts
+
+
+def models(family: str, args) -> dict:
+    """{name: (k, model)}: ours at k = 0, half and all heads, then timm's (k None)."""
+    size = dict(img_size=args.img_size, **(SMOKE[family] if args.smoke else {}))
+    # The head count from timm's model of the family: k's range follows it (smoke keeps the zoo's).
+    heads = timm.create_model(TIMM[family], **size).blocks[0].attn.num_heads
+    out = {f"{family}_{k}L": (k, laplace.create_model(f"{family}_{k}L", **size)) for k in sorted({0, heads // 2, heads})}
+    out[f"timm {TIMM[family]}"] = (None, timm.create_model(TIMM[family], **size))
+    return out
+
+
+def step(module, x, device: str):
+    """Forward + backward of `module` on x (bf16 autocast on CUDA, as training runs there)."""
+    def fn():
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=device != "cpu"):
+            out = module(x)
+        # A scalar from every output, so that backward runs through all of it; float32 as a
+        # loss would be. Gradients accumulate between runs: one add per parameter, alike for all.
+        out.float().sum().backward()
+    return fn
+
+
+def run(args) -> pd.DataFrame:
+    cases = []  # (row, timer, saved-bytes probe)
+    for family in args.families:
+        for name, (k, model) in models(family, args).items():
+            model = model.to(args.device).train()
+            # Through the public builders only: a block's `.attn` is the layer in ours and timm's.
+            attn = model.blocks[0].attn
+            images = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=args.device)
+            N, C = model.patch_embed.num_patches + 1, model.embed_dim  # + the class token
+            tokens = torch.randn(args.batch_size, N, C, device=args.device, requires_grad=True)
+            for part, module, x in (("model", model, images), ("attention", attn, tokens)):
+                fn = step(module, x, args.device)
+                # The model itself: torch.compile'd when --compile (after the attention is taken).
+                net = torch.compile(module) if args.compile else module
+                clock = time.process_time if args.clock == "cpu" else timeit.default_timer  # Timer syncs CUDA
+                timer = benchmark.Timer("fn()", globals=dict(fn=step(net, x, args.device)), timer=clock,
+                                        num_threads=args.threads, label=part, sub_label=name)
+                cases.append((dict(family=family, part=part, model=name, k=k), timer, (module, fn)))
+    # Every case in turn, several rounds, the order rotated: a drift in the machine's load
+    # (other jobs on a shared host) reaches every model alike.
+    measured = {i: [] for i in range(len(cases))}
+    for r in range(args.rounds):
+        order = list(range(len(cases)))
+        for i in order[r % len(order):] + order[:r % len(order)]:
+            measured[i].append(cases[i][1].blocked_autorange(min_run_time=args.min_time))
+        print(f"[vit] round {r + 1} of {args.rounds} measured", flush=True)
+    # Merging a case's measurements pools their times: the median and IQR over all rounds.
+    rows = []
+    for i, (row, _, (module, fn)) in enumerate(cases):
+        m = benchmark.Measurement.merge(measured[i])[0]
+        with SavedBytes(module) as saved:  # eager, one more step: memory is not timed
+            fn()
+        rows.append(dict(row, ms=1e3 * m.median, iqr_ms=1e3 * m.iqr, runs=len(m.times),
+                         saved_mib=saved.bytes / 2**20))
+        print(f"[vit] {row['part']:9s} {row['model']:28s} {1e3 * m.median:9.2f} ms", flush=True)
+    df = pd.DataFrame(rows)
+    # Each row over its family and part's reference row: k = 0 (the overhead) and timm's (ours vs timm).
+    for label, ref in (("k=0", df.k == 0), ("timm", df.k.isna())):
+        base = df.loc[ref, ["family", "part", "ms", "saved_mib"]]
+        both = df.merge(base, on=["family", "part"], how="left", suffixes=("", "_ref"))
+        df[f"time / {label}"] = both.ms / both.ms_ref
+        df[f"saved / {label}"] = both.saved_mib / both.saved_mib_ref
+    return df
