@@ -18,7 +18,7 @@ code before issue 33) and decoded at the size the crop needs (`reduced`, laplace
 pixel difference between the two on the same seeds is recorded); deit3 and dino also with
 `device`: the worker decodes, crops and draws, the colour work is left to the training device
 (data.device_augment, trainer.multicrop.device_augment; its cost there is not in these figures).
-dino's `reduced` draws all ten crops first and decodes once (MultiCrop.plan). The demand is the GPU's images/s (GPU_RECORD, scaled to the path's model and
+dino decodes each image once (in full: its crops rarely allow a reduction). The demand is the GPU's images/s (GPU_RECORD, scaled to the path's model and
 resolution) divided by the workers one GPU gets (WORKERS_PER_GPU).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ GPU_RECORD = dict(gpu="NVIDIA H200", model="ViT-B/16", img_size=224, mode="eager
                   source="issue 33 (first wave; no committed record)")
 WORKERS_PER_GPU = 8
 PATHS = ("decode", "deit3", "timm_3a", "dino", "eval")
-MODES = dict(decode=("full",), deit3=("full", "reduced", "device"), timm_3a=("full", "reduced"), dino=("full", "reduced", "device"),
+MODES = dict(decode=("full",), deit3=("full", "reduced", "device"), timm_3a=("full", "reduced"), dino=("full", "device"),
              eval=("full", "reduced"))
 
 
@@ -130,20 +130,9 @@ def data_node(img_size: int | None):
     return node
 
 
-class Reference:
-    """MultiCrop's reference pipelines as a dataset transform (the decode before issue 33)."""
-
-    def __init__(self, multicrop):
-        self.multicrop = multicrop
-
-    def __call__(self, img):
-        return self.multicrop.reference(img)
-
-
 def transform(path: str, node, multicrops: dict, mode: str):
     """The path's transform; mode: full (the reference: full-size decode), reduced (laplace.data.decode),
     device (DINO with device_augment: the worker decodes and crops)."""
-    from laplace.data.decode import ReducedDecode
     from laplace.data.vision import build_transform
 
     if path == "decode":
@@ -151,9 +140,8 @@ def transform(path: str, node, multicrops: dict, mode: str):
     if path == "dino":
         return multicrops[mode]
     cfg = OmegaConf.merge(node, {"augment": "three_augment" if path == "deit3" else node.augment,
-                                 "device_augment": mode == "device"})
-    tf = build_transform(cfg, train=path != "eval")
-    return ReducedDecode(tf) if mode == "reduced" else tf
+                                 "device_augment": mode == "device", "reduced_decode": mode != "full"})
+    return build_transform(cfg, train=path != "eval")
 
 
 def run_path(ds, items: int, warmup: int) -> dict:
@@ -195,7 +183,7 @@ def run(args) -> dict:
     # trainer=dino's crops at DINO's 224 px (its node takes global_size from data.img_size)
     mc_node = OmegaConf.merge(OmegaConf.load(ROOT / "configs/trainer/dino.yaml").multicrop, {"global_size": 224})
     multicrop = MultiCrop.from_config(mc_node, node.mean, node.std)
-    multicrops = dict(full=Reference(multicrop), reduced=multicrop,
+    multicrops = dict(full=multicrop,
                       device=MultiCrop.from_config(OmegaConf.merge(mc_node, {"device_augment": True}), node.mean, node.std))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a data-loader worker's: torch sets 1 thread in each

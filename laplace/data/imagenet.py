@@ -12,15 +12,9 @@ Usage:
     ds = build_imagenet("/data/imagenet", train=True, transform=three_augment(224))
     img, label = ds[0]
 
-Images are decoded one item at a time in __getitem__ (never the whole split in memory), and
-both dataset types pickle into DataLoader workers (the parquet one as a memory-mapped Arrow
-table). On first use, `datasets` converts the parquet files into an Arrow cache (as large as
-the parquet files) in `cache_dir` (data.cache_dir: by default under the data folder,
-${paths.data_dir}/cache/datasets, not HF's ~/.cache; point it at fast local disk); later runs
-reuse it. `python prepare.py source=imagefolder` writes the parquet layout from the folder one
-(laplace.data.prepare.images). An image that does
-not decode is one line naming its file (parquet: file and row), or, with `skip_corrupt`
-(data.skip_corrupt), skipped and counted (laplace.data.images).
+Each item is read and decoded in __getitem__ (laplace.data.images.load: an unreadable image is one
+line naming its file, parquet: file and row), and both datasets pickle into DataLoader workers.
+`python prepare.py source=imagefolder` writes the parquet layout from the folder one.
 """
 
 import bisect
@@ -35,22 +29,19 @@ from torchvision import datasets as tv_datasets
 from laplace.data import DatasetNotFoundError
 from laplace.errors import ConfigError
 
-from .images import CorruptImages, load, open_rgb
+from .images import CorruptImages, load
 
 NUM_CLASSES = 1000
 _FOLDER_SPLIT = {True: "train", False: "val"}
 _PARQUET_SPLIT = {True: "train", False: "validation"}
 
 
-def _open_file(path: str):
-    return open_rgb(path, path)  # a module function: it pickles into spawned workers
-
-
 class ImageFolder(tv_datasets.ImageFolder):
-    """torchvision's ImageFolder whose unreadable files are one line naming them, or skipped."""
+    """torchvision's ImageFolder (its file list and sorted-wnid labels) whose images are read by
+    laplace.data.images.load: an unreadable file is one line naming it, or skipped."""
 
     def __init__(self, root: str, transform: Callable | None = None, skip_corrupt: bool = False):
-        super().__init__(root, transform=transform, loader=_open_file)
+        super().__init__(root, transform=transform)
         self.corrupt = CorruptImages(skip_corrupt)
 
     def __getitem__(self, index: int) -> tuple:
@@ -58,7 +49,6 @@ class ImageFolder(tv_datasets.ImageFolder):
 
     def _load(self, index: int) -> tuple:
         path, target = self.samples[index]
-        target = self.target_transform(target) if self.target_transform is not None else target
         return load(path, path, self.transform), target
 
     @property
@@ -71,8 +61,9 @@ class ParquetImageNet(torch.utils.data.Dataset):
 
     Args:
         files: parquet file paths of one split.
-        transform: applied to each decoded RGB PIL image.
+        transform: applied to each opened image (laplace.data.images.load).
         cache_dir: where `datasets` keeps its Arrow cache (data.cache_dir; None: the HF default).
+            It converts the parquet files into it on first use (about their size).
         skip_corrupt: serve the next row in place of one whose image does not decode (counted).
     """
 
