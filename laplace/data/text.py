@@ -35,21 +35,16 @@ def pydoc_documents(train: bool = True, val_every: int = 10) -> list[str]:
     return [d for i, d in enumerate(docs) if (i % val_every == val_every - 1) != train]
 
 
-def stdlib_texts() -> list[str]:
+@functools.lru_cache(maxsize=1)  # read once per process: the train and the validation split come from it
+def stdlib_texts() -> tuple[str, ...]:
     """Python's standard-library sources: every non-empty `*.py` file under sysconfig's stdlib
-    folder, by path, without site-packages / dist-packages (what is installed there differs from
-    machine to machine: 11,563 of 13,353 files, 130 of 161 M characters on ours). Real text
-    found on every machine: ~1,790 files, ~31 M characters for Python 3.11."""
-    return list(_stdlib_texts())
-
-
-@functools.lru_cache(maxsize=1)
-def _stdlib_texts() -> tuple[str, ...]:
-    """Read once per process: the train and the validation split both come from it."""
+    folder, by path: real text found on every machine (~1,790 files, ~31 M characters for Python 3.11)."""
     import sysconfig
     from pathlib import Path
 
     root = Path(sysconfig.get_paths()["stdlib"])
+    # Without site-packages / dist-packages: what is installed there differs from machine to
+    # machine (11,563 of 13,353 files, 130 of 161 M characters on ours).
     files = sorted(f for f in root.rglob("*.py")
                    if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts))
     return tuple(t for t in (f.read_text(errors="replace") for f in files) if t.strip())
@@ -76,7 +71,7 @@ def stdlib_documents(train: bool = True, val_every: int = 4, seed: int = STDLIB_
     tokens, about a FineWeb-Edu document) put several files in every batch."""
     import random
 
-    files = [d for i, d in enumerate(_stdlib_texts()) if (i % val_every == val_every - 1) != train]
+    files = [d for i, d in enumerate(stdlib_texts()) if (i % val_every == val_every - 1) != train]
     docs = [p for d in files for p in _pieces(d, max_chars) if p.strip()]
     random.Random(seed).shuffle(docs)
     return docs

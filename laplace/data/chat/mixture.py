@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
 from laplace.errors import ConfigError
@@ -59,17 +60,6 @@ class ChatMixture(Dataset):
         return {name: int(c) for name, c in zip(self.names, n)}
 
 
-def _plain(spec) -> dict:
-    try:  # a DictConfig node: resolved to plain data
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(spec, DictConfig):
-            return OmegaConf.to_container(spec, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with hydra
-        pass
-    return dict(spec)
-
-
 def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str = "data.tasks",
                   cache_dir: str | None = None) -> ChatMixture:
     """A ChatMixture from config specs, each {task, path, subset, split, repeats, max_examples}
@@ -85,7 +75,7 @@ def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str
     tasks, names, task_of, index_of = [], [], [], []
     for t, raw in enumerate(specs):
         where = f"{key}[{t}]"
-        spec = _plain(raw)
+        spec = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
         unknown = sorted(set(spec) - set(_SPEC_KEYS))
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]}: unknown key; a task spec takes {', '.join(_SPEC_KEYS)}")

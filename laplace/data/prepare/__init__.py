@@ -35,10 +35,8 @@ def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
     existing file, copied to out/tokenizer.json so the folder is self-contained."""
     spec = str(cfg.tokenizer)
     path = out / "tokenizer.json"
-    if spec in ("bytes", "gpt2"):
+    if spec != "bpe":  # bytes, gpt2, or a file (copied into out by prepare, once the settings are checked)
         return load_tokenizer(spec)
-    if spec != "bpe":
-        return load_tokenizer(spec)  # copied into out by prepare, once the settings are checked
     vocab = _positive(cfg, "vocab_size")
     if vocab <= MIN_VOCAB:
         raise ConfigError(f"vocab_size={vocab} must exceed {MIN_VOCAB} (256 bytes + 9 special "

@@ -191,16 +191,10 @@ class HFSource:
                               f"{_first_line(e)}") from None
 
     def _batches(self, ds, batch: int) -> Iterator[list[str]]:
-        docs = []
-        for ex in ds:
-            if self.column not in ex:
-                raise self._no_column(list(ex))
-            docs.append(ex[self.column] or "")
-            if len(docs) == batch:
-                yield docs
-                docs = []
-        if docs:
-            yield docs
+        for rows in ds.iter(batch_size=batch):  # columns -> lists of `batch` values, the last fewer
+            if self.column not in rows:
+                raise self._no_column(list(rows))
+            yield [d or "" for d in rows[self.column]]
 
     def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
         skip = start + (0 if self._val is not None else self.val_docs)

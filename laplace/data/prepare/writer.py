@@ -2,12 +2,15 @@
 written atomically, so a re-run keeps the finished shards and skips their documents."""
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from laplace.data.shards import shard_dtype, write_shard
+from laplace.errors import ConfigError
 from laplace.tokenizer import Tokenizer
 
 
@@ -18,12 +21,7 @@ def shard_name(i: int) -> str:
 def encode_docs(tok: Tokenizer, docs: list[str], dtype: np.dtype, threads: int) -> np.ndarray:
     """<|bos|> + the ids of each document, concatenated, as one array of `dtype`."""
     lists = tok.encode_batch(docs, prepend_bos=True, num_threads=threads)
-    out = np.empty(sum(map(len, lists)), dtype=dtype)
-    pos = 0
-    for ids in lists:
-        out[pos:pos + len(ids)] = ids
-        pos += len(ids)
-    return out
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=sum(map(len, lists)))
 
 
 def _shard_tokens(path: Path) -> int | None:
@@ -39,24 +37,9 @@ def _count_docs(path: Path, bos_id: int) -> int:
     return int(np.count_nonzero(np.load(path, mmap_mode="r") == bos_id))
 
 
-class _Progress:
-    def __init__(self, enabled: bool, total: int | None, desc: str):
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit="doc", unit_scale=True, leave=False)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 class Stats:
+    """Documents and tokens tokenized, and the seconds it took (prepare's closing summary)."""
+
     def __init__(self):
         self.docs = self.tokens = 0
         self.seconds = 0.0
@@ -84,10 +67,9 @@ def write_train(src, tok: Tokenizer, folder: Path, docs_per_shard: int, max_docs
     start = len(shards) * D
     if start >= limit:
         return shards
-    total = min(src.num_train, limit) if src.num_train is not None else (
-        None if max_docs is None else max_docs)
-    bar = _Progress(progress, total, "train docs")
-    bar.update(start)
+    total = max_docs if src.num_train is None else min(src.num_train, limit)  # None: unknown (streamed)
+    bar = tqdm(total=total, initial=start, desc="train docs", unit="doc", unit_scale=True, leave=False,
+               disable=not progress)
     parts, docs, seen = [], 0, start
     for batch in src.train_batches(start, batch_docs):
         batch = batch[:max(int(min(limit, seen + len(batch)) - seen), 0)]
