@@ -45,10 +45,11 @@ class ImageFolder(tv_datasets.ImageFolder):
         self.corrupt = CorruptImages(skip_corrupt)
 
     def __getitem__(self, index: int) -> tuple:
+        # Through data.skip_corrupt's policy: raise, or serve the next readable sample.
         return self.corrupt.get(self._load, index, len(self))
 
     def _load(self, index: int) -> tuple:
-        path, target = self.samples[index]
+        path, target = self.samples[index]  # labels: the sorted wnids' order, ImageNet's 0..999
         return load(path, path, self.transform), target
 
     @property
@@ -80,7 +81,8 @@ class ParquetImageNet(torch.utils.data.Dataset):
         # HF feature metadata, and leaves decoding (and its errors) to one place below.
         self.ds = ds.cast_column("image", HFImage(decode=False))
         self.transform = transform
-        # The rows concatenate the files in order: where each file starts, to name a bad row.
+        # The rows concatenate the files in order: where each file starts, to name a bad row
+        # (read from the footers; the Arrow cache keeps no file boundaries).
         self.starts = [0]
         for f in self.files[:-1]:
             self.starts.append(self.starts[-1] + pq.read_metadata(f).num_rows)
@@ -95,6 +97,7 @@ class ParquetImageNet(torch.utils.data.Dataset):
     def _load(self, index: int) -> tuple:
         row = self.ds[index]
         image = row["image"]
+        # HF's image struct holds the file's bytes, or (rarely) only a path to it.
         src = io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]
         k = bisect.bisect_right(self.starts, index) - 1
         return load(src, f"{self.files[k]} row {index - self.starts[k]}", self.transform), row["label"]
@@ -106,6 +109,7 @@ class ParquetImageNet(torch.utils.data.Dataset):
 
 def _parquet_files(root: str, train: bool) -> list[str]:
     split = _PARQUET_SPLIT[train]
+    # `hf download --local-dir root` puts them under root/data/; a bare copy may have them in root.
     for folder in (os.path.join(root, "data"), root):
         files = glob.glob(os.path.join(folder, f"{split}-*.parquet"))
         if files:
@@ -121,12 +125,12 @@ def build_imagenet(
     cache_dir: str | None = None,
     skip_corrupt: bool = False,
 ) -> torch.utils.data.Dataset:
-    """Build an ImageNet-1k split; items are (transformed RGB PIL image, int label in 0..999).
+    """Build an ImageNet-1k split; items are (transformed image, int label in 0..999).
 
     Args:
         root: dataset directory (folder layout: holds train/ and val/; parquet: holds data/).
         train: the training split if True, else the 50k validation split.
-        transform: applied to each PIL image.
+        transform: applied to each opened image (laplace.data.images.load).
         fmt: "folder", "parquet", or "auto" (folder if present, else parquet).
         cache_dir: Arrow cache directory for the parquet layout (data.cache_dir; None: HF default).
         skip_corrupt: serve the next sample in place of an unreadable image (counted) instead
@@ -136,6 +140,7 @@ def build_imagenet(
         raise ConfigError(f"unknown ImageNet format {fmt!r}; expected 'auto', 'folder' or 'parquet'")
     root = os.path.abspath(os.path.expanduser(root))
     folder = os.path.join(root, _FOLDER_SPLIT[train])
+    # data.format=auto: the folder layout when it is there (both in one root: the folder one wins).
     if fmt in ("auto", "folder") and os.path.isdir(folder):
         return ImageFolder(folder, transform=transform, skip_corrupt=skip_corrupt)
     files = _parquet_files(root, train) if fmt in ("auto", "parquet") else []

@@ -81,6 +81,8 @@ class CorruptImages:
 
     def get(self, load, index: int, n: int):
         """load(index), or with `skip` the first readable of load(index + 1), ... (mod n)."""
+        # The replacement depends on the index alone (not on what this worker read before), so a
+        # resumed run serves the same samples.
         for k in range(min(n, MAX_IN_A_ROW)):
             try:
                 return load((index + k) % n)
@@ -89,7 +91,7 @@ class CorruptImages:
                     raise
                 with self._count.get_lock():
                     self._count.value += 1
-                if e.name not in self._named:
+                if e.name not in self._named:  # once per file and process, not once per epoch
                     self._named.add(e.name)
                     print(f"[laplace] data.skip_corrupt: skipped {e.name} ({e.reason})", file=sys.stderr, flush=True)
         raise CorruptImageError(f"{min(n, MAX_IN_A_ROW)} unreadable images in a row from sample {index}: "

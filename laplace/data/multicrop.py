@@ -87,7 +87,7 @@ class MultiCrop:
         self.device_augment = bool(device_augment)
         self.reduce = True  # device_augment's decode at reduced size (the trainer sets data.reduced_decode)
 
-        def view(size, scale, blur, solarize):
+        def view(size, scale, blur, solarize):  # one crop of DataAugmentationDINO
             return v2.Compose([
                 v2.RandomResizedCrop(size, scale=tuple(scale), interpolation=v2.InterpolationMode.BICUBIC),
                 v2.RandomHorizontalFlip(p=flip),
@@ -119,20 +119,26 @@ class MultiCrop:
     def __call__(self, img: Image.Image):
         if self.device_augment:
             return self.decoded(img)
-        img = rgb(img)  # decoded here, once for every crop
+        # Decoded once, in full, for every crop: a reduced decode must hold twice every crop's
+        # output (448 px for a 224 px global crop, 192 px for each local one), which ImageNet's
+        # typical 500 x 375 photos never do at DINO's sizes.
+        img = rgb(img)
         return [t(img) for t, _ in self.views]
 
     def plan(self, img: Image.Image) -> list[tuple[tuple, dict]]:
-        """Every crop's (box on the full-size image, parameters), drawn as its transform draws them
-        (the same generators, the same order: the same values for the same seed). Only the image's
-        size is read."""
+        """Every crop's (box on the full-size image, parameters) without its pixels: device_augment's
+        draws. Only the image's size is read."""
         out = []
         for t, _ in self.views:
+            # The view's own steps draw, in its order and from its generators: the same values
+            # for the same seed as __call__ (tests/test_device_augment.py compares the states).
             crop, flip, jitter, gray, blur, *solarize = t.transforms[:-1]
             box = crop.make_params([img])
+            # v2's random steps apply when torch.rand(1) < p, drawn before their own parameters.
             p = dict(flip=bool(torch.rand(1) < flip.p))
             p["jitter"] = jitter.transforms[0].make_params([]) if torch.rand(1) < jitter.p else None
             p["grayscale"] = bool(torch.rand(1) < gray.p)
+            # DINO's blur and solarize draw from Python's random (GaussianBlur, Solarization above).
             p["radius"] = None if random.random() > blur.p else random.uniform(blur.radius_min, blur.radius_max)
             p["solarize"] = bool(solarize) and random.random() < solarize[0].p
             top, left = box["top"], box["left"]
@@ -140,9 +146,10 @@ class MultiCrop:
         return out
 
     def decoded(self, img: Image.Image) -> dict:
-        """device_augment's worker half: the image decoded once, at the reduced size the crop that
-        needs the most pixels allows, with each crop's window, box and parameters (decoded_sample)."""
+        """device_augment's worker half: the image decoded once with each crop's window, box and
+        parameters (decoded_sample)."""
         plans = self.plan(img)
+        # One decode for every crop: at the reduced size the crop that needs the most pixels allows.
         s = min(reduction(box, (size, size)) for (box, _), (_, size) in zip(plans, self.views)) if self.reduce else 1
         s = draft(img, s)
         image = rgb(img)
@@ -153,15 +160,11 @@ class MultiCrop:
         and augmented on the device the batch is on."""
         return crop_and_augment(batch, [size for _, size in self.views], self.mean, self.std, self.blur_radius[1])
 
-    def __repr__(self) -> str:
-        lines = [f"global {i + 1}: {t}" for i, t in enumerate(self.global_transforms)]
-        lines.append(f"local x{self.n_local}: {self.local_transform}")
-        return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"
-
 
 def multicrop_collate(items):
     """[(crops, label), ...] -> one batch per crop position: [tensor [B, 3, S_v, S_v] for v]; with
     device_augment decoded_collate's dict. Labels are dropped (self-supervised)."""
+    # Items are (crops, label) from a labelled dataset, or the crops alone.
     crops = [it[0] if isinstance(it, (tuple, list)) and not isinstance(it[0], torch.Tensor) else it
              for it in items]
     if isinstance(crops[0], dict):  # device_augment: the decoded images and their crops

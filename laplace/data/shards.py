@@ -38,7 +38,7 @@ from laplace.io import atomic_write
 
 def shard_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned dtype that holds ids 0 .. vocab_size - 1."""
-    if not 0 < vocab_size <= 2**32:
+    if not 0 < vocab_size <= 2**32:  # uint16 when the ids fit: half the disk and page cache
         raise ValueError(f"vocab_size={vocab_size} must be in 1 .. 2**32")
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
@@ -104,25 +104,12 @@ def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) ->
 class TokenStream:
     """Fixed-length windows of a concatenated token stream, split over ranks, resumable.
 
-    The shards, in the given order, are one stream of N tokens. Global window g < G, with
-    G = (N - 1) // seq_len (capped at `max_windows`), is tokens [g*T, g*T + T + 1): x is its first
-    T tokens, y its last T, so windows overlap by one token (as `TokenWindows`) and may span
-    shards. Each micro-batch round consumes W*B consecutive windows from the global position p;
-    rank r gets windows p + r + W*j, j < B. The rounds, and so the optimizer steps, hold the same
-    windows however W*B is split: rank r's rows are rows r::W of one rank with micro batch W*B.
-    An epoch ends when fewer than W*B windows remain (dropped, like drop_last); then the stream
-    starts again at window 0 of epoch + 1, or stops if `loop` is False. A trainer that
-    accumulates micro-batches calls `set_step_windows(global batch)`: the epoch then ends where
-    fewer than one optimizer step's windows remain, so where it ends, and which windows every step
-    after it holds, depend on the global batch alone, not on how W*B splits it (without this a
-    resumed run with another micro batch or world size took another remainder of the epoch).
-
-    The state is (epoch, position = windows consumed this epoch), independent of the world size:
-    a run resumed with W' ranks and micro batch B' continues at the same global window, and its
-    steps hold the same windows as before when W'*B' (times accumulation steps) equals W*B.
-    The position is advanced just before each batch is yielded, so after k yields the state
-    says k rounds consumed: save it after the step that used the batch. The order is not
-    shuffled: shards are expected to be shuffled when written.
+    The shards, in the given order, are one stream of N tokens; global window g < (N - 1) // T
+    (capped at `max_windows`) is tokens [g*T, g*T + T + 1) (x: its first T, y: its last T; windows
+    overlap by one token and may span shards). The state is (epoch, position = windows consumed
+    this epoch), independent of the world size: a run resumed with other ranks or another micro
+    batch continues at the same global window, and its steps hold the same windows when the global
+    batch is the same. Not shuffled: shards are expected to be shuffled when written.
 
     Args:
         files: shard paths, in stream order (e.g. from `list_shards`).
@@ -167,13 +154,18 @@ class TokenStream:
                 f"too little data: data.seq_len={seq_len} x micro batch {micro_batch_size} x "
                 f"world size {world_size} needs {per_round * seq_len + 1} tokens, the shards hold "
                 f"{self.num_tokens} tokens ({self._windows} windows{cap})")
-        self._epoch_windows = self._windows // per_round * per_round  # see set_step_windows
+        # An epoch ends when fewer than one round's windows remain (dropped, like drop_last), or
+        # one optimizer step's (set_step_windows); the next starts again at window 0.
+        self._epoch_windows = self._windows // per_round * per_round
         self._epoch, self._position = 0, 0
         self._maps: dict[int, np.ndarray] = {}  # opened on first use, see _map
 
     def set_step_windows(self, windows: int) -> None:
         """End each epoch at a multiple of `windows` (one optimizer step: the global batch,
         a multiple of W*B) instead of W*B."""
+        # A trainer that accumulates micro-batches calls this: where an epoch ends, and which
+        # windows every later step holds, then depend on the global batch alone, not on how W*B
+        # splits it (else a run resumed with another micro batch took another remainder).
         per_round = self.world_size * self.micro_batch_size
         if windows < 1 or windows % per_round:
             raise ValueError(f"set_step_windows({windows}): must be a positive multiple of "
@@ -247,6 +239,9 @@ class TokenStream:
     def _batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         T, W = self.seq_len, self.world_size
         buf = np.empty((self.micro_batch_size, T + 1), dtype=np.int64)
+        # A round is W*B consecutive windows from `position`; rank r takes windows r, r + W, ...:
+        # rows r::W of one rank with micro batch W*B, so the steps hold the same windows however
+        # W*B is split over ranks.
         for j in range(self.micro_batch_size):
             self._read((position + self.rank + W * j) * T, buf[j])
         chunk = torch.from_numpy(buf)
@@ -259,6 +254,8 @@ class TokenStream:
         while True:
             while self._position + per_round <= self._epoch_windows:
                 batch = self._batch(self._position)
+                # Advanced before the yield: after k batches the state says k rounds consumed,
+                # so a checkpoint saved after the step that used a batch resumes after it.
                 self._position += per_round
                 yield batch
             if not self.loop:

@@ -21,16 +21,18 @@ VOCAB_SIZE = 257
 
 
 def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+    return list(text.encode("utf-8"))  # ids 0-255 are the bytes
 
 
 def decode(ids) -> str:
+    # <|bos|> dropped; a window may cut a character in two: "replace" keeps decoding.
     return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
 def pydoc_documents(train: bool = True, val_every: int = 10) -> list[str]:
     from pydoc_data.topics import topics
 
+    # One document per topic, by name; every 10th held out: a split that never depends on a seed.
     docs = [topics[k] for k in sorted(topics)]
     return [d for i, d in enumerate(docs) if (i % val_every == val_every - 1) != train]
 
@@ -60,18 +62,16 @@ STDLIB_LAYOUT = (f"stdlib split by path, files cut into pieces of <= {STDLIB_PIE
 def stdlib_documents(train: bool = True, val_every: int = 4, seed: int = STDLIB_ORDER_SEED,
                      max_chars: int = STDLIB_PIECE_CHARS) -> list[str]:
     """stdlib_texts() split by path position (every val_every-th file is validation), each file cut
-    at line ends into pieces of at most max_chars, each split's pieces then in a fixed random order.
-
-    Why: token shards are read in order (laplace.data.shards.TokenStream expects them shuffled
-    when written, as FineWeb-Edu's are). By path, a package's modules come together; and whole
-    files are long (median 6.8 k characters, 76% of the text in files over 20 k, the largest
-    756 k: ~220 k tokens), so even shuffled files would feed a small batch (16 x 128 tokens) one
-    file for tens of steps. The validation curve then bumps up and down with whatever file is
-    being read (seen in the long miniature, docs/LOG.md). Pieces of 2,000 characters (~600
-    tokens, about a FineWeb-Edu document) put several files in every batch."""
+    at line ends into pieces of at most max_chars, each split's pieces then in a fixed random order."""
     import random
 
     files = [d for i, d in enumerate(stdlib_texts()) if (i % val_every == val_every - 1) != train]
+    # Token shards are read in order (TokenStream expects them shuffled when written, as
+    # FineWeb-Edu's are). By path a package's modules come together, and whole files are long
+    # (median 6.8 k characters, the largest ~220 k tokens): a small batch (16 x 128 tokens) read
+    # one file for tens of steps and the validation curve rose and fell with it (the long
+    # miniature, docs/LOG.md). Pieces of 2,000 characters (~600 tokens, about a FineWeb-Edu
+    # document), shuffled, put several files in every batch.
     docs = [p for d in files for p in _pieces(d, max_chars) if p.strip()]
     random.Random(seed).shuffle(docs)
     return docs
@@ -106,9 +106,10 @@ class TokenWindows(Dataset):
     def __init__(self, docs: list[str], seq_len: int):
         ids, doc = [], []
         for d, text in enumerate(docs):
-            toks = [BOS] + encode(text)
+            toks = [BOS] + encode(text)  # <|bos|> starts every document, as in the token shards
             ids += toks
             doc += [d] * len(toks)
+        # In memory for the whole run (~450 k tokens): int16, a quarter of int64's bytes.
         self.tokens = torch.tensor(ids, dtype=torch.int16 if VOCAB_SIZE < 2**15 else torch.int32)
         self.docs = torch.tensor(doc, dtype=torch.int32)
         self.seq_len = seq_len

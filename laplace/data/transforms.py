@@ -38,6 +38,7 @@ class ToNormalizedTensor:
         self.std = torch.as_tensor(std, dtype=torch.float32).view(-1, 1, 1)
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
+        # In place on one float copy; the order of operations is ToTensor's and Normalize's.
         return pil_to_tensor(img).contiguous().float().div_(255).sub_(self.mean).div_(self.std)
 
     def __repr__(self) -> str:
@@ -57,6 +58,7 @@ class PILGaussianBlur:
         self.radius_min, self.radius_max = radius_min, radius_max
 
     def __call__(self, img: Image.Image) -> Image.Image:
+        # torch's generator, as DeiT's GaussianBlur (DINO's draws from Python's: laplace.data.multicrop).
         radius = float(torch.empty(1).uniform_(self.radius_min, self.radius_max))
         return img.filter(ImageFilter.GaussianBlur(radius))
 
@@ -115,6 +117,8 @@ def timm_transform(img_size: int, auto_augment: str | None, interpolation: str, 
     tf = create_transform(img_size, is_training=True, auto_augment=auto_augment or None, interpolation=interpolation,
                           color_jitter=color_jitter, re_prob=0.0, mean=mean, std=std)
     # timm's steps: its random resized crop, flip, [auto augment], [jitter], MaybeToTensor, Normalize.
+    # The crop becomes the reduced decode's first step (it draws its box as timm's does) and the
+    # tensor conversion ToNormalizedTensor: timm's pixels, bit for bit (tests/test_data_vision.py).
     crop, *middle, _, _ = tf.transforms
     return T.Compose([DecodeCrop(crop, reduce), *middle, ToNormalizedTensor(mean, std)])
 

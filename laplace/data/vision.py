@@ -18,6 +18,7 @@ AUGMENTS = ("three_augment", "simple_random_crop", "randaugment", "timm", "none"
 
 
 def _required(cfg, key: str, example: str):
+    # Only the recipes that use them state these keys (data=imagenet's auto_augment is RandAugment's).
     value = cfg.get(key)
     if value is None or value == "":
         raise ConfigError(f"data.augment={cfg.augment} needs data.{key}: set +data.{key}={example} "
@@ -35,7 +36,7 @@ def build_transform(cfg, train: bool):
     augment = cfg.augment if train else "none"
     if augment not in AUGMENTS:
         raise ConfigError(f"data.augment={augment!r}: choose one of {', '.join(AUGMENTS)}")
-    if augment == "none":
+    if augment == "none":  # also every validation split: the evaluation is never augmented
         return eval_transform(size, cfg.eval_crop_pct, mean, std, reduce)
     if cfg.get("device_augment", False):  # the worker's half; the training step does the rest
         if augment != "three_augment":
@@ -49,6 +50,7 @@ def build_transform(cfg, train: bool):
     if augment == "randaugment":  # DeiT-III fine-tunes with bicubic crops
         policy = _required(cfg, "auto_augment", "rand-m9-mstd0.5-inc1")
         return timm_transform(size, policy, "bicubic", jitter, mean, std, reduce)
+    # augment=timm: the first author's runs (experiment=deit3_in1k_author: '3a', random interpolation)
     interpolation = _required(cfg, "train_interpolation", "random")
     return timm_transform(size, cfg.get("auto_augment"), interpolation, jitter, mean, std, reduce)
 
@@ -67,6 +69,7 @@ def build_vision_dataset(cfg, train: bool):
     if cfg.name == "imagenet":
         from .imagenet import build_imagenet
 
+        # data.format=auto: the folder layout if there, else the HF parquet files (laplace.data.imagenet)
         return build_imagenet(cfg.root, train, tf, fmt=cfg.format, cache_dir=cfg.cache_dir,
                               skip_corrupt=bool(cfg.get("skip_corrupt", False)))
     raise ConfigError(f"data={cfg.name!r} is not an image dataset; choose one of {NAMES}")

@@ -25,6 +25,7 @@ class SFTDataset(Dataset):
 
     def __init__(self, conversations, tok, max_tokens: int = 2048):
         special_ids(tok)  # fail here, not in a worker, when the tokenizer has no chat tokens
+        # Rendered on access, in the workers: a 460 k-conversation mixture costs no memory up front.
         self.conversations, self.tok, self.max_tokens = conversations, tok, max_tokens
 
     def __len__(self) -> int:
@@ -40,7 +41,7 @@ def sft_collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int)
     y [B, T] the ids without their first, set to -1 (ignore_index) where the target's mask is 0
     and on padding; T = the longest item's length - 1. nanochat pads x with <|assistant_end|>:
     any id works since padded targets are ignored and attention is causal."""
-    T = max(len(ids) for ids, _ in items) - 1
+    T = max(len(ids) for ids, _ in items) - 1  # padded to the batch's longest, not to max_tokens
     if T < 1:
         raise ValueError("sft_collate: every conversation has fewer than 2 tokens")
     x = torch.full((len(items), T), pad_id, dtype=torch.long)
@@ -50,6 +51,7 @@ def sft_collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int)
         if n < 1:
             continue
         x[b, :n] = ids[:-1]
+        # The loss sees the assistant's tokens only: -1 (ignore_index) elsewhere.
         y[b, :n] = torch.where(mask[1:].bool(), ids[1:], torch.full_like(ids[1:], -1))
     return x, y
 
@@ -75,6 +77,8 @@ class PackedChatDataset(Dataset):
         self.seq_len, self.masked = int(seq_len), masked
         n = len(conversations)
         tokens, masks = [], []
+        # Rendered in chunks through the tokenizer's threaded batch encode, kept as int32 + bool
+        # (5 bytes a token): as Python lists of ints a large mixture would take tens of bytes a token.
         for start in range(0, n, chunk):
             batch = [conversations[i] for i in range(start, min(n, start + chunk))]
             for ids, mask in render_conversations(tok, batch, max_tokens=None, num_threads=num_threads):
@@ -99,7 +103,7 @@ class PackedChatDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, mask = self.row(i)
-        x, y = tokens[:-1], tokens[1:].clone()
+        x, y = tokens[:-1], tokens[1:].clone()  # clone: y is written to, tokens is the shared stream
         if self.masked:
             y[~mask[1:]] = -1
         return x, y

@@ -27,7 +27,7 @@ def load_task(task: str, path: str | None = None, subset: str | None = None, spl
     config node named in errors."""
     if task not in TASKS:
         raise ConfigError(f"{key}.task={task!r}: choose one of {', '.join(TASKS)}")
-    if task == "pydoc_chat":
+    if task == "pydoc_chat":  # built in: nothing to load
         if path is not None:
             raise ConfigError(f"{key}.path={path}: pydoc_chat is built in and reads no files; remove the key")
         return PydocChat(split)
@@ -71,6 +71,7 @@ def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str
     """
     if not specs:
         raise ConfigError(f"{key} is empty: give at least one task, e.g. [{{task: pydoc_chat}}]")
+    # One generator for every draw, in spec order: the mixture is a function of the specs and seed.
     rng = np.random.default_rng(seed)
     tasks, names, task_of, index_of = [], [], [], []
     for t, raw in enumerate(specs):
@@ -90,16 +91,19 @@ def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str
         task = load_task(spec["task"], spec.get("path"), spec.get("subset"), spec.get("split") or "train",
                          key=where, cache_dir=cache_dir)
         n = len(task)
+        # A random subset, not the first rows (MMLU's are sorted by subject).
         local = rng.permutation(n)[:int(cap)] if cap is not None else np.arange(n)
+        # repeats=2.5: every example twice, and a fixed random half of them a third time.
         whole, frac = divmod(repeats, 1.0)
         picked = [local] * int(whole)
         if frac > 0:
             picked.append(rng.permutation(local)[:round(frac * len(local))])
         idx = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
         tasks.append(task)
-        names.append(spec["task"] if spec["task"] not in names else f"{spec['task']}#{t}")
+        names.append(spec["task"] if spec["task"] not in names else f"{spec['task']}#{t}")  # counts() keys
         task_of.append(np.full(len(idx), t, dtype=np.int32))
         index_of.append(idx.astype(np.int64))
+    # Index arrays, not conversations: 12 bytes per item, each built when the trainer reads it.
     task_of, index_of = np.concatenate(task_of), np.concatenate(index_of)
     order = rng.permutation(len(task_of))
     return ChatMixture(tasks, task_of[order], index_of[order], names)

@@ -29,6 +29,7 @@ class ChatTask(Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
+        # An IndexError that names the task (rows may be a plain list, or a numpy index).
         if not -len(self) <= i < len(self):
             raise IndexError(f"{self.name}: index {i} out of range ({len(self)} conversations)")
         return self.conversation(self.rows[int(i)])
@@ -56,7 +57,7 @@ class MMLU(ChatTask):
     letters = ("A", "B", "C", "D")
 
     def conversation(self, row):
-        if "train" in row and isinstance(row["train"], Mapping):
+        if "train" in row and isinstance(row["train"], Mapping):  # auxiliary_train's nesting
             row = row["train"]
         letters = self.letters[:len(row["choices"])]
         return {"messages": [{"role": "user", "content": render_mc(row["question"], letters, row["choices"])},
@@ -86,7 +87,7 @@ def gsm8k_parts(answer: str) -> list[dict]:
     python part `expr` (the model's calculator call) and a python_output part `result` (the
     tool's answer); the text between them stays text, the final `#### N` included."""
     parts = []
-    for piece in _CALC.split(answer):
+    for piece in _CALC.split(answer):  # the split keeps the <<...>> pieces (a capturing group)
         if piece.startswith("<<") and piece.endswith(">>"):
             expr, eq, result = piece[2:-2].rpartition("=")
             if not eq:  # no "=": a call without a recorded result

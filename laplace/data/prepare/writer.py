@@ -58,13 +58,14 @@ def write_train(src, tok: Tokenizer, folder: Path, docs_per_shard: int, max_docs
     D, dtype = docs_per_shard, shard_dtype(tok.vocab_size)
     limit = max_docs if max_docs is not None else float("inf")
     shards: list[dict] = []
+    # The shards a killed run finished (each written atomically: whole or absent) are kept.
     while (n := _shard_tokens(folder / shard_name(len(shards)))) is not None:
         shards.append({"file": f"{folder.name}/{shard_name(len(shards))}", "docs": D, "tokens": n})
     if shards:  # every shard but the last holds D documents: count only the last
         shards[-1]["docs"] = _count_docs(folder.parent / shards[-1]["file"], tok.bos_id)
         if shards[-1]["docs"] < D:
             return shards  # the source ran out in the last shard: finished
-    start = len(shards) * D
+    start = len(shards) * D  # shard i holds documents [i * D, (i + 1) * D): resume at the next one
     if start >= limit:
         return shards
     total = max_docs if src.num_train is None else min(src.num_train, limit)  # None: unknown (streamed)
@@ -72,9 +73,9 @@ def write_train(src, tok: Tokenizer, folder: Path, docs_per_shard: int, max_docs
                disable=not progress)
     parts, docs, seen = [], 0, start
     for batch in src.train_batches(start, batch_docs):
-        batch = batch[:max(int(min(limit, seen + len(batch)) - seen), 0)]
+        batch = batch[:max(int(min(limit, seen + len(batch)) - seen), 0)]  # stop at max_docs
         seen += len(batch)
-        while batch:
+        while batch:  # a batch may finish one shard and start the next
             take = min(len(batch), D - docs)
             parts.append(stats.encode(tok, batch[:take], dtype, threads))
             docs, batch = docs + take, batch[take:]
@@ -102,7 +103,7 @@ def write_val(src, tok: Tokenizer, folder: Path, val_docs: int, batch_docs: int,
     path = folder / shard_name(0)
     if val_docs == 0:
         return []
-    if (n := _shard_tokens(path)) is not None:
+    if (n := _shard_tokens(path)) is not None:  # finished by an earlier run
         return [{"file": f"{folder.name}/{path.name}", "docs": _count_docs(path, tok.bos_id), "tokens": n}]
     parts, docs = [], 0
     for batch in src.val_batches(batch_docs):
