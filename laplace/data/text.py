@@ -93,40 +93,38 @@ def _pieces(text: str, max_chars: int) -> list[str]:
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of `seq_len + 1` tokens over the concatenated documents.
-
-    Item i is (x, y) with x = tokens[i*L : i*L + L], y = the same shifted by one, and the
-    document id of every position of x is in `doc_ids(i)` (sequences for the analyses).
+    """Windows of seq_len + 1 tokens of one token stream, consecutive windows sharing one token so
+    that every token is a target once: item i is (x, y), y = x shifted by one. The tail shorter
+    than a window is dropped. The in-memory streams' one implementation (data=pydoc_text here,
+    packed conversations in laplace.data.chat; token shards stream: laplace.data.shards).
 
     Args:
-        docs: documents (strings); each is prefixed with <|bos|>.
-        seq_len: L, the model's context.
+        tokens: the stream, an integer tensor.
+        seq_len: the model's context.
     """
 
-    def __init__(self, docs: list[str], seq_len: int):
-        ids, doc = [], []
-        for d, text in enumerate(docs):
-            toks = [BOS] + encode(text)  # <|bos|> starts every document, as in the token shards
-            ids += toks
-            doc += [d] * len(toks)
-        # In memory for the whole run (~450 k tokens): int16, a quarter of int64's bytes.
-        self.tokens = torch.tensor(ids, dtype=torch.int16 if VOCAB_SIZE < 2**15 else torch.int32)
-        self.docs = torch.tensor(doc, dtype=torch.int32)
-        self.seq_len = seq_len
-        self.n = (len(ids) - 1) // seq_len
-        if self.n == 0:
-            raise ConfigError(f"data.seq_len={seq_len} is longer than the text ({len(ids)} tokens)")
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        self.tokens, self.seq_len = tokens, int(seq_len)
+        self.n = max(0, (len(tokens) - 1) // self.seq_len)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i):
-        chunk = self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1].long()
-        return chunk[:-1], chunk[1:]
+    def window(self, i: int) -> slice:
+        if not 0 <= i < self.n:
+            raise IndexError(f"window {i} out of range ({self.n} windows)")
+        return slice(i * self.seq_len, (i + 1) * self.seq_len + 1)
 
-    def doc_ids(self, i) -> torch.Tensor:
-        return self.docs[i * self.seq_len: (i + 1) * self.seq_len]
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.tokens[self.window(i)].long()
+        return w[:-1], w[1:]
 
 
 def build_pydoc_text(train: bool, seq_len: int) -> TokenWindows:
-    return TokenWindows(pydoc_documents(train), seq_len)
+    """data=pydoc_text: the help topics' bytes, <|bos|> before each, as windows."""
+    ids = [t for doc in pydoc_documents(train) for t in [BOS, *encode(doc)]]  # as the token shards
+    # In memory for the whole run (~450 k tokens): int16, a quarter of int64's bytes.
+    ds = TokenWindows(torch.tensor(ids, dtype=torch.int16), seq_len)
+    if len(ds) == 0:
+        raise ConfigError(f"data.seq_len={seq_len} is longer than the text ({len(ids)} tokens)")
+    return ds

@@ -11,6 +11,8 @@ from torch.utils.data import Dataset
 from laplace.chat_format import render_conversation, render_conversations, special_ids
 from laplace.errors import ConfigError
 
+from ..text import TokenWindows
+
 
 class SFTDataset(Dataset):
     """One rendered conversation per item: (ids LongTensor[L], mask LongTensor[L]), L <=
@@ -56,13 +58,10 @@ def sft_collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int)
     return x, y
 
 
-class PackedChatDataset(Dataset):
-    """Mid-training rows: every conversation rendered (in order, untruncated) and concatenated
-    into one token stream cut into windows of seq_len + 1 tokens, consecutive windows sharing
-    one token (as `data=pydoc_text`'s TokenWindows), so every token is a target exactly once.
-    Item i is (x [seq_len], y [seq_len]): y is x shifted by one, -1 where the target's mask is 0
-    (with `masked`; nanochat's mid-training trains on every token: masked=False). The tail
-    shorter than a row is dropped. Built once: int32 tokens and a bool mask, 5 bytes per token.
+class PackedChatDataset(TokenWindows):
+    """Mid-training rows: every conversation rendered (in order, untruncated), concatenated, and
+    cut into TokenWindows. Item i is (x [seq_len], y [seq_len]) with y set to -1 where the target's
+    mask is 0 (with `masked`; nanochat's mid-training trains on every token: masked=False).
 
     Args:
         conversations: any indexable of conversations.
@@ -74,9 +73,8 @@ class PackedChatDataset(Dataset):
 
     def __init__(self, conversations, tok, seq_len: int, masked: bool = True, chunk: int = 4096,
                  num_threads: int | None = None):
-        self.seq_len, self.masked = int(seq_len), masked
         n = len(conversations)
-        tokens, masks = [], []
+        tokens, masks = [np.zeros(0, np.int32)], [np.zeros(0, np.bool_)]
         # Rendered in chunks through the tokenizer's threaded batch encode, kept as int32 + bool
         # (5 bytes a token): as Python lists of ints a large mixture would take tens of bytes a token.
         for start in range(0, n, chunk):
@@ -84,21 +82,15 @@ class PackedChatDataset(Dataset):
             for ids, mask in render_conversations(tok, batch, max_tokens=None, num_threads=num_threads):
                 tokens.append(np.asarray(ids, dtype=np.int32))
                 masks.append(np.asarray(mask, dtype=np.bool_))
-        self.tokens = torch.from_numpy(np.concatenate(tokens) if tokens else np.zeros(0, np.int32))
-        self.mask = torch.from_numpy(np.concatenate(masks) if masks else np.zeros(0, np.bool_))
-        self.n = max(0, (len(self.tokens) - 1) // self.seq_len)
+        super().__init__(torch.from_numpy(np.concatenate(tokens)), seq_len)
+        self.mask, self.masked = torch.from_numpy(np.concatenate(masks)), masked
         if self.n == 0:
             raise ConfigError(f"seq_len={seq_len} is longer than all {n} conversations together "
                               f"({len(self.tokens)} tokens): use more conversations or a shorter seq_len")
 
-    def __len__(self) -> int:
-        return self.n
-
     def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw window i: (tokens LongTensor[seq_len + 1], mask BoolTensor[seq_len + 1])."""
-        if not 0 <= i < self.n:
-            raise IndexError(f"row {i} out of range ({self.n} rows)")
-        s = slice(i * self.seq_len, (i + 1) * self.seq_len + 1)
+        s = self.window(i)
         return self.tokens[s].long(), self.mask[s]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
