@@ -48,14 +48,8 @@ class CIFAR100(_PresenceCheckMixin, datasets.CIFAR100):
 _CLASSES = {"cifar10": CIFAR10, "cifar100": CIFAR100}
 
 
-def build_cifar(
-    name: str,
-    root: str,
-    train: bool,
-    transform: Callable | None = None,
-    download: bool = False,
-    verify_md5: bool = False,
-) -> datasets.CIFAR10:
+def build_cifar(name: str, root: str, train: bool, transform: Callable | None = None, download: bool = False,
+                verify_md5: bool = False) -> datasets.CIFAR10:
     """Build a CIFAR split; items are (transformed PIL RGB 32x32 image, int label).
 
     Args:

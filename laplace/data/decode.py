@@ -81,6 +81,8 @@ class DecodeCrop:
         if isinstance(c, T.Resize):  # the short side to c.size: the whole image, no draw
             short = c.size if isinstance(c.size, int) else c.size[0]
             return (0, 0, *img.size), resized_size(*img.size, short), pil_modes_mapping[c.interpolation]
+        # The crop's own draw (torchvision's from torch, timm's from Python's random), on the
+        # size the header gives: the same box as on the decoded image.
         i, j, h, w = c.get_params(img, c.scale, c.ratio)
         interpolation = c.interpolation
         if isinstance(interpolation, (tuple, list)):  # timm's 'random': drawn after the box, as timm does

@@ -74,8 +74,9 @@ class ParquetImageNet(torch.utils.data.Dataset):
         from datasets import Image as HFImage
         from datasets import load_dataset
 
-        self.files = sorted(files)
+        self.files = sorted(files)  # HF names its shards train-00000-of-NNNNN, ...: sorted is row order
         cache_dir = os.path.abspath(os.path.expanduser(str(cache_dir))) if cache_dir is not None else None
+        # A memory-mapped Arrow table: items are read one at a time, and it pickles into workers.
         ds = load_dataset("parquet", data_files=self.files, split="train", cache_dir=cache_dir)
         # decode=False hands us the raw {bytes, path} struct, whether or not the files carry
         # HF feature metadata, and leaves decoding (and its errors) to one place below.
@@ -117,14 +118,8 @@ def _parquet_files(root: str, train: bool) -> list[str]:
     return []
 
 
-def build_imagenet(
-    root: str,
-    train: bool,
-    transform: Callable | None = None,
-    fmt: str = "auto",
-    cache_dir: str | None = None,
-    skip_corrupt: bool = False,
-) -> torch.utils.data.Dataset:
+def build_imagenet(root: str, train: bool, transform: Callable | None = None, fmt: str = "auto",
+                   cache_dir: str | None = None, skip_corrupt: bool = False) -> torch.utils.data.Dataset:
     """Build an ImageNet-1k split; items are (transformed image, int label in 0..999).
 
     Args:
@@ -136,7 +131,7 @@ def build_imagenet(
         skip_corrupt: serve the next sample in place of an unreadable image (counted) instead
             of stopping with one line naming it.
     """
-    if fmt not in ("auto", "folder", "parquet"):
+    if fmt not in ("auto", "folder", "parquet"):  # data.format
         raise ConfigError(f"unknown ImageNet format {fmt!r}; expected 'auto', 'folder' or 'parquet'")
     root = os.path.abspath(os.path.expanduser(root))
     folder = os.path.join(root, _FOLDER_SPLIT[train])

@@ -45,11 +45,8 @@ def shard_dtype(vocab_size: int) -> np.dtype:
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
                 vocab_size: int) -> Path:
-    """Save `tokens` as a shard at `path` (".npy" is appended if missing, as np.save does).
-
-    The write is atomic: the array goes to a hidden temp file in the same folder, is fsynced and
-    then renamed, so a crash never leaves a half-written shard under its final name (and
-    `list_shards` skips the hidden leftovers). Returns the shard's path.
+    """Save `tokens` as a shard at `path` (".npy" is appended if missing, as np.save does), atomically;
+    returns the shard's path.
 
     Args:
         path: where the shard goes; parent folders are created.
@@ -64,12 +61,15 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
         arr = arr.astype(dtype)  # np.asarray([]) is float64
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    # An id out of range would be read back as another token (uint16 wraps): refuse it here.
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         raise ValueError(f"token ids must be in 0 .. {vocab_size - 1} (vocab_size={vocab_size}), "
                          f"got min {arr.min()} and max {arr.max()}")
     path = Path(path)
     if path.suffix != ".npy":
         path = path.with_name(path.name + ".npy")
+    # A hidden temp file, fsynced, then renamed: a crash never leaves a half-written shard under its
+    # final name, and list_shards skips the hidden leftovers.
     return atomic_write(path, lambda f: np.save(f, arr.astype(dtype, copy=False)))
 
 
@@ -87,7 +87,7 @@ def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) ->
             raise DatasetNotFoundError(
                 f"token shards not found: folder {where} does not exist; "
                 f"set data.root to the folder holding the *.npy shards")
-        if split is not None and os.path.isdir(os.path.join(where, split)):
+        if split is not None and os.path.isdir(os.path.join(where, split)):  # prepare's train/ and val/
             where, split = os.path.join(where, split), None
         where = os.path.join(where, "*.npy")
     files = sorted(Path(p) for p in glob.glob(where)
@@ -137,7 +137,7 @@ class TokenStream:
         # Shard lengths from the .npy headers (mapping reads no data); cum[i] = first token of i.
         self._cum = [0]
         for f in self.files:
-            a = np.load(f, mmap_mode="r")
+            a = np.load(f, mmap_mode="r")  # reads the header: a check of every shard before step 1
             if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
                 raise ValueError(f"{f} is not a token shard (1-D integer array), "
                                  f"got shape {a.shape} and dtype {a.dtype}")
@@ -208,6 +208,8 @@ class TokenStream:
         shard's length and first and last 4096 tokens (cheap at any size). A resumed run
         compares it (train/engine.py): the same shards moved to another root resume, other
         shards are refused."""
+        # Not the paths (the same shards moved resume) and not every token (hours for FineWeb-Edu's
+        # shards): the lengths and both ends of each shard tell other shards apart.
         h = hashlib.sha256()
         for i in range(len(self.files)):
             a = self._map(i)
@@ -229,7 +231,7 @@ class TokenStream:
         """Copy tokens [start, start + len(out)) of the stream into out, across shards."""
         # The last shard that starts at or before `start` (skips empty shards).
         i = bisect.bisect_right(self._cum, start) - 1
-        done = 0
+        done = 0  # a window may span shards: copy shard by shard
         while done < len(out):
             lo = start + done - self._cum[i]
             n = min(len(out) - done, self._cum[i + 1] - self._cum[i] - lo)
@@ -275,7 +277,7 @@ class ShardWindows(torch.utils.data.Dataset):
         return self._stream.windows_per_epoch
 
     def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= g < len(self):
+        if not 0 <= g < len(self):  # an IndexError ends a plain `for` loop over the dataset
             raise IndexError(g)
         buf = np.empty(self.seq_len + 1, dtype=np.int64)
         self._stream._read(g * self.seq_len, buf)

@@ -36,7 +36,7 @@ def load_task(task: str, path: str | None = None, subset: str | None = None, spl
     return TASKS[task](rows)
 
 
-_SPEC_KEYS = ("task", "path", "subset", "split", "repeats", "max_examples")
+_SPEC_KEYS = ("task", "path", "subset", "split", "repeats", "max_examples")  # a typo is refused, not ignored
 
 
 class ChatMixture(Dataset):
@@ -82,7 +82,7 @@ def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str
             raise ConfigError(f"{where}.{unknown[0]}: unknown key; a task spec takes {', '.join(_SPEC_KEYS)}")
         if "task" not in spec:
             raise ConfigError(f"{where}.task is missing: choose one of {', '.join(TASKS)}")
-        repeats = float(spec.get("repeats") if spec.get("repeats") is not None else 1.0)
+        repeats = float(spec.get("repeats") if spec.get("repeats") is not None else 1.0)  # null: once
         if not (math.isfinite(repeats) and repeats >= 0):
             raise ConfigError(f"{where}.repeats={spec.get('repeats')}: use a number >= 0 (2 = every example twice)")
         cap = spec.get("max_examples")

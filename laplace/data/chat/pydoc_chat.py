@@ -9,6 +9,7 @@ from laplace.errors import ConfigError
 
 from .tasks import MMLU, ChatTask, render_mc
 
+# Three phrasings of one request per topic: the model learns the answer, not one template.
 _QUESTIONS = ("What does the Python documentation say about {t}?",
               "Explain {t} in Python.",
               "I'm reading Python's reference manual. Can you summarise the section \"{t}\"?")
@@ -49,11 +50,11 @@ def _capped(blocks: list[tuple[bool, str]], max_chars: int) -> str:
         if out and len(out) + 2 + len(b) > max_chars:
             break
         out = f"{out}\n\n{b}" if out else b
-    if len(out) > max_chars:
+    if len(out) > max_chars:  # one long first paragraph: end at a sentence, not mid-word
         cut = out[:max_chars]
         end = cut.rfind(". ")
         out = cut[:end + 1] if end > 0 else cut.rstrip() + "..."
-    return out.rstrip(":") + ("." if out.endswith(":") else "")
+    return out.rstrip(":") + ("." if out.endswith(":") else "")  # "... as follows:" without what follows
 
 
 class PydocChat(ChatTask):

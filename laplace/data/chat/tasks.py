@@ -18,7 +18,7 @@ def render_mc(question: str, letters: Sequence[str], choices: Sequence[str]) -> 
 
 class ChatTask(Dataset):
     """Conversations over the rows of a `datasets.Dataset` (or any indexable of rows), built on
-    access so that a 460k-row task costs no memory up front."""
+    access: a 460k-row task costs no memory up front (no `.map` into a second Arrow copy)."""
 
     name = "task"
 
@@ -45,6 +45,7 @@ class SmolTalk(ChatTask):
     name = "smoltalk"
 
     def conversation(self, row):
+        # Only role and content: render_conversation checks the roles and merges a system message.
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]}
 
 
@@ -59,7 +60,7 @@ class MMLU(ChatTask):
     def conversation(self, row):
         if "train" in row and isinstance(row["train"], Mapping):  # auxiliary_train's nesting
             row = row["train"]
-        letters = self.letters[:len(row["choices"])]
+        letters = self.letters[:len(row["choices"])]  # MMLU has four choices; fewer take fewer letters
         return {"messages": [{"role": "user", "content": render_mc(row["question"], letters, row["choices"])},
                              {"role": "assistant", "content": letters[int(row["answer"])]}],
                 "subject": row.get("subject", ""), "letters": letters}
@@ -72,7 +73,7 @@ class ARC(ChatTask):
     name = "arc"
 
     def conversation(self, row):
-        letters = tuple(row["choices"]["label"])
+        letters = tuple(row["choices"]["label"])  # the dataset's own: A-D, or 1-4 in a few rows
         return {"messages": [{"role": "user", "content": render_mc(row["question"], letters,
                                                                     row["choices"]["text"])},
                              {"role": "assistant", "content": row["answerKey"]}],

@@ -74,6 +74,7 @@ def _positive(cfg, key: str, allow_null: bool = False, allow_zero: bool = False)
     v = cfg[key]
     if v is None and allow_null:
         return None
+    # Hydra reads 1e6 as a float and true as a bool: an integer-valued float passes, a bool not.
     if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v \
             or int(v) < (0 if allow_zero else 1):
         what = "a non-negative" if allow_zero else "a positive"

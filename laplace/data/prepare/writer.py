@@ -20,7 +20,7 @@ def shard_name(i: int) -> str:
 
 def encode_docs(tok: Tokenizer, docs: list[str], dtype: np.dtype, threads: int) -> np.ndarray:
     """<|bos|> + the ids of each document, concatenated, as one array of `dtype`."""
-    lists = tok.encode_batch(docs, prepend_bos=True, num_threads=threads)
+    lists = tok.encode_batch(docs, prepend_bos=True, num_threads=threads)  # threads: no GIL in tiktoken
     return np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=sum(map(len, lists)))
 
 
