@@ -16,7 +16,6 @@ import functools
 import math
 import random
 
-import numpy as np
 import torch
 import torch.nn.functional as nnf
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -44,7 +43,7 @@ def param_row(p: dict) -> torch.Tensor:
     radius = p["radius"]
     row = [p["flip"], p["jitter"] is not None, *order, *factors, p["grayscale"], radius is not None, radius or 0.0,
            p["solarize"]]
-    return torch.tensor(np.array(row, dtype=np.float32))
+    return torch.tensor(row, dtype=torch.float32)
 
 
 class ThreeAugmentCrops:
