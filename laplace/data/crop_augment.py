@@ -23,8 +23,8 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
 
-from .decode import DecodeCrop, draft, reduction, rgb
-from .resample import resize_crops, window
+from .decode import DecodeCrop, draft, reduction, rgb, window
+from .resample import resize_crops
 
 # A crop's parameters as one float row: what each step of the PIL pipeline drew.
 PARAMS = ("flip", "jitter", "order0", "order1", "order2", "order3", "brightness", "contrast", "saturation",

@@ -10,14 +10,13 @@ tests/test_decode.py checks both and bounds the difference where s > 1.
 """
 from __future__ import annotations
 
+import math
 import random
 
 from PIL import Image
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms as T
 from torchvision.transforms.functional import pil_modes_mapping
-
-from .resample import window
 
 SCALES = (8, 4, 2)  # the DCT scales libjpeg offers through PIL's draft, largest first
 
@@ -41,6 +40,18 @@ def draft(img: Image.Image, s: int) -> int:
     if s > 1 and img.draft(None, (img.size[0] // s, img.size[1] // s)) is not None:
         return img.decoderconfig[0]  # PIL's choice: s, but for images of a few pixels
     return 1
+
+
+def window(box: tuple, s: int, size: tuple[int, int]) -> tuple[tuple[int, int, int, int], tuple[float, ...]]:
+    """The crop `box` (full-size coordinates) on an image decoded at 1/s (of size `size`) as
+    (the enclosing whole pixels (x0, y0, x1, y1): the only ones the filter may see, as in the
+    reference that cuts the crop first; the box in those pixels' coordinates)."""
+    if s == 1:  # a whole-pixel box: the window is the box itself
+        return tuple(int(v) for v in box), (0.0, 0.0, float(box[2] - box[0]), float(box[3] - box[1]))
+    l, t, r, b = (v / s for v in box)
+    x0, y0 = math.floor(l), math.floor(t)
+    x1, y1 = min(math.ceil(r), size[0]), min(math.ceil(b), size[1])
+    return (x0, y0, x1, y1), (l - x0, t - y0, min(r, x1) - x0, min(b, y1) - y0)
 
 
 def rgb(img: Image.Image) -> Image.Image:

@@ -21,8 +21,7 @@ from torchvision.transforms import v2
 from laplace.errors import ConfigError
 
 from .crop_augment import crop_and_augment, decoded_collate, decoded_sample
-from .decode import draft, reduction, rgb
-from .resample import window
+from .decode import draft, reduction, rgb, window
 from .transforms import ToNormalizedTensor
 
 

@@ -1,5 +1,5 @@
 """PIL's bicubic resize of a crop, on a batch of crops of different images at once: the training
-device's half of data.device_augment and trainer.multicrop.device_augment.
+device's half of data.device_augment and trainer.multicrop.device_augment (windows: laplace.data.decode.window).
 
 Written by hand because no library resizes a batch of *different* boxes of *different* images with
 PIL's filter: torchvision's and kornia's resize take one size for the whole batch, and roi_align
@@ -8,23 +8,10 @@ samples bilinearly without PIL's widening of the filter. tests/test_resample.py 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 BICUBIC_SUPPORT = 2.0  # the bicubic filter is 0 beyond |x| = 2 (before widening)
-
-
-def window(box: tuple, s: int, size: tuple[int, int]) -> tuple[tuple[int, int, int, int], tuple[float, ...]]:
-    """The crop `box` (full-size coordinates) on an image decoded at 1/s (of size `size`) as
-    (the enclosing whole pixels (x0, y0, x1, y1): the only ones the filter may see, as in the
-    reference that cuts the crop first; the box in those pixels' coordinates)."""
-    if s == 1:  # a whole-pixel box: the window is the box itself
-        return tuple(int(v) for v in box), (0.0, 0.0, float(box[2] - box[0]), float(box[3] - box[1]))
-    l, t, r, b = (v / s for v in box)
-    x0, y0 = math.floor(l), math.floor(t)
-    x1, y1 = min(math.ceil(r), size[0]), min(math.ceil(b), size[1])
-    return (x0, y0, x1, y1), (l - x0, t - y0, min(r, x1) - x0, min(b, y1) - y0)
 
 
 def _bicubic(x: torch.Tensor) -> torch.Tensor:
