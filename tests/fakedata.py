@@ -4,6 +4,7 @@
     data, labels = fakedata.write_cifar(tmp_path, "cifar10", n_train=20, n_test=10)
     labels = fakedata.write_imagenet_folder(tmp_path, n_classes=3, per_class=2)
     labels = fakedata.write_imagenet_parquet(tmp_path, n_classes=3, per_class=2)
+    jpegs = fakedata.photo_jpegs()      # real photographs as ImageNet-like JPEG bytes
 
 The real readers (torchvision's CIFAR unpickling, ImageFolder, `datasets` parquet) then load
 them exactly as they load the real data.
@@ -101,4 +102,34 @@ def write_imagenet_parquet(root, n_classes: int = 3, per_class: int = 2, size: i
         for k, (lo, hi) in enumerate(((0, half), (half, len(labels)))):
             ds.select(range(lo, hi)).to_parquet(os.path.join(root, "data", f"{split}-{k:05d}-of-00002.parquet"))
         out[split] = labels
+    return out
+
+
+def photo_jpegs(size=(500, 375), quality: int = 90) -> list[bytes]:
+    """Real photographs that installed packages ship (scikit-learn's china.jpg and flower.jpg,
+    matplotlib's grace_hopper.jpg), cut to 4:3 (3:4 if portrait), resized to ImageNet's typical
+    500 x 375 (bicubic) and encoded as JPEG at quality 90: as bench/images.py makes them."""
+    from pathlib import Path
+
+    from sklearn.datasets import load_sample_images
+
+    s = load_sample_images()
+    found = [Image.fromarray(a) for a in s.images]
+    try:
+        import matplotlib
+
+        hopper = Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"
+        if hopper.is_file():
+            found.append(Image.open(hopper).convert("RGB"))
+    except ImportError:
+        pass
+    out = []
+    for img in found:
+        w, h = size if img.width >= img.height else size[::-1]
+        scale = max(w / img.width, h / img.height)
+        cw, ch = w / scale, h / scale
+        box = ((img.width - cw) / 2, (img.height - ch) / 2, (img.width + cw) / 2, (img.height + ch) / 2)
+        buf = io.BytesIO()
+        img.resize((w, h), Image.BICUBIC, box=box).save(buf, format="JPEG", quality=quality)
+        out.append(buf.getvalue())
     return out

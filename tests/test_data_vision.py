@@ -173,8 +173,8 @@ def test_eval_transform_shape_and_centre_crop():
     assert x.shape == (3, 20, 20)
     px = _pixels(x)
     assert px[:, :, 8:12].mean() > 250 and px[:, :, :2].mean() < 10
-    assert eval_transform(224, crop_pct=0.875).transforms[1].size == 256
-    assert eval_transform(224).transforms[1].size == 224
+    assert eval_transform(224, crop_pct=0.875).transforms[0].crop.size == 256  # DecodeCrop(T.Resize)
+    assert eval_transform(224).transforms[0].crop.size == 224
 
 
 def _photos(tmp_path):

@@ -1,16 +1,19 @@
-"""DINO's multi-crop drawn first and decoded once (MultiCrop.plan / decode / rest), and the
-device-side augmentation of DINO's crops (trainer.multicrop.device_augment) and of 3-Augment
-(data.device_augment; laplace.data.crop_augment) against the reference pipelines (DINO's
-T.Compose per view, three_augment), on real photographs."""
+"""DINO's multi-crop (laplace.data.multicrop) against torchvision's v1 pipeline of DINO's recipe, and
+the device-side augmentation of DINO's crops (trainer.multicrop.device_augment) and of 3-Augment
+(data.device_augment; laplace.data.crop_augment) against the PIL pipelines (MultiCrop,
+three_augment), on real photographs."""
 from __future__ import annotations
 
 import io
 
 import torch
+from PIL import Image
+from torchvision import transforms as T
 
 from laplace.data.crop_augment import PARAMS, ThreeAugmentCrops, crop_and_augment, decoded_collate
-from laplace.data.images import load, open_rgb
-from laplace.data.multicrop import MultiCrop, multicrop_collate
+from laplace.data.images import load
+from laplace.data.multicrop import GaussianBlur, MultiCrop, Solarization, multicrop_collate
+from laplace.data.transforms import three_augment
 from test_decode import files, seeded  # noqa: F401 (files: the photographs' fixture)
 
 SEEDS = range(6)
@@ -25,18 +28,34 @@ def within_bound(got: torch.Tensor, want: torch.Tensor, std) -> None:
     assert float(d.mean()) < MEAN_BOUND and float(d.max()) <= MAX_BOUND, (float(d.mean()), float(d.max()))
 
 
-def test_planned_crops_are_the_reference_bit_for_bit(files):
-    """Drawn first, decoded once from the undecoded file, applied on PIL: the reference's crops,
-    pixels and random draws (the generators' states after the image are equal)."""
-    mc = MultiCrop(local_crops=3)
+def dino_v1(local_crops: int):
+    """DINO's recipe (main_dino.py DataAugmentationDINO, 2 x 224 + local_crops x 96) in torchvision's
+    v1 transforms, as DINO writes it: what MultiCrop must equal."""
+    jitter = [T.RandomHorizontalFlip(p=0.5), T.RandomApply([T.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8),
+              T.RandomGrayscale(p=0.2)]
+    tail = [T.ToTensor(), T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]
+
+    def view(size, scale, *blur_solarize):
+        return T.Compose([T.RandomResizedCrop(size, scale=scale, interpolation=Image.BICUBIC), *jitter,
+                          *blur_solarize, *tail])
+
+    views = [view(224, (0.4, 1.0), GaussianBlur(1.0)), view(224, (0.4, 1.0), GaussianBlur(0.1), Solarization(0.2))]
+    views += [view(96, (0.05, 0.4), GaussianBlur(0.5))] * local_crops
+    return lambda img: [t(img) for t in views]
+
+
+def test_multicrop_is_dinos_pipeline_bit_for_bit(files):
+    """MultiCrop (torchvision v2) on the opened file: DINO's v1 pipeline on the decoded image, the
+    same crops, pixels and random draws (the generators' states after the image are equal)."""
+    mc, ref = MultiCrop(local_crops=3), dino_v1(3)
     for data in files:
-        decoded = open_rgb(io.BytesIO(data), "photo")
+        decoded = load(io.BytesIO(data), "photo")
         for seed in SEEDS:
-            ref, ref_torch, ref_py = seeded(seed, lambda: mc.reference(decoded))
-            new, new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", mc))
+            want, ref_torch, ref_py = seeded(seed, lambda: ref(decoded))
+            got, new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", mc))
             assert torch.equal(ref_torch, new_torch) and ref_py == new_py
-            assert len(new) == len(ref) == mc.n_crops
-            for a, b in zip(ref, new):
+            assert len(got) == len(want) == mc.n_crops
+            for a, b in zip(want, got):
                 assert torch.equal(a, b)
 
 
@@ -47,9 +66,9 @@ def test_device_augment_matches_the_pil_pipeline(files):
     mc, dev = MultiCrop(local_crops=2), MultiCrop(local_crops=2, device_augment=True)
     refs, items = [], []
     for data in files:
-        decoded = open_rgb(io.BytesIO(data), "photo")
+        decoded = load(io.BytesIO(data), "photo")
         for seed in SEEDS:
-            ref, ref_torch, ref_py = seeded(seed, lambda: mc.reference(decoded))
+            ref, ref_torch, ref_py = seeded(seed, lambda: mc(decoded))
             item, new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", dev))
             assert torch.equal(ref_torch, new_torch) and ref_py == new_py
             assert item["image"].dtype == torch.uint8 and item["params"].shape == (mc.n_crops, len(PARAMS))
@@ -69,12 +88,12 @@ def test_three_augment_on_the_device_matches_three_augment(files):
     """3-Augment's worker half (decode, draws) + the batched device half (crop, resize, colour):
     three_augment's draws (equal generator states) and pixels within the bound, also with images
     of different sizes padded into one batch."""
-    dev = ThreeAugmentCrops(96)
+    dev, reference = ThreeAugmentCrops(96), three_augment(96)
     refs, samples = [], []
     for data in files:
-        decoded = open_rgb(io.BytesIO(data), "photo")
+        decoded = load(io.BytesIO(data), "photo")
         for seed in SEEDS:
-            ref, ref_torch, ref_py = seeded(seed, lambda: dev.reference(decoded))
+            ref, ref_torch, ref_py = seeded(seed, lambda: reference(decoded))
             sample, new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", dev))
             assert torch.equal(ref_torch, new_torch) and ref_py == new_py
             refs.append(ref), samples.append(sample)

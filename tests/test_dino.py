@@ -84,9 +84,10 @@ def test_only_the_second_global_crop_is_solarised():
     # Local crops: at most 40% of the area (DINO's scale 0.05-0.4), resized to 16 px.
     torch.manual_seed(0)
     mc = _mc(local_scale=(0.05, 0.4))
-    rrc = mc.local_transform.transforms[1]
+    rrc = mc.local_transform.transforms[0]
     for _ in range(50):
-        _top, _left, h, w = rrc.get_params(img, rrc.scale, rrc.ratio)
+        box = rrc.make_params([img])
+        h, w = box["height"], box["width"]
         assert 0.05 * 32 * 32 * 0.8 <= h * w <= 0.4 * 32 * 32 * 1.1
     assert all(c.shape == (3, 16, 16) for c in local) and len(local) == 3
 

@@ -308,6 +308,7 @@ def test_probe_transform_is_dinos_on_imagenet(tmp_path):
     for both splits (the same 256/224 ratio at another size); the digits keep their own crop."""
     import fakedata
     from torchvision import transforms as T
+    from torchvision.transforms import v2
 
     from laplace.data.vision import build_vision_dataset
 
@@ -320,7 +321,8 @@ def test_probe_transform_is_dinos_on_imagenet(tmp_path):
                                                 f"data.img_size={size}"])
             for train in (True, False):
                 steps = build_vision_dataset(probe_data_node(cfg.data, cfg.crop_pct), train).transform.transforms
-                rs, cc = (next(s for s in steps if isinstance(s, c)) for c in (T.Resize, T.CenterCrop))
+                steps = [getattr(s, "crop", s) for s in steps]  # laplace.data.decode.DecodeCrop wraps the resize
+                rs, cc = (next(s for s in steps if isinstance(s, c)) for c in (T.Resize, (T.CenterCrop, v2.CenterCrop)))
                 assert rs.size == resize and rs.interpolation == T.InterpolationMode.BICUBIC
                 assert cc.size == (size, size)
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):

@@ -11,8 +11,8 @@ from PIL import Image
 from torchvision import transforms as T
 from torchvision.transforms import functional as F
 
-from laplace.data.decode import crop_resize
-from laplace.data.resample import resize_crops, window
+from laplace.data.decode import crop_resize, window
+from laplace.data.resample import resize_crops
 from test_decode import files  # noqa: F401 (files: the photographs' fixture)
 
 # Two passes: PIL rounds (and clips) to 8 bits between them and, in the Pillow we test with (13.0),

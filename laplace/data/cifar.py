@@ -7,12 +7,6 @@ Usage:
 `root` holds torchvision's on-disk layout: `cifar-10-batches-py/{data_batch_1..5, test_batch,
 batches.meta}` or `cifar-100-python/{train, test, meta}`, which `download=True` creates on a
 machine with internet.
-
-Why the thin subclasses: torchvision checks the md5 of every batch file before reading, so a
-tiny dataset in the exact same format (what the tests write) would be rejected. The subclasses
-blank the md5s (torchvision's `check_integrity(path, md5=None)` is a presence check) unless
-`verify_md5=True`, so the SAME unpickling code reads the real data and the test data. A
-truncated or corrupt real file still fails loudly when unpickled.
 """
 
 import os
@@ -30,6 +24,10 @@ class _PresenceCheckMixin:
     """Makes torchvision's CIFAR integrity checks presence-only unless verify_md5 is set."""
 
     def __init__(self, *args, verify_md5: bool = False, **kwargs):
+        # torchvision checks every batch file's md5 before reading, which would reject a tiny set
+        # in the same format (what the tests write). With the md5s blanked its check_integrity is
+        # a presence check, so the same unpickling code reads the real data and the test data; a
+        # truncated real file still fails when unpickled.
         if not verify_md5:
             # Instance attributes shadow the class-level (filename, md5) lists torchvision
             # reads in _check_integrity and _load_meta; the archive md5 used by download() stays.
@@ -50,14 +48,8 @@ class CIFAR100(_PresenceCheckMixin, datasets.CIFAR100):
 _CLASSES = {"cifar10": CIFAR10, "cifar100": CIFAR100}
 
 
-def build_cifar(
-    name: str,
-    root: str,
-    train: bool,
-    transform: Callable | None = None,
-    download: bool = False,
-    verify_md5: bool = False,
-) -> datasets.CIFAR10:
+def build_cifar(name: str, root: str, train: bool, transform: Callable | None = None, download: bool = False,
+                verify_md5: bool = False) -> datasets.CIFAR10:
     """Build a CIFAR split; items are (transformed PIL RGB 32x32 image, int label).
 
     Args:
@@ -75,6 +67,7 @@ def build_cifar(
     folder = os.path.join(root, cls.base_folder)
     files = [f for f, _ in (cls.train_list if train else cls.test_list)] + [cls.meta["filename"]]
     missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
+    # torchvision's own error ("Dataset not found or corrupted") names neither folder nor key.
     if missing and not download:
         raise DatasetNotFoundError(
             f"{name} not found: missing {', '.join(missing)} in {folder}; "

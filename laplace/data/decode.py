@@ -1,38 +1,24 @@
-"""Decode a JPEG at the reduced size its first crop needs (libjpeg's DCT scaling, PIL `draft`).
+"""The first step of every image transform: draw the recipe's crop, decode the image at the size that
+crop needs, cut and resize it (`DecodeCrop`, data.reduced_decode).
 
-A training transform that starts with a resized crop throws most decoded pixels away. libjpeg
-can decode at 1/2, 1/4 or 1/8 of the size for a fraction of the cost (the scaled inverse DCT).
-`ReducedDecode(compose)` wraps a torchvision Compose whose first step (after ToRGB) is one of
-
-    T.RandomResizedCrop                      DeiT-III's 3-Augment (laplace.data.transforms)
-    timm RandomResizedCropAndInterpolation   timm's create_transform (data.augment=timm)
-    T.Resize(short side) [+ CenterCrop]      the evaluation transform
-
-`decode(img)` takes an opened, not yet decoded image (the ImageNet datasets hand it over, see
-laplace.data.images.load) and draws that step's crop exactly as the step does, on the full-size
-coordinates of the file's header: the same random draws in the same order, so the same boxes and
-parameters for the same seed. It then takes the largest scale 1/s at which the crop still holds
-at least the output's pixels on both sides, decodes at it, and resizes the crop box mapped onto
-the reduced image (x / s). `rest` is the remainder of the Compose (its ToTensor + Normalize fused:
-the same values); `__call__` on a decoded image is the wrapped Compose itself. What differs: where s > 1, libjpeg's scaled IDCT
-does the first factor s of the down-sampling instead of PIL's filter (tests/test_decode.py
-bounds the pixel difference). Where no crop can be reduced (s = 1) the pixels are the reference's.
+The datasets hand a transform the opened, not yet decoded image (laplace.data.images.load). A crop
+that keeps a few hundred of a photo's pixels throws most of a full decode away, and libjpeg decodes
+at 1/2, 1/4 or 1/8 of the size for a fraction of the cost (PIL's `draft`). The box is drawn on the
+size the file's header gives, exactly as the wrapped crop draws it, so the boxes and every later draw
+are the same for the same seed; where no reduction applies (s = 1) the pixels are the crop's own.
+tests/test_decode.py checks both and bounds the difference where s > 1.
 """
 from __future__ import annotations
 
+import math
 import random
 
-import torch
 from PIL import Image
-from timm.data.transforms import MaybeToTensor, RandomResizedCropAndInterpolation
+from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms as T
-from torchvision.transforms import functional as F
 from torchvision.transforms.functional import pil_modes_mapping
 
-from .resample import window
-from .transforms import ToRGB
-
-SCALES = (8, 4, 2)  # libjpeg's DCT scales PIL's draft offers, largest first
+SCALES = (8, 4, 2)  # the DCT scales libjpeg offers through PIL's draft, largest first
 
 
 def resized_size(width: int, height: int, short: int) -> tuple[int, int]:
@@ -43,115 +29,81 @@ def resized_size(width: int, height: int, short: int) -> tuple[int, int]:
 
 
 def reduction(box: tuple, out: tuple[int, int]) -> int:
-    """The largest DCT scale s whose reduced crop still has out's pixels on both sides (1: none)."""
+    """The largest scale s whose reduced crop still has out's pixels on both sides (1: none)."""
     cw, ch = box[2] - box[0], box[3] - box[1]
     return next((s for s in SCALES if cw / s >= out[0] and ch / s >= out[1]), 1)
 
 
 def draft(img: Image.Image, s: int) -> int:
-    """Ask libjpeg to decode `img` (opened, undecoded) at 1/s; the scale it will use (1: none, as
-    for every other format: PIL's draft is a no-op there)."""
+    """Ask libjpeg to decode `img` (opened, not yet decoded) at 1/s; returns the scale it will use.
+    Anything but an undecoded JPEG (a PNG, a decoded image) returns None from PIL: scale 1."""
     if s > 1 and img.draft(None, (img.size[0] // s, img.size[1] // s)) is not None:
-        return img.decoderconfig[0]  # the scale PIL chose (equal to s but for images of a few pixels)
+        return img.decoderconfig[0]  # PIL's choice: s, but for images of a few pixels
     return 1
 
 
-def crop_resize(rgb: Image.Image, box: tuple, s: int, out: tuple[int, int], resample: int) -> Image.Image:
-    """The crop `box` (full-size coordinates) of `rgb`, decoded at 1/s, resized to `out`."""
-    if s == 1 and box == (0, 0, *rgb.size):  # torchvision's resize of the whole image: the reference pixels
-        return rgb.resize(out, resample)
-    # The whole pixels enclosing the crop (the filter sees no pixel outside it, as in the
-    # reference, which crops first), then the exact box on them (s = 1: the crop itself).
-    win, in_win = window(box, s, rgb.size)
-    return rgb.crop(win).resize(out, resample, box=None if s == 1 else in_win)
+def window(box: tuple, s: int, size: tuple[int, int]) -> tuple[tuple[int, int, int, int], tuple[float, ...]]:
+    """The crop `box` (full-size coordinates) on an image decoded at 1/s (of size `size`) as
+    (the enclosing whole pixels (x0, y0, x1, y1): the only ones the filter may see, as in the
+    reference that cuts the crop first; the box in those pixels' coordinates)."""
+    if s == 1:  # a whole-pixel box: the window is the box itself
+        return tuple(int(v) for v in box), (0.0, 0.0, float(box[2] - box[0]), float(box[3] - box[1]))
+    l, t, r, b = (v / s for v in box)
+    x0, y0 = math.floor(l), math.floor(t)
+    x1, y1 = min(math.ceil(r), size[0]), min(math.ceil(b), size[1])
+    return (x0, y0, x1, y1), (l - x0, t - y0, min(r, x1) - x0, min(b, y1) - y0)
 
 
-def loaded_rgb(img: Image.Image) -> Image.Image:
-    img.load()
+def rgb(img: Image.Image) -> Image.Image:
+    """img in RGB (any mode: L, P, RGBA, CMYK ...); a lazy image decodes when its pixels are read."""
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def _resample(interpolation) -> int:
-    return pil_modes_mapping[interpolation] if isinstance(interpolation, T.InterpolationMode) else interpolation
+def crop_resize(img: Image.Image, box: tuple, s: int, out: tuple[int, int], resample: int) -> Image.Image:
+    """The crop `box` (full-size coordinates) of `img`, decoded at 1/s, resized to `out`."""
+    if s == 1 and box == (0, 0, *img.size):  # a resize of the whole image, as torchvision's
+        return img.resize(out, resample)
+    # The whole pixels enclosing the crop, then the exact box on them: the filter sees no pixel
+    # outside the crop, as in torchvision, which crops first (s = 1: the window is the box).
+    win, in_win = window(box, s, img.size)
+    return img.crop(win).resize(out, resample, box=None if s == 1 else in_win)
 
 
-def _flat(transform) -> list:
-    """The steps of a (nested) Compose in order: timm's Compose sits inside ours after ToRGB."""
-    if isinstance(transform, T.Compose):
-        return [s for t in transform.transforms for s in _flat(t)]
-    return [transform]
-
-
-class ToNormalizedTensor:
-    """ToTensor + Normalize with their arithmetic ((x / 255 - mean) / std in float32: the same
-    values bit for bit) and two float copies fewer.
-
-    Args:
-        mean, std: per-channel normalisation constants.
-    """
-
-    def __init__(self, mean, std):
-        self.mean = torch.as_tensor(mean, dtype=torch.float32).view(-1, 1, 1)
-        self.std = torch.as_tensor(std, dtype=torch.float32).view(-1, 1, 1)
-
-    def __call__(self, img: Image.Image) -> torch.Tensor:
-        return F.pil_to_tensor(img).contiguous().float().div_(255).sub_(self.mean).div_(self.std)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()})"
-
-
-def fused_tail(steps: list) -> list:
-    """steps with a final ToTensor + Normalize replaced by ToNormalizedTensor."""
-    if len(steps) >= 2 and isinstance(steps[-2], (T.ToTensor, MaybeToTensor)) and isinstance(steps[-1], T.Normalize):
-        return steps[:-2] + [ToNormalizedTensor(steps[-1].mean, steps[-1].std)]
-    return steps
-
-
-class ReducedDecode:
-    """A crop-first transform that decodes JPEGs at the reduced size its crop needs (module docstring).
+class DecodeCrop:
+    """A recipe's first step (its random resized crop, or the evaluation's resize), decoding the
+    image at the reduced size that step's output needs.
 
     Args:
-        transform: a T.Compose of [ToRGB,] crop step, rest...; the crop step is one of the three above.
+        crop: T.RandomResizedCrop, timm's RandomResizedCropAndInterpolation or T.Resize(short side);
+            only its parameters and its draws are used.
+        reduce: decode JPEGs at reduced size where the crop allows (data.reduced_decode); False
+            decodes at full size, the step is then `crop` itself.
     """
 
-    def __init__(self, transform: T.Compose):
-        steps = _flat(transform)
-        k = 1 if steps and isinstance(steps[0], ToRGB) else 0
-        first = steps[k] if len(steps) > k else None
-        if not isinstance(first, (T.RandomResizedCrop, RandomResizedCropAndInterpolation, T.Resize)):
-            raise TypeError(f"ReducedDecode: the first step must be a resized crop or a resize, got {first!r}")
-        if isinstance(first, T.Resize) and (not isinstance(first.size, int) and len(first.size) != 1
-                                            or first.max_size is not None):
-            raise TypeError(f"ReducedDecode: T.Resize must resize the short side, got {first!r}")
-        self.transform, self.first, self.rest = transform, first, T.Compose(fused_tail(steps[k + 1:]))
-
-    def __call__(self, img: Image.Image):
-        return self.transform(img)
-
-    @property
-    def transforms(self) -> list:
-        """The wrapped Compose's steps, for code that reads a T.Compose's."""
-        return self.transform.transforms
+    def __init__(self, crop, reduce: bool = True):
+        if not isinstance(crop, (T.RandomResizedCrop, RandomResizedCropAndInterpolation, T.Resize)):
+            raise TypeError(f"DecodeCrop takes a resized crop or a resize, got {crop!r}")
+        self.crop, self.reduce = crop, reduce
 
     def plan(self, img: Image.Image) -> tuple[tuple, tuple[int, int], int]:
-        """(box on the full-size image, output (w, h), PIL resample), drawn as the first step draws."""
-        f = self.first
-        if isinstance(f, T.Resize):
-            short = f.size if isinstance(f.size, int) else f.size[0]
-            return (0, 0, *img.size), resized_size(*img.size, short), _resample(f.interpolation)
-        i, j, h, w = f.get_params(img, f.scale, f.ratio)  # only the header's size is read
-        interpolation = f.interpolation
+        """(box on the full-size image, output (w, h), PIL resample), drawn as `crop` draws them;
+        only the image's size is read."""
+        c = self.crop
+        if isinstance(c, T.Resize):  # the short side to c.size: the whole image, no draw
+            short = c.size if isinstance(c.size, int) else c.size[0]
+            return (0, 0, *img.size), resized_size(*img.size, short), pil_modes_mapping[c.interpolation]
+        # The crop's own draw (torchvision's from torch, timm's from Python's random), on the
+        # size the header gives: the same box as on the decoded image.
+        i, j, h, w = c.get_params(img, c.scale, c.ratio)
+        interpolation = c.interpolation
         if isinstance(interpolation, (tuple, list)):  # timm's 'random': drawn after the box, as timm does
             interpolation = random.choice(interpolation)
-        return (j, i, j + w, i + h), (f.size[1], f.size[0]), _resample(interpolation)
+        return (j, i, j + w, i + h), (c.size[1], c.size[0]), pil_modes_mapping[interpolation]
 
-    def decode(self, img: Image.Image) -> Image.Image:
-        """An opened, undecoded image -> the first step's output (RGB), decoded at reduced size
-        where the crop allows. Call it while the file is open; decoding errors come from here."""
+    def __call__(self, img: Image.Image) -> Image.Image:
         box, out, resample = self.plan(img)
-        s = draft(img, reduction(box, out))
-        return crop_resize(loaded_rgb(img), box, s, out, resample)
+        s = draft(img, reduction(box, out)) if self.reduce else 1
+        return crop_resize(rgb(img), box, s, out, resample)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.transform!r})"
+        return f"{type(self).__name__}({self.crop!r}, reduce={self.reduce})"

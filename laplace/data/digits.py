@@ -14,8 +14,8 @@ NUM_CLASSES = 10
 
 
 class Digits(Dataset):
-    """Train / val split of sklearn's digits: a fixed permutation (seed 0), the last
-    `val_fraction` of it is the validation set; the split never depends on the run's seed.
+    """Train / val split of sklearn's digits: the last `val_fraction` of a fixed permutation is
+    the validation set.
 
     Args:
         train: training (True) or validation split.
@@ -28,6 +28,7 @@ class Digits(Dataset):
 
         d = load_digits()
         images = (d.images * (255.0 / 16.0)).round().astype(np.uint8)  # [1797, 8, 8]
+        # A fixed permutation: the split never depends on the run's seed.
         order = np.random.RandomState(0).permutation(len(images))
         n_val = int(round(len(images) * val_fraction))
         keep = order[:-n_val] if train else order[-n_val:]
@@ -38,6 +39,7 @@ class Digits(Dataset):
         return len(self.images)
 
     def __getitem__(self, i):
+        # RGB, so that CIFAR's and ImageNet's transforms take it as they are.
         img = Image.fromarray(self.images[i], mode="L").convert("RGB")
         if self.transform is not None:
             img = self.transform(img)

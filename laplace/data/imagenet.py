@@ -12,15 +12,9 @@ Usage:
     ds = build_imagenet("/data/imagenet", train=True, transform=three_augment(224))
     img, label = ds[0]
 
-Images are decoded one item at a time in __getitem__ (never the whole split in memory), and
-both dataset types pickle into DataLoader workers (the parquet one as a memory-mapped Arrow
-table). On first use, `datasets` converts the parquet files into an Arrow cache (as large as
-the parquet files) in `cache_dir` (data.cache_dir: by default under the data folder,
-${paths.data_dir}/cache/datasets, not HF's ~/.cache; point it at fast local disk); later runs
-reuse it. `python prepare.py source=imagefolder` writes the parquet layout from the folder one
-(laplace.data.prepare.images). An image that does
-not decode is one line naming its file (parquet: file and row), or, with `skip_corrupt`
-(data.skip_corrupt), skipped and counted (laplace.data.images).
+Each item is read and decoded in __getitem__ (laplace.data.images.load: an unreadable image is one
+line naming its file, parquet: file and row), and both datasets pickle into DataLoader workers.
+`python prepare.py source=imagefolder` writes the parquet layout from the folder one.
 """
 
 import bisect
@@ -35,30 +29,27 @@ from torchvision import datasets as tv_datasets
 from laplace.data import DatasetNotFoundError
 from laplace.errors import ConfigError
 
-from .images import CorruptImages, load, open_rgb
+from .images import CorruptImages, load
 
 NUM_CLASSES = 1000
 _FOLDER_SPLIT = {True: "train", False: "val"}
 _PARQUET_SPLIT = {True: "train", False: "validation"}
 
 
-def _open_file(path: str):
-    return open_rgb(path, path)  # a module function: it pickles into spawned workers
-
-
 class ImageFolder(tv_datasets.ImageFolder):
-    """torchvision's ImageFolder whose unreadable files are one line naming them, or skipped."""
+    """torchvision's ImageFolder (its file list and sorted-wnid labels) whose images are read by
+    laplace.data.images.load: an unreadable file is one line naming it, or skipped."""
 
     def __init__(self, root: str, transform: Callable | None = None, skip_corrupt: bool = False):
-        super().__init__(root, transform=transform, loader=_open_file)
+        super().__init__(root, transform=transform)
         self.corrupt = CorruptImages(skip_corrupt)
 
     def __getitem__(self, index: int) -> tuple:
+        # Through data.skip_corrupt's policy: raise, or serve the next readable sample.
         return self.corrupt.get(self._load, index, len(self))
 
     def _load(self, index: int) -> tuple:
-        path, target = self.samples[index]
-        target = self.target_transform(target) if self.target_transform is not None else target
+        path, target = self.samples[index]  # labels: the sorted wnids' order, ImageNet's 0..999
         return load(path, path, self.transform), target
 
     @property
@@ -71,8 +62,9 @@ class ParquetImageNet(torch.utils.data.Dataset):
 
     Args:
         files: parquet file paths of one split.
-        transform: applied to each decoded RGB PIL image.
+        transform: applied to each opened image (laplace.data.images.load).
         cache_dir: where `datasets` keeps its Arrow cache (data.cache_dir; None: the HF default).
+            It converts the parquet files into it on first use (about their size).
         skip_corrupt: serve the next row in place of one whose image does not decode (counted).
     """
 
@@ -82,14 +74,16 @@ class ParquetImageNet(torch.utils.data.Dataset):
         from datasets import Image as HFImage
         from datasets import load_dataset
 
-        self.files = sorted(files)
+        self.files = sorted(files)  # HF names its shards train-00000-of-NNNNN, ...: sorted is row order
         cache_dir = os.path.abspath(os.path.expanduser(str(cache_dir))) if cache_dir is not None else None
+        # A memory-mapped Arrow table: items are read one at a time, and it pickles into workers.
         ds = load_dataset("parquet", data_files=self.files, split="train", cache_dir=cache_dir)
         # decode=False hands us the raw {bytes, path} struct, whether or not the files carry
         # HF feature metadata, and leaves decoding (and its errors) to one place below.
         self.ds = ds.cast_column("image", HFImage(decode=False))
         self.transform = transform
-        # The rows concatenate the files in order: where each file starts, to name a bad row.
+        # The rows concatenate the files in order: where each file starts, to name a bad row
+        # (read from the footers; the Arrow cache keeps no file boundaries).
         self.starts = [0]
         for f in self.files[:-1]:
             self.starts.append(self.starts[-1] + pq.read_metadata(f).num_rows)
@@ -104,6 +98,7 @@ class ParquetImageNet(torch.utils.data.Dataset):
     def _load(self, index: int) -> tuple:
         row = self.ds[index]
         image = row["image"]
+        # HF's image struct holds the file's bytes, or (rarely) only a path to it.
         src = io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]
         k = bisect.bisect_right(self.starts, index) - 1
         return load(src, f"{self.files[k]} row {index - self.starts[k]}", self.transform), row["label"]
@@ -115,6 +110,7 @@ class ParquetImageNet(torch.utils.data.Dataset):
 
 def _parquet_files(root: str, train: bool) -> list[str]:
     split = _PARQUET_SPLIT[train]
+    # `hf download --local-dir root` puts them under root/data/; a bare copy may have them in root.
     for folder in (os.path.join(root, "data"), root):
         files = glob.glob(os.path.join(folder, f"{split}-*.parquet"))
         if files:
@@ -122,29 +118,24 @@ def _parquet_files(root: str, train: bool) -> list[str]:
     return []
 
 
-def build_imagenet(
-    root: str,
-    train: bool,
-    transform: Callable | None = None,
-    fmt: str = "auto",
-    cache_dir: str | None = None,
-    skip_corrupt: bool = False,
-) -> torch.utils.data.Dataset:
-    """Build an ImageNet-1k split; items are (transformed RGB PIL image, int label in 0..999).
+def build_imagenet(root: str, train: bool, transform: Callable | None = None, fmt: str = "auto",
+                   cache_dir: str | None = None, skip_corrupt: bool = False) -> torch.utils.data.Dataset:
+    """Build an ImageNet-1k split; items are (transformed image, int label in 0..999).
 
     Args:
         root: dataset directory (folder layout: holds train/ and val/; parquet: holds data/).
         train: the training split if True, else the 50k validation split.
-        transform: applied to each PIL image.
+        transform: applied to each opened image (laplace.data.images.load).
         fmt: "folder", "parquet", or "auto" (folder if present, else parquet).
         cache_dir: Arrow cache directory for the parquet layout (data.cache_dir; None: HF default).
         skip_corrupt: serve the next sample in place of an unreadable image (counted) instead
             of stopping with one line naming it.
     """
-    if fmt not in ("auto", "folder", "parquet"):
+    if fmt not in ("auto", "folder", "parquet"):  # data.format
         raise ConfigError(f"unknown ImageNet format {fmt!r}; expected 'auto', 'folder' or 'parquet'")
     root = os.path.abspath(os.path.expanduser(root))
     folder = os.path.join(root, _FOLDER_SPLIT[train])
+    # data.format=auto: the folder layout when it is there (both in one root: the folder one wins).
     if fmt in ("auto", "folder") and os.path.isdir(folder):
         return ImageFolder(folder, transform=transform, skip_corrupt=skip_corrupt)
     files = _parquet_files(root, train) if fmt in ("auto", "parquet") else []

@@ -1,14 +1,13 @@
-"""Image files that do not decode: one line naming the file, or skipped and counted.
+"""Reading one image file for a dataset: the transform gets it opened but not yet decoded, and a file
+that does not decode is one line naming it, or, with data.skip_corrupt=true, skipped and counted.
 
-Large image sets hold a few unreadable files (ImageNet's copies break in transfer; a download
-stops half-way), and PIL's error names no file, so a run died at step N with a long traceback.
-`open_rgb` names the file (for parquet: file and row); `CorruptImages` is a dataset's policy:
-raise (default), or with `data.skip_corrupt=true` serve the next readable sample in its place and
-count it. The replacement keeps the batch full and is a function of the index alone, so exact
-resume holds; the count lives in shared memory, so the data-loader workers' skips add up.
+Large image sets hold a few unreadable files (copies broken in transfer, downloads cut short), and
+PIL's error names no file: a run died at step N with a long traceback. The replacement sample of
+`CorruptImages` keeps the batch full and is a function of the index alone, so exact resume holds.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import sys
 
@@ -19,6 +18,8 @@ from laplace import dist
 from laplace.errors import UserError
 
 MAX_IN_A_ROW = 32  # more unreadable samples in a row than this: the data is wrong, not a few files
+# What PIL raises for a file it cannot decode: truncated, broken, not an image, too large.
+UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
 class CorruptImageError(UserError):
@@ -30,30 +31,33 @@ class CorruptImageError(UserError):
         self.name, self.reason = name, reason
 
 
-def open_rgb(src, name: str, decode=None) -> Image.Image:
-    """Decode `src` (a path or a binary file object) fully, as RGB, or with `decode` (a function
-    of the opened, undecoded image, laplace.data.decode) as it decodes; if it does not decode,
-    CorruptImageError naming `name`."""
+def _corrupt(name: str, e: BaseException) -> CorruptImageError:
+    reason = "not an image format PIL reads" if isinstance(e, UnidentifiedImageError) else \
+        " ".join(str(e).split()) or type(e).__name__  # one line
+    return CorruptImageError(f"{name} is not a readable image ({reason}): replace or remove it, or set "
+                             f"data.skip_corrupt=true to skip such files", name, reason)
+
+
+def _named_load(load, name: str):
     try:
-        with Image.open(src) as img:
-            return decode(img) if decode else img.convert("RGB")  # decoded before the file closes
-    except UnidentifiedImageError:
-        reason = "not an image format PIL reads"
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated, broken
-        reason = " ".join(str(e).split()) or type(e).__name__
-    raise CorruptImageError(f"{name} is not a readable image ({reason}): replace or remove it, or set "
-                            f"data.skip_corrupt=true to skip such files", name, reason)
+        return load()
+    except UNREADABLE as e:
+        raise _corrupt(name, e) from None
 
 
 def load(src, name: str, transform=None):
-    """The transformed image of `src`. A transform with `decode` (ReducedDecode, MultiCrop,
-    ThreeAugmentCrops) decodes the opened file itself, at the size its crops need, inside the error
-    naming above, then applies its `rest`; any other transform gets the decoded RGB image."""
-    decode = getattr(transform, "decode", None)
-    if decode is not None:
-        return transform.rest(open_rgb(src, name, decode))
-    img = open_rgb(src, name)
-    return transform(img) if transform is not None else img
+    """`transform` of the image in `src` (a path or a binary file object), or without one the image
+    in RGB. The transform gets the image opened but not yet decoded: its first step decodes it at
+    the size its crop needs (laplace.data.decode). An image that does not decode, wherever that
+    happens, is CorruptImageError naming `name`."""
+    try:
+        img = Image.open(src)  # reads the header only
+    except UNREADABLE as e:
+        raise _corrupt(name, e) from None
+    with img:  # the file stays open while the transform decodes it
+        # PIL decodes in `load`, which every pixel access calls first: name the file there.
+        img.load = functools.partial(_named_load, img.load, name)
+        return transform(img) if transform is not None else img.convert("RGB")
 
 
 class CorruptImages:
@@ -66,7 +70,8 @@ class CorruptImages:
 
     def __init__(self, skip: bool = False):
         self.skip = skip
-        self._count = multiprocessing.Value("q", 0) if skip else None  # inherited by the workers
+        # In shared memory, inherited by the data-loader workers: their skips add up.
+        self._count = multiprocessing.Value("q", 0) if skip else None
         self._named: set[str] = set()
 
     @property
@@ -76,6 +81,8 @@ class CorruptImages:
 
     def get(self, load, index: int, n: int):
         """load(index), or with `skip` the first readable of load(index + 1), ... (mod n)."""
+        # The replacement depends on the index alone (not on what this worker read before), so a
+        # resumed run serves the same samples.
         for k in range(min(n, MAX_IN_A_ROW)):
             try:
                 return load((index + k) % n)
@@ -84,7 +91,7 @@ class CorruptImages:
                     raise
                 with self._count.get_lock():
                     self._count.value += 1
-                if e.name not in self._named:
+                if e.name not in self._named:  # once per file and process, not once per epoch
                     self._named.add(e.name)
                     print(f"[laplace] data.skip_corrupt: skipped {e.name} ({e.reason})", file=sys.stderr, flush=True)
         raise CorruptImageError(f"{min(n, MAX_IN_A_ROW)} unreadable images in a row from sample {index}: "

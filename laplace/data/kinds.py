@@ -66,6 +66,8 @@ class ShardData(TextData):
         from .shards import validation_pass
 
         seq_len = self.units_per_sample
+        # Every rank makes the same number of batches (collectives stay in step): counted from the
+        # shards' headers, capped at data.val_tokens.
         tokens = sum(len(np.load(f, mmap_mode="r")) for f in self.val_files)  # headers only
         windows = (tokens - 1) // seq_len
         if self.val_tokens:
@@ -92,6 +94,8 @@ def resolve_tokenizer(d: DictConfig, init_from: str | None, check_vocab: bool = 
             d.tokenizer = tokenizer_from_config(base).spec
             d.vocab_size = (base.get("model") or {}).get("vocab_size")
     tok = load_tokenizer(d.tokenizer)
+    # Written into the run's config: the checkpoint names its tokenizer, and the model node's
+    # vocab_size (${data.vocab_size}) resolves to it.
     with open_dict(d):
         d.tokenizer = tok.spec  # absolute: the checkpoint's config finds it from anywhere
         if d.vocab_size is None:
@@ -117,6 +121,7 @@ def _shards(d, *, init_from, micro_batch_size, rank, world_size, **_) -> ShardDa
     from .shards import TokenStream, list_shards
 
     tok = resolve_tokenizer(d, init_from)
+    # A feed, not a dataset: it streams its own ranks' windows and resumes from its state_dict.
     train = TokenStream(list_shards(d.root, "train"), d.seq_len, micro_batch_size,
                         rank=rank, world_size=world_size)
     return ShardData(train, None, tok, units_per_sample=d.seq_len, token_budget=True,
@@ -128,6 +133,8 @@ def _chat(d, *, init_from, seed, **_) -> TextData:
     from .chat import PackedChatDataset, SFTDataset, build_mixture, sft_collate
 
     tok = resolve_tokenizer(d, init_from)
+    # The mixture's order is drawn from the run's seed: the same conversations in the same order
+    # on every rank and after a resume.
     train_convs = build_mixture(d.train, seed, key="data.train")
     val_convs = build_mixture(d.val, seed, key="data.val") if d.val else None
     if d.packed:  # mid-training: rows of seq_len tokens, several conversations each
@@ -138,6 +145,7 @@ def _chat(d, *, init_from, seed, **_) -> TextData:
             raise ConfigError("data.masked=false: SFT rows (data.packed=false) train on the assistant's "
                               "tokens only; set data.packed=true to train on every token of packed rows")
         make = lambda convs: SFTDataset(convs, tok, d.seq_len)  # noqa: E731
+        # nanochat pads with <|assistant_end|>: any id works, padded targets are ignored.
         extra = dict(unit="conv", units_per_sample=1,
                      collate=functools.partial(sft_collate, pad_id=tok.special_id("<|assistant_end|>")))
     return TextData(make(train_convs), make(val_convs) if val_convs is not None else None, tok, **extra)

@@ -1,30 +1,14 @@
-"""DINO's multi-crop augmentation (facebookresearch/dino main_dino.py `DataAugmentationDINO`).
-
-Each image gives `global_crops` crops at `global_size` (scale `global_scale`, DINO (0.4, 1))
-and `local_crops` crops at `local_size` (scale `local_scale`, DINO (0.05, 0.4)), each:
-
-    random resized crop (bicubic) -> horizontal flip p 0.5
-    -> colour jitter (0.4, 0.4, 0.2, 0.1) with p 0.8 -> grayscale p 0.2
-    -> Gaussian blur (PIL, radius U(0.1, 2)) with p global_blur[i] (DINO: 1.0, 0.1) / local_blur (0.5)
-    -> solarize (PIL, threshold 128) with p global_solarize[i] (DINO: 0.0, 0.2) / local_solarize (0)
-    -> ToTensor -> Normalize(mean, std)
-
-Everything comes from the config node (`trainer.multicrop`, see configs/trainer/dino.yaml):
+"""DINO's multi-crop augmentation (facebookresearch/dino main_dino.py `DataAugmentationDINO`), built
+from the `trainer.multicrop` node (configs/trainer/dino.yaml):
 
     mc = MultiCrop.from_config(cfg.trainer.multicrop, cfg.data.mean, cfg.data.std)
-    crops = mc(pil_image)                       # [global_1, global_2, local_1, ..., local_8]
+    crops = mc(pil_image)                              # [global_1, global_2, local_1, ..., local_8]
     batch = multicrop_collate([(crops, label), ...])   # [tensor [B, 3, S, S] per crop]
 
-Randomness: torch's global generator (crop, flip, jitter, grayscale) and Python's `random`
-(blur, solarize, as DINO's utils): the training feed seeds both per sample (train/feeds.py).
-
-No draw depends on a pixel, so `plan` draws every crop's parameters first, in the reference's
-order (the same values for the same seed), and the image is decoded once, at the reduced size
-(laplace.data.decode) that the crop needing the most resolution allows. With `device_augment`
-a worker only decodes: it hands over the uint8 image with each crop's window, box and parameter
-row (laplace.data.crop_augment.decoded_sample), and `augment_batch` cuts and resizes the crops
-and applies flip, jitter, grayscale, blur, solarize and normalisation to whole batches on the
-training device (laplace.data.crop_augment.crop_and_augment).
+Each crop is DINO's: random resized crop (bicubic), flip, colour jitter with probability 0.8,
+grayscale, PIL's Gaussian blur (DINO: 1.0 / 0.1 on the global crops, 0.5 on the local ones),
+solarize (the second global crop, 0.2), ToTensor + Normalize. With `device_augment` a worker only
+draws and decodes, and `augment_batch` does the rest on the training device (laplace.data.crop_augment).
 """
 from __future__ import annotations
 
@@ -32,27 +16,24 @@ import random
 
 import torch
 from PIL import Image, ImageFilter, ImageOps
-from torchvision import transforms as T
-from torchvision.transforms import functional as F
+from torchvision.transforms import v2
 
 from laplace.errors import ConfigError
 
 from .crop_augment import crop_and_augment, decoded_collate, decoded_sample
-from .decode import ToNormalizedTensor, crop_resize, draft, loaded_rgb, reduction
-from .resample import window
-from .transforms import ToRGB
-
-BICUBIC = T.InterpolationMode.BICUBIC
+from .decode import draft, reduction, rgb, window
+from .transforms import ToNormalizedTensor
 
 
 class GaussianBlur:
-    """DINO's utils.GaussianBlur: with probability p, PIL's Gaussian blur of radius U(lo, hi)."""
+    """DINO's utils.GaussianBlur: with probability p, PIL's Gaussian blur of radius U(lo, hi),
+    both drawn from Python's `random`, as DINO draws them."""
 
     def __init__(self, p: float = 0.5, radius_min: float = 0.1, radius_max: float = 2.0):
         self.p, self.radius_min, self.radius_max = p, radius_min, radius_max
 
     def __call__(self, img: Image.Image) -> Image.Image:
-        if random.random() > self.p:  # DINO: do it when random() <= p
+        if random.random() > self.p:  # DINO: blur when random() <= p
             return img
         return img.filter(ImageFilter.GaussianBlur(radius=random.uniform(self.radius_min, self.radius_max)))
 
@@ -61,7 +42,7 @@ class GaussianBlur:
 
 
 class Solarization:
-    """DINO's utils.Solarization: with probability p, PIL's solarize (threshold 128)."""
+    """DINO's utils.Solarization: with probability p (Python's `random`), PIL's solarize at 128."""
 
     def __init__(self, p: float):
         self.p = p
@@ -101,37 +82,32 @@ class MultiCrop:
                               f"{list(global_solarize)} need one probability per global crop (DINO: 2)")
         self.n_global, self.n_local = len(global_blur), int(local_crops)
         self.global_size, self.local_size = int(global_size), int(local_size)
-        flip_and_color_jitter = [
-            T.RandomHorizontalFlip(p=flip),
-            T.RandomApply([T.ColorJitter(*color_jitter)], p=color_jitter_prob),
-            T.RandomGrayscale(p=grayscale),
-        ]
-        normalize = [T.ToTensor(), T.Normalize(tuple(mean), tuple(std))]
+        self.mean, self.std, self.blur_radius = tuple(mean), tuple(std), tuple(blur_radius)
+        self.device_augment = bool(device_augment)
+        self.reduce = True  # device_augment's decode at reduced size (the trainer sets data.reduced_decode)
 
-        def view(size, scale, blur, solarize):
-            tail = [Solarization(solarize)] if solarize > 0 else []
-            return T.Compose([ToRGB(), T.RandomResizedCrop(size, scale=tuple(scale), interpolation=BICUBIC),
-                              *flip_and_color_jitter, GaussianBlur(blur, *blur_radius), *tail, *normalize])
+        def view(size, scale, blur, solarize):  # one crop of DataAugmentationDINO
+            return v2.Compose([
+                v2.RandomResizedCrop(size, scale=tuple(scale), interpolation=v2.InterpolationMode.BICUBIC),
+                v2.RandomHorizontalFlip(p=flip),
+                v2.RandomApply([v2.ColorJitter(*color_jitter)], p=color_jitter_prob),
+                v2.RandomGrayscale(p=grayscale),
+                GaussianBlur(blur, *blur_radius),
+                *([Solarization(solarize)] if solarize > 0 else []),
+                ToNormalizedTensor(mean, std),
+            ])
 
-        # The reference pipelines (one T.Compose per view); plan() draws what they draw.
-        self.global_transforms = [view(global_size, global_scale, b, s)
-                                  for b, s in zip(global_blur, global_solarize)]
+        self.global_transforms = [view(global_size, global_scale, b, s) for b, s in zip(global_blur, global_solarize)]
         self.local_transform = view(local_size, local_scale, local_blur, local_solarize)
-        self.views = [(int(global_size), tuple(global_scale), b, s) for b, s in zip(global_blur, global_solarize)]
-        self.views += [(int(local_size), tuple(local_scale), local_blur, local_solarize)] * self.n_local
-        self.flip, self.jitter_prob, self.grayscale = flip, color_jitter_prob, grayscale
-        self.jitter = T.ColorJitter(*color_jitter)
-        self.blur_radius, self.device_augment = tuple(blur_radius), bool(device_augment)
-        self.mean, self.std = tuple(mean), tuple(std)
-        self.to_tensor = ToNormalizedTensor(self.mean, self.std)
-        self.reduce = True  # decode at reduced size where every crop allows (the trainer sets data.reduced_decode)
+        # Every crop in order, as (its transform, its side): what __call__ applies and plan draws.
+        self.views = [(t, self.global_size) for t in self.global_transforms]
+        self.views += [(self.local_transform, self.local_size)] * self.n_local
 
     @classmethod
     def from_config(cls, node, mean, std) -> MultiCrop:
         """From a `multicrop` config node (keys as the constructor's)."""
-        kwargs = dict(node)
         try:
-            return cls(**kwargs, mean=tuple(mean), std=tuple(std))
+            return cls(**dict(node), mean=tuple(mean), std=tuple(std))
         except TypeError as e:
             raise ConfigError(f"trainer.multicrop: {e}") from None
 
@@ -139,79 +115,55 @@ class MultiCrop:
     def n_crops(self) -> int:
         return self.n_global + self.n_local
 
+    def __call__(self, img: Image.Image):
+        if self.device_augment:
+            return self.decoded(img)
+        # Decoded once, in full, for every crop: a reduced decode must hold twice every crop's
+        # output (448 px for a 224 px global crop, 192 px for each local one), which ImageNet's
+        # typical 500 x 375 photos never do at DINO's sizes.
+        img = rgb(img)
+        return [t(img) for t, _ in self.views]
+
     def plan(self, img: Image.Image) -> list[tuple[tuple, dict]]:
-        """Every view's (box on the full-size image, parameters), drawn in the reference's order
-        from torch's and Python's generators; only the image's size is read."""
+        """Every crop's (box on the full-size image, parameters) without its pixels: device_augment's
+        draws. Only the image's size is read."""
         out = []
-        for size, scale, blur, solarize in self.views:
-            i, j, h, w = T.RandomResizedCrop.get_params(img, list(scale), [3 / 4, 4 / 3])
-            p = dict(flip=bool(torch.rand(1) < self.flip), jitter=not self.jitter_prob < torch.rand(1))
-            if p["jitter"]:
-                j_ = self.jitter
-                p["order"], *p["factors"] = j_.get_params(j_.brightness, j_.contrast, j_.saturation, j_.hue)
-            p["grayscale"] = bool(torch.rand(1) < self.grayscale)
-            p["radius"] = None if random.random() > blur else random.uniform(*self.blur_radius)
-            p["solarize"] = solarize > 0 and random.random() < solarize
-            out.append(((j, i, j + w, i + h), p))
+        for t, _ in self.views:
+            # The view's own steps draw, in its order and from its generators: the same values
+            # for the same seed as __call__ (tests/test_device_augment.py compares the states).
+            crop, flip, jitter, gray, blur, *solarize = t.transforms[:-1]
+            box = crop.make_params([img])
+            # v2's random steps apply when torch.rand(1) < p, drawn before their own parameters.
+            p = dict(flip=bool(torch.rand(1) < flip.p))
+            p["jitter"] = jitter.transforms[0].make_params([]) if torch.rand(1) < jitter.p else None
+            p["grayscale"] = bool(torch.rand(1) < gray.p)
+            # DINO's blur and solarize draw from Python's random (GaussianBlur, Solarization above).
+            p["radius"] = None if random.random() > blur.p else random.uniform(blur.radius_min, blur.radius_max)
+            p["solarize"] = bool(solarize) and random.random() < solarize[0].p
+            top, left = box["top"], box["left"]
+            out.append(((left, top, left + box["width"], top + box["height"]), p))
         return out
 
-    def decode(self, img: Image.Image):
-        """An opened, undecoded image, decoded once at the reduced size the most demanding crop
-        allows -> each view's resized crop (PIL) and parameters; with device_augment
-        decoded_sample's dict (the image, each crop's window, box and parameters)."""
+    def decoded(self, img: Image.Image) -> dict:
+        """device_augment's worker half: the image decoded once with each crop's window, box and
+        parameters (decoded_sample)."""
         plans = self.plan(img)
-        s = min(reduction(box, (v[0], v[0])) for (box, _), v in zip(plans, self.views)) if self.reduce else 1
+        # One decode for every crop: at the reduced size the crop that needs the most pixels allows.
+        s = min(reduction(box, (size, size)) for (box, _), (_, size) in zip(plans, self.views)) if self.reduce else 1
         s = draft(img, s)
-        rgb = loaded_rgb(img)
-        if self.device_augment:  # cut and resized on the device (laplace.data.resample)
-            return decoded_sample(rgb, [(window(box, s, rgb.size), p) for box, p in plans])
-        return [(crop_resize(rgb, box, s, (v[0], v[0]), Image.BICUBIC), p) for (box, p), v in zip(plans, self.views)]
-
-    def rest(self, decoded):
-        """The planned crops -> normalised tensors (the reference's pixels); device_augment's dict
-        as it is."""
-        if self.device_augment:
-            return decoded
-        return [self.to_tensor(apply(c, p)) for c, p in decoded]
+        image = rgb(img)
+        return decoded_sample(image, [(window(box, s, image.size), p) for box, p in plans])
 
     def augment_batch(self, batch: dict) -> list[torch.Tensor]:
         """device_augment's batch (multicrop_collate) -> the normalised crop batches, cut, resized
         and augmented on the device the batch is on."""
-        return crop_and_augment(batch, [v[0] for v in self.views], self.mean, self.std, self.blur_radius[1])
-
-    def reference(self, img: Image.Image) -> list[torch.Tensor]:
-        """The reference pipelines (DINO's T.Compose per view) on a decoded image: what `plan`,
-        `decode` and `rest` reproduce (tests/test_device_augment.py)."""
-        return [t(img) for t in self.global_transforms] + [self.local_transform(img) for _ in range(self.n_local)]
-
-    def __call__(self, img: Image.Image):
-        return self.rest(self.decode(img if img.mode == "RGB" else img.convert("RGB")))
-
-    def __repr__(self) -> str:
-        lines = [f"global {i + 1}: {t}" for i, t in enumerate(self.global_transforms)]
-        lines.append(f"local x{self.n_local}: {self.local_transform}")
-        return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"
-
-
-def apply(img: Image.Image, p: dict) -> Image.Image:
-    """One view's flip, jitter, grayscale, blur and solarize on PIL, as the reference applies them."""
-    if p["flip"]:
-        img = F.hflip(img)
-    if p["jitter"]:
-        adjust = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation, F.adjust_hue)
-        for k in p["order"]:
-            if p["factors"][k] is not None:
-                img = adjust[k](img, p["factors"][k])
-    if p["grayscale"]:
-        img = F.rgb_to_grayscale(img, num_output_channels=3)
-    if p["radius"] is not None:
-        img = img.filter(ImageFilter.GaussianBlur(radius=p["radius"]))
-    return ImageOps.solarize(img) if p["solarize"] else img
+        return crop_and_augment(batch, [size for _, size in self.views], self.mean, self.std, self.blur_radius[1])
 
 
 def multicrop_collate(items):
     """[(crops, label), ...] -> one batch per crop position: [tensor [B, 3, S_v, S_v] for v]; with
     device_augment decoded_collate's dict. Labels are dropped (self-supervised)."""
+    # Items are (crops, label) from a labelled dataset, or the crops alone.
     crops = [it[0] if isinstance(it, (tuple, list)) and not isinstance(it[0], torch.Tensor) else it
              for it in items]
     if isinstance(crops[0], dict):  # device_augment: the decoded images and their crops

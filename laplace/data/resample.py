@@ -1,45 +1,21 @@
-"""PIL's bicubic resize of a crop, on a batch of crops of different images at once (the training device's
-half of data.device_augment and trainer.multicrop.device_augment).
+"""PIL's bicubic resize of a crop, on a batch of crops of different images at once: the training
+device's half of data.device_augment and trainer.multicrop.device_augment (windows: laplace.data.decode.window).
 
-PIL resamples separably (libImaging/Resample.c): output pixel x of an axis is a weighted sum of the
-input pixels, the weights being the bicubic filter (a = -0.5) widened by the scale factor where it
-shrinks, cut at the window's edges and normalised to sum 1 (`precompute_coeffs`). `axis_weights`
-computes these weights for a whole batch as a matrix [B, out, n] per axis, so a resize is two
-batched matmuls, horizontal first, each rounded and clipped to 8 bits as PIL's 8-bit path does
-(`resize_crops`). Where one pass runs, the pixels are PIL's exactly. Where two run, the Pillow
-we test with (13.0) runs the vertical pass first for some sizes (found by measurement: the C
-source we read always goes horizontal first), and the rounding between the passes then differs:
-a few percent of the pixels differ by 1, a clipped overshoot at a hard edge by more
-(tests/test_resample.py states the measured figures and bounds them).
-
-We write this by hand because no library resizes a batch of *different* boxes of *different*
-images with PIL's filter: torchvision's and kornia's resize take one size for the whole batch,
-and roi_align samples bilinearly without PIL's widening of the filter.
+Written by hand because no library resizes a batch of *different* boxes of *different* images with
+PIL's filter: torchvision's and kornia's resize take one size for the whole batch, and roi_align
+samples bilinearly without PIL's widening of the filter. tests/test_resample.py compares with PIL.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 BICUBIC_SUPPORT = 2.0  # the bicubic filter is 0 beyond |x| = 2 (before widening)
 
 
-def window(box: tuple, s: int, size: tuple[int, int]) -> tuple[tuple[int, int, int, int], tuple[float, ...]]:
-    """The crop `box` (full-size coordinates) on an image decoded at 1/s (of size `size`) as
-    (the enclosing whole pixels (x0, y0, x1, y1): the only ones the filter may see, as in the
-    reference that cuts the crop first; the box in those pixels' coordinates)."""
-    if s == 1:  # a whole-pixel box: the window is the box itself
-        return tuple(int(v) for v in box), (0.0, 0.0, float(box[2] - box[0]), float(box[3] - box[1]))
-    l, t, r, b = (v / s for v in box)
-    x0, y0 = math.floor(l), math.floor(t)
-    x1, y1 = min(math.ceil(r), size[0]), min(math.ceil(b), size[1])
-    return (x0, y0, x1, y1), (l - x0, t - y0, min(r, x1) - x0, min(b, y1) - y0)
-
-
 def _bicubic(x: torch.Tensor) -> torch.Tensor:
-    a, x = -0.5, x.abs()
+    a, x = -0.5, x.abs()  # PIL's bicubic (torch's and OpenCV's use -0.75)
     near = ((a + 2) * x - (a + 3)) * x * x + 1
     far = (((x - 5) * x + 8) * x - 4) * a
     return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
@@ -47,16 +23,19 @@ def _bicubic(x: torch.Tensor) -> torch.Tensor:
 
 def axis_weights(start: torch.Tensor, length: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                  n_in: int, n_out: int) -> torch.Tensor:
-    """PIL's bicubic weights along one axis for a batch: [B, n_out, n_in].
+    """PIL's bicubic weights along one axis for a batch: [B, n_out, n_in] (libImaging/Resample.c
+    `precompute_coeffs`: output pixel x is a weighted sum of the input pixels).
 
     Args:
         start, length: [B] the window's first pixel and its number of pixels on the image axis.
         lo, hi: [B] the box's ends in window coordinates (PIL's box).
         n_in: the (padded) image axis; n_out: the output's side.
     """
+    # The filter's support and centres in double, as PIL's C (MPS has no float64).
     dtype = torch.float64 if start.device.type in ("cpu", "cuda") else torch.float32
     start, length, lo, hi = (v.to(dtype).view(-1, 1, 1) for v in (start, length, lo, hi))
     scale = (hi - lo) / n_out
+    # Shrinking widens the filter by the scale factor (antialiasing); enlarging keeps it.
     filterscale = scale.clamp_min(1.0)
     support = BICUBIC_SUPPORT * filterscale
     center = lo + (torch.arange(n_out, device=start.device, dtype=dtype).view(1, -1, 1) + 0.5) * scale
@@ -64,6 +43,8 @@ def axis_weights(start: torch.Tensor, length: torch.Tensor, lo: torch.Tensor, hi
     xmin = torch.floor(center - support + 0.5).clamp_min(0)
     xmax = torch.minimum(torch.floor(center + support + 0.5), length)
     x = torch.arange(n_in, device=start.device, dtype=dtype).view(1, 1, -1) - start  # window coordinates
+    # Cut at the window's edges (the filter sees no pixel outside the crop's window: the padding
+    # of a batch and the neighbours of the crop stay out), then normalised to sum 1 as PIL does.
     w = _bicubic((x - center + 0.5) / filterscale) * ((x >= xmin) & (x < xmax))
     return (w / w.sum(-1, keepdim=True)).float()
 
@@ -82,6 +63,10 @@ def resize_crops(images: torch.Tensor, windows: torch.Tensor, boxes: torch.Tenso
     B, _, H, W = images.shape
     wx = axis_weights(windows[:, 0], windows[:, 2] - windows[:, 0], boxes[:, 0], boxes[:, 2], W, out)
     wy = axis_weights(windows[:, 1], windows[:, 3] - windows[:, 1], boxes[:, 1], boxes[:, 3], H, out)
+    # Two batched matmuls, horizontal pass first, each rounded and clipped to 8 bits as PIL's 8-bit
+    # path does. Where one pass runs the pixels are PIL's exactly; where two run, Pillow 13 runs the
+    # vertical pass first for some sizes (measured; its C source reads horizontal first), so the
+    # rounding between passes differs: a few percent of the pixels by 1 (tests/test_resample.py).
     with torch.autocast(images.device.type, enabled=False), _ieee_float32():
         h = torch.matmul(images, wx.transpose(1, 2).unsqueeze(1)).add_(0.5).floor_().clamp_(0, 255)
         return torch.matmul(wy.unsqueeze(1), h).add_(0.5).floor_().clamp_(0, 255)

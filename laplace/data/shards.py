@@ -38,18 +38,15 @@ from laplace.io import atomic_write
 
 def shard_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned dtype that holds ids 0 .. vocab_size - 1."""
-    if not 0 < vocab_size <= 2**32:
+    if not 0 < vocab_size <= 2**32:  # uint16 when the ids fit: half the disk and page cache
         raise ValueError(f"vocab_size={vocab_size} must be in 1 .. 2**32")
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
                 vocab_size: int) -> Path:
-    """Save `tokens` as a shard at `path` (".npy" is appended if missing, as np.save does).
-
-    The write is atomic: the array goes to a hidden temp file in the same folder, is fsynced and
-    then renamed, so a crash never leaves a half-written shard under its final name (and
-    `list_shards` skips the hidden leftovers). Returns the shard's path.
+    """Save `tokens` as a shard at `path` (".npy" is appended if missing, as np.save does), atomically;
+    returns the shard's path.
 
     Args:
         path: where the shard goes; parent folders are created.
@@ -64,12 +61,15 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
         arr = arr.astype(dtype)  # np.asarray([]) is float64
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    # An id out of range would be read back as another token (uint16 wraps): refuse it here.
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         raise ValueError(f"token ids must be in 0 .. {vocab_size - 1} (vocab_size={vocab_size}), "
                          f"got min {arr.min()} and max {arr.max()}")
     path = Path(path)
     if path.suffix != ".npy":
         path = path.with_name(path.name + ".npy")
+    # A hidden temp file, fsynced, then renamed: a crash never leaves a half-written shard under its
+    # final name, and list_shards skips the hidden leftovers.
     return atomic_write(path, lambda f: np.save(f, arr.astype(dtype, copy=False)))
 
 
@@ -87,7 +87,7 @@ def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) ->
             raise DatasetNotFoundError(
                 f"token shards not found: folder {where} does not exist; "
                 f"set data.root to the folder holding the *.npy shards")
-        if split is not None and os.path.isdir(os.path.join(where, split)):
+        if split is not None and os.path.isdir(os.path.join(where, split)):  # prepare's train/ and val/
             where, split = os.path.join(where, split), None
         where = os.path.join(where, "*.npy")
     files = sorted(Path(p) for p in glob.glob(where)
@@ -104,25 +104,12 @@ def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) ->
 class TokenStream:
     """Fixed-length windows of a concatenated token stream, split over ranks, resumable.
 
-    The shards, in the given order, are one stream of N tokens. Global window g < G, with
-    G = (N - 1) // seq_len (capped at `max_windows`), is tokens [g*T, g*T + T + 1): x is its first
-    T tokens, y its last T, so windows overlap by one token (as `TokenWindows`) and may span
-    shards. Each micro-batch round consumes W*B consecutive windows from the global position p;
-    rank r gets windows p + r + W*j, j < B. The rounds, and so the optimizer steps, hold the same
-    windows however W*B is split: rank r's rows are rows r::W of one rank with micro batch W*B.
-    An epoch ends when fewer than W*B windows remain (dropped, like drop_last); then the stream
-    starts again at window 0 of epoch + 1, or stops if `loop` is False. A trainer that
-    accumulates micro-batches calls `set_step_windows(global batch)`: the epoch then ends where
-    fewer than one optimizer step's windows remain, so where it ends, and which windows every step
-    after it holds, depend on the global batch alone, not on how W*B splits it (without this a
-    resumed run with another micro batch or world size took another remainder of the epoch).
-
-    The state is (epoch, position = windows consumed this epoch), independent of the world size:
-    a run resumed with W' ranks and micro batch B' continues at the same global window, and its
-    steps hold the same windows as before when W'*B' (times accumulation steps) equals W*B.
-    The position is advanced just before each batch is yielded, so after k yields the state
-    says k rounds consumed: save it after the step that used the batch. The order is not
-    shuffled: shards are expected to be shuffled when written.
+    The shards, in the given order, are one stream of N tokens; global window g < (N - 1) // T
+    (capped at `max_windows`) is tokens [g*T, g*T + T + 1) (x: its first T, y: its last T; windows
+    overlap by one token and may span shards). The state is (epoch, position = windows consumed
+    this epoch), independent of the world size: a run resumed with other ranks or another micro
+    batch continues at the same global window, and its steps hold the same windows when the global
+    batch is the same. Not shuffled: shards are expected to be shuffled when written.
 
     Args:
         files: shard paths, in stream order (e.g. from `list_shards`).
@@ -150,7 +137,7 @@ class TokenStream:
         # Shard lengths from the .npy headers (mapping reads no data); cum[i] = first token of i.
         self._cum = [0]
         for f in self.files:
-            a = np.load(f, mmap_mode="r")
+            a = np.load(f, mmap_mode="r")  # reads the header: a check of every shard before step 1
             if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
                 raise ValueError(f"{f} is not a token shard (1-D integer array), "
                                  f"got shape {a.shape} and dtype {a.dtype}")
@@ -167,13 +154,18 @@ class TokenStream:
                 f"too little data: data.seq_len={seq_len} x micro batch {micro_batch_size} x "
                 f"world size {world_size} needs {per_round * seq_len + 1} tokens, the shards hold "
                 f"{self.num_tokens} tokens ({self._windows} windows{cap})")
-        self._epoch_windows = self._windows // per_round * per_round  # see set_step_windows
+        # An epoch ends when fewer than one round's windows remain (dropped, like drop_last), or
+        # one optimizer step's (set_step_windows); the next starts again at window 0.
+        self._epoch_windows = self._windows // per_round * per_round
         self._epoch, self._position = 0, 0
         self._maps: dict[int, np.ndarray] = {}  # opened on first use, see _map
 
     def set_step_windows(self, windows: int) -> None:
         """End each epoch at a multiple of `windows` (one optimizer step: the global batch,
         a multiple of W*B) instead of W*B."""
+        # A trainer that accumulates micro-batches calls this: where an epoch ends, and which
+        # windows every later step holds, then depend on the global batch alone, not on how W*B
+        # splits it (else a run resumed with another micro batch took another remainder).
         per_round = self.world_size * self.micro_batch_size
         if windows < 1 or windows % per_round:
             raise ValueError(f"set_step_windows({windows}): must be a positive multiple of "
@@ -216,6 +208,8 @@ class TokenStream:
         shard's length and first and last 4096 tokens (cheap at any size). A resumed run
         compares it (train/engine.py): the same shards moved to another root resume, other
         shards are refused."""
+        # Not the paths (the same shards moved resume) and not every token (hours for FineWeb-Edu's
+        # shards): the lengths and both ends of each shard tell other shards apart.
         h = hashlib.sha256()
         for i in range(len(self.files)):
             a = self._map(i)
@@ -237,7 +231,7 @@ class TokenStream:
         """Copy tokens [start, start + len(out)) of the stream into out, across shards."""
         # The last shard that starts at or before `start` (skips empty shards).
         i = bisect.bisect_right(self._cum, start) - 1
-        done = 0
+        done = 0  # a window may span shards: copy shard by shard
         while done < len(out):
             lo = start + done - self._cum[i]
             n = min(len(out) - done, self._cum[i + 1] - self._cum[i] - lo)
@@ -247,6 +241,9 @@ class TokenStream:
     def _batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         T, W = self.seq_len, self.world_size
         buf = np.empty((self.micro_batch_size, T + 1), dtype=np.int64)
+        # A round is W*B consecutive windows from `position`; rank r takes windows r, r + W, ...:
+        # rows r::W of one rank with micro batch W*B, so the steps hold the same windows however
+        # W*B is split over ranks.
         for j in range(self.micro_batch_size):
             self._read((position + self.rank + W * j) * T, buf[j])
         chunk = torch.from_numpy(buf)
@@ -259,6 +256,8 @@ class TokenStream:
         while True:
             while self._position + per_round <= self._epoch_windows:
                 batch = self._batch(self._position)
+                # Advanced before the yield: after k batches the state says k rounds consumed,
+                # so a checkpoint saved after the step that used a batch resumes after it.
                 self._position += per_round
                 yield batch
             if not self.loop:
@@ -278,7 +277,7 @@ class ShardWindows(torch.utils.data.Dataset):
         return self._stream.windows_per_epoch
 
     def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= g < len(self):
+        if not 0 <= g < len(self):  # an IndexError ends a plain `for` loop over the dataset
             raise IndexError(g)
         buf = np.empty(self.seq_len + 1, dtype=np.int64)
         self._stream._read(g * self.seq_len, buf)

@@ -21,35 +21,32 @@ VOCAB_SIZE = 257
 
 
 def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+    return list(text.encode("utf-8"))  # ids 0-255 are the bytes
 
 
 def decode(ids) -> str:
+    # <|bos|> dropped; a window may cut a character in two: "replace" keeps decoding.
     return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
 def pydoc_documents(train: bool = True, val_every: int = 10) -> list[str]:
     from pydoc_data.topics import topics
 
+    # One document per topic, by name; every 10th held out: a split that never depends on a seed.
     docs = [topics[k] for k in sorted(topics)]
     return [d for i, d in enumerate(docs) if (i % val_every == val_every - 1) != train]
 
 
-def stdlib_texts() -> list[str]:
+@functools.lru_cache(maxsize=1)  # read once per process: the train and the validation split come from it
+def stdlib_texts() -> tuple[str, ...]:
     """Python's standard-library sources: every non-empty `*.py` file under sysconfig's stdlib
-    folder, by path, without site-packages / dist-packages (what is installed there differs from
-    machine to machine: 11,563 of 13,353 files, 130 of 161 M characters on ours). Real text
-    found on every machine: ~1,790 files, ~31 M characters for Python 3.11."""
-    return list(_stdlib_texts())
-
-
-@functools.lru_cache(maxsize=1)
-def _stdlib_texts() -> tuple[str, ...]:
-    """Read once per process: the train and the validation split both come from it."""
+    folder, by path: real text found on every machine (~1,790 files, ~31 M characters for Python 3.11)."""
     import sysconfig
     from pathlib import Path
 
     root = Path(sysconfig.get_paths()["stdlib"])
+    # Without site-packages / dist-packages: what is installed there differs from machine to
+    # machine (11,563 of 13,353 files, 130 of 161 M characters on ours).
     files = sorted(f for f in root.rglob("*.py")
                    if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts))
     return tuple(t for t in (f.read_text(errors="replace") for f in files) if t.strip())
@@ -65,18 +62,16 @@ STDLIB_LAYOUT = (f"stdlib split by path, files cut into pieces of <= {STDLIB_PIE
 def stdlib_documents(train: bool = True, val_every: int = 4, seed: int = STDLIB_ORDER_SEED,
                      max_chars: int = STDLIB_PIECE_CHARS) -> list[str]:
     """stdlib_texts() split by path position (every val_every-th file is validation), each file cut
-    at line ends into pieces of at most max_chars, each split's pieces then in a fixed random order.
-
-    Why: token shards are read in order (laplace.data.shards.TokenStream expects them shuffled
-    when written, as FineWeb-Edu's are). By path, a package's modules come together; and whole
-    files are long (median 6.8 k characters, 76% of the text in files over 20 k, the largest
-    756 k: ~220 k tokens), so even shuffled files would feed a small batch (16 x 128 tokens) one
-    file for tens of steps. The validation curve then bumps up and down with whatever file is
-    being read (seen in the long miniature, docs/LOG.md). Pieces of 2,000 characters (~600
-    tokens, about a FineWeb-Edu document) put several files in every batch."""
+    at line ends into pieces of at most max_chars, each split's pieces then in a fixed random order."""
     import random
 
-    files = [d for i, d in enumerate(_stdlib_texts()) if (i % val_every == val_every - 1) != train]
+    files = [d for i, d in enumerate(stdlib_texts()) if (i % val_every == val_every - 1) != train]
+    # Token shards are read in order (TokenStream expects them shuffled when written, as
+    # FineWeb-Edu's are). By path a package's modules come together, and whole files are long
+    # (median 6.8 k characters, the largest ~220 k tokens): a small batch (16 x 128 tokens) read
+    # one file for tens of steps and the validation curve rose and fell with it (the long
+    # miniature, docs/LOG.md). Pieces of 2,000 characters (~600 tokens, about a FineWeb-Edu
+    # document), shuffled, put several files in every batch.
     docs = [p for d in files for p in _pieces(d, max_chars) if p.strip()]
     random.Random(seed).shuffle(docs)
     return docs
@@ -98,39 +93,38 @@ def _pieces(text: str, max_chars: int) -> list[str]:
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of `seq_len + 1` tokens over the concatenated documents.
-
-    Item i is (x, y) with x = tokens[i*L : i*L + L], y = the same shifted by one, and the
-    document id of every position of x is in `doc_ids(i)` (sequences for the analyses).
+    """Windows of seq_len + 1 tokens of one token stream, consecutive windows sharing one token so
+    that every token is a target once: item i is (x, y), y = x shifted by one. The tail shorter
+    than a window is dropped. The in-memory streams' one implementation (data=pydoc_text here,
+    packed conversations in laplace.data.chat; token shards stream: laplace.data.shards).
 
     Args:
-        docs: documents (strings); each is prefixed with <|bos|>.
-        seq_len: L, the model's context.
+        tokens: the stream, an integer tensor.
+        seq_len: the model's context.
     """
 
-    def __init__(self, docs: list[str], seq_len: int):
-        ids, doc = [], []
-        for d, text in enumerate(docs):
-            toks = [BOS] + encode(text)
-            ids += toks
-            doc += [d] * len(toks)
-        self.tokens = torch.tensor(ids, dtype=torch.int16 if VOCAB_SIZE < 2**15 else torch.int32)
-        self.docs = torch.tensor(doc, dtype=torch.int32)
-        self.seq_len = seq_len
-        self.n = (len(ids) - 1) // seq_len
-        if self.n == 0:
-            raise ConfigError(f"data.seq_len={seq_len} is longer than the text ({len(ids)} tokens)")
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        self.tokens, self.seq_len = tokens, int(seq_len)
+        self.n = max(0, (len(tokens) - 1) // self.seq_len)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i):
-        chunk = self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1].long()
-        return chunk[:-1], chunk[1:]
+    def window(self, i: int) -> slice:
+        if not 0 <= i < self.n:
+            raise IndexError(f"window {i} out of range ({self.n} windows)")
+        return slice(i * self.seq_len, (i + 1) * self.seq_len + 1)
 
-    def doc_ids(self, i) -> torch.Tensor:
-        return self.docs[i * self.seq_len: (i + 1) * self.seq_len]
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.tokens[self.window(i)].long()
+        return w[:-1], w[1:]
 
 
 def build_pydoc_text(train: bool, seq_len: int) -> TokenWindows:
-    return TokenWindows(pydoc_documents(train), seq_len)
+    """data=pydoc_text: the help topics' bytes, <|bos|> before each, as windows."""
+    ids = [t for doc in pydoc_documents(train) for t in [BOS, *encode(doc)]]  # as the token shards
+    # In memory for the whole run (~450 k tokens): int16, a quarter of int64's bytes.
+    ds = TokenWindows(torch.tensor(ids, dtype=torch.int16), seq_len)
+    if len(ds) == 0:
+        raise ConfigError(f"data.seq_len={seq_len} is longer than the text ({len(ids)} tokens)")
+    return ds

@@ -11,6 +11,8 @@ from torch.utils.data import Dataset
 from laplace.chat_format import render_conversation, render_conversations, special_ids
 from laplace.errors import ConfigError
 
+from ..text import TokenWindows
+
 
 class SFTDataset(Dataset):
     """One rendered conversation per item: (ids LongTensor[L], mask LongTensor[L]), L <=
@@ -25,6 +27,7 @@ class SFTDataset(Dataset):
 
     def __init__(self, conversations, tok, max_tokens: int = 2048):
         special_ids(tok)  # fail here, not in a worker, when the tokenizer has no chat tokens
+        # Rendered on access, in the workers: a 460 k-conversation mixture costs no memory up front.
         self.conversations, self.tok, self.max_tokens = conversations, tok, max_tokens
 
     def __len__(self) -> int:
@@ -40,7 +43,7 @@ def sft_collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int)
     y [B, T] the ids without their first, set to -1 (ignore_index) where the target's mask is 0
     and on padding; T = the longest item's length - 1. nanochat pads x with <|assistant_end|>:
     any id works since padded targets are ignored and attention is causal."""
-    T = max(len(ids) for ids, _ in items) - 1
+    T = max(len(ids) for ids, _ in items) - 1  # padded to the batch's longest, not to max_tokens
     if T < 1:
         raise ValueError("sft_collate: every conversation has fewer than 2 tokens")
     x = torch.full((len(items), T), pad_id, dtype=torch.long)
@@ -50,17 +53,15 @@ def sft_collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int)
         if n < 1:
             continue
         x[b, :n] = ids[:-1]
+        # The loss sees the assistant's tokens only: -1 (ignore_index) elsewhere.
         y[b, :n] = torch.where(mask[1:].bool(), ids[1:], torch.full_like(ids[1:], -1))
     return x, y
 
 
-class PackedChatDataset(Dataset):
-    """Mid-training rows: every conversation rendered (in order, untruncated) and concatenated
-    into one token stream cut into windows of seq_len + 1 tokens, consecutive windows sharing
-    one token (as `data=pydoc_text`'s TokenWindows), so every token is a target exactly once.
-    Item i is (x [seq_len], y [seq_len]): y is x shifted by one, -1 where the target's mask is 0
-    (with `masked`; nanochat's mid-training trains on every token: masked=False). The tail
-    shorter than a row is dropped. Built once: int32 tokens and a bool mask, 5 bytes per token.
+class PackedChatDataset(TokenWindows):
+    """Mid-training rows: every conversation rendered (in order, untruncated), concatenated, and
+    cut into TokenWindows. Item i is (x [seq_len], y [seq_len]) with y set to -1 where the target's
+    mask is 0 (with `masked`; nanochat's mid-training trains on every token: masked=False).
 
     Args:
         conversations: any indexable of conversations.
@@ -72,34 +73,29 @@ class PackedChatDataset(Dataset):
 
     def __init__(self, conversations, tok, seq_len: int, masked: bool = True, chunk: int = 4096,
                  num_threads: int | None = None):
-        self.seq_len, self.masked = int(seq_len), masked
         n = len(conversations)
-        tokens, masks = [], []
+        tokens, masks = [np.zeros(0, np.int32)], [np.zeros(0, np.bool_)]
+        # Rendered in chunks through the tokenizer's threaded batch encode, kept as int32 + bool
+        # (5 bytes a token): as Python lists of ints a large mixture would take tens of bytes a token.
         for start in range(0, n, chunk):
             batch = [conversations[i] for i in range(start, min(n, start + chunk))]
             for ids, mask in render_conversations(tok, batch, max_tokens=None, num_threads=num_threads):
                 tokens.append(np.asarray(ids, dtype=np.int32))
                 masks.append(np.asarray(mask, dtype=np.bool_))
-        self.tokens = torch.from_numpy(np.concatenate(tokens) if tokens else np.zeros(0, np.int32))
-        self.mask = torch.from_numpy(np.concatenate(masks) if masks else np.zeros(0, np.bool_))
-        self.n = max(0, (len(self.tokens) - 1) // self.seq_len)
+        super().__init__(torch.from_numpy(np.concatenate(tokens)), seq_len)
+        self.mask, self.masked = torch.from_numpy(np.concatenate(masks)), masked
         if self.n == 0:
             raise ConfigError(f"seq_len={seq_len} is longer than all {n} conversations together "
                               f"({len(self.tokens)} tokens): use more conversations or a shorter seq_len")
 
-    def __len__(self) -> int:
-        return self.n
-
     def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw window i: (tokens LongTensor[seq_len + 1], mask BoolTensor[seq_len + 1])."""
-        if not 0 <= i < self.n:
-            raise IndexError(f"row {i} out of range ({self.n} rows)")
-        s = slice(i * self.seq_len, (i + 1) * self.seq_len + 1)
+        s = self.window(i)
         return self.tokens[s].long(), self.mask[s]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, mask = self.row(i)
-        x, y = tokens[:-1], tokens[1:].clone()
+        x, y = tokens[:-1], tokens[1:].clone()  # clone: y is written to, tokens is the shared stream
         if self.masked:
             y[~mask[1:]] = -1
         return x, y

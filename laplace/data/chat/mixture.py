@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
 from laplace.errors import ConfigError
@@ -26,7 +27,7 @@ def load_task(task: str, path: str | None = None, subset: str | None = None, spl
     config node named in errors."""
     if task not in TASKS:
         raise ConfigError(f"{key}.task={task!r}: choose one of {', '.join(TASKS)}")
-    if task == "pydoc_chat":
+    if task == "pydoc_chat":  # built in: nothing to load
         if path is not None:
             raise ConfigError(f"{key}.path={path}: pydoc_chat is built in and reads no files; remove the key")
         return PydocChat(split)
@@ -35,7 +36,7 @@ def load_task(task: str, path: str | None = None, subset: str | None = None, spl
     return TASKS[task](rows)
 
 
-_SPEC_KEYS = ("task", "path", "subset", "split", "repeats", "max_examples")
+_SPEC_KEYS = ("task", "path", "subset", "split", "repeats", "max_examples")  # a typo is refused, not ignored
 
 
 class ChatMixture(Dataset):
@@ -59,17 +60,6 @@ class ChatMixture(Dataset):
         return {name: int(c) for name, c in zip(self.names, n)}
 
 
-def _plain(spec) -> dict:
-    try:  # a DictConfig node: resolved to plain data
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(spec, DictConfig):
-            return OmegaConf.to_container(spec, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with hydra
-        pass
-    return dict(spec)
-
-
 def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str = "data.tasks",
                   cache_dir: str | None = None) -> ChatMixture:
     """A ChatMixture from config specs, each {task, path, subset, split, repeats, max_examples}
@@ -81,17 +71,18 @@ def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str
     """
     if not specs:
         raise ConfigError(f"{key} is empty: give at least one task, e.g. [{{task: pydoc_chat}}]")
+    # One generator for every draw, in spec order: the mixture is a function of the specs and seed.
     rng = np.random.default_rng(seed)
     tasks, names, task_of, index_of = [], [], [], []
     for t, raw in enumerate(specs):
         where = f"{key}[{t}]"
-        spec = _plain(raw)
+        spec = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
         unknown = sorted(set(spec) - set(_SPEC_KEYS))
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]}: unknown key; a task spec takes {', '.join(_SPEC_KEYS)}")
         if "task" not in spec:
             raise ConfigError(f"{where}.task is missing: choose one of {', '.join(TASKS)}")
-        repeats = float(spec.get("repeats") if spec.get("repeats") is not None else 1.0)
+        repeats = float(spec.get("repeats") if spec.get("repeats") is not None else 1.0)  # null: once
         if not (math.isfinite(repeats) and repeats >= 0):
             raise ConfigError(f"{where}.repeats={spec.get('repeats')}: use a number >= 0 (2 = every example twice)")
         cap = spec.get("max_examples")
@@ -100,16 +91,19 @@ def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str
         task = load_task(spec["task"], spec.get("path"), spec.get("subset"), spec.get("split") or "train",
                          key=where, cache_dir=cache_dir)
         n = len(task)
+        # A random subset, not the first rows (MMLU's are sorted by subject).
         local = rng.permutation(n)[:int(cap)] if cap is not None else np.arange(n)
+        # repeats=2.5: every example twice, and a fixed random half of them a third time.
         whole, frac = divmod(repeats, 1.0)
         picked = [local] * int(whole)
         if frac > 0:
             picked.append(rng.permutation(local)[:round(frac * len(local))])
         idx = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
         tasks.append(task)
-        names.append(spec["task"] if spec["task"] not in names else f"{spec['task']}#{t}")
+        names.append(spec["task"] if spec["task"] not in names else f"{spec['task']}#{t}")  # counts() keys
         task_of.append(np.full(len(idx), t, dtype=np.int32))
         index_of.append(idx.astype(np.int64))
+    # Index arrays, not conversations: 12 bytes per item, each built when the trainer reads it.
     task_of, index_of = np.concatenate(task_of), np.concatenate(index_of)
     order = rng.permutation(len(task_of))
     return ChatMixture(tasks, task_of[order], index_of[order], names)

@@ -9,6 +9,7 @@ from laplace.errors import ConfigError
 
 from .tasks import MMLU, ChatTask, render_mc
 
+# Three phrasings of one request per topic: the model learns the answer, not one template.
 _QUESTIONS = ("What does the Python documentation say about {t}?",
               "Explain {t} in Python.",
               "I'm reading Python's reference manual. Can you summarise the section \"{t}\"?")
@@ -29,10 +30,10 @@ def _blocks(text: str) -> list[tuple[bool, str]]:
     body = text.split("\n", 1)[1] if "\n" in text else ""
     out = []
     for block in re.split(r"\n\s*\n", body):
-        if not block.strip() or set(block.strip()) <= set("*=-"):
+        if not block.strip() or set(block.strip()) <= set("*=-"):  # empty, or a rule under a heading
             continue
         lines = block.split("\n")
-        if lines[0].startswith((" ", "\t")):
+        if lines[0].startswith((" ", "\t")):  # indented in the source: code or grammar
             out.append((False, block.rstrip()))
         else:
             out.append((True, " ".join(line.strip() for line in lines)))
@@ -42,18 +43,18 @@ def _blocks(text: str) -> list[tuple[bool, str]]:
 def _capped(blocks: list[tuple[bool, str]], max_chars: int) -> str:
     """Whole blocks from the first prose paragraph on, up to max_chars; a first paragraph
     longer than that ends at its last full sentence within the cap."""
-    while blocks and not blocks[0][0]:
+    while blocks and not blocks[0][0]:  # an answer opens with prose, not with a grammar block
         blocks = blocks[1:]
     out = ""
     for _, b in blocks:
         if out and len(out) + 2 + len(b) > max_chars:
             break
         out = f"{out}\n\n{b}" if out else b
-    if len(out) > max_chars:
+    if len(out) > max_chars:  # one long first paragraph: end at a sentence, not mid-word
         cut = out[:max_chars]
         end = cut.rfind(". ")
         out = cut[:end + 1] if end > 0 else cut.rstrip() + "..."
-    return out.rstrip(":") + ("." if out.endswith(":") else "")
+    return out.rstrip(":") + ("." if out.endswith(":") else "")  # "... as follows:" without what follows
 
 
 class PydocChat(ChatTask):
@@ -82,7 +83,7 @@ class PydocChat(ChatTask):
         if split not in ("train", "val"):
             raise ConfigError(f"pydoc_chat split={split!r}: choose train or val")
         docs = pydoc_documents(train=split == "train")
-        all_titles = sorted({_topic_title(t) for t in topics.values()})
+        all_titles = sorted({_topic_title(t) for t in topics.values()})  # distractors from both splits
         rows = []
         for d, text in enumerate(docs):
             title, blocks = _topic_title(text), _blocks(text)
@@ -95,6 +96,7 @@ class PydocChat(ChatTask):
             passages = [b for prose, b in blocks if prose and len(b) >= 40 and not b.endswith(":")]
             others = [t for t in all_titles if t != title]
             for j, para in enumerate(passages):
+                # Seeded by topic and paragraph: the same question whatever else the split holds.
                 rng = np.random.default_rng([d, j, len(docs)])
                 choices = [title] + [others[k] for k in rng.choice(len(others), 3, replace=False)]
                 order = rng.permutation(4)

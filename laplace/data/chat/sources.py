@@ -38,10 +38,14 @@ def load_split(path: str, subset: str | None, split: str, *, key: str = "path",
     import datasets
 
     local = Path(os.path.expanduser(str(path)))
+    # We find a local copy's files ourselves: load_dataset(folder, name=subset) knows only subsets
+    # a README's YAML declares, and data_dir=subset maps MMLU's `dev` to validation.
     if local.exists():
         if not local.is_dir():
             raise DatasetNotFoundError(f"{key}={path} is a file; give the dataset's folder (its "
                                        f"hub layout: <folder>/<subset>/<split>-*.parquet)")
+        # The hub layout: <path>/<subset>/ (mmlu, gsm8k, ai2_arc) or <path>/data/ (smol-smoltalk),
+        # or the subset folder itself.
         candidates = ([local / subset] if subset else [local / "data"]) + [local]
         for folder in candidates:
             builder, files = _split_files(folder, split)
@@ -52,13 +56,14 @@ def load_split(path: str, subset: str | None, split: str, *, key: str = "path",
         raise DatasetNotFoundError(f"{key}={path}: no {split!r} split files ({looked}); download the "
                                    f"dataset with `hf download <hub id> --repo-type dataset "
                                    f"--local-dir {path}`")
-    if not _HUB_ID.match(str(path)):
+    if not _HUB_ID.match(str(path)):  # a mistyped folder: do not ask the hub about it
         raise DatasetNotFoundError(f"{key}={path}: no such folder; download the dataset with "
                                    f"`hf download <hub id> --repo-type dataset "
                                    f"--local-dir {path}`, or give its hub id")
     try:
         return datasets.load_dataset(str(path), name=subset, split=split, cache_dir=cache_dir)
     except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
+        # Offline, or no such dataset: one line with the command that makes a local copy.
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise DatasetNotFoundError(f"{key}={path}: cannot load the hub dataset (subset {subset}, split "
                                    f"{split}): {first}; offline, download it with `hf download "

@@ -18,7 +18,7 @@ def render_mc(question: str, letters: Sequence[str], choices: Sequence[str]) -> 
 
 class ChatTask(Dataset):
     """Conversations over the rows of a `datasets.Dataset` (or any indexable of rows), built on
-    access so that a 460k-row task costs no memory up front."""
+    access: a 460k-row task costs no memory up front (no `.map` into a second Arrow copy)."""
 
     name = "task"
 
@@ -29,6 +29,7 @@ class ChatTask(Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
+        # An IndexError that names the task (rows may be a plain list, or a numpy index).
         if not -len(self) <= i < len(self):
             raise IndexError(f"{self.name}: index {i} out of range ({len(self)} conversations)")
         return self.conversation(self.rows[int(i)])
@@ -44,6 +45,7 @@ class SmolTalk(ChatTask):
     name = "smoltalk"
 
     def conversation(self, row):
+        # Only role and content: render_conversation checks the roles and merges a system message.
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]}
 
 
@@ -56,9 +58,9 @@ class MMLU(ChatTask):
     letters = ("A", "B", "C", "D")
 
     def conversation(self, row):
-        if "train" in row and isinstance(row["train"], Mapping):
+        if "train" in row and isinstance(row["train"], Mapping):  # auxiliary_train's nesting
             row = row["train"]
-        letters = self.letters[:len(row["choices"])]
+        letters = self.letters[:len(row["choices"])]  # MMLU has four choices; fewer take fewer letters
         return {"messages": [{"role": "user", "content": render_mc(row["question"], letters, row["choices"])},
                              {"role": "assistant", "content": letters[int(row["answer"])]}],
                 "subject": row.get("subject", ""), "letters": letters}
@@ -71,7 +73,7 @@ class ARC(ChatTask):
     name = "arc"
 
     def conversation(self, row):
-        letters = tuple(row["choices"]["label"])
+        letters = tuple(row["choices"]["label"])  # the dataset's own: A-D, or 1-4 in a few rows
         return {"messages": [{"role": "user", "content": render_mc(row["question"], letters,
                                                                     row["choices"]["text"])},
                              {"role": "assistant", "content": row["answerKey"]}],
@@ -86,7 +88,7 @@ def gsm8k_parts(answer: str) -> list[dict]:
     python part `expr` (the model's calculator call) and a python_output part `result` (the
     tool's answer); the text between them stays text, the final `#### N` included."""
     parts = []
-    for piece in _CALC.split(answer):
+    for piece in _CALC.split(answer):  # the split keeps the <<...>> pieces (a capturing group)
         if piece.startswith("<<") and piece.endswith(">>"):
             expr, eq, result = piece[2:-2].rpartition("=")
             if not eq:  # no "=": a call without a recorded result

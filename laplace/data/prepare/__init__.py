@@ -24,6 +24,7 @@ META_VERSION = 1
 
 
 def output_dir(cfg, src) -> Path:
+    """out, or <data_dir>/<name> (default <source>_<tokenizer>: a re-run finds its own folder)."""
     if cfg.out is not None:
         return Path(str(cfg.out)).expanduser()
     kind = cfg.tokenizer if cfg.tokenizer in ("bpe", "bytes", "gpt2") else "bpe"
@@ -35,15 +36,13 @@ def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
     existing file, copied to out/tokenizer.json so the folder is self-contained."""
     spec = str(cfg.tokenizer)
     path = out / "tokenizer.json"
-    if spec in ("bytes", "gpt2"):
+    if spec != "bpe":  # bytes, gpt2, or a file (copied into out by prepare, once the settings are checked)
         return load_tokenizer(spec)
-    if spec != "bpe":
-        return load_tokenizer(spec)  # copied into out by prepare, once the settings are checked
     vocab = _positive(cfg, "vocab_size")
     if vocab <= MIN_VOCAB:
         raise ConfigError(f"vocab_size={vocab} must exceed {MIN_VOCAB} (256 bytes + 9 special "
                           f"tokens); the paper uses 65536, the built-in text 4096")
-    if path.is_file():
+    if path.is_file():  # a resumed run keeps its tokenizer: its shards' ids depend on it
         tok = load_tokenizer(path)
         if tok.vocab_size != vocab:
             raise ConfigError(f"vocab_size={vocab} but {path} (from an earlier run) has "
@@ -54,6 +53,7 @@ def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
     print(f"[prepare] training a BPE tokenizer (vocab {vocab:,}) on up to {chars:,} characters",
           flush=True)
     t = time.perf_counter()
+    # On the training documents only (nanochat: each cut to doc_chars, up to chars in all).
     docs = (d for batch in src.train_batches(0, 1024) for d in batch)
     if max_docs is not None:
         docs = (d for _, d in zip(range(max_docs), docs))
@@ -82,14 +82,18 @@ def prepare(cfg: DictConfig) -> dict:
     src = open_source(cfg)
     out = output_dir(cfg, src)
     settings = {**settings_of(cfg), "source_files": src.fingerprint()}
-    remove_outputs(out, everything=bool(cfg.rebuild))
+    remove_outputs(out, everything=bool(cfg.rebuild))  # a killed run's temp files; rebuild: all
+    # Checked twice: before training a BPE (minutes, wasted on a refused folder), and with the
+    # tokenizer's fingerprint, which pins the ids the finished shards hold.
     check_settings(out, settings, src.describe())
     tok = make_tokenizer(cfg, out, src, max_docs)
     settings["tokenizer_fingerprint"] = tok.fingerprint()
     check_settings(out, settings, src.describe())
     if tok.kind == "bpe" and Path(tok.spec) != (out / "tokenizer.json").absolute():
+        # A given BPE file: copied in, so the folder is self-contained (train.py reads it there).
         tok.save(out / "tokenizer.json")
         tok = load_tokenizer(out / "tokenizer.json")
+    # Pinned before the first shard: a re-run with other settings is refused, not mixed in.
     atomic_write(out / ".settings.json", json.dumps(settings, indent=1).encode())
 
     print(f"[prepare] {src.describe()} -> {out} ({tok.kind} tokenizer, vocab {tok.vocab_size:,}, "
@@ -109,12 +113,12 @@ def prepare(cfg: DictConfig) -> dict:
                       "tokens": sum(s["tokens"] for s in train), "shards": train},
             "val": {"docs": sum(s["docs"] for s in val),
                     "tokens": sum(s["tokens"] for s in val), "shards": val}}
-    atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
+    atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())  # last: the folder is complete
 
     tr, va = meta["train"], meta["val"]
     print(f"[prepare] train: {tr['docs']:,} documents, {tr['tokens']:,} tokens in "
           f"{len(train)} shards; val: {va['docs']:,} documents, {va['tokens']:,} tokens", flush=True)
-    if stats.tokens:
+    if stats.tokens:  # also per core: the threads tokenize without the GIL, so it scales with cores
         tps = stats.tokens / max(stats.seconds, 1e-9)
         print(f"[prepare] tokenized {stats.docs:,} documents, {stats.tokens:,} tokens in "
               f"{stats.seconds:.1f} s: {tps:,.0f} tokens/s, {tps / cores:,.0f} tokens/s per "

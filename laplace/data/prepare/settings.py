@@ -14,8 +14,8 @@ from laplace.errors import ConfigError
 def settings_of(cfg) -> dict:
     """What decides the shards' content: a re-run into the same folder must match it."""
     keys = ["source", "source_config", "split", "val_split", "text_column", "tokenizer",
-            "docs_per_shard", "val_docs", "max_docs"]
-    if cfg.tokenizer == "bpe":
+            "docs_per_shard", "val_docs", "max_docs"]  # not num_workers, batch_docs, progress: same bytes
+    if cfg.tokenizer == "bpe":  # what the trained BPE depends on
         keys += ["vocab_size", "tokenizer_train_chars", "tokenizer_doc_chars"]
     return {k: OmegaConf.to_container(cfg, resolve=True)[k] for k in keys}
 
@@ -26,6 +26,8 @@ def check_settings(out: Path, settings: dict, describe: str) -> None:
         return
     old = json.loads(path.read_text())
     change = None
+    # A changed source first: its message says which files changed (the last file is val, so an
+    # added file would turn the old validation file into training text).
     if "source_files" in old and old["source_files"] != settings["source_files"]:
         change = _changes(old["source_files"] or [], settings["source_files"] or [])
     elif "source_files" not in old and (out / "meta.json").is_file():
@@ -58,6 +60,7 @@ def remove_outputs(out: Path, everything: bool) -> None:
     with `everything` the outputs themselves (rebuild=true)."""
     for pattern in _OUTPUTS:
         folder, name = (out / pattern).parent, Path(pattern).name
+        # Never read (hidden, not *.npy), but they hold disk; one prepare per `out` at a time.
         for p in folder.glob(f".{name}.*.tmp"):
             p.unlink(missing_ok=True)
         if everything:
@@ -71,6 +74,7 @@ def _positive(cfg, key: str, allow_null: bool = False, allow_zero: bool = False)
     v = cfg[key]
     if v is None and allow_null:
         return None
+    # Hydra reads 1e6 as a float and true as a bool: an integer-valued float passes, a bool not.
     if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v \
             or int(v) < (0 if allow_zero else 1):
         what = "a non-negative" if allow_zero else "a positive"

@@ -23,6 +23,7 @@ class BuiltinSource:
     def __init__(self, name: str):
         from laplace.data import text
 
+        # In memory: the whole text is small enough (at most ~31 M characters).
         documents, self.layout = {"pydoc": (text.pydoc_documents, None),
                                   "stdlib": (text.stdlib_documents, text.STDLIB_LAYOUT)}[name]
         self.name = name
@@ -61,6 +62,8 @@ class ParquetSource:
 
         self.column = column
         self.files, self.row_groups = files, []
+        # Every file checked now (footer, column, type): a bad one stops the run before the first
+        # shard, with its name, rather than hours later.
         for f in files:
             try:
                 meta = pq.ParquetFile(f).metadata
@@ -75,7 +78,7 @@ class ParquetSource:
                 raise SourceError(f"{f}: column {column!r} holds {kind}, not text; write it as a "
                                   f"UTF-8 string column, or set text_column to one")
             self.row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-        self.name = Path(where.split("*")[0].rstrip("/")).name or "parquet"
+        self.name = Path(where.split("*")[0].rstrip("/")).name or "parquet"  # out's default folder name
         self.num_train = sum(sum(r) for r in self.row_groups[:-1])
         self._where = where
 
@@ -84,12 +87,16 @@ class ParquetSource:
 
     def fingerprint(self) -> list:
         """[name, bytes, rows] per file: what decides which documents are train and which val."""
+        # A file added, removed or rewritten would move documents between train and val (the
+        # last file is val): prepare refuses to resume into shards made from other files.
         return [[f.name, f.stat().st_size, sum(r)] for f, r in zip(self.files, self.row_groups)]
 
     def _read(self, k: int, start: int, batch: int) -> Iterator[list[str]]:
         """Documents of file k from its row `start` on."""
         import pyarrow.parquet as pq
 
+        # Skip whole row groups by the footer's counts (a resumed run reads nothing before its
+        # first document), then the first `skip` rows of the group it starts in.
         g, skip = 0, start
         while g < len(self.row_groups[k]) and skip >= self.row_groups[k][g]:
             skip -= self.row_groups[k][g]
@@ -113,6 +120,7 @@ class ParquetSource:
             raise _unreadable(f, e, f" (near row {row})") from None
 
     def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
+        # Training document `start` is in the first file whose rows do not all come before it.
         for k in range(len(self.files) - 1):
             rows = sum(self.row_groups[k])
             if start >= rows:
@@ -127,8 +135,9 @@ class ParquetSource:
 
 def _texts(column, f: Path, name: str, first_row: int) -> list[str]:
     try:
-        return [d if d is not None else "" for d in column.to_pylist()]
+        return [d if d is not None else "" for d in column.to_pylist()]  # a null document: empty
     except UnicodeDecodeError as e:
+        # pyarrow names neither file nor row: find the row, so the user can fix or drop it.
         bad = next(i for i in range(len(column)) if not _decodes(column, i))
         raise SourceError(f"{f}: row {first_row + bad} of column {name!r} is not valid UTF-8 "
                           f"({e.reason} at byte {e.start}); fix or drop that row, or remove "
@@ -156,7 +165,7 @@ class HFSource:
         self.source, self.config, self.split, self.val_split = source, config, split, val_split
         self.val_docs, self.column = val_docs, column
         self.name = Path(source.rstrip("/")).name + (f"_{config}" if config else "")
-        self.num_train = None
+        self.num_train = None  # unknown: the dataset is streamed
         self._train = self._load(split)
         self._val = self._load(val_split) if val_split else None
         first = next(iter(self._train.take(1)), None)  # a wrong column fails now, not mid-run
@@ -191,18 +200,14 @@ class HFSource:
                               f"{_first_line(e)}") from None
 
     def _batches(self, ds, batch: int) -> Iterator[list[str]]:
-        docs = []
-        for ex in ds:
-            if self.column not in ex:
-                raise self._no_column(list(ex))
-            docs.append(ex[self.column] or "")
-            if len(docs) == batch:
-                yield docs
-                docs = []
-        if docs:
-            yield docs
+        for rows in ds.iter(batch_size=batch):  # columns -> lists of `batch` values, the last fewer
+            if self.column not in rows:
+                raise self._no_column(list(rows))
+            yield [d or "" for d in rows[self.column]]
 
     def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
+        # Without a validation split the first val_docs documents are the validation ones.
+        # Streamed: a resumed run reads through the `start` documents it skips (not tokenized).
         skip = start + (0 if self._val is not None else self.val_docs)
         yield from self._batches(self._train.skip(skip) if skip else self._train, batch)
 
@@ -229,7 +234,7 @@ def open_source(cfg) -> BuiltinSource | ParquetSource | HFSource:
                                        f"{os.path.abspath(where)}); set source to a folder or glob "
                                        f"of *.parquet files, pydoc, stdlib, or a datasets hub id")
         return ParquetSource(files, cfg.text_column, source)
-    if os.path.isfile(where) and where.endswith(".parquet"):
+    if os.path.isfile(where) and where.endswith(".parquet"):  # refused by ParquetSource: no val file
         return ParquetSource([Path(where)], cfg.text_column, source)
     if os.path.isdir(where):
         files = sorted(Path(where).glob("*.parquet"))

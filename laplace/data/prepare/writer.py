@@ -2,12 +2,15 @@
 written atomically, so a re-run keeps the finished shards and skips their documents."""
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from laplace.data.shards import shard_dtype, write_shard
+from laplace.errors import ConfigError
 from laplace.tokenizer import Tokenizer
 
 
@@ -17,13 +20,8 @@ def shard_name(i: int) -> str:
 
 def encode_docs(tok: Tokenizer, docs: list[str], dtype: np.dtype, threads: int) -> np.ndarray:
     """<|bos|> + the ids of each document, concatenated, as one array of `dtype`."""
-    lists = tok.encode_batch(docs, prepend_bos=True, num_threads=threads)
-    out = np.empty(sum(map(len, lists)), dtype=dtype)
-    pos = 0
-    for ids in lists:
-        out[pos:pos + len(ids)] = ids
-        pos += len(ids)
-    return out
+    lists = tok.encode_batch(docs, prepend_bos=True, num_threads=threads)  # threads: no GIL in tiktoken
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=sum(map(len, lists)))
 
 
 def _shard_tokens(path: Path) -> int | None:
@@ -39,24 +37,9 @@ def _count_docs(path: Path, bos_id: int) -> int:
     return int(np.count_nonzero(np.load(path, mmap_mode="r") == bos_id))
 
 
-class _Progress:
-    def __init__(self, enabled: bool, total: int | None, desc: str):
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit="doc", unit_scale=True, leave=False)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 class Stats:
+    """Documents and tokens tokenized, and the seconds it took (prepare's closing summary)."""
+
     def __init__(self):
         self.docs = self.tokens = 0
         self.seconds = 0.0
@@ -75,24 +58,24 @@ def write_train(src, tok: Tokenizer, folder: Path, docs_per_shard: int, max_docs
     D, dtype = docs_per_shard, shard_dtype(tok.vocab_size)
     limit = max_docs if max_docs is not None else float("inf")
     shards: list[dict] = []
+    # The shards a killed run finished (each written atomically: whole or absent) are kept.
     while (n := _shard_tokens(folder / shard_name(len(shards)))) is not None:
         shards.append({"file": f"{folder.name}/{shard_name(len(shards))}", "docs": D, "tokens": n})
     if shards:  # every shard but the last holds D documents: count only the last
         shards[-1]["docs"] = _count_docs(folder.parent / shards[-1]["file"], tok.bos_id)
         if shards[-1]["docs"] < D:
             return shards  # the source ran out in the last shard: finished
-    start = len(shards) * D
+    start = len(shards) * D  # shard i holds documents [i * D, (i + 1) * D): resume at the next one
     if start >= limit:
         return shards
-    total = min(src.num_train, limit) if src.num_train is not None else (
-        None if max_docs is None else max_docs)
-    bar = _Progress(progress, total, "train docs")
-    bar.update(start)
+    total = max_docs if src.num_train is None else min(src.num_train, limit)  # None: unknown (streamed)
+    bar = tqdm(total=total, initial=start, desc="train docs", unit="doc", unit_scale=True, leave=False,
+               disable=not progress)
     parts, docs, seen = [], 0, start
     for batch in src.train_batches(start, batch_docs):
-        batch = batch[:max(int(min(limit, seen + len(batch)) - seen), 0)]
+        batch = batch[:max(int(min(limit, seen + len(batch)) - seen), 0)]  # stop at max_docs
         seen += len(batch)
-        while batch:
+        while batch:  # a batch may finish one shard and start the next
             take = min(len(batch), D - docs)
             parts.append(stats.encode(tok, batch[:take], dtype, threads))
             docs, batch = docs + take, batch[take:]
@@ -120,7 +103,7 @@ def write_val(src, tok: Tokenizer, folder: Path, val_docs: int, batch_docs: int,
     path = folder / shard_name(0)
     if val_docs == 0:
         return []
-    if (n := _shard_tokens(path)) is not None:
+    if (n := _shard_tokens(path)) is not None:  # finished by an earlier run
         return [{"file": f"{folder.name}/{path.name}", "docs": _count_docs(path, tok.bos_id), "tokens": n}]
     parts, docs = [], 0
     for batch in src.val_batches(batch_docs):
