@@ -9,9 +9,11 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
+import torch
 from omegaconf import OmegaConf
 
 from laplace import model_label
@@ -20,6 +22,9 @@ from laplace.io import append_line, atomic_write, write_json
 
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_RECORD = "wandb.json"  # <run_dir>/wandb.json: the W&B run of a training run (id, project, mode, ...)
+# The run's logs of one record per step (and split): cut back to the checkpoint's step on resume,
+# set aside on a fresh start (MetricsLogger). train/gpt.py appends samples.jsonl.
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
 
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:
@@ -93,6 +98,52 @@ def init_wandb(run_dir, cfg: dict, config: Optional[dict], source_hint: str = ""
                       mode=mode, dir=str(run_dir), config=config), mode
 
 
+class LogWindow:
+    """The steps since the last train record: their loss sum (a device tensor: no host sync per
+    step), how many, the units (images, tokens) they took and the seconds they took.
+
+    It travels in the checkpoint (`state_dict`, one per rank), because a stop between two log steps
+    (a signal, trainer.stop_after) would otherwise drop the steps before it: the first record after
+    the resume then averaged only the steps since, unlike the uninterrupted run's. Restored, the
+    loss sum continues bit for bit; the clock counts this process's seconds on top of the saved ones.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self):
+        self.loss, self.steps, self.units = torch.zeros((), device=self.device), 0, 0
+        self.saved_s, self.start = 0.0, time.perf_counter()
+
+    def add(self, loss: torch.Tensor, units: int):
+        self.loss, self.steps, self.units = self.loss + loss, self.steps + 1, self.units + units
+
+    def seconds(self) -> float:
+        return self.saved_s + time.perf_counter() - self.start
+
+    def restart_clock(self):
+        """Time from now (the loop starts): set-up and a resume's restore are no step's time."""
+        self.start = time.perf_counter()
+
+    def state_dict(self) -> dict:
+        return {"loss": self.loss.detach().cpu(), "steps": self.steps, "units": self.units,
+                "seconds": self.seconds()}
+
+    def load_state_dict(self, states: Optional[list], rank: int, world_size: int):
+        """This rank's window of a checkpoint's per-rank `states` (None: a checkpoint from before
+        windows were saved: start empty). On another world size every rank takes the mean of the
+        saved sums, which keeps the logged mean over ranks, though not to the last bit."""
+        self.reset()
+        if not states:
+            return
+        same = len(states) == world_size
+        mine = states[rank] if same else states[0]  # steps, units, seconds: equal on every rank
+        loss = mine["loss"] if same else torch.stack([s["loss"] for s in states]).mean()
+        self.loss = loss.to(self.device)
+        self.steps, self.units, self.saved_s = mine["steps"], mine["units"], mine["seconds"]
+
+
 class MetricsLogger:
     """Append metrics to <run_dir>/metrics.jsonl and optionally to wandb (rank 0 only).
 
@@ -101,10 +152,11 @@ class MetricsLogger:
         enabled: False on ranks other than 0: every call is then a no-op.
         wandb_cfg: None, or the `logger.wandb` config (project, entity, name, mode, group, tags, id).
         config: the resolved run config, sent to wandb.
-        resume_step: on resume, lines logged after this step (written after the last
-            checkpoint by the interrupted run) are dropped, so the file reads as one run; W&B
+        resume_step: on resume, the checkpoint's step: lines logged after it (written after the
+            last checkpoint by the interrupted run) are dropped, so the file reads as one run; W&B
             got those steps already and keeps them, so steps up to the last one it was sent are
-            not sent again (W&B drops a step lower than its last, with a warning).
+            not sent again (W&B drops a step lower than its last, with a warning). None: a fresh
+            start, which sets aside the logs of an earlier attempt (`set_aside_attempt`).
     """
 
     def __init__(self, run_dir: str | os.PathLike, enabled: bool = True,
@@ -118,12 +170,16 @@ class MetricsLogger:
             return
         before = read_wandb_record(run_dir)
         sent_before = before is not None and before.get("mode") != "disabled"  # W&B got this file's lines
-        if resume_step is not None and self.path.exists():
-            records = read_metrics(run_dir)
+        if resume_step is None:
+            attempt = set_aside_attempt(run_dir)
+            if attempt and sent_before and wandb_cfg and not wandb_cfg.get("id"):
+                # The dead attempt's W&B run keeps its steps (W&B never takes a step back): this
+                # run gets its own, so that its history is this run's only.
+                wandb_cfg = {**wandb_cfg, "id": f"{wandb_run_id(run_dir)}-{attempt}"}
+        else:
+            held = {name: cut_back(Path(run_dir) / name, resume_step) for name in STEP_LOGS}
             if sent_before:
-                self.wandb_has = max((r.get("step", 0) for r in records), default=-1)
-            kept = [json.dumps(r) for r in records if r.get("step", 0) <= resume_step]
-            atomic_write(self.path, "".join(ln + "\n" for ln in kept).encode())
+                self.wandb_has = max((r.get("step", 0) for r in held[self.path.name]), default=-1)
         if wandb_cfg:
             self.wandb, mode = init_wandb(run_dir, wandb_cfg, config)
             # What an evaluation of this run's checkpoints needs to find its W&B run again.
@@ -144,6 +200,35 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def cut_back(path: Path, step: int) -> list[dict]:
+    """Drop the records after `step` from the log `path` (atomically); returns all it held."""
+    if not path.exists():
+        return []
+    records = read_records(path)
+    kept = [json.dumps(r) for r in records if r.get("step", 0) <= step]
+    atomic_write(path, "".join(ln + "\n" for ln in kept).encode())
+    return records
+
+
+def set_aside_attempt(run_dir: str | os.PathLike) -> int:
+    """A fresh start (no checkpoint to resume) in a folder that holds logs: they are an earlier
+    attempt's that died before its first checkpoint (kill -9, OOM, a node failure). Appending to
+    them would log every step twice and let "best" read the dead attempt's evaluations, and
+    starting over would lose what it saw; so they are renamed `<name>.<n>.old` (n = 1, 2, ... per
+    attempt), wandb.json with them. Returns n, or 0 when there was nothing to set aside."""
+    run_dir = Path(run_dir)
+    found = [run_dir / n for n in (*STEP_LOGS, WANDB_RECORD) if (run_dir / n).exists()]
+    if not found:
+        return 0
+    taken = [p.name.split(".")[-2] for p in run_dir.glob("*.old")]
+    n = 1 + max((int(t) for t in taken if t.isdigit()), default=0)
+    for p in found:
+        os.replace(p, p.with_name(f"{p.name}.{n}.old"))
+    print(f"[laplace] run_dir: an earlier attempt wrote no checkpoint; its {', '.join(p.name for p in found)} "
+          f"set aside as *.{n}.old", flush=True)
+    return n
+
+
 def _plain(v):
     if hasattr(v, "item"):
         return v.item()
@@ -151,11 +236,15 @@ def _plain(v):
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """All records of a run's metrics.jsonl.
+    """All records of a run's metrics.jsonl (see read_records)."""
+    return read_records(Path(run_dir) / "metrics.jsonl")
+
+
+def read_records(path: Path) -> list[dict]:
+    """All records of a JSON-lines log.
 
     A torn last line (the process was killed mid-write) is skipped with a warning; a broken
     line anywhere else means the file was damaged and raises, naming the file and line."""
-    path = Path(run_dir) / "metrics.jsonl"
     lines = path.read_text().splitlines()
     records = []
     for i, ln in enumerate(lines, 1):
