@@ -1,6 +1,6 @@
 """Atomic file writes: the one implementation behind checkpoints, token shards, tokenizer files,
-prepare's meta.json, the feature cache, every results.json and the run's config.yaml; and
-whole-line appends for the logs (`append_line`).
+prepare's meta.json, the feature cache, every results.json and the run's config.yaml; atomic
+folders (`atomic_dir`: exports); and whole-line appends for the logs (`append_line`).
 
 A temp file in the same folder (hidden: `.<name>.*.tmp`, which `list_shards` and readers skip)
 is written, fsynced and renamed over the target, then the folder is fsynced so the rename
@@ -10,11 +10,16 @@ prepared data and results are shared on a cluster.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import secrets
-from collections.abc import Callable
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -54,6 +59,71 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
         finally:
             os.close(dfd)
     return path
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """`with atomic_dir(out) as tmp:` the files written into `tmp` become the folder `out` when the
+    block ends: `tmp` is renamed to `out` (an existing `out` moved aside first, removed after), so
+    `out` is at every moment the old folder or the new one. Its files get the modes of an ordinary
+    `open` (safetensors writes 0600: a group on a shared file system could not read an export).
+
+    An error, Ctrl-C, SIGTERM or SIGHUP (Slurm's scancel, a closed terminal) removes `tmp`: the
+    block turns those signals into SystemExit, whose default action would end the process at once
+    and skip every clean-up. A SIGKILL cannot be caught: the next call for the same `out` removes
+    what one left (`.<name>.*.tmp`, `.<name>.*.old`) first, as one writer per folder is the rule.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*path.parent.glob(f".{path.name}.*.tmp"), *path.parent.glob(f".{path.name}.*.old")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    try:
+        with _signals_as_exit(signal.SIGTERM, signal.SIGHUP):
+            tmp.mkdir()
+            yield tmp
+            umask = os.umask(0)  # read it: only os.umask tells, by setting it
+            os.umask(umask)
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    f.chmod(0o666 & ~umask)
+            _swap_in(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failure's leftovers
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename the finished folder `tmp` to `out`, moving a non-empty `out` aside first."""
+    old = None
+    if out.is_dir():
+        if any(out.iterdir()):
+            old = out.parent / f".{out.name}.{secrets.token_hex(4)}.old"
+            os.rename(out, old)
+        else:
+            out.rmdir()
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+@contextlib.contextmanager
+def _signals_as_exit(*signums: int) -> Iterator[None]:
+    """Inside the block, `signums` raise SystemExit(128 + signal), the status their default action
+    gives, after one line saying so. Only the main thread can set handlers: elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():  # None: a handler not set from Python, i.e. the default
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:
