@@ -386,3 +386,21 @@ def test_a_gpt_export_carries_its_trained_tokenizer(tmp_path):
                                               rf"\(tokenizer file not found: looked for {path}"):
         export(ckpt, tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+def test_the_card_links_the_code_it_was_trained_with(tmp_path, monkeypatch):
+    """The metadata's `repository` is the checkout's origin when it is a plain https address (a
+    clone's); an ssh address or one holding credentials is left out, as is a checkout without one."""
+    import laplace.export as ex
+
+    def remote(url):
+        monkeypatch.setattr(ex.subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(a, 0, url + "\n", ""))
+        return ex.code_url()
+
+    assert remote("https://github.com/org/laplace.git") == "https://github.com/org/laplace"
+    assert remote("git@github.com:org/laplace.git") is None and remote("https://u:tok@github.com/o/l") is None
+    assert remote("") is None
+    monkeypatch.setattr(ex, "code_url", lambda: "https://github.com/org/laplace")
+    out = export(_checkpoint(tmp_path, VIT2, DATA)[0], tmp_path / "export")
+    assert ModelCard.load(out / "README.md").data.repository == "https://github.com/org/laplace"
+    assert "trained with laplace (https://github.com/org/laplace)" in (out / "README.md").read_text()
