@@ -84,7 +84,11 @@ class RunDirLock:
 
     def acquire(self) -> "RunDirLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as e:  # a folder or a file not ours in its place: the user's to remove
+            raise UserError(f"run_dir: cannot take the lock file {self.path} ({e.strerror}); remove it if no run "
+                            f"is using {self.path.parent}, or give another run_dir=") from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -77,9 +77,6 @@ class Trainer:
         if OmegaConf.is_missing(tc, "init_from"):  # a trainer built without train.run's check_required
             raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
                               "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
-        if tc.resume not in ("auto", "force"):
-            raise ConfigError(f"trainer.resume={tc.resume!r}: choose auto (refuse another configuration's "
-                              f"checkpoint) or force")
         self.is_set_up = False
 
     @classmethod
