@@ -5,14 +5,8 @@
 
 A bad value is one line naming the key, the value and what is allowed
 (`error: optim.lr=-0.1: give a number > 0`), where it used to be a traceback from deep inside
-torch or timm, or a run that trained with it (optim.weight_decay=-1, trainer.amp=maybe).
-
-pydantic rather than OmegaConf's structured configs (which Hydra has): those check types only,
-so every range (lr > 0, drop-path in [0, 1)) and cross-key rule (an image size divisible by the
-patch) would be an `if` of its own again; pydantic declares all three on the field. It is
-installed with wandb, and a dependency of its own in pyproject. Strict mode: "ten" is no integer
-and true no number (a lax check would pass values the code then chokes on). Keys not declared
-here are allowed and checked where they are read (a trainer's own keys, laplace.zoo's k range).
+torch or timm, or a run that trained with it (optim.weight_decay=-1, trainer.amp=maybe). Keys not
+declared here pass, checked where they are read (a trainer's own keys, laplace.zoo's k range).
 """
 from __future__ import annotations
 
@@ -20,6 +14,10 @@ import json
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 from omegaconf import DictConfig, OmegaConf
+# pydantic rather than OmegaConf's structured configs (which Hydra has): those check types only,
+# so every range (lr > 0, drop-path in [0, 1)) and cross-key rule (an image size divisible by the
+# patch) would be an `if` of its own again; pydantic declares type, range and choice on the field.
+# It comes with wandb already and is a dependency of its own in pyproject.
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
@@ -27,6 +25,7 @@ from .errors import ConfigError
 
 def allowed(kind: Any, text: str, **limits) -> Any:
     """`kind` within pydantic's `limits` (ge, gt, lt, pattern), and the words an error gives for it."""
+    # The words ride in the field's description, where `_one_line` finds them from the error's key.
     return Annotated[Annotated[kind, Field(**limits)] if limits else kind, Field(description=text)]
 
 
@@ -49,11 +48,14 @@ Heads = allowed(Union[Annotated[int, Field(ge=0)], list[Annotated[int, Field(ge=
 
 
 class Node(BaseModel):
-    # strict: no "5" for 5; extra: the keys of other nodes and trainers pass untouched
+    # Strict: "ten" is no integer and true no number; a lax check would pass (converted) what the
+    # code then reads unconverted and chokes on. Extra keys (other nodes', a trainer's) pass.
+    # Every field defaults to None, which pydantic does not check: a node may leave a key out.
     model_config = ConfigDict(strict=True, extra="allow")
 
 
 class Trainer(Node):
+    # torch.device would take any of its 20 device types; the engine runs on these
     device: allowed(str, "auto, cpu, cuda or cuda:<index>", pattern=r"^(auto|cpu|cuda(:\d+)?)$") = None
     amp: Switch = None
     compile: Switch = None
@@ -67,11 +69,13 @@ class Trainer(Node):
     ckpt_every: Steps = None
     keep_every: Steps = None
     stop_after: Steps = None
-    progress: bool = None
+    progress: bool = None  # (init_head is checked where it is read, laplace.checkpoint.load_pretrained)
     resume: allowed(Literal["auto", "force"], "auto (refuse another configuration's checkpoint) or force") = None
 
 
 class Optim(Node):
+    # torch's AdamW refuses a negative lr only at construction, after the data; it takes a
+    # negative weight decay silently (it trains, towards larger weights)
     lr: Rate = None
     weight_decay: NonNegative = None
     betas: allowed(list[Fraction], "two numbers in [0, 1), e.g. [0.9, 0.999]", min_length=2, max_length=2) = None
@@ -91,11 +95,13 @@ class Optim(Node):
 def _multiple(node: BaseModel, key: str, of: str) -> None:
     """`key` must be a multiple of `of` (both set): the one cross-key rule, stated once."""
     a, b = getattr(node, key, None), getattr(node, of, None)
-    if isinstance(a, int) and isinstance(b, int) and b > 0 and a % b:
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and a % b:  # b <= 0: its own field's error
+        # (key, words): pydantic keeps the exception, and `_one_line` names the key from it
         raise ValueError(key, f"a multiple of {of}={b}")
 
 
 class Data(Node):
+    # the patch grid must tile the image (timm's PatchEmbed asserted it, at the first forward)
     img_size: Count = None
     patch_size: Count = None
     seq_len: Count = None
@@ -108,6 +114,8 @@ class Data(Node):
 
 
 class Model(Node):
+    # The model node of a train config, a checkpoint or an export (check_model). A drop-path of
+    # 1.5 used to fail only at the first step (torch's bernoulli_), a depth of "two" inside the constructor.
     name: str = None
     depth: Count = None
     embed_dim: Count = None
@@ -155,10 +163,13 @@ class TrainConfig(Node):
 def check_config(cfg: DictConfig | dict, schema: type[BaseModel] = TrainConfig, prefix: str = "") -> None:
     """Raise ConfigError, one line, for the first value of `cfg` (resolved) that `schema` refuses;
     `prefix` goes before the key (where the config came from)."""
+    # Resolved: model sizes interpolate the data node's (${data.img_size}); a `???` left is
+    # check_required's to report, so it stays as it is here.
     plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     try:
         schema.model_validate(plain)
     except ValidationError as e:
+        # the first error only: one line, in the schema's order (data before model)
         raise ConfigError(prefix + _one_line(schema, e.errors()[0], plain)) from None
 
 
@@ -184,8 +195,8 @@ def _one_line(schema: type[BaseModel], error: dict, plain: dict) -> str:
         keys, text = [*keys, key], rule
     else:  # the field's own words, else pydantic's (a choice: "'auto' or 'force'")
         text = (field.description if field is not None else None) or ctx.get("expected") or error["msg"].lower()
-    value = plain
+    value = plain  # the value as the config holds it (pydantic's `input` is a union branch's part)
     for k in keys:
         value = value.get(k) if isinstance(value, dict) else None
-    shown = value if isinstance(value, str) else json.dumps(value)
+    shown = value if isinstance(value, str) else json.dumps(value)  # as typed: true, null, [0.9]
     return f"{'.'.join(map(str, keys))}={shown}: give {text}"

@@ -71,6 +71,27 @@ def test_stops_between_log_steps_leave_the_records_of_an_uninterrupted_run(make_
     assert untimed(tmp_path / "resumed") == straight  # the losses exactly, and every untimed field
 
 
+def test_the_log_window_restores_each_ranks_sum_and_averages_on_another_world_size():
+    """Each rank continues its own loss sum; on another number of ranks each takes the saved sums'
+    mean (the logged mean over ranks stays the run's); a checkpoint without a window starts empty."""
+    from train.logger import LogWindow
+
+    cpu = torch.device("cpu")
+    saved = []
+    for losses in ([1.5, 2.5], [3.0, 9.0]):  # two ranks, two steps each
+        w = LogWindow(cpu)
+        for v in losses:
+            w.add(torch.tensor(v), 64)
+        saved.append(w.state_dict())
+    w = LogWindow(cpu)
+    w.load_state_dict(saved, rank=1, world_size=2)
+    assert (float(w.loss), w.steps, w.units) == (12.0, 2, 128) and w.seconds() >= saved[1]["seconds"]
+    w.load_state_dict(saved, rank=0, world_size=1)
+    assert (float(w.loss), w.steps) == (8.0, 2)  # (4 + 12) / 2
+    w.load_state_dict(None, rank=0, world_size=1)
+    assert (float(w.loss), w.steps, w.units) == (0.0, 0, 0)
+
+
 @pytest.mark.cuda  # a checkpoint written on the device loads anywhere
 def test_checkpoint_contents_and_load_model(make_cfg, tmp_path):
     cfg = make_cfg(*TINY_VIT, "model=vitt_2L", "trainer.max_steps=2")
