@@ -146,7 +146,7 @@ class Wandb(Node):
 
 class Logger(Node):
     wandb: Optional[Wandb] = None
-    progress_interval: Rate = None
+    progress_interval: NonNegative = None  # seconds between progress lines off a terminal (0: every redraw)
 
 
 class TrainConfig(Node):
