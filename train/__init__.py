@@ -81,6 +81,9 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
 
     A name longer than MAX_NAME keeps its readable start and ends in a hash of the whole,
     so it stays unique and the same command finds the same directory again."""
+    # reliability: the name is made of the values (the label reads k): bad ones are named first
+    check_required(cfg)
+    check_engine_config(get_trainer(cfg.trainer.name), cfg)
     keep = []
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
