@@ -265,6 +265,8 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     folder raises CheckpointError."""
     import json
 
+    from .schema import check_model
+
     folder = Path(folder)
     cfg_path = folder / EXPORT_CONFIG
     if not cfg_path.is_file():
@@ -284,6 +286,7 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     if not (isinstance(node.get("model"), dict) and node["model"].get("name")):
         raise CheckpointError(f"{cfg_path} has no laplace.model node (the model's name and shape), so its "
                               f"model cannot be rebuilt; export the checkpoint again")
+    check_model(node["model"], f"{cfg_path}: laplace.model")  # reliability: a hand-edited value is one line
     return node
 
 

@@ -25,12 +25,10 @@ class ConfigError(UserError, ValueError):
 
 
 def hard_exit(code: int) -> None:
-    """Flush stdout / stderr and end the process now, skipping interpreter shutdown.
-
-    After a failure, shutdown can hang: joining data-loader workers, torch.compile's worker
-    pool or a process group whose peers are gone. On a cluster a hung job burns its slot and
-    is never requeued, so every non-zero exit of a command line goes through here.
-    """
+    """Flush stdout / stderr and end the process now, skipping interpreter shutdown."""
+    # After a failure, shutdown can hang: joining data-loader workers, torch.compile's worker
+    # pool or a process group whose peers are gone. On a cluster a hung job burns its slot and
+    # is never requeued, so every non-zero exit of a command line goes through here.
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -41,10 +39,9 @@ def hard_exit(code: int) -> None:
 
 
 def _kill_children() -> None:
-    """SIGKILL this process's children (data-loader workers, torch.compile's worker pool).
-
-    Orphaned workers notice their parent is gone only every few seconds, and until then they
-    hold the job's stdout / stderr open, so a launcher waiting on those waits for them too."""
+    """SIGKILL this process's children (data-loader workers, torch.compile's worker pool)."""
+    # Orphaned workers notice their parent is gone only every few seconds, and until then they
+    # hold the job's stdout / stderr open, so a launcher waiting on those waits for them too.
     me = str(os.getpid())
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]

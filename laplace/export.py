@@ -4,19 +4,21 @@
     model = laplace.load_model("exports/vitb_12L")         # or laplace.from_pretrained("org/name")
     timm.create_model("local-dir:exports/vitb_0L", pretrained=True)   # a ViT without Laplacian heads
 
-The folder holds model.safetensors (the state dict `load_model` loads), config.json (its
-"laplace" node: format, version and the zoo model node that rebuilds the network; for a ViT
-without Laplacian heads also timm's own fields, written by timm's `save_for_hf`, so timm
-builds it as its VisionTransformer) and README.md (a model card). The folder is written beside
-`out` and renamed into place, so a kill leaves no half-written export.
+The folder holds model.safetensors (the state dict `load_model` loads), config.json (its "laplace"
+node: format, version, the zoo model node that rebuilds the network, the tokenizer), README.md (a
+model card, read by huggingface_hub's ModelCard) and, for a GPT with a trained BPE, tokenizer.json.
+A ViT without Laplacian heads is timm's VisionTransformer: timm's own `save_for_hf` writes it, so
+timm builds it; any other model names its zoo name as timm's `architecture`, which timm refuses
+in one line (or builds, where the zoo is registered with timm). Non-finite weights are refused
+before anything is written; the folder is written aside and renamed into place (laplace.io).
 """
 from __future__ import annotations
 
 import inspect
 import json
 import os
-import secrets
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +29,7 @@ import torch.nn as nn
 from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_VERSION, EXPORT_WEIGHTS, CheckpointError,
                          load_checkpoint, load_model, model_from_checkpoint, read_export_config, run_dir_of)
 from .errors import ConfigError, UserError, cli_errors
+from .io import atomic_dir
 
 CITATION = """@article{zhang2026laplacian,
   title   = {Laplacian Heads Improve Transformers by Smoothing Token Representations},
@@ -34,11 +37,21 @@ CITATION = """@article{zhang2026laplacian,
   journal = {arXiv preprint arXiv:2602.09297},
   year    = {2026}
 }"""
+EXPORT_TOKENIZER = "tokenizer.json"  # a trained BPE, copied beside the weights (bytes / gpt2 need no file)
 # timm's VisionTransformer that the zoo's widths are (every shape argument is given explicitly
 # in config.json's model_args; the name only picks timm's defaults for the rest).
 _TIMM_ARCHS = {"vitt": "vit_tiny_patch16_224", "vits": "vit_small_patch16_224",
                "vitb": "vit_base_patch16_224", "vitl": "vit_large_patch16_224"}
+# The Hub's ids of the data nodes that have one (the card's `datasets`, which the Hub links).
+HUB_DATASETS = {"imagenet": "ILSVRC/imagenet-1k", "cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100",
+                "fineweb_edu": "HuggingFaceFW/fineweb-edu"}
 _HEADER_KEYS = {"model", "num_laplacian_heads", "laplacian_mode", "dataset", "checkpoint"}
+# How each kind of number in a results.json was measured (the card's protocol column): the first
+# part of a `metrics_of` key, or the key itself; anything else is lm-eval's task/metric.
+PROTOCOLS = {"final": "validation after the last training step", "best": "best validation during training",
+             "knn": "weighted k-NN on frozen class tokens (DINO)", "linear": "linear probe on frozen features (DINO)",
+             "mIoU": "linear segmentation head, frozen backbone (DINOv2)", "aAcc": "the same segmentation head",
+             "mAcc": "the same segmentation head"}
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -49,6 +62,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
         out: the folder to write; an existing non-empty one is refused unless `overwrite`.
         overwrite: replace what `out` holds.
     """
+    # Every check comes before the first byte is written: a refused export leaves nothing behind.
     src, out = Path(checkpoint), Path(out)
     if src.is_dir():
         raise ConfigError(f"checkpoint={src} is a folder; pass the checkpoint file, e.g. {src}/ckpt/last.pt")
@@ -58,52 +72,73 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
         raise ConfigError(f"out={out} exists and is not empty; choose another folder or pass overwrite=true")
     ckpt = load_checkpoint(src)
     model = model_from_checkpoint(ckpt)
-    node = dict(ckpt["config"]["model"])
+    # A diverged run's weights must not be published (timm's logits check would blame timm for them).
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(f"checkpoint={src}: {name} holds {int((~torch.isfinite(t)).sum())} NaN / inf "
+                                  f"value(s) of {t.numel()}; nothing exported: export a finite checkpoint (an "
+                                  f"earlier ckpt/step_<N>.pt, or retrain with a lower optim.lr)")
+    node, data = dict(ckpt["config"]["model"]), ckpt["config"].get("data") or {}
+    # A GPT carries its tokenizer: sampling from the folder alone needs it (eval.generate, users).
+    tokenizer, tokenizer_file = _tokenizer(src, ckpt) if hasattr(model, "vocab_size") else (None, None)
     timm_arch, timm_args, why_not = timm_equivalent(model, node)
+    # config.json's "laplace" node: what load_model rebuilds, and where the weights come from.
     info = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "model": node,
             "timm": timm_arch is not None, **({"timm_unsupported": why_not} if why_not else {}),
-            "source": _source(src, ckpt)}
-    card = model_card(model, node, info, _results(src), timm_arch)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
-    try:
-        tmp.mkdir()
-        _write(tmp, model, info, card, timm_arch, timm_args, ckpt["config"].get("data") or {})
-        _swap_in(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failure's leftovers
+            **({"tokenizer": tokenizer} if tokenizer else {}), "source": _source(src, ckpt)}
+    card = model_card(model, node, info, _results(src), timm_arch, data)
+    # Written aside and renamed into place; a signal or error removes the half-written folder and
+    # the next export removes what a SIGKILL left (laplace.io.atomic_dir).
+    with atomic_dir(out) as tmp:
+        if timm_arch is None:
+            _save(tmp, model, info, node, data)
+        else:  # timm's own writer where timm builds the model, so that config.json is timm's
+            _save_for_timm(tmp, model, info, timm_arch, timm_args, data)
+        if tokenizer_file is not None:  # the file itself: the training machine's path means nothing elsewhere
+            shutil.copyfile(tokenizer_file, tmp / EXPORT_TOKENIZER)
+        (tmp / EXPORT_CARD).write_text(card, encoding="utf-8")
     return out
 
 
-def _write(folder: Path, model: nn.Module, info: dict, card: str, timm_arch: Optional[str],
-           timm_args: dict, data: dict) -> None:
+def _save(folder: Path, model: nn.Module, info: dict, node: dict, data: dict) -> None:
+    """model.safetensors and a config.json whose `architecture` (timm's key) is the zoo name."""
     from safetensors.torch import save_model
 
-    from .io import atomic_write
+    # save_model (not save_file): tensors the model shares are stored once, not refused.
+    save_model(model, str(folder / EXPORT_WEIGHTS), metadata={"format": "pt"})
+    # timm's keys too: `timm.create_model("local-dir:...")` then names the zoo model it does not
+    # know (Unknown model (vitt_2L)) instead of failing on a missing key (KeyError: 'architecture'),
+    # and builds it wherever the zoo is registered with timm.
+    timm_keys = {"architecture": node["name"], "model_args": {k: v for k, v in node.items() if k != "name"},
+                 "pretrained_cfg": _data_config(data)}
+    (folder / EXPORT_CONFIG).write_text(json.dumps({**timm_keys, "laplace": info}, indent=2) + "\n")
 
-    if timm_arch is None:
-        # save_model (not save_file): tensors the model shares are stored once, not refused.
-        save_model(model, str(folder / EXPORT_WEIGHTS), metadata={"format": "pt"})
-        atomic_write(folder / EXPORT_CONFIG, (json.dumps({"laplace": info}, indent=2) + "\n").encode())
-    else:
-        _save_for_timm(folder, model, info, timm_arch, timm_args, data)
-    atomic_write(folder / EXPORT_CARD, card.encode())
+
+def _tokenizer(src: Path, ckpt: dict) -> tuple[Optional[str], Optional[Path]]:
+    """(what config.json records, the file to copy) for a GPT: "bytes" / "gpt2" (nothing to copy)
+    or EXPORT_TOKENIZER, a copy of the run's trained BPE checked to be the one it trained with."""
+    from .tokenizer import load_tokenizer
+
+    spec = (ckpt["config"].get("data") or {}).get("tokenizer")
+    if spec in (None, "bytes", "gpt2"):
+        return spec or "bytes", None  # runs before data.tokenizer existed were byte-level
+    # The file may have been retrained since the run (same path, other ranks): the run's data
+    # identity holds the fingerprint of the one it trained with (train/gpt.py).
+    trained = (ckpt.get("data_identity") or {}).get("tokenizer")
+    try:
+        same = trained is None or load_tokenizer(spec).fingerprint()[:16] == trained
+    except UserError as e:  # gone (moved with the data) or damaged
+        raise CheckpointError(f"checkpoint={src}: its tokenizer cannot go with the export ({e})") from None
+    if not same:
+        raise CheckpointError(f"checkpoint={src}: {spec} is not the tokenizer the run trained with (its fingerprint "
+                              f"differs); put the run's tokenizer file back there")
+    return EXPORT_TOKENIZER, Path(spec)
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
-    """Rename the finished folder `tmp` to `out`; an existing `out` is moved aside first and
-    removed after, so `out` is at every moment the old export or the new one."""
-    old = None
-    if out.is_dir():
-        if any(out.iterdir()):
-            old = out.parent / f".{out.name}.{secrets.token_hex(4)}.old"
-            os.rename(out, old)
-        else:
-            out.rmdir()
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old)
+def _data_config(data: dict) -> dict:
+    """The preprocessing the model was trained with (timm's data config), where the run says it."""
+    return {k: v for k, v in (("mean", data.get("mean")), ("std", data.get("std")),
+                              ("crop_pct", data.get("eval_crop_pct"))) if v is not None}
 
 
 def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, Optional[str]]:
@@ -123,6 +158,7 @@ def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, 
         return None, {}, f"{node['name']} has a mean-pooled head; timm's normalises after pooling, this one before"
     a = _constructor_args(node)
     blk = model.blocks[0]
+    # Every shape argument explicitly: timm's name (vit_tiny_patch16_224) only picks defaults.
     args = dict(img_size=model.patch_embed.img_size[0], patch_size=model.patch_embed.patch_size[0],
                 in_chans=model.patch_embed.proj.in_channels, embed_dim=model.embed_dim,
                 depth=len(model.blocks), num_heads=blk.attn.num_heads,
@@ -137,6 +173,7 @@ def _constructor_args(node: dict) -> dict:
     from .vit import VisionTransformer
     from .zoo import model_defaults
 
+    # the signature is the one source of the defaults a node leaves out (laplace.config states them)
     sig = inspect.signature(VisionTransformer).parameters
     return {**{k: p.default for k, p in sig.items()}, **model_defaults(node["name"]),
             **{k: v for k, v in node.items() if v is not None}}
@@ -148,7 +185,7 @@ def _timm_model(model: nn.Module, arch: str, args: dict) -> nn.Module:
 
     # license / tag: of the ImageNet weights the architecture name stands for, not of these
     t = timm.create_model(arch, pretrained=False, pretrained_cfg_overlay=dict(license=None, tag=None), **args)
-    t.load_state_dict(model.state_dict(), strict=True)
+    t.load_state_dict(model.state_dict(), strict=True)  # same parameter names: strict, no mapping
     t.eval()
     x = torch.randn(1, args["in_chans"], args["img_size"], args["img_size"],
                     generator=torch.Generator().manual_seed(0))
@@ -165,26 +202,19 @@ def _save_for_timm(folder: Path, model: nn.Module, info: dict, arch: str, args: 
     strictly and checked for equal logits) and timm's config.json, our "laplace" node in it."""
     from timm.models import save_for_hf
 
-    # The preprocessing the model was trained with (timm's data config), where the run says it.
-    data_config = {k: v for k, v in (("mean", data.get("mean")), ("std", data.get("std")),
-                                     ("crop_pct", data.get("eval_crop_pct"))) if v is not None}
     save_for_hf(_timm_model(model, arch, args), str(folder), model_config={"laplace": info},
-                safe_serialization=True, data_config=data_config or None)
+                safe_serialization=True, data_config=_data_config(data) or None)
 
 
 def _source(path: Path, ckpt: dict) -> dict:
     """Where the weights come from: the checkpoint, its step, code revision, data, experiment."""
     config = ckpt["config"]
-    data = config.get("data") or {}
     # the run's name and the file in it, not the absolute path: the folder is meant to be shared
     run = run_dir_of(path)
-    src = {"run": run.resolve().name, "checkpoint": str(path.resolve().relative_to(run.resolve())),
-           "step": (ckpt.get("loop") or {}).get("step"),
-           "git_rev": ckpt.get("git_rev"), "trainer": (config.get("trainer") or {}).get("name"),
-           "data": data.get("name"), "experiment": _experiment(config)}
-    if data.get("tokenizer"):
-        src["tokenizer"] = str(data["tokenizer"])
-    return src
+    return {"run": run.resolve().name, "checkpoint": str(path.resolve().relative_to(run.resolve())),
+            "step": (ckpt.get("loop") or {}).get("step"), "git_rev": ckpt.get("git_rev"),
+            "trainer": (config.get("trainer") or {}).get("name"), "data": (config.get("data") or {}).get("name"),
+            "experiment": _experiment(config)}
 
 
 def _experiment(config: dict) -> Optional[str]:
@@ -203,6 +233,17 @@ def _experiment(config: dict) -> Optional[str]:
         return name if (config_dir("config") / "experiment" / f"{name}.yaml").is_file() else None
     except UserError:  # no configs/ (an installed package): the run dir alone does not tell
         return None
+
+
+def code_url() -> Optional[str]:
+    """The checkout's git remote (a clone's origin), when it is a plain https address: the card's
+    link to the code. None elsewhere (no remote; an ssh or credential-bearing address)."""
+    try:
+        url = subprocess.run(["git", "remote", "get-url", "origin"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return url.removesuffix(".git") if url.startswith("https://") and "@" not in url else None
 
 
 def _results(checkpoint: Path) -> list[tuple[str, dict]]:
@@ -235,7 +276,7 @@ def metrics_of(record: dict) -> dict[str, float]:
     out = {}
     for group in ("final", "best", "knn", "linear"):
         for k, v in (record.get(group) or {}).items():
-            if _number(v) and k not in ("step", "lr", "base_lr"):
+            if _number(v) and k not in ("step", "lr", "base_lr"):  # bookkeeping, not measurements
                 out[f"{group}/{k}"] = v
     for k, v in record.items():
         if (k in ("mIoU", "aAcc", "mAcc") or "/" in k) and k not in _HEADER_KEYS and _number(v):
@@ -253,21 +294,38 @@ def _k_text(ks) -> str:
 
 
 def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str, dict]],
-               timm_arch: Optional[str]) -> str:
-    """README.md of the export: what the model is, how it was trained and measured, how to load it."""
+               timm_arch: Optional[str], data: dict) -> str:
+    """README.md of the export: metadata the Hub reads (huggingface_hub's ModelCardData), then what
+    the model is, how it was trained and measured, how to load it."""
+    from huggingface_hub import ModelCardData
+
     from .vit import VisionTransformer
 
     name, src = node["name"], info["source"]
     vit = isinstance(model, VisionTransformer)
+    # a depth-0 model (tests, ablations) has no block to read heads or mode from
     ks, heads = model.num_laplacian_heads, (model.blocks[0].attn.num_heads if len(model.blocks) else 0)
     mode = model.blocks[0].attn.laplacian_mode if len(model.blocks) else "fixed"
     task = ("image-classification" if model.num_classes else "image-feature-extraction") if vit else "text-generation"
-    tags = ["laplace", "laplacian-heads", task, *(["timm"] if timm_arch else [])]
-    lines = ["---", "tags:", *[f"- {t}" for t in tags], f"pipeline_tag: {task}",
-             *(["library_name: timm"] if timm_arch else []), "---", f"# {name}", "",
-             f"A {'Vision Transformer' if vit else 'GPT language model'} with Laplacian heads "
-             f"((I - P) V instead of P V; Zhang & Papyan, arXiv:2602.09297), trained with laplace.", "",
-             "## Model", ""]
+    # The Hub's ids of the training data: the data node's own, or its sources' (the chat mixtures).
+    sources = data.get("sources") if isinstance(data.get("sources"), dict) else {}
+    datasets = [HUB_DATASETS[d] for d in [data.get("name")] if d in HUB_DATASETS]
+    datasets += sorted({v for v in sources.values() if isinstance(v, str) and v.count("/") == 1})
+    url = code_url()
+    # What the Hub reads: MIT is the code's licence (the data's terms, e.g. ImageNet's, come on top);
+    # library_name timm where timm loads the folder as it is, else laplace.
+    meta = ModelCardData(license="mit", library_name="timm" if timm_arch else "laplace", pipeline_tag=task,
+                         tags=["laplace", "laplacian-heads", "vision-transformer" if vit else "gpt", task],
+                         datasets=datasets or None, repository=url)
+    kind = "Vision Transformer" if vit else "GPT language model"
+    # k = 0 everywhere is the paper's baseline: ordinary attention, no Laplacian head at all.
+    what = (f"A {kind} with Laplacian heads ((I - P) V instead of P V in the last k heads of each layer; "
+            f"Zhang & Papyan, arXiv:2602.09297)" if any(ks) else
+            f"A {kind} with ordinary attention only (k = 0: the baseline of Zhang & Papyan, arXiv:2602.09297, "
+            f"no Laplacian heads)")
+    lines = ["---", meta.to_yaml(), "---", f"# {name}", "", f"{what}, trained with laplace"
+             f"{f' ({url})' if url else ''}. License: MIT (the code's); the training data's terms apply too.",
+             "", "## Model", ""]
     if vit:
         a = _constructor_args(node)
         lines.append(f"- Architecture: ViT (DeiT-III style), width {model.embed_dim}, depth {len(model.blocks)}, "
@@ -279,19 +337,22 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
     else:
         lines.append(f"- Architecture: nanochat GPT, width {model.width}, depth {model.depth}, {heads} heads, "
                      f"vocabulary {model.vocab_size}")
-    lines += [f"- Laplacian heads: k = {_k_text(ks)} of {heads} heads per layer (the last k; {mode} mode)",
-              f"- Parameters: {sum(p.numel() for p in model.parameters()):,}"]
-    lines += ["", "## Training", ""]
+        tok = info.get("tokenizer")
+        lines.append(f"- Tokenizer: {'tokenizer.json in this folder' if tok == EXPORT_TOKENIZER else tok} "
+                     f"(laplace.tokenizer.load_tokenizer)")
+    lines += [f"- Laplacian heads: k = {_k_text(ks)} of {heads} heads per layer"
+              f"{f' (the last k; {mode} mode)' if any(ks) else ''}",
+              f"- Parameters: {sum(p.numel() for p in model.parameters()):,}", "", "## Training", ""]
     if src.get("experiment"):
         exp = src["experiment"]
         lines.append(f"- Recipe: `experiment={exp}` (its recipe card: docs/recipes/{exp}.md in the laplace repository)")
-    lines += [f"- {label}: {src[key]}" for key, label in (("trainer", "Trainer"), ("data", "Data"),
-                                                          ("step", "Steps"), ("tokenizer", "Tokenizer (not included)"),
+    lines += [f"- {label}: {src[key]}" for key, label in (("trainer", "Trainer"), ("data", "Data"), ("step", "Steps"),
                                                           ("git_rev", "Code revision")) if src.get(key) is not None]
-    rows = [(where, rec.get("dataset"), k, v) for where, rec in results for k, v in metrics_of(rec).items()]
+    rows = [(where, rec.get("dataset"), PROTOCOLS.get(k.split("/")[0], "lm-eval (eval.lm)"), k, v)
+            for where, rec in results for k, v in metrics_of(rec).items()]
     if rows:
-        lines += ["", "## Metrics", "", "| results | dataset | metric | value |", "|---|---|---|---|"]
-        lines += [f"| {w} | {d} | {k} | {v:.6g} |" for w, d, k, v in rows]
+        lines += ["", "## Metrics", "", "| results | dataset | protocol | metric | value |", "|---|---|---|---|---|"]
+        lines += [f"| {w} | {d} | {p} | {k} | {v:.6g} |" for w, d, p, k, v in rows]
     lines += ["", "## Usage", "", "```python", "import laplace",
               "model = laplace.from_pretrained(\"<this folder or its Hub id>\")", "```"]
     if timm_arch:
@@ -299,7 +360,7 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
                   "```python", "import timm", "model = timm.create_model(\"local-dir:<this folder>\", pretrained=True)"
                   "  # or \"hf-hub:<Hub id>\"", "```"]
     else:
-        lines += ["", f"timm cannot load it: {info['timm_unsupported']}."]
+        lines += ["", f"timm builds it only where laplace's models are registered with timm: {info['timm_unsupported']}."]
     lines += ["", "## Citation", "", "```bibtex", CITATION, "```", ""]
     return "\n".join(lines)
 
@@ -314,8 +375,9 @@ def local_or_hub(name_or_path: str | os.PathLike, revision: Optional[str], cache
     from huggingface_hub.errors import HFValidationError
 
     try:
+        # only an export's own files: a Hub repository may hold more (other formats, logs)
         return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir,
-                                      allow_patterns=[EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_CARD]))
+                                      allow_patterns=[EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_CARD, EXPORT_TOKENIZER]))
     except HFValidationError:
         raise CheckpointError(f"{name_or_path}: no such file or folder, and not a Hugging Face Hub id "
                               f"(org/name)") from None
@@ -328,12 +390,10 @@ def local_or_hub(name_or_path: str | os.PathLike, revision: Optional[str], cache
 def from_pretrained(name_or_path: str | os.PathLike, revision: Optional[str] = None, cache_dir=None,
                     map_location: Any = "cpu", eval_mode: bool = True, **overrides) -> nn.Module:
     """The model of an exported folder, a Hugging Face Hub id ("org/name", downloaded with
-    huggingface_hub) or a laplace checkpoint file, rebuilt by `laplace.load_model`.
-
-    Not huggingface_hub's PyTorchModelHubMixin: the mixin ties config.json to one class's
-    constructor arguments, while an export names a zoo model (ViT or GPT, chosen by name) and a
-    k = 0 ViT's config.json must also be timm's; only the download is the library's here.
-    """
+    huggingface_hub) or a laplace checkpoint file, rebuilt by `laplace.load_model`."""
+    # Not huggingface_hub's PyTorchModelHubMixin: the mixin ties config.json to one class's
+    # constructor arguments, while an export names a zoo model (ViT or GPT, chosen by name) and a
+    # k = 0 ViT's config.json must also be timm's; only the download is the library's here.
     return load_model(local_or_hub(name_or_path, revision, cache_dir), map_location, eval_mode, **overrides)
 
 
@@ -349,7 +409,7 @@ def load_timm(name_or_path: str | os.PathLike, revision: Optional[str] = None, c
         raise CheckpointError(f"{name_or_path} is a file; timm loads an exported folder "
                               f"(python -m laplace.export checkpoint={name_or_path} out=DIR)")
     info = read_export_config(folder)
-    if not info.get("timm"):
+    if not info.get("timm"):  # timm's own error would be "Unknown model": say why and what loads it
         raise CheckpointError(f"{name_or_path}: timm cannot build this export: {info.get('timm_unsupported')}; "
                               f"load it with laplace.load_model / laplace.from_pretrained")
     return timm.create_model(f"local-dir:{folder}", pretrained=True, **timm_kwargs)

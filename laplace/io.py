@@ -1,20 +1,21 @@
 """Atomic file writes: the one implementation behind checkpoints, token shards, tokenizer files,
-prepare's meta.json, the feature cache, every results.json and the run's config.yaml; and
-whole-line appends for the logs (`append_line`).
+prepare's meta.json, the feature cache, every results.json and the run's config.yaml; atomic
+folders (`atomic_dir`: exports); and whole-line appends for the logs (`append_line`).
 
-A temp file in the same folder (hidden: `.<name>.*.tmp`, which `list_shards` and readers skip)
-is written, fsynced and renamed over the target, then the folder is fsynced so the rename
-survives a crash. Readers see the old file or the new one, never a truncated one. The file gets
-the modes of an ordinary `open(path, "w")` (0644 under umask 022), not mkstemp's private 0600:
-prepared data and results are shared on a cluster.
+Readers see the old file or the new one, never a truncated one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import secrets
-from collections.abc import Callable
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,6 +34,8 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
     if sole_writer:  # `*tmp*`: also the `.<name>.tmp<pid>` files of writers before this module
         for stale in path.parent.glob(f".{path.name}.*tmp*"):
             stale.unlink(missing_ok=True)
+    # A hidden temp file in the same folder (`.<name>.*.tmp`, which `list_shards` and readers skip;
+    # the same file system, so the rename is atomic), written, fsynced, renamed over the target.
     fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -47,7 +50,8 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
         Path(tmp).unlink(missing_ok=True)
         name_storage_error(e, path)
         raise
-    if hasattr(os, "O_DIRECTORY"):  # make the rename durable (POSIX; Windows cannot open a folder)
+    # The folder fsynced too, so that the rename survives a crash (POSIX; Windows cannot open a folder).
+    if hasattr(os, "O_DIRECTORY"):
         dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -56,10 +60,75 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
     return path
 
 
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """`with atomic_dir(out) as tmp:` the files written into `tmp` become the folder `out` when the
+    block ends, with an ordinary file's modes; an error or a signal (SIGTERM, SIGHUP, Ctrl-C) leaves
+    nothing. One writer per `out` at a time, as for a checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A SIGKILL cannot be caught: what one left (a temp folder, an old one moved aside) is removed
+    # by the next call for the same folder (a ViT-B export's leftover was 343 MB).
+    for stale in [*path.parent.glob(f".{path.name}.*.tmp"), *path.parent.glob(f".{path.name}.*.old")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    try:
+        # Slurm's scancel and a closed terminal: their default action ends the process at once,
+        # skipping every `finally`; as SystemExit they run the clean-up below.
+        with _signals_as_exit(signal.SIGTERM, signal.SIGHUP):
+            tmp.mkdir()
+            yield tmp
+            # An ordinary file's modes (0644 under umask 022): safetensors writes 0600, which a group
+            # on a shared file system cannot read. The umask is read by setting it (and back).
+            umask = os.umask(0)
+            os.umask(umask)
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    f.chmod(0o666 & ~umask)
+            _swap_in(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failure's leftovers
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename the finished folder `tmp` to `out`, moving a non-empty `out` aside first."""
+    # Two renames and no copy: `out` is at every moment the old folder or the new one (only the
+    # instant between them has neither; a kill there leaves both, for the next call to remove).
+    old = None
+    if out.is_dir():
+        if any(out.iterdir()):
+            old = out.parent / f".{out.name}.{secrets.token_hex(4)}.old"
+            os.rename(out, old)
+        else:
+            out.rmdir()
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+@contextlib.contextmanager
+def _signals_as_exit(*signums: int) -> Iterator[None]:
+    """Inside the block, `signums` raise SystemExit(128 + signal), the status their default action
+    gives, after one line saying so. Only the main thread can set handlers: elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():  # None: a handler not set from Python, i.e. the default
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
 def append_line(path: str | os.PathLike, line: str) -> None:
-    """Append `line` + newline to a log file (metrics.jsonl, samples.jsonl) whole or not at all:
-    a full disk or quota cuts the write short, and the part written is cut off again, so readers
-    never meet half a line in the middle of the file. The error names the file."""
+    """Append `line` + newline to a log file (metrics.jsonl, samples.jsonl) whole or not at all;
+    the error names the file."""
     path, data = Path(path), (line + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
@@ -69,6 +138,8 @@ def append_line(path: str | os.PathLike, line: str) -> None:
             while view:  # unbuffered: nothing is left to flush (and fail again) at close
                 view = view[os.write(fd, view):]
         except OSError as e:
+            # A full disk or quota cut the write short: the part written is cut off again, so
+            # readers never meet half a line in the middle of the file.
             try:
                 os.ftruncate(fd, start)
             except OSError:  # nothing more to do: readers skip a torn last line
@@ -81,6 +152,7 @@ def append_line(path: str | os.PathLike, line: str) -> None:
 
 def _create_temp(path: Path) -> tuple[int, str]:
     """A new hidden temp file beside `path`, opened for writing with mode 0666 minus the umask."""
+    # Not mkstemp's private 0600: prepared data and results are shared on a cluster.
     while True:
         tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:

@@ -7,14 +7,7 @@ resumes runs with them, the analysis groups runs without them).
 input names the same folder again (run directories, eval.lm's output folder, Slurm chains).
 
 `RunDirLock` holds <run_dir>/.lock for the life of a run: a second run on the same folder is
-refused in one line naming the holder (pid, host, start). It is a POSIX record lock (fcntl): the
-kernel drops it when the holding process ends in any way (SIGKILL included), so a killed run's
-lock is taken over by the next one, and, unlike flock, data-loader workers forked by the run do
-not inherit it. What it can detect: any two runs on one machine; on NFS, runs on different hosts
-too when the mount has a working lock manager (NLM / NFSv4 locks). What it cannot: a mount with
-`nolock`, or a file system without locks (ENOLCK): there the lock falls back to the pid written in
-the file, which tells a live run only on the same host; a holder on another host cannot be told
-from a crashed one, so the run goes ahead with a warning.
+refused in one line naming the holder (pid, host, start).
 """
 from __future__ import annotations
 
@@ -65,6 +58,13 @@ def _alive(pid: int) -> bool:
 
 class RunDirLock:
     """`with RunDirLock(run_dir):` -- this process alone runs in `run_dir` until the block ends."""
+    # A POSIX record lock (fcntl): the kernel drops it when the holder ends in any way (SIGKILL
+    # included), so a killed run's lock is taken over by the next run; unlike flock, data-loader
+    # workers forked by the run do not inherit it. It sees any two runs on one machine, and on NFS
+    # runs on different hosts too where the mount has a lock manager (NLM / NFSv4 locks). Where
+    # it cannot (a `nolock` mount, a file system without locks: ENOLCK) the pid written in the
+    # file tells a live run on the same host only; a holder on another host cannot be told from
+    # a crashed one, so the run goes ahead with a warning.
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / ".lock"
@@ -84,11 +84,15 @@ class RunDirLock:
 
     def acquire(self) -> "RunDirLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as e:  # a folder or a file not ours in its place: the user's to remove
+            raise UserError(f"run_dir: cannot take the lock file {self.path} ({e.strerror}); remove it if no run "
+                            f"is using {self.path.parent}, or give another run_dir=") from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno in (errno.EACCES, errno.EAGAIN):
+            if e.errno in (errno.EACCES, errno.EAGAIN):  # POSIX allows either for "held by another"
                 os.close(fd)
                 who, _ = self._holder()
                 raise RunDirInUse(f"run_dir {self.path.parent} is in use by {who}: wait for that run to "
@@ -101,7 +105,7 @@ class RunDirLock:
         if previous:  # a holder that ended without releasing: killed, or its machine died
             print(f"[laplace] run_dir: took over the lock of pid {previous[0]} on host "
                   f"{previous[1] if len(previous) > 1 else '?'} (that run is gone)", flush=True)
-        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 0)  # the holder's line, for the refusal's message and the pid fall-back
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {int(time.time())}\n".encode(), 0)
         self.fd = fd
         return self

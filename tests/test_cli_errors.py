@@ -67,7 +67,7 @@ def test_a_read_only_run_dir_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("overrides,message", [
     (["trainer.log_every=0"], "trainer.log_every=0: give a whole number >= 1"),
-    (["trainer.max_steps=-1"], r"trainer.max_steps=-1: give a whole number >= 1 \(or null for the default\)"),
+    (["trainer.max_steps=-1"], r"trainer.max_steps=-1: give a whole number >= 1, or null for the default"),
     (["trainer.eval_every=-5"], "trainer.eval_every=-5"),
     (["optim=muon"], "optim=muon splits a GPT's parameters .* trainer=deit3 builds one optimizer from optim: "
                      "use optim=adamw"),
@@ -187,3 +187,120 @@ def test_knn_and_linear_check_where_results_go_before_the_features(tmp_path):
     for cfg in ({"checkpoint": str(ckpt), "run_dir": None}, {"checkpoint": str(ckpt), "run_dir": str(ckpt)}):
         with pytest.raises(UserError, match="run_dir: cannot write in .* give run_dir="):
             run_and_clean_up(evaluate, OmegaConf.create(cfg))
+
+
+# Issue 45's bad values (7 were tracebacks; optim.weight_decay=-1, trainer.amp=maybe, trainer.compile=sometimes
+# and optim.grad_clip=-1 trained with rc 0), the one-line ones kept one line, and more: each refused in one line
+# naming the key, the value and what is allowed (laplace.schema), before anything is built.
+BAD_VALUES = [
+    (["optim.lr=-0.1"], "optim.lr=-0.1: give a number > 0"),
+    (["trainer.global_batch_size=ten"], "trainer.global_batch_size=ten: give a whole number >= 1"),
+    (["model.depth=two"], "model.depth=two: give a whole number >= 1"),
+    (["trainer.num_workers=-1"], "trainer.num_workers=-1: give a whole number >= 0"),
+    (["data.img_size=30"], "data.img_size=30: give a multiple of patch_size=8"),
+    (["model.drop_path_rate=1.5"], "model.drop_path_rate=1.5: give a number in [0, 1)"),
+    (["trainer.device=tpu"], "trainer.device=tpu: give auto, cpu, cuda or cuda:<index>"),
+    (["optim.weight_decay=-1"], "optim.weight_decay=-1: give a number >= 0"),
+    (["trainer.log_every=0"], "trainer.log_every=0: give a whole number >= 1"),
+    (["trainer.max_steps=-1"], "trainer.max_steps=-1: give a whole number >= 1, or null for the default"),
+    (["trainer.eval_every=1.5"], "trainer.eval_every=1.5: give a whole number >= 1, or null for the default"),
+    (["trainer.epochs=0"], "trainer.epochs=0: give a whole number >= 1, or null for the default"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0: give a whole number >= 1, or null for the whole "
+                                     "share"),
+    (["trainer.resume=maybe"], "trainer.resume=maybe: give auto (refuse another configuration's checkpoint) or force"),
+    (["trainer.name=mae"], "trainer.name='mae' is not a trainer; choose one of: deit3, gpt, seg_linear, dino"),
+    (["trainer.amp=maybe"], "trainer.amp=maybe: give auto, true or false"),
+    (["trainer.compile=sometimes"], "trainer.compile=sometimes: give auto, true or false"),
+    (["optim.grad_clip=-1"], "optim.grad_clip=-1: give a number > 0, or null for no clipping"),
+    (["optim.grad_clip_mode=norm"], "optim.grad_clip_mode=norm: give 'global', 'group' or 'param'"),
+    (["optim.lr=true"], "optim.lr=true: give a number > 0"),
+    (["optim.eps=0"], "optim.eps=0: give a number > 0"),
+    (["optim.betas=[0.9]"], "optim.betas=[0.9]: give two numbers in [0, 1), e.g. [0.9, 0.999]"),
+    (["seed=abc"], "seed=abc: give a whole number >= 0"),
+    (["trainer.global_batch_size=0"], "trainer.global_batch_size=0: give a whole number >= 1"),
+    (["trainer.keep_every=0"], "trainer.keep_every=0: give a whole number >= 1, or null for the default"),
+    (["trainer.device=cuda:x"], "trainer.device=cuda:x: give auto, cpu, cuda or cuda:<index>"),
+    (["model.num_heads=0"], "model.num_heads=0: give a whole number >= 1, or null for the default"),
+    (["model.embed_dim=50"], "model.embed_dim=50: give a multiple of num_heads=3"),
+    (["+model.mlp_ratio=0"], "model.mlp_ratio=0: give a number > 0"),
+    (["model.num_laplacian_heads=two"], "model.num_laplacian_heads=two: give a whole number >= 0, or one per layer "
+                                        "([k1, k2, ...])"),
+    (["model.num_laplacian_heads=[1,-1]"], "model.num_laplacian_heads=[1, -1]: give a whole number >= 0, or one per "
+                                           "layer ([k1, k2, ...])"),
+    (["data.patch_size=0"], "data.patch_size=0: give a whole number >= 1"),
+    (["data.img_size=32", "data.patch_size=5"], "data.img_size=32: give a multiple of patch_size=5"),
+    (["logger=wandb", "logger.wandb.mode=sometimes"], "logger.wandb.mode=sometimes: give online, offline or disabled "
+                                                      "(or null: WANDB_MODE decides)"),
+    (["experiment=gpt_tiny", "model=gpt_d2_1L", "optim.matrix_lr=0"], "optim.matrix_lr=0: give a number > 0"),
+    (["experiment=gpt_tiny", "model=gpt_d2_1L", "optim.momentum=1.5"], "optim.momentum=1.5: give a number in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
+def test_a_bad_value_is_one_line_before_anything_is_built(make_cfg, tmp_path, overrides, message):
+    from laplace.errors import one_line
+    from train import run, run_dir_from_overrides
+
+    gpt = any(o.startswith("experiment=gpt") for o in overrides)  # TINY_VIT's model keys are a ViT's
+    cfg = make_cfg(*overrides, "trainer.num_workers=0") if gpt else make_cfg("model=vitt_0L", *TINY_VIT, *overrides)
+    # train.py names the run folder from the values first (the label reads k), then runs
+    for step in (lambda: run_dir_from_overrides(cfg, overrides), lambda: run(cfg)):
+        with pytest.raises(UserError) as e:
+            step()
+        assert str(e.value) == one_line(e.value) == message or str(e.value).startswith(message), str(e.value)
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made: nothing built or written
+
+
+CLI_BAD_VALUES = [(o, m) for o, m in BAD_VALUES if o[0] in ("trainer.global_batch_size=ten", "optim.betas=[0.9]")]
+CLI_BAD_VALUES += [(["model=vitb_13L"], "model 'vitb_13L' asks for 13 Laplacian heads but has only 12 heads per "
+                                        "layer; use k in 0..12")]
+
+
+@pytest.mark.parametrize("overrides,message", CLI_BAD_VALUES, ids=[" ".join(o) for o, _ in CLI_BAD_VALUES])
+def test_a_bad_value_on_the_command_line_is_one_error_line(tmp_path, overrides, message):
+    """The same through `python train.py` (Hydra types the override): exit 1, one line, no traceback."""
+    p = subprocess.run([sys.executable, "train.py", *TINY_VIT, *overrides, f"paths.runs_dir={tmp_path}"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [f"error: {message}"], p.stderr[-2000:]
+    assert not tmp_path.joinpath("deit3").exists()
+
+
+def test_every_experiment_passes_the_schema(make_cfg):
+    """No false alarm: every experiment (and the default config) as composed is valid."""
+    from laplace.schema import check_config
+
+    for exp in [None, *sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))]:
+        extra = [f"experiment={exp}", "trainer.init_from=/x.pt"] if exp else []
+        assert check_config(make_cfg(*extra)) is None, exp
+
+
+def test_a_lock_that_is_a_folder_is_one_line(tmp_path):
+    from laplace.rundir import RunDirLock
+
+    (tmp_path / "run" / ".lock").mkdir(parents=True)
+    with pytest.raises(UserError, match=rf"^run_dir: cannot take the lock file {tmp_path / 'run' / '.lock'} \(Is a "
+                                        rf"directory\); remove it if no run is using {tmp_path / 'run'}, or give another "
+                                        rf"run_dir=$"):
+        RunDirLock(tmp_path / "run").acquire()
+
+
+def test_an_export_with_a_bad_value_in_its_config_is_one_line(tmp_path):
+    """A hand-edited config.json (depth: "one") used to be a bare TypeError from the model."""
+    import json
+
+    import laplace
+    from laplace.export import export
+    from laplace.zoo import create_model
+
+    node = {"name": "vitt_1L", "depth": 1, "embed_dim": 48, "img_size": 32, "patch_size": 8, "num_classes": 10}
+    from laplace.checkpoint import save_checkpoint
+
+    out = export(save_checkpoint(tmp_path / "a.pt", model=create_model(**node), config={"model": node}),
+                 tmp_path / "export")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["laplace"]["model"]["depth"] = "one"
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=rf"^{out / 'config.json'}: laplace.model.depth=one: give a whole number "
+                                          rf">= 1$"):
+        laplace.load_model(out)

@@ -44,6 +44,54 @@ def test_resume_equals_uninterrupted(make_cfg, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+# The fields a record times (the window's clock counts this process's seconds): all others of a
+# resumed run's records equal the uninterrupted run's.
+TIMED = ("step_ms", "img_per_s", "tok_per_s", "mfu")
+DEFAULT_LOG = [o for o in TINY_VIT if not o.startswith("trainer.log_every=")]  # the default cadence
+
+
+def untimed(run_dir) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMED} for r in read_metrics(run_dir)]
+
+
+def test_stops_between_log_steps_leave_the_records_of_an_uninterrupted_run(make_cfg, tmp_path):
+    """With the default trainer.log_every (10), stops at steps 13 and 22 (trainer.stop_after) and
+    the resumes log steps 10, 20 and 25 as an uninterrupted run does: the partial window (11-13)
+    travels in the checkpoint, where it used to be lost (step 20 then averaged 14-20 only)."""
+    assert make_cfg().trainer.log_every == 10
+    common = [*DEFAULT_LOG, "model=vitt_1L", "model.depth=1", "trainer.max_steps=25", "trainer.eval_every=10",
+              "trainer.ckpt_every=100"]
+    run(make_cfg(*common, run_dir=tmp_path / "straight"))
+    for stop in (13, 9, None):
+        run(make_cfg(*common, *([f"trainer.stop_after={stop}"] if stop else []), run_dir=tmp_path / "resumed"))
+        if stop == 13:
+            assert load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["loop"]["log_window"][0]["steps"] == 3
+    straight = untimed(tmp_path / "straight")
+    assert [(r["step"], r["split"]) for r in straight] == [(s, split) for s in (10, 20, 25) for split in ("train", "val")]
+    assert untimed(tmp_path / "resumed") == straight  # the losses exactly, and every untimed field
+
+
+def test_the_log_window_restores_each_ranks_sum_and_averages_on_another_world_size():
+    """Each rank continues its own loss sum; on another number of ranks each takes the saved sums'
+    mean (the logged mean over ranks stays the run's); a checkpoint without a window starts empty."""
+    from train.logger import LogWindow
+
+    cpu = torch.device("cpu")
+    saved = []
+    for losses in ([1.5, 2.5], [3.0, 9.0]):  # two ranks, two steps each
+        w = LogWindow(cpu)
+        for v in losses:
+            w.add(torch.tensor(v), 64)
+        saved.append(w.state_dict())
+    w = LogWindow(cpu)
+    w.load_state_dict(saved, rank=1, world_size=2)
+    assert (float(w.loss), w.steps, w.units) == (12.0, 2, 128) and w.seconds() >= saved[1]["seconds"]
+    w.load_state_dict(saved, rank=0, world_size=1)
+    assert (float(w.loss), w.steps) == (8.0, 2)  # (4 + 12) / 2
+    w.load_state_dict(None, rank=0, world_size=1)
+    assert (float(w.loss), w.steps, w.units) == (0.0, 0, 0)
+
+
 @pytest.mark.cuda  # a checkpoint written on the device loads anywhere
 def test_checkpoint_contents_and_load_model(make_cfg, tmp_path):
     cfg = make_cfg(*TINY_VIT, "model=vitt_2L", "trainer.max_steps=2")

@@ -17,6 +17,7 @@ import laplace
 from conftest import ROOT, randomize_
 from laplace.checkpoint import CheckpointError, save_checkpoint
 from laplace.errors import ConfigError
+from huggingface_hub import ModelCard
 from laplace.export import CITATION, export, load_timm
 from laplace.zoo import create_model
 
@@ -89,11 +90,18 @@ def test_vit_without_laplacian_heads_round_trips_and_loads_in_plain_timm(tmp_pat
     card = (out / "README.md").read_text()
     assert "k = 0 of 3 heads per layer" in card and CITATION in card and "arXiv:2602.09297" in card
     assert "`experiment=deit3_cifar100` (its recipe card: docs/recipes/deit3_cifar100.md" in card
-    assert "| results.json | cifar100 | final/val_top1 | 61.25 |" in card
-    assert "| results.json | cifar100 | best/val_top1 | 62.5 |" in card and "best/step" not in card
-    assert "| eval/knn_cifar100/results.json | cifar100 | knn/top1 | 44.5 |" in card
+    assert "| results.json | cifar100 | validation after the last training step | final/val_top1 | 61.25 |" in card
+    assert "| results.json | cifar100 | best validation during training | best/val_top1 | 62.5 |" in card
+    assert "best/step" not in card
+    assert ("| eval/knn_cifar100/results.json | cifar100 | weighted k-NN on frozen class tokens (DINO) | knn/top1 "
+            "| 44.5 |") in card
     assert "knn_other" not in card and "per_k" not in card
     assert 'timm.create_model("local-dir:<this folder>", pretrained=True)' in card
+    # k = 0 is the baseline: the card must not claim Laplacian heads; the Hub's metadata is there
+    assert "with ordinary attention only (k = 0" in card and "with Laplacian heads" not in card
+    meta = ModelCard.load(out / "README.md").data
+    assert (meta.license, meta.library_name, meta.datasets) == ("mit", "timm", ["uoft-cs/cifar100"])
+    assert {"laplace", "laplacian-heads", "image-classification"} <= set(meta.tags)
 
 
 def test_a_headless_backbone_without_layerscale_loads_in_timm(tmp_path):
@@ -120,10 +128,16 @@ def test_laplacian_vit_round_trips_and_timm_is_refused(tmp_path):
         assert torch.equal(laplace.load_model(out)(x), model(x))
         assert torch.equal(laplace.from_pretrained(str(out))(x), model(x))
     cfg = json.loads((out / "config.json").read_text())
-    assert set(cfg) == {"laplace"} and cfg["laplace"]["timm"] is False  # nothing timm could mistake for its own
+    assert cfg["laplace"]["timm"] is False and cfg["architecture"] == "vitt_2L"  # the zoo's name, not timm's
+    # timm refuses it in one line naming the model (it used to be a bare KeyError: 'architecture')
+    with pytest.raises(RuntimeError, match=r"^Unknown model \(vitt_2L\)$"):
+        timm.create_model(f"local-dir:{out}", pretrained=True)
     card = (out / "README.md").read_text()
     assert "k = [1, 2] of 3 heads per layer" in card and "## Metrics" not in card  # no results.json in the run
-    assert "timm cannot load it: vitt_2L has Laplacian heads ([1, 2] per layer)" in card
+    assert "A Vision Transformer with Laplacian heads" in card
+    assert "timm builds it only where laplace's models are registered with timm: vitt_2L has Laplacian heads" in card
+    meta = ModelCard.load(out / "README.md").data
+    assert (meta.license, meta.library_name, meta.datasets) == ("mit", "laplace", ["uoft-cs/cifar100"])
     with pytest.raises(CheckpointError, match=r"timm cannot build this export: vitt_2L has Laplacian heads .*"
                                               r"load it with laplace.load_model"):
         load_timm(out)
@@ -138,8 +152,9 @@ def test_gpt_round_trips(tmp_path):
         assert torch.equal(laplace.load_model(out)(idx), model(idx))
         assert torch.equal(laplace.from_pretrained(out)(idx), model(idx))
     card = (out / "README.md").read_text()
-    assert "nanochat GPT" in card and "k = 1 of 1 heads per layer" in card and "Tokenizer (not included): bytes" in card
-    assert "timm cannot load it: gpt_d2_1L is a language model" in card and CITATION in card
+    assert "nanochat GPT" in card and "k = 1 of 1 heads per layer" in card and "- Tokenizer: bytes (" in card
+    assert json.loads((out / "config.json").read_text())["laplace"]["tokenizer"] == "bytes"
+    assert "gpt_d2_1L is a language model" in card and CITATION in card
     assert "pipeline_tag: text-generation" in card and "- Trainer: gpt" in card
     assert "`experiment=gpt_pydoc` (its recipe card: docs/recipes/gpt_pydoc.md" in card
     with pytest.raises(CheckpointError, match="timm cannot build this export: gpt_d2_1L is a language model"):
@@ -266,7 +281,8 @@ def test_a_trained_run_exports_with_its_results(make_cfg, tmp_path):
     metrics = run(cfg)
     out = export(run_dir / "ckpt" / "last.pt", tmp_path / "export")
     card = (out / "README.md").read_text()
-    assert f"| results.json | digits | final/val_acc1 | {metrics['val_acc1']:.6g} |" in card
+    assert f"| results.json | digits | validation after the last training step | final/val_acc1 | " \
+           f"{metrics['val_acc1']:.6g} |" in card
     assert "Recipe:" not in card and "- Data: digits" in card and "- Steps: 2" in card
     model = laplace.load_model(run_dir / "ckpt" / "last.pt")
     x = torch.randn(2, 3, cfg.data.img_size, cfg.data.img_size, generator=torch.Generator().manual_seed(0))
@@ -276,3 +292,115 @@ def test_a_trained_run_exports_with_its_results(make_cfg, tmp_path):
         torch.testing.assert_close(timm.create_model(f"local-dir:{out}", pretrained=True).eval()(x), want,
                                    rtol=1e-5, atol=1e-6)
     assert json.loads((out / "config.json").read_text())["pretrained_cfg"]["mean"] == list(cfg.data.mean)
+
+
+@pytest.mark.parametrize("node,tensor", [(VIT0, "cls_token"), (VIT2, "blocks.1.attn.qkv.weight"),
+                                         (GPT, "wte.weight")])
+def test_non_finite_weights_are_refused_before_anything_is_written(tmp_path, node, tensor):
+    """A diverged checkpoint (NaN in one tensor) is refused in one line naming the tensor: it used to
+    export with rc 0 (vitt_2L, gpt_d2_1L), or fail in a traceback blaming timm (vitt_0L)."""
+    ckpt, model = _checkpoint(tmp_path, node, DATA)
+    sd = model.state_dict()
+    sd[tensor].view(-1)[3] = float("nan")
+    save_checkpoint(ckpt, model=model, config=torch.load(ckpt, weights_only=True)["config"])
+    with pytest.raises(CheckpointError, match=rf"^checkpoint={ckpt}: {tensor} holds 1 NaN / inf value\(s\) of "
+                                              rf"{sd[tensor].numel()}; nothing exported: export a finite checkpoint"):
+        export(ckpt, tmp_path / "export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no folder, no hidden temp folder
+
+
+def test_exported_files_are_readable_by_the_group(tmp_path):
+    """safetensors writes its file 0600; an export's files get an ordinary file's modes (0644 under
+    umask 022), so that a group on a shared file system can read them: timm's writer and ours."""
+    old = os.umask(0o022)
+    try:
+        for node, name in ((VIT0, "timm"), (VIT2, "laplace")):
+            out = export(_checkpoint(tmp_path / name, node, DATA)[0], tmp_path / name / "export")
+            assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {
+                "README.md": "0o644", "config.json": "0o644", "model.safetensors": "0o644"}
+    finally:
+        os.umask(old)
+
+
+# A child that exports and gets a signal once the weights are in the temp folder (a known point
+# of a slow write: ViT-B's 343 MB took seconds), by patching the function that writes them.
+SIGNALLED_EXPORT = """
+import os, signal, sys
+import laplace.export as ex
+writer = getattr(ex, sys.argv[3])
+def signalled(folder, *args):
+    writer(folder, *args)
+    os.kill(os.getpid(), getattr(signal, sys.argv[4]))
+setattr(ex, sys.argv[3], signalled)
+ex.main([f"checkpoint={sys.argv[1]}", f"out={sys.argv[2]}"])
+"""
+
+
+@pytest.mark.parametrize("node,writer", [(VIT0, "_save_for_timm"), (VIT2, "_save")])
+def test_a_signal_during_the_write_leaves_nothing_and_a_kill_is_cleaned_up_next_time(tmp_path, node, writer):
+    """SIGTERM (Slurm's scancel) in the middle of an export: status 143 and no temporary folder left
+    (3 of 6 SIGTERMs used to leave a hidden .<name>.<hex>.tmp/); SIGKILL cannot be caught: its
+    leftover is removed by the next export of the same folder."""
+    ckpt, _ = _checkpoint(tmp_path, node, DATA)
+    out = tmp_path / "export"
+
+    def signalled(sig: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", SIGNALLED_EXPORT, str(ckpt), str(out), writer, sig], cwd=ROOT,
+                              env=ENV, capture_output=True, text=True, timeout=180)
+
+    p = signalled("SIGTERM")
+    assert p.returncode == 128 + 15 and p.stderr.strip().splitlines() == ["interrupted by SIGTERM"], p.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    p = signalled("SIGKILL")
+    assert p.returncode == -9
+    (left,) = [p for p in tmp_path.iterdir() if p.name != "runs"]
+    assert left.name.startswith(".export.") and left.name.endswith(".tmp") and (left / "model.safetensors").is_file()
+    export(ckpt, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "runs"]
+
+
+def test_a_gpt_export_carries_its_trained_tokenizer(tmp_path):
+    """The run's BPE file goes into the folder (tokenizer.json; config.json names it, no local path
+    anywhere), checked to be the one the run trained with; a retrained or missing file is refused."""
+    from laplace.tokenizer import load_tokenizer, train_bpe
+
+    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(300)]
+    path = tmp_path / "data" / "tokenizer.json"
+    tok = train_bpe(texts, vocab_size=300, path=path)
+    node = dict(GPT, vocab_size=300)
+    run = tmp_path / "runs" / "gpt" / "gpt_pydoc" / "gpt_d2_1L_s0"
+    ckpt = save_checkpoint(run / "ckpt" / "last.pt", model=randomize_(create_model(**node)), loop={"step": 3},
+                           data_identity={"tokenizer": tok.fingerprint()[:16]},
+                           config={"model": node, "data": {"name": "pydoc_bpe", "tokenizer": str(path)},
+                                   "run_dir": str(run), "trainer": {"name": "gpt"}})
+    out = export(ckpt, tmp_path / "export")
+    assert load_tokenizer(out / "tokenizer.json").fingerprint() == tok.fingerprint()
+    assert json.loads((out / "config.json").read_text())["laplace"]["tokenizer"] == "tokenizer.json"
+    assert str(tmp_path) not in (out / "config.json").read_text() + (out / "README.md").read_text()
+    assert "- Tokenizer: tokenizer.json in this folder" in (out / "README.md").read_text()
+    train_bpe(texts[:100], vocab_size=290, path=path)  # another tokenizer under the same name
+    with pytest.raises(CheckpointError, match=rf"^checkpoint={ckpt}: {path} is not the tokenizer the run trained with"):
+        export(ckpt, tmp_path / "again")
+    path.unlink()
+    with pytest.raises(CheckpointError, match=rf"^checkpoint={ckpt}: its tokenizer cannot go with the export "
+                                              rf"\(tokenizer file not found: looked for {path}"):
+        export(ckpt, tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
+def test_the_card_links_the_code_it_was_trained_with(tmp_path, monkeypatch):
+    """The metadata's `repository` is the checkout's origin when it is a plain https address (a
+    clone's); an ssh address or one holding credentials is left out, as is a checkout without one."""
+    import laplace.export as ex
+
+    def remote(url):
+        monkeypatch.setattr(ex.subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(a, 0, url + "\n", ""))
+        return ex.code_url()
+
+    assert remote("https://github.com/org/laplace.git") == "https://github.com/org/laplace"
+    assert remote("git@github.com:org/laplace.git") is None and remote("https://u:tok@github.com/o/l") is None
+    assert remote("") is None
+    monkeypatch.setattr(ex, "code_url", lambda: "https://github.com/org/laplace")
+    out = export(_checkpoint(tmp_path, VIT2, DATA)[0], tmp_path / "export")
+    assert ModelCard.load(out / "README.md").data.repository == "https://github.com/org/laplace"
+    assert "trained with laplace (https://github.com/org/laplace)" in (out / "README.md").read_text()

@@ -4,6 +4,7 @@ and 2 gloo processes with only one of them signalled); a bug exits non-zero with
 with its traceback while data workers run; wrong combinations are one line."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,8 +18,9 @@ import pytest
 
 from conftest import ROOT, TINY_VIT
 from laplace.checkpoint import load_checkpoint
+from test_engine import DEFAULT_LOG, TIMED, untimed
 from test_trainer_contract import STREAM, write_token_shards
-from train.logger import read_metrics
+from train.logger import read_metrics, read_records
 from train.signals import EXIT_REQUEUE
 
 ENV = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1")
@@ -151,6 +153,67 @@ def test_a_signal_to_the_process_group_with_workers_requeues_and_resumes(trainer
     assert [s for s, _ in _train(resumed)] == list(range(1, 31))
     if trainer == "deit3":
         assert _train(resumed) == _train(straight)
+
+
+# The default log cadence (10); data workers; a run whose first checkpoint is its last step's.
+PAUSING = [*DEFAULT_LOG, "model=vitt_1L", "model.depth=1", "trainer.name=toy_trainers:PausesAt",
+           "trainer.num_workers=2", "trainer.max_steps=25", "trainer.eval_every=10", "trainer.device=cpu"]
+
+
+def _paused_at(step: int, run_dir: Path, args, timeout=180) -> subprocess.Popen:
+    """train.py in a process group of its own, waiting inside step `step` (toy_trainers.PausesAt)."""
+    (proc,) = _launch(args, env=dict(ENV, PAUSE_AT=str(step)), session=True)
+    t0 = time.time()
+    while not (run_dir / "paused").exists():
+        assert proc.poll() is None and time.time() - t0 < timeout, _finish([proc])
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_between_log_steps_keeps_the_uninterrupted_record(tmp_path):
+    """SIGTERM to the process group (setsid; `kill -TERM -- -PGID`, data workers included) in step
+    13, at the default log_every: exit 75, and the resumed run's records equal an uninterrupted run's
+    (the steps 11-13 of the first record after the resume come from the checkpoint)."""
+    args = [*PAUSING, f"paths.runs_dir={tmp_path / 'runs'}"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    codes, out = _finish(_launch([*args, f"run_dir={straight}"]))
+    assert codes == [0], out
+    proc = _paused_at(13, resumed, [*args, f"run_dir={resumed}"])
+    os.killpg(proc.pid, signal.SIGTERM)
+    (resumed / "go").touch()
+    codes, out = _finish([proc], timeout=120)
+    assert codes == [EXIT_REQUEUE] and "saved step 13" in out[0][0], out
+    assert [r["step"] for r in read_metrics(resumed)] == [10, 10]  # nothing logged at the stop
+    codes, out = _finish(_launch([*args, f"run_dir={resumed}"]))
+    assert codes == [0] and "resumed at step 13" in out[0][0], out
+    assert untimed(resumed) == untimed(straight)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_killed_before_its_first_checkpoint_restarts_with_records_of_its_own(tmp_path):
+    """kill -9 of the process group in step 23, before any checkpoint (records of steps 10 and 20
+    logged): the next run starts anew, sets the dead attempt's metrics.jsonl aside as
+    metrics.jsonl.1.old, and its records and results.json (DeiT-III's "best" reads the val records)
+    equal an uninterrupted run's: no step twice."""
+    args = [*PAUSING, f"paths.runs_dir={tmp_path / 'runs'}"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    codes, out = _finish(_launch([*args, f"run_dir={straight}"]))
+    assert codes == [0], out
+    proc = _paused_at(23, killed, [*args, f"run_dir={killed}"])
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (killed / "ckpt/last.pt").exists()
+    dead = untimed(killed)
+    assert [(r["step"], r["split"]) for r in dead] == [(10, "train"), (10, "val"), (20, "train"), (20, "val")]
+    codes, out = _finish(_launch([*args, f"run_dir={killed}"]))
+    assert codes == [0] and "new run" in out[0][0] and "set aside as *.1.old" in out[0][0], out
+    assert untimed(killed) == untimed(straight)
+    assert [{k: v for k, v in r.items() if k not in TIMED} for r in read_records(killed / "metrics.jsonl.1.old")] == dead
+    results = [json.loads((d / "results.json").read_text()) for d in (straight, killed)]
+    assert results[1]["best"] == results[0]["best"] and results[1]["final"] == results[0]["final"]
 
 
 @pytest.mark.slow

@@ -137,9 +137,11 @@ def test_wandb_mode_config_wins_over_the_environment(monkeypatch):
     monkeypatch.delenv("WANDB_MODE")
     assert wandb_mode(None)[0] == "online"
     from laplace.errors import ConfigError
+    from laplace.schema import check_config
 
-    with pytest.raises(ConfigError, match="logger.wandb.mode=onlin: choose one of online, offline, disabled"):
-        wandb_mode("onlin")
+    with pytest.raises(ConfigError, match=r"^logger.wandb.mode=onlin: give online, offline or disabled \(or null: "
+                                          r"WANDB_MODE decides\)$"):
+        check_config({"logger": {"wandb": {"mode": "onlin"}}})
 
 
 def _train(make_cfg, run_dir, *extra):
@@ -211,6 +213,40 @@ def test_a_resumed_run_sends_no_step_twice(make_cfg, tmp_path, offline):
     steps = first["steps"] + resumed["steps"]
     assert steps == sorted(set(steps))
     assert [r["step"] for r in read_metrics(run_dir) if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_at_the_default_log_cadence_a_resume_sends_no_step_twice(make_cfg, tmp_path, offline):
+    """trainer.log_every=10 (the default): a stop at step 23, then a resume from step 10's checkpoint
+    (a kill after step 20 was logged): W&B gets 10, 20, then 25 only; metrics.jsonl reads 10, 20, 25."""
+    run_dir = tmp_path / "runs" / "deit3" / "toy" / "vitt_0L_s0"
+    common = [o for o in TINY_VIT if not o.startswith("trainer.log_every=")]
+    common += ["model=vitt_0L", "model.depth=1", "logger=wandb", "trainer.max_steps=25", "trainer.eval_every=100",
+               "trainer.ckpt_every=10", "trainer.keep_every=10"]
+    run(make_cfg(*common, "trainer.stop_after=23", run_dir=run_dir))
+    shutil.copy(run_dir / "ckpt/step_10.pt", run_dir / "ckpt/last.pt")
+    run(make_cfg(*common, run_dir=run_dir))
+    first, resumed = offline_runs(run_dir)
+    assert first["id"] == resumed["id"] and first["steps"] == [10, 20] and resumed["steps"] == [25]
+    assert [r["step"] for r in read_metrics(run_dir) if r["split"] == "train"] == [10, 20, 25]
+
+
+def test_a_fresh_start_after_an_attempt_without_checkpoint_gets_its_own_records(make_cfg, tmp_path, offline, capsys):
+    """An attempt that died before its first checkpoint (here: its ckpt/ removed) left metrics.jsonl
+    and wandb.json: the next run sets both aside (*.1.old) and logs to a W&B run of its own, so that
+    neither file nor W&B history holds a step twice."""
+    run_dir = tmp_path / "runs" / "deit3" / "toy" / "vitt_0L_s0"
+    _train(make_cfg, run_dir, "trainer.max_steps=2")
+    dead = json.loads((run_dir / "wandb.json").read_text())
+    shutil.rmtree(run_dir / "ckpt")
+    _train(make_cfg, run_dir, "trainer.max_steps=2")
+    assert "set aside as *.1.old" in capsys.readouterr().out
+    assert json.loads((run_dir / "wandb.json.1.old").read_text()) == dead
+    assert (run_dir / "metrics.jsonl.1.old").read_text().count('"split": "train"') == 2
+    assert [(r["step"], r["split"]) for r in read_metrics(run_dir)] == [(1, "train"), (2, "train"), (2, "val")]
+    new = json.loads((run_dir / "wandb.json").read_text())["id"]
+    assert new == f"{dead['id']}-1"
+    first, second = offline_runs(run_dir)
+    assert (first["id"], second["id"]) == (dead["id"], new) and first["steps"] == second["steps"] == [1, 2]
 
 
 def test_lm_results_reach_the_gpt_runs_wandb_run(make_cfg, tmp_path, offline, pydoc_shards):

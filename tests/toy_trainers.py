@@ -12,6 +12,7 @@ is on the path).
     SignalledDuringSetup  DeiT3Trainer, sent SIGUSR1 while it builds its data
     Diverging   DeiT3Trainer whose loss turns NaN (DIVERGE=loss) or one weight inf (DIVERGE=weights)
                 at step DIVERGE_AT (counted from 1, as the logs count)
+    PausesAt    DeiT3Trainer that waits in step PAUSE_AT for a test to signal it (a known step)
 """
 from __future__ import annotations
 
@@ -144,3 +145,15 @@ class Diverging(DeiT3Trainer):
     def after_optimizer_step(self):
         if self._now("weights"):
             self.model.head.weight[0, 0] = float("inf")
+
+
+class PausesAt(DeiT3Trainer):
+    """In step PAUSE_AT (counted from 1) writes <run_dir>/paused and waits for <run_dir>/go, so
+    that a test signals the process at a known step; unset, an ordinary DeiT3Trainer (same losses)."""
+
+    def train_step(self, batch):
+        if self.step + 1 == int(os.environ.get("PAUSE_AT", 0)) and not (self.run_dir / "go").exists():
+            (self.run_dir / "paused").touch()
+            while not (self.run_dir / "go").exists():
+                time.sleep(0.02)
+        return super().train_step(batch)

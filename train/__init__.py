@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from laplace.config import check_required
+from laplace.schema import check_config
 from laplace.errors import ConfigError
 from laplace import model_defaults, model_label
 from laplace.rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
@@ -45,22 +46,10 @@ def get_trainer(name: str):
     return found
 
 
-# Engine keys that count steps: null where the config allows it (a default), else these minima.
-STEP_KEYS = {"max_steps": 1, "epochs": 1, "log_every": 1, "eval_every": 1, "ckpt_every": 1, "keep_every": 1,
-             "stop_after": 1}
-
-
 def check_engine_config(cls, cfg: DictConfig):
-    """One-line errors for engine settings no trainer can run with, and for a model or data the
-    trainer does not take (before anything resolves, so an interpolation the wrong data node
-    lacks is never reached)."""
-    for key, least in STEP_KEYS.items():
-        value = cfg.trainer.get(key)
-        if value is None and key != "log_every":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            default = " (or null for the default)" if key != "log_every" else ""
-            raise ConfigError(f"trainer.{key}={value}: give a whole number >= {least}{default}")
+    """One-line errors for a model or data the trainer does not take (before anything resolves,
+    so an interpolation the wrong data node lacks is never reached), for engine settings no
+    trainer can run with, then for any value of the schema's (laplace.schema) out of its range."""
     from .engine import Trainer
 
     if cfg.optim.get("name") == "muon" and cls.configure_optimizers is Trainer.configure_optimizers:
@@ -74,6 +63,7 @@ def check_engine_config(cls, cfg: DictConfig):
     if cls.model_archs and arch not in cls.model_archs:
         raise ConfigError(f"model={cfg.model.name} is a {ARCH_NAMES[arch]} but trainer={name} trains "
                           f"{'/'.join(ARCH_NAMES[a] for a in cls.model_archs)}s; {_fitting(arch=arch)}")
+    check_config(cfg)  # reliability: types, ranges and choices, declared once
 
 
 def _fitting(arch: str | None = None, modality: str | None = None) -> str:
@@ -91,6 +81,9 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
 
     A name longer than MAX_NAME keeps its readable start and ends in a hash of the whole,
     so it stays unique and the same command finds the same directory again."""
+    # reliability: the name is made of the values (the label reads k): bad ones are named first
+    check_required(cfg)
+    check_engine_config(get_trainer(cfg.trainer.name), cfg)
     keep = []
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")

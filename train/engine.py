@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,7 +45,7 @@ from laplace.errors import ConfigError
 from laplace.io import write_json
 
 from .feeds import Feed, MapFeed, describe_size, epoch_sampler, split_batch
-from .logger import MetricsLogger, format_metrics, print_line, progress_bar
+from .logger import LogWindow, MetricsLogger, format_metrics, print_line, progress_bar
 from .plan import step_plan
 from .optim import (apply_group_schedules, build_optimizer, build_schedules, check_group_schedules,
                     clip_gradients)
@@ -78,9 +77,6 @@ class Trainer:
         if OmegaConf.is_missing(tc, "init_from"):  # a trainer built without train.run's check_required
             raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
                               "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
-        if tc.resume not in ("auto", "force"):
-            raise ConfigError(f"trainer.resume={tc.resume!r}: choose auto (refuse another configuration's "
-                              f"checkpoint) or force")
         self.is_set_up = False
 
     @classmethod
@@ -134,6 +130,7 @@ class Trainer:
         # 4. the checkpoint's state, then the wrappers around the restored model
         self.hparams: dict[str, float] = {}
         self.step = 0
+        self.window = LogWindow(self.device)  # reliability: the steps since the last train record (_restore fills it)
         self.resumed = resume is not None
         if resume is not None:
             self._restore(*resume)
@@ -267,12 +264,13 @@ class Trainer:
 
     def save(self):
         rngs = dist.all_gather_object(rng_state())
+        windows = dist.all_gather_object(self.window.state_dict())  # reliability: the record survives a stop
         if self.dist.is_main:
             exported = self.export_model()
             entries = dict(
                 optimizer=self.optimizers, rng=rngs,
                 loop={"step": self.step, "epoch": self.epoch, "feed": self.feed.state_dict(),
-                      "world_size": self.dist.world_size})
+                      "world_size": self.dist.world_size, "log_window": windows})
             if exported is not self.model:
                 entries["train_model"] = clean_state_dict(self.model.state_dict())
             if self.data_id:
@@ -303,6 +301,7 @@ class Trainer:
                 raise CheckpointError(f"{path}: optimizer {name!r} does not fit this run: {e}") from None
         loop = ckpt["loop"]
         self.step = loop["step"]
+        self.window.load_state_dict(loop.get("log_window"), self.dist.rank, self.dist.world_size)  # reliability
         try:
             self.feed.load_state_dict(loop["feed"])
         except ValueError as e:  # a forced resume on less data
@@ -342,7 +341,8 @@ class Trainer:
         bar = progress_bar(self.total_steps, interval=cfg.logger.progress_interval,
                            desc="train", initial=self.step, unit="step") if main and tc.progress else None
         batches = iter(self.feed)
-        t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
+        window = self.window  # reliability: the steps since the last record (saved in the checkpoint)
+        window.restart_clock()
         metrics = {}
         # A stop is agreed one step after a rank got the signal (StopVote: no per-step wait), and
         # every loss is watched on the device so that no checkpoint step writes a diverged state.
@@ -362,7 +362,6 @@ class Trainer:
                 loss_sum += loss.detach().float() / self.accum
                 for k, v in extra.items():
                     extras[k] = extras.get(k, 0.0) + v / self.accum
-                seen += self.micro_bs * self.dist.world_size * self.units_per_sample
             extras.update(self.before_optimizer_step() or {})
             for opt in self.optimizers.values():
                 opt.step()
@@ -371,25 +370,26 @@ class Trainer:
             for opt in self.optimizers.values():
                 opt.zero_grad(set_to_none=True)
             self.step = step = self.step + 1
-            window_loss, window_n = window_loss + loss_sum, window_n + 1
+            window.add(loss_sum, self.accum * self.micro_bs * self.dist.world_size * self.units_per_sample)
             guard.update(step, loss_sum)
 
-            if step % tc.log_every == 0 or step == stop_at:
-                dt = time.perf_counter() - t0
+            # reliability: a stop before total_steps logs nothing; its window waits in the checkpoint
+            if step % tc.log_every == 0 or step == self.total_steps:
+                dt, seen = window.seconds(), window.units
                 # Averaged over ranks (all reach this line at the same step): the logged loss
                 # is the global batch's, whatever the world size.
-                window_loss = dist.all_reduce_mean(torch.as_tensor(window_loss, device=self.device))
+                window_loss = dist.all_reduce_mean(window.loss)
                 guard.check(step)
-                mean_loss = float(window_loss) / window_n
+                mean_loss = float(window_loss) / window.steps
                 rec = {"loss": mean_loss, **self.hparams, f"{self.unit}_per_s": seen / dt,
-                       "step_ms": 1000 * dt / window_n, "epoch": self.epoch,
+                       "step_ms": 1000 * dt / window.steps, "epoch": self.epoch,
                        **self.throughput_metrics(seen / dt), **self.model_metrics(),
                        **{k: float(v) for k, v in extras.items()}}
                 logger.log(step, rec, split="train")
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.unit}/s": f"{seen / dt:.0f}"},
                                     refresh=False)  # shown at the next redraw: off a terminal, a line per interval
-                t0, seen, window_loss, window_n = time.perf_counter(), 0, 0.0, 0
+                window.reset()
             if bar is not None:
                 bar.update(1)
             if step % eval_every == 0 or step == self.total_steps:

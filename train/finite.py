@@ -1,11 +1,6 @@
 """No non-finite checkpoint: the loss of every step is watched on the device, and the state is
 checked before each checkpoint is written (and the loss at each log step), so a run that diverges
 stops with one line and keeps its last good `last.pt`.
-
-A loss that turns NaN between two log steps used to reach the next checkpoint step unnoticed and
-overwrite the good last.pt with NaN weights, which every resume then continued from. Watching costs
-no host sync: `update` folds each step's loss into a device tensor (the first non-finite step and
-its value); `check` reads it (one sync, all ranks agreeing) only where the loop syncs anyway.
 """
 from __future__ import annotations
 
@@ -31,6 +26,11 @@ class FiniteGuard:
     """
 
     def __init__(self, device: torch.device, run_dir, good_step: int | None):
+        # Why watch every step: a loss that turned NaN between two log steps used to reach the next
+        # checkpoint step unnoticed and overwrite the good last.pt with NaN weights, which every
+        # resume then continued from. Watching costs no host sync: `update` folds each step's loss
+        # into these device tensors; `check` reads them (one sync, all ranks agreeing) only where
+        # the loop syncs anyway (a log step, a checkpoint).
         self.first = torch.full((), NEVER, dtype=torch.int64, device=device)
         self.value = torch.zeros((), device=device)
         self.run_dir, self.good_step = run_dir, good_step

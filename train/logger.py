@@ -9,9 +9,11 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
+import torch
 from omegaconf import OmegaConf
 
 from laplace import model_label
@@ -20,23 +22,26 @@ from laplace.io import append_line, atomic_write, write_json
 
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_RECORD = "wandb.json"  # <run_dir>/wandb.json: the W&B run of a training run (id, project, mode, ...)
+# The run's logs of one record per step (and split): cut back to the checkpoint's step on resume,
+# set aside on a fresh start (MetricsLogger). train/gpt.py appends samples.jsonl.
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
 
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:
-    """A W&B run id unique to the run directory and stable across resumes: its last component
-    (readable) plus a hash of the whole absolute path, so that two stages of one experiment
-    (deit3_in1k/vitb_12L_s0 and deit3_in1k_ft224/vitb_12L_s0) never share a W&B run."""
+    """A W&B run id unique to the run directory and stable across resumes."""
     path = str(Path(run_dir).resolve())
+    # The last component for a reader, a hash of the whole path for uniqueness: two stages of one
+    # experiment (deit3_in1k/vitb_12L_s0 and deit3_in1k_ft224/vitb_12L_s0) never share a W&B run.
     readable = re.sub(r"[^A-Za-z0-9_-]", "-", Path(path).name)[:48]
     return f"{readable}-{hashlib.sha1(path.encode()).hexdigest()[:10]}"
 
 
 def run_group(run_dir) -> str:
-    """The experiment a run directory belongs to, `<runs>/<trainer>/<experiment or data>/<run>`:
-    its parent folder, so that a sweep's runs (one per k, seed, model) share it. An evaluation run
-    `<run>/eval/<name>` (eval.segmentation) belongs to its training run's experiment. The
-    resolver `${run_group:${run_dir}}` of configs/logger/wandb.yaml."""
+    """The experiment a run directory belongs to (`<runs>/<trainer>/<experiment or data>/<run>`):
+    the resolver `${run_group:${run_dir}}` of configs/logger/wandb.yaml."""
     p = Path(str(run_dir))
+    # The parent folder, so that a sweep's runs (one per k, seed, model) share it; an evaluation
+    # run `<run>/eval/<name>` (eval.segmentation) belongs to its training run's experiment.
     return p.parent.parent.parent.name if p.parent.name == "eval" else p.parent.name
 
 
@@ -46,14 +51,12 @@ OmegaConf.register_new_resolver("model_label", model_label, replace=True)
 
 
 def wandb_mode(configured: Optional[str]) -> tuple[str, str]:
-    """(the W&B mode, where it came from): logger.wandb.mode wins over $WANDB_MODE (a stray
-    `export WANDB_MODE=online` on a login node must not send an offline recipe online); with
-    `logger.wandb.mode=null` the environment decides, else wandb's own default (online)."""
+    """(the W&B mode, where it came from): logger.wandb.mode, else $WANDB_MODE, else wandb's own
+    default (online)."""
     env = os.environ.get("WANDB_MODE")
-    if configured is not None:
-        if configured not in WANDB_MODES:
-            raise ConfigError(f"logger.wandb.mode={configured}: choose one of {', '.join(WANDB_MODES)} "
-                              f"(or null to take WANDB_MODE from the environment)")
+    # The config wins: a stray `export WANDB_MODE=online` on a login node must not send an
+    # offline recipe online.
+    if configured is not None:  # one of WANDB_MODES: laplace.schema checked logger.wandb.mode
         ignored = f"; WANDB_MODE={env} in the environment is ignored" if env and env != configured else ""
         return configured, f"logger.wandb.mode{ignored}"
     if env:
@@ -78,19 +81,64 @@ def read_wandb_record(run_dir) -> Optional[dict]:
 
 def init_wandb(run_dir, cfg: dict, config: Optional[dict], source_hint: str = ""):
     """wandb.init for the run in `run_dir`, with the mode `wandb_mode` chooses (one line saying
-    which and why). The run id is cfg's `id` where one is given, else the one <run_dir>/wandb.json
-    recorded (a moved run directory keeps its W&B run), else `wandb_run_id`; resume="allow"
-    continues that run."""
+    which and why); resume="allow" continues the run of the id."""
     import wandb  # only when asked: wandb's import is slow
 
     mode, source = wandb_mode(cfg.get("mode"))
     print(f"[laplace] wandb mode {mode} (from {source}{source_hint})", file=sys.stderr, flush=True)
     rec = read_wandb_record(run_dir) or {}
+    # The id given, else the one wandb.json recorded (a moved run directory keeps its W&B run).
     run_id = cfg.get("id") or rec.get("id") or wandb_run_id(run_dir)
     tags = [str(t)[:64] for t in (cfg.get("tags") or [])]  # W&B refuses longer tags
     return wandb.init(project=cfg.get("project"), entity=cfg.get("entity"), id=run_id, resume="allow",
                       name=cfg.get("name") or Path(run_dir).name, group=cfg.get("group"), tags=tags or None,
                       mode=mode, dir=str(run_dir), config=config), mode
+
+
+class LogWindow:
+    """The steps since the last train record: their loss sum, how many, the units (images, tokens)
+    they took and their seconds; saved in the checkpoint (`state_dict`, one per rank)."""
+    # Why it is saved: a stop between two log steps (a signal, trainer.stop_after) would drop the
+    # steps before it, and the first record after the resume would average only the steps since,
+    # unlike the uninterrupted run's. Restored, the loss sum continues bit for bit; the clock
+    # counts this process's seconds on top of the saved ones (timing fields differ, losses not).
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self):
+        # the sum stays on the device (no host sync per step) until a record reads it
+        self.loss, self.steps, self.units = torch.zeros((), device=self.device), 0, 0
+        self.saved_s, self.start = 0.0, time.perf_counter()
+
+    def add(self, loss: torch.Tensor, units: int):
+        self.loss, self.steps, self.units = self.loss + loss, self.steps + 1, self.units + units
+
+    def seconds(self) -> float:
+        return self.saved_s + time.perf_counter() - self.start
+
+    def restart_clock(self):
+        """Time from now (the loop starts): set-up and a resume's restore are no step's time."""
+        self.start = time.perf_counter()
+
+    def state_dict(self) -> dict:
+        # float32 as summed: the resumed sum is then the same bits as the uninterrupted one
+        return {"loss": self.loss.detach().cpu(), "steps": self.steps, "units": self.units,
+                "seconds": self.seconds()}
+
+    def load_state_dict(self, states: Optional[list], rank: int, world_size: int):
+        """This rank's window of a checkpoint's per-rank `states` (None: a checkpoint from before
+        windows were saved: start empty). On another world size every rank takes the mean of the
+        saved sums, which keeps the logged mean over ranks, though not to the last bit."""
+        self.reset()
+        if not states:
+            return
+        same = len(states) == world_size
+        mine = states[rank] if same else states[0]  # steps, units, seconds: equal on every rank
+        loss = mine["loss"] if same else torch.stack([s["loss"] for s in states]).mean()
+        self.loss = loss.to(self.device)
+        self.steps, self.units, self.saved_s = mine["steps"], mine["units"], mine["seconds"]
 
 
 class MetricsLogger:
@@ -101,10 +149,8 @@ class MetricsLogger:
         enabled: False on ranks other than 0: every call is then a no-op.
         wandb_cfg: None, or the `logger.wandb` config (project, entity, name, mode, group, tags, id).
         config: the resolved run config, sent to wandb.
-        resume_step: on resume, lines logged after this step (written after the last
-            checkpoint by the interrupted run) are dropped, so the file reads as one run; W&B
-            got those steps already and keeps them, so steps up to the last one it was sent are
-            not sent again (W&B drops a step lower than its last, with a warning).
+        resume_step: on resume, the checkpoint's step (the logs are cut back to it); None: a
+            fresh start, which sets aside the logs of an earlier attempt (`set_aside_attempt`).
     """
 
     def __init__(self, run_dir: str | os.PathLike, enabled: bool = True,
@@ -118,12 +164,19 @@ class MetricsLogger:
             return
         before = read_wandb_record(run_dir)
         sent_before = before is not None and before.get("mode") != "disabled"  # W&B got this file's lines
-        if resume_step is not None and self.path.exists():
-            records = read_metrics(run_dir)
+        if resume_step is None:
+            attempt = set_aside_attempt(run_dir)
+            if attempt and sent_before and wandb_cfg and not wandb_cfg.get("id"):
+                # The dead attempt's W&B run keeps its steps (W&B never takes a step back): this
+                # run gets its own, so that its history is this run's only.
+                wandb_cfg = {**wandb_cfg, "id": f"{wandb_run_id(run_dir)}-{attempt}"}
+        else:
+            # Lines logged after the checkpoint (by the interrupted run) go, so the file reads as
+            # one run. W&B got those steps and keeps them (it drops a step lower than its last,
+            # with a warning): steps up to the last one it was sent are not sent again.
+            held = {name: cut_back(Path(run_dir) / name, resume_step) for name in STEP_LOGS}
             if sent_before:
-                self.wandb_has = max((r.get("step", 0) for r in records), default=-1)
-            kept = [json.dumps(r) for r in records if r.get("step", 0) <= resume_step]
-            atomic_write(self.path, "".join(ln + "\n" for ln in kept).encode())
+                self.wandb_has = max((r.get("step", 0) for r in held[self.path.name]), default=-1)
         if wandb_cfg:
             self.wandb, mode = init_wandb(run_dir, wandb_cfg, config)
             # What an evaluation of this run's checkpoints needs to find its W&B run again.
@@ -144,6 +197,36 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def cut_back(path: Path, step: int) -> list[dict]:
+    """Drop the records after `step` from the log `path` (atomically); returns all it held."""
+    if not path.exists():
+        return []
+    records = read_records(path)
+    kept = [json.dumps(r) for r in records if r.get("step", 0) <= step]
+    atomic_write(path, "".join(ln + "\n" for ln in kept).encode())
+    return records
+
+
+def set_aside_attempt(run_dir: str | os.PathLike) -> int:
+    """Rename the logs (and wandb.json) in `run_dir` to `<name>.<n>.old`, n = 1, 2, ... per attempt;
+    returns n, or 0 when there was nothing to set aside."""
+    # Called on a fresh start (no checkpoint to resume): logs there are an attempt's that died
+    # before its first checkpoint (kill -9, OOM, a node failure). Appended to, every step would be
+    # logged twice and "best" (results.json) would read the dead attempt's evaluations; deleted,
+    # what that attempt saw (how far it got, its losses) would be lost for the post-mortem.
+    run_dir = Path(run_dir)
+    found = [run_dir / n for n in (*STEP_LOGS, WANDB_RECORD) if (run_dir / n).exists()]
+    if not found:
+        return 0
+    taken = [p.name.split(".")[-2] for p in run_dir.glob("*.old")]  # earlier attempts' numbers
+    n = 1 + max((int(t) for t in taken if t.isdigit()), default=0)
+    for p in found:
+        os.replace(p, p.with_name(f"{p.name}.{n}.old"))
+    print(f"[laplace] run_dir: an earlier attempt wrote no checkpoint; its {', '.join(p.name for p in found)} "
+          f"set aside as *.{n}.old", flush=True)
+    return n
+
+
 def _plain(v):
     if hasattr(v, "item"):
         return v.item()
@@ -151,11 +234,15 @@ def _plain(v):
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """All records of a run's metrics.jsonl.
+    """All records of a run's metrics.jsonl (see read_records)."""
+    return read_records(Path(run_dir) / "metrics.jsonl")
+
+
+def read_records(path: Path) -> list[dict]:
+    """All records of a JSON-lines log.
 
     A torn last line (the process was killed mid-write) is skipped with a warning; a broken
     line anywhere else means the file was damaged and raises, naming the file and line."""
-    path = Path(run_dir) / "metrics.jsonl"
     lines = path.read_text().splitlines()
     records = []
     for i, ln in enumerate(lines, 1):
@@ -210,15 +297,13 @@ class _Tee:
 
 
 class RunLog:
-    """Copy this process's stdout and stderr into <run_dir>/train.log (appending, so a resumed
-    or requeued run continues the same file), until `close`.
-
-    The file is line-buffered: a process that ends in os._exit (laplace.errors.hard_exit) has
-    written every complete line. `exception` records a failure's traceback in the file.
-    """
+    """Copy this process's stdout and stderr into <run_dir>/train.log until `close`;
+    `exception` records a failure's traceback in the file."""
 
     def __init__(self, run_dir: str | os.PathLike):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
+        # Appending: a resumed or requeued run continues the same file. Line-buffered: a process
+        # that ends in os._exit (laplace.errors.hard_exit) has written every complete line.
         self.file = open(Path(run_dir) / "train.log", "a", buffering=1)
         self.saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(sys.stdout, self.file), _Tee(sys.stderr, self.file)
