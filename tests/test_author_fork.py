@@ -166,7 +166,8 @@ def fork_side(fork: Path, work: Path):
         m = timm.create_model(name, pretrained=False, drop_path_rate=dp, img_size=size)
         randomise(m)
         torch.save(m.state_dict(), work / f"{name}.pth")  # a timm state dict file
-        out[name] = {**model_outputs(m, inputs[f"x{size}"]), "crop_pct": resolve_data_config(vars(args), model=m)["crop_pct"]}
+        crop = resolve_data_config(vars(args), model=m)["crop_pct"]
+        out[name] = {**model_outputs(m, inputs[f"x{size}"]), "crop_pct": crop}
         if name == "deit3_base_6L_patch16_192":  # a checkpoint as the sweep's runs wrote them
             args.model = name
             CheckpointSaver(m, torch.optim.AdamW(m.parameters()), args=args, checkpoint_dir=str(work),
@@ -356,9 +357,10 @@ def test_lr_and_steps_per_epoch(fork):
     # fork's per epoch with the cosine over all epochs; bounded here, not equal.
     dev = np.abs(ours - theirs)[5:].max() / fs["lr"]
     ratio = ours.sum() / theirs.sum()
+    warm = lambda lrs: ", ".join(f"{v:.2e}" for v in lrs[:6])  # noqa: E731
     print(f"lr schedule: {fs['epochs']} epochs; epoch means after the warm-up within {100 * dev:.2f}% of the peak "
-          f"of the fork's, summed lr {ratio:.4f}x; warm-up epochs 0-5 fork {', '.join(f'{v:.2e}' for v in theirs[:6])}, "
-          f"ours {', '.join(f'{v:.2e}' for v in ours[:6])}; last epoch {theirs[-1]:.3e} vs {ours[-1]:.3e}")
+          f"of the fork's, summed lr {ratio:.4f}x; warm-up epochs 0-5 fork {warm(theirs)}, ours {warm(ours)}; "
+          f"last epoch {theirs[-1]:.3e} vs {ours[-1]:.3e}")
     assert fs["epochs"] == cfg.trainer.epochs and dev < 0.02 and abs(ratio - 1) < 0.02
 
 
@@ -373,7 +375,8 @@ def test_optimizer(fork):
     print(f"optimizer: {type(opt).__name__} (fork {fo['class']}), betas {opt.defaults['betas']}, eps "
           f"{opt.defaults['eps']}; {len(no_decay)} tensors without weight decay (fork {len(fo['no_decay'])})")
     assert type(opt).__name__ == fo["class"] and no_decay == fo["no_decay"]
-    assert tuple(opt.defaults["betas"]) == tuple(fo["defaults"]["betas"]) and opt.defaults["eps"] == fo["defaults"]["eps"]
+    assert tuple(opt.defaults["betas"]) == tuple(fo["defaults"]["betas"])
+    assert opt.defaults["eps"] == fo["defaults"]["eps"]
 
 
 if __name__ == "__main__":  # the child process: python tests/test_author_fork.py <fork> <work>
