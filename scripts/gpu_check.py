@@ -182,7 +182,7 @@ def compiled(c: Check) -> str:
     if not c.args.compile:
         return "SKIP: --no-compile"
     # Side by side: compilation is mostly one core's work. trainer.compile=true is auto's choice on CUDA.
-    procs = [c.train(f"{name}_{mode}", *over, f"trainer.compile={mode == 'compiled'}", wait=False)
+    procs = [c.train(f"{name}_{mode}", *over, f"trainer.compile={str(mode == 'compiled').lower()}", wait=False)
              for name, over in tiny(c).items() for mode in ("eager", "compiled")]
     for proc in procs:
         c.wait(proc, timeout=900)
