@@ -1,37 +1,23 @@
-"""What only a GPU shows, checked in one command on one GPU node (scripts/gpu_check.sh).
+"""What only a GPU shows, checked in one command on one GPU node (run by scripts/gpu_check.sh).
 
-    bash scripts/gpu_check.sh                          # CUDA: bf16, compiled where a config says so
-    bash scripts/gpu_check.sh --device cpu --no-compile --tiny   # dry run of the script itself
+    bash scripts/gpu_check.sh                                    # CUDA: bf16, compiled where configured
+    bash scripts/gpu_check.sh --device cpu --no-compile --tiny   # a dry run of the script on CPU
+    bash scripts/gpu_check.sh --only deit3 analysis              # some of the checks (CHECKS)
 
-Every trainer and experiment family trains a few steps at small size as a user runs it
-(`python train.py ...`, data workers on, compiled as shipped: the paper's experiments with
-CUDA, the quick starts eager), stops part-way and resumes; fine-tuning starts
-from a CUDA checkpoint; a run signalled with SIGUSR1 checkpoints, exits with the requeue
-status and resumes; a bug inside train_step exits non-zero within seconds; `python -m
-analysis` measures CUDA checkpoints; eval.knn, eval.linear and eval.segmentation evaluate
-the DINO checkpoint and eval.lm (lm-eval) the SFT one; the tests marked `cuda` run on the device
-(the flash-kernel one as a check of its own); the benchmark (`python -m bench`) writes its record
-to <out>/benchmarks; the GPT's paper-size steps report tokens/s (MFU). What a cluster job depends
-on (scripts/gpu_cluster.py): the paper experiments eager = compiled, one model on 2 NCCL ranks
-and one GPU's losses (on a node with 2+ GPUs), DINO's and DeiT-III's paper-size steps with their
-loader's images/s at 8 workers beside (as shipped, and with the crops and colour work on the GPU:
-trainer.multicrop.device_augment, data.device_augment). One line per check (PASS / SKIP / FAIL, seconds, what it measured,
-and what its processes used: peak GPU memory, graphs, graph breaks, recompiles, recorded by
-scripts/gpu_probe.py around every command); the exit status is 1 if any check failed. Logs of every command
-go to --out (default: a fresh temporary folder), named after the check. After a CUDA run the
-rows of the checks that ran in README's "What has run on a GPU" are rewritten (scripts/gpu_table.py);
-a CPU run writes no README (--table FILE: that file instead).
+Each check runs what a user runs (train.py with data workers, the evaluations, analysis, pytest -m
+cuda) at small size and prints one line: PASS / SKIP / FAIL, seconds, what it measured, the largest
+CUDA peak of its train.py runs and the graph breaks and recompiles torch logged (TORCH_LOGS: its
+log in --out says where and why). Exit status 1 if any failed. A CUDA run appends its results to
+docs/gpu_runs.jsonl and rewrites docs/gpu_runs.md, the last run of each check (a CPU run: --record).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import math
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,404 +25,383 @@ import time
 import traceback
 from pathlib import Path
 
+import pandas as pd
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # fakedata: tiny datasets in the real on-disk formats
-sys.path.insert(0, str(ROOT))
-import gpu_cluster  # noqa: E402  (beside this file)
-import gpu_probe  # noqa: E402
-import gpu_table  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))
+import fakedata  # noqa: E402  (tests/: tiny datasets in the real on-disk formats)
 
-PROBE = ROOT / "scripts" / "gpu_probe.py"
-
-from laplace.io import atomic_write  # noqa: E402
+PY = sys.executable
+# train.py run in this process after an optional memory cap (an 80 GB card's on a bigger card);
+# at exit it prints the CUDA peak (DataLoader workers leave by os._exit and print nothing). runpy
+# rather than a child process: the cap and the peak must be those of the process that trains.
+RUN = """import atexit, os, runpy, sys, torch
+if os.environ.get("CAP_GIB") and torch.cuda.is_available():
+    torch.cuda.set_per_process_memory_fraction(
+        float(os.environ["CAP_GIB"]) * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+atexit.register(lambda: torch.cuda.is_initialized() and print(
+    f"CUDA peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")"""
+PEAK = re.compile(r"^CUDA peak ([\d.]+) GiB", re.M)
 
 
 class Check:
-    """Runs the commands of the checks, with logs and timeouts, in one output folder. Every Python
-    command runs through scripts/gpu_probe.py: each check's line ends with its peak GPU memory,
-    compiled graphs, graph breaks and recompiles (the log says which and why)."""
+    """Runs the checks' commands, each logged to <out>/<check>.log under a timeout."""
 
     def __init__(self, args):
         self.args, self.out = args, Path(args.out or tempfile.mkdtemp(prefix="gpu_check_"))
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts"),
-                                                                 os.environ.get("PYTHONPATH", "")]),
-                        PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
-        # Each config compiles as shipped (the paper's experiments: trainer.compile=auto, on with
-        # CUDA); --no-compile turns it off everywhere.
-        self.common = [f"trainer.device={args.device}", *([] if args.compile else ["trainer.compile=false"]),
-                       "trainer.progress=false", "trainer.log_every=1", f"paths.runs_dir={self.out / 'runs'}"]
-        self.failed, self.check, self.pending = [], "none", []
+        self.runs, self.data, self.cuda = self.out / "runs", self.out / "data", args.device.startswith("cuda")
+        # torch logs every graph break and recompile with its reason: counted per check, kept in its log.
+        # PYTHONPATH: this checkout (also without an install) and tests/ (tests/ddp_ranks.py's imports).
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS="graph_breaks,recompiles",
+                        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+        # Each config compiles as shipped (the paper's experiments: trainer.compile=auto, on with CUDA).
+        self.common = [f"trainer.device={args.device}", "trainer.progress=false", "trainer.log_every=1",
+                       f"paths.runs_dir={self.runs}", *([] if args.compile else ["trainer.compile=false"])]
+        # Small models: the checks are about the code paths, not the sizes (d20 and throughput aside).
+        self.vit = ["model=vitb_12L", *(["model.depth=1", "model.embed_dim=96"] if args.tiny else ["model.depth=2"])]
+        self.gpt, self.workers = ("gpt_d2_1L", 2) if args.tiny else ("gpt_d12_6L", 8)
+        self.log, self.results = self.out / "none.log", {}
 
-    def probe(self) -> tuple[str, dict]:
-        """(line, totals) of the probe records of the current check (scripts/gpu_probe.py)."""
-        return gpu_probe.summary(self.out / "probe" / self.check)
+    def sh(self, *cmd, expect: int | None = 0, timeout: int = 600, wait: bool = True, **env) -> subprocess.Popen:
+        """Run cmd, its output appended to the check's log; a status other than `expect` raises."""
+        # Popen, not run: a check may signal its command (preempt) or run several side by side (compile).
+        with open(self.log, "a") as log:
+            log.write(f"$ {' '.join(map(str, cmd))}\n")
+            log.flush()  # before the command's own output
+            proc = subprocess.Popen(list(map(str, cmd)), cwd=ROOT, env={**self.env, **env}, stdout=log,
+                                    stderr=subprocess.STDOUT, text=True)
+        return self.wait(proc, expect, timeout) if wait else proc
 
-    def sh(self, name: str, cmd: list[str], expect: int | None = 0, timeout: int = 300, env=None,
-           wait=True) -> subprocess.CompletedProcess | subprocess.Popen:
-        """Run cmd (logged to <out>/<name>.log); a status other than `expect` raises. wait=False:
-        started and left to `wait_all`."""
-        if cmd[0] == sys.executable and cmd[1:3] != ["-m", "torch.distributed.run"]:
-            cmd = [sys.executable, str(PROBE), *cmd[1:]]
-        log = open(self.out / f"{name}.log", "a")
-        log.write(f"$ {' '.join(cmd)}\n")
-        log.flush()
-        env = dict(env or self.env, GPU_PROBE_DIR=str(self.out / "probe" / self.check))
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        proc.log, proc.expect = Path(log.name), expect
-        if not wait:
-            self.pending.append(proc)
-            return proc
-        return self._wait(proc, timeout)
-
-    def _wait(self, proc, timeout: int):
+    def wait(self, proc, expect: int | None = 0, timeout: int = 600) -> subprocess.Popen:
         try:
             proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # a hung command fails its check, not the whole script
             proc.kill()
-            raise RuntimeError(f"timed out after {timeout} s (log: {proc.log})") from None
-        if proc.expect is not None and proc.returncode != proc.expect:
-            raise RuntimeError(f"exit status {proc.returncode}, expected {proc.expect}: "
-                               f"{tail(proc.log)} (log: {proc.log})")
+            raise RuntimeError(f"timed out after {timeout} s ({self.log})") from None
+        if expect is not None and proc.returncode != expect:
+            raise RuntimeError(f"exit status {proc.returncode}, expected {expect}: {self.tail()} ({self.log})")
         return proc
 
-    def wait_all(self, timeout: int = 600):
-        """Wait for every command started with wait=False (they ran side by side)."""
-        pending, self.pending = self.pending, []
-        t0 = time.time()
-        for proc in pending:
-            self._wait(proc, max(1, int(timeout - (time.time() - t0))))
+    def tail(self) -> str:
+        # The log's last line: the error a command ended with, or pytest's summary.
+        lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+        return lines[-1][-300:] if lines else ""
 
-    def train(self, name: str, args: list[str], **kw):
-        return self.sh(name, [sys.executable, "train.py", *args, *self.common], **kw)
+    def train(self, run: str, *overrides, **kw) -> subprocess.Popen:
+        """train.py (through RUN) into <out>/runs/<run>."""
+        return self.sh(PY, "-c", RUN, "train.py", *overrides, *self.common, f"run_dir={self.runs / run}", **kw)
 
-    def torchrun(self, name: str, n: int, script: Path, args: list[str], **kw):
-        """`script args` on n processes of this node, each through the probe."""
-        return self.sh(name, [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                              str(PROBE), str(script), *args], **kw)
+    def ckpt(self, run: str) -> Path:
+        return self.runs / run / "ckpt/last.pt"
 
-    def run(self, name: str, fn):
-        """One check: PASS / SKIP / FAIL, seconds, what it measured and what its processes used."""
-        t0, self.check = time.time(), re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    def run(self, name: str, fn) -> None:
+        """One check: its line, and (unless skipped) its result for the record."""
+        t0, self.log = time.time(), self.out / f"{name}.log"
         try:
-            what = fn()
-            used = self.probe()[0]
-            skip = isinstance(what, str) and what.startswith("SKIP")
-            print(f"{'SKIP' if skip else 'PASS'} {name:<34} {time.time() - t0:6.1f} s  "
-                  f"{what[6:] if skip else what}" + ("" if skip else f" [{used}]"), flush=True)
-            return None if skip else True
+            status, what = "PASS", fn(self)
+            if what.startswith("SKIP: "):
+                status, what = "SKIP", what[6:]
         except Exception as e:  # a failed check is reported, the others still run
-            self.failed.append(name)
-            print(f"FAIL {name:<34} {time.time() - t0:6.1f} s  {type(e).__name__}: {e}", flush=True)
-            with open(self.out / f"{name}.log", "a") as log:
+            status, what = "FAIL", f"{type(e).__name__}: {e}"
+            with open(self.log, "a") as log:
                 traceback.print_exc(file=log)
-            return False
-        finally:
-            for proc in self.pending:  # a check that raised leaves none running
-                proc.kill()
-            self.pending = []
+        # What its commands used, over all of them: RUN's peak lines and torch's log lines.
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        peak = max(map(float, PEAK.findall(text)), default=None)
+        breaks, recompiles = text.count("[__graph_breaks] Graph break"), text.count("[__recompiles] Recompiling")
+        used = (f"peak {peak:.1f} GiB, " if peak else "") + f"{breaks} graph breaks, {recompiles} recompiles"
+        print(f"{status} {name:<14}{time.time() - t0:5.0f} s  {what}" + (f" [{used}]" if status != "SKIP" else ""),
+              flush=True)
+        if status != "SKIP":
+            self.results[name] = {"result": status, "measured": what, "used": used}
 
 
-def tail(path: Path, n: int = 1) -> str:
-    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    return " | ".join(lines[-n:])[-300:]
+def metrics(run_dir: Path, split: str = "train") -> pd.DataFrame:
+    """A run's metrics.jsonl records of one split."""
+    df = pd.read_json(run_dir / "metrics.jsonl", lines=True)
+    return df[df.split == split].reset_index(drop=True)
 
 
-def records(run_dir: Path, split: str = "train") -> list[dict]:
-    from train.logger import logged
-
-    return logged(run_dir, split)
-
-
-def step_ms(run_dir: Path) -> str:
-    """Median step time of the logged steps after the first two (compilation, warm-up)."""
-    times = [r["step_ms"] for r in records(run_dir)[2:]]
-    return f"{statistics.median(times):.1f} ms/step" if times else "n/a ms/step"
+def bpe(c: Check, source: str, vocab: int) -> Path:
+    """Token shards of a built-in text (python prepare.py), once per --out."""
+    out = c.data / f"{source}_bpe_{vocab}"  # shared: the tiny experiments serve three checks
+    if not (out / "meta.json").exists():
+        c.sh(PY, "prepare.py", f"source={source}", f"vocab_size={vocab}", f"out={out}", "progress=false", timeout=900)
+    return out
 
 
-def stop_and_resume(c: Check, name: str, args: list[str], steps: int, batch: int) -> str:
-    """Train `steps` steps in two invocations (stop at half, resume); check the resume."""
-    run_dir = c.out / "runs" / name
-    args = [*args, f"run_dir={run_dir}", f"trainer.max_steps={steps}", f"trainer.global_batch_size={batch}"]
-    c.train(name, [*args, f"trainer.stop_after={steps // 2}"])
-    c.train(name, args)
-    if f"resumed at step {steps // 2}" not in (c.out / f"{name}.log").read_text():
+def stop_and_resume(c: Check, run: str, overrides: list[str], steps: int, batch: int) -> str:
+    """`steps` steps in two invocations (stopped at half, then resumed); the resume is checked."""
+    over = [*overrides, f"trainer.max_steps={steps}", f"trainer.global_batch_size={batch}"]
+    c.train(run, *over, f"trainer.stop_after={steps // 2}")
+    c.train(run, *over)  # the same run folder: it resumes from last.pt
+    if f"resumed at step {steps // 2}" not in c.log.read_text():
         raise RuntimeError(f"the second invocation did not resume at step {steps // 2}")
-    logged = [r["step"] for r in records(run_dir)]
-    if logged != list(range(1, steps + 1)):
+    if (logged := metrics(c.runs / run).step.tolist()) != list(range(1, steps + 1)):
         raise RuntimeError(f"expected steps 1..{steps} in metrics.jsonl, got {logged}")
-    val = records(run_dir, "val")
-    metric = ", ".join(f"{k}={v:.3f}" for k, v in val[-1].items() if k.startswith("val_")) if val else "no eval"
-    return f"stop@{steps // 2} + resume -> {steps}; {metric}; {step_ms(run_dir)}"
+    val = metrics(c.runs / run, "val").tail(1).filter(like="val_").dropna(axis=1)  # none: the run logs no eval
+    got = "".join(f"{k}={v:.3f}, " for k, v in val.iloc[0].items()) if len(val) else ""
+    # The median step time after compilation and warm-up (the first two steps).
+    return f"stop@{steps // 2} + resume -> {steps}; {got}{metrics(c.runs / run).step_ms[2:].median():.0f} ms/step"
 
 
-def preemption(c: Check, gpt: str) -> str:
-    """SIGUSR1 part-way: last.pt, the requeue status, then the same command finishes the run."""
-    from train.signals import EXIT_REQUEUE
+def tiny(c: Check) -> dict[str, list[str]]:
+    """The paper's experiments shrunk to seconds and made deterministic (no drop-path, Mixup or
+    CutMix), so that eager and compiled runs, or 1 and 2 processes, compare step by step."""
+    # The paper's per-GPU micro batches are larger than these global batches: micro_batch_size=null.
+    images = [f"data.root={c.data / 'imagenet'}", "data.img_size=64", "model.drop_path_rate=0.0",
+              "trainer.global_batch_size=16", "trainer.num_workers=2", "trainer.max_steps=4"]
+    return {"deit3_in1k_author": ["experiment=deit3_in1k_author", "model=vitb_12L", "model.depth=2", *images,
+                                  "trainer.micro_batch_size=null", "trainer.mixup=0.0", "trainer.cutmix=0.0",
+                                  "trainer.eval_every=100"],
+            "gpt_d20": ["experiment=gpt_d20", "model=gpt_d2_1L", f"data.root={bpe(c, 'pydoc', 512)}",
+                        "data.vocab_size=512", "data.seq_len=128", "data.val_tokens=8192",
+                        "trainer.global_batch_size=8", "trainer.max_steps=4", "trainer.micro_batch_size=null",
+                        "trainer.sample_prompts=[]", "trainer.eval_every=100"],
+            "dino_in1k": ["experiment=dino_in1k", "model=vits_5L", "model.depth=1", "model.embed_dim=96", *images,
+                          "trainer.multicrop.local_size=32", "trainer.multicrop.local_crops=2",
+                          "trainer.head.out_dim=256"]}
 
-    run_dir, steps = c.out / "runs" / "preempt", 60
-    args = ["experiment=gpt_pydoc", f"model={gpt}", f"run_dir={run_dir}", f"trainer.max_steps={steps}",
-            "trainer.eval_every=1000", "trainer.ckpt_every=1000", "trainer.num_workers=2"]
-    proc = c.train("preempt", args, wait=False)
-    t0 = time.time()
-    while not (run_dir / "metrics.jsonl").exists() or len(records(run_dir)) < 3:
+
+def same_losses(c: Check, pairs: dict[str, tuple[Path, Path]]) -> str:
+    """The largest relative gap between the logged losses of each pair of runs; raises past rounding."""
+    gaps = {}
+    for name, (a, b) in pairs.items():
+        x, y = metrics(a).loss, metrics(b).loss
+        gaps[name] = ((x - y).abs() / x.abs()).max() if len(x) == len(y) else float("inf")
+    if max(gaps.values()) > (2e-2 if c.cuda else 1e-4):  # CUDA: bf16 autocast
+        raise RuntimeError(f"losses differ: {gaps}")
+    return ", ".join(f"{k} {v:.1e}" for k, v in gaps.items())
+
+
+def compiled(c: Check) -> str:
+    """Each tiny paper experiment eager and compiled, side by side: the same losses, no graph break."""
+    if not c.args.compile:
+        return "SKIP: --no-compile"
+    # Side by side: compilation is mostly one core's work. trainer.compile=true is auto's choice on CUDA.
+    procs = [c.train(f"{name}_{mode}", *over, f"trainer.compile={str(mode == 'compiled').lower()}", wait=False)
+             for name, over in tiny(c).items() for mode in ("eager", "compiled")]
+    for proc in procs:
+        c.wait(proc, timeout=900)
+    if "[__graph_breaks] Graph break" in c.log.read_text():
+        raise RuntimeError(f"graph breaks in the compiled runs ({c.log})")
+    pairs = {name: (c.runs / f"{name}_eager", c.runs / f"{name}_compiled") for name in tiny(c)}
+    return "largest relative loss gap eager vs compiled: " + same_losses(c, pairs)
+
+
+def ranks(c: Check) -> str:
+    """torchrun of 2 processes (NCCL; gloo on the CPU) over the tiny experiments, stopped half-way and
+    resumed (tests/ddp_ranks.py): every parameter and buffer of the whole trained module bitwise the
+    same on both ranks after set-up, the stop, the resume and the end; the losses of 1 process."""
+    if c.cuda and torch.cuda.device_count() < 2:
+        return f"SKIP: {torch.cuda.device_count()} GPU on this node (a node with 2+ runs 2 ranks)"
+    out = c.runs / "ranks"
+    # One line per run (label, config, overrides); ddp_ranks.py resumes each after its stop itself.
+    lines = "\n".join(" ".join([name, "config", *over, *c.common, "trainer.stop_after=2"])
+                      for name, over in tiny(c).items())
+    c.sh(PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", ROOT / "tests/ddp_ranks.py",
+         out, lines, timeout=900)
+    if differ := differing(json.loads(out.read_text())):
+        raise RuntimeError(f"the ranks' tensors differ: {differ}")
+    for name, over in tiny(c).items():  # the same global batch on one process
+        c.train(f"{name}_one", *over)
+    gaps = same_losses(c, {name: (c.runs / f"{name}_one", Path(f"{out}.{name}")) for name in tiny(c)})
+    return f"2 ranks hold one model after set-up, stop, resume and end; loss gap to 1 process: {gaps}"
+
+
+def differing(result: dict) -> list[str]:
+    """'<run> <phase>: <tensors>' wherever a rank's tensors are not rank 0's (tests/ddp_ranks.py's
+    result: run -> phases -> one fingerprint {tensor: sha1 of its bytes} per rank)."""
+    out = []
+    for name, res in result.items():
+        for phase, prints in res["phases"].items():
+            # A tensor only one rank holds differs too (get: None on the other).
+            if bad := sorted(k for k in set().union(*prints) if any(p.get(k) != prints[0].get(k) for p in prints)):
+                out.append(f"{name} {phase}: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
+    return out
+
+
+def preemption(c: Check) -> str:
+    """SIGUSR1 part-way: last.pt and the requeue status 75, then the same command finishes the run."""
+    over = ["experiment=gpt_pydoc", f"model={c.gpt}", "trainer.max_steps=60", "trainer.eval_every=1000",
+            "trainer.ckpt_every=1000", "trainer.num_workers=2"]
+    proc, t0, log = c.train("preempt", *over, wait=False), time.time(), c.runs / "preempt/metrics.jsonl"
+    # Signalled once 3 steps are logged: inside the loop, past set-up and compilation.
+    while not log.exists() or log.read_text().count("\n") < 3:
         if proc.poll() is not None or time.time() - t0 > 300:
             proc.kill()
-            raise RuntimeError(f"no step 3 logged (status {proc.poll()}): {tail(c.out / 'preempt.log')}")
+            raise RuntimeError(f"no step 3 logged (status {proc.poll()})")
         time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)
-    code = proc.wait(timeout=120)
-    if code != EXIT_REQUEUE:
-        raise RuntimeError(f"exit status {code}, expected {EXIT_REQUEUE}: {tail(c.out / 'preempt.log')}")
-    from laplace.checkpoint import load_checkpoint
-
-    stopped = load_checkpoint(run_dir / "ckpt/last.pt")["loop"]["step"]
-    c.train("preempt", args)
-    done = [r["step"] for r in records(run_dir)]
-    if done != list(range(1, steps + 1)):
-        raise RuntimeError(f"after the requeue, steps logged were {done[:5]}...{done[-3:]}")
-    return f"signal at step ~3 -> saved step {stopped}, status {code}; requeued run finished {steps} steps"
+    c.wait(proc, expect=75)  # train.signals.EXIT_REQUEUE
+    stopped = torch.load(c.ckpt("preempt"), map_location="cpu", weights_only=True)["loop"]["step"]
+    c.train("preempt", *over)  # what a requeued job runs: the same command
+    if metrics(c.runs / "preempt").step.tolist() != list(range(1, 61)):
+        raise RuntimeError("the requeued run did not log steps 1..60 once each")
+    return f"signal at step ~3 -> saved step {stopped}, status 75; the same command finished 60 steps"
 
 
-def crash(c: Check, vit) -> str:
-    """A bug in train_step with data workers (and compile) on: non-zero within seconds."""
-    run_dir = c.out / "runs" / "crash"
-    env = dict(c.env, CRASH_AT_STEP="3")
-    c.train("crash", ["trainer.name=toy_trainers:Crashing", "model=vitt_0L", *vit, f"run_dir={run_dir}",
-                      "trainer.num_workers=8", "trainer.max_steps=50", "trainer.global_batch_size=32"],
-            expect=1, env=env, timeout=300)
-    delay = time.time() - float((run_dir / "crash_time").read_text())
-    if delay > 10:
-        raise RuntimeError(f"exited {delay:.1f} s after the crash")
-    if "ValueError: injected bug inside train_step" not in tail(c.out / "crash.log", 3):
-        raise RuntimeError("the traceback of the bug is missing")
-    return f"status 1, {delay:.1f} s after the exception, traceback kept"
-
-
-def analysis(c: Check, device: str) -> str:
+def d20(c: Check) -> str:
+    """experiment=gpt_d20 as the paper runs it (micro batch 32 x 2048 tokens, 65,536-token BPE, bf16,
+    compiled) for 3 steps in an 80 GB card's 79.6 GiB, without and with model.grad_checkpointing:
+    CUDA peak, tokens/s, MFU. One GPU: DDP's gradient buckets (~2.2 GB more) are not in it."""
+    vocab, size = (1024, ["model=gpt_d2_1L", "data.seq_len=128", "trainer.global_batch_size=8",
+                          "trainer.micro_batch_size=4"]) if c.args.tiny else (65536, ["model=gpt_d20_5L"])
     out = []
-    for name, extra in (("deit3_in1k", ["pca_maps=4"]), ("gpt_pydoc", [])):
-        ckpt = c.out / "runs" / name / "ckpt/last.pt"
-        c.sh("analysis", [sys.executable, "-m", "analysis", f"checkpoint={ckpt}", f"device={device}",
-                          "max_tokens=20000", "progress=false", *extra], timeout=600)
-        res = json.loads((ckpt.parent / "last_analysis" / "analysis.json").read_text())
-        thr = res["throughput"]
-        out.append(f"{name}: {res['n_tokens']:,} tokens at {thr['tokens_per_s']:,.0f}/s on {thr['device']}")
+    for gc in ("false", "true"):
+        # CAP_GIB: RUN caps the process at what an 80 GB card's allocator can hand out.
+        start = len(c.log.read_text()) if c.log.exists() else 0
+        proc = c.train(f"d20_gc_{gc}", "experiment=gpt_d20", *size, f"data.root={bpe(c, 'stdlib', vocab)}",
+                       f"data.vocab_size={vocab}", "data.val_tokens=524288", "trainer.max_steps=3",
+                       f"model.grad_checkpointing={gc}", expect=None, timeout=1200, CAP_GIB="79.6")
+        text = c.log.read_text()[start:]  # this run's part of the log
+        if "OutOfMemoryError" in text:
+            out.append(f"grad_checkpointing={gc}: out of memory")
+            continue
+        c.wait(proc)  # any other failure raises
+        m, peak = metrics(c.runs / f"d20_gc_{gc}").iloc[-1], PEAK.findall(text)  # the last step: warm
+        out.append(f"grad_checkpointing={gc}: peak {peak[-1] + ' GiB' if peak else 'n/a (no CUDA)'}, "
+                   f"{m.tok_per_s:,.0f} tokens/s, MFU {m.get('mfu', float('nan')):.1%}")
+    if out[0].endswith("out of memory"):  # the shipped setting must fit
+        raise RuntimeError("; ".join(out) + ": set model.grad_checkpointing=true or trainer.micro_batch_size=16")
     return "; ".join(out)
 
 
-def gpt_pipeline(c: Check, data: Path, gpt: str, device: str) -> str:
-    """Built-in text -> BPE + shards -> Muon pre-training (stop + resume) -> SFT -> chat sampling."""
-    shards = data / "pydoc_bpe"
-    c.sh("gpt_tiny", [sys.executable, "prepare.py", "source=pydoc", "vocab_size=4096",
-                      f"out={shards}", "progress=false"], timeout=300)
-    pre = stop_and_resume(c, "gpt_tiny", ["experiment=gpt_tiny", f"model={gpt}", f"data.root={shards}",
-                                          "trainer.eval_every=3"], 6, 16)
-    sft_dir = c.out / "runs" / "gpt_tiny_sft"
-    c.train("gpt_tiny_sft", ["experiment=gpt_tiny_sft", f"model={gpt}", f"run_dir={sft_dir}", "trainer.max_steps=3",
-                             f"trainer.init_from={c.out / 'runs' / 'gpt_tiny' / 'ckpt/last.pt'}"])
-    c.sh("generate", [sys.executable, "-m", "eval.generate", f"checkpoint={sft_dir / 'ckpt/last.pt'}", "chat=true",
-                      "prompt=What is a class", "max_new_tokens=16", f"device={device}"], timeout=300)
-    return f"pre-training {pre}; SFT 3 steps, val_loss={records(sft_dir, 'val')[-1]['val_loss']:.3f}; chat sampled"
+def throughput(c: Check, experiment: str, *extra: str) -> str:
+    """Ten steps of `experiment` per GPU as the paper runs it (bf16, compiled as shipped), then the
+    same feed into a 1-block model, whose step costs next to nothing: its images/s is the data
+    loader's (8 workers). A loader slower than the real step bounds the run."""
+    folder = c.data / "imagenet_320px"  # ImageNet-sized JPEGs; 1,024: ten steps within an epoch
+    if not folder.exists():
+        fakedata.write_imagenet_folder(folder, n_classes=4, per_class=16 if c.args.tiny else 256,
+                                       size=64 if c.args.tiny else 320)
+    dino = experiment == "dino_in1k"
+    over = [f"experiment={experiment}", f"data.root={folder}", "trainer.max_steps=10", "trainer.eval_every=1000",
+            "model=vits_5L" if dino else "model=vitb_12L", *extra]
+    if c.args.tiny:
+        over += ["model.embed_dim=96", "data.img_size=64", "trainer.global_batch_size=16", "trainer.num_workers=2",
+                 "trainer.multicrop.local_size=32" if dino else "trainer.micro_batch_size=null"]
+    else:  # per GPU as the paper runs them: DINO 64, DeiT-III 256
+        over += [f"trainer.global_batch_size={64 if dino else 256}", "trainer.num_workers=8"]
+    rates = {}
+    # The loader run keeps the feed (crops, workers, batch) and shrinks the model, and DINO's head.
+    for run, model in (("model", []), ("loader", ["model.depth=1", *(["trainer.head.out_dim=1024"] if dino else [])])):
+        c.train(f"{c.log.stem}_{run}", *over, *model, timeout=900)
+        rates[run] = metrics(c.runs / f"{c.log.stem}_{run}")[2:]  # after compilation and warm-up
+    gpu, loader = (rates[r].img_per_s.median() for r in ("model", "loader"))
+    # Within 10% of the step's rate, the loader is what bounds the run.
+    return (f"{gpu:,.0f} img/s training ({rates['model'].step_ms.median():.0f} ms/step), {loader:,.0f} img/s "
+            f"into a 1-block model ({'loader-bound' if loader < 1.1 * gpu else 'the step bounds it'})")
 
 
-def stdlib_parquet(folder: Path, files: int = 4) -> Path:
-    """Python's standard-library sources (laplace.data.text.stdlib_texts, site-packages left out) as
-    parquet files with a `text` column (FineWeb-Edu's layout; the last file is validation): real
-    text found on every machine, enough for a 65,536-token BPE (~31 M characters; the BPE reaches
-    its full vocabulary on the training files' capped documents in ~2 s on one core)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from laplace.data.text import stdlib_texts
-
-    texts = stdlib_texts()
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(files):
-        pq.write_table(pa.table({"text": texts[i::files]}), folder / f"shard_{i:05d}.parquet")
-    return folder
+def deit3(c: Check) -> str:
+    """DeiT-III on ImageNet's folder layout, then fine-tuning at another size from its checkpoint."""
+    imagenet = [*c.vit, f"trainer.num_workers={c.workers}", f"data.root={c.data / 'imagenet'}", "trainer.eval_every=2"]
+    line = stop_and_resume(c, "deit3_in1k", ["experiment=deit3_in1k", *imagenet, "data.img_size=64"], 6, 32)
+    c.train("deit3_ft", "experiment=deit3_in1k_ft224", *imagenet, "data.img_size=80", "trainer.max_steps=2",
+            "trainer.global_batch_size=32", f"trainer.init_from={c.ckpt('deit3_in1k')}")
+    return line + "; fine-tuned at 80 px from its checkpoint"
 
 
-def gpt_d20(c: Check, data: Path, tiny: bool) -> str:
-    """A few steps of experiment=gpt_d20 as the paper runs it (560,988,160 parameters, 524,288
-    tokens per step, bf16, compile), on a 65,536-token BPE of Python's standard library."""
-    shards = data / "stdlib_bpe"
-    c.sh("gpt_d20", [sys.executable, "prepare.py", f"source={stdlib_parquet(data / 'stdlib')}",
-                     f"out={shards}", f"vocab_size={1024 if tiny else 65536}", "progress=false"], timeout=900)
-    run_dir = c.out / "runs" / "gpt_d20"
-    size = (["model=gpt_d2_1L", "data.vocab_size=1024", "data.seq_len=128",
-             "trainer.global_batch_size=8", "trainer.micro_batch_size=4"] if tiny else ["model=gpt_d20_5L"])
-    c.train("gpt_d20", ["experiment=gpt_d20", *size, f"data.root={shards}", f"run_dir={run_dir}", "trainer.max_steps=6",
-                        "trainer.eval_every=6", "trainer.log_every=1", "data.val_tokens=524288"], timeout=1200)
-    log = (c.out / "gpt_d20.log").read_text()
-    params = next(ln for ln in log.splitlines() if " parameters; " in ln).split("] ", 1)[1]
-    recs = records(run_dir)[2:]  # after compilation and warm-up
-    tok_s = statistics.median(r["tok_per_s"] for r in recs)
-    mfu = statistics.median(r.get("mfu", float("nan")) for r in recs)
-    mfu = f"MFU {100 * mfu:.1f}%" if math.isfinite(mfu) else "no MFU (no known GPU peak)"
-    return (f"{params}; {tok_s:,.0f} tokens/s, {mfu}, {step_ms(run_dir)}; "
-            f"val_bpb={records(run_dir, 'val')[-1]['val_bpb']:.3f}")
+def gpt(c: Check) -> str:
+    """Built-in text -> BPE and token shards -> Muon pre-training -> chat SFT -> a sampled reply."""
+    line = stop_and_resume(c, "gpt_tiny", ["experiment=gpt_tiny", f"model={c.gpt}", "trainer.eval_every=3",
+                                           f"data.root={bpe(c, 'pydoc', 4096)}"], 6, 16)
+    c.train("gpt_sft", "experiment=gpt_tiny_sft", f"model={c.gpt}", "trainer.max_steps=3",
+            f"trainer.init_from={c.ckpt('gpt_tiny')}")
+    c.sh(PY, "-m", "eval.generate", f"checkpoint={c.ckpt('gpt_sft')}", f"device={c.args.device}", "chat=true",
+         "prompt=What is a class", "max_new_tokens=16")
+    return f"pre-training {line}; SFT 3 steps; eval.generate sampled a chat reply"
 
 
-def vision_evals(c: Check, device: str, seg: bool) -> str:
-    """eval.knn + eval.linear, or eval.segmentation (trainer=seg_linear), on dino_digits' checkpoint."""
-    ckpt = c.out / "runs" / "dino_digits" / "ckpt/last.pt"
-    run = ckpt.parent.parent / "eval"
-    if seg:
-        c.sh("seg_linear", [sys.executable, "-m", "eval.segmentation", f"checkpoint={ckpt}", "eval=seg_digits_linear",
-                            "iters=4", "trainer.eval_every=4", f"trainer.device={device}", "trainer.progress=false",
-                            f"trainer.compile={str(c.args.compile).lower()}", f"paths.data_dir={c.out / 'data'}"])
-        res = json.loads(next(run.glob("seg_*/results.json")).read_text())
-        return f"4 iterations, mIoU={res['mIoU']:.2f}"
-    c.sh("knn", [sys.executable, "-m", "eval.knn", f"checkpoint={ckpt}", f"device={device}"])
-    c.sh("linear", [sys.executable, "-m", "eval.linear", f"checkpoint={ckpt}", f"device={device}", "epochs=2",
-                    "lr_grid=[0.001,0.01]"])
-    knn, lin = (json.loads((run / f"{k}_digits/results.json").read_text()) for k in ("knn", "linear"))
-    return f"20-NN {knn['knn']['top1']:.2f}, linear {lin['linear']['top1']:.2f} (digits)"
+def evals(c: Check) -> str:
+    """The DINO checkpoint's evaluations."""
+    dino, dev = f"checkpoint={c.ckpt('dino_digits')}", f"device={c.args.device}"
+    c.sh(PY, "-m", "eval.knn", dino, dev)
+    c.sh(PY, "-m", "eval.linear", dino, dev, "epochs=2", "lr_grid=[0.001,0.01]")
+    c.sh(PY, "-m", "eval.segmentation", dino, "eval=seg_digits_linear", "iters=4", "trainer.eval_every=4",
+         f"trainer.device={c.args.device}", "trainer.progress=false", f"trainer.compile={str(c.args.compile).lower()}",
+         f"paths.data_dir={c.data}")
+    return "eval.knn, eval.linear, eval.segmentation (4 iterations) on the digits"
 
 
-def lm_eval(c: Check, device: str) -> str:
-    """python -m eval.lm (the lm-eval adapter) on the SFT checkpoint, the built-in laplace_pydoc tasks."""
-    ckpt = c.out / "runs" / "gpt_tiny_sft" / "ckpt/last.pt"
-    c.sh("lm_eval", [sys.executable, "-m", "eval.lm", f"checkpoint={ckpt}", "tasks=[laplace_pydoc]",
-                     f"device={device}", "limit=8", "batch_size=4", "bootstrap_iters=0"], timeout=600)
-    res = json.loads(next((ckpt.parent.parent / "eval").glob("lm_*/results.json")).read_text())
-    return ", ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("laplace_pydoc_") and
-                     isinstance(v, float))
+def lm_eval(c: Check) -> str:
+    c.sh(PY, "-m", "eval.lm", f"checkpoint={c.ckpt('gpt_sft')}", f"device={c.args.device}", "tasks=[laplace_pydoc]",
+         "limit=8", "batch_size=4", "bootstrap_iters=0")
+    return "eval.lm (lm-eval) of the SFT checkpoint on the laplace_pydoc tasks"
 
 
-def benchmark(c: Check, args) -> str:
-    """`python -m bench` (layer, training step, loader, tokenizer, analysis accumulator), eager; its
-    records go to <out>/benchmarks; returns the ratios to k = 0 and to timm with their verdicts."""
-    out = c.out / "benchmarks"
-    cmd = [sys.executable, "-m", "bench", "--device", args.device, "--out", str(out)]
-    cmd += ["--smoke"] if args.tiny else ["--steps", "10", "--warmup", "3", "--loader-tokens", "20000000"]
-    c.sh("benchmark", cmd, timeout=900)
-    record = max(out.glob("*.json"), key=lambda p: p.stat().st_mtime)
-    rec = json.loads(record.read_text())
-    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-    met = lambda m: "n/a" if m is None else "met" if m else "NOT met"  # noqa: E731
-    lines = [f"{r['section']:<5} {r['mode']:<8} {r['num'] + ' / ' + r['den']:<34} time {fmt(r['time'])} "
-             f"({met(r['time_met'])}), memory {fmt(r['memory'])} {r['memory_basis']} "
-             f"({met(r['memory_met'])}), target <= {r['target']:.2f}" for r in rec["ratios"]]
-    return f"record {record} (+ .md)\n     " + "\n     ".join(lines)
+def analysis(c: Check) -> str:
+    for run, extra in (("deit3_in1k", ["pca_maps=4"]), ("gpt_tiny", [])):
+        c.sh(PY, "-m", "analysis", f"checkpoint={c.ckpt(run)}", f"device={c.args.device}", "max_tokens=20000",
+             "progress=false", *extra)
+    return "python -m analysis of the deit3_in1k and gpt_tiny checkpoints"
 
 
-def table_path(table: str | None, device: str) -> Path | None:
-    """Where the GPU table is written: --table if given, else README.md after a CUDA run only."""
-    if table is not None:
-        return Path(table)
-    return ROOT / "README.md" if device.startswith("cuda") else None
+def tests(c: Check) -> str:  # SDPA's flash kernel, forced, is one of them
+    c.sh(PY, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", LAPLACE_TEST_DEVICE=c.args.device)
+    return f"pytest -m cuda: {c.tail()}"
 
 
-def torch_device_name(device: str) -> str:
-    import torch
+CHECKS = {  # in this order: the evaluations and analysis read the checkpoints of the runs before them
+    "tests": tests, "compile": compiled, "ranks": ranks, "deit3": deit3, "gpt": gpt, "lm_eval": lm_eval,
+    "preempt": preemption, "dino": lambda c: stop_and_resume(c, "dino_digits", [
+        "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
+    "evals": evals, "analysis": analysis, "d20": d20,
+    "dino_in1k": lambda c: throughput(c, "dino_in1k"), "deit3_author": lambda c: throughput(c, "deit3_in1k_author"),
+    # The crops and colour work on the GPU (opt-in): the step then includes their GPU time.
+    "dino_gpu_crops": lambda c: throughput(c, "dino_in1k", "trainer.multicrop.device_augment=true"),
+    "deit3_gpu_crops": lambda c: throughput(c, "deit3_in1k", "data.device_augment=true"),
+}
 
-    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else f"{device} (dry run)"
+
+def record(c: Check, path: Path) -> None:
+    """Append this run's results to `path` (JSON lines); write the last run of each check to <path>.md."""
+    # The commit, "-dirty" when tracked files differ from it (a run of edited code).
+    rev = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=30).stdout.strip() or "unknown"
+    gpu = torch.cuda.get_device_name(c.args.device) if c.cuda else f"{c.args.device} (dry run)"
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])
+    with open(path, "a") as f:
+        for name, res in c.results.items():
+            f.write(json.dumps({"check": name, **res, "date": when, "gpu": gpu, "commit": rev,
+                                "torch": torch.__version__, "command": command}) + "\n")
+    rows = pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    last = rows.groupby("check", sort=False).last().reset_index()
+    last = last.apply(lambda col: col.astype(str).str.replace("|", "\\|"))  # a pipe would split its cell
+    path.with_suffix(".md").write_text(f"# GPU runs\n\nThe last run of each check of `bash scripts/gpu_check.sh`, "
+                                       f"written by it (every run: {path.name}).\n\n{last.to_markdown(index=False)}\n")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--tiny", action="store_true", help="smallest models (a CPU dry run)")
-    p.add_argument("--out", default=None, help="folder for logs and runs (default: a temp folder)")
-    p.add_argument("--only", nargs="*", default=None, help="run only these checks (first word of the name)")
-    p.add_argument("--table", default=None, help="file whose GPU table gets this run's rows (default: "
-                   "README.md on CUDA, none on CPU: a dry run never writes the README)")
+    p.add_argument("--tiny", action="store_true", help="the smallest sizes (a CPU dry run)")
+    p.add_argument("--out", help="folder for logs and runs (default: a temporary folder)")
+    p.add_argument("--only", nargs="*", choices=CHECKS, help="run only these checks")
+    p.add_argument("--record", help="JSON-lines file of results (default: docs/gpu_runs.jsonl, on CUDA only)")
     args = p.parse_args()
-    table = table_path(args.table, args.device)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-    rev = gpu_table.commit(ROOT)  # before the run, which may write README.md
     c = Check(args)
-    print(f"[gpu_check] device={args.device} compile={args.compile} tiny={args.tiny} out={c.out}", flush=True)
-    import fakedata
-    from test_trainer_contract import write_token_shards
-
-    data = c.out / "data"
-    fakedata.write_imagenet_folder(data / "imagenet", n_classes=4, per_class=16)
-    fakedata.write_cifar(data / "cifar", "cifar100", n_train=64, n_test=16)
-    write_token_shards(data / "shards", tokens=40000)
-    vit = ["model.depth=1", "model.embed_dim=96"] if args.tiny else ["model.depth=2"]
-    gpt = "gpt_d2_1L" if args.tiny else "gpt_d12_6L"
-    workers = f"trainer.num_workers={2 if args.tiny else 8}"
-    in1k_ckpt = c.out / "runs" / "deit3_in1k" / "ckpt/last.pt"
-
-    def probe():
-        code = ("import torch; d = torch.device(%r); print('torch', torch.__version__, d, "
-                "torch.cuda.get_device_name(d) if d.type == 'cuda' else 'cpu', "
-                "'bf16' if d.type != 'cuda' or torch.cuda.is_bf16_supported() else 'no-bf16')" % args.device)
-        c.sh("probe", [sys.executable, "-c", code], timeout=120)
-        return tail(c.out / "probe.log")
-
-    def tests(select: str):
-        name = "flash" if "flash" in select else "tests"
-        c.sh(name, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-k", select],
-             env=dict(c.env, LAPLACE_TEST_DEVICE=args.device), timeout=600)
-        return tail(c.out / f"{name}.log")
-
-    import torch
-
-    gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
-    checks = {
-        "probe": probe,
-        "tests -m cuda": lambda: tests("not flash_kernel"),
-        "flash attention (SDPA's flash kernel forced)": lambda: tests("flash_kernel"),
-        "compile: eager = compiled": lambda: gpu_cluster.compile_equality(c, data),
-        "ranks: 2 processes, one model": lambda: gpu_cluster.ranks(c, data, gpus),
-        "deit3_in1k": lambda: stop_and_resume(c, "deit3_in1k", [
-            "experiment=deit3_in1k", "model=vitb_12L", *vit, f"data.root={data / 'imagenet'}",
-            "data.img_size=64", "trainer.eval_every=2", workers], 6, 32),
-        "deit3_in1k_ft224 (init_from a CUDA run)": lambda: stop_and_resume(c, "deit3_in1k_ft224", [
-            "experiment=deit3_in1k_ft224", "model=vitb_12L", *vit, f"data.root={data / 'imagenet'}",
-            "data.img_size=80", f"trainer.init_from={in1k_ckpt}", "trainer.eval_every=2", workers], 4, 32),
-        "deit3_cifar100": lambda: stop_and_resume(c, "deit3_cifar100", [
-            "experiment=deit3_cifar100", "model=vits_5L", *vit, f"data.root={data / 'cifar'}",
-            "trainer.eval_every=2", workers], 4, 32),
-        "gpt_pydoc": lambda: stop_and_resume(c, "gpt_pydoc", [
-            "experiment=gpt_pydoc", f"model={gpt}", "trainer.eval_every=3", "trainer.num_workers=2"], 6, 32),
-        "toy: 2 optimizers + EMA teacher": lambda: stop_and_resume(c, "ema_toy", [
-            "trainer.name=toy_trainers:EMAToy", "model=vitt_1L", *vit, "trainer.eval_every=2",
-            "+optim.schedules.weight_decay={value:0.05,warmup:null,start:null,warmdown:null,end:0.2,shape:cosine}",
-            "trainer.schedules={ema_momentum:{value:0.9,warmup:null,start:null,warmdown:null,end:0.99,shape:linear}}", workers], 4, 32),
-        "toy: streamed token shards": lambda: stop_and_resume(c, "stream_toy", [
-            "trainer.name=toy_trainers:StreamLM", "trainer=gpt", "data=pydoc_text", f"model={gpt}",
-            f"+data.root={data / 'shards'}", "data.seq_len=128", "trainer.num_workers=0"], 6, 16),
-        "gpt pipeline: BPE, Muon, SFT, chat": lambda: gpt_pipeline(c, data, gpt, args.device),
-        "gpt_d20: paper-size steps": lambda: gpt_d20(c, data, args.tiny),
-        "gpt_d20_memory: micro batch 32 in 80 GB": lambda: gpu_cluster.gpt_d20_memory(c, args),
-        "dino_digits": lambda: stop_and_resume(c, "dino_digits", [
-            "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
-        "dino_in1k: paper-size steps": lambda: gpu_cluster.paper_images(c, "dino_in1k", data),
-        "deit3: paper-size steps": lambda: gpu_cluster.paper_images(c, "deit3_in1k_author", data),
-        "dino_in1k, crops on the GPU": lambda: gpu_cluster.paper_images(c, "dino_in1k", data,
-                                                                        "trainer.multicrop.device_augment"),
-        "deit3_in1k 3-Augment, crops on the GPU": lambda: gpu_cluster.paper_images(c, "deit3_in1k", data,
-                                                                                   "data.device_augment"),
-        "knn + linear": lambda: vision_evals(c, args.device, seg=False),
-        "seg_linear": lambda: vision_evals(c, args.device, seg=True),
-        "lm-eval: laplace_pydoc": lambda: lm_eval(c, args.device),
-        "preemption (SIGUSR1)": lambda: preemption(c, gpt),
-        "crash exits fast": lambda: crash(c, vit),
-        "analysis of CUDA checkpoints": lambda: analysis(c, args.device),
-        "benchmark": lambda: benchmark(c, args),
-    }
-    unknown = {n for names in gpu_table.ROWS.values() for n in names} - set(checks)
-    if unknown:  # a renamed check would leave its README row at "never" for ever
-        raise SystemExit(f"scripts/gpu_table.py ROWS names checks gpu_check lacks: {sorted(unknown)}")
-    ran = {}
-    for name, fn in checks.items():
-        if args.only is None or name.split()[0].rstrip(":") in args.only:
-            if (result := c.run(name, fn)) is not None:  # None: skipped
-                ran[name] = result
-    if table is not None:
-        gpu = torch_device_name(args.device)
-        command = " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])
-        atomic_write(table, gpu_table.update(table.read_text(), ran, when, gpu, rev, command).encode())
-        print(f"[gpu_check] {table}: the GPU table's rows of these checks rewritten", flush=True)
-    print(f"[gpu_check] {len(ran) - len(c.failed)}/{len(ran)} passed" +
-          (f"; FAILED: {', '.join(c.failed)}" if c.failed else ""), flush=True)
-    sys.exit(1 if c.failed else 0)
+    # ImageNet's folder layout with real JPEGs (4 classes): the image runs read it like the real one.
+    fakedata.write_imagenet_folder(c.data / "imagenet", n_classes=4, per_class=16)
+    print(f"[gpu_check] torch {torch.__version__}, {args.device}{' ' + torch.cuda.get_device_name() if c.cuda else ''}"
+          f", compile={args.compile}, out={c.out}", flush=True)
+    for name, fn in CHECKS.items():
+        if args.only is None or name in args.only:
+            c.run(name, fn)
+    failed = [n for n, r in c.results.items() if r["result"] == "FAIL"]
+    # A dry run must not look like a GPU run in docs/: only CUDA records by default.
+    if path := args.record or (ROOT / "docs" / "gpu_runs.jsonl" if c.cuda else None):
+        record(c, Path(path))
+        print(f"[gpu_check] results appended to {path}; the last run of each check: {Path(path).with_suffix('.md')}")
+    print(f"[gpu_check] {len(c.results) - len(failed)}/{len(c.results)} passed" +
+          (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

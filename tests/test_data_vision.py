@@ -192,7 +192,7 @@ def test_timm_augment_is_timms_train_transform(tmp_path):
     """data.augment=timm (experiment=deit3_in1k_author) is timm's create_transform as timm's
     train.py calls it with the first author's flags (--aa 3a --color-jitter 0.3, random
     interpolation, no erasing): the same pixels from the same seeds. The evaluation transform at
-    crop 0.875 is timm's too. scripts/check_author_fork.py checks both against the fork's timm."""
+    crop 0.875 is timm's too. tests/test_author_fork.py checks both against the fork's timm."""
     from omegaconf import OmegaConf
     from timm.data import create_transform
 

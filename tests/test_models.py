@@ -114,7 +114,7 @@ def test_qk_norm_vit_matches_timm_with_linear_drop_path():
     """The first author's models (timm fork e9c80e5): timm's ViT with qk_norm=True, drop-path rising
     linearly over depth. Ours with qk_norm=True, drop_path_schedule="linear" gives timm's logits in
     eval mode and, from the same seed, in train mode (the same drop-path draws, block by block).
-    The fork's Laplacian variants are checked beside its own code by scripts/check_author_fork.py."""
+    The fork's Laplacian variants are checked beside its own code by tests/test_author_fork.py."""
     torch.manual_seed(0)
     arch = dict(img_size=64, num_classes=10, depth=3, drop_path_rate=0.3)
     theirs = timm.models.VisionTransformer(patch_size=16, embed_dim=192, num_heads=3, no_embed_class=True,

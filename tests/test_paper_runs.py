@@ -1,6 +1,6 @@
-"""scripts/paper_runs.py (bash slurm/paper.sh): the paper's runs, their H200-hours and a dry-run
-submission of a subset. Costs are composed from the real experiment configs and counted on fake
-tensors (no memory)."""
+"""scripts/paper_runs.py (bash slurm/paper.sh): the paper's runs (a DataFrame), their H200-hours and
+a dry-run submission of a subset. Costs are composed from the real experiment configs and counted on
+fake tensors (no memory)."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from test_slurm_cluster import sbatch_words, site_env
@@ -25,15 +26,15 @@ def test_every_run_listed_with_positive_hours_proportional_to_steps():
     runs = paper_runs.runs()
     # the author's ViT-B (7 k x 3 seeds) and ViT-L (5 x 3) sweeps; GPT k = 0..10 x pre / mid / SFT;
     # DINO k = 0..6 x pre-training, k-NN, linear, ADE20K
-    assert Counter(r.sweep.name for r in runs) == {"deit3_vitb": 21, "deit3_vitl": 15, "gpt_d20": 33, "dino": 28}
-    assert Counter((r.sweep.name, r.stage) for r in runs)[("dino", "seg")] == 7
-    assert sorted({r.k for r in runs if r.sweep.name == "deit3_vitb"}) == [0, 1, 3, 6, 9, 11, 12]
-    assert all(r.gpu_hours > 0 and r.steps > 0 and r.flops_per_step > 0 for r in runs)
-    vitb = next(r for r in runs if r.sweep.name == "deit3_vitb")
+    assert Counter(runs.sweep) == {"deit3_vitb": 21, "deit3_vitl": 15, "gpt_d20": 33, "dino": 28}
+    assert Counter(zip(runs.sweep, runs.stage))[("dino", "seg")] == 7
+    assert sorted(set(runs.k[runs.sweep == "deit3_vitb"])) == [0, 1, 3, 6, 9, 11, 12]
+    assert (runs.gpu_hours > 0).all() and (runs.steps > 0).all() and (runs.flops_per_step > 0).all()
+    vitb = runs[runs.sweep == "deit3_vitb"].iloc[0]
     assert vitb.steps == 400 * 625  # 400 epochs of 1,281,167 images at 2,048 a step
     # ~77 GFLOPs per image at 192 px (3 x 25.6 forward), x 2,048 a step
     assert vitb.flops_per_step / 2048 == pytest.approx(76.6e9, rel=0.01)
-    vitl = next(r for r in runs if r.sweep.name == "deit3_vitl")
+    vitl = runs[runs.sweep == "deit3_vitl"].iloc[0]
     assert 3 < vitl.gpu_hours / vitb.gpu_hours < 4  # ViT-L: ~3.5x ViT-B's compute
     rates = paper_runs.rates()
     assert 0.1 < rates["vit"] / rates["peak"] < 0.5 and 0.1 < rates["gpt"] / rates["peak"] < 0.5
@@ -41,7 +42,7 @@ def test_every_run_listed_with_positive_hours_proportional_to_steps():
     for only, double in [("sweep=deit3_vitb,k=0,seed=0", "trainer.epochs=800"),
                          ("sweep=gpt_d20,k=5,stage=train", "trainer.max_steps=42800"),
                          ("sweep=dino,k=5,stage=train", "trainer.epochs=200")]:
-        (one,), (two,) = paper_runs.runs([only]), paper_runs.runs([only], [double])
+        [one], [two] = paper_runs.runs([only]).itertuples(), paper_runs.runs([only], [double]).itertuples()
         assert two.steps == 2 * one.steps and two.flops_per_step == one.flops_per_step
         assert two.gpu_hours == pytest.approx(2 * one.gpu_hours, rel=1e-12)
     # the cost is counted once per sweep and stage: the Laplacian heads add no counted FLOPs
@@ -52,13 +53,14 @@ def test_every_run_listed_with_positive_hours_proportional_to_steps():
 def test_filters_select_unions_and_refuse_unknown_keys():
     from laplace.errors import ConfigError
 
-    sel = [r for r in paper_runs.SWEEPS if r.name == "deit3_vitb"]
-    assert sel and sel[0].seeds == (0, 1, 2)
-    matcher = paper_runs._matcher("sweep=dino,k=0,k=5")
-    dino = paper_runs.Run(paper_runs.SWEEPS[3], "knn", 5, 0)
-    assert matcher(dino.fields()) and not matcher(paper_runs.Run(paper_runs.SWEEPS[3], "knn", 4, 0).fields())
+    assert paper_runs.SWEEPS["deit3_vitb"][3] == (0, 1, 2)  # seeds
+    df = pd.DataFrame([dict(sweep="dino", experiment="eval.knn", model=f"vits_{k}L", k=k, seed=0, stage="knn")
+                       for k in (4, 5)] + [dict(sweep="gpt_d20", experiment="gpt_d20", model="gpt_d20_5L", k=5,
+                                                seed=0, stage="train")])
+    assert paper_runs.select(df, "sweep=dino,k=0,k=5").tolist() == [False, True, False]
+    assert paper_runs.select(df, "k=5").tolist() == [False, True, True]
     with pytest.raises(ConfigError, match="'foo=1' is no KEY=VALUE"):
-        paper_runs._matcher("foo=1")
+        paper_runs.select(df, "foo=1")
 
 
 @pytest.mark.slow
@@ -68,11 +70,14 @@ def test_dry_run_submits_a_subset_through_sweep_and_chain_scripts(tmp_path):
                            "--only", "sweep=dino,k=5", "--submit", "--", "data.root=/d"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {tuple(c.strip() for c in ln.split("|")[1:3]): ln for ln in proc.stdout.splitlines() if ln.startswith("| ")}
-    assert "| 2 | 250,000 |" in rows[("deit3_vitb", "train")] and "| 1 | 250,200 |" in rows[("dino", "train")]
-    assert set(rows) >= {("dino", s) for s in ("train", "knn", "linear", "seg")}
-    total = float(re.search(r"\*\*([\d,.]+)\*\*", rows[("**total**", "")]).group(1).replace(",", ""))
-    assert total > 0 and "| 6 |" in rows[("**total**", "")]
+    # The Markdown table: sweep, stage, experiment, k, seeds, runs, unit, steps per run, ...
+    rows = {tuple(c[:2]): c for c in ([c.strip() for c in ln.split("|")[1:-1]] for ln in proc.stdout.splitlines()
+                                      if ln.startswith("| ") and not ln.startswith("| sweep"))}
+    assert rows["deit3_vitb", "train"][5:8] == ["2", "step", "250,000"]
+    assert rows["dino", "train"][5:8] == ["1", "step", "250,200"]
+    assert set(rows) == {("deit3_vitb", "train")} | {("dino", s) for s in ("train", "knn", "linear", "seg")}
+    total = re.search(r"^Total: 6 runs, ([\d,]+) H200-hours", proc.stdout, re.M)
+    assert total and int(total.group(1).replace(",", "")) > 0
     assert re.findall(r"^\$ (.*)$", proc.stderr, re.M) == [
         "bash slurm/sweep.sh --models vitb_0L --seeds 0,2 --ntasks-per-node=4 --gpus-per-node=4 --time=03:00:00 "
         "-- experiment=deit3_in1k_author data.root=/d",

@@ -1,8 +1,11 @@
-"""scripts/sort_imagenet_val.py on small files in the real formats: real JPEGs named as in
-ILSVRC2012_img_val.tar, a devkit (meta.mat in its `synsets` struct layout, written by scipy.io,
-and the ground-truth file; as a folder and as a .tar.gz) and Kaggle's LOC_val_solution.csv."""
+"""Sorting ImageNet's flat validation images into <wnid>/ folders, on small files in the real
+formats: real JPEGs named and packed as in ILSVRC2012_img_val.tar, a devkit .tar.gz (meta.mat in
+its `synsets` struct layout, written by scipy.io, and the ground-truth file) and Kaggle's
+LOC_val_solution.csv. Checked: torchvision's one-liner (README, scripts/sort_imagenet_val.py's
+docstring) and scripts/sort_imagenet_val.py; the folder route then reads every image under its label."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -35,35 +38,40 @@ def truth() -> dict[str, str]:
     return {name(k): WNIDS[c - 1] for k, c in enumerate(TRUTH, start=1)}
 
 
-@pytest.fixture
-def val(tmp_path) -> Path:
-    """The flat folder ILSVRC2012_img_val.tar extracts to: 9 real JPEGs."""
-    folder = tmp_path / "val"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for k in range(1, len(TRUTH) + 1):
-        Image.fromarray(rng.integers(0, 256, (20, 23, 3), dtype=np.uint8)).save(folder / name(k), format="JPEG")
-    return folder
-
-
-@pytest.fixture
-def devkit(tmp_path) -> Path:
-    """ILSVRC2012_devkit_t12/: data/meta.mat (3 leaf synsets + an inner node with ID 1001, as the
-    real file's 1,000 leaves precede 860 inner nodes) and data/ILSVRC2012_validation_ground_truth.txt."""
-    root = tmp_path / "ILSVRC2012_devkit_t12"
-    (root / "data").mkdir(parents=True)
+def write_devkit(root: Path) -> Path:
+    """ILSVRC2012_devkit_t12.tar.gz: data/meta.mat (3 leaf synsets + an inner node with ID 1001, as
+    the real file's 1,000 leaves precede 860 inner nodes) and data/ILSVRC2012_validation_ground_truth.txt."""
+    kit = root / "ILSVRC2012_devkit_t12"
+    (kit / "data").mkdir(parents=True)
     fields = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children", "wordnet_height",
               "num_train_images"]
     synsets = np.zeros((4, 1), dtype=[(f, object) for f in fields])  # MATLAB: a 4x1 struct array
-    rows = [(i + 1, w, f"class {i}", f"gloss {i}", 0, np.zeros((1, 0)), 0, 1300) for i, w in enumerate(WNIDS)]
+    rows = [(i + 1, w, f"class {i}, alias", f"gloss {i}", 0, np.zeros((1, 0)), 0, 1300) for i, w in enumerate(WNIDS)]
     rows.append((1001, "n00001740", "entity", "that which is perceived", 3, np.array([[1, 2, 3]]), 19, 0))
     for i, (sid, wnid, words, gloss, nch, ch, height, ntrain) in enumerate(rows):
         synsets[i, 0] = (np.array([[sid]], dtype=np.uint16), np.array([wnid]), np.array([words]),
                          np.array([gloss]), np.array([[nch]], dtype=np.uint8), ch.astype(np.uint16),
                          np.array([[height]], dtype=np.uint8), np.array([[ntrain]], dtype=np.uint16))
-    scipy.io.savemat(root / "data" / "meta.mat", {"synsets": synsets})
-    (root / "data" / "ILSVRC2012_validation_ground_truth.txt").write_text("".join(f"{c}\n" for c in TRUTH))
-    return root
+    scipy.io.savemat(kit / "data" / "meta.mat", {"synsets": synsets})
+    (kit / "data" / "ILSVRC2012_validation_ground_truth.txt").write_text("".join(f"{c}\n" for c in TRUTH))
+    tgz = root / "ILSVRC2012_devkit_t12.tar.gz"
+    with tarfile.open(tgz, "w:gz") as tar:
+        tar.add(kit, arcname="ILSVRC2012_devkit_t12")
+    return tgz
+
+
+def write_val_tar(root: Path) -> dict[str, bytes]:
+    """ILSVRC2012_img_val.tar: 9 real JPEGs at the archive's top level; returns their bytes."""
+    rng = np.random.default_rng(0)
+    flat = root / "flat"
+    flat.mkdir()
+    images = {}
+    with tarfile.open(root / "ILSVRC2012_img_val.tar", "w") as tar:
+        for k in range(1, len(TRUTH) + 1):
+            Image.fromarray(rng.integers(0, 256, (20, 23, 3), dtype=np.uint8)).save(flat / name(k), format="JPEG")
+            tar.add(flat / name(k), arcname=name(k))
+            images[name(k)] = (flat / name(k)).read_bytes()
+    return images
 
 
 def write_solution(path: Path) -> Path:
@@ -76,85 +84,97 @@ def write_solution(path: Path) -> Path:
     return path
 
 
-def test_the_label_files_agree(devkit, tmp_path):
-    tgz = tmp_path / "ILSVRC2012_devkit_t12.tar.gz"
-    with tarfile.open(tgz, "w:gz") as tar:
-        tar.add(devkit, arcname="ILSVRC2012_devkit_t12")
-    assert sv.devkit_labels(devkit) == sv.devkit_labels(tgz) == truth()
+@pytest.fixture
+def archives(tmp_path, monkeypatch) -> tuple[Path, dict[str, bytes]]:
+    """(folder holding the devkit and the val tar, {image name: bytes}); torchvision checks the
+    archives' md5s against the real files', so the fake archives' own md5s stand in for them."""
+    import torchvision.datasets.imagenet as tv
+
+    root = tmp_path / "imagenet"
+    root.mkdir()
+    tgz, images = write_devkit(root), write_val_tar(root)
+    for key, path in (("devkit", tgz), ("val", root / "ILSVRC2012_img_val.tar")):
+        monkeypatch.setitem(tv.ARCHIVE_META, key, (path.name, hashlib.md5(path.read_bytes()).hexdigest()))
+    return root, images
+
+
+def assert_sorted(val: Path, images: dict[str, bytes]):
+    """val/<wnid>/ holds every image under its label, as the folder route reads it."""
+    ds = ImageFolder(str(val))
+    assert ds.classes == WNIDS and len(ds) == len(TRUTH)
+    for path, label in ds.samples:
+        assert WNIDS[label] == truth()[Path(path).name] and Path(path).read_bytes() == images[Path(path).name]
+
+
+def test_torchvision_sorts_the_val_tar(archives):
+    import torchvision
+
+    root, images = archives
+    ds = torchvision.datasets.ImageNet(str(root), split="val")  # the documented one-liner
+    assert ds.wnids == WNIDS and len(ds) == len(TRUTH)
+    assert_sorted(root / "val", images)
+
+
+def test_the_label_files_agree(archives, tmp_path):
+    root, _ = archives
+    assert sv.devkit_labels(root / "ILSVRC2012_devkit_t12.tar.gz") == truth()
+    assert not (root / "meta.bin").exists()  # torchvision's meta.bin went to a temp folder
     assert sv.solution_labels(write_solution(tmp_path / "LOC_val_solution.csv")) == truth()
 
 
-def test_move_in_place_then_idempotent(val, devkit):
-    before = {p.name: p.read_bytes() for p in val.iterdir()}
-    assert sv.sort_val(val, sv.devkit_labels(devkit)) == 9
-    assert not [p for p in val.iterdir() if p.is_file()]
-    ds = ImageFolder(str(val))  # the folder route now reads it, each image under its label
-    assert ds.classes == WNIDS
-    for path, label in ds.samples:
-        assert WNIDS[label] == truth()[Path(path).name] and Path(path).read_bytes() == before[Path(path).name]
-    assert len(ds) == 9
-    assert sv.sort_val(val, sv.devkit_labels(devkit)) == 0  # sorted: nothing to do
-
-
-def test_half_sorted_is_refused_unless_resume(val, tmp_path):
-    labels = sv.solution_labels(write_solution(tmp_path / "LOC_val_solution.csv"))
-    sv.sort_val(val, labels)
-    for k in (3, 7):  # as if the run had stopped before these two
-        (val / truth()[name(k)] / name(k)).rename(val / name(k))
-    with pytest.raises(UserError, match=r"half-sorted: 7 of 9 images are in class folders and 2 are not.*--resume"):
+def test_move_in_place_then_a_rerun_sorts_the_rest(archives):
+    root, images = archives
+    val = root / "flat"
+    labels = sv.devkit_labels(root / "ILSVRC2012_devkit_t12.tar.gz")
+    (val / name(3)).rename(root / name(3))
+    with pytest.raises(UserError, match=f"1 labelled images are in neither .*{name(3)}"):
         sv.sort_val(val, labels)
-    assert sv.sort_val(val, labels, resume=True) == 2
-    assert sorted(p.name for p in val.rglob("*.JPEG")) == sorted(truth())
+    assert len([p for p in val.iterdir() if p.is_file()]) == 8  # refused before anything moved
+    (root / name(3)).rename(val / name(3))
+    assert sv.sort_val(val, labels) == 9
+    for k in (3, 7):  # as if a run had stopped before these two
+        (val / truth()[name(k)] / name(k)).rename(val / name(k))
+    assert sv.sort_val(val, labels) == 2  # the two left flat
+    assert not [p for p in val.iterdir() if p.is_file()]
+    assert_sorted(val, images)
+    assert sv.sort_val(val, labels) == 0  # sorted: nothing to do
 
 
-def test_hard_links_into_another_folder(val, devkit, tmp_path):
-    out = tmp_path / "imagenet" / "val"
-    labels = sv.devkit_labels(devkit)
+def test_hard_links_into_another_folder(archives, tmp_path):
+    root, images = archives
+    val, out = root / "flat", tmp_path / "imagenet_sorted" / "val"
+    labels = sv.solution_labels(write_solution(tmp_path / "LOC_val_solution.csv"))
     with pytest.raises(UserError, match="--link keeps the flat images: give --out"):
         sv.sort_val(val, labels, link=True)
     assert sv.sort_val(val, labels, out=out, link=True) == 9
     for n, w in truth().items():
         assert os.path.samefile(val / n, out / w / n)  # the flat folder stays, the same inodes
+    assert_sorted(out, images)
     assert sv.sort_val(val, labels, out=out, link=True) == 0
 
 
-def test_wrong_states_are_refused(val, devkit):
-    labels = sv.devkit_labels(devkit)
-    (val / name(4)).unlink()
-    with pytest.raises(UserError, match=r"1 of the 9 labelled images are in neither .*ILSVRC2012_val_00000004"):
-        sv.sort_val(val, labels)
-    (val / "ILSVRC2012_val_00000010.JPEG").write_bytes((val / name(1)).read_bytes())
-    with pytest.raises(UserError, match="holds 1 images the labels do not name"):
-        sv.sort_val(val, labels)
-    (val / "ILSVRC2012_val_00000010.JPEG").unlink()
-    (val / WNIDS[0]).mkdir()
-    (val / name(1)).rename(val / WNIDS[0] / name(1))  # its class is WNIDS[1]
-    with pytest.raises(UserError, match=f"is in {WNIDS[0]}/ but the labels put it in {WNIDS[1]}/"):
-        sv.sort_val(val, labels)
-
-
-def test_bad_label_files_are_one_line(devkit, tmp_path):
-    (devkit / "data" / "ILSVRC2012_validation_ground_truth.txt").write_text("1\n7\n")
-    with pytest.raises(UserError, match="line 2 of .* is '7', not one of meta.mat's 3 class ids"):
-        sv.devkit_labels(devkit)
-    with pytest.raises(UserError, match="no .*meta.mat"):
-        sv.devkit_labels(tmp_path)
+def test_bad_label_files_are_one_line(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("ImageId,PredictionString\nILSVRC2012_val_00000001,12 30 200 180\n")
-    with pytest.raises(UserError, match="line 2 .* has no wnid"):
+    with pytest.raises(UserError, match="line 2 is no `ImageId,<wnid> boxes...` row"):
         sv.solution_labels(bad)
-    bad.write_text("id,label\n")
-    with pytest.raises(UserError, match="not ImageId,PredictionString"):
+    bad.write_text("id,label\nILSVRC2012_val_00000001,n01440764\n")
+    with pytest.raises(UserError, match="line 2 is no"):
         sv.solution_labels(bad)
+    with pytest.raises(UserError, match="no such file"):
+        sv.solution_labels(tmp_path / "absent.csv")
 
 
-def test_command_line(val, tmp_path, capsys):
-    csv = write_solution(tmp_path / "LOC_val_solution.csv")
+def test_command_line(archives, tmp_path, capsys):
+    root, images = archives
+    val, csv = root / "flat", write_solution(tmp_path / "LOC_val_solution.csv")
     assert sv.main([str(val), "--solution", str(csv)]) == 0
-    assert capsys.readouterr().out.endswith("9 images moved into 3 class folders (9 labelled)\n")
-    (val / WNIDS[1] / name(1)).rename(val / name(1))
+    assert capsys.readouterr().out.endswith("9 images moved, 9 in 3 class folders\n")
+    assert_sorted(val, images)
     # The script itself, as a user runs it: bad input is one `error:` line and exit status 1.
-    cmd = [sys.executable, str(ROOT / "scripts" / "sort_imagenet_val.py"), str(val), "--solution", str(csv)]
+    # Here the devkit is refused by torchvision's md5 check (the fixture's md5 is not this process's).
+    cmd = [sys.executable, str(ROOT / "scripts" / "sort_imagenet_val.py"), str(val), "--devkit",
+           str(root / "ILSVRC2012_devkit_t12.tar.gz")]
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert bad.returncode == 1 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
-    assert "half-sorted: 8 of 9 images" in bad.stderr
+    assert bad.returncode == 1 and bad.stderr.startswith("error: --devkit ") and bad.stderr.count("\n") == 1
+    assert "is not present in the root directory or is corrupted" in bad.stderr
