@@ -119,13 +119,18 @@ class LaplacianAttention(Attention):
         """x [B, N, C] -> [B, N, C] (and P [B, H, N, N_keys] with return_attn). The GPT passes
         `rope` (cos, sin of these positions) and, when generating, `kv_cache` (x: the new tokens)."""
         B, N, C = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        if rope is not None:  # nanochat: rotary, then QK-norm
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-            # q and k are new tensors now: a view v would keep the whole qkv output (3x v) alive for
-            # backward; its own copy lets that be freed, as nanochat's separate c_v.
-            v = v.contiguous()
-        q, k = self.q_norm(q), self.k_norm(k)
+        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
+        if rope is None:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, N, D]
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:  # nanochat: rotary, then QK-norm, on [B, N, H, D]; v its own copy
+            # In this layout SDPA's output is token-major, so at k = 0 the head merge below is a view
+            # and the projection keeps nothing SDPA does not keep already. v's copy frees the qkv
+            # output, which a view would keep whole (3x v) for SDPA's backward.
+            cos, sin = (t.unsqueeze(-2) for t in rope)  # [N, 1, D/2]: every head
+            q = self.q_norm(apply_rotary(qkv[:, :, 0], cos, sin))
+            k = self.k_norm(apply_rotary(qkv[:, :, 1], cos, sin))
+            q, k, v = (t.transpose(1, 2) for t in (q, k, qkv[:, :, 2].contiguous()))
 
         keys, values = k, v
         if kv_cache is not None:
@@ -197,7 +202,8 @@ def gate_metrics(model: nn.Module) -> dict[str, float]:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x1, x2), the two halves of the head dim (nanochat). x: [B, H, N, D]; cos, sin: [N, D/2]."""
+    """Rotate pairs (x1, x2), the two halves of the head dim (nanochat); cos and sin broadcast to x's
+    [..., D/2] (the GPT: x [B, N, H, D], cos and sin [N, 1, D/2])."""
     d = x.shape[-1] // 2
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)

@@ -170,11 +170,11 @@ def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, 
 
 def _constructor_args(node: dict) -> dict:
     """The zoo node with the constructor's defaults filled in (what create_model builds)."""
-    from .vit import VisionTransformer
+    from .vit import vit
     from .zoo import model_defaults
 
     # the signature is the one source of the defaults a node leaves out (laplace.config states them)
-    sig = inspect.signature(VisionTransformer).parameters
+    sig = inspect.signature(vit).parameters
     return {**{k: p.default for k, p in sig.items()}, **model_defaults(node["name"]),
             **{k: v for k, v in node.items() if v is not None}}
 
