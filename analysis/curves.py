@@ -9,9 +9,10 @@ a run's config.yaml, its k and mode from that config) and split into experiments
 dataset x model family x recipe, `analysis.runs.experiments`). One panel per metric; in each, one
 line per experiment and number of Laplacian heads k (and mode, when learned): the mean over the
 seeds that share them, with a band (`band`): sd = +-1 sample standard deviation (the default, as
-the other figures), minmax = the lowest to the highest seed, se2 = +-2 standard errors (the
-miniature's). One seed: a line without a band. The legend gives each line's number of seeds.
-A seed that did not log a step is left out of that step's mean.
+the other figures), minmax = the lowest to the highest seed, ci = the 95% t interval of the mean
+(analysis.stats). One seed: a line without a band. The legend gives each line's number of seeds.
+A seed that did not log a step is left out of that step's mean; a run that never logged a metric
+(another trainer's) is left out of that metric's panel only.
 
 Written: <out>.png, <out>.pdf and <out>.json (the numbers drawn: per metric and line, x, mean,
 lo, hi, n and every seed's values); out defaults to <first runs folder>/curves. stdout: one
@@ -21,73 +22,39 @@ from __future__ import annotations
 
 import glob
 import math
-import statistics
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
 from omegaconf import DictConfig
 
+from analysis.stats import describe
 from laplace.cli import hydra_entry
 from laplace.config import required_list
 from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import check_writable
 
-BANDS = ("sd", "minmax", "se2")
+BANDS = ("sd", "minmax", "ci")
 X_KEYS = ("step", "epoch")
 
 
-def logged_curves(run_dir, metrics, x: str = "step") -> dict[str, dict]:
-    """{metric: {x: value}} of a run's metrics.jsonl, read once (train and val records, whichever
-    log a metric); a later record at the same x replaces an earlier one ({} without the file)."""
-    from train.logger import read_metrics
-
-    out = {m: {} for m in metrics}
-    if not (Path(run_dir) / "metrics.jsonl").exists():
-        return out
-    for r in read_metrics(run_dir):
-        if r.get(x) is not None:
-            for m in metrics:
-                if isinstance(r.get(m), (int, float)):
-                    out[m][r[x]] = float(r[m])
-    return out
-
-
-def logged_curve(run_dir, metric: str, x: str = "step") -> dict:
-    """{x: value} of one metric of a run (see `logged_curves`)."""
-    return logged_curves(run_dir, [metric], x)[metric]
-
-
-def default_metrics(run_dirs) -> list[str]:
+def default_metrics(records, logged) -> list[str]:
     """The loss, then every val_* metric the runs logged (sorted): what metrics=null draws."""
-    from train.logger import read_metrics
-
-    keys = set()
-    for d in run_dirs:
-        if (Path(d) / "metrics.jsonl").exists():
-            for r in read_metrics(d):
-                keys |= {k for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    keys = {m[len("log."):] for m in logged["metric"].unique()}
     return [k for k in ("loss", "val_loss") if k in keys] + sorted(
         k for k in keys if k.startswith("val_") and k != "val_loss")
 
 
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    """Mean and standard error (sample std / sqrt(n)); the error is NaN for one value."""
-    m = statistics.mean(xs)
-    return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
-
-
 def band_of(xs: list[float], band: str) -> tuple[float, float, float]:
-    """(mean, lo, hi) of the seeds' values at one x: lo..hi is +-1 sample std (sd), the seeds'
-    range (minmax) or +-2 standard errors (se2); lo = hi = mean for one value."""
-    m, se = mean_se(xs)
+    """(mean, lo, hi) of the seeds' values at one x: lo..hi is +-1 sample sd (sd), the seeds'
+    range (minmax) or the 95% t interval of the mean (ci); lo = hi = mean for one value."""
+    s = describe(xs)
     if band == "minmax":
-        return m, min(xs), max(xs)
-    if len(xs) < 2:
-        return m, m, m
-    half = statistics.stdev(xs) if band == "sd" else 2 * se
-    return m, m - half, m + half
+        return s.mean, min(xs), max(xs)
+    if s.n < 2:
+        return s.mean, s.mean, s.mean
+    return (s.mean, s.mean - s.sd, s.mean + s.sd) if band == "sd" else (s.mean, s.lo, s.hi)
 
 
 def line_stats(points: dict[float, list[float]], band: str) -> dict:
@@ -152,28 +119,30 @@ def _roots(cfg) -> list[Path]:
     return runs_roots(SimpleNamespace(runs=folders), "analysis.curves")
 
 
-def collect_curves(records: list[dict], metrics: list[str], x: str = "step") -> tuple[dict, list[str]]:
-    """{metric: {line label: {x: [value per seed]}}} of `records` (analysis.runs.read_run's), and
+def collect_curves(records: list[dict], metrics: list[str], x: str = "step", logged=None) -> tuple[dict, list[str]]:
+    """{metric: {line label: {x: [value per seed]}}} of `records` (analysis.runs.collect's), and
     a note per run left out. A line is one experiment's (k, mode); the experiment is named in the
-    label only when the runs hold several."""
-    from analysis.runs import arm_label, experiments, sort_key
+    label only when the runs hold several. `logged`: the runs' frame(logs=True) when read already."""
+    from analysis.runs import arm_label, experiments, frame, sort_key
 
+    logged = frame(records, logs=True) if logged is None else logged
+    # a point per x: the last value logged there (an epoch's last step; a resumed run's rerun)
+    logged = logged[logged["metric"].isin([f"log.{m}" for m in metrics]) & logged[x].notna()]
+    logged = logged.drop_duplicates(["run_dir", "metric", x], keep="last")
     data, notes = {m: {} for m in metrics}, []
     exps = experiments(records)
     for exp, recs in exps.items():
         for r in sorted(recs, key=lambda r: (r["mode"] != "fixed", sort_key(r["k"]), sort_key(r["seed"]))):
-            curves = logged_curves(r["run_dir"], metrics, x)
-            if not any(curves.values()):
+            mine = logged[logged["run_dir"] == r["run_dir"]]
+            if mine.empty:
                 why = "no metrics.jsonl" if not (Path(r["run_dir"]) / "metrics.jsonl").exists() else \
                     f"none of {metrics} logged against {x}"
                 notes.append(f"{r['run_dir']}: {why}; left out")
                 continue
             label = arm_label(r["k_label"], r["mode"])
             label = f"{exp} {label}" if len(exps) > 1 else label
-            for m, points in curves.items():
-                line = data[m].setdefault(label, {})
-                for at, v in points.items():
-                    line.setdefault(at, []).append(v)
+            for m, at, v in zip(mine["metric"], mine[x], mine["value"]):
+                data[m[len("log."):]].setdefault(label, {}).setdefault(at, []).append(v)
     return {m: lines for m, lines in data.items() if lines}, notes
 
 
@@ -186,13 +155,13 @@ def _seeds(lines: dict) -> dict:
     return out
 
 
-SPREAD = {"sd": "band: +-1 sample std over seeds", "minmax": "band: min-max over seeds",
-          "se2": "band: +-2 standard errors over seeds"}
+SPREAD = {"sd": "band: +-1 sample sd over seeds", "minmax": "band: min-max over seeds",
+          "ci": "band: the 95% t interval of the mean over seeds"}
 
 
 def run(cfg: DictConfig) -> dict:
     """Read the runs of cfg.runs, draw their learning curves; returns {"axes", "paths", "data"}."""
-    from analysis.runs import find_runs, read_run
+    from analysis.runs import find_runs, frame, read_run
 
     if cfg.band not in BANDS:
         raise ConfigError(f"band={cfg.band}: choose one of {', '.join(BANDS)}")
@@ -202,12 +171,14 @@ def run(cfg: DictConfig) -> dict:
     records = [r for r in (read_run(d) for d in find_runs(roots)) if r is not None]
     if not records:
         raise ConfigError(f"runs={cfg.runs}: no run directories (folders with a run's config.yaml) found there")
-    metrics = list(cfg.metrics) if cfg.metrics is not None else default_metrics(r["run_dir"] for r in records)
+    logged = frame(records, logs=True)  # the runs' metrics.jsonl, read once
+    logged = logged[logged["metric"].str.startswith("log.")]
+    metrics = list(cfg.metrics) if cfg.metrics is not None else default_metrics(records, logged)
     if not metrics:
         raise ConfigError(f"runs={cfg.runs}: the runs logged no loss or val_* metric; name some with metrics=[...]")
     stem = Path(cfg.out) if cfg.out else roots[0] / "curves"
     check_writable(stem.parent, "out")
-    data, notes = collect_curves(records, metrics, cfg.x)
+    data, notes = collect_curves(records, metrics, cfg.x, logged)
     for note in notes:
         print(f"[curves] {note}", flush=True)
     missing = [m for m in metrics if m not in data]

@@ -17,7 +17,8 @@ recipe, named <dataset>_<family>:
                           n_pcs_0.99 vs layer, a line per k
     collapse_<exp>        ViT: NC1-NC4 of the class token vs layer; GPT: linguistic collapse (CDNV, ...)
     blocks_<exp>          the headline geometry at every block (the per_block table's numbers:
-                          analysis.runs.BLOCK_METRICS), a panel per metric, a line per k, +-2 se band
+                          analysis.runs.BLOCK_METRICS), a panel per metric, a line per k, its 95%
+                          interval as a band
     pca_maps_<exp>        ViT: PCA maps of `pca_maps` images, one checkpoint (the lowest seed) per k
     gates_<trainer>_<exp>_k<k>
                           learned gates vs step and their change, a panel per block, a line per
@@ -32,7 +33,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-
+import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import plots
@@ -101,30 +102,30 @@ def _layer_panels(lines, panels, title: str, stem: Path) -> list[Path]:
 
 def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     """The headline geometry at every block (the numbers of the per_block table): a panel per
-    metric, a line per arm (k, mode), the mean over seeds with a +-2 se band."""
+    metric, a line per arm (k, mode), the mean over seeds with its 95% interval as a band."""
     rows = per_block(records)
     layers = layer_order(records)
     xs, ticks = plots.layer_positions(layers)
-    arms = sorted({(g["k"], g["mode"], g["k_label"]) for g in rows}, key=lambda a: (a[1] != "fixed", sort_key(a[0])))
+    labels = {(r["k"], r["mode"]): r["k_label"] for r in records}
+    arms = sorted(set(zip(rows["k"], rows["mode"])), key=lambda a: (a[1] != "fixed", sort_key(a[0])))
     panels = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
-              if any(g["metric"] == key for g in rows)]
+              if (rows["metric"] == key).any()]
     if not panels:  # analysed without any headline metric (e.g. metrics=[cdnv])
         return []
 
     def draw(ax, panel):
-        for c, (k, mode, k_label) in enumerate(arms):
-            at = {g["layer"]: g for g in rows if (g["metric"], g["k"], g["mode"]) == (panel[0], k, mode)}
-            pts = [(x, at[n]) for x, n in zip(xs, layers) if n in at]
+        for c, (k, mode) in enumerate(arms):
+            at = rows[(rows["metric"] == panel[0]) & (rows["k"] == k) & (rows["mode"] == mode)].set_index("layer")
+            pts = [(x, at.loc[n]) for x, n in zip(xs, layers) if n in at.index]
             if not pts:
                 continue
-            mean = np.array([g["mean"] for _, g in pts])
-            err = np.array([2 * g["se"] if g["se"] is not None else 0.0 for _, g in pts])
-            x = [x for x, _ in pts]
-            n = max(g["n"] for _, g in pts)
-            ax.plot(x, mean, "-o", ms=3, color=plots.color(c), label=f"{arm_label(k_label, mode)} (n={n})")
-            ax.fill_between(x, mean - err, mean + err, color=plots.color(c), alpha=0.2, lw=0)
+            x, g = [x for x, _ in pts], pd.DataFrame([g for _, g in pts])
+            ax.plot(x, g["mean"], "-o", ms=3, color=plots.color(c),
+                    label=f"{arm_label(labels[k, mode], mode)} (n={g['n'].max()})")
+            ax.fill_between(x, g["lo"].fillna(g["mean"]), g["hi"].fillna(g["mean"]), color=plots.color(c),
+                            alpha=0.2, lw=0)  # one seed: no band
         ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
-    return _panels(panels, f"{name}: token geometry at every block (mean ± 2 se over seeds)", stem, draw)
+    return _panels(panels, f"{name}: token geometry at every block (mean, 95% interval over seeds)", stem, draw)
 
 
 def draw_anova(lines, stem: Path, name: str) -> list[Path]:
@@ -188,7 +189,7 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
     panels = []
     for name, recs in experiments(records).items():
         spec = metrics.get(recs[0]["trainer"])
-        rows = [g for g in aggregate(recs, spec["metric"]) if isinstance(g["k"], int)] if spec else []
+        rows = [g for g in aggregate(recs, spec["metric"]).to_dict("records") if isinstance(g["k"], int)] if spec else []
         if rows:
             panels.append((name, spec, rows))
     if not panels:
@@ -205,8 +206,8 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
             col = plots.color(c)
             for g in g_m:  # every seed, so a mean of two far-apart runs is not mistaken for a trend
                 ax.plot([g["k"]] * g["n"], g["values"], "o", color=col, alpha=0.45, ms=4, mec="none")
-            ax.errorbar(ks, [g["mean"] for g in g_m], yerr=[g["std"] or 0.0 for g in g_m], color=col,
-                        marker="s", ms=4, capsize=3, label=f"{mode}: mean ± std over seeds")
+            ax.errorbar(ks, [g["mean"] for g in g_m], yerr=[0.0 if g["n"] < 2 else g["sd"] for g in g_m], color=col,
+                        marker="s", ms=4, capsize=3, label=f"{mode}: mean ± sd over seeds")
         ax.set_xticks(sorted({g["k"] for g in rows}))
         ax.set(xlabel="Laplacian heads per layer k", ylabel=spec["label"])
         ax.set_title(name, fontsize=9)

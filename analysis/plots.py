@@ -247,17 +247,16 @@ def color(i: int) -> str:
 
 
 def mean_band(ax, xs, series: Sequence[Sequence[float]], color: str, label: str, marker: str = "o"):
-    """The mean over runs (e.g. seeds) as a line and +-1 sample std as a band around it (no
-    band for one run). NaN entries are left out of their position's mean."""
-    import numpy as np
+    """The mean over runs (e.g. seeds) as a line and +-1 sample sd as a band around it (no band
+    for one run; analysis.stats.describe). NaN entries are left out of their position's mean."""
+    from analysis.stats import describe
 
-    y = np.array(series, dtype=float).reshape(len(series), -1)
-    ok = ~np.isnan(y)
-    n = ok.sum(0)
-    mean = np.where(n > 0, np.nansum(y, 0) / np.maximum(n, 1), np.nan)
+    cols = [[v for v in col if not math.isnan(v)] for col in zip(*series)]
+    stats = [describe(c) if c else None for c in cols]
+    mean = [s.mean if s else math.nan for s in stats]
     ax.plot(xs, mean, "-", color=color, marker=marker, ms=3, label=label)
     if len(series) > 1:
-        dev = np.where(ok, y - mean, 0.0)
-        std = np.where(n > 1, np.sqrt((dev ** 2).sum(0) / np.maximum(n - 1, 1)), 0.0)
-        ax.fill_between(xs, mean - std, mean + std, color=color, alpha=0.2, lw=0)
+        sd = [s.sd if s and s.n > 1 else 0.0 for s in stats]
+        ax.fill_between(xs, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)], color=color,
+                        alpha=0.2, lw=0)
     return mean
