@@ -16,11 +16,12 @@ beside each other do not overwrite each other's results):
                                              throughput, results[kind][layer][metric group]
     <dir>/<name>_analysis/{anova,collapse,spectrum}.{png,pdf}
     <dir>/<name>_analysis/mechanism.md, mechanism.{png,pdf}   with mechanism=true (the default):
-                                             does each head smooth? (analysis/mechanism.py) per
-                                             layer and head: cos(O_h, P X - X), the change of the
-                                             within-sequence variance, the eigen-signs of
-                                             sym(W_v W_o); also in analysis.json as "mechanism"
-                                             (heads, summary per head type, n tokens, seconds)
+                                             does each head smooth the residual stream?
+                                             (analysis/mechanism.py) per layer and head, in the
+                                             stream's frame: cos(head's part, P x - x), the
+                                             first-order change of the within-sequence variance
+                                             and share, the eigen-mass of its matrix against the
+                                             0.5 null; also in analysis.json as "mechanism"
 With several checkpoints, the same figures with all of them on shared axes and summary.json
 (headline numbers per checkpoint) go to `analysis_out` (default <dir of the first>/compare_analysis);
 pca_maps.{png,pdf} go there too (one checkpoint: its own folder). `out=DIR` puts everything in DIR
@@ -165,7 +166,7 @@ def _mechanism(model, data_node, cfg, batch_size: int, out: Path, res: dict) -> 
         draw_mechanism({"model": res["model"], **mech}, out / "mechanism")
     s = mech["summary"]
     means = ", ".join(f"{k}={s[k]:+.3f}" for k in ("cos_smooth.softmax", "cos_smooth.laplacian", "cos_smooth.learned",
-                                                   "dvar.softmax", "dvar.laplacian", "dvar.learned") if k in s)
+                                                   "dshare.softmax", "dshare.laplacian", "dshare.learned") if k in s)
     print(f"[analysis] mechanism: {mech['n_tokens']:,} tokens in {mech['seconds']:.1f} s; {means}", flush=True)
 
 
