@@ -29,7 +29,7 @@ VIT_ARCHS = {
     "vitb": dict(embed_dim=768, depth=12, num_heads=12),
     "vitl": dict(embed_dim=1024, depth=24, num_heads=16),
 }
-GPT_LISTED_DEPTHS = (2, 4, 12, 20, 26)  # listed by list_models() (4: experiment=gpt_tiny's default); any depth >= 1 is accepted
+GPT_LISTED_DEPTHS = (2, 3, 4, 12, 20, 26)  # listed by list_models() (3: the study's gpt_d3; 4: experiment=gpt_tiny's default); any depth >= 1 is accepted
 _NAME = re.compile(r"^(?:(?P<vit>vit[tsbl])|gpt_d(?P<depth>\d+))_(?P<k>\d+)L$")
 
 
