@@ -32,6 +32,7 @@ Bad input (missing checkpoint, unknown metric, bad layer) exits with one `error:
 """
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -69,8 +70,14 @@ def headline(res: dict) -> dict:
 
 
 def _checkpoints(cfg) -> list[Path]:
-    paths = [Path(p) for p in required_list(cfg, "checkpoint", "python -m analysis checkpoint=PATH "
-                                                               "(or checkpoint=[PATH1,PATH2] to compare)")]
+    paths = []
+    for item in required_list(cfg, "checkpoint", "python -m analysis checkpoint=PATH (or checkpoint=[PATH1,PATH2] "
+                                                 "to compare, or a quoted glob 'runs/x/*/ckpt/last.pt')"):
+        found = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        if not found:
+            raise ConfigError(f"checkpoint={item}: the pattern matches no file; check it (quoted, e.g. "
+                              f"checkpoint='runs/gpt/study_lm/*/ckpt/step_*.pt')")
+        paths += [Path(p) for p in found]
     for p in paths:
         if not p.is_file():
             raise ConfigError(f"checkpoint={p}: no such file; pass checkpoint=PATH to a laplace checkpoint, "
@@ -182,6 +189,12 @@ def run(cfg: DictConfig) -> list[dict]:
     metrics = check_metrics(list(cfg.metrics))
     mechanism, mechanism_bs = _mechanism_options(cfg)
     paths = _checkpoints(cfg)
+    if cfg.skip_done and metrics:  # a re-run of a sweep's analyses measures only what is missing
+        done = [p for p in paths if (analysis_dir(p, cfg.out) / "analysis.json").is_file()]
+        paths = [p for p in paths if p not in done]
+        print(f"[analysis] skip_done: {len(done)} checkpoints analysed already, {len(paths)} to go", flush=True)
+        if not paths:
+            return []
     if cfg.cpu_threads:
         import torch
 

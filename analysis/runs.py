@@ -234,6 +234,10 @@ def read_run(run_dir) -> Optional[dict]:
     k = r.get("num_laplacian_heads", mcfg.get("num_laplacian_heads"))
     k = tuple(k) if isinstance(k, list) else k  # hashable: per-layer counts group like ints
     analyses = _analyses(d)
+    # evaluations of kept checkpoints (e.g. the 20-NN of ckpt/step_110.pt in ckpt/step_110_knn/)
+    step_metrics = {int(m[1]): flat_metrics(_read_json(p) or {})
+                    for p in sorted((d / "ckpt").glob("step_*_*/results.json"))
+                    for m in [re.fullmatch(r"step_(\d+)_.+", p.parent.name)] if m}
     # the final model's geometry: the analysis of the step the run ended at (last.pt's, or a kept
     # step_N.pt of the same step); an analysis of an earlier last.pt would mislabel it
     final = analyses.get(r.get("steps")) if res else analyses.get(max(analyses, default=None))
@@ -245,7 +249,9 @@ def read_run(run_dir) -> Optional[dict]:
     img = r.get("img_size", (cfg.get("data") or {}).get("img_size"))
     dataset = r.get("dataset") or (cfg.get("data") or {}).get("name")
     return {
-        "run_dir": str(d), "trainer": tcfg.get("name") or r.get("trainer"), "dataset": dataset,
+        # experiment: the folder train.py names from experiment= (or the data's name)
+        "run_dir": str(d), "experiment": d.parent.name, "trainer": tcfg.get("name") or r.get("trainer"),
+        "dataset": dataset,
         "model": name, "arch": "gpt" if name.startswith("gpt") else (final or {}).get("arch", "vit"),
         "family": model_family(name, mcfg), "k": k,
         "k_label": "[" + ",".join(map(str, k)) + "]" if isinstance(k, tuple) else str(k),
@@ -260,7 +266,7 @@ def read_run(run_dir) -> Optional[dict]:
         "mechanism": record_summary(final),
         # every analysed checkpoint: {step: {layer: geometry}} and {step: mechanism summary}
         "step_geometry": {s: layer_geometry(a) for s, a in analyses.items()},
-        "step_mechanism": {s: record_summary(a) for s, a in analyses.items()},
+        "step_mechanism": {s: record_summary(a) for s, a in analyses.items()}, "step_metrics": step_metrics,
         # here, not where it was written (runs move)
         "checkpoint": str(d / "ckpt" / Path(str(r.get("checkpoint") or "last.pt")).name),
         "analysis": final["path"] if final else None, "analysis_step": final["step"] if final else None,
@@ -362,8 +368,8 @@ def sort_key(v):
 
 
 # The facts of a run that every row of the tidy table carries (what a group or a label needs).
-FACTS = ("run_dir", "trainer", "dataset", "family", "model", "arch", "k", "k_label", "mode", "seed",
-         "recipe_id", "recipe", "finished")
+FACTS = ("run_dir", "experiment", "trainer", "dataset", "family", "model", "arch", "k", "k_label", "mode", "seed",
+         "steps", "recipe_id", "recipe", "finished")
 
 
 def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
@@ -371,7 +377,8 @@ def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
     layer, metric, value, final (the row is of the run's final model). Every table and report of
     analysis/ is a view of it.
 
-    metric is a results key ("final.val_acc1": layer None, step the run's last), "geometry.<key>"
+    metric is a results key ("final.val_acc1": layer None, step the run's last; an evaluation of a
+    kept checkpoint, ckpt/step_<N>_<name>/results.json, at step N), "geometry.<key>"
     (at every analysed layer and checkpoint step), "mechanism.<key>.<type>" (layer "all" or
     "blocks.<i>"), and with logs=True "log.<key>" of metrics.jsonl (every logged step and its
     epoch; a step logged twice, by a resumed run, keeps its last value)."""
@@ -385,6 +392,9 @@ def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
 
         for m, v in r["metrics"].items():
             add(r.get("steps"), None, m, v)
+        for step, ms in r.get("step_metrics", {}).items():  # evaluations of kept checkpoints
+            for m, v in ms.items():
+                add(step, None, m, v, final=False)
         # the final analysis from layer_geometry (what a caller may have edited), the others as read
         last = r.get("analysis_step")
         steps = {**r.get("step_geometry", {}), last: r["layer_geometry"]}

@@ -210,7 +210,10 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
             "fmt": spec.get("fmt", ".3f"), "spec": spec, "notes": list(notes), "n_runs": len(recs),
             "paper_source": f"arXiv:{src.get('arxiv')} {src.get('version', '')}".strip(),
             "sources": list(dict.fromkeys(e.get("source", "") for e in entries if e.get("source"))),
-            "cells": pd.DataFrame(cells, dtype=object)}  # object: a missing value stays None, not NaN
+            # object: a missing value stays None, not NaN; the columns even when no row has a cell
+            "cells": pd.DataFrame(cells, columns=[*rows_by, "model", "k", "k_label", "mode", "column", "mean", "sd",
+                                                  "n", "seeds", "paper", "delta", "marks", "recipe", "row_marks"],
+                                  dtype=object)}
 
 
 # ----------------------------------------------------------------------------- rendering
