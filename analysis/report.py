@@ -214,9 +214,10 @@ def equal_loss(f: pd.DataFrame, plan, name: str, claims) -> tuple[pd.DataFrame, 
     g = _paradigm(f, plan, name)
     loss = g[(g["metric"] == "log.val_loss") & g["step"].isin(list(plan.steps))]
     finals = select(g, "log.val_loss")
-    target = max(finals[finals["k"] == k]["value"].mean() for k in (0, p.arm))
-    if math.isnan(target) or loss.empty:
-        return pd.DataFrame(), "no val_loss at the kept checkpoints"
+    means = [finals[finals["k"] == k]["value"].mean() for k in (0, p.arm)]
+    if any(math.isnan(m) for m in means) or loss.empty:
+        return pd.DataFrame(), "not measured: both arms need a final val_loss and val_loss at the kept checkpoints"
+    target = max(means)  # the level both arms reach
     near = loss.assign(gap=(loss["value"] - target).abs()).sort_values("gap").drop_duplicates("run_dir")
     chosen = dict(zip(near["run_dir"], near["step"]))
     rows = []
@@ -233,7 +234,7 @@ def equal_loss(f: pd.DataFrame, plan, name: str, claims) -> tuple[pd.DataFrame, 
     return pd.DataFrame(rows), how
 
 
-def stream_change(run_dirs: list[str], n: int = 64) -> list[float]:
+def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
     """Per block, the mean over tokens of |h_i - h_(i-1)| / |h_(i-1)| on n validation sequences
     (h_(-1): the embedding that enters block 0), averaged over the runs: how much each block moves
     the residual stream (a LayerScale of 1e-6 would leave them near identities at this length)."""
@@ -244,8 +245,8 @@ def stream_change(run_dirs: list[str], n: int = 64) -> list[float]:
     from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 
     per_run = []
-    for d in run_dirs:
-        ckpt = load_checkpoint(Path(d) / "ckpt/last.pt")
+    for path in checkpoints:
+        ckpt = load_checkpoint(path)
         model = model_from_checkpoint(ckpt)
         ds, _ = eval_split(model, ckpt["config"]["data"], seed=0, max_tokens=None)
         x = torch.utils.data.default_collate([ds[i] for i in range(min(n, len(ds)))])[0]
@@ -288,7 +289,13 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     f = frame(records, logs=True)
     rows = claim_rows(f, plan)
     primary, secondary = (rows[rows["role"] == r] if len(rows) else rows for r in ("primary", "secondary"))
-    lines = [f"# {plan.title} ({datetime.date.today().isoformat()})", "", plan.scope.strip(), "",
+    unfinished = [r["run_dir"] for r in records if not r["finished"]]
+    lines = [f"# {plan.title} ({datetime.date.today().isoformat()})", "", plan.scope.strip(), ""]
+    if unfinished:  # a look while the runs train (partial=true): said first, so no one reads it as the result
+        lines += [f"**Partial: {len(unfinished)} of {len(records)} runs have not finished**; their latest analysed "
+                  "checkpoint stands for their final model and their final results are absent. Not the study's "
+                  "result.", ""]
+    lines += [
              f"Command: `{plan.command}`. Plan: configs/plan/{plan.name}.yaml ({plan.declared}). Runs: "
              + ", ".join(f"{n}: {_paradigm(f, plan, n)['run_dir'].nunique()} ({p.experiment})"
                          for n, p in plan.paradigms.items()) + ". The paper's tables: tables/; figures: figures/.",
@@ -360,10 +367,10 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     for name, p in plan.paradigms.items():
         arms: dict = {}
         for r in sorted(records, key=lambda r: (r["mode"] != "fixed", sort_key(r["k"]))):
-            if r["experiment"] == p.experiment:
-                arms.setdefault(arm_label(r["k_label"], r["mode"]), []).append(r["run_dir"])
-        for label, dirs in arms.items():
-            lines.append(f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(dirs)))
+            if r["experiment"] == p.experiment and Path(r["checkpoint"]).is_file():  # the final model's
+                arms.setdefault(arm_label(r["k_label"], r["mode"]), []).append(r["checkpoint"])
+        for label, ckpts in arms.items():
+            lines.append(f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(ckpts)))
     gates = gate_groups(records)
     if gates:
         lines += ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
@@ -383,11 +390,13 @@ def run(cfg: DictConfig) -> Path:
     """Collect the runs of cfg.runs and write the report of cfg.plan to cfg.out."""
     roots = runs_roots(cfg, "analysis.report")
     out = check_writable(Path(cfg.out), "out")
-    records = [r for r in collect(roots) if r["finished"]]
+    records = [r for r in collect(roots) if r["finished"] or cfg.partial]
     if not records:
-        raise ConfigError(f"runs={cfg.runs}: no finished runs there; train them first ({cfg.plan.command})")
+        raise ConfigError(f"runs={cfg.runs}: no finished runs there; train them first ({cfg.plan.command}), "
+                          f"or look at unfinished ones with partial=true")
     path = write_report(records, cfg.plan, out, int(cfg.pca_maps))
-    print(f"[report] {len(records)} finished runs; wrote {path}", flush=True)
+    print(f"[report] {len(records)} runs ({sum(not r['finished'] for r in records)} unfinished); wrote {path}",
+          flush=True)
     return path
 
 
