@@ -13,6 +13,7 @@
 #      learning curve), then `python -m analysis` of every last.pt not analysed yet;
 #   3. report: `python -m analysis.report` by the profile's declared plan (configs/plan/<profile>.yaml).
 set -euo pipefail
+[ "${1:-}" != --profile ] || shift  # the earlier spelling: bash scripts/miniature.sh --profile long
 profile=${1:-short}
 case $profile in  # the sweeps: an experiment, its models, and the learned arm apart
   short) seeds=0,1,2 jobs=1
