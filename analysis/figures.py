@@ -10,11 +10,11 @@ the per-layer figures read each run's ckpt/last_analysis/analysis.json, so run
 recipe, named <dataset>_<family>:
 
     vs_k                  accuracy (GPT: val bits per byte) vs the number of Laplacian heads k,
-                          one panel per experiment: each seed a dot, the mean a line, +-1 std bars
-    anova_<exp>           ANOVA shares vs layer (within-sequence, between-class), a line per k
-                          (mean over seeds, +-1 std band)
-    spectrum_<exp>        cumulative explained variance at the final norm with the 99% line, and
-                          n_pcs_0.99 vs layer, a line per k
+                          one panel per experiment: each seed a dot, the mean a line, +-1 sd bars
+    anova_<exp>           ANOVA shares vs layer (within-sequence, between-class) and the total
+                          variance, a line per k (mean over seeds, +-1 sd band; analysis/plots.py)
+    spectrum_<exp>        the eigen-spectrum and cumulative explained variance at the final norm,
+                          and n_pcs_0.99 vs layer, a line per k
     collapse_<exp>        ViT: NC1-NC4 of the class token vs layer; GPT: linguistic collapse (CDNV, ...)
     blocks_<exp>          the headline geometry at every block (the per_block table's numbers:
                           analysis.runs.BLOCK_METRICS), a panel per metric, a line per k, its 95%
@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
@@ -56,48 +55,6 @@ def _lines(records: list[dict]) -> list[tuple[str, list[dict]]]:
         label = arm_label(runs[0][0]["k_label"], mode)
         lines.append((label, [res for _, res in runs]))
     return lines
-
-
-def _series(res: dict, kind: str, group: str, key: str) -> list[float]:
-    per_layer = res["results"].get(kind, {})
-    vals = [per_layer.get(n, {}).get(group, {}).get(key) for n in res["layers"]]
-    return [float("nan") if v is None else v for v in vals]
-
-
-def _panels(panels, title: str, stem: Path, draw, cols: int = 3) -> list[Path]:
-    """One panel per spec (..., sub title, log y): `draw(ax, spec)` draws its lines vs layer."""
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.7 * rows), squeeze=False)
-    axes = axes.ravel()
-    for ax, spec in zip(axes, panels):
-        draw(ax, spec)
-        if spec[-1]:  # NC1 and CDNV span decades over depth
-            ax.set_yscale("log")
-        ax.set_title(spec[-2], fontsize=9)
-        ax.set_xlabel("layer", fontsize=8)
-        ax.grid(alpha=0.3)
-    for ax in axes[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    handles, labels = axes[0].get_legend_handles_labels()
-    # below the axes whatever the figure height; save()'s tight bounding box grows to fit it
-    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4), fontsize=8, bbox_to_anchor=(0.5, 0.0))
-    return save(fig, stem)
-
-
-def _layer_panels(lines, panels, title: str, stem: Path) -> list[Path]:
-    """One panel per (kind, group, key, title, log): a line per k, mean +-1 std over seeds."""
-    def draw(ax, panel):
-        kind, group, key = panel[:3]
-        for c, (label, seeds) in enumerate(lines):
-            # seeds analysed over other layers (layers=[...]) cannot share a mean: left out
-            layers = seeds[0]["layers"]
-            xs, ticks = plots.layer_positions(layers)
-            series = [_series(s, kind, group, key) for s in seeds if s["layers"] == layers]
-            plots.mean_band(ax, xs, series, plots.color(c), f"{label} (n={len(series)})")
-            ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
-    return _panels(panels, title, stem, draw)
 
 
 def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
@@ -125,61 +82,8 @@ def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
             ax.fill_between(x, g["lo"].fillna(g["mean"]), g["hi"].fillna(g["mean"]), color=plots.color(c),
                             alpha=0.2, lw=0)  # one seed: no band
         ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
-    return _panels(panels, f"{name}: token geometry at every block (mean, 95% interval over seeds)", stem, draw)
-
-
-def draw_anova(lines, stem: Path, name: str) -> list[Path]:
-    vit = lines[0][1][0]["arch"] == "vit"
-    panels = ([("patch", "anova", "within_seq_share", "within-image share", False),
-               ("patch", "anova", "within_class_share", "within-class share", False),
-               ("patch", "anova", "between_class_share", "between-class share", False)] if vit else
-              [("tokens", "anova", "within_seq_share", "within-window share", False),
-               ("tokens", "anova", "between_seq_share", "between-window share", False)])
-    return _layer_panels(lines, panels, f"{name}: ANOVA of token representations vs layer", stem)
-
-
-def draw_collapse(lines, stem: Path, name: str) -> list[Path]:
-    if lines[0][1][0]["arch"] == "vit":
-        panels = [("cls", "nc", "nc1", "NC1 (class token)", True), ("cls", "nc", "nc2_equinorm", "NC2 equinorm", False),
-                  ("cls", "nc", "nc2_equiangular", "NC2 equiangular", False),
-                  ("cls", "nc", "nc3", "NC3 (vs classifier)", False), ("cls", "nc", "nc4", "NC4 (head != NCC)", False),
-                  ("patch", "nc", "nc1", "NC1 (image means of patches)", True)]
-        title = f"{name}: Neural Collapse vs layer"
-    else:
-        panels = [("tokens", "lc", "lc_cdnv_mean", "CDNV (next-token classes)", True),
-                  ("tokens", "lc", "lc_equinorm", "equinorm", False),
-                  ("tokens", "lc", "lc_self_duality", "self-duality 1 - cos(mu_c, w_c)", False)]
-        title = f"{name}: linguistic collapse vs layer"
-    return _layer_panels(lines, panels, title, stem)
-
-
-def draw_spectrum(lines, stem: Path, name: str) -> list[Path]:
-    """Cumulative explained variance at the final norm (mean over seeds) and n_pcs_0.99 vs layer."""
-    kind = "patch" if lines[0][1][0]["arch"] == "vit" else "tokens"
-    fig, (ax_c, ax_l) = plt.subplots(1, 2, figsize=(8, 3))
-    for c, (label, seeds) in enumerate(lines):
-        specs = [s["results"][kind]["norm"]["spectral"] for s in seeds if "spectral" in s["results"][kind]["norm"]]
-        if not specs or len({len(s["spectrum"]) for s in specs}) > 1:  # not measured, or widths differ
-            continue
-        cum = np.cumsum(np.array([s["spectrum"] for s in specs]), axis=1)
-        ks = np.arange(1, cum.shape[1] + 1)
-        n99 = np.mean([s["n_pcs_0.99"] for s in specs])
-        plots.mean_band(ax_c, ks, list(cum), plots.color(c), f"{label}: {n99:.1f} PCs", marker="")
-        ax_c.axvline(n99, color=plots.color(c), ls=":", lw=1)
-        xs, ticks = plots.layer_positions(seeds[0]["layers"])
-        plots.mean_band(ax_l, xs, [_series(s, kind, "spectral", "n_pcs_0.99") for s in seeds], plots.color(c), label)
-        ax_l.set_xticks(xs, ticks, fontsize=8)
-    ax_c.axhline(0.99, color="grey", ls="--", lw=1)
-    ax_c.set(xscale="log", xlabel="principal components k", ylabel="explained variance")
-    ax_c.set_title("cumulative explained variance at norm", fontsize=9)
-    ax_c.legend(fontsize=7, loc="lower right")
-    ax_l.set(xlabel="layer", ylabel="PCs for 99% of the variance")
-    ax_l.set_title("n_pcs_0.99 vs layer", fontsize=9)
-    for ax in (ax_c, ax_l):
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"{name}: spectral decay of token representations", fontsize=10)
-    fig.tight_layout()
-    return save(fig, stem)
+    return plots.panels_figure(panels, f"{name}: token geometry at every block (mean, 95% interval over seeds)", stem,
+                               draw)
 
 
 def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
@@ -270,7 +174,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
             print(f"[figures] skipped the layer figures of {name}: no analysis.json (run python -m analysis "
                   f"checkpoint=<run>/ckpt/last.pt on its runs)", flush=True)
         else:
-            for draw in (draw_anova, draw_spectrum, draw_collapse):
+            for draw in (plots.draw_anova, plots.draw_spectrum, plots.draw_collapse):
                 paths += draw(lines, out / f"{draw.__name__[5:]}_{name}", name)
             paths += draw_blocks(recs, out / f"blocks_{name}", name)
         if pca_maps and recs[0]["arch"] == "vit":
