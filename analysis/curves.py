@@ -39,8 +39,9 @@ BANDS = ("sd", "minmax", "ci")
 X_KEYS = ("step", "epoch")
 
 
-def default_metrics(records, logged) -> list[str]:
+def default_metrics(logged) -> list[str]:
     """The loss, then every val_* metric the runs logged (sorted): what metrics=null draws."""
+    # the loss first, then every validation metric: what a reader checks before any verdict
     keys = {m[len("log."):] for m in logged["metric"].unique()}
     return [k for k in ("loss", "val_loss") if k in keys] + sorted(
         k for k in keys if k.startswith("val_") and k != "val_loss")
@@ -49,7 +50,9 @@ def default_metrics(records, logged) -> list[str]:
 def band_of(xs: list[float], band: str) -> tuple[float, float, float]:
     """(mean, lo, hi) of the seeds' values at one x: lo..hi is +-1 sample sd (sd), the seeds'
     range (minmax) or the 95% t interval of the mean (ci); lo = hi = mean for one value."""
+    # (analysis.stats: the same mean, sd and t interval as the tables)
     s = describe(xs)
+    # (minmax: the seeds' range; sd: their spread; ci: where the mean may be)
     if band == "minmax":
         return s.mean, min(xs), max(xs)
     if s.n < 2:
@@ -59,6 +62,7 @@ def band_of(xs: list[float], band: str) -> tuple[float, float, float]:
 
 def line_stats(points: dict[float, list[float]], band: str) -> dict:
     """One line's numbers: x (sorted), mean, lo, hi and n (seeds) at each x."""
+    # the numbers drawn, also written to <out>.json (a figure's data for one's own plot)
     xs = sorted(points)
     stats = [band_of(points[x], band) for x in xs]
     return {"x": xs, "mean": [s[0] for s in stats], "lo": [s[1] for s in stats], "hi": [s[2] for s in stats],
@@ -67,10 +71,11 @@ def line_stats(points: dict[float, list[float]], band: str) -> dict:
 
 def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title: Optional[str] = None):
     """One panel per entry of `panels` {title: (ylabel, {label: {x: [value per seed]}})}, one line
-    per label (the mean, a band by `band_of`), at most 3 panels a row; writes stem.png (130 dpi)
-    and stem.pdf. Returns (the figure's axes, the paths): the figure is closed."""
-    from analysis.plots import plt
+    per label (the mean, a band by `band_of`), at most 3 panels a row; writes stem.png and
+    stem.pdf. Returns (the figure's axes, the paths): the figure is closed."""
+    from analysis.plots import plt, save
 
+    # at most 3 panels a row: a figure of 5 metrics stays readable on a page
     cols = min(len(panels), 3)
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
@@ -78,7 +83,9 @@ def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title
     for ax, (name, (ylabel, lines)) in zip(axes, panels.items()):
         for label, points in lines.items():
             s = line_stats(points, band)
+            # the line the mean, its colour shared by the band
             line, = ax.plot(s["x"], s["mean"], marker="o", ms=3, label=label)
+            # (one seed: lo = hi = mean, no band)
             ax.fill_between(s["x"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15)
         ax.set_title(name)
         ax.set_xlabel(xlabel)
@@ -90,11 +97,7 @@ def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = [stem.with_suffix(s) for s in (".png", ".pdf")]
-    for p in paths:
-        fig.savefig(p, dpi=130)
-    plt.close(fig)
+    paths = save(fig, stem)  # (also closes the figure)
     return axes[:len(panels)], paths
 
 
@@ -109,6 +112,7 @@ def _roots(cfg) -> list[Path]:
     folders = []
     for item in items:
         if glob.has_magic(item):
+            # a quoted glob picks runs by name (runs='runs/deit3/digits/vitt_*'): one line per k still
             found = sorted(p for p in glob.glob(item) if Path(p).is_dir())
             if not found:
                 raise ConfigError(f"runs={item}: the pattern matches no folder; check it (quoted, e.g. "
@@ -126,8 +130,10 @@ def collect_curves(records: list[dict], metrics: list[str], x: str = "step", log
     from analysis.runs import arm_label, experiments, frame, sort_key
 
     logged = frame(records, logs=True) if logged is None else logged
-    # a point per x: the last value logged there (an epoch's last step; a resumed run's rerun)
+    # a line per (experiment, k, mode); a run that never logged a metric adds nothing to its panel
+    # (runs of different trainers share a folder: a DINO run has no val_loss)
     logged = logged[logged["metric"].isin([f"log.{m}" for m in metrics]) & logged[x].notna()]
+    # a point per x: the last value logged there (an epoch's last step; a resumed run's rerun)
     logged = logged.drop_duplicates(["run_dir", "metric", x], keep="last")
     data, notes = {m: {} for m in metrics}, []
     exps = experiments(records)
@@ -140,6 +146,7 @@ def collect_curves(records: list[dict], metrics: list[str], x: str = "step", log
                 notes.append(f"{r['run_dir']}: {why}; left out")
                 continue
             label = arm_label(r["k_label"], r["mode"])
+            # the experiment named only when there are several: the usual one-folder call keeps short labels
             label = f"{exp} {label}" if len(exps) > 1 else label
             for m, at, v in zip(mine["metric"], mine[x], mine["value"]):
                 data[m[len("log."):]].setdefault(label, {}).setdefault(at, []).append(v)
@@ -150,6 +157,7 @@ def _seeds(lines: dict) -> dict:
     """Line labels with their number of seeds: "k=1 (2 seeds)"."""
     out = {}
     for label, points in lines.items():
+        # the most seeds at any step: a seed that did not log a step is left out of that step's mean only
         n = max(len(v) for v in points.values())
         out[f"{label} ({n} seed{'s' if n > 1 else ''})"] = points
     return out
@@ -168,12 +176,14 @@ def run(cfg: DictConfig) -> dict:
     if cfg.x not in X_KEYS:
         raise ConfigError(f"x={cfg.x}: choose one of {', '.join(X_KEYS)} (the fields every metrics.jsonl line has)")
     roots = _roots(cfg)
+    # unfinished runs too: a learning curve is most useful while a run trains
     records = [r for r in (read_run(d) for d in find_runs(roots)) if r is not None]
     if not records:
         raise ConfigError(f"runs={cfg.runs}: no run directories (folders with a run's config.yaml) found there")
+    # (the tidy table of analysis.runs; the curves are its "log." rows)
     logged = frame(records, logs=True)  # the runs' metrics.jsonl, read once
     logged = logged[logged["metric"].str.startswith("log.")]
-    metrics = list(cfg.metrics) if cfg.metrics is not None else default_metrics(records, logged)
+    metrics = list(cfg.metrics) if cfg.metrics is not None else default_metrics(logged)
     if not metrics:
         raise ConfigError(f"runs={cfg.runs}: the runs logged no loss or val_* metric; name some with metrics=[...]")
     stem = Path(cfg.out) if cfg.out else roots[0] / "curves"
@@ -181,6 +191,7 @@ def run(cfg: DictConfig) -> dict:
     data, notes = collect_curves(records, metrics, cfg.x, logged)
     for note in notes:
         print(f"[curves] {note}", flush=True)
+    # a metric nobody logged: a note, not an empty panel
     missing = [m for m in metrics if m not in data]
     if not data:
         raise ConfigError(f"metrics={metrics}: no run logged any of them; see the keys of a run's metrics.jsonl")
@@ -190,6 +201,7 @@ def run(cfg: DictConfig) -> dict:
     n = len(records) - len(notes)
     axes, paths = draw_curves(panels, stem, cfg.band, cfg.x, f"{n} run{'s' if n > 1 else ''}: mean over seeds, "
                                                              f"{SPREAD[cfg.band]}")
+    # the numbers behind every line, as drawn
     numbers = {m: {label: line_stats(points, cfg.band) for label, points in lines.items()}
                for m, (_, lines) in panels.items()}
     paths.append(write_json(stem.with_suffix(".json"), {"band": cfg.band, "x": cfg.x, "metrics": numbers}, indent=1))

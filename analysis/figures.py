@@ -47,8 +47,10 @@ def _lines(records: list[dict]) -> list[tuple[str, list[dict]]]:
     """(label, analysis.json contents of its seeds) per (k, mode), in k order: the lines."""
     by: dict = {}
     for r in records:
+        # a run not analysed has no line (the figure says which are missing)
         if r.get("analysis"):
             by.setdefault((r["k"], r["mode"]), []).append((r, json.loads(Path(r["analysis"]).read_text())))
+    # one line per arm (k, mode): its seeds' analyses, pooled by the drawers
     lines = []
     for k, mode in sorted(by, key=lambda km: (sort_key(km[0]), km[1])):
         runs = by[(k, mode)]
@@ -62,9 +64,12 @@ def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     metric, a line per arm (k, mode), the mean over seeds with its 95% interval as a band."""
     rows = per_block(records)
     layers = layer_order(records)
+    # every layer any run measured, on one x axis
     xs, ticks = plots.layer_positions(layers)
     labels = {(r["k"], r["mode"]): r["k_label"] for r in records}
+    # fixed arms by k, then learned ones: the same colour for the same arm in every panel
     arms = sorted(set(zip(rows["k"], rows["mode"])), key=lambda a: (a[1] != "fixed", sort_key(a[0])))
+    # (a log axis for NC1 and CDNV, which span decades over depth)
     panels = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
               if (rows["metric"] == key).any()]
     if not panels:  # analysed without any headline metric (e.g. metrics=[cdnv])
@@ -73,6 +78,7 @@ def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     def draw(ax, panel):
         for c, (k, mode) in enumerate(arms):
             at = rows[(rows["metric"] == panel[0]) & (rows["k"] == k) & (rows["mode"] == mode)].set_index("layer")
+            # (an arm analysed at fewer layers has fewer points, not a line through missing ones)
             pts = [(x, at.loc[n]) for x, n in zip(xs, layers) if n in at.index]
             if not pts:
                 continue
@@ -93,6 +99,7 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
     panels = []
     for name, recs in experiments(records).items():
         spec = metrics.get(recs[0]["trainer"])
+        # per-layer lists of k have no place on a k axis: left out of this figure
         rows = [g for g in aggregate(recs, spec["metric"]).to_dict("records") if isinstance(g["k"], int)] if spec else []
         if rows:
             panels.append((name, spec, rows))
@@ -108,10 +115,12 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
             g_m = sorted((g for g in rows if g["mode"] == mode), key=lambda g: g["k"])
             ks = [g["k"] for g in g_m]
             col = plots.color(c)
+            # (the seeds as dots beside the mean +-1 sd)
             for g in g_m:  # every seed, so a mean of two far-apart runs is not mistaken for a trend
                 ax.plot([g["k"]] * g["n"], g["values"], "o", color=col, alpha=0.45, ms=4, mec="none")
             ax.errorbar(ks, [g["mean"] for g in g_m], yerr=[0.0 if g["n"] < 2 else g["sd"] for g in g_m], color=col,
                         marker="s", ms=4, capsize=3, label=f"{mode}: mean ± sd over seeds")
+        # (the k trained, not a range: 0, 1, 3 of 3)
         ax.set_xticks(sorted({g["k"] for g in rows}))
         ax.set(xlabel="Laplacian heads per layer k", ylabel=spec["label"])
         ax.set_title(name, fontsize=9)
@@ -129,6 +138,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
     from analysis.geometry import eval_split, load_for_analysis
     from analysis.pca_maps import THRESHOLD, denormalize, draw_pca_grid, model_maps
 
+    # one checkpoint per arm: a map is of one model (a mean of maps would blur exactly what it shows)
     picks: dict = {}  # (k, mode) -> its lowest-seed run with a checkpoint
     for r in sorted(records, key=lambda r: (sort_key(r["k"]), r["mode"], sort_key(r["seed"]))):
         if Path(r["checkpoint"]).is_file():
@@ -145,6 +155,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
             x, labels = torch.stack([im for im, _ in items]), [int(y) for _, y in items]
             images = denormalize(x, data["mean"], data["std"])
         tag = arm_label(r["k_label"], mode)
+        # the paper's foreground rule (sign of the first component), as python -m analysis draws it
         maps[f"{r['model']} ({tag} Laplacian, seed {r['seed']})"] = model_maps(model, x, layer, THRESHOLD)
         names.append(f"{r['model']}_{tag}_s{r['seed']}")
         del model
@@ -163,6 +174,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
         device: where the PCA-map models run; seed: the fixed image order.
     """
     out = Path(out)
+    # each figure is skipped with a note when the runs do not hold its data
     paths = draw_vs_k(records, vs_k, out / "vs_k")
     if not paths:
         print(f"[figures] skipped vs_k: no finished run of a trainer in vs_k ({', '.join(vs_k)}) has its metric",
@@ -188,6 +200,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
 def run(cfg: DictConfig) -> list[Path]:
     """Collect the runs of cfg.runs and draw every figure; returns the written paths."""
     roots = runs_roots(cfg, "analysis.figures")
+    # (a run still training would pass for a finished one)
     records = [r for r in collect(roots) if r["finished"]]
     print(f"[figures] {len(records)} finished runs under {', '.join(map(str, roots))}", flush=True)
     out = Path(cfg.out) if cfg.out else roots[0] / "figures"

@@ -33,6 +33,7 @@ def checkpoint_gates(path) -> dict[str, list[float]]:
     from laplace.attention import learned_gates
     from laplace.checkpoint import load_model
 
+    # the gates as the engine logs them (sigmoid of the logits), read from the model the run saved
     return learned_gates(load_model(path))
 
 
@@ -44,9 +45,11 @@ def _start(record: dict, depth: int, heads: int) -> tuple[list[list[float]], lis
     from laplace.errors import UserError
 
     notes = []
+    # (their start is where the pre-training left them, not the init rule)
     if record.get("init_from"):  # fine-tuning loads the pre-training's gates
         try:
             loaded = checkpoint_gates(record["init_from"])
+        # (the note says so, and the start falls back to the init rule)
         except UserError as e:  # moved or deleted since, or timm weights (no gates)
             loaded, why = {}, str(e)
         else:
@@ -55,6 +58,7 @@ def _start(record: dict, depth: int, heads: int) -> tuple[list[list[float]], lis
             return list(loaded.values()), notes
         notes.append(f"{record['run_dir']}: start from the init rule: its init_from is not read ({why})")
     k = record["k"]
+    # the init rule, per block: the k Laplacian heads start above 0.5, the others below
     counts = laplacian_counts(list(k) if isinstance(k, tuple) else k, depth, heads)
     return [torch.sigmoid(gate_start_logits(heads, c)).tolist() for c in counts], notes
 
@@ -70,6 +74,7 @@ def run_gates(record: dict) -> Optional[dict]:
 
     if not Path(record["checkpoint"]).is_file():
         return None
+    # the end from the checkpoint itself (the logged trajectory may stop short of the last step)
     end = checkpoint_gates(record["checkpoint"])
     if not end:
         return None
@@ -77,7 +82,9 @@ def run_gates(record: dict) -> Optional[dict]:
     heads = len(end[layers[0]])
     start, notes = _start(record, len(layers), heads)
     keys = [[f"gate.{layer}.h{h}" for h in range(heads)] for layer in layers]
+    # the engine logs every gate at every log step; a record without them (another trainer) is skipped
     logs = [r for r in logged(record["run_dir"], "train") if all(k in r for ks in keys for k in ks)]
+    # (a trajectory of two points: the start and the checkpoint's end)
     if not logs:  # a run of a trainer that did not log them: its two known points
         notes.append(f"{record['run_dir']}/metrics.jsonl: no gate.<layer>.h<head> records; its trajectory "
                      f"is the start and the end only")
@@ -89,6 +96,7 @@ def run_gates(record: dict) -> Optional[dict]:
 def _pool(per_run: list[list[list[float]]]) -> tuple[list, list, list]:
     """[run][block][head] -> [block][head] means, and the lows and highs of their 95% intervals
     (NaN with one seed)."""
+    # (analysis.stats: the same mean and t interval as every other table)
     stats = [[describe(vals) for vals in zip(*blocks)] for blocks in zip(*per_run)]
     return tuple([[getattr(s, f) for s in row] for row in stats] for f in ("mean", "lo", "hi"))
 
@@ -103,10 +111,12 @@ def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dic
     """
     by: dict = {}
     for r in records:
+        # learned-gate runs only; seeds of one recipe pool (analysis.runs.GROUP_KEYS)
         if r["mode"] == "learned" and r["finished"]:
             by.setdefault(tuple(r.get(f) for f in GROUP_KEYS), []).append(r)
     groups, names = [], set()
     for key in sorted(by, key=lambda k: tuple(sort_key(v) for v in k)):
+        # seeds in order; a run whose checkpoint is gone is left out and said (skipped)
         pairs = [(r, g) for r in sorted(by[key], key=lambda r: sort_key(r["seed"])) for g in [run_gates(r)] if g]
         if skipped is not None:
             done = {r["run_dir"] for r, _ in pairs}
@@ -117,15 +127,19 @@ def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dic
         recs, runs = [r for r, _ in pairs], [g for _, g in pairs]
         first = recs[0]
         # the trainer too: DINO and DeiT-III train the same family on the same data
+        # the trainer in the name: DINO and DeiT-III train the same family on the same data
         name = f"{first['trainer']}_{first['dataset']}_{first['family']}_k{first['k_label']}"
         name = name if name not in names else f"{name}_{first['recipe_id']}"  # a second recipe
         names.add(name)
+        # the steps every seed logged: a mean over seeds at each of them
         steps = sorted(set.intersection(*(set(g["steps"]) for g in runs)))
+        # [run][step][block][head] at the common steps
         at = [[g["trajectory"][g["steps"].index(s)] for s in steps] for g in runs]
         group = {"name": name, "trainer": first["trainer"], "k_label": first["k_label"], "recipe": first["recipe"],
                  "n": len(runs), "seeds": [r["seed"] for r in recs], "run_dirs": [r["run_dir"] for r in recs],
                  "layers": runs[0]["layers"], "heads": len(runs[0]["end"][0]), "steps": steps,
                  "notes": [n for g in runs for n in g["notes"]]}
+        # each seed's move end - start, then pooled: its interval says whether a head moved beyond the seeds' spread
         moves = [[[e - s for s, e in zip(s_row, e_row)] for s_row, e_row in zip(g["start"], g["end"])] for g in runs]
         for what, per_run in (("start", [g["start"] for g in runs]), ("end", [g["end"] for g in runs]),
                               ("move", moves)):
@@ -147,6 +161,7 @@ def _heads(g: dict):
 
 def summary(g: dict) -> list[str]:
     """Does training make heads Laplacian, and which ones: a few lines over every gate."""
+    # every gate of the group: (layer, head, start, end, move, move lo, move hi)
     cells = list(_heads(g))
     n = len(cells)
     # a move is told apart from the seeds' spread when its 95% interval excludes 0
@@ -155,6 +170,7 @@ def summary(g: dict) -> list[str]:
     spread = f"{beyond(up)} with a 95% interval above 0" if g["n"] > 1 else "no interval with one seed"
     lines = [f"moved toward Laplacian (end > start): {len(up)} of {n} heads ({100 * len(up) / n:.0f}%; "
              f"{spread}); away from it: {len(down)}" + (f" ({beyond(down)} below 0)" if g["n"] > 1 else "")]
+    # a > 0.5: a head more Laplacian than standard at the end
     above = [c for c in cells if c[3] > 0.5]
     lines.append(f"ended above 0.5: {len(above)} of {n} heads (started above 0.5: "
                  f"{sum(c[2] > 0.5 for c in cells)})" + (": " + ", ".join(f"{c[0]} h{c[1]} {c[3]:.3f}" for c in above)
@@ -163,6 +179,7 @@ def summary(g: dict) -> list[str]:
                          ("toward standard", [c for c in down if c[3] <= 0.5 < c[2]])):
         if crossed:
             lines.append(f"crossed 0.5 {way}: " + ", ".join(f"{c[0]} h{c[1]}" for c in crossed))
+    # the largest move either way, with its interval
     top = max(cells, key=lambda c: abs(c[4]))
     ci = "" if g["n"] < 2 else f" [{top[5]:+.3g}, {top[6]:+.3g}]"
     lines.append(f"moved most: {top[0]} h{top[1]} {top[2]:.3f} -> {top[3]:.3f} ({top[4]:+.3g}{ci})")
@@ -186,8 +203,10 @@ def gate_table(g: dict) -> pd.DataFrame:
 def to_markdown(g: dict) -> str:
     """A group as a Markdown table (block x head: start → end [95% interval]), its runs and summary."""
     t = gate_table(g)
+    # start → end [the end's 95% interval over seeds]
     t["text"] = [f"{s:.3f} → {e:.3f}" + ("" if g["n"] < 2 else f" [{lo:.3f}, {hi:.3f}]")
                  for s, e, lo, hi in zip(t["start"], t["end"], t["end_lo"], t["end_hi"])]
+    # long -> wide: a row per block, a column per head
     grid = t.pivot(index="layer", columns="head", values="text").reindex(g["layers"])
     grid = grid.rename(index=lambda n: n.rsplit(".", 1)[-1], columns=lambda h: f"h{h}").reset_index()
     seeds = ", ".join(map(str, g["seeds"]))
@@ -206,6 +225,7 @@ def to_csv(g: dict) -> str:
 
 def write_gate_tables(records: list[dict], out, echo: bool = True) -> list[Path]:
     """out/gates_<exp>.{md,csv} for every learned-gate experiment of `records`; the paths."""
+    # a table per experiment with learned gates: gates_<trainer>_<data>_<family>_k<k>.{md,csv}
     paths, skipped = [], []
     for g in gate_groups(records, skipped):
         md = to_markdown(g)
@@ -233,6 +253,7 @@ def draw_gates(g: dict, stem: Path) -> list[Path]:
 
     nb = len(g["layers"])
     cols = min(nb, 4)
+    # two rows per row of blocks: the gate, and its change from the start below it
     rows = 2 * -(-nb // cols)
     fig, axes = plots.plt.subplots(rows, cols, figsize=(3.2 * cols, 2.3 * rows), squeeze=False)
     steps, mean = np.array(g["steps"]), np.array(g["traj"])
@@ -241,6 +262,7 @@ def draw_gates(g: dict, stem: Path) -> list[Path]:
     for b in range(nb):
         ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
         for h in range(g["heads"]):
+            # dashed: the heads that started Laplacian
             lap = start[b, h] > 0.5
             for ax, shift in ((ax_a, 0.0), (ax_d, start[b, h])):
                 ax.plot(steps, mean[:, b, h] - shift, "--" if lap else "-", color=plots.color(h), lw=1.4,

@@ -75,6 +75,8 @@ def stream_frame(block) -> dict:
     """How a block's attention reads and writes the stream: {gain, center, scale} (LayerNorm
     gain or None, whether the norm centres the features, LayerScale's gamma or None)."""
     norm, ls = getattr(block, "norm1", None), getattr(block, "ls1", None)
+    # the norm's gain enters the head's read side, LayerScale its write side: without them the
+    # eigen-mass is of W_v W_o alone (a toy moved 0.93 -> 0.77 with them, 0.50 with mixed-sign LayerScale)
     is_ln = isinstance(norm, nn.LayerNorm)  # the ViT (timm's LayerNorm too); the GPT: RMSNorm, no module
     gain = norm.weight.detach().double() if is_ln and norm.weight is not None else None
     scale = getattr(ls, "gamma", None)
@@ -103,6 +105,7 @@ def sym_eigenvalues(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     J[:d, d:] = J[d:, :d] = torch.eye(d, dtype=A.dtype, device=A.device)
     H = (R.T @ J @ R) / 2  # similar to G^1/2 J G^1/2 / 2 (conjugated by Q)
     e = torch.linalg.eigvalsh((H + H.T) / 2)
+    # (a head that writes into the subspace it reads has U of rank d: then no eigenvalue need be positive)
     keep = e.abs() > 1e-10 * e.abs().max()  # U's rank may be below 2d (e.g. 2d > D): its zeros are not Sym's
     return e[keep] if keep.any() else e
 
@@ -115,6 +118,7 @@ def weight_spectrum(attn, gain=None, center: bool = False, scale=None) -> list[d
     if center:  # LayerNorm subtracts each token's feature mean: Pi = I - 1 1^T / D
         read = read - 1.0 / D
     if gain is not None:
+        # (row vectors: x Pi diag(g) scales the columns of Pi)
         read = read * gain.to(read)  # Pi diag(g)
     write = torch.ones(D, dtype=Wv.dtype, device=Wv.device) if scale is None else scale.to(Wv)
     out = []
@@ -142,6 +146,7 @@ def head_outputs(attn, x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     v = v.view(B, N, H, dh).transpose(1, 2)  # [B, H, N, dh]
     pv = P.double() @ v
     a = attn.gates().detach().double().view(1, H, 1, 1)
+    # the gate a mixes the two kinds of head: a = 0 a softmax head (PV), a = 1 a Laplacian one (V - PV)
     y = a * v + (1 - 2 * a) * pv  # (1 - a) PV + a (V - PV)
     return torch.einsum("bhnd,ehd->bhne", y, Wo.view(D, H, dh))
 
@@ -182,6 +187,7 @@ class HeadAccumulator:
         input (normed), P [B, H, N, N] its heads' matrices, out (optional) its output, checked
         against the heads' sum (recon_err). Folded in chunks of sequences (CHUNK_ELEMENTS)."""
         B, N, D = x.shape
+        # whole sequences per chunk: each sequence's mean is part of the within-sequence terms
         step = max(1, self.CHUNK_ELEMENTS // (self.attn.num_heads * N * max(N, D)))
         for i in range(0, B, step):
             self._update(stream[i:i + step], x[i:i + step], P[i:i + step], None if out is None else out[i:i + step])
@@ -192,6 +198,7 @@ class HeadAccumulator:
         if out is not None:
             bias = self.attn.proj.bias
             full = O.sum(1) + (0 if bias is None else bias.double())
+            # the heads' parts must sum to what the module computed: a check that O_h is the head's term
             err = (full - out.double()).norm() / out.double().norm().clamp_min(1e-30)
             self._err = torch.maximum(self._err, err)
         if self.frame["scale"] is not None:
@@ -205,6 +212,7 @@ class HeadAccumulator:
         self.os += ip.sum((0, 2))
         self.oo += oo.sum((0, 2))
         self.ss += ss.sum((0, 2))
+        # per-token cosines where both vectors are nonzero (a GPT's first position attends only to itself)
         prod = oo * ss
         ok = prod > 1e-300
         self.cos_sum += torch.where(ok, ip / prod.clamp_min(1e-300).sqrt(), 0).sum((0, 2))
@@ -214,6 +222,7 @@ class HeadAccumulator:
         xc = s64 - s64.mean(1, keepdim=True)
         self.xc_o += torch.einsum("bnd,bhnd->h", xc, O)
         self.x_o += torch.einsum("bnd,bhnd->h", s64, O)
+        # (<x - mean, D> = <x, D> - mean . sum D: the mean over all tokens is known at the end only)
         self.o_sum += O.sum((0, 2))
         self.x_sum += s64.sum((0, 1))
         self.wx += (xc * xc).sum()
@@ -231,6 +240,7 @@ class HeadAccumulator:
         mean = self.x_sum / max(self.tokens, 1)
         xm_o = (self.x_o - self.o_sum @ mean).tolist()  # <x - mean(x), D_h>
         W, X = self.wx.item(), self.xx.item()
+        # share = W / T, so d share = share (dW / W - dT / T) to first order
         T = X - self.tokens * (mean @ mean).item()  # the total sum of squares about the mean
         heads = []
         for h, spec in enumerate(weight_spectrum(attn, **self.frame)):
@@ -256,6 +266,7 @@ def _hooks(model, accs: dict):
         return args, {**kwargs, "return_attn": True}
 
     for i, blk in enumerate(model.blocks):
+        # (i=i: each hook keeps its own block's index)
         def keep(module, args, i=i):
             streams[i] = args[0]
 
@@ -284,12 +295,14 @@ def head_mechanism(model, dataset, batch_size: int = 64, num_workers: int = 0, p
     from tqdm.auto import tqdm
 
     dev = next(model.parameters()).device
+    # (the geometry's ViT ANOVA is of the patch tokens: the mechanism measures the same tokens)
     skip = 1 if hasattr(model, "patch_embed") else 0  # the ViT's class token is not a patch token
     accs = {f"blocks.{i}": HeadAccumulator(blk.attn, stream_frame(blk), skip) for i, blk in enumerate(model.blocks)}
     handles = _hooks(model, accs)
     try:
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
         for x, _ in tqdm(loader, desc="mechanism", disable=not progress, leave=False):
+            # norm=False: the final norm is not needed, and blocks past the last hooked one are skipped
             model.forward_features(x.to(dev), norm=False)
     finally:
         for h in handles:
@@ -307,6 +320,7 @@ def summary(heads: dict[str, list[dict]]) -> dict:
         out = {}
         for key in SUMMARY_KEYS:
             for g in TYPES:
+                # (a head whose numbers are NaN, e.g. an all-zero output, is left out of its type's mean)
                 vals = [h[key] for h in hs if type_group(h["type"]) == g and math.isfinite(h.get(key, math.nan))]
                 if vals:
                     out[f"{key}.{g}"] = statistics.fmean(vals)
@@ -392,6 +406,7 @@ def draw_mechanism(result: dict, stem: Path) -> list[Path]:
         for h in heads[layer]:
             for k in grid:
                 grid[k][i, h["head"]] = h.get(k, np.nan)
+    # symmetric colour limits: 0 (neither smooths nor sharpens) is white
     lim = {k: (np.nanmax(np.abs(grid[k])) if np.isfinite(grid[k]).any() else 1.0) for k in ("dvar", "dshare")}
     panels = (("cos_smooth", "cos(head's part, Px - x)\n> 0: smooths", "RdBu", -1, 1),
               ("dvar", "d within-seq. variance (rel.)\n< 0: smooths", "RdBu_r", -lim["dvar"], lim["dvar"]),

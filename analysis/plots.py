@@ -45,6 +45,7 @@ def color(i: int) -> str:
 
 def run_label(res: dict) -> str:
     """Legend text: the model name and its Laplacian heads, e.g. 'vitt_3L (3/3 Laplacian)'."""
+    # (a per-layer list of k is written 0/0/6/6)
     k = res["num_laplacian_heads"]
     k = k if isinstance(k, int) else "/".join(map(str, k))
     return res.get("label") or f"{res['model']} ({k}/{res['num_heads']} Laplacian)"
@@ -55,6 +56,7 @@ def layer_positions(layers: Sequence[str]):
     xs, ticks = [], []
     for name in layers:
         if name == "norm":
+            # the final norm one step after the last block: it reads that block's output
             xs.append((xs[-1] + 1) if xs else 0)
             ticks.append("norm")
         else:
@@ -90,12 +92,14 @@ def panels_figure(panels, title: str, stem: Path, draw, cols: int = 3) -> list[P
     """One panel per spec (..., sub title, log y): `draw(ax, spec)` draws its lines vs layer; the
     legend once, below the panels."""
     rows = -(-len(panels) // cols)
+    # squeeze=False: one panel is still a grid of axes
     fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.7 * rows), squeeze=False)
     axes = axes.ravel()
     for ax, spec in zip(axes, panels):
         draw(ax, spec)
         ys = [v for line in ax.get_lines() for v in line.get_ydata() if math.isfinite(v)]
         # a log axis where asked (NC1 and CDNV span decades over depth) and the values allow it
+        # (a near-constant series on a log axis gets unreadable ticks)
         if spec[-1] and ys and min(ys) > 0 and max(ys) / min(ys) > 10:
             ax.set_yscale("log")
         ax.set_title(spec[-2], fontsize=9)
@@ -120,8 +124,10 @@ def layer_figure(lines, panels, title: str, stem: Path, cols: int = 3) -> list[P
             # seeds analysed over other layers (layers=[...]) cannot share a mean: left out
             layers = seeds[0]["layers"]
             xs, ticks = layer_positions(layers)
+            # (a layer a seed did not measure is NaN: left out of that position's mean)
             ys = [series(s, kind, group, key) for s in seeds if s["layers"] == layers]
             if not all(math.isnan(v) for y in ys for v in y):
+                # n in the legend only when lines pool seeds (one checkpoint per line needs none)
                 n = f" (n={len(ys)})" if len(lines[0][1]) > 1 or len(ys) > 1 else ""
                 mean_band(ax, xs, ys, color(c), label + n)
             ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
@@ -175,14 +181,17 @@ def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> lis
             from laplace.errors import ConfigError
 
             raise ConfigError(f"spectrum_layer={layer}: not among the measured layers {seeds[0]['layers']}")
+        # (the seeds that measured the spectrum at this layer)
         specs = [s for s in specs if s]
         if not specs or len({len(s["spectrum"]) for s in specs}) > 1:  # not measured, or widths differ
             continue
+        # the seeds' mean normalised spectrum (all of one width: checked above)
         p = [sum(v) / len(v) for v in zip(*(s["spectrum"] for s in specs))]
         # numerically zero eigenvalues (LayerNorm's centring removes one direction) are left out
         # rather than drawn as a cliff down to the clamp
         nz = [(k, v) for k, v in enumerate(p, 1) if v > 1e-12]
         ax_s.plot([k for k, _ in nz], [v for _, v in nz], color=color(c), label=label)
+        # each seed's cumulative explained variance, banded over seeds
         cum = [[sum(s["spectrum"][:k + 1]) for k in range(len(p))] for s in specs]
         n99 = sum(s["n_pcs_0.99"] for s in specs) / len(specs)
         mean_band(ax_c, range(1, len(p) + 1), cum, color(c), f"{label}: {n99:.1f} PCs", marker="")
@@ -212,7 +221,9 @@ def draw_all(runs: list[dict], out_dir, spectrum_layer: str = "norm") -> list[Pa
     """Every figure the analysis.json results `runs` hold, a line per checkpoint; figures of
     metrics not measured are skipped (and an old copy of them in out_dir is removed)."""
     out_dir = Path(out_dir)
+    # the metric groups the analysis measured: a figure only for what is there
     have = {g for kinds in runs[0]["results"].values() for groups in kinds.values() for g in groups}
+    # a line per checkpoint (one "seed" each): the same drawers as per-experiment figures
     lines = [(run_label(r), [r]) for r in runs]
     paths = []
     if "anova" in have:

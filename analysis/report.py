@@ -29,6 +29,7 @@ from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
 
+# A plan's keys: a misspelt one (famly: role) would otherwise change nothing and pass unseen
 PLAN_KEYS = {"name", "title", "scope", "command", "family", "sensitivity", "paradigms", "claims", "steps",
              "equal_loss", "declared"}
 # The mechanism's per-head numbers the report pools (analysis/mechanism.py), their labels and formats.
@@ -43,18 +44,22 @@ def select(f: pd.DataFrame, metric: str, layer=None, step="final") -> pd.DataFra
     model (step="final": its results, its last analysis, or a log line at its last step) or of
     the checkpoint at `step`."""
     g = f[(f["metric"] == metric) & (f["layer"].isna() if layer is None else f["layer"] == layer)]
+    # (a logged metric, e.g. the training loss, is never "final": its line at the run's last step is)
     g = g[g["final"] | (g["step"] == g["steps"])] if step == "final" else g[g["step"] == step]
     # a final row wins over a kept checkpoint's of the same step (e.g. eval/ and ckpt/step_N_knn/)
+    # (one value per run: a pair is a seed's two runs)
     return g.sort_values("final", kind="stable").drop_duplicates("run_dir", keep="last")
 
 
 def by_seed(g: pd.DataFrame, k) -> dict:
     """{seed: value} of the fixed-mode runs with k Laplacian heads."""
+    # learned gates are their own arm: a claim compares fixed k with k = 0
     arm = g[(g["k"] == k) & (g["mode"] == "fixed")]
     return dict(zip(arm["seed"], arm["value"]))
 
 
 def _paradigm(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
+    # a paradigm's runs: the folder its experiment config names (runs/<trainer>/<experiment>/...)
     return f[f["experiment"] == plan.paradigms[name].experiment]
 
 
@@ -67,22 +72,27 @@ def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
     rows = []
     for c in plan.claims:
         p = plan.paradigms[c.paradigm]
+        # the claim's one value per run: its metric at its primary layer, of the final model
         g = select(_paradigm(f, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"))
         k = c.get("arm", p.arm)  # a claim may name its own arm (the LM's spectrum: all heads)
         base, arm = by_seed(g, 0), by_seed(g, k)
+        # (no common seed: the claim is reported as not measured, never as inconclusive)
         test = paired(base, arm) if set(base) & set(arm) else None
         rows.append({**OmegaConf.to_container(c), "layer": c.get("layer"), "role": c.get("role", "primary"), "k": k,
                      "heads": p.get("heads"), "base": describe(base.values()) if base else None,
                      "arm": describe(arm.values()) if arm else None, "test": test,
                      "p": test.p if test else math.nan})
     out = pd.DataFrame(rows)
+    # (a plan without claims still gets its descriptions)
     if out.empty:
         return out
     # the declared families, and the other choice as the sensitivity (see configs/plan/*.yaml)
+    # a family is the rows sharing these fields; Holm adjusts within it only
     family = {"paradigm": ["paradigm", "role"], "role": ["role"], "all": []}
     for col, choice in (("family", plan.family), ("sens", plan.sensitivity)):
         keys = family[choice]
         out[col] = out[keys].astype(str).agg(" / ".join, axis=1) if keys else "all"
+        # (transform: each row gets its family's adjusted p, in the rows' order)
         out[f"{col}_p"] = out.groupby(col)["p"].transform(lambda ps: holm(list(ps)))
         out[f"{col}_verdict"] = [verdict(t, s, hp) for t, s, hp in zip(out["test"], out["sign"], out[f"{col}_p"])]
     return out.rename(columns={"family_p": "holm_p", "family_verdict": "verdict"})
@@ -102,6 +112,7 @@ def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
     p, Holm's p in its family, the verdict (or, with `sensitivity`, the other family choice)."""
     out = []
     for r in rows.to_dict("records"):
+        # "3 of 3": the arm beside the paper's (ViT-B-12L: all heads; its LM: 5 of 10)
         t, k = r["test"], f"{r['k']}" + (f" of {r['heads']}" if r.get("heads") else "")
         d = "" if t is None else interval_text(t.d, t.lo, t.hi, t.n, signed=True) + (f", df {t.df}" if t.n > 1 else "")
         row = {"paradigm": r["paradigm"], "claim": r["claim"], "definition": r["definition"],
@@ -127,6 +138,7 @@ def paired_grid(f: pd.DataFrame, plan, claims, columns: list, at) -> pd.DataFram
     rows = []
     for c in claims:
         k = c.get("arm", plan.paradigms[c.paradigm].arm)
+        # (a description of where an effect appears: the same paired d and interval, no verdict)
         row = {"paradigm": c.paradigm, "definition": f"{c.definition} (k={k})"}
         for col in columns:
             g = select(_paradigm(f, plan, c.paradigm), c.metric, *at(c, col))
@@ -141,6 +153,7 @@ def arms_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     """Every arm of a paradigm (k, mode) with the final value of each claim's metric: mean ±
     sd (n)."""
     g0 = _paradigm(f, plan, name)
+    # every claim's metric once, as it is declared: the arms' raw values beside the paired tests
     cols = list(dict.fromkeys((c.metric, c.get("layer"), c.definition) for c in plan.claims if c.paradigm == name
                               and c.get("step", "final") == "final"))
     rows = []
@@ -159,6 +172,7 @@ def curve_points(f: pd.DataFrame, plan, name: str) -> dict:
     evaluation of every kept checkpoint, "knn.top1"): {arm label: {step: [value per seed]}}."""
     g = _paradigm(f, plan, name)
     g = g[g["metric"] == plan.paradigms[name].curve].sort_values("final", kind="stable")
+    # (a curve of a kept checkpoint's evaluations meets the final evaluation at the last step)
     g = g.drop_duplicates(["run_dir", "step"], keep="last")  # a final evaluation wins at its step
     out = {}
     for (k, mode), arm in sorted(g.groupby(["k", "mode"]), key=lambda km: (km[0][1] != "fixed", sort_key(km[0][0]))):
@@ -176,6 +190,8 @@ def curves_table(points: dict) -> tuple[pd.DataFrame, list[str]]:
         st = sorted(at)
         if len(st) > 1:
             late = next(s for s in st if s >= 0.75 * st[-1])
+            # the last quarter (from the first step at or after 75%) and the quarter before it: is it still
+            # learning? a verdict on an undertrained model says little
             late = st[-2] if late == st[-1] else late  # never an empty quarter
             mid = min(next(s for s in st if s >= 0.5 * st[-1]), late)
             lines.append(f"- {label}: {at[st[-1]].mean - at[late].mean:+.4g} from step {late} to {st[-1]}"
@@ -189,6 +205,7 @@ def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     """Per arm and head type, each run's mean over the heads of all layers, then the mean [95%
     interval] (n) over seeds; the eigen-mass beside its 0.5 null."""
     g = _paradigm(f, plan, name)
+    # each run's mean over the heads of a type in all layers: one number per run, so seeds are the unit
     g = g[g["final"] & (g["layer"] == "all") & g["metric"].str.startswith("mechanism.")]
     rows = []
     for (k, mode), arm in sorted(g.groupby(["k", "mode"]), key=lambda km: (km[0][1] != "fixed", sort_key(km[0][0]))):
@@ -212,16 +229,19 @@ def equal_loss(f: pd.DataFrame, plan, name: str, claims) -> tuple[pd.DataFrame, 
     val_loss is nearest L, and the paired d [95% interval] of each claim's metric there."""
     p = plan.paradigms[name]
     g = _paradigm(f, plan, name)
+    # the validation loss logged at each kept checkpoint's step (evaluations every 250 steps)
     loss = g[(g["metric"] == "log.val_loss") & g["step"].isin(list(plan.steps))]
     finals = select(g, "log.val_loss")
     means = [finals[finals["k"] == k]["value"].mean() for k in (0, p.arm)]
     if any(math.isnan(m) for m in means) or loss.empty:
         return pd.DataFrame(), "not measured: both arms need a final val_loss and val_loss at the kept checkpoints"
     target = max(means)  # the level both arms reach
+    # each run's kept checkpoint nearest L: coarse with 3 checkpoints, so their val_loss is printed
     near = loss.assign(gap=(loss["value"] - target).abs()).sort_values("gap").drop_duplicates("run_dir")
     chosen = dict(zip(near["run_dir"], near["step"]))
     rows = []
     for c in claims:
+        # (the geometry of the chosen checkpoint of each run; the arms may sit at different steps)
         vals = g[(g["metric"] == c.metric) & (g["layer"] == c.layer) & (g["step"] == g["run_dir"].map(chosen))]
         base, arm = by_seed(vals, 0), by_seed(vals, p.arm)
         t = paired(base, arm) if set(base) & set(arm) else None
@@ -249,8 +269,10 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
         ckpt = load_checkpoint(path)
         model = model_from_checkpoint(ckpt)
         ds, _ = eval_split(model, ckpt["config"]["data"], seed=0, max_tokens=None)
+        # the first n sequences of the fixed order: the same for every run
         x = torch.utils.data.default_collate([ds[i] for i in range(min(n, len(ds)))])[0]
         with torch.no_grad():
+            # the embedding as block 0 reads it: the ViT's patches + position + class token, the GPT's normed tokens
             h0 = model.embed(x) if hasattr(model, "embed") else rms_norm(model.wte(x))
             feats = model.forward_features(x, norm=False)
             hs = [h0] + [feats[f"blocks.{i}"] for i in range(len(model.blocks))]
@@ -261,11 +283,13 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
 # ----------------------------------------------------------------------------- the report
 
 def _md(df: pd.DataFrame) -> str:
+    # (text cells as they are: tabulate would re-read "0.50" as a number and reformat it)
     return df.to_markdown(index=False, disable_numparse=True) if len(df) else "(no runs)"
 
 
 def check_plan(plan) -> None:
     """Refuse a plan whose claims name an undeclared paradigm or family rule, in one line."""
+    # checked before any number is read: a bad plan is one line, not a traceback halfway
     bad = set(plan) - PLAN_KEYS
     if bad:
         raise ConfigError(f"plan.{sorted(bad)[0]}: not a plan key; keys: {', '.join(sorted(PLAN_KEYS))}")
@@ -286,7 +310,9 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     from analysis.tables import render_tables
 
     check_plan(plan)
+    # every number below is a view of this one table (analysis.runs.frame)
     f = frame(records, logs=True)
+    # the claims first: the report's point; everything after describes
     rows = claim_rows(f, plan)
     primary, secondary = (rows[rows["role"] == r] if len(rows) else rows for r in ("primary", "secondary"))
     unfinished = [r["run_dir"] for r in records if not r["finished"]]
@@ -295,25 +321,25 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
         lines += [f"**Partial: {len(unfinished)} of {len(records)} runs have not finished**; their latest analysed "
                   "checkpoint stands for their final model and their final results are absent. Not the study's "
                   "result.", ""]
-    lines += [
-             f"Command: `{plan.command}`. Plan: configs/plan/{plan.name}.yaml ({plan.declared}). Runs: "
-             + ", ".join(f"{n}: {_paradigm(f, plan, n)['run_dir'].nunique()} ({p.experiment})"
-                         for n, p in plan.paradigms.items()) + ". The paper's tables: tables/; figures: figures/.",
-             "", "## Claims", "",
-             "Each claim is decided once, on its primary object and layer: the baseline (k = 0) against the arm "
-             "k, over the seeds both have, by a paired t on the per-seed differences (the arms of a seed share "
-             "the data order and the initial weights); d is the mean difference with its 95% t interval and "
-             f"degrees of freedom; Holm's p is adjusted within the declared family ({plan.family}: "
-             + {"paradigm": "per paradigm and role", "role": "per role, all paradigms together",
-                "all": "every row one family"}[plan.family]
-             + "). Verdict: agrees / disagrees with the paper when Holm's p < 0.05, else inconclusive with the "
-               "interval of the effects the seeds leave possible. Arms: mean ± sd (n).", "",
-             "### Primary", "", _md(claims_table(primary)), "",
-             "### Secondary (other readings and layers, reported apart; Holm within their own family)", "",
-             _md(claims_table(secondary)), "",
-             f"### Sensitivity: the other family choice ({plan.sensitivity})", "",
-             _md(claims_table(rows, sensitivity=True)), ""]
+    lines += [f"Command: `{plan.command}`. Plan: configs/plan/{plan.name}.yaml ({plan.declared}). Runs: "
+              + ", ".join(f"{n}: {_paradigm(f, plan, n)['run_dir'].nunique()} ({p.experiment})"
+                          for n, p in plan.paradigms.items()) + ". The paper's tables: tables/; figures: figures/.",
+              "", "## Claims", "",
+              "Each claim is decided once, on its primary object and layer: the baseline (k = 0) against the arm "
+              "k, over the seeds both have, by a paired t on the per-seed differences (the arms of a seed share "
+              "the data order and the initial weights); d is the mean difference with its 95% t interval and "
+              f"degrees of freedom; Holm's p is adjusted within the declared family ({plan.family}: "
+              + {"paradigm": "per paradigm and role", "role": "per role, all paradigms together",
+                 "all": "every row one family"}[plan.family]
+              + "). Verdict: agrees / disagrees with the paper when Holm's p < 0.05, else inconclusive with the "
+                "interval of the effects the seeds leave possible. Arms: mean ± sd (n).", "",
+              "### Primary", "", _md(claims_table(primary)), "",
+              "### Secondary (other readings and layers, reported apart; Holm within their own family)", "",
+              _md(claims_table(secondary)), "",
+              f"### Sensitivity: the other family choice ({plan.sensitivity})", "",
+              _md(claims_table(rows, sensitivity=True)), ""]
     if len(rows):
+        # the claims as numbers (full precision) beside the Markdown: d, its interval and n per row
         sheet = rows.drop(columns=["test", "base", "arm"]).assign(
             d=[t.d if t else None for t in rows["test"]], lo=[t.lo if t else None for t in rows["test"]],
             hi=[t.hi if t else None for t in rows["test"]], n=[t.n if t else None for t in rows["test"]])
@@ -329,6 +355,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
         lines += [f"**{name}**: {p.curve}", "", _md(table), "", *change, ""]
         if points:
             panels[name] = (p.curve, points)
+    # the geometry claims read at the final norm: the rows of the per-block and per-step tables
     geo = [c for c in plan.claims if c.metric.startswith("geometry.") and c.get("layer") == "norm"]
     lines += ["## Every arm (final values, mean ± sd over seeds)", ""]
     for name in plan.paradigms:
@@ -377,6 +404,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
                   *[gates_markdown(g) for g in gates]]
     # the paper's tables and figures of the same runs, and the learning curves' figure
     render_tables(records, out / "tables", echo=False)
+    # (the metric-vs-k figure's metrics as `python -m analysis.figures` has them)
     vs_k = OmegaConf.to_container(OmegaConf.load(config_dir("figures") / "figures.yaml").vs_k)
     draw_figures(records, out / "figures", vs_k, pca_maps)
     if panels:
@@ -389,7 +417,9 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
 def run(cfg: DictConfig) -> Path:
     """Collect the runs of cfg.runs and write the report of cfg.plan to cfg.out."""
     roots = runs_roots(cfg, "analysis.report")
+    # (before the work: a read-only docs/ would fail after every figure was drawn)
     out = check_writable(Path(cfg.out), "out")
+    # a run still training would pass for a finished one: left out unless partial=true asks for a look
     records = [r for r in collect(roots) if r["finished"] or cfg.partial]
     if not records:
         raise ConfigError(f"runs={cfg.runs}: no finished runs there; train them first ({cfg.plan.command}), "

@@ -47,6 +47,7 @@ _MECH_AT_LAYER = re.compile(r"mechanism@(blocks\.\d+)\.(.+)")
 def _read_json(path: Path) -> Optional[dict]:
     try:
         return json.loads(path.read_text())
+    # (a run that is writing its results.json right now is read on the next call)
     except (OSError, ValueError):  # absent, or being written by a live run: treat as absent
         return None
 
@@ -71,6 +72,7 @@ def find_runs(roots: Iterable, unreadable: Optional[dict] = None) -> list[Path]:
     runs, seen = [], set()
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
+            # sorted: the same records in the same order on every machine (os.walk's order is the file system's)
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
             d = Path(dirpath).resolve()  # overlapping roots (runs=[runs,runs/deit3]) count a run once
             cfg, why = _yaml_or_error(d / "config.yaml") if "config.yaml" in filenames else ({}, None)
@@ -211,6 +213,7 @@ def _analyses(d: Path) -> dict[int, dict]:
     for path in sorted((d / "ckpt").glob("*_analysis/analysis.json")):
         a = _read_json(path)
         if a is not None and a.get("step") is not None:
+            # (by step, not by file name: the report compares checkpoints of the same step across runs)
             out.setdefault(int(a["step"]), {**a, "path": str(path)})
     return out
 
@@ -228,6 +231,8 @@ def read_run(run_dir) -> Optional[dict]:
     metrics = {}
     for sub in sorted(d.rglob("results.json"), key=lambda p: (len(p.parts), p)):  # its own first, then evaluations
         nested_run = sub.parent != d and (sub.parent / "config.yaml").exists()
+        # evaluations of the final model (eval/*/results.json) join the run's metrics; those of kept
+        # checkpoints (under ckpt/) are per step, below
         if "ckpt" not in sub.relative_to(d).parts[:-1] and not nested_run:
             extra = _read_json(sub) or {}
             metrics.update({k: v for k, v in flat_metrics(extra).items() if k not in metrics})
@@ -240,7 +245,9 @@ def read_run(run_dir) -> Optional[dict]:
                     for m in [re.fullmatch(r"step_(\d+)_.+", p.parent.name)] if m}
     # the final model's geometry: the analysis of the step the run ended at (last.pt's, or a kept
     # step_N.pt of the same step); an analysis of an earlier last.pt would mislabel it
+    # (a run still training: its latest analysed checkpoint)
     final = analyses.get(r.get("steps")) if res else analyses.get(max(analyses, default=None))
+    # an analysis of last.pt from before a resume measured an earlier model: said, not used
     notes = [f"{a['path']}: of step {s}, the run ended at step {r.get('steps')}; not its final model "
              f"(re-run python -m analysis)" for s, a in analyses.items()
              if res and s != r.get("steps") and a["path"].endswith("/last_analysis/analysis.json")]
@@ -334,6 +341,7 @@ def metric_value(record: dict, metric: Metric) -> Optional[float]:
     if callable(metric):
         v = metric(record)
         return v if v is None or math.isfinite(v) else None
+    # a list of keys: the first a run has (a results key spelt differently by two versions)
     for key in ([metric] if isinstance(metric, str) else metric):
         if key.startswith("geometry@"):
             at = _AT_LAYER.fullmatch(key)
@@ -364,6 +372,7 @@ def sort_key(v):
         return (0, 0)
     if isinstance(v, (int, float)):
         return (1, v)
+    # numbers before strings before tuples: a column of mixed k (7 and [0,0,6,6]) still sorts
     return (3, v) if isinstance(v, tuple) else (2, str(v))
 
 
@@ -386,6 +395,7 @@ def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
     for r in records:
         facts = {f: r.get(f) for f in FACTS}
 
+        # (one row per number: pandas groups, pivots and writes it; nothing below knows a file layout)
         def add(step, layer, metric, value, epoch=None, final=True):
             rows.append({**facts, "step": step, "epoch": epoch, "layer": layer, "metric": metric, "value": value,
                          "final": final})
@@ -397,6 +407,7 @@ def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
                 add(step, None, m, v, final=False)
         # the final analysis from layer_geometry (what a caller may have edited), the others as read
         last = r.get("analysis_step")
+        # the final analysis from layer_geometry, the record's own (a caller may have edited it)
         steps = {**r.get("step_geometry", {}), last: r["layer_geometry"]}
         for step, layers in steps.items():
             for layer, g in layers.items():
@@ -411,12 +422,15 @@ def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
         if logs and (Path(r["run_dir"]) / "metrics.jsonl").exists():
             from train.logger import read_metrics
 
+            # metrics.jsonl: the learning curves (every logged value at its step and epoch)
             for rec in read_metrics(r["run_dir"]):
                 for key, v in rec.items():
                     if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("step", "epoch"):
                         add(rec.get("step"), None, f"log.{key}", float(v), rec.get("epoch"), final=False)
     out = pd.DataFrame(rows, columns=[*FACTS, "step", "epoch", "layer", "metric", "value", "final"])
+    # NaN and inf are "not measured" (a sequence without variance, a diverged run): no row
     out = out[out["value"].map(lambda v: v is not None and math.isfinite(v))]
+    # a step logged twice (the run resumed before its last checkpoint) keeps the value of the run that went on
     return out.drop_duplicates(["run_dir", "metric", "layer", "step"], keep="last", ignore_index=True)
 
 
@@ -435,9 +449,11 @@ def aggregate(records: list[dict], metric: Metric, by: tuple = GROUP_KEYS) -> pd
             for r in records for v in [metric_value(r, metric)] if v is not None]
     if not rows:
         return pd.DataFrame(columns=[*by, "mean", "sd", "n"])
+    # groups in a stable order: the tables' rows do not depend on the order the runs were found
     rows.sort(key=lambda row: tuple(sort_key(row[f]) for f in by))
     flat = pd.DataFrame(rows)
     out = summarize(flat, by)
+    # each group's records, for the facts a table needs (its recipe, whether it fine-tunes)
     out["runs"] = [list(g["run"]) for _, g in flat.groupby(list(by), dropna=False, sort=False)]
     for f in ("recipe", "k_label", "arch"):
         out[f] = [runs[0].get(f) for runs in out["runs"]]
@@ -453,6 +469,7 @@ def experiments(records: list[dict]) -> dict[str, list[dict]]:
     names, out = {}, {}
     for key in sorted(groups, key=lambda k: tuple(map(str, k))):
         base = f"{key[1]}_{key[2]}"
+        # a second recipe of one dataset and family: named apart by its recipe id, never pooled
         name = base if base not in names else f"{base}_{key[3]}"
         names[name] = key
         out[name] = groups[key]
@@ -486,6 +503,7 @@ def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> pd.D
     of `geometry`) and the analysis.stats.summarize fields, layers in `layer_order`."""
     keys = [f"geometry.{k}" for k in (metrics or [k for k, _ in BLOCK_METRICS])]
     f = frame(records)
+    # the final model's layers only (a run's kept checkpoints are the report's business)
     f = f[f["metric"].isin(keys) & f["layer"].notna() & f["final"]]
     order = {n: i for i, n in enumerate(layer_order(records))}
     f = f.assign(metric=f["metric"].str[len("geometry."):],

@@ -50,6 +50,7 @@ def describe(values: Sequence[float], level: float = LEVEL) -> Summary:
     sd = float(x.std(ddof=1))
     se = sd / math.sqrt(n)
     # scipy refuses a zero scale: every seed gave the same value, the interval is that point
+    # scipy's t quantiles: the interval of the mean with n - 1 degrees of freedom
     lo, hi = _stats.t.interval(level, n - 1, loc=mean, scale=se) if se > 0 else (mean, mean)
     return Summary(mean, sd, se, n, n - 1, float(lo), float(hi))
 
@@ -59,6 +60,8 @@ def summarize(frame: pd.DataFrame, by: Sequence[str], value: str = "value", leve
     Summary fields of its `value`s, and the pooled values, seeds and run folders as lists."""
     rows = []
     # dropna=False: a field that is None for every run (e.g. no mode) must not drop its runs
+    # sort=False: groups in the frame's order (the caller sorts); describe() is the one place the
+    # numbers come from, so a table's cell equals a report's
     for key, g in frame.groupby(list(by), dropna=False, sort=False):
         rows.append({**dict(zip(by, key)), **asdict(describe(g[value], level)), "values": g[value].tolist(),
                      "seeds": g["seed"].tolist() if "seed" in g else None,
@@ -87,6 +90,7 @@ def paired(base: Mapping, arm: Mapping, level: float = LEVEL) -> Paired:
     Why paired: the arms of a seed share the data order and the initial weights (a Laplacian head
     adds no parameter, so k changes no draw), so the per-seed differences remove the spread both
     arms share. Equal to scipy.stats.ttest_rel (tests hold it)."""
+    # only the seeds both arms have: a pair is the unit, a seed without its partner says nothing
     seeds = sorted(set(base) & set(arm), key=str)
     diffs = tuple(float(arm[s]) - float(base[s]) for s in seeds)
     if not diffs:
@@ -97,6 +101,7 @@ def paired(base: Mapping, arm: Mapping, level: float = LEVEL) -> Paired:
     if s.se == 0:  # every seed moved by exactly the same amount
         t, p = (0.0, 1.0) if s.mean == 0 else (math.copysign(math.inf, s.mean), 0.0)
     else:
+        # Student's t on the differences; its p from scipy's t distribution (tests: equal to ttest_rel)
         t = s.mean / s.se
         p = float(2 * _stats.t.sf(abs(t), s.df))
     return Paired(s.n, s.mean, s.sd, s.se, s.df, s.lo, s.hi, t, p, diffs)
@@ -124,6 +129,7 @@ def verdict(test: Optional[Paired], sign: int, p: Optional[float] = None, alpha:
     p = test.p if p is None else p
     if math.isnan(p):
         return "one seed: no test"
+    # the direction of d, not its size, says agrees or disagrees: the interval gives the size
     if p < alpha:
         return "agrees" if test.d * sign > 0 else "disagrees"
     return f"inconclusive [{test.lo:+.3g}, {test.hi:+.3g}]"

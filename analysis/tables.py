@@ -56,6 +56,7 @@ def recipe_differences(facts: dict, recipe: dict) -> list[str]:
     if ("epochs" in recipe or "global_batch_size" in recipe) and src is None:
         diffs.append("pre-training run not found")
     elif src is not None:
+        # a run cut by max_steps is named by its steps: its epoch counter would read as a full schedule
         step_limited = src.get("epochs") is None or (src is facts and facts.get("max_steps") is not None)
         if "epochs" in recipe and (step_limited or src.get("epochs") != recipe["epochs"]):
             diffs.append(f"{what}{src.get('steps')} steps" if step_limited else f"{what}{src['epochs']} epochs")
@@ -71,8 +72,10 @@ def load_paper(path=None) -> dict:
     p = Path(path) if path else PAPER
     if not p.is_file():
         raise ConfigError(f"paper={p}: no such file; leave paper=null for analysis/paper.yaml")
+    # plain data: the anchors of paper.yaml resolved, every entry a dict
     paper = OmegaConf.to_container(OmegaConf.load(p), resolve=True)
     for e in paper.get("entries", []):
+        # the paper reports fixed Laplacian heads only
         e.setdefault("mode", "fixed")
     return paper
 
@@ -85,6 +88,7 @@ def load_specs(only=None, specs=None) -> dict:
         if bad:
             raise ConfigError(f"only={list(only)}: no table {bad[0]!r}; tables: {', '.join(specs)}")
         specs = {n: specs[n] for n in only}
+    # (a bad spec stops the command before it writes half of the tables)
     for n, spec in specs.items():  # before any table is written
         if spec.get("kind", "runs") not in ("runs", "per_block"):
             raise ConfigError(f"tables.{n}.kind={spec['kind']}: unknown; use runs (the default) or per_block")
@@ -96,6 +100,7 @@ def load_specs(only=None, specs=None) -> dict:
 def _matches(record: dict, where: dict) -> bool:
     for field, want in (where or {}).items():
         allowed = want if isinstance(want, list) else [want]
+        # as text: a YAML value and a record's value may differ in type only (7 vs "7")
         if str(record.get(field)) not in map(str, allowed):
             return False
     return True
@@ -109,6 +114,7 @@ def _columns(spec: dict, recs: list[dict], entries: list[dict]) -> list[dict]:
         return [dict(c) for c in cols]
     field, labels = cols["from"], cols.get("labels") or {}
     values = list(cols.get("order") or [])
+    # the paper's columns always appear (empty cells tell the reader what is missing)
     values += [e["column"] for e in entries if e["column"] not in values]
     values += sorted({str(r.get(field)) for r in recs} - set(values))
     return [{"name": v, "label": labels.get(v, v), "metric": cols["metric"], "scale": cols.get("scale", 1),
@@ -126,6 +132,7 @@ def _column_value(col: dict, by_name: dict) -> Callable[[dict], Optional[float]]
         v = metric_value(r, col["metric"]) if col.get("metric") else None
         if v is not None:
             return v * col.get("scale", 1)
+        # a derived column (the benchmark average) only where a run has every part
         vals = [_column_value(by_name[n], by_name)(r) for n in parts]
         return statistics.fmean(vals) if vals and None not in vals else None
     return value
@@ -149,6 +156,8 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
     rows_by = list(spec.get("rows_by") or [])
     columns = _columns(spec, recs, entries)
     by_name = {c["name"]: c for c in columns}
+    # a table row is (rows_by fields, family, mode, k); seeds of one recipe pool into a cell, another
+    # recipe of the same row is footnoted beside it, never pooled
     groups: dict = {}  # (row key, column) -> aggregate rows
     for col in columns:
         col_recs = [r for r in recs if _matches(r, col.get("where"))]
@@ -158,6 +167,7 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
     keys = {key for key, _ in groups}
     for e in entries:  # a row for each paper number no run of the paper's model sits beside
         fixed = {f: e["recipe"].get(f) for f in rows_by if not isinstance(e["recipe"].get(f), (list, type(None)))}
+        # (the paper's row joins a row of its own model only: its family, mode and k)
         if not any(k[-3:] == (e["recipe"]["family"], e["mode"], e["k"])
                    and all(k[rows_by.index(f)] == v for f, v in fixed.items()) for k in keys):
             keys.add((*[fixed.get(f) for f in rows_by], e["recipe"]["family"], e["mode"], e["k"]))
@@ -172,6 +182,7 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
         row = []
         for col in columns:
             # one recipe per cell: a fine-tuning (the later stage of a run here) first, then most seeds
+            # (several recipes in one cell: e.g. DeiT-III's stage 1 at 192 px and its fine-tuning at 224)
             found = sorted(groups.get((key, col["name"]), []), key=lambda g: (
                 bool(g["runs"][0].get("init_from")), g["n"], g["runs"][0].get("steps") or 0))
             entry = next((e for e in entries if e["column"] == col["name"] and e["k"] == k and e["mode"] == mode), None)
@@ -181,6 +192,7 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
                     "delta": None, "marks": [], "recipe": None}
             if found:
                 g = found.pop()  # the others are footnoted, never pooled
+                # (one seed has no sd: an empty field, never 0)
                 cell.update(mean=g["mean"], sd=None if g["n"] < 2 else g["sd"], n=g["n"], seeds=g["seeds"],
                             recipe=g["recipe"])
                 recipe = (entry or next((e for e in entries if e["column"] == col["name"]), {})).get("recipe") \
@@ -200,6 +212,7 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
             row.append(cell)
         # a mark every filled cell of a row carries is shown once, on the model name
         filled = [c["marks"] for c in row if c["n"]]
+        # (a miniature row differs from the paper's recipe in every column: one dagger, not six)
         common = [m for m in filled[0] if all(m in f for f in filled)] if len(filled) > 1 else []
         cells += [{**c, "row_marks": common} for c in row]
     # optional columns (benchmarks) appear once a run or the paper fills them
@@ -247,9 +260,11 @@ def grid(table: dict) -> pd.DataFrame:
     cells = table["cells"]
     if cells.empty:
         return pd.DataFrame(columns=[*table["rows_by"], "model", "k"])
+    # (tables of fixed heads only stay as the paper prints them)
     show_mode = (cells["mode"] != "fixed").any()  # a column only when learned
     fmts = {c["name"]: c.get("fmt") or table["fmt"] for c in table["columns"]}
     rows = []
+    # the long cells -> one text row per table row, in the rows' order (sort=False)
     for _, row in cells.groupby([*table["rows_by"], "model", "mode", "k_label"], dropna=False, sort=False):
         first = row.iloc[0]
         out = {b: "" if first[b] is None else str(first[b]) for b in table["rows_by"]}
@@ -278,6 +293,7 @@ def _footer(table: dict) -> list[str]:
 
 def markdown(title: str, frame: pd.DataFrame, footer: list[str], level: int = 3) -> str:
     """A titled Markdown table (tabulate via pandas; cells are text, never re-parsed as numbers)."""
+    # disable_numparse: tabulate would re-read "81.35" as a number and reformat it
     body = frame.to_markdown(index=False, disable_numparse=True) if len(frame.columns) else ""
     return "\n".join(["#" * level + f" {title}", "", body, "", *footer]) + "\n"
 
@@ -294,6 +310,7 @@ def _tex(text: str) -> str:
 
 def latex(name: str, title: str, frame: pd.DataFrame, footer: list[str], label: bool = True) -> str:
     """A LaTeX `table` (booktabs) by pandas' to_latex; our escapes for ±, Δ and the daggers."""
+    # escape=False: our own escapes, which also turn ±, Δ and the daggers into maths
     text = frame.rename(columns=_tex).map(_tex).to_latex(
         index=False, escape=False, caption=_tex(title), label=f"tab:{name.replace('_', '-')}" if label else None,
         column_format="l" * (len(frame.columns) - 1) + "r")
@@ -307,6 +324,7 @@ def to_csv(table: dict) -> str:
     c = table["cells"].copy()
     c["seeds"] = c["seeds"].map(lambda s: " ".join(map(str, s or [])))
     c["notes"] = c["marks"].map(lambda ms: " | ".join(table["notes"][m - 1] for m in ms))
+    # mean, sd and delta are written as Python floats (repr): the CSV equals the pooled values
     c["n"] = c["n"].astype("Int64")  # an empty cell stays empty, not "nan"; 2 stays "2", not "2.0"
     shown = {col["name"] for col in table["columns"]}
     cols = [*table["rows_by"], "model", "k_label", "mode", "column", "mean", "sd", "n", "seeds", "paper", "delta",
@@ -334,6 +352,7 @@ def build_per_block(name: str, spec: dict, records: list[dict]) -> dict:
     for exp, recs in experiments([r for r in records if r.get("layer_geometry")]).items():
         f = per_block(recs, metrics)
         k_labels = {(r["k"], r["mode"]): r["k_label"] for r in recs}
+        # layers travel with the cells: each section's rows in the model's order, norm last
         parts.append(f.assign(experiment=exp, recipe=recs[0]["recipe"], layers=[layer_order(recs)] * len(f),
                               arm=[arm_label(k_labels[k, m], m) for k, m in zip(f["k"], f["mode"])],
                               k_label=[k_labels[k, m] for k, m in zip(f["k"], f["mode"])]))
@@ -356,6 +375,7 @@ def block_sections(table: dict):
         arms = sorted({(k, mode, arm) for k, mode, arm in zip(s["k"], s["mode"], s["arm"])},
                       key=lambda a: (a[1] != "fixed", sort_key(a[0])))  # fixed arms by k, then learned
         arms = [a for *_, a in arms]
+        # long -> wide: rows = layers, columns = arms; a layer no arm measured is dropped
         g = s.pivot(index="layer", columns="arm", values="text").reindex(s["layers"].iloc[0]).reindex(columns=arms)
         g = g.dropna(how="all").fillna("").reset_index()
         yield exp, table["labels"][metric], s["recipe"].iloc[0], g
@@ -395,6 +415,7 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
     specs, paper = load_specs(only, specs), paper or load_paper()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # a run still training has no final results: its numbers would mislead a table
     done = [r for r in records if r["finished"]]
     paths = []
     for name, spec in specs.items():
@@ -437,6 +458,7 @@ def run(cfg: DictConfig) -> list[Path]:
     specs = OmegaConf.to_container(cfg.tables, resolve=True)
     paths = render_tables(records, out, specs=specs, paper=load_paper(cfg.paper),
                           only=list(cfg.only) if cfg.only else None)
+    # (the records are plain data: a table can be rebuilt, or checked, without the run folders)
     rec_path = out / "records.json"  # what the tables were made from, for a later look
     write_json(rec_path, records, indent=1)
     for p in paths + [rec_path]:
