@@ -6,6 +6,7 @@ end to end at smoke size (one seed, two steps)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -205,3 +206,28 @@ def test_the_short_profile_end_to_end(tmp_path):
     for f in ("tables/supervised.md", "tables/per_block.md", "tables/claims.csv", "figures/curves.png",
               "figures/vs_k.png", "plan.json"):
         assert (docs / f).stat().st_size > 100, f
+
+
+def test_unfinished_runs_are_left_out_unless_partial_and_then_said_first(tmp_path, capsys):
+    """A run still training has no results.json: the report refuses to pass it for a finished one,
+    and with partial=true says first that it is a look, not the result."""
+    from train.logger import MetricsLogger
+
+    run = tmp_path / "runs" / "gpt" / "study_lm" / "gpt_d3_0L_s0"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {name: gpt_d3_0L, num_laplacian_heads: 0}\ntrainer: {name: gpt}\n"
+                                     "data: {name: stdlib_bpe}\nseed: 0\n")
+    log = MetricsLogger(run)
+    for step, bpb in ((250, 2.0), (500, 1.9)):
+        log.log(step, {"val_bpb": bpb, "val_loss": 4.0}, split="val", epoch=0)
+
+    def cfg(*extra):
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            return compose("report", overrides=["plan=study_lm", f"runs={tmp_path / 'runs'}",
+                                                f"out={tmp_path / 'docs'}", "pca_maps=0", *extra])
+
+    with pytest.raises(ConfigError, match="no finished runs there; .* or look at unfinished ones with partial=true"):
+        report.run(cfg())
+    text = report.run(cfg("partial=true")).read_text()
+    assert "**Partial: 1 of 1 runs have not finished**" in text.split("## Claims")[0]
+    assert re.search(r"\|\s*500\s*\|\s*1\.9 \(1\)\s*\|", text) and "**not measured**" in text  # its curve, no claim
