@@ -16,11 +16,12 @@ beside each other do not overwrite each other's results):
                                              throughput, results[kind][layer][metric group]
     <dir>/<name>_analysis/{anova,collapse,spectrum}.{png,pdf}
     <dir>/<name>_analysis/mechanism.md, mechanism.{png,pdf}   with mechanism=true (the default):
-                                             does each head smooth? (analysis/mechanism.py) per
-                                             layer and head: cos(O_h, P X - X), the change of the
-                                             within-sequence variance, the eigen-signs of
-                                             sym(W_v W_o); also in analysis.json as "mechanism"
-                                             (heads, summary per head type, n tokens, seconds)
+                                             does each head smooth the residual stream?
+                                             (analysis/mechanism.py) per layer and head, in the
+                                             stream's frame: cos(head's part, P x - x), the
+                                             first-order change of the within-sequence variance
+                                             and share, the eigen-mass of its matrix against the
+                                             0.5 null; also in analysis.json as "mechanism"
 With several checkpoints, the same figures with all of them on shared axes and summary.json
 (headline numbers per checkpoint) go to `analysis_out` (default <dir of the first>/compare_analysis);
 pca_maps.{png,pdf} go there too (one checkpoint: its own folder). `out=DIR` puts everything in DIR
@@ -31,6 +32,7 @@ Bad input (missing checkpoint, unknown metric, bad layer) exits with one `error:
 """
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -68,8 +70,15 @@ def headline(res: dict) -> dict:
 
 
 def _checkpoints(cfg) -> list[Path]:
-    paths = [Path(p) for p in required_list(cfg, "checkpoint", "python -m analysis checkpoint=PATH "
-                                                               "(or checkpoint=[PATH1,PATH2] to compare)")]
+    paths = []
+    for item in required_list(cfg, "checkpoint", "python -m analysis checkpoint=PATH (or checkpoint=[PATH1,PATH2] "
+                                                 "to compare, or a quoted glob 'runs/x/*/ckpt/last.pt')"):
+        # a quoted glob: a sweep's checkpoints in one call (sorted: the same order every time)
+        found = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        if not found:
+            raise ConfigError(f"checkpoint={item}: the pattern matches no file; check it (quoted, e.g. "
+                              f"checkpoint='runs/gpt/study_lm/*/ckpt/step_*.pt')")
+        paths += [Path(p) for p in found]
     for p in paths:
         if not p.is_file():
             raise ConfigError(f"checkpoint={p}: no such file; pass checkpoint=PATH to a laplace checkpoint, "
@@ -87,6 +96,7 @@ def _labels(runs: list[dict]) -> list[str]:
     names = [r["model"] for r in runs]
     for r in runs:
         r.pop("label", None)
+        # two seeds of one model would otherwise share a legend entry
         if names.count(r["model"]) > 1:
             r["label"] = f"{run_label(r)} {Path(r['checkpoint']).parent.parent.name}"
     return [run_label(r) for r in runs]
@@ -102,6 +112,7 @@ def _facts(path, model, ckpt) -> dict:
 def _print_run(res: dict) -> None:
     thr = res["throughput"]
     heads = ", ".join(f"{k}={v:.4g}" for k, v in headline(res).items() if v is not None)
+    # one line per checkpoint: what it cost (for planning a larger run) and its headline numbers
     mem = f", peak CUDA {thr['peak_cuda_mib']:,.0f} MiB" if "peak_cuda_mib" in thr else ""
     print(f"[analysis] {res['model']}: {res['n_tokens']:,} tokens ({res['n_sequences']:,} sequences) in "
           f"{thr['seconds']:.1f} s = {thr['tokens_per_s']:,.0f} tokens/s on {thr['device']}, peak RSS "
@@ -112,6 +123,7 @@ def _pca_images(model, data_node, cfg):
     """The first pca_maps images of the fixed order (the same for every checkpoint)."""
     import torch
 
+    # no max_tokens: the PCA maps' images are the first of the fixed order, whatever the cut
     dataset, _ = eval_split(model, data_node, cfg.seed, None)
     n = min(int(cfg.pca_maps), len(dataset))
     items = [dataset[i] for i in range(n)]
@@ -134,6 +146,7 @@ def _check_outputs(cfg, paths: list[Path], metrics: list) -> None:
     if metrics:
         dirs = [analysis_dir(p, out) for p in paths]
         if len(set(dirs)) < len(dirs):
+            # (out= names folders <run>_<stem>_analysis: two runs of one folder name would collide)
             raise ConfigError(f"out={out}: two checkpoints would share an analysis folder; analyse them apart")
         for d in dirs:
             check_writable(d, "out")
@@ -146,6 +159,7 @@ def _mechanism_options(cfg) -> tuple[bool, int]:
     on, bs = cfg.mechanism, cfg.mechanism_batch_size
     if not isinstance(on, bool):
         raise ConfigError(f"mechanism={on}: true or false (the per-head smoothing diagnostic)")
+    # the mechanism forms every head's P [B, H, N, N]: a smaller batch for long sequences
     if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
         raise ConfigError(f"mechanism_batch_size={bs}: a positive number of sequences, e.g. 8; null: batch_size")
     return on, int(bs or cfg.batch_size)
@@ -157,7 +171,9 @@ def _mechanism(model, data_node, cfg, batch_size: int, out: Path, res: dict) -> 
     from analysis.mechanism import draw_mechanism, mechanism_model, to_markdown
     from laplace.io import atomic_write
 
+    # the same sequences as the geometry (the same seed and max_tokens cut)
     dataset, _ = eval_split(model, data_node, cfg.seed, cfg.max_tokens)
+    # (in the residual stream's frame: analysis/mechanism.py says what each number means)
     mech = mechanism_model(model, dataset, batch_size, cfg.num_workers, cfg.progress)
     res["mechanism"] = mech
     atomic_write(out / "mechanism.md", to_markdown({"model": res["model"], **mech}).encode())
@@ -165,7 +181,7 @@ def _mechanism(model, data_node, cfg, batch_size: int, out: Path, res: dict) -> 
         draw_mechanism({"model": res["model"], **mech}, out / "mechanism")
     s = mech["summary"]
     means = ", ".join(f"{k}={s[k]:+.3f}" for k in ("cos_smooth.softmax", "cos_smooth.laplacian", "cos_smooth.learned",
-                                                   "dvar.softmax", "dvar.laplacian", "dvar.learned") if k in s)
+                                                   "dshare.softmax", "dshare.laplacian", "dshare.learned") if k in s)
     print(f"[analysis] mechanism: {mech['n_tokens']:,} tokens in {mech['seconds']:.1f} s; {means}", flush=True)
 
 
@@ -181,12 +197,23 @@ def run(cfg: DictConfig) -> list[dict]:
     metrics = check_metrics(list(cfg.metrics))
     mechanism, mechanism_bs = _mechanism_options(cfg)
     paths = _checkpoints(cfg)
+    # (a checkpoint of a finished analysis keeps its analysis.json: a rerun after an interruption
+    # resumes where it stopped)
+    if cfg.skip_done and metrics:  # a re-run of a sweep's analyses measures only what is missing
+        done = [p for p in paths if (analysis_dir(p, cfg.out) / "analysis.json").is_file()]
+        paths = [p for p in paths if p not in done]
+        print(f"[analysis] skip_done: {len(done)} checkpoints analysed already, {len(paths)} to go", flush=True)
+        if not paths:
+            return []
     if cfg.cpu_threads:
         import torch
 
+        # (fewer threads when other runs share the cores, as the miniature's sweeps do)
         torch.set_num_threads(int(cfg.cpu_threads))
+    # "all", an index, or a list of indices (a ListConfig to a plain list)
     layers = cfg.layers if isinstance(cfg.layers, (str, int)) else list(cfg.layers)
     if not metrics and not cfg.pca_maps:
+        # (refused before any model loads)
         raise ConfigError("metrics=[] and pca_maps=0: nothing to do; ask for metrics or pca_maps=<n>")
     _check_outputs(cfg, paths, metrics)
     out = cfg.out
@@ -194,12 +221,14 @@ def run(cfg: DictConfig) -> list[dict]:
     for p in paths:
         loaded = load_for_analysis(p, cfg.get("data"), cfg.device)
         model, ckpt, data_node = loaded
+        # the comparison figures draw checkpoints on shared axes: one architecture and one split
         vit = isinstance(model, VisionTransformer)
         kinds.add((vit, data_node["name"]))
         if len(kinds) > 1:  # fail before the long part, not after it
             raise ConfigError("checkpoint=[...]: compare like with like: the checkpoints mix architectures or "
                               "datasets; pass data=<name> to evaluate all on one split, or analyse them apart")
         measured = layer_names(model, layers)[1]
+        # a layer the figures need but the analysis skipped would fail after all the work
         for key in ("spectrum_layer", "pca_layer"):
             if cfg[key] not in measured:
                 raise ConfigError(f"{key}={cfg[key]}: not a measured layer; choose one of {measured}")
@@ -211,25 +240,30 @@ def run(cfg: DictConfig) -> list[dict]:
                                      per_seq_max_sequences=cfg.per_seq_max_sequences)
             runs.append(res)
             _print_run(res)
+            # (the mechanism reruns the model with return_attn=True: the attention maps P of every layer)
             if mechanism:  # before analysis.json is written: it holds the result
                 _mechanism(model, data_node, cfg, mechanism_bs, analysis_dir(p, out), res)
             print(f"[analysis] wrote {write_json(analysis_dir(p, out) / 'analysis.json', res, indent=1)}", flush=True)
+            # (nothing happens for runs logged to metrics.jsonl only)
             log_to_training_run(p, headline(res), "analysis")  # when the checkpoint's run used W&B
             if cfg.figures:
                 plots.draw_all([res], analysis_dir(p, out), cfg.spectrum_layer)
         if cfg.pca_maps and vit:
             images, labels = _pca_images(model, data_node, cfg)
+            # the same denormalised images head every column of the grid
             if pca_images is None:  # the image column: the same images for every checkpoint
                 pca_images = (denormalize(images, data_node["mean"], data_node["std"]), labels)
             maps.append(model_maps(model, images, cfg.pca_layer, pca_threshold, cfg.pca_upsample))
             map_facts.append(_facts(p, model, ckpt))
         elif cfg.pca_maps:
             print(f"[analysis] pca_maps: skipped for {p}, not a ViT", flush=True)
+        # one model in memory at a time: a sweep of ViT-B checkpoints would not fit otherwise
         del model, loaded
     if len(runs) > 1:
         _compare(runs, cfg, _out_dir(cfg, paths))
     if maps:
         stem = _out_dir(cfg, paths) / "pca_maps"
+        # (two seeds of one model: their map files get the run folder in the name)
         models = [f["model"] for f in map_facts]  # file names: the model, + its run folder if shared
         names = [m if models.count(m) == 1 else f"{m}_{Path(f['checkpoint']).parent.parent.name}"
                  for m, f in zip(models, map_facts)]

@@ -49,10 +49,12 @@ def capture_attention(model, images: torch.Tensor, blocks: Sequence[int]) -> dic
     and hands the block its usual output, so the block's own code runs unchanged."""
     store, handles = {}, []
 
+    # the reference path forms P only when asked; the fused path never materialises it
     def ask(module, args, kwargs):
         return args, {**kwargs, "return_attn": True}
 
     for i in blocks:
+        # i=i: each hook keeps its own block's index (a closure would see the loop's last)
         def keep(module, args, output, i=i):
             out, store[i] = output
             return out
@@ -71,6 +73,7 @@ def capture_attention(model, images: torch.Tensor, blocks: Sequence[int]) -> dic
 def head_weights(attn) -> list[float]:
     """Per head, the gate a (the weight of V - P V in its output): 0 (standard) or 1 (Laplacian)
     in the fixed mode, the learned gate otherwise (laplace.attention.Attention.gates)."""
+    # (the module's own gates: one definition of a head's kind for the figure and the mechanism)
     return attn.gates().detach().float().cpu().tolist()
 
 
@@ -95,13 +98,16 @@ def attention_maps(model, image: torch.Tensor, blocks: Sequence[int], patch: tup
         raise ConfigError(f"patch=[{r},{c}]: outside the {grid[0]}x{grid[1]} patch grid of this image; "
                           f"use rows 0..{grid[0] - 1} and columns 0..{grid[1] - 1}")
     dev = next(model.parameters()).device
+    # one forward of one image: P is [heads, N, N] per block, small even for ViT-B at 224 px
     P = capture_attention(model, image[None].to(dev), blocks)
+    # (row-major over the grid, as the patch embedding flattens it)
     q = 1 + r * grid[1] + c  # the patch's token (the class token is token 0)
     out = {"grid": grid, "blocks": list(blocks), "patch_rc": (r, c)}
     rows = {key: [] for key in ("cls", "cls_to_cls", "patch", "patch_to_cls", "weights", "labels")}
     for i in blocks:
         p = P[i][0].float().cpu()  # [heads, N, N]
         attn = model.blocks[i].attn
+        # the class token's row over the patches (its weight on itself is kept apart in cls_to_cls)
         rows["cls"].append(p[:, 0, 1:].reshape(-1, *grid))
         rows["cls_to_cls"].append(p[:, 0, 0])
         rows["patch"].append(p[:, q, 1:].reshape(-1, *grid))
@@ -118,7 +124,9 @@ def mass_mask(m: np.ndarray, keep: float) -> np.ndarray:
     """The patches that hold a fraction `keep` of a map's mass, largest first (DINO's threshold:
     the map normalised over the patches, the ascending cumulative sum above 1 - keep)."""
     flat = m.flatten().astype(np.float64)
+    # DINO's rule: the smallest set of patches holding `keep` of the map's mass
     order = np.argsort(flat)
+    # ascending cumulative mass: the patches above 1 - keep hold the top `keep` of it
     cum = np.cumsum(flat[order] / max(flat.sum(), 1e-30))
     mask = np.empty_like(flat, dtype=bool)
     mask[order] = cum > 1 - keep
@@ -126,6 +134,7 @@ def mass_mask(m: np.ndarray, keep: float) -> np.ndarray:
 
 
 def _upsample(m: np.ndarray, size: tuple[int, int], mode: str) -> np.ndarray:
+    # (nearest keeps the patch grid visible; bilinear draws a smooth map)
     kw = {} if mode == "nearest" else {"align_corners": False}
     return F.interpolate(torch.from_numpy(m)[None, None].float(), size=size, mode=mode, **kw)[0, 0].numpy()
 
@@ -141,9 +150,11 @@ def draw_maps(maps: dict, image: np.ndarray, title: str, stem: Path, upsample: s
     H, W = image.shape[:2]
     (gh, gw), (r, c) = maps["grid"], maps["patch_rc"]
     heads = maps["cls"].shape[1]
+    # rows: per block, the class token's attention then the query patch's; columns: image, heads
     cell = 1.7  # inches
     fig, axes = plt.subplots(2 * len(maps["blocks"]), heads + 1, figsize=(cell * (heads + 1), cell * 2 * len(maps["blocks"]) + 0.9),
                              squeeze=False)
+    # the query patch outlined in red on the image and on every patch-row map
     square = dict(xy=(c * W / gw - 0.5, r * H / gh - 0.5), width=W / gw, height=H / gh, fill=False, ec="red", lw=1.2)
     for b, block in enumerate(maps["blocks"]):
         for j, (kind, to_cls, what) in enumerate((("cls", "cls_to_cls", "class token"),
@@ -163,6 +174,7 @@ def draw_maps(maps: dict, image: np.ndarray, title: str, stem: Path, upsample: s
                                linewidths=0.8)
                 if kind == "patch":
                     ax.add_patch(Rectangle(**square))
+                # Laplacian heads' titles in red: the columns to compare with the standard ones
                 ax.set_title(maps["labels"][b][h], fontsize=8, color="C3" if maps["weights"][b][h] > 0.5 else "k")
                 ax.text(0.02, 0.02, f"{m.min():.2f}-{m.max():.2f}, cls {maps[to_cls][b, h]:.2f}", transform=ax.transAxes,
                         fontsize=6, color="white", va="bottom")
@@ -185,6 +197,7 @@ def _image(cfg) -> Path:
 
 def _patch(value, grid: tuple[int, int]) -> tuple[int, int]:
     if value is None:
+        # the centre patch: on a centred object it sits inside it
         return grid[0] // 2, grid[1] // 2
     if not (isinstance(value, (list, ListConfig)) and len(value) == 2 and all(isinstance(v, int) for v in value)):
         raise ConfigError(f"patch={value}: give [row,col] of a patch on the grid, e.g. patch=[0,0]; null: the centre")
@@ -192,6 +205,7 @@ def _patch(value, grid: tuple[int, int]) -> tuple[int, int]:
 
 
 def title_of(model_name: str, maps: dict, mode: str, threshold: Optional[float]) -> str:
+    # per block, the number of Laplacian heads (a per-layer list may differ between blocks)
     k = [int(sum(w == 1.0 for w in ws)) for ws in maps["weights"]]
     heads = maps["cls"].shape[1]
     lap = ("learned gates a per head (titles in red: a > 0.5): the output is (1 - a) PV + a (V - PV)" if mode == "learned" else
@@ -230,11 +244,14 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError(f"image={image_path}: not a readable image ({type(e).__name__}); pass a .png or .jpg") from None
     model, ckpt, data = load_for_analysis(ckpt_path, None, cfg.device)
     name = ckpt["config"]["model"]["name"]
+    # (a GPT has no patches to draw attention over)
     if not isinstance(model, VisionTransformer):
         raise ConfigError(f"checkpoint={ckpt_path}: model {name} is not a ViT; attention maps over image patches "
                           f"need a ViT checkpoint")
     blocks = layer_names(model, cfg.layers)[0]
+    # layers="all": every block
     blocks = list(range(len(model.blocks))) if blocks is None else blocks
+    # the checkpoint's own evaluation transform: the image the model would see at test time
     x = build_transform(OmegaConf.create(data), train=False)(pil)  # [3, H, W], normalised
     ph, pw = model.patch_embed.patch_size
     out_dir = check_writable(analysis_dir(ckpt_path, cfg.out), "out")
@@ -243,6 +260,7 @@ def run(cfg: DictConfig) -> dict:
     stem = out_dir / f"attention_{image_path.stem}"
     axes, paths = draw_maps(maps, denormalize(x[None], data["mean"], data["std"])[0], title_of(name, maps, mode, th),
                             stem, cfg.upsample, th)
+    # the numbers behind the figure, for a figure of one's own
     np.savez(stem.with_suffix(".npz"), **{k: maps[k] for k in ("cls", "cls_to_cls", "patch", "patch_to_cls", "weights")},
              blocks=np.array(blocks), patch_rc=np.array(maps["patch_rc"]))
     paths.append(stem.with_suffix(".npz"))

@@ -10,14 +10,15 @@ the per-layer figures read each run's ckpt/last_analysis/analysis.json, so run
 recipe, named <dataset>_<family>:
 
     vs_k                  accuracy (GPT: val bits per byte) vs the number of Laplacian heads k,
-                          one panel per experiment: each seed a dot, the mean a line, +-1 std bars
-    anova_<exp>           ANOVA shares vs layer (within-sequence, between-class), a line per k
-                          (mean over seeds, +-1 std band)
-    spectrum_<exp>        cumulative explained variance at the final norm with the 99% line, and
-                          n_pcs_0.99 vs layer, a line per k
+                          one panel per experiment: each seed a dot, the mean a line, +-1 sd bars
+    anova_<exp>           ANOVA shares vs layer (within-sequence, between-class) and the total
+                          variance, a line per k (mean over seeds, +-1 sd band; analysis/plots.py)
+    spectrum_<exp>        the eigen-spectrum and cumulative explained variance at the final norm,
+                          and n_pcs_0.99 vs layer, a line per k
     collapse_<exp>        ViT: NC1-NC4 of the class token vs layer; GPT: linguistic collapse (CDNV, ...)
     blocks_<exp>          the headline geometry at every block (the per_block table's numbers:
-                          analysis.runs.BLOCK_METRICS), a panel per metric, a line per k, +-2 se band
+                          analysis.runs.BLOCK_METRICS), a panel per metric, a line per k, its 95%
+                          interval as a band
     pca_maps_<exp>        ViT: PCA maps of `pca_maps` images, one checkpoint (the lowest seed) per k
     gates_<trainer>_<exp>_k<k>
                           learned gates vs step and their change, a panel per block, a line per
@@ -31,8 +32,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
+import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from analysis import plots
@@ -47,8 +47,10 @@ def _lines(records: list[dict]) -> list[tuple[str, list[dict]]]:
     """(label, analysis.json contents of its seeds) per (k, mode), in k order: the lines."""
     by: dict = {}
     for r in records:
+        # a run not analysed has no line (the figure says which are missing)
         if r.get("analysis"):
             by.setdefault((r["k"], r["mode"]), []).append((r, json.loads(Path(r["analysis"]).read_text())))
+    # one line per arm (k, mode): its seeds' analyses, pooled by the drawers
     lines = []
     for k, mode in sorted(by, key=lambda km: (sort_key(km[0]), km[1])):
         runs = by[(k, mode)]
@@ -57,128 +59,37 @@ def _lines(records: list[dict]) -> list[tuple[str, list[dict]]]:
     return lines
 
 
-def _series(res: dict, kind: str, group: str, key: str) -> list[float]:
-    per_layer = res["results"].get(kind, {})
-    vals = [per_layer.get(n, {}).get(group, {}).get(key) for n in res["layers"]]
-    return [float("nan") if v is None else v for v in vals]
-
-
-def _panels(panels, title: str, stem: Path, draw, cols: int = 3) -> list[Path]:
-    """One panel per spec (..., sub title, log y): `draw(ax, spec)` draws its lines vs layer."""
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.7 * rows), squeeze=False)
-    axes = axes.ravel()
-    for ax, spec in zip(axes, panels):
-        draw(ax, spec)
-        if spec[-1]:  # NC1 and CDNV span decades over depth
-            ax.set_yscale("log")
-        ax.set_title(spec[-2], fontsize=9)
-        ax.set_xlabel("layer", fontsize=8)
-        ax.grid(alpha=0.3)
-    for ax in axes[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    handles, labels = axes[0].get_legend_handles_labels()
-    # below the axes whatever the figure height; save()'s tight bounding box grows to fit it
-    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4), fontsize=8, bbox_to_anchor=(0.5, 0.0))
-    return save(fig, stem)
-
-
-def _layer_panels(lines, panels, title: str, stem: Path) -> list[Path]:
-    """One panel per (kind, group, key, title, log): a line per k, mean +-1 std over seeds."""
-    def draw(ax, panel):
-        kind, group, key = panel[:3]
-        for c, (label, seeds) in enumerate(lines):
-            # seeds analysed over other layers (layers=[...]) cannot share a mean: left out
-            layers = seeds[0]["layers"]
-            xs, ticks = plots.layer_positions(layers)
-            series = [_series(s, kind, group, key) for s in seeds if s["layers"] == layers]
-            plots.mean_band(ax, xs, series, plots.color(c), f"{label} (n={len(series)})")
-            ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
-    return _panels(panels, title, stem, draw)
-
-
 def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     """The headline geometry at every block (the numbers of the per_block table): a panel per
-    metric, a line per arm (k, mode), the mean over seeds with a +-2 se band."""
+    metric, a line per arm (k, mode), the mean over seeds with its 95% interval as a band."""
     rows = per_block(records)
     layers = layer_order(records)
+    # every layer any run measured, on one x axis
     xs, ticks = plots.layer_positions(layers)
-    arms = sorted({(g["k"], g["mode"], g["k_label"]) for g in rows}, key=lambda a: (a[1] != "fixed", sort_key(a[0])))
+    labels = {(r["k"], r["mode"]): r["k_label"] for r in records}
+    # fixed arms by k, then learned ones: the same colour for the same arm in every panel
+    arms = sorted(set(zip(rows["k"], rows["mode"])), key=lambda a: (a[1] != "fixed", sort_key(a[0])))
+    # (a log axis for NC1 and CDNV, which span decades over depth)
     panels = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
-              if any(g["metric"] == key for g in rows)]
+              if (rows["metric"] == key).any()]
     if not panels:  # analysed without any headline metric (e.g. metrics=[cdnv])
         return []
 
     def draw(ax, panel):
-        for c, (k, mode, k_label) in enumerate(arms):
-            at = {g["layer"]: g for g in rows if (g["metric"], g["k"], g["mode"]) == (panel[0], k, mode)}
-            pts = [(x, at[n]) for x, n in zip(xs, layers) if n in at]
+        for c, (k, mode) in enumerate(arms):
+            at = rows[(rows["metric"] == panel[0]) & (rows["k"] == k) & (rows["mode"] == mode)].set_index("layer")
+            # (an arm analysed at fewer layers has fewer points, not a line through missing ones)
+            pts = [(x, at.loc[n]) for x, n in zip(xs, layers) if n in at.index]
             if not pts:
                 continue
-            mean = np.array([g["mean"] for _, g in pts])
-            err = np.array([2 * g["se"] if g["se"] is not None else 0.0 for _, g in pts])
-            x = [x for x, _ in pts]
-            n = max(g["n"] for _, g in pts)
-            ax.plot(x, mean, "-o", ms=3, color=plots.color(c), label=f"{arm_label(k_label, mode)} (n={n})")
-            ax.fill_between(x, mean - err, mean + err, color=plots.color(c), alpha=0.2, lw=0)
+            x, g = [x for x, _ in pts], pd.DataFrame([g for _, g in pts])
+            ax.plot(x, g["mean"], "-o", ms=3, color=plots.color(c),
+                    label=f"{arm_label(labels[k, mode], mode)} (n={g['n'].max()})")
+            ax.fill_between(x, g["lo"].fillna(g["mean"]), g["hi"].fillna(g["mean"]), color=plots.color(c),
+                            alpha=0.2, lw=0)  # one seed: no band
         ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
-    return _panels(panels, f"{name}: token geometry at every block (mean ± 2 se over seeds)", stem, draw)
-
-
-def draw_anova(lines, stem: Path, name: str) -> list[Path]:
-    vit = lines[0][1][0]["arch"] == "vit"
-    panels = ([("patch", "anova", "within_seq_share", "within-image share", False),
-               ("patch", "anova", "within_class_share", "within-class share", False),
-               ("patch", "anova", "between_class_share", "between-class share", False)] if vit else
-              [("tokens", "anova", "within_seq_share", "within-window share", False),
-               ("tokens", "anova", "between_seq_share", "between-window share", False)])
-    return _layer_panels(lines, panels, f"{name}: ANOVA of token representations vs layer", stem)
-
-
-def draw_collapse(lines, stem: Path, name: str) -> list[Path]:
-    if lines[0][1][0]["arch"] == "vit":
-        panels = [("cls", "nc", "nc1", "NC1 (class token)", True), ("cls", "nc", "nc2_equinorm", "NC2 equinorm", False),
-                  ("cls", "nc", "nc2_equiangular", "NC2 equiangular", False),
-                  ("cls", "nc", "nc3", "NC3 (vs classifier)", False), ("cls", "nc", "nc4", "NC4 (head != NCC)", False),
-                  ("patch", "nc", "nc1", "NC1 (image means of patches)", True)]
-        title = f"{name}: Neural Collapse vs layer"
-    else:
-        panels = [("tokens", "lc", "lc_cdnv_mean", "CDNV (next-token classes)", True),
-                  ("tokens", "lc", "lc_equinorm", "equinorm", False),
-                  ("tokens", "lc", "lc_self_duality", "self-duality 1 - cos(mu_c, w_c)", False)]
-        title = f"{name}: linguistic collapse vs layer"
-    return _layer_panels(lines, panels, title, stem)
-
-
-def draw_spectrum(lines, stem: Path, name: str) -> list[Path]:
-    """Cumulative explained variance at the final norm (mean over seeds) and n_pcs_0.99 vs layer."""
-    kind = "patch" if lines[0][1][0]["arch"] == "vit" else "tokens"
-    fig, (ax_c, ax_l) = plt.subplots(1, 2, figsize=(8, 3))
-    for c, (label, seeds) in enumerate(lines):
-        specs = [s["results"][kind]["norm"]["spectral"] for s in seeds if "spectral" in s["results"][kind]["norm"]]
-        if not specs or len({len(s["spectrum"]) for s in specs}) > 1:  # not measured, or widths differ
-            continue
-        cum = np.cumsum(np.array([s["spectrum"] for s in specs]), axis=1)
-        ks = np.arange(1, cum.shape[1] + 1)
-        n99 = np.mean([s["n_pcs_0.99"] for s in specs])
-        plots.mean_band(ax_c, ks, list(cum), plots.color(c), f"{label}: {n99:.1f} PCs", marker="")
-        ax_c.axvline(n99, color=plots.color(c), ls=":", lw=1)
-        xs, ticks = plots.layer_positions(seeds[0]["layers"])
-        plots.mean_band(ax_l, xs, [_series(s, kind, "spectral", "n_pcs_0.99") for s in seeds], plots.color(c), label)
-        ax_l.set_xticks(xs, ticks, fontsize=8)
-    ax_c.axhline(0.99, color="grey", ls="--", lw=1)
-    ax_c.set(xscale="log", xlabel="principal components k", ylabel="explained variance")
-    ax_c.set_title("cumulative explained variance at norm", fontsize=9)
-    ax_c.legend(fontsize=7, loc="lower right")
-    ax_l.set(xlabel="layer", ylabel="PCs for 99% of the variance")
-    ax_l.set_title("n_pcs_0.99 vs layer", fontsize=9)
-    for ax in (ax_c, ax_l):
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"{name}: spectral decay of token representations", fontsize=10)
-    fig.tight_layout()
-    return save(fig, stem)
+    return plots.panels_figure(panels, f"{name}: token geometry at every block (mean, 95% interval over seeds)", stem,
+                               draw)
 
 
 def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
@@ -188,7 +99,8 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
     panels = []
     for name, recs in experiments(records).items():
         spec = metrics.get(recs[0]["trainer"])
-        rows = [g for g in aggregate(recs, spec["metric"]) if isinstance(g["k"], int)] if spec else []
+        # per-layer lists of k have no place on a k axis: left out of this figure
+        rows = [g for g in aggregate(recs, spec["metric"]).to_dict("records") if isinstance(g["k"], int)] if spec else []
         if rows:
             panels.append((name, spec, rows))
     if not panels:
@@ -203,10 +115,12 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
             g_m = sorted((g for g in rows if g["mode"] == mode), key=lambda g: g["k"])
             ks = [g["k"] for g in g_m]
             col = plots.color(c)
+            # (the seeds as dots beside the mean +-1 sd)
             for g in g_m:  # every seed, so a mean of two far-apart runs is not mistaken for a trend
                 ax.plot([g["k"]] * g["n"], g["values"], "o", color=col, alpha=0.45, ms=4, mec="none")
-            ax.errorbar(ks, [g["mean"] for g in g_m], yerr=[g["std"] or 0.0 for g in g_m], color=col,
-                        marker="s", ms=4, capsize=3, label=f"{mode}: mean ± std over seeds")
+            ax.errorbar(ks, [g["mean"] for g in g_m], yerr=[0.0 if g["n"] < 2 else g["sd"] for g in g_m], color=col,
+                        marker="s", ms=4, capsize=3, label=f"{mode}: mean ± sd over seeds")
+        # (the k trained, not a range: 0, 1, 3 of 3)
         ax.set_xticks(sorted({g["k"] for g in rows}))
         ax.set(xlabel="Laplacian heads per layer k", ylabel=spec["label"])
         ax.set_title(name, fontsize=9)
@@ -224,6 +138,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
     from analysis.geometry import eval_split, load_for_analysis
     from analysis.pca_maps import THRESHOLD, denormalize, draw_pca_grid, model_maps
 
+    # one checkpoint per arm: a map is of one model (a mean of maps would blur exactly what it shows)
     picks: dict = {}  # (k, mode) -> its lowest-seed run with a checkpoint
     for r in sorted(records, key=lambda r: (sort_key(r["k"]), r["mode"], sort_key(r["seed"]))):
         if Path(r["checkpoint"]).is_file():
@@ -240,6 +155,7 @@ def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Pa
             x, labels = torch.stack([im for im, _ in items]), [int(y) for _, y in items]
             images = denormalize(x, data["mean"], data["std"])
         tag = arm_label(r["k_label"], mode)
+        # the paper's foreground rule (sign of the first component), as python -m analysis draws it
         maps[f"{r['model']} ({tag} Laplacian, seed {r['seed']})"] = model_maps(model, x, layer, THRESHOLD)
         names.append(f"{r['model']}_{tag}_s{r['seed']}")
         del model
@@ -258,6 +174,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
         device: where the PCA-map models run; seed: the fixed image order.
     """
     out = Path(out)
+    # each figure is skipped with a note when the runs do not hold its data
     paths = draw_vs_k(records, vs_k, out / "vs_k")
     if not paths:
         print(f"[figures] skipped vs_k: no finished run of a trainer in vs_k ({', '.join(vs_k)}) has its metric",
@@ -269,7 +186,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
             print(f"[figures] skipped the layer figures of {name}: no analysis.json (run python -m analysis "
                   f"checkpoint=<run>/ckpt/last.pt on its runs)", flush=True)
         else:
-            for draw in (draw_anova, draw_spectrum, draw_collapse):
+            for draw in (plots.draw_anova, plots.draw_spectrum, plots.draw_collapse):
                 paths += draw(lines, out / f"{draw.__name__[5:]}_{name}", name)
             paths += draw_blocks(recs, out / f"blocks_{name}", name)
         if pca_maps and recs[0]["arch"] == "vit":
@@ -283,6 +200,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
 def run(cfg: DictConfig) -> list[Path]:
     """Collect the runs of cfg.runs and draw every figure; returns the written paths."""
     roots = runs_roots(cfg, "analysis.figures")
+    # (a run still training would pass for a finished one)
     records = [r for r in collect(roots) if r["finished"]]
     print(f"[figures] {len(records)} finished runs under {', '.join(map(str, roots))}", flush=True)
     out = Path(cfg.out) if cfg.out else roots[0] / "figures"

@@ -1,4 +1,4 @@
-"""Token geometry of one checkpoint: its evaluation data through `forward_features`, folded into
+"""Token geometry of one checkpoint: its evaluation data through `laplace.features`, folded into
 the metrics of `analysis.metrics` / `analysis.streaming` layer by layer, in one pass.
 
 Used by `python -m analysis` (analysis/__main__.py); also callable in-process:
@@ -68,6 +68,8 @@ from laplace.vit import VisionTransformer
 from laplace.zoo import features
 
 METRICS = ("anova", "nc", "cdnv", "spectral")
+# A GPT's labels are next tokens, which vary within a window: its ANOVA has sequence parts only,
+# and its collapse is linguistic collapse over next-token classes (both NC and CDNV asked -> lc)
 _GPT_ACC = {"anova": "anova_seq", "nc": "lc", "cdnv": "lc", "spectral": "spectral"}
 _ANOVA_KEYS = ("total", "within_seq", "between_seq", "within_class", "between_class")
 
@@ -83,6 +85,7 @@ def check_metrics(metrics: Sequence[str]) -> list[str]:
 def checkpoint_data_node(ckpt_config: dict, data=None) -> dict:
     """The data node to evaluate on: `data` (a Hydra node or dict) if given, else the
     checkpoint's own."""
+    # an explicit data node wins: e.g. a checkpoint trained on one split, measured on another
     if data is not None:
         return OmegaConf.to_container(data, resolve=True) if OmegaConf.is_config(data) else dict(data)
     if not ckpt_config.get("data"):
@@ -99,14 +102,17 @@ def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = Non
     if isinstance(model, VisionTransformer):
         from laplace.data.vision import build_vision_dataset
 
+        # a ViT's position embedding fixes its image size: another size is refused, not resampled
         want = model.patch_embed.img_size[0]
         if data.get("img_size", want) != want:
             raise ConfigError(f"data.img_size={data['img_size']} but the checkpoint's model takes "
                               f"{want} px images; set data.img_size={want}")
         ds = build_vision_dataset(OmegaConf.create(data), train=False)
+        # +1: the class token, which the token count includes
         per_seq = model.patch_embed.num_patches + 1
     else:
         per_seq = int(data["seq_len"])
+        # windows of seq_len tokens; their targets are the next tokens (linguistic collapse's classes)
         if data.get("kind") == "shards":  # the validation shards of its pre-training data
             from laplace.data.shards import ShardWindows, list_shards
 
@@ -118,13 +124,16 @@ def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = Non
         else:
             raise ConfigError(f"data={data.get('name')}: GPT checkpoints are analysed on token shards "
                               f"(data=fineweb_edu, data=pydoc_bpe: set data.root) or data=pydoc_text")
+    # whole sequences only (the ANOVA's within-sequence part needs them), at least one
     n = len(ds) if max_tokens is None else min(len(ds), max(1, int(max_tokens) // per_seq))
+    # a seeded permutation: a max_tokens cut takes a random subset of a sorted split, and every
+    # checkpoint gets the same one (paired comparisons measure the same tokens)
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:n]
     return Subset(ds, order.tolist()), per_seq
 
 
 def layer_names(model, layers="all") -> tuple[Optional[list[int]], list[str]]:
-    """Block indices for forward_features (None = all) and the layer names, "norm" last."""
+    """Block indices for laplace.features (None = all) and the layer names, "norm" last."""
     depth = len(model.blocks)
     if layers in (None, "all"):
         return None, [f"blocks.{i}" for i in range(depth)] + ["norm"]
@@ -133,6 +142,7 @@ def layer_names(model, layers="all") -> tuple[Optional[list[int]], list[str]]:
         if not isinstance(i, int) or not -depth <= i < depth:
             raise ConfigError(f"layers={list(idx)}: {i!r} is not a block index of this {depth}-block "
                               f"model; use layers=all or integers in -{depth}..{depth - 1}")
+    # negative indices count from the end; duplicates collapse
     ids = sorted({i % depth for i in idx})
     return ids, [f"blocks.{i}" for i in ids] + ["norm"]
 
@@ -141,6 +151,7 @@ def group_metrics(out: dict) -> dict:
     """Split one flat metric dict into {"anova", "nc", "cdnv", "lc", "spectral"} groups."""
     groups: dict = {}
     for k, v in out.items():
+        # by key prefix: the streamed and in-memory metrics share their key names
         if k.startswith("lc_"):
             g = "lc"
         elif k.startswith("cdnv"):
@@ -162,6 +173,7 @@ class _Timer:
         self.cuda = device.type == "cuda"
         self.total = 0.0
 
+    # CUDA runs asynchronously: a sync on entry and exit lands the time where the work is
     def __enter__(self):
         if self.cuda:
             torch.cuda.synchronize()
@@ -175,6 +187,7 @@ class _Timer:
 
 def _peak_rss_mib() -> float:
     """The process's peak resident memory so far (Linux reports KiB)."""
+    # (the peak, not the current size: what a memory budget must hold)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -183,7 +196,7 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
                   batch_size: int = 64, num_workers: int = 0, min_count: int = 5,
                   thresholds: Sequence[float] = (0.9, 0.99), progress: bool = True,
                   per_seq_max_sequences: Optional[int] = 1024) -> dict:
-    """Run `dataset` through `model.forward_features` and measure every layer.
+    """Run `dataset` through `laplace.features` and measure every layer.
 
     Args:
         model: a ViT or GPT from `load_model`, already on its device, in eval mode.
@@ -208,16 +221,19 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
     acc_metrics = ([m for m in ("anova", "cdnv", "spectral") if m in metrics] if vit
                    else list(dict.fromkeys(_GPT_ACC[m] for m in metrics)))
     # The patch accumulator always keeps per-image sums: the image means feed patch NC.
+    # one accumulator per layer: statistics of every layer in a single pass over the data
     accs = {n: GeometryAccumulator(D, acc_metrics, device=dev) for n in names}
     # per-sequence spectra (spectral_per_seq): every batch holds whole sequences
     seqs = ({n: SequenceSpectra(thresholds, per_seq_max_sequences) for n in names}
             if "spectral" in metrics and per_seq_max_sequences != 0 else {})
+    # the class tokens are few (one per image): kept in memory for the in-memory NC and CDNV
     cls_rows: dict = {n: [] for n in names}
     cls_labels = []
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
     fwd, fold, per_seq = _Timer(dev), _Timer(dev), _Timer(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    # (reported beside the final peak: the statistics' own memory is the difference)
     rss_before = _peak_rss_mib()  # torch, the model and the data set-up, before any statistics
     seen = tokens = 0
     t0 = time.perf_counter()
@@ -231,11 +247,13 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
             for n in names:
                 f = feats[n].float()
                 if vit:
+                    # a patch token's sequence is its image and its label the image's class
                     P = T - 1  # patch tokens follow the class token
                     accs[n].update(f[:, 1:].reshape(-1, D), sid.repeat_interleave(P), y.repeat_interleave(P))
                     if "nc" in metrics or "cdnv" in metrics or "spectral" in metrics:
                         cls_rows[n].append(f[:, 0].cpu())
                 else:
+                    # a GPT's every position, labelled by the token it predicts
                     accs[n].update(f.reshape(-1, D), sid.repeat_interleave(T), y.reshape(-1))
                 if seqs:
                     with per_seq:
@@ -271,6 +289,8 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
 
 
 def _finish_vit(acc, cls_rows, labels, W, b, metrics, thresholds):
+    # the paper's ViT object: NC of the image means of the patch tokens (sequence means), beside the
+    # class token's NC (what the head reads)
     patch = group_metrics(acc.compute(thresholds=thresholds)) if acc.metrics else {}
     if "spectral" in metrics:
         patch["spectral_within"] = acc.spectral(thresholds, center="sequence")
@@ -293,6 +313,7 @@ def _finish_vit(acc, cls_rows, labels, W, b, metrics, thresholds):
 def _finish_gpt(acc, unembedding, metrics, min_count, thresholds):
     try:
         out = acc.compute(unembedding=unembedding, min_count=min_count, thresholds=thresholds)
+    # too few next-token classes with min_count rows: a config problem, said as one line
     except ValueError as e:
         if "min_count" in str(e) or "or more rows" in str(e):
             raise ConfigError(f"min_count={min_count}: {e}; lower min_count or raise max_tokens") from None
@@ -311,6 +332,7 @@ def load_for_analysis(path, data=None, device: str = "auto"):
         data: a data node (Hydra node or dict) to evaluate on; None: the checkpoint's own.
         device: auto | cpu | cuda.
     """
+    # (a ViT-B checkpoint is hundreds of MB: not read twice)
     ckpt = load_checkpoint(path)  # read once: the model is built from the same dict
     data_node = checkpoint_data_node(ckpt["config"], data)
     return model_from_checkpoint(ckpt, resolve_device(device)), ckpt, data_node

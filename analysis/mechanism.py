@@ -1,4 +1,5 @@
-"""Does each head smooth? A per-layer, per-head diagnostic of the paper's mechanism.
+"""Does each head smooth the residual stream? A per-layer, per-head diagnostic of the paper's
+mechanism, measured in the frame of the geometry: the residual stream the block reads.
 
     from analysis.mechanism import mechanism_checkpoint, to_markdown
     res = mechanism_checkpoint("runs/.../ckpt/last.pt", max_tokens=100_000)
@@ -7,44 +8,38 @@
 `python -m analysis` runs it with mechanism=true (the default): analysis.json gets a top-level
 "mechanism", and mechanism.md and mechanism.{png,pdf} go to the analysis folder.
 
-The paper's explanation: a Laplacian head outputs (I - P) X W_v W_o, P the row-softmax
-attention; that output has zero attention-weighted mean, and it smooths the tokens (lowers
-their within-sequence variance) only if training makes M = W_v W_o a negative diffusion
-(its symmetric part negative). Per layer and head, on the validation data of the analysis
-(`analysis.geometry.eval_split`, the same fixed subset, capped by max_tokens):
+A block adds to its input stream x (what the geometry of the previous layer measures) the term
+ls1(attn(norm1(x))). Head h's part of it, as it enters the stream, is
 
-    X       the attention's input [N, D] per sequence (the block's normed residual stream), every
-            token the attention mixes (ViT: the class token too; GPT: every position).
-    P_h     the head's attention matrix as the model forms it (causal mask, rotary, QK-norm):
-            the reference path of laplace/attention.py, asked for with return_attn=True.
-    O_h     the head's contribution to the attention output, after its slice of the output
-            projection, no bias: a V + (1 - 2a) P V (a = 0 standard, 1 Laplacian, the learned
-            gate otherwise) times W_o,h. Sum over heads + proj bias = the module's output
-            (`recon_err` is the largest relative deviation seen; LayerScale (ViT ls1) and the
-            residual come after it and are not part of O_h).
-    S_h     P_h X - X = -(X - P_h X): the direction that moves each token to its
-            attention-weighted mean.
-    cos_smooth   <O, S> / sqrt(<O, O> <S, S>), Frobenius over all tokens of all sequences;
-                 > 0: the head pushes tokens toward their attention-weighted means (smooths).
-    cos_token    the mean over tokens of the per-token cosine (tokens where O or S is 0, e.g.
-                 a GPT's first position, are left out).
-    dvar    (W(X + O_h) - W(X)) / W(X), W = mean over sequences of sum_t |x_t - mean(x)|^2:
-            the relative change of the within-sequence variance if O_h alone were added to
-            X. < 0: smooths.
-    out_norm     sqrt(<O, O> / <X, X>): the head's output scale relative to its input.
-    M_h = W_v,h W_o,h (D x D, rank <= d_head, row-vector convention: x -> x M), its symmetric
-    part Sym = (M + M^T) / 2 has at most 2 d_head nonzero eigenvalues (computed from a
-    2 d_head x 2 d_head matrix, `sym_eigenvalues`):
-        neg_mass     sum |negative eigenvalues| / sum |eigenvalues|: 1 = negative definite
-                     on its range, a pure diffusion for a Laplacian head.
-        trace_fro    trace(M) / ||M||_F, signed and scale-free.
-        eig_min, eig_max.
-    type    "softmax", "laplacian" or "learned a=0.73"; gate: a.
+    D_h = O_h diag(lambda),   O_h = (a V_h + (1 - 2a) P_h V_h) W_o,h     (a = 0 softmax, 1 Laplacian)
 
-Streamed over batches in float64 (per head O(D^2) numbers), the weights' part once per head.
-Memory: one layer's P of one batch at a time ([B, H, N, N] in the model's dtype, as its reference
-path forms it; lower mechanism_batch_size for long sequences); the float64 part is folded in
-chunks of sequences of about 256 MiB (`HeadAccumulator.CHUNK_ELEMENTS`).
+with V_h the values of the normed input, lambda the ViT's LayerScale (the GPT has none: 1).
+A Laplacian head gives O_h = -(P_h X~ - X~) W_v,h W_o,h, and in the stream's coordinates
+X~ ~ x Pi diag(g) / sigma (LayerNorm: centring Pi, gain g, a positive per-token scale; the
+GPT's RMSNorm: no centring, no gain). So it smooths the stream (moves each token toward its
+attention-weighted mean) when the symmetric part of the head's stream-frame matrix
+
+    M_h = Pi diag(g) W_v,h W_o,h diag(lambda)      (row vectors: x -> x M_h; rank <= d_head)
+
+is negative. Per layer and head, on the validation data of the analysis (the same split as
+the geometry; the ViT's patch tokens, the GPT's every position, as the geometry's objects):
+
+    cos_smooth   <D_h, P_h x - x> / (|D_h| |P_h x - x|), Frobenius over all tokens; > 0: smooths
+    cos_token    the mean over tokens of the per-token cosine (tokens where either is 0 left out)
+    dvar         the first-order relative change of the within-sequence variance W(x) if D_h
+                 alone were added: 2 <x - mean_seq(x), D_h> / W(x); < 0: smooths
+    dshare       the first-order change of the within-sequence share W / T (T: the variance about
+                 the mean of all tokens): share (2 <x_c, D_h> / W - 2 <x - mean(x), D_h> / T)
+    out_norm     |D_h| / |x|: the head's scale relative to the stream
+    neg_mass     sum |negative eigenvalues| / sum |eigenvalues| of sym(M_h). Its null is 0.5: for
+                 a rank-d head, sym(M_h) has d positive and d negative eigenvalues unless the head
+                 writes into the subspace it reads; 1: a pure diffusion, 0: pure sharpening
+    trace_fro    trace(M_h) / |M_h|_F (signed, scale-free); eig_min, eig_max
+    type, gate   "softmax", "laplacian" or "learned a=0.73"; a
+
+Streamed over batches in float64; memory: one layer's P of one batch at a time ([B, H, N, N] in
+the model's dtype; lower mechanism_batch_size for long sequences), the float64 part folded in
+chunks of about 256 MiB (`HeadAccumulator.CHUNK_ELEMENTS`).
 """
 from __future__ import annotations
 
@@ -55,13 +50,15 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace.zoo import features
 
 TYPES = ("softmax", "laplacian", "learned")
 #: The per-head numbers pooled by `summary` (and read by analysis.runs as mechanism.<key>.<type>).
-SUMMARY_KEYS = ("cos_smooth", "cos_token", "dvar", "neg_mass", "trace_fro")
+SUMMARY_KEYS = ("cos_smooth", "cos_token", "dvar", "dshare", "neg_mass", "trace_fro")
+NULL_MASS = 0.5  # neg_mass of a head that neither smooths nor sharpens on balance (see above)
 
 
 def head_type(a: float, mode: str) -> str:
@@ -76,6 +73,18 @@ def type_group(t: str) -> str:
     return "learned" if t.startswith("learned") else t
 
 
+def stream_frame(block) -> dict:
+    """How a block's attention reads and writes the stream: {gain, center, scale} (LayerNorm
+    gain or None, whether the norm centres the features, LayerScale's gamma or None)."""
+    norm, ls = getattr(block, "norm1", None), getattr(block, "ls1", None)
+    # the norm's gain enters the head's read side, LayerScale its write side: without them the
+    # eigen-mass is of W_v W_o alone (a toy moved 0.93 -> 0.77 with them, 0.50 with mixed-sign LayerScale)
+    is_ln = isinstance(norm, nn.LayerNorm)  # the ViT (timm's LayerNorm too); the GPT: RMSNorm, no module
+    gain = norm.weight.detach().double() if is_ln and norm.weight is not None else None
+    scale = getattr(ls, "gamma", None)
+    return {"gain": gain, "center": is_ln, "scale": None if scale is None else scale.detach().double()}
+
+
 def _weights(attn) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """(W_v [D, D] torch layout (out, in), b_v or None, W_o [D, D]) in float64."""
     D = attn.proj.weight.shape[0]
@@ -88,7 +97,8 @@ def sym_eigenvalues(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """The (up to 2 d) nonzero eigenvalues of Sym = (A B + (A B)^T) / 2, A [D, d], B [d, D], ascending.
 
     With U = [A, B^T] and J = [[0, I], [I, 0]], A B + B^T A^T = U J U^T, whose nonzero eigenvalues
-    are those of G^1/2 J G^1/2 (G = U^T U, 2d x 2d): no D x D eigen-problem."""
+    are those of G^1/2 J G^1/2 (G = U^T U, 2d x 2d): no D x D eigen-problem. J has d eigenvalues
+    +1 and d -1, so (Sylvester) Sym has d positive and d negative ones when U has rank 2d."""
     U = torch.cat([A, B.T], dim=1)
     d = A.shape[1]
     g, Q = torch.linalg.eigh(U.T @ U)
@@ -97,22 +107,29 @@ def sym_eigenvalues(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     J[:d, d:] = J[d:, :d] = torch.eye(d, dtype=A.dtype, device=A.device)
     H = (R.T @ J @ R) / 2  # similar to G^1/2 J G^1/2 / 2 (conjugated by Q)
     e = torch.linalg.eigvalsh((H + H.T) / 2)
+    # (a head that writes into the subspace it reads has U of rank d: then no eigenvalue need be positive)
     keep = e.abs() > 1e-10 * e.abs().max()  # U's rank may be below 2d (e.g. 2d > D): its zeros are not Sym's
     return e[keep] if keep.any() else e
 
 
-def weight_spectrum(attn) -> list[dict]:
-    """Per head: neg_mass, trace_fro, eig_min, eig_max of M_h = W_v,h W_o,h (see the module docstring)."""
+def weight_spectrum(attn, gain=None, center: bool = False, scale=None) -> list[dict]:
+    """Per head: neg_mass, trace_fro, eig_min, eig_max of the stream-frame M_h (module docstring)."""
     Wv, _, Wo = _weights(attn)
-    dh = attn.head_dim
+    D, dh = Wo.shape[0], attn.head_dim
+    read = torch.eye(D, dtype=Wv.dtype, device=Wv.device)
+    if center:  # LayerNorm subtracts each token's feature mean: Pi = I - 1 1^T / D
+        read = read - 1.0 / D
+    if gain is not None:
+        # (row vectors: x Pi diag(g) scales the columns of Pi)
+        read = read * gain.to(read)  # Pi diag(g)
+    write = torch.ones(D, dtype=Wv.dtype, device=Wv.device) if scale is None else scale.to(Wv)
     out = []
     for h in range(attn.num_heads):
-        A = Wv[h * dh:(h + 1) * dh].T  # [D, dh]: v = x A
-        B = Wo[:, h * dh:(h + 1) * dh].T  # [dh, D]: o = y B
+        A = read @ Wv[h * dh:(h + 1) * dh].T  # [D, dh]: v = x A
+        B = Wo[:, h * dh:(h + 1) * dh].T * write  # [dh, D]: its part of the stream = y B
         e = sym_eigenvalues(A, B)
         M = A @ B
-        fro = M.norm().item()
-        total = e.abs().sum().item()
+        fro, total = M.norm().item(), e.abs().sum().item()
         out.append({"neg_mass": (e.clamp_max(0).abs().sum().item() / total) if total > 0 else float("nan"),
                     "trace_fro": M.trace().item() / fro if fro > 0 else float("nan"),
                     "eig_min": e.min().item(), "eig_max": e.max().item()})
@@ -131,21 +148,34 @@ def head_outputs(attn, x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     v = v.view(B, N, H, dh).transpose(1, 2)  # [B, H, N, dh]
     pv = P.double() @ v
     a = attn.gates().detach().double().view(1, H, 1, 1)
+    # the gate a mixes the two kinds of head: a = 0 a softmax head (PV), a = 1 a Laplacian one (V - PV)
     y = a * v + (1 - 2 * a) * pv  # (1 - a) PV + a (V - PV)
     return torch.einsum("bhnd,ehd->bhne", y, Wo.view(D, H, dh))
 
 
 class HeadAccumulator:
-    """The data part of one attention layer's per-head numbers, folded batch by batch (float64)."""
+    """The data part of one attention layer's per-head numbers, folded batch by batch (float64).
 
-    def __init__(self, attn):
+    Args:
+        attn: the layer's attention module.
+        frame: `stream_frame` of its block (default: no norm gain, no LayerScale: the stream is
+            the attention's input, as for a bare attention module).
+        skip: leading tokens left out of the sums (the ViT's class token: its geometry is of the
+            patch tokens).
+    """
+
+    #: float64 elements of one chunk's largest tensor ([b, H, N, max(N, D)]): about 256 MiB
+    CHUNK_ELEMENTS = 2 ** 25
+
+    def __init__(self, attn, frame: Optional[dict] = None, skip: int = 0):
         # The sums live on the attention's device: no host sync per batch, one in compute().
         dev = attn.proj.weight.device
         z = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=dev)  # noqa: E731
-        self.attn = attn
-        H = attn.num_heads
-        self.os, self.oo, self.ss, self.cos_sum, self.cos_n, self.dw = (z(H) for _ in range(6))
-        self.xx, self.wx, self._err = z(), z(), z()
+        self.attn, self.frame, self.skip = attn, frame or {"gain": None, "center": False, "scale": None}, skip
+        H, D = attn.num_heads, attn.proj.weight.shape[0]
+        self.os, self.oo, self.ss, self.cos_sum, self.cos_n, self.xc_o, self.x_o = (z(H) for _ in range(7))
+        self.o_sum = z(H, D)  # sum over tokens of each head's D_h: its part of <mean(x), D_h>
+        self.x_sum, self.xx, self.wx, self._err = z(D), z(), z(), z()
         self.sequences = self.tokens = 0
 
     @property
@@ -153,92 +183,109 @@ class HeadAccumulator:
         """The largest relative deviation of the heads' sum from the module's output seen."""
         return self._err.item()
 
-    #: float64 elements of one chunk's largest tensor ([b, H, N, max(N, D)]): about 256 MiB
-    CHUNK_ELEMENTS = 2 ** 25
-
     @torch.no_grad()
-    def update(self, x: torch.Tensor, P: torch.Tensor, out: Optional[torch.Tensor] = None):
-        """x [B, N, D] the attention's input, P [B, H, N, N] its heads' matrices, out (optional)
-        its output, checked against the heads' sum (recon_err). Folded in chunks of sequences
-        (CHUNK_ELEMENTS) so that the float64 copies stay small."""
+    def update(self, stream: torch.Tensor, x: torch.Tensor, P: torch.Tensor, out: Optional[torch.Tensor] = None):
+        """stream [B, N, D] the block's input (the residual stream), x [B, N, D] the attention's
+        input (normed), P [B, H, N, N] its heads' matrices, out (optional) its output, checked
+        against the heads' sum (recon_err). Folded in chunks of sequences (CHUNK_ELEMENTS)."""
         B, N, D = x.shape
+        # whole sequences per chunk: each sequence's mean is part of the within-sequence terms
         step = max(1, self.CHUNK_ELEMENTS // (self.attn.num_heads * N * max(N, D)))
         for i in range(0, B, step):
-            self._update(x[i:i + step], P[i:i + step], None if out is None else out[i:i + step])
+            self._update(stream[i:i + step], x[i:i + step], P[i:i + step], None if out is None else out[i:i + step])
 
-    def _update(self, x: torch.Tensor, P: torch.Tensor, out: Optional[torch.Tensor]):
-        x64, P64 = x.double(), P.double()
-        O = head_outputs(self.attn, x64, P64)
+    def _update(self, stream, x, P, out):
+        s64, P64 = stream.double(), P.double()
+        O = head_outputs(self.attn, x.double(), P64)
         if out is not None:
             bias = self.attn.proj.bias
             full = O.sum(1) + (0 if bias is None else bias.double())
+            # the heads' parts must sum to what the module computed: a check that O_h is the head's term
             err = (full - out.double()).norm() / out.double().norm().clamp_min(1e-30)
             self._err = torch.maximum(self._err, err)
-        S = P64 @ x64[:, None]
-        S -= x64[:, None]  # [B, H, N, D]: P X - X
+        if self.frame["scale"] is not None:
+            O = O * self.frame["scale"].to(O)  # LayerScale: the head's part as it enters the stream
+        S = P64 @ s64[:, None]
+        S -= s64[:, None]  # [B, H, N, D]: P x - x, the smoothing direction of the stream
+        k = self.skip
+        O, S, s64 = O[:, :, k:], S[:, :, k:], s64[:, k:]
         ip, oo, ss = (O * S).sum(-1), (O * O).sum(-1), (S * S).sum(-1)  # [B, H, N]
         del S
         self.os += ip.sum((0, 2))
         self.oo += oo.sum((0, 2))
         self.ss += ss.sum((0, 2))
+        # per-token cosines where both vectors are nonzero (a GPT's first position attends only to itself)
         prod = oo * ss
         ok = prod > 1e-300
         self.cos_sum += torch.where(ok, ip / prod.clamp_min(1e-300).sqrt(), 0).sum((0, 2))
         self.cos_n += ok.sum((0, 2)).double()
-        # W(X + O) - W(X) = 2 <Xc, Oc> + |Oc|^2 = 2 <Xc, O> + |O|^2 - N |mean O|^2 (Xc: X less its sequence mean)
-        N = x.shape[1]
-        Xc = x64 - x64.mean(1, keepdim=True)
-        cross = torch.einsum("bnd,bhnd->bh", Xc, O)
-        mean_o = O.mean(2)  # [B, H, D]
-        self.dw += (2 * cross + oo.sum(2) - N * (mean_o * mean_o).sum(-1)).sum(0)
-        self.wx += (Xc * Xc).sum()
-        self.xx += (x64 * x64).sum()
+        # first order: dW = 2 <x_c, D> (x_c: x less its sequence's mean), dT = 2 <x - mean(x), D>;
+        # the mean over all tokens is known at the end only, so <x, D> and sum D are kept apart
+        xc = s64 - s64.mean(1, keepdim=True)
+        self.xc_o += torch.einsum("bnd,bhnd->h", xc, O)
+        self.x_o += torch.einsum("bnd,bhnd->h", s64, O)
+        # (<x - mean, D> = <x, D> - mean . sum D: the mean over all tokens is known at the end only)
+        self.o_sum += O.sum((0, 2))
+        self.x_sum += s64.sum((0, 1))
+        self.wx += (xc * xc).sum()
+        self.xx += (s64 * s64).sum()
         self.sequences += x.shape[0]
-        self.tokens += x.shape[0] * N
+        self.tokens += s64.shape[0] * s64.shape[1]
 
     def compute(self) -> list[dict]:
-        """Per head: the data numbers (cos_smooth, cos_token, dvar, out_norm) + `weight_spectrum`'s + type, gate."""
+        """Per head: the data numbers (module docstring) + `weight_spectrum`'s + type, gate."""
         attn = self.attn
         gates = attn.gates().detach().float().cpu().tolist()
         nan = float("nan")
-        os, oo, ss, cos_sum, cos_n, dw = (t.tolist() for t in (self.os, self.oo, self.ss, self.cos_sum,
-                                                               self.cos_n, self.dw))
-        wx, xx = self.wx.item(), self.xx.item()
+        os, oo, ss, cos_sum, cos_n, xc_o = (t.tolist() for t in (self.os, self.oo, self.ss, self.cos_sum,
+                                                                 self.cos_n, self.xc_o))
+        mean = self.x_sum / max(self.tokens, 1)
+        xm_o = (self.x_o - self.o_sum @ mean).tolist()  # <x - mean(x), D_h>
+        W, X = self.wx.item(), self.xx.item()
+        # share = W / T, so d share = share (dW / W - dT / T) to first order
+        T = X - self.tokens * (mean @ mean).item()  # the total sum of squares about the mean
         heads = []
-        for h, spec in enumerate(weight_spectrum(attn)):
+        for h, spec in enumerate(weight_spectrum(attn, **self.frame)):
             den = math.sqrt(oo[h] * ss[h])
+            dvar = 2 * xc_o[h] / W if W > 0 else nan
             heads.append({
                 "head": h, "type": head_type(gates[h], attn.laplacian_mode), "gate": gates[h],
                 "cos_smooth": os[h] / den if den > 0 else nan,
                 "cos_token": cos_sum[h] / cos_n[h] if cos_n[h] > 0 else nan,
-                "dvar": dw[h] / wx if wx > 0 else nan,
-                "out_norm": math.sqrt(oo[h] / xx) if xx > 0 else nan,
+                "dvar": dvar, "dshare": W / T * (dvar - 2 * xm_o[h] / T) if W > 0 and T > 0 else nan,
+                "out_norm": math.sqrt(oo[h] / X) if X > 0 else nan,
                 **spec})
         return heads
 
 
 def _hooks(model, accs: dict):
-    """Hooks on every block's attention: ask for P (return_attn=True), fold (x, P, out) into the
-    layer's accumulator, hand the block its usual output."""
-    handles = []
+    """Hooks on every block and its attention: keep the block's input (the stream), ask the
+    attention for P (return_attn=True), fold (stream, x, P, out) into the layer's accumulator,
+    hand the block its usual output."""
+    handles, streams = [], {}
 
     def ask(module, args, kwargs):
         return args, {**kwargs, "return_attn": True}
 
     for i, blk in enumerate(model.blocks):
+        # (i=i: each hook keeps its own block's index)
+        def keep(module, args, i=i):
+            streams[i] = args[0]
+
         def fold(module, args, output, i=i):
             out, P = output
-            accs[f"blocks.{i}"].update(args[0], P, out)
+            accs[f"blocks.{i}"].update(streams.pop(i), args[0], P, out)
             return out
 
-        handles += [blk.attn.register_forward_pre_hook(ask, with_kwargs=True), blk.attn.register_forward_hook(fold)]
+        handles += [blk.register_forward_pre_hook(keep),
+                    blk.attn.register_forward_pre_hook(ask, with_kwargs=True), blk.attn.register_forward_hook(fold)]
     return handles
 
 
 @torch.no_grad()
 def head_mechanism(model, dataset, batch_size: int = 64, num_workers: int = 0, progress: bool = False,
                    accumulators: Optional[dict] = None) -> dict[str, list[dict]]:
-    """Run `dataset` through `model.forward_features` and measure every head of every block.
+    """Run `dataset` through `laplace.features` and measure every head of every block.
 
     Args:
         model: a ViT or GPT (laplace.checkpoint.load_model), on its device, in eval mode.
@@ -250,11 +297,14 @@ def head_mechanism(model, dataset, batch_size: int = 64, num_workers: int = 0, p
     from tqdm.auto import tqdm
 
     dev = next(model.parameters()).device
-    accs = {f"blocks.{i}": HeadAccumulator(blk.attn) for i, blk in enumerate(model.blocks)}
+    # (the geometry's ViT ANOVA is of the patch tokens: the mechanism measures the same tokens)
+    skip = 1 if hasattr(model, "patch_embed") else 0  # the ViT's class token is not a patch token
+    accs = {f"blocks.{i}": HeadAccumulator(blk.attn, stream_frame(blk), skip) for i, blk in enumerate(model.blocks)}
     handles = _hooks(model, accs)
     try:
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
         for x, _ in tqdm(loader, desc="mechanism", disable=not progress, leave=False):
+            # norm=False: the final norm is not needed, and blocks past the last hooked one are skipped
             features(model, x.to(dev), norm=False)
     finally:
         for h in handles:
@@ -272,7 +322,8 @@ def summary(heads: dict[str, list[dict]]) -> dict:
         out = {}
         for key in SUMMARY_KEYS:
             for g in TYPES:
-                vals = [h[key] for h in hs if type_group(h["type"]) == g and math.isfinite(h[key])]
+                # (a head whose numbers are NaN, e.g. an all-zero output, is left out of its type's mean)
+                vals = [h[key] for h in hs if type_group(h["type"]) == g and math.isfinite(h.get(key, math.nan))]
                 if vals:
                     out[f"{key}.{g}"] = statistics.fmean(vals)
         return out
@@ -290,7 +341,7 @@ def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, 
     first = next(iter(accs.values()))
     return {"heads": heads, "summary": summary(heads), "n_sequences": first.sequences, "n_tokens": first.tokens,
             "recon_err": max(a.recon_err for a in accs.values()), "seconds": time.perf_counter() - t0,
-            "batch_size": batch_size}
+            "batch_size": batch_size, "frame": "stream"}
 
 
 def mechanism_checkpoint(path, *, data=None, max_tokens: Optional[int] = None, batch_size: int = 64,
@@ -309,40 +360,41 @@ def mechanism_checkpoint(path, *, data=None, max_tokens: Optional[int] = None, b
 
 # ----------------------------------------------------------------------------- outputs
 
-def _f(v: float, digits: int = 3) -> str:
-    return "nan" if not math.isfinite(v) else f"{v:+.{digits}f}"
+# Columns of the per-head table and their formats.
+_COLUMNS = {"cos_smooth": "+.3f", "cos_token": "+.3f", "dvar": "+.4f", "dshare": "+.4f", "neg_mass": ".3f",
+            "trace_fro": "+.3f", "eig_min": "+.3g", "eig_max": "+.3g", "out_norm": ".3g"}
 
 
 def to_markdown(result: dict) -> str:
     """The per-head table (and the means per type) of a `mechanism_model` / `mechanism_checkpoint` result."""
-    heads = result["heads"]
-    title = result.get("model", "model")
-    lines = [f"# Mechanism: does each head smooth? ({title})", "",
-             f"{result.get('n_sequences', '?')} sequences, {result.get('n_tokens', '?')} tokens. "
-             "cos_smooth: Frobenius cosine of the head's output O with P X - X (> 0: toward the attention-"
-             "weighted mean); per-token cos: the mean per-token cosine; dvar: relative change of the within-"
-             "sequence variance with O alone added to X (< 0: smooths); neg mass: share of negative eigen-mass "
-             "of the symmetric part of W_v W_o; trace/||M||: trace(W_v W_o) / ||W_v W_o||_F.", "",
-             "| layer | head | type | cos_smooth | per-token cos | dvar | neg eigen-mass | trace/\\|\\|M\\|\\| "
-             "| eig min | eig max | \\|O\\|/\\|X\\| |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for layer, hs in heads.items():
-        for h in hs:
-            lines.append(f"| {layer} | {h['head']} | {h['type']} | {_f(h['cos_smooth'])} | {_f(h['cos_token'])} | "
-                         f"{_f(h['dvar'], 4)} | {h['neg_mass']:.3f} | {_f(h['trace_fro'])} | {h['eig_min']:+.3g} | "
-                         f"{h['eig_max']:+.3g} | {h['out_norm']:.3g} |")
-    s = result.get("summary") or summary(heads)
-    groups = [g for g in TYPES if f"cos_smooth.{g}" in s]
-    lines += ["", "Means over the heads of each type (all layers):", "",
-              "| type | " + " | ".join(SUMMARY_KEYS) + " |", "|---|" + "---|" * len(SUMMARY_KEYS)]
-    for g in groups:
-        lines.append(f"| {g} | " + " | ".join(_f(s.get(f"{k}.{g}", float("nan")), 4) for k in SUMMARY_KEYS) + " |")
-    return "\n".join(lines) + "\n"
+    import pandas as pd
+
+    def fmt(v, f):
+        return "nan" if not math.isfinite(v) else format(v, f)
+
+    heads = pd.DataFrame([{"layer": layer, "head": h["head"], "type": h["type"],
+                           **{k: fmt(h.get(k, math.nan), f) for k, f in _COLUMNS.items()}}
+                          for layer, hs in result["heads"].items() for h in hs])
+    s = result.get("summary") or summary(result["heads"])
+    means = pd.DataFrame([{"type": g, **{k: fmt(s.get(f"{k}.{g}", math.nan), "+.4f") for k in SUMMARY_KEYS}}
+                          for g in TYPES if f"cos_smooth.{g}" in s])
+    return "\n".join([
+        f"# Mechanism: does each head smooth the residual stream? ({result.get('model', 'model')})", "",
+        f"{result.get('n_sequences', '?')} sequences, {result.get('n_tokens', '?')} tokens, in the stream's frame "
+        "(a head's output after LayerScale; its matrix Pi diag(g) W_v W_o diag(lambda) with the norm's centring "
+        "and gain). cos_smooth: Frobenius cosine of the head's part of the stream with P x - x (> 0: toward the "
+        "attention-weighted mean); dvar / dshare: the first-order change of the within-sequence variance "
+        "(relative) / share if the head's part alone were added (< 0: smooths); neg_mass: the negative share "
+        f"of sym(M)'s eigen-mass, null {NULL_MASS} (a rank-d head has d positive and d negative eigenvalues); "
+        "trace_fro: trace(M) / |M|_F.", "",
+        heads.to_markdown(index=False, disable_numparse=True), "",
+        "Means over the heads of each type (all layers):", "",
+        means.to_markdown(index=False, disable_numparse=True) if len(means) else "(no heads)", ""])
 
 
 def draw_mechanism(result: dict, stem: Path) -> list[Path]:
-    """Heatmaps layer x head of cos_smooth, dvar and neg eigen-mass; Laplacian heads outlined
-    (learned: the gate a printed in the cell). Writes stem.{png,pdf}; returns the paths."""
+    """Heatmaps layer x head of cos_smooth, dvar, dshare and neg eigen-mass; Laplacian heads
+    outlined (learned: those with a > 0.5). Writes stem.{png,pdf}; returns the paths."""
     import numpy as np
     from matplotlib.patches import Rectangle
 
@@ -351,16 +403,18 @@ def draw_mechanism(result: dict, stem: Path) -> list[Path]:
     heads = result["heads"]
     layers = list(heads)
     H = max(len(hs) for hs in heads.values())
-    grid = {k: np.full((len(layers), H), np.nan) for k in ("cos_smooth", "dvar", "neg_mass")}
+    grid = {k: np.full((len(layers), H), np.nan) for k in ("cos_smooth", "dvar", "dshare", "neg_mass")}
     for i, layer in enumerate(layers):
         for h in heads[layer]:
             for k in grid:
-                grid[k][i, h["head"]] = h[k]
-    dmax = np.nanmax(np.abs(grid["dvar"])) if np.isfinite(grid["dvar"]).any() else 1.0
-    panels = (("cos_smooth", "cos_smooth = cos(O, PX - X)\n> 0: smooths", "RdBu", -1, 1),
-              ("dvar", "dvar: rel. change of within-seq. variance\n< 0: smooths", "RdBu_r", -dmax, dmax),
-              ("neg_mass", "negative eigen-mass\nof sym(W_v W_o)", "viridis", 0, 1))
-    fig, axes = plt.subplots(1, 3, figsize=(3 * max(2.5, 0.6 * H + 1.2), max(2.2, 0.45 * len(layers) + 1.4)),
+                grid[k][i, h["head"]] = h.get(k, np.nan)
+    # symmetric colour limits: 0 (neither smooths nor sharpens) is white
+    lim = {k: (np.nanmax(np.abs(grid[k])) if np.isfinite(grid[k]).any() else 1.0) for k in ("dvar", "dshare")}
+    panels = (("cos_smooth", "cos(head's part, Px - x)\n> 0: smooths", "RdBu", -1, 1),
+              ("dvar", "d within-seq. variance (rel.)\n< 0: smooths", "RdBu_r", -lim["dvar"], lim["dvar"]),
+              ("dshare", "d within-seq. share\n< 0: smooths", "RdBu_r", -lim["dshare"], lim["dshare"]),
+              ("neg_mass", f"negative eigen-mass of sym(M)\nnull {NULL_MASS}", "RdBu", 0, 1))
+    fig, axes = plt.subplots(1, 4, figsize=(4 * max(2.3, 0.6 * H + 1.2), max(2.2, 0.45 * len(layers) + 1.4)),
                              squeeze=False)
     for ax, (key, title, cmap, lo, hi) in zip(axes[0], panels):
         im = ax.imshow(grid[key], cmap=cmap, vmin=lo, vmax=hi, aspect="auto")
@@ -375,8 +429,8 @@ def draw_mechanism(result: dict, stem: Path) -> list[Path]:
         ax.set_yticks(range(len(layers)), layers, fontsize=7)
         ax.set_xlabel("head", fontsize=8)
         ax.set_title(title, fontsize=8)
-    fig.suptitle(f"{result.get('model', '')}: per-head smoothing (outlined: Laplacian heads, learned: gate a > 0.5)",
-                 fontsize=9)
+    fig.suptitle(f"{result.get('model', '')}: per-head smoothing of the residual stream (outlined: Laplacian heads, "
+                 "learned: gate a > 0.5)", fontsize=9)
     fig.tight_layout()
     return save(fig, stem)
 
@@ -384,8 +438,8 @@ def draw_mechanism(result: dict, stem: Path) -> list[Path]:
 def record_summary(analysis: Optional[dict]) -> dict:
     """The per-head smoothing diagnostic of one analysis.json, as analysis.runs records carry it, pooled per
     head type: {"<key>.<type>": mean over the heads of all layers, "blocks.<i>": {"<key>.<type>": ...}}
-    with key in cos_smooth, cos_token, dvar, neg_mass, trace_fro and type in softmax, laplacian,
-    learned. {} when the analysis ran without it."""
+    with key in SUMMARY_KEYS and type in softmax, laplacian, learned. {} when the analysis ran
+    without it."""
     s = ((analysis or {}).get("mechanism") or {}).get("summary") or {}
     ok = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731
     return {k: ({kk: float(vv) for kk, vv in v.items() if ok(vv)} if isinstance(v, dict) else float(v))

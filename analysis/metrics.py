@@ -22,6 +22,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+# every metric is computed in float64: NC1 inverts a nearly singular scatter and the ANOVA
+# subtracts large sums of squares, which float32 would not survive
 _EPS = torch.finfo(torch.float64).eps
 
 
@@ -36,6 +38,7 @@ def as_float64(x, device=None) -> torch.Tensor:
 def as_index(x, device) -> torch.Tensor:
     """ids (numpy, torch or list, any shape) -> int64 tensor [N] on `device`."""
     t = torch.from_numpy(np.asarray(x)) if not torch.is_tensor(x) else x.detach()
+    # float labels would be truncated silently by the cast below
     if t.is_floating_point():
         raise ValueError("ids and labels must be integers")
     return t.to(device=device, dtype=torch.int64).reshape(-1)
@@ -43,6 +46,7 @@ def as_index(x, device) -> torch.Tensor:
 
 def group_sums(x: torch.Tensor, inv: torch.Tensor, G: int):
     """Per-group sums [G, D] and counts [G] of rows x[N, D] with group index inv[N]."""
+    # index_add_: one pass over the rows, no Python loop over groups (a vocabulary may have 65k)
     sums = torch.zeros(G, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, inv, x)
     counts = torch.zeros(G, dtype=x.dtype, device=x.device).index_add_(0, inv, torch.ones_like(inv, dtype=x.dtype))
     return sums, counts
@@ -86,6 +90,7 @@ def anova(features, seq_ids, labels=None) -> dict:
     sid = as_index(seq_ids, x.device)
     y = as_index(labels, x.device) if labels is not None else None
     _check_rows(x, sid, y)
+    # sequence ids are any integers: their inverse index numbers the groups 0..S-1
     _, s_inv = torch.unique(sid, return_inverse=True)
     S, n_s = group_sums(x, s_inv, int(s_inv.max()) + 1)
     mu, mu_s = x.mean(0), S / n_s[:, None]
@@ -99,6 +104,7 @@ def anova(features, seq_ids, labels=None) -> dict:
         _, c_inv = torch.unique(y, return_inverse=True)
         T, n_c = group_sums(x, c_inv, int(c_inv.max()) + 1)
         mu_c = T / n_c[:, None]
+        # one label per sequence (checked above): each sequence's class, to place its mean in the class part
         seq_class = torch.zeros_like(n_s, dtype=torch.int64).scatter_(0, s_inv, c_inv)
         out["within_class"] = float((n_s * _sq(mu_s - mu_c[seq_class])).sum() / x.shape[0])
         out["between_class"] = float((n_c * _sq(mu_c - mu)).sum() / x.shape[0])
@@ -112,6 +118,8 @@ _NO_VARIANCE = 1e-12
 def add_shares(out: dict, mean_square: float) -> dict:
     """The ANOVA parts' shares of out["total"], in place. Rows that do not vary (total at the
     rounding level of their mean square) have no shares: NaN, not 0/0 or rounding noise."""
+    # relative to the rows' mean square: features far from the origin that do not vary still leave
+    # rounding in the total
     varies = out["total"] > _NO_VARIANCE * mean_square
     for part in ("within_seq", "between_seq", "within_class", "between_class"):
         if part in out:
@@ -122,6 +130,7 @@ def add_shares(out: dict, mean_square: float) -> dict:
 def check_labels_per_sequence(s_inv: torch.Tensor, y: torch.Tensor):
     """Raise ValueError unless every token of a sequence carries its sequence's label."""
     G = int(s_inv.max()) + 1
+    # the smallest and largest label of each sequence: one vectorised pass
     lo = torch.full((G,), torch.iinfo(torch.int64).max, device=y.device).scatter_reduce(0, s_inv, y, "amin")
     hi = torch.full((G,), torch.iinfo(torch.int64).min, device=y.device).scatter_reduce(0, s_inv, y, "amax")
     if (lo != hi).any():
@@ -139,6 +148,7 @@ def offdiag_stats(block_fn: Callable[[int, int], dict], C: int, chunk: Optional[
     """
     if C < 2:
         return {}
+    # rows per block: about 16 M pair values at a time, whatever the number of classes
     chunk = chunk or max(1, 2 ** 24 // C)
     acc = {}
     for i0 in range(0, C, chunk):
@@ -146,12 +156,14 @@ def offdiag_stats(block_fn: Callable[[int, int], dict], C: int, chunk: Optional[
         for name, v in block_fn(i0, i1).items():
             rows = torch.arange(i1 - i0, device=v.device)
             keep = torch.ones_like(v, dtype=torch.bool)
+            # the pair (c, c) is not a pair of classes
             keep[rows, rows + i0] = False
             v = v[keep]
             nb, mb = v.numel(), float(v.mean())
             m2b = float(((v - mb) ** 2).sum())
             na, ma, m2a = acc.get(name, (0, 0.0, 0.0))
             n, d = na + nb, mb - ma
+            # Chan's parallel update of (count, mean, sum of squared deviations): blocks merge exactly
             acc[name] = (n, ma + d * nb / n, m2a + m2b + d * d * na * nb / n)
     return {k: (m, math.sqrt(m2 / n)) for k, (n, m, m2) in acc.items()}
 
@@ -182,6 +194,7 @@ def nc1_from_scatter(sigma_w: torch.Tensor, M: torch.Tensor) -> float:
         lam, V = s * s / C, Vh.T
     else:
         lam, V = torch.linalg.eigh(M.T @ M / C)
+    # numpy's pinv cut-off: Sigma_B has rank C - 1, its null directions must not be inverted
     keep = lam > lam.max() * D * _EPS
     V, lam = V[:, keep], lam[keep]
     return float(((V.T @ sigma_w) * V.T).sum(1).div(lam).sum() / C)
@@ -198,6 +211,7 @@ def class_mean_geometry(means: torch.Tensor, mu: torch.Tensor, weight=None) -> d
     C = means.shape[0]
     M = means - mu
     norms = M.norm(dim=1)
+    # -1 / (C - 1): the cosine between the vertices of a simplex ETF (NC2's ideal)
     pairs = offdiag_stats(_cosine_block(_unit_rows(M), lambda cos: {"ang": (cos + 1 / (C - 1)).abs()}), C)
     out = {
         "nc2_equinorm": _cov(norms),
@@ -221,6 +235,7 @@ def ncc_mismatch(x: torch.Tensor, means: torch.Tensor, weight: torch.Tensor, bia
     for i in range(0, x.shape[0], chunk):
         xb = x[i:i + chunk]
         logits = xb @ W.T if b is None else torch.addmm(b, xb, W.T)
+        # the nearest class mean by expanding ||x - mu_c||^2: no N x C x D difference tensor
         nearest = (m_sq - 2 * xb @ means.T).argmin(1)  # ||x||^2 is the same for every class
         wrong += int((logits.argmax(1) != nearest).sum())
     return wrong
@@ -266,6 +281,7 @@ def neural_collapse(features, labels, weight=None, bias=None) -> dict:
     C = classes.numel()
     T, n_c = group_sums(x, inv, C)
     means, mu = T / n_c[:, None], x.mean(0)
+    # the within-class residuals, for the within-class scatter Sigma_W
     R = x - means[inv]
     M = means - mu
     out = {"num_classes": float(C),
@@ -280,6 +296,7 @@ def neural_collapse(features, labels, weight=None, bias=None) -> dict:
 # ----------------------------------------------------------------------------- CDNV
 def cdnv_from_class_stats(means: torch.Tensor, var: torch.Tensor) -> dict:
     """Mean and std over class pairs of (var_c + var_c') / (2 ||mu_c - mu_c'||^2)."""
+    # ||mu_c - mu_c'||^2 = |mu_c|^2 + |mu_c'|^2 - 2 <mu_c, mu_c'> per block of rows: no C x C x D tensor
     m = means - means.mean(0)  # centring first keeps the Gram-form distances accurate
     m_sq = _sq(m)
 
@@ -320,6 +337,8 @@ def lc_from_class_stats(means, counts, var, unembedding=None, center: str = "cla
     """
     if center not in ("classes", "tokens"):
         raise ValueError(f"center must be 'classes' or 'tokens', not {center!r}")
+    # the code's default centre is the unweighted mean of the class means: frequent tokens do not
+    # dominate it
     mu = means.mean(0) if center == "classes" else counts @ means / counts.sum()
     M = means - mu
     U = _unit_rows(M)
@@ -378,6 +397,7 @@ def linguistic_collapse(features, labels, unembedding=None, min_count: int = 1,
     kept = n_c >= min_count
     if int(kept.sum()) < 2:
         raise ValueError(f"fewer than 2 classes have {min_count} or more rows")
+    # rows of dropped classes are removed before the NCC agreement, as the code's --min_per_class does
     remap = torch.cumsum(kept, 0) - 1  # old class index -> kept index
     rows = kept[inv]
     x, inv = x[rows], remap[inv[rows]]

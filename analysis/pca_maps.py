@@ -75,10 +75,12 @@ def _pca(x: torch.Tensor, k: int) -> torch.Tensor:
     """Centred projections [P, k] on the top-k components; rank-deficient ones are exact zeros
     (their rounding noise would otherwise be min-max scaled into full-range colour)."""
     x = x - x.mean(0)
+    # the SVD of the centred patches: their principal directions without forming the D x D covariance
     _, S, Vh = torch.linalg.svd(x, full_matrices=False)
     proj = x @ Vh[:k].T
     proj[:, S[:k] <= 1e-6 * S[0].clamp_min(1e-30)] = 0
     if proj.shape[1] < k:  # fewer patches or dims than k
+        # (zero columns: a 2x2 grid of 4 patches still gives 3 colour channels)
         proj = torch.cat([proj, proj.new_zeros(proj.shape[0], k - proj.shape[1])], 1)
     peak = proj.gather(0, proj.abs().argmax(0, keepdim=True))  # largest-magnitude value per component
     return torch.where(peak < 0, -proj, proj)
@@ -103,6 +105,8 @@ def foreground_mask(patches: torch.Tensor, grid: tuple[int, int], threshold: flo
     [0, 1]. patches: [P, D] row-major over the grid."""
     s = _pca(patches.double(), 1)[:, 0]
     edge = s[_border(grid).to(s.device)].mean()
+    # (a component's sign is arbitrary: the border's mean negative puts the object, not the frame,
+    # in the foreground)
     if edge.abs() > 1e-9 * s.abs().max():  # else a tie: keep the largest-magnitude rule's sign
         s = s if edge < 0 else -s
     if threshold == SIGN:
@@ -143,6 +147,7 @@ def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: floa
     """
     check_options(threshold is not None, threshold, upsample)
     dev = next(model.parameters()).device
+    # only the blocks up to the asked one run (laplace.features skips the rest)
     block = None if layer == "norm" else [int(layer.split(".")[1])]
     feats = features(model, images.to(dev), layers=block)
     if layer not in feats:
@@ -170,6 +175,7 @@ def grid_figure(images: np.ndarray, maps: dict[str, list[np.ndarray]], labels: S
     by hand so that it spans exactly scale * (W, H) pixels at DPI."""
     K, H, W = images.shape[:3]
     cols = [("image", list(images))] + list(maps.items())
+    # an integer scale: every image pixel is scale x scale screen pixels, no resampling blur
     scale = max(1, round(MIN_CELL_PX / max(H, W)))
     cw, ch, gap, left = scale * W / DPI, scale * H / DPI, 0.06, 0.3  # inches
     titles = [textwrap.fill(t, max(12, int(cw * 72 / 4.8))) for t, _ in cols]  # ~4.8 pt a character at 8 pt
@@ -177,6 +183,7 @@ def grid_figure(images: np.ndarray, maps: dict[str, list[np.ndarray]], labels: S
     how = ("first 3 PCs" if threshold is None else "foreground PC1 > 0, then 3 PCs" if threshold == SIGN
            else f"foreground > {threshold:g} on PC1, then 3 PCs")
     sup = textwrap.fill(f"PCA of patch features at {layer}: {how} as RGB", max(20, int(fw * 72 / 5.4)))
+    # room above the cells for the wrapped title and column titles (inches)
     top = 0.15 + 0.17 * (sup.count("\n") + 1) + 0.15 * max(t.count("\n") + 1 for t in titles)
     fh = top + K * (ch + gap) + 0.05
     fig = plt.figure(figsize=(fw, fh), dpi=DPI)
@@ -201,6 +208,7 @@ def _file_names(titles: Sequence[str], names: Sequence[str] | None) -> list[str]
     """File-safe, unique stems for the map files."""
     out = []
     for j, n in enumerate(names or titles):
+        # file-safe: a legend title like "vitt_3L (3/3 Laplacian)" holds a slash
         n = re.sub(r"[^A-Za-z0-9._-]+", "_", str(n)).strip("_") or "model"
         out.append(n if n not in out and n != "image" else f"{n}_{j}")
     return out

@@ -1,17 +1,18 @@
-"""Runs found under folders and pooled over seeds: what the tables, the figures and the
-miniature reproduction read.
+"""Runs found under folders, as records and as one tidy table: what every table, figure and
+report of analysis/ reads.
 
-    from analysis.runs import aggregate, collect
+    from analysis.runs import aggregate, collect, frame
     records = collect(["runs/deit3/digits"])      # one flat record per run directory
-    aggregate(records, "final.val_acc1")          # [{family, k, mode, ..., mean, std, n}, ...]
-    per_block(records)                            # the same, per layer and headline geometry key
+    frame(records)                                # a DataFrame row per (run, metric, layer, step)
+    aggregate(records, "final.val_acc1")          # a row per group of seeds: mean, sd, n, [lo, hi]
+    per_block(records)                            # the same per layer and headline geometry key
 
-Every folder that holds a run's config.yaml (or a results.json) is one run; its results.json,
-and ckpt/last_analysis/analysis.json when `python -m analysis` has measured it, become one
-flat record (`collect`). Runs that differ only in their seed are pooled (`aggregate`: mean,
-sample std, n); runs of another recipe never are (recipe_id). The geometry is read at
-the final norm ("geometry.<key>") or at any layer the analysis measured
-("geometry@blocks.<i>.<key>"; `per_block` pools every layer at once).
+Every folder that holds a run's config.yaml (or a results.json) is one run; its results.json (and
+its evaluations'), metrics.jsonl and every ckpt/<name>_analysis/analysis.json that `python -m
+analysis` wrote become one record (`collect`). Runs that differ only in their seed are pooled by
+analysis.stats (`aggregate`, `per_block`); runs of another recipe never are (recipe_id). The
+geometry is read at the final norm ("geometry.<key>") or at any measured layer
+("geometry@blocks.<i>.<key>").
 """
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ import json
 import math
 import os
 import re
-import statistics
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
+import pandas as pd
 from omegaconf import ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from analysis.mechanism import record_summary
+from analysis.stats import summarize
 from laplace.config import flatten
 from laplace.errors import ConfigError
 from laplace.rundir import EXECUTION_KEYS
@@ -45,6 +47,7 @@ _MECH_AT_LAYER = re.compile(r"mechanism@(blocks\.\d+)\.(.+)")
 def _read_json(path: Path) -> Optional[dict]:
     try:
         return json.loads(path.read_text())
+    # (a run that is writing its results.json right now is read on the next call)
     except (OSError, ValueError):  # absent, or being written by a live run: treat as absent
         return None
 
@@ -69,6 +72,7 @@ def find_runs(roots: Iterable, unreadable: Optional[dict] = None) -> list[Path]:
     runs, seen = [], set()
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
+            # sorted: the same records in the same order on every machine (os.walk's order is the file system's)
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
             d = Path(dirpath).resolve()  # overlapping roots (runs=[runs,runs/deit3]) count a run once
             cfg, why = _yaml_or_error(d / "config.yaml") if "config.yaml" in filenames else ({}, None)
@@ -202,6 +206,18 @@ def _pretrain(init_from) -> Optional[dict]:
     return None
 
 
+def _analyses(d: Path) -> dict[int, dict]:
+    """{step: analysis.json} of every analysed checkpoint of a run (ckpt/<name>_analysis/; a
+    later file of the same step, e.g. last.pt beside step_3000.pt, replaces nothing)."""
+    out = {}
+    for path in sorted((d / "ckpt").glob("*_analysis/analysis.json")):
+        a = _read_json(path)
+        if a is not None and a.get("step") is not None:
+            # (by step, not by file name: the report compares checkpoints of the same step across runs)
+            out.setdefault(int(a["step"]), {**a, "path": str(path)})
+    return out
+
+
 def read_run(run_dir) -> Optional[dict]:
     """One run's flat record (see `collect`), or None when it names no model."""
     d = Path(run_dir)
@@ -215,27 +231,35 @@ def read_run(run_dir) -> Optional[dict]:
     metrics = {}
     for sub in sorted(d.rglob("results.json"), key=lambda p: (len(p.parts), p)):  # its own first, then evaluations
         nested_run = sub.parent != d and (sub.parent / "config.yaml").exists()
+        # evaluations of the final model (eval/*/results.json) join the run's metrics; those of kept
+        # checkpoints (under ckpt/) are per step, below
         if "ckpt" not in sub.relative_to(d).parts[:-1] and not nested_run:
             extra = _read_json(sub) or {}
             metrics.update({k: v for k, v in flat_metrics(extra).items() if k not in metrics})
     k = r.get("num_laplacian_heads", mcfg.get("num_laplacian_heads"))
     k = tuple(k) if isinstance(k, list) else k  # hashable: per-layer counts group like ints
-    ckpt_stem = Path(str(r.get("checkpoint") or "last.pt")).stem
-    analysis_path = d / "ckpt" / f"{ckpt_stem}_analysis" / "analysis.json"
-    analysis = _read_json(analysis_path)
-    notes = []
-    # an analysis of an earlier last.pt (the run resumed since) would mislabel the final model
-    if analysis and res and analysis.get("step") not in (None, r.get("steps")):
-        notes.append(f"{analysis_path}: of step {analysis.get('step')}, the run ended at step {r.get('steps')}; "
-                     f"left out (re-run python -m analysis)")
-        analysis = None
-    layers = layer_geometry(analysis) if analysis else {}
+    analyses = _analyses(d)
+    # evaluations of kept checkpoints (e.g. the 20-NN of ckpt/step_110.pt in ckpt/step_110_knn/)
+    step_metrics = {int(m[1]): flat_metrics(_read_json(p) or {})
+                    for p in sorted((d / "ckpt").glob("step_*_*/results.json"))
+                    for m in [re.fullmatch(r"step_(\d+)_.+", p.parent.name)] if m}
+    # the final model's geometry: the analysis of the step the run ended at (last.pt's, or a kept
+    # step_N.pt of the same step); an analysis of an earlier last.pt would mislabel it
+    # (a run still training: its latest analysed checkpoint)
+    final = analyses.get(r.get("steps")) if res else analyses.get(max(analyses, default=None))
+    # an analysis of last.pt from before a resume measured an earlier model: said, not used
+    notes = [f"{a['path']}: of step {s}, the run ended at step {r.get('steps')}; not its final model "
+             f"(re-run python -m analysis)" for s, a in analyses.items()
+             if res and s != r.get("steps") and a["path"].endswith("/last_analysis/analysis.json")]
+    layers = layer_geometry(final) if final else {}
     init_from = tcfg.get("init_from") or r.get("init_from")
     img = r.get("img_size", (cfg.get("data") or {}).get("img_size"))
     dataset = r.get("dataset") or (cfg.get("data") or {}).get("name")
     return {
-        "run_dir": str(d), "trainer": tcfg.get("name") or r.get("trainer"), "dataset": dataset,
-        "model": name, "arch": "gpt" if name.startswith("gpt") else (analysis or {}).get("arch", "vit"),
+        # experiment: the folder train.py names from experiment= (or the data's name)
+        "run_dir": str(d), "experiment": d.parent.name, "trainer": tcfg.get("name") or r.get("trainer"),
+        "dataset": dataset,
+        "model": name, "arch": "gpt" if name.startswith("gpt") else (final or {}).get("arch", "vit"),
         "family": model_family(name, mcfg), "k": k,
         "k_label": "[" + ",".join(map(str, k)) + "]" if isinstance(k, tuple) else str(k),
         "mode": r.get("laplacian_mode") or mcfg.get("laplacian_mode") or "fixed",
@@ -243,11 +267,17 @@ def read_run(run_dir) -> Optional[dict]:
         "max_steps": tcfg.get("max_steps"),
         "global_batch_size": r.get("global_batch_size", tcfg.get("global_batch_size")),
         "img_size": img, "init_from": init_from, "pretrain": _pretrain(init_from),
+        "global_pool": mcfg.get("global_pool", "token"),
         "finished": res is not None, "recipe_id": _recipe_id(cfg) if cfg else "",
         "metrics": metrics, "geometry": layers.get("norm", {}), "layer_geometry": layers,
-        "mechanism": record_summary(analysis),
-        "checkpoint": str(d / "ckpt" / f"{ckpt_stem}.pt"),  # here, not where it was written (runs move)
-        "analysis": str(analysis_path) if analysis else None, "notes": notes,
+        "mechanism": record_summary(final),
+        # every analysed checkpoint: {step: {layer: geometry}} and {step: mechanism summary}
+        "step_geometry": {s: layer_geometry(a) for s, a in analyses.items()},
+        "step_mechanism": {s: record_summary(a) for s, a in analyses.items()}, "step_metrics": step_metrics,
+        # here, not where it was written (runs move)
+        "checkpoint": str(d / "ckpt" / Path(str(r.get("checkpoint") or "last.pt")).name),
+        "analysis": final["path"] if final else None, "analysis_step": final["step"] if final else None,
+        "notes": notes,
     }
 
 
@@ -275,8 +305,10 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
     ({key: float}, see `flat_metrics`), geometry ({key: float} at the final norm, see
     `geometry`; {} when not analysed), layer_geometry (the same at every measured layer, see
     `layer_geometry`), mechanism (the per-head smoothing diagnostic per head type, see
-    `analysis.mechanism.record_summary`; {} when not measured), analysis (its path) and notes. `skipped` (if given) gets
-    a line for each run directory left out, saying why.
+    `analysis.mechanism.record_summary`; {} when not measured), analysis and analysis_step (the
+    final model's analysis.json and its step), step_geometry / step_mechanism (the same at every
+    analysed checkpoint: {step: ...}) and notes. `skipped` (if given) gets a line for each run
+    directory left out, saying why.
     """
     roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
     records, unreadable = [], {}
@@ -309,6 +341,7 @@ def metric_value(record: dict, metric: Metric) -> Optional[float]:
     if callable(metric):
         v = metric(record)
         return v if v is None or math.isfinite(v) else None
+    # a list of keys: the first a run has (a results key spelt differently by two versions)
     for key in ([metric] if isinstance(metric, str) else metric):
         if key.startswith("geometry@"):
             at = _AT_LAYER.fullmatch(key)
@@ -339,36 +372,92 @@ def sort_key(v):
         return (0, 0)
     if isinstance(v, (int, float)):
         return (1, v)
+    # numbers before strings before tuples: a column of mixed k (7 and [0,0,6,6]) still sorts
     return (3, v) if isinstance(v, tuple) else (2, str(v))
 
 
-def aggregate(records: list[dict], metric: Metric, by: tuple = GROUP_KEYS) -> list[dict]:
+# The facts of a run that every row of the tidy table carries (what a group or a label needs).
+FACTS = ("run_dir", "experiment", "trainer", "dataset", "family", "model", "arch", "k", "k_label", "mode", "seed",
+         "steps", "recipe_id", "recipe", "finished")
+
+
+def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
+    """The runs as one tidy table, a row per (run, metric, layer, step): FACTS, step, epoch,
+    layer, metric, value, final (the row is of the run's final model). Every table and report of
+    analysis/ is a view of it.
+
+    metric is a results key ("final.val_acc1": layer None, step the run's last; an evaluation of a
+    kept checkpoint, ckpt/step_<N>_<name>/results.json, at step N), "geometry.<key>"
+    (at every analysed layer and checkpoint step), "mechanism.<key>.<type>" (layer "all" or
+    "blocks.<i>"), and with logs=True "log.<key>" of metrics.jsonl (every logged step and its
+    epoch; a step logged twice, by a resumed run, keeps its last value)."""
+    rows = []
+    for r in records:
+        facts = {f: r.get(f) for f in FACTS}
+
+        # (one row per number: pandas groups, pivots and writes it; nothing below knows a file layout)
+        def add(step, layer, metric, value, epoch=None, final=True):
+            rows.append({**facts, "step": step, "epoch": epoch, "layer": layer, "metric": metric, "value": value,
+                         "final": final})
+
+        for m, v in r["metrics"].items():
+            add(r.get("steps"), None, m, v)
+        for step, ms in r.get("step_metrics", {}).items():  # evaluations of kept checkpoints
+            for m, v in ms.items():
+                add(step, None, m, v, final=False)
+        # the final analysis from layer_geometry (what a caller may have edited), the others as read
+        last = r.get("analysis_step")
+        # the final analysis from layer_geometry, the record's own (a caller may have edited it)
+        steps = {**r.get("step_geometry", {}), last: r["layer_geometry"]}
+        for step, layers in steps.items():
+            for layer, g in layers.items():
+                for key, v in g.items():
+                    add(step, layer, f"geometry.{key}", v, final=step == last)
+        mech = {**r.get("step_mechanism", {}), last: r.get("mechanism") or {}}
+        for step, summary in mech.items():
+            for key, v in summary.items():  # {"<key>.<type>": all layers, "blocks.<i>": {...}}
+                for layer, kk, vv in ([(key, kk, vv) for kk, vv in v.items()] if isinstance(v, dict)
+                                      else [("all", key, v)]):
+                    add(step, layer, f"mechanism.{kk}", vv, final=step == last)
+        if logs and (Path(r["run_dir"]) / "metrics.jsonl").exists():
+            from train.logger import read_metrics
+
+            # metrics.jsonl: the learning curves (every logged value at its step and epoch)
+            for rec in read_metrics(r["run_dir"]):
+                for key, v in rec.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("step", "epoch"):
+                        add(rec.get("step"), None, f"log.{key}", float(v), rec.get("epoch"), final=False)
+    out = pd.DataFrame(rows, columns=[*FACTS, "step", "epoch", "layer", "metric", "value", "final"])
+    # NaN and inf are "not measured" (a sequence without variance, a diverged run): no row
+    out = out[out["value"].map(lambda v: v is not None and math.isfinite(v))]
+    # a step logged twice (the run resumed before its last checkpoint) keeps the value of the run that went on
+    return out.drop_duplicates(["run_dir", "metric", "layer", "step"], keep="last", ignore_index=True)
+
+
+def aggregate(records: list[dict], metric: Metric, by: tuple = GROUP_KEYS) -> pd.DataFrame:
     """Pool the runs that share `by` (by default all but the seed) over their seeds.
 
     Args:
         records: from `collect`.
         metric: as in `metric_value`; runs without it are left out.
         by: record fields that define a group.
-    Returns one row per group, sorted: the `by` fields, mean, std (sample std, ddof=1; None
-    when n = 1), n, values, seeds, run_dirs, and recipe / k_label / arch of its first run.
+    Returns one row per group, sorted: the `by` fields, the analysis.stats.summarize fields (mean,
+    sd, se, n, df, lo, hi, values, seeds, run_dirs), and runs (the records), recipe, k_label, arch
+    of its first run.
     """
-    groups: dict = {}
-    for r in records:
-        v = metric_value(r, metric)
-        if v is not None:
-            groups.setdefault(tuple(r.get(f) for f in by), []).append((r, v))
-    rows = []
-    for key, items in groups.items():
-        vals = [v for _, v in items]
-        first = items[0][0]
-        # the sample std (ddof=1): seeds are a sample of the runs the recipe could give
-        rows.append({**dict(zip(by, key)), "mean": statistics.fmean(vals),
-                     "std": statistics.stdev(vals) if len(vals) > 1 else None, "n": len(vals),
-                     "values": vals, "seeds": [r.get("seed") for r, _ in items],
-                     "run_dirs": [r["run_dir"] for r, _ in items], "runs": [r for r, _ in items],
-                     "recipe": first.get("recipe"), "k_label": first.get("k_label"),
-                     "arch": first.get("arch")})
-    return sorted(rows, key=lambda row: tuple(sort_key(row[f]) for f in by))
+    rows = [{**{f: r.get(f) for f in by}, "seed": r.get("seed"), "run_dir": r["run_dir"], "value": v, "run": r}
+            for r in records for v in [metric_value(r, metric)] if v is not None]
+    if not rows:
+        return pd.DataFrame(columns=[*by, "mean", "sd", "n"])
+    # groups in a stable order: the tables' rows do not depend on the order the runs were found
+    rows.sort(key=lambda row: tuple(sort_key(row[f]) for f in by))
+    flat = pd.DataFrame(rows)
+    out = summarize(flat, by)
+    # each group's records, for the facts a table needs (its recipe, whether it fine-tunes)
+    out["runs"] = [list(g["run"]) for _, g in flat.groupby(list(by), dropna=False, sort=False)]
+    for f in ("recipe", "k_label", "arch"):
+        out[f] = [runs[0].get(f) for runs in out["runs"]]
+    return out
 
 
 def experiments(records: list[dict]) -> dict[str, list[dict]]:
@@ -380,6 +469,7 @@ def experiments(records: list[dict]) -> dict[str, list[dict]]:
     names, out = {}, {}
     for key in sorted(groups, key=lambda k: tuple(map(str, k))):
         base = f"{key[1]}_{key[2]}"
+        # a second recipe of one dataset and family: named apart by its recipe id, never pooled
         name = base if base not in names else f"{base}_{key[3]}"
         names[name] = key
         out[name] = groups[key]
@@ -407,23 +497,18 @@ def layer_order(records: list[dict]) -> list[str]:
     return sorted(names, key=lambda n: (n == "norm", int(n.split(".")[1]) if n != "norm" else 0))
 
 
-def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> list[dict]:
-    """The headline geometry at every measured layer, pooled over seeds as `aggregate` pools
-    ("geometry@<layer>.<key>"): one row per (group, layer, metric) with the `aggregate` fields,
-    layer, metric and se (std / sqrt(n); None for one seed).
-
-    Args:
-        records: from `collect`.
-        metrics: keys of `geometry` (default: those of BLOCK_METRICS).
-        by: as in `aggregate`.
-    """
-    rows = []
-    for key in metrics or [k for k, _ in BLOCK_METRICS]:
-        for layer in layer_order(records):
-            for g in aggregate(records, f"geometry@{layer}.{key}", by):
-                se = None if g["std"] is None else g["std"] / math.sqrt(g["n"])
-                rows.append({**g, "layer": layer, "metric": key, "se": se})
-    return rows
+def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> pd.DataFrame:
+    """The headline geometry of the final checkpoint at every measured layer, pooled over seeds as
+    `aggregate` pools: one row per (group, layer, metric) with the `by` fields, layer, metric (a key
+    of `geometry`) and the analysis.stats.summarize fields, layers in `layer_order`."""
+    keys = [f"geometry.{k}" for k in (metrics or [k for k, _ in BLOCK_METRICS])]
+    f = frame(records)
+    # the final model's layers only (a run's kept checkpoints are the report's business)
+    f = f[f["metric"].isin(keys) & f["layer"].notna() & f["final"]]
+    order = {n: i for i, n in enumerate(layer_order(records))}
+    f = f.assign(metric=f["metric"].str[len("geometry."):],
+                 _o=f["layer"].map(order), _m=f["metric"].map(keys.index)).sort_values(["_m", "_o", "seed"])
+    return summarize(f, [*by, "layer", "metric"])
 
 
 def runs_roots(cfg, command: str = "analysis.tables") -> list[Path]:

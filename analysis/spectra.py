@@ -27,11 +27,14 @@ def spectrum_metrics(cov: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99
     that do not vary (trace at the rounding level of their `mean_square`) have no normalised
     spectrum: n_pcs, effective_rank and spectrum are NaN, not 0/0 read as one component.
     """
+    # eigvalsh: the covariance is symmetric; descending, as explained variance is counted
     lam = torch.linalg.eigvalsh(cov).flip(0).clamp_min(0)  # tiny negative rounding -> 0
+    # ("not >" rather than "<=": a NaN trace also has no spectrum)
     if not lam.sum() > _NO_VARIANCE * mean_square:
         nan = float("nan")
         return {**{f"n_pcs_{t:g}": nan for t in thresholds}, "effective_rank": nan,
                 "total_variance": float(lam.sum()), "spectrum": [nan] * lam.numel()}
+    # the normalised spectrum: each component's share of the variance
     p = lam / lam.sum()
     counts, erank = spectrum_counts(p, thresholds, tol)
     out = {f"n_pcs_{t:g}": float(c) for t, c in zip(thresholds, counts)}
@@ -51,7 +54,9 @@ def spectrum_counts(p: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99), 
     """
     cum = torch.cumsum(p, -1)
     n = p.shape[-1]
+    # the first k whose cumulative share reaches t: one more than the count of those still below it
     counts = [((cum < t - tol).sum(-1) + 1).clamp_max(n) for t in thresholds]
+    # the entropy of the normalised spectrum, 0 log 0 = 0: exp of it is the effective rank
     ent = torch.where(p > 0, p * p.clamp_min(torch.finfo(p.dtype).tiny).log(), torch.zeros_like(p)).sum(-1)
     return counts, torch.exp(-ent)
 
@@ -66,10 +71,14 @@ def sequence_spectra(x: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99),
     effective_rank (the same) and varies (bool).
     """
     B, T, D = x.shape
+    # each sequence centred on its own mean: the spread of its tokens, not of the set
     xc = x - x.mean(1, keepdim=True)
+    # the nonzero eigenvalues of X X^T and X^T X agree: the smaller of T x T and D x D is enough
     gram = xc @ xc.transpose(1, 2) if T <= D else xc.transpose(1, 2) @ xc
+    # batched over the sequences of a batch: one small eigen-problem each
     lam = torch.linalg.eigvalsh(gram / T).flip(-1).clamp_min(0)
     total = lam.sum(-1)
+    # the same no-variance rule as spectrum_metrics, on each sequence's own mean square
     varies = total > _NO_VARIANCE * _sq(x).mean(1)
     p = lam / torch.where(varies, total, torch.ones_like(total))[:, None]
     counts, erank = spectrum_counts(p, thresholds, tol)
@@ -95,6 +104,7 @@ def per_sequence_spectra(features, seq_ids, thresholds: Sequence[float] = (0.9, 
     keys = [f"n_pcs_{t:g}" for t in thresholds] + ["effective_rank"]
     vals = {k: [] for k in keys}
     skipped = 0
+    # the in-memory twin of streaming.SequenceSpectra: a loop over sequences, each its own spectrum
     for s in torch.unique(sid):
         one = spectral_decay(x[sid == s], thresholds)
         if math.isnan(one["effective_rank"]):
@@ -131,6 +141,7 @@ def spectral_decay(features, thresholds: Sequence[float] = (0.9, 0.99), seq_ids=
         _check_rows(x, sid)
         _, inv = torch.unique(sid, return_inverse=True)
         S, n_s = group_sums(x, inv, int(inv.max()) + 1)
+        # each row less its own sequence's mean: the pooled within-sequence covariance below
         xc = x - (S / n_s[:, None])[inv]
     else:
         raise ValueError(f"center must be 'global' or 'sequence', not {center!r}")

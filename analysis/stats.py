@@ -1,77 +1,116 @@
-"""Paired comparisons of two arms over seeds, corrected for the number of claims tested.
+"""Statistics over seeds, in one place: a mean with its t-based 95% interval, the paired
+difference of two arms, Holm's correction and the verdict words. Every table, figure band and
+report of analysis/ takes its mean, spread and interval from here.
 
-    from analysis.stats import holm, paired
+    from analysis.stats import describe, holm, paired, summarize, verdict
+    describe([94.1, 95.0, 93.8])                       # Summary(mean, sd, se, n, df, lo, hi)
     t = paired({0: 94.1, 1: 95.0, 2: 93.8}, {0: 95.2, 1: 95.9, 2: 94.0})   # {seed: value} per arm
-    t.d, t.t, t.df, t.p, t.mde                                              # mean difference, ...
-    holm([0.01, 0.04, 0.03])                                                # adjusted p-values
-
-Why paired: the arms of a seed share the data order and the initial weights (a Laplacian head
-adds no parameter, so k changes no draw of the initialisation), so the per-seed differences
-remove the seed-to-seed spread that both arms share; the test is Student's t on those
-differences (scipy.stats.ttest_rel), with n - 1 degrees of freedom.
-
-The smallest detectable effect (`mde`): the true mean difference that a two-sided paired t at
-level alpha would detect with probability `power`, given the observed spread of the
-differences: (t_{1 - alpha/2, df} + t_{power, df}) * sd / sqrt(n) (the usual normal-shift
-approximation with t quantiles). A "within noise" verdict says nothing about effects smaller
-than it.
-
-Holm's step-down correction controls the chance of any false "agrees"/"disagrees" over a
-family of claims (family-wise error) without assuming independence between them.
+    t.d, t.lo, t.hi, t.df, t.t, t.p                    # arm - base, its 95% interval, ...
+    holm([0.01, 0.04, 0.03])                           # adjusted p-values
+    verdict(t, sign=+1)                                # agrees / disagrees / inconclusive [lo, hi]
+    summarize(frame, by=["k", "layer"])                # pandas: the same numbers per group
 """
 from __future__ import annotations
 
 import math
-import statistics
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Mapping, Optional, Sequence
 
+import numpy as np
+import pandas as pd
 from scipy import stats as _stats
 
-ALPHA = 0.05
-POWER = 0.8
+LEVEL = 0.95  # the confidence of every interval
+ALPHA = 0.05  # the level that decides a verdict (after Holm, where a family is declared)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A sample of values (seeds): mean, sample sd (ddof=1), se = sd / sqrt(n), df = n - 1 and
+    the t-based LEVEL interval [lo, hi] of the mean; sd, se, lo and hi are NaN for one value."""
+    mean: float
+    sd: float
+    se: float
+    n: int
+    df: int
+    lo: float
+    hi: float
+
+
+def describe(values: Sequence[float], level: float = LEVEL) -> Summary:
+    """The mean of `values` and its t interval (Student's t with n - 1 degrees of freedom:
+    seeds are few, so the normal's 1.96 would be too narrow; at n = 4 the factor is 3.18)."""
+    x = np.asarray(list(values), dtype=float)
+    n, nan = len(x), float("nan")
+    if n == 0:
+        raise ValueError("describe: no values")
+    mean = float(x.mean())
+    if n < 2:
+        return Summary(mean, nan, nan, 1, 0, nan, nan)
+    sd = float(x.std(ddof=1))
+    se = sd / math.sqrt(n)
+    # scipy refuses a zero scale: every seed gave the same value, the interval is that point
+    # scipy's t quantiles: the interval of the mean with n - 1 degrees of freedom
+    lo, hi = _stats.t.interval(level, n - 1, loc=mean, scale=se) if se > 0 else (mean, mean)
+    return Summary(mean, sd, se, n, n - 1, float(lo), float(hi))
+
+
+def summarize(frame: pd.DataFrame, by: Sequence[str], value: str = "value", level: float = LEVEL) -> pd.DataFrame:
+    """One row per group of `frame` (the tidy table of analysis.runs): the `by` columns, the
+    Summary fields of its `value`s, and the pooled values, seeds and run folders as lists."""
+    rows = []
+    # dropna=False: a field that is None for every run (e.g. no mode) must not drop its runs
+    # sort=False: groups in the frame's order (the caller sorts); describe() is the one place the
+    # numbers come from, so a table's cell equals a report's
+    for key, g in frame.groupby(list(by), dropna=False, sort=False):
+        rows.append({**dict(zip(by, key)), **asdict(describe(g[value], level)), "values": g[value].tolist(),
+                     "seeds": g["seed"].tolist() if "seed" in g else None,
+                     "run_dirs": g["run_dir"].tolist() if "run_dir" in g else None})
+    return pd.DataFrame(rows, columns=[*by, *Summary.__dataclass_fields__, "values", "seeds", "run_dirs"])
 
 
 @dataclass(frozen=True)
 class Paired:
-    """A paired comparison (arm minus baseline) over the seeds both arms have."""
+    """arm - base over the seeds both arms have (Summary of the per-seed differences)."""
     n: int          # seeds in both arms
-    d: float        # mean of the per-seed differences
-    sd: float       # their sample standard deviation (nan for n < 2)
+    d: float        # mean difference
+    sd: float       # sample sd of the differences (NaN for n < 2)
     se: float       # sd / sqrt(n)
-    t: float        # d / se (nan for n < 2; +-inf when every difference is the same nonzero value)
     df: int         # n - 1
-    p: float        # two-sided p of the paired t (nan for n < 2)
-    mde: float      # smallest detectable |effect| at ALPHA, POWER (nan for n < 2)
+    lo: float       # the LEVEL interval of d
+    hi: float
+    t: float        # d / se (+-inf when every seed moved by the same nonzero amount)
+    p: float        # two-sided p of the paired t (NaN for n < 2)
     diffs: tuple    # the per-seed differences, in seed order
 
 
-def paired(base: Mapping, arm: Mapping, alpha: float = ALPHA, power: float = POWER) -> Paired:
-    """Paired t of arm - base over the seeds (keys) both have."""
+def paired(base: Mapping, arm: Mapping, level: float = LEVEL) -> Paired:
+    """The paired t of arm - base over the seeds (keys) both have.
+
+    Why paired: the arms of a seed share the data order and the initial weights (a Laplacian head
+    adds no parameter, so k changes no draw), so the per-seed differences remove the spread both
+    arms share. Equal to scipy.stats.ttest_rel (tests hold it)."""
+    # only the seeds both arms have: a pair is the unit, a seed without its partner says nothing
     seeds = sorted(set(base) & set(arm), key=str)
     diffs = tuple(float(arm[s]) - float(base[s]) for s in seeds)
-    n = len(diffs)
-    if n == 0:
+    if not diffs:
         raise ValueError("paired: no seed is in both arms")
-    d = statistics.fmean(diffs)
-    if n < 2:
-        nan = float("nan")
-        return Paired(n, d, nan, nan, nan, 0, nan, nan, diffs)
-    sd = statistics.stdev(diffs)
-    se = sd / math.sqrt(n)
-    df = n - 1
-    if se == 0:  # every seed moved by exactly the same amount
-        t, p = (0.0, 1.0) if d == 0 else (math.copysign(math.inf, d), 0.0)
+    s = describe(diffs, level)
+    if s.n < 2:
+        return Paired(1, s.mean, *(float("nan"),) * 2, 0, *(float("nan"),) * 4, diffs)
+    if s.se == 0:  # every seed moved by exactly the same amount
+        t, p = (0.0, 1.0) if s.mean == 0 else (math.copysign(math.inf, s.mean), 0.0)
     else:
-        t = d / se
-        p = float(2 * _stats.t.sf(abs(t), df))
-    mde = float((_stats.t.ppf(1 - alpha / 2, df) + _stats.t.ppf(power, df)) * se)
-    return Paired(n, d, sd, se, t, df, p, mde, diffs)
+        # Student's t on the differences; its p from scipy's t distribution (tests: equal to ttest_rel)
+        t = s.mean / s.se
+        p = float(2 * _stats.t.sf(abs(t), s.df))
+    return Paired(s.n, s.mean, s.sd, s.se, s.df, s.lo, s.hi, t, p, diffs)
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
-    """Holm-adjusted p-values, in the input order (nan stays nan and is not counted): the
-    i-th smallest of m is multiplied by m - i (i from 0), made non-decreasing, capped at 1."""
+    """Holm-adjusted p-values, in the input order (NaN stays NaN and is not counted). By hand:
+    scipy has no Holm, and the rule is three lines: the i-th smallest of m is multiplied by
+    m - i (i from 0), then made non-decreasing and capped at 1."""
     idx = sorted((i for i, p in enumerate(pvalues) if not math.isnan(p)), key=lambda i: pvalues[i])
     m, out, running = len(idx), [float("nan")] * len(pvalues), 0.0
     for rank, i in enumerate(idx):
@@ -80,12 +119,25 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return out
 
 
-def verdict(d: float, p: float, sign: int, alpha: float = ALPHA) -> str:
-    """"agrees" / "disagrees" (the direction relative to the claim's `sign`, +1: the paper says it
-    grows) when p < alpha, else "within noise"; "one seed" without a p."""
+def verdict(test: Optional[Paired], sign: int, p: Optional[float] = None, alpha: float = ALPHA) -> str:
+    """"agrees" / "disagrees" when p < alpha (the claim's direction `sign`: +1, the paper says it
+    grows; -1, it falls), else "inconclusive [lo, hi]" with the 95% interval of the difference.
+    `p` is the deciding p (Holm's, in a family); default the test's own. A non-significant test
+    rules nothing out by itself: the interval says which effects remain possible."""
+    if test is None:
+        return "not measured"
+    p = test.p if p is None else p
     if math.isnan(p):
-        return "one seed: " + ("no difference" if d == 0 else "paper's direction" if d * sign > 0
-                               else "the other direction")
+        return "one seed: no test"
+    # the direction of d, not its size, says agrees or disagrees: the interval gives the size
     if p < alpha:
-        return "agrees" if d * sign > 0 else "disagrees"
-    return "within noise"
+        return "agrees" if test.d * sign > 0 else "disagrees"
+    return f"inconclusive [{test.lo:+.3g}, {test.hi:+.3g}]"
+
+
+def interval_text(mean: float, lo: float, hi: float, n: Optional[int], fmt: str = ".3g", signed: bool = False) -> str:
+    """'mean [lo, hi] (n)', or 'mean (n)' without an interval (one seed)."""
+    f = ("+" if signed else "") + fmt
+    if not n or n < 2 or math.isnan(lo):
+        return f"{mean:{f}} ({n})"
+    return f"{mean:{f}} [{lo:{f}}, {hi:{f}}] ({n})"

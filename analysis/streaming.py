@@ -65,9 +65,11 @@ class GeometryAccumulator:
             raise ValueError(f"unknown metrics {sorted(unknown)}; choose from {METRICS}")
         self.dim, self.metrics = dim, set(metrics)
         self.device = torch.device(device) if device is not None else None
+        # the class table grows to the largest label seen: a vocabulary need not be known in advance
         self.num_classes = num_classes or 1
         self.needs_seq = bool(self.metrics & {"anova", "anova_seq"})
         self.needs_labels = bool(self.metrics & {"anova", "nc", "cdnv", "lc"})
+        # the D x D scatter costs O(B D^2) per batch: kept only for the metrics that need it
         self.needs_scatter = bool(self.metrics & {"nc", "spectral"})
         self.n = 0
         self.shift = None
@@ -76,9 +78,12 @@ class GeometryAccumulator:
 
     def _allocate(self, x: torch.Tensor):
         D, dev, f64 = self.dim, x.device, dict(dtype=torch.float64, device=x.device)
+        # every row is stored shifted by the first batch's mean: sums of squares then stay near the
+        # data's spread, so differences like sum |x|^2 - N |mu|^2 do not cancel catastrophically
         self.shift = x.mean(0)
         self.sum, self.sq = torch.zeros(D, **f64), torch.zeros((), **f64)
         self.xtx = torch.zeros(D, D, **f64) if self.needs_scatter else None
+        # per-sequence sums grow as new sequences arrive (a sequence may span batches)
         self.seq_sum, self.seq_n = torch.zeros(0, D, **f64), torch.zeros(0, **f64)
         self.seq_label = torch.zeros(0, dtype=torch.int64, device=dev)
         C = self.num_classes
@@ -93,6 +98,7 @@ class GeometryAccumulator:
         if self.shift is None:
             self.device = x.device
             self._allocate(x)
+        # (the shift leaves every variance unchanged; means get it back in class_means / sequence_means)
         x = x - self.shift
         sq = _sq(x)
         self.n += x.shape[0]
@@ -103,6 +109,7 @@ class GeometryAccumulator:
         y = None
         if labels is not None:
             y = as_index(labels, x.device)
+            # a negative label would silently index the class table from its end
             if y.numel() != x.shape[0] or (y.numel() and int(y.min()) < 0):
                 raise ValueError("labels must be one non-negative class id per row")
         elif self.needs_labels:
@@ -112,6 +119,7 @@ class GeometryAccumulator:
         elif self.needs_seq:
             raise ValueError("the ANOVA needs seq_ids in every batch")
         if y is not None and self.needs_labels and y.numel():
+            # sum, count and sum of squares per class: the class means and within-class variances
             self.cls_sum = _grow(self.cls_sum, int(y.max()) + 1)
             self.cls_n, self.cls_sq = _grow(self.cls_n, self.cls_sum.shape[0]), _grow(self.cls_sq, self.cls_sum.shape[0])
             self.cls_sum.index_add_(0, y, x)
@@ -121,6 +129,8 @@ class GeometryAccumulator:
     def _add_sequences(self, x, sid, y):
         if sid.numel() != x.shape[0]:
             raise ValueError(f"{x.shape[0]} rows but {sid.numel()} seq_ids")
+        # sequence ids are any integers: map them to rows of the per-sequence tables in order of first
+        # appearance (a python dict: a few thousand sequences, one lookup per sequence per batch)
         uniq, inv = torch.unique(sid, return_inverse=True)
         rows = [self._seq_row.setdefault(s, len(self._seq_row)) for s in uniq.tolist()]
         rows = torch.tensor(rows, dtype=torch.int64, device=x.device)
@@ -132,6 +142,7 @@ class GeometryAccumulator:
         if y is None:
             return
         # one label per sequence, also across batches (a -1 marks a sequence not seen before)
+        # the label of each sequence's first token in this batch, checked against all its tokens
         first = torch.empty_like(rows).scatter_(0, inv, y)
         prev = self.seq_label[rows]
         bad = bool((first[inv] != y).any()) or bool(((prev >= 0) & (prev != first)).any())
@@ -147,6 +158,7 @@ class GeometryAccumulator:
         classes = torch.nonzero(self.cls_n > 0).flatten()
         T, n_c = self.cls_sum[classes], self.cls_n[classes]
         means = T / n_c[:, None]
+        # E|x|^2 - |E x|^2 may round below 0 for a class of identical rows
         var = (self.cls_sq[classes] / n_c - _sq(means)).clamp_min(0)
         return classes, means, n_c, var
 
@@ -161,6 +173,7 @@ class GeometryAccumulator:
         labels only when every token of each sequence came with the same label."""
         n = len(self._seq_row)
         ids = torch.tensor(list(self._seq_row), dtype=torch.int64)
+        # sequence means carry labels only when each sequence had one (an image's class, not next tokens)
         has = n and self.seq_labels_consistent and bool((self.seq_label[:n] >= 0).all())
         labels = self.seq_label[:n] if has else None
         return ids, self.seq_sum[:n] / self.seq_n[:n, None] + self.shift, labels
@@ -191,14 +204,18 @@ class GeometryAccumulator:
         Q, mu2 = float(self.sq), float(_sq(mu))
         ns = len(self._seq_row)
         S, n_s = self.seq_sum[:ns], self.seq_n[:ns]
+        # The ANOVA from sums alone (all about the shifted origin): N total = Q - N |mu|^2,
+        # N within_seq = Q - A, N between_seq = A - N |mu|^2
         A = float((_sq(S) / n_s).sum()) if ns else float("nan")  # sum_s ||S_s||^2 / n_s
         out = {}
         if self.metrics & {"anova", "anova_seq"}:
+            # max(.., 0): a sequence of identical tokens makes Q - A a rounding-level difference
             out.update(total=Q / N - mu2, within_seq=max(Q - A, 0.0) / N, between_seq=A / N - mu2)
         classes = None
         if self.needs_labels:
             classes, means, n_c, var = self._classes()
         if "anova" in self.metrics:
+            # the class parts nest the sequence parts: one label per sequence, so within_class = (A - B) / N
             B = float((_sq(means) * n_c).sum())  # sum_c ||T_c||^2 / n_c
             out.update(within_class=max(A - B, 0.0) / N, between_class=B / N - mu2)
         if "total" in out:
@@ -206,12 +223,14 @@ class GeometryAccumulator:
         if "nc" in self.metrics:
             C = classes.numel()
             M = means - mu
+            # the within-class scatter from the total scatter less the class means' part: no second pass
             sigma_w = (self.xtx - (means * n_c[:, None]).T @ means) / N
             out.update(num_classes=float(C), nc1=nc1_from_scatter(sigma_w, M))
             out.update(class_mean_geometry(means, mu, self._rows(weight, classes)))
         if "cdnv" in self.metrics:
             out.update(cdnv_from_class_stats(means, var))
         if "lc" in self.metrics:
+            # next-token classes seen fewer than min_count times have no stable mean (Wu & Papyan's cut)
             kept = n_c >= min_count
             if int(kept.sum()) < 2:
                 raise ValueError(f"fewer than 2 classes have {min_count} or more rows")
@@ -237,14 +256,17 @@ class GeometryAccumulator:
         N, mu = self.n, self.sum / self.n
         ns = len(self._seq_row)
         if center == "global":
+            # the shift cancels: both the scatter and mu are about the same shifted origin
             cov = (self.xtx - N * torch.outer(mu, mu)) / N
         elif center == "sequence":
             if not ns:
                 raise ValueError("spectral_center='sequence' needs seq_ids")
             S, n_s = self.seq_sum[:ns], self.seq_n[:ns]
+            # sum_i (x_i - mu_s(i))(...)^T = X^T X - sum_s S_s S_s^T / n_s: each token less its own sequence's mean
             cov = (self.xtx - (S / n_s[:, None]).T @ S) / N
         else:
             raise ValueError(f"spectral_center must be 'global' or 'sequence', not {center!r}")
+        # the rows' mean square tells rounding from real variance (spectrum_metrics' no-variance rule)
         return spectrum_metrics(cov, thresholds, mean_square=float(self.sq) / N)
 
 
@@ -285,13 +307,16 @@ class SequenceSpectra:
         if x.dim() != 3:
             raise ValueError(f"expected [B, T, D] whole sequences, got shape {tuple(x.shape)}")
         if self.max_sequences is not None:
+            # the first max_sequences of the fixed order: every checkpoint measures the same sequences
             x = x[:max(0, self.max_sequences - self.seen)]
         self.seen += x.shape[0]
         if not x.shape[0]:
             return
         one = sequence_spectra(x, self.thresholds)
+        # a sequence of identical tokens has no spectrum: counted apart, not averaged as one component
         v = one["varies"]
         if self.sums is None:
+            # sums on the features' device: no host sync per batch
             z = torch.zeros((), dtype=torch.float64, device=x.device)
             self.sums, self.n, self.skipped = {k: z.clone() for k in self.keys}, z.clone(), z.clone()
         for k in self.keys:

@@ -3,15 +3,15 @@
     python -m analysis.tables runs=runs/deit3/digits
     python -m analysis.tables runs=[runs/deit3,runs/gpt] out=reports/tables only=[supervised,lm]
 
-Runs are found and pooled over seeds by analysis/runs.py (`collect`, `aggregate`). Each table of configs/tables.yaml is written to
-`out/<name>.{md,tex,csv}`: rows = model family x number of Laplacian heads k (x mode when
-learned), cells "mean ± std (n)" (a `kind: per_block` table instead has rows = layers, columns
-= k: analysis/blocks.py), the paper's number and our delta beside every cell the paper
-reports (analysis/paper.yaml), a dagger on runs whose recipe is not the paper's. Without
-`only`, also `out/gates_<trainer>_<dataset>_<family>_k<k>.{md,csv}` for runs with learned gates
+Runs are found and pooled over seeds by analysis/runs.py (`collect`, `aggregate`: the mean and
+spread come from analysis.stats). Each table of configs/tables.yaml is a pandas DataFrame written
+to `out/<name>.{md,tex,csv}` (`to_markdown`, `to_latex`, `to_csv`): rows = model family x number
+of Laplacian heads k (x mode when learned), cells "mean ± sd (n)", the paper's number and our
+delta beside the cells of the paper's own model (analysis/paper.yaml; a run of another model is
+not compared with it), a dagger on runs whose recipe is not the paper's. A `kind: per_block`
+table has a section per experiment and metric: rows = layers, columns = k, cells "mean [95%
+interval] (n)". Without `only`, also out/gates_<exp>.{md,csv} for runs with learned gates
 (analysis/gates.py). stdout: the Markdown tables, then one `[tables] wrote <path>` line per file.
-
-From Python (the miniature reproduction):
 
     from analysis.runs import collect
     from analysis.tables import render_tables
@@ -24,11 +24,13 @@ import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
+import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from analysis import blocks
 from analysis.gates import write_gate_tables
-from analysis.runs import aggregate, collect, metric_value, runs_roots, sort_key
+from analysis.runs import (BLOCK_METRICS, aggregate, arm_label, collect, experiments, layer_order, metric_value,
+                           per_block, runs_roots, sort_key)
+from analysis.stats import interval_text
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
@@ -54,6 +56,7 @@ def recipe_differences(facts: dict, recipe: dict) -> list[str]:
     if ("epochs" in recipe or "global_batch_size" in recipe) and src is None:
         diffs.append("pre-training run not found")
     elif src is not None:
+        # a run cut by max_steps is named by its steps: its epoch counter would read as a full schedule
         step_limited = src.get("epochs") is None or (src is facts and facts.get("max_steps") is not None)
         if "epochs" in recipe and (step_limited or src.get("epochs") != recipe["epochs"]):
             diffs.append(f"{what}{src.get('steps')} steps" if step_limited else f"{what}{src['epochs']} epochs")
@@ -69,8 +72,10 @@ def load_paper(path=None) -> dict:
     p = Path(path) if path else PAPER
     if not p.is_file():
         raise ConfigError(f"paper={p}: no such file; leave paper=null for analysis/paper.yaml")
+    # plain data: the anchors of paper.yaml resolved, every entry a dict
     paper = OmegaConf.to_container(OmegaConf.load(p), resolve=True)
     for e in paper.get("entries", []):
+        # the paper reports fixed Laplacian heads only
         e.setdefault("mode", "fixed")
     return paper
 
@@ -83,6 +88,7 @@ def load_specs(only=None, specs=None) -> dict:
         if bad:
             raise ConfigError(f"only={list(only)}: no table {bad[0]!r}; tables: {', '.join(specs)}")
         specs = {n: specs[n] for n in only}
+    # (a bad spec stops the command before it writes half of the tables)
     for n, spec in specs.items():  # before any table is written
         if spec.get("kind", "runs") not in ("runs", "per_block"):
             raise ConfigError(f"tables.{n}.kind={spec['kind']}: unknown; use runs (the default) or per_block")
@@ -94,6 +100,7 @@ def load_specs(only=None, specs=None) -> dict:
 def _matches(record: dict, where: dict) -> bool:
     for field, want in (where or {}).items():
         allowed = want if isinstance(want, list) else [want]
+        # as text: a YAML value and a record's value may differ in type only (7 vs "7")
         if str(record.get(field)) not in map(str, allowed):
             return False
     return True
@@ -107,6 +114,7 @@ def _columns(spec: dict, recs: list[dict], entries: list[dict]) -> list[dict]:
         return [dict(c) for c in cols]
     field, labels = cols["from"], cols.get("labels") or {}
     values = list(cols.get("order") or [])
+    # the paper's columns always appear (empty cells tell the reader what is missing)
     values += [e["column"] for e in entries if e["column"] not in values]
     values += sorted({str(r.get(field)) for r in recs} - set(values))
     return [{"name": v, "label": labels.get(v, v), "metric": cols["metric"], "scale": cols.get("scale", 1),
@@ -124,15 +132,18 @@ def _column_value(col: dict, by_name: dict) -> Callable[[dict], Optional[float]]
         v = metric_value(r, col["metric"]) if col.get("metric") else None
         if v is not None:
             return v * col.get("scale", 1)
+        # a derived column (the benchmark average) only where a run has every part
         vals = [_column_value(by_name[n], by_name)(r) for n in parts]
         return statistics.fmean(vals) if vals and None not in vals else None
     return value
 
 
 def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict:
-    """One table as plain data: columns, rows of cells {mean, std, n, seeds, paper, delta,
-    marks}, footnotes. Rows are keyed by (rows_by fields, family, mode, k); the paper's rows
-    are added where no run fills them.
+    """One table: {name, title, rows_by, columns, fmt, spec, notes, n_runs, paper_source, sources,
+    cells}; cells is a DataFrame with a row per (table row, column): the rows_by fields, model,
+    k, k_label, mode, column, mean, sd, n, seeds, paper, delta, marks (footnote numbers), row_marks
+    (those every filled cell of its row carries) and recipe. Table rows are keyed by (rows_by
+    fields, family, mode, k); the paper's rows are added where no run of its model fills them.
 
     Args:
         name: the table's name (paper entries refer to it).
@@ -145,16 +156,18 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
     rows_by = list(spec.get("rows_by") or [])
     columns = _columns(spec, recs, entries)
     by_name = {c["name"]: c for c in columns}
+    # a table row is (rows_by fields, family, mode, k); seeds of one recipe pool into a cell, another
+    # recipe of the same row is footnoted beside it, never pooled
     groups: dict = {}  # (row key, column) -> aggregate rows
-    # a row: (rows_by fields, family, mode, k); families and datasets never share a row
     for col in columns:
         col_recs = [r for r in recs if _matches(r, col.get("where"))]
-        for g in aggregate(col_recs, _column_value(col, by_name)):
+        for g in aggregate(col_recs, _column_value(col, by_name)).to_dict("records"):
             key = (*[g["runs"][0].get(f) for f in rows_by], g["family"], g["mode"], g["k"])
             groups.setdefault((key, col["name"]), []).append(g)
     keys = {key for key, _ in groups}
-    for e in entries:  # a row for each paper number no run sits beside
+    for e in entries:  # a row for each paper number no run of the paper's model sits beside
         fixed = {f: e["recipe"].get(f) for f in rows_by if not isinstance(e["recipe"].get(f), (list, type(None)))}
+        # (the paper's row joins a row of its own model only: its family, mode and k)
         if not any(k[-3:] == (e["recipe"]["family"], e["mode"], e["k"])
                    and all(k[rows_by.index(f)] == v for f, v in fixed.items()) for k in keys):
             keys.add((*[fixed.get(f) for f in rows_by], e["recipe"]["family"], e["mode"], e["k"]))
@@ -163,20 +176,25 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
     def mark(text):
         return notes.setdefault(text, len(notes) + 1)
 
-    rows = []
+    cells = []
     for key in sorted(keys, key=lambda k: tuple(sort_key(v) for v in k)):
         family, mode, k = key[-3:]
-        cells = {}
+        row = []
         for col in columns:
             # one recipe per cell: a fine-tuning (the later stage of a run here) first, then most seeds
+            # (several recipes in one cell: e.g. DeiT-III's stage 1 at 192 px and its fine-tuning at 224)
             found = sorted(groups.get((key, col["name"]), []), key=lambda g: (
                 bool(g["runs"][0].get("init_from")), g["n"], g["runs"][0].get("steps") or 0))
             entry = next((e for e in entries if e["column"] == col["name"] and e["k"] == k and e["mode"] == mode), None)
-            cell = {"mean": None, "std": None, "n": None, "seeds": None, "paper": None, "delta": None,
-                    "marks": [], "recipe": None}
+            cell = {**dict(zip(rows_by, key)), "model": family, "k": k,
+                    "k_label": "[" + ",".join(map(str, k)) + "]" if isinstance(k, tuple) else str(k), "mode": mode,
+                    "column": col["name"], "mean": None, "sd": None, "n": None, "seeds": None, "paper": None,
+                    "delta": None, "marks": [], "recipe": None}
             if found:
                 g = found.pop()  # the others are footnoted, never pooled
-                cell.update(mean=g["mean"], std=g["std"], n=g["n"], seeds=g["seeds"], recipe=g["recipe"])
+                # (one seed has no sd: an empty field, never 0)
+                cell.update(mean=g["mean"], sd=None if g["n"] < 2 else g["sd"], n=g["n"], seeds=g["seeds"],
+                            recipe=g["recipe"])
                 recipe = (entry or next((e for e in entries if e["column"] == col["name"]), {})).get("recipe") \
                     or paper.get("tables", {}).get(name)
                 diffs = recipe_differences(g["runs"][0], recipe) if recipe else []
@@ -186,23 +204,29 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
                 for other in found:
                     cell["marks"].append(mark(f"not pooled with runs of another recipe ({other['recipe']}): "
                                               f"{_stat(other, col.get('fmt') or spec.get('fmt', '.3f'))}"))
-            if entry and (cell["n"] or family == entry["recipe"].get("family")):
+            # the paper's number (and our delta) only in its own model's row: a 2-layer toy beside
+            # the paper's depth-20 model is not a comparison
+            if entry and family == entry["recipe"].get("family"):
                 cell["paper"] = entry["value"]
                 cell["delta"] = None if cell["mean"] is None else cell["mean"] - entry["value"]
-            cells[col["name"]] = cell
+            row.append(cell)
         # a mark every filled cell of a row carries is shown once, on the model name
-        filled = [c["marks"] for c in cells.values() if c["n"]]
+        filled = [c["marks"] for c in row if c["n"]]
+        # (a miniature row differs from the paper's recipe in every column: one dagger, not six)
         common = [m for m in filled[0] if all(m in f for f in filled)] if len(filled) > 1 else []
-        rows.append({"fields": dict(zip([*rows_by, "model", "mode", "k"], key)), "cells": cells, "marks": common,
-                     "k_label": "[" + ",".join(map(str, k)) + "]" if isinstance(k, tuple) else str(k)})
+        cells += [{**c, "row_marks": common} for c in row]
     # optional columns (benchmarks) appear once a run or the paper fills them
     shown = [c for c in columns if not c.get("optional")
-             or any(r["cells"][c["name"]]["n"] or r["cells"][c["name"]]["paper"] is not None for r in rows)]
+             or any(x["column"] == c["name"] and (x["n"] or x["paper"] is not None) for x in cells)]
     src = paper.get("source", {})
     return {"name": name, "title": spec.get("title", name), "rows_by": rows_by, "columns": shown,
-            "fmt": spec.get("fmt", ".3f"), "spec": spec, "rows": rows, "notes": list(notes), "n_runs": len(recs),
+            "fmt": spec.get("fmt", ".3f"), "spec": spec, "notes": list(notes), "n_runs": len(recs),
             "paper_source": f"arXiv:{src.get('arxiv')} {src.get('version', '')}".strip(),
-            "sources": list(dict.fromkeys(e.get("source", "") for e in entries if e.get("source")))}
+            "sources": list(dict.fromkeys(e.get("source", "") for e in entries if e.get("source"))),
+            # object: a missing value stays None, not NaN; the columns even when no row has a cell
+            "cells": pd.DataFrame(cells, columns=[*rows_by, "model", "k", "k_label", "mode", "column", "mean", "sd",
+                                                  "n", "seeds", "paper", "delta", "marks", "recipe", "row_marks"],
+                                  dtype=object)}
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -213,15 +237,15 @@ def _signed(v: float, fmt: str) -> str:
 
 
 def _stat(cell: dict, fmt: str) -> str:
-    """'mean ± std (n)'; '' for a missing cell (never 0)."""
+    """'mean ± sd (n)'; '' for a missing cell (never 0)."""
     if not cell.get("n"):
         return ""
-    std = f" ± {format(cell['std'], fmt)}" if cell.get("std") is not None else ""
-    return f"{format(cell['mean'], fmt)}{std} ({cell['n']})"
+    sd = f" ± {format(cell['sd'], fmt)}" if cell["n"] > 1 else ""
+    return f"{format(cell['mean'], fmt)}{sd} ({cell['n']})"
 
 
 def cell_text(cell: dict, fmt: str, skip=()) -> str:
-    """A cell as text: 'mean ± std (n)†1 · paper 81.45, Δ −0.12' (marks in `skip` left out)."""
+    """A cell as text: 'mean ± sd (n)†1 · paper 81.45, Δ −0.12' (marks in `skip` left out)."""
     text = _stat(cell, fmt) + "".join(f"†{m}" for m in cell["marks"] if m not in skip)
     if cell["paper"] is not None:
         p = f"paper {format(cell['paper'], fmt)}"
@@ -231,19 +255,28 @@ def cell_text(cell: dict, fmt: str, skip=()) -> str:
     return text
 
 
-def _grid(table: dict) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of text cells, shared by Markdown and LaTeX."""
-    show_mode = any(r["fields"]["mode"] != "fixed" for r in table["rows"])  # a column only when learned
-    head = [*table["rows_by"], "model", "k"] + (["mode"] if show_mode else [])
-    head += [c.get("label", c["name"]) for c in table["columns"]]
+def grid(table: dict) -> pd.DataFrame:
+    """The table as text cells, one row per table row (what Markdown and LaTeX show)."""
+    cells = table["cells"]
+    if cells.empty:
+        return pd.DataFrame(columns=[*table["rows_by"], "model", "k"])
+    # (tables of fixed heads only stay as the paper prints them)
+    show_mode = (cells["mode"] != "fixed").any()  # a column only when learned
+    fmts = {c["name"]: c.get("fmt") or table["fmt"] for c in table["columns"]}
     rows = []
-    for row in table["rows"]:
-        f = row["fields"]
-        vals = [f[b] for b in table["rows_by"]] + [f["model"] + "".join(f"†{m}" for m in row["marks"]),
-                                                   row["k_label"]] + ([f["mode"]] if show_mode else [])
-        rows.append(["" if v is None else str(v) for v in vals] + [
-            cell_text(row["cells"][c["name"]], c.get("fmt") or table["fmt"], row["marks"]) for c in table["columns"]])
-    return head, rows
+    # the long cells -> one text row per table row, in the rows' order (sort=False)
+    for _, row in cells.groupby([*table["rows_by"], "model", "mode", "k_label"], dropna=False, sort=False):
+        first = row.iloc[0]
+        out = {b: "" if first[b] is None else str(first[b]) for b in table["rows_by"]}
+        out["model"] = first["model"] + "".join(f"†{m}" for m in first["row_marks"])
+        out["k"] = first["k_label"]
+        if show_mode:
+            out["mode"] = first["mode"]
+        by_col = {c["column"]: c for c in row.to_dict("records")}
+        out.update({c.get("label", c["name"]): cell_text(by_col[c["name"]], fmts[c["name"]], first["row_marks"])
+                    for c in table["columns"]})
+        rows.append(out)
+    return pd.DataFrame(rows)
 
 
 def _footer(table: dict) -> list[str]:
@@ -251,18 +284,18 @@ def _footer(table: dict) -> list[str]:
     if not table["n_runs"]:
         where = ", ".join(f"{k}={v}" for k, v in (table["spec"].get("where") or {}).items())
         lines.append(f"No runs found for this table ({where or 'any run'}): only the paper's numbers are shown.")
-    lines.append("Cells: mean ± sample std (number of seeds) of the runs that differ only in their seed.")
+    lines.append("Cells: mean ± sample sd (number of seeds) of the runs that differ only in their seed; the "
+                 "paper's number and Δ only beside the paper's own model.")
     if table["sources"]:
         lines.append(f"Paper ({table['paper_source']}): " + "; ".join(table["sources"]) + ".")
     return lines
 
 
-def to_markdown(table: dict) -> str:
-    """The table as GitHub Markdown: a title, the grid, footnotes."""
-    head, rows = _grid(table)
-    out = [f"### {table['name']}: {table['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out + [""] + _footer(table)) + "\n"
+def markdown(title: str, frame: pd.DataFrame, footer: list[str], level: int = 3) -> str:
+    """A titled Markdown table (tabulate via pandas; cells are text, never re-parsed as numbers)."""
+    # disable_numparse: tabulate would re-read "81.35" as a number and reformat it
+    body = frame.to_markdown(index=False, disable_numparse=True) if len(frame.columns) else ""
+    return "\n".join(["#" * level + f" {title}", "", body, "", *footer]) + "\n"
 
 
 _TEX = [("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("#", r"\#"), ("_", r"\_"), ("±", r"$\pm$"),
@@ -275,41 +308,94 @@ def _tex(text: str) -> str:
     return re.sub(r"†(\d+)", r"$^{\\dagger\1}$", text)
 
 
-def to_latex(table: dict) -> str:
-    """The table as a LaTeX `table` (booktabs), footnotes under the grid."""
-    head, rows = _grid(table)
-    n_fields = len(head) - len(table["columns"])
-    lines = [f"% {table['name']}: written by python -m analysis.tables; regenerate, do not edit",
-             r"\begin{table}[t]", r"\centering\small", rf"\caption{{{_tex(table['title'])}}}",
-             rf"\label{{tab:{table['name'].replace('_', '-')}}}",
-             r"\begin{tabular}{" + "l" * n_fields + "r" * len(table["columns"]) + "}", r"\toprule"]
-    lines += [" & ".join(map(_tex, r)) + r" \\" for r in [head]] + [r"\midrule"]
-    lines += [" & ".join(map(_tex, r)) + r" \\" for r in rows] + [r"\bottomrule", r"\end{tabular}"]
-    lines += [r"\par\footnotesize " + _tex(f) for f in _footer(table)]
-    return "\n".join(lines + [r"\end{table}"]) + "\n"
+def latex(name: str, title: str, frame: pd.DataFrame, footer: list[str], label: bool = True) -> str:
+    """A LaTeX `table` (booktabs) by pandas' to_latex; our escapes for ±, Δ and the daggers."""
+    # escape=False: our own escapes, which also turn ±, Δ and the daggers into maths
+    text = frame.rename(columns=_tex).map(_tex).to_latex(
+        index=False, escape=False, caption=_tex(title), label=f"tab:{name.replace('_', '-')}" if label else None,
+        column_format="l" * (len(frame.columns) - 1) + "r")
+    notes = "".join(r"\par\footnotesize " + _tex(f) + "\n" for f in footer)
+    return f"% {name}: written by python -m analysis.tables; regenerate, do not edit\n" + \
+        text.replace("\\end{table}", notes + "\\end{table}")
 
 
 def to_csv(table: dict) -> str:
     """One line per cell (long format), full precision; a missing value is an empty field."""
-    import csv
-    import io
+    c = table["cells"].copy()
+    c["seeds"] = c["seeds"].map(lambda s: " ".join(map(str, s or [])))
+    c["notes"] = c["marks"].map(lambda ms: " | ".join(table["notes"][m - 1] for m in ms))
+    # mean, sd and delta are written as Python floats (repr): the CSV equals the pooled values
+    c["n"] = c["n"].astype("Int64")  # an empty cell stays empty, not "nan"; 2 stays "2", not "2.0"
+    shown = {col["name"] for col in table["columns"]}
+    cols = [*table["rows_by"], "model", "k_label", "mode", "column", "mean", "sd", "n", "seeds", "paper", "delta",
+            "notes", "recipe"]
+    c = c[c["column"].isin(shown)][cols].rename(columns={"k_label": "k", "sd": "std"})
+    return c.to_csv(index=False, lineterminator="\n")
 
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow([*table["rows_by"], "model", "k", "mode", "column", "mean", "std", "n", "seeds", "paper",
-                "delta", "notes", "recipe"])
-    for row in table["rows"]:
-        f = row["fields"]
-        for c in table["columns"]:
-            cell = row["cells"][c["name"]]
-            # repr: floats round-trip exactly, so the CSV equals the aggregates it came from
-            w.writerow([*["" if f[b] is None else f[b] for b in table["rows_by"]], f["model"], row["k_label"],
-                        f["mode"], c["name"], *("" if cell[x] is None else repr(cell[x]) for x in ("mean", "std")),
-                        cell["n"] or "", " ".join(map(str, cell["seeds"] or [])),
-                        "" if cell["paper"] is None else cell["paper"],
-                        "" if cell["delta"] is None else repr(cell["delta"]),
-                        " | ".join(table["notes"][m - 1] for m in cell["marks"]), cell["recipe"] or ""])
-    return buf.getvalue()
+
+# ----------------------------------------------------------------------------- geometry at every block
+
+def build_per_block(name: str, spec: dict, records: list[dict]) -> dict:
+    """The per_block table: {name, title, fmt, cells}; cells is analysis.runs.per_block's frame with
+    experiment, recipe and arm (the column label: "k=3", "k=1 learned") added.
+
+    Args:
+        name, spec: the table's name and spec (title, fmt, metrics: keys of BLOCK_METRICS).
+        records: finished runs from `collect`, already filtered by the spec's `where`.
+    """
+    labels = dict(BLOCK_METRICS)
+    metrics = list(spec.get("metrics") or labels)
+    bad = [m for m in metrics if m not in labels]
+    if bad:
+        raise ConfigError(f"tables.{name}.metrics: {bad[0]!r} is not a per-block metric; choose from {list(labels)}")
+    parts = []
+    for exp, recs in experiments([r for r in records if r.get("layer_geometry")]).items():
+        f = per_block(recs, metrics)
+        k_labels = {(r["k"], r["mode"]): r["k_label"] for r in recs}
+        # layers travel with the cells: each section's rows in the model's order, norm last
+        parts.append(f.assign(experiment=exp, recipe=recs[0]["recipe"], layers=[layer_order(recs)] * len(f),
+                              arm=[arm_label(k_labels[k, m], m) for k, m in zip(f["k"], f["mode"])],
+                              k_label=[k_labels[k, m] for k, m in zip(f["k"], f["mode"])]))
+    cells = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    return {"name": name, "title": spec.get("title", name), "fmt": spec.get("fmt", ".4g"), "cells": cells,
+            "labels": labels}
+
+
+_BLOCK_FOOTER = ("Cells: mean [95% t interval] (n seeds) of an arm; blocks.<i> is the residual stream after "
+                 "block i, norm the final norm (what the head reads).")
+
+
+def block_sections(table: dict):
+    """(experiment, metric label, recipe, grid) per section: rows = layers, columns = arms."""
+    c = table["cells"]
+    if c.empty:
+        return
+    c = c.assign(text=[interval_text(m, lo, hi, n, table["fmt"]) for m, lo, hi, n in zip(c["mean"], c["lo"], c["hi"], c["n"])])
+    for (exp, metric), s in c.groupby(["experiment", "metric"], sort=False):
+        arms = sorted({(k, mode, arm) for k, mode, arm in zip(s["k"], s["mode"], s["arm"])},
+                      key=lambda a: (a[1] != "fixed", sort_key(a[0])))  # fixed arms by k, then learned
+        arms = [a for *_, a in arms]
+        # long -> wide: rows = layers, columns = arms; a layer no arm measured is dropped
+        g = s.pivot(index="layer", columns="arm", values="text").reindex(s["layers"].iloc[0]).reindex(columns=arms)
+        g = g.dropna(how="all").fillna("").reset_index()
+        yield exp, table["labels"][metric], s["recipe"].iloc[0], g
+
+
+def write_per_block(table: dict) -> tuple[str, str, str]:
+    """(Markdown, LaTeX, CSV) of the per_block table."""
+    md = [f"### {table['name']}: {table['title']}", ""]
+    tex = []
+    sections = list(block_sections(table))
+    if not sections:
+        md += ["No analysed runs found (run python -m analysis checkpoint=<run>/ckpt/last.pt layers=all).", ""]
+    for exp, label, recipe, g in sections:
+        md += [markdown(f"{exp}: {label} ({recipe})", g, [], level=4)]
+        tex.append(latex(table["name"], f"{exp}: {label} at every layer", g, [_BLOCK_FOOTER], label=False))
+    c = table["cells"]
+    cols = ["experiment", "metric", "layer", "k_label", "mode", "mean", "sd", "se", "lo", "hi", "n", "seeds", "recipe"]
+    sheet = pd.DataFrame(columns=cols) if c.empty else c[cols].assign(seeds=c["seeds"].map(lambda s: " ".join(map(str, s))))
+    return ("\n".join(md + [_BLOCK_FOOTER]) + "\n", "".join(tex),
+            sheet.rename(columns={"k_label": "k"}).to_csv(index=False, lineterminator="\n"))
 
 
 # ----------------------------------------------------------------------------- the command
@@ -329,15 +415,17 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
     specs, paper = load_specs(only, specs), paper or load_paper()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # a run still training has no final results: its numbers would mislead a table
     done = [r for r in records if r["finished"]]
     paths = []
     for name, spec in specs.items():
-        if spec.get("kind") == "per_block":  # rows = layers, columns = k (analysis/blocks.py)
-            table = blocks.build_per_block(name, spec, [r for r in done if _matches(r, spec.get("where"))])
-            md, tex, sheet = blocks.to_markdown(table), blocks.to_latex(table, _tex), blocks.to_csv(table)
+        if spec.get("kind") == "per_block":
+            md, tex, sheet = write_per_block(build_per_block(name, spec, [r for r in done if _matches(r, spec.get("where"))]))
         else:
             table = build_table(name, spec, done, paper)
-            md, tex, sheet = to_markdown(table), to_latex(table), to_csv(table)
+            g, foot = grid(table), _footer(table)
+            md, tex, sheet = markdown(f"{name}: {table['title']}", g, foot), latex(name, table["title"], g, foot), \
+                to_csv(table)
         if echo:
             print(md, flush=True)
         for ext, text in (("md", md), ("tex", tex), ("csv", sheet)):
@@ -370,6 +458,7 @@ def run(cfg: DictConfig) -> list[Path]:
     specs = OmegaConf.to_container(cfg.tables, resolve=True)
     paths = render_tables(records, out, specs=specs, paper=load_paper(cfg.paper),
                           only=list(cfg.only) if cfg.only else None)
+    # (the records are plain data: a table can be rebuilt, or checked, without the run folders)
     rec_path = out / "records.json"  # what the tables were made from, for a later look
     write_json(rec_path, records, indent=1)
     for p in paths + [rec_path]:

@@ -23,7 +23,7 @@ from timm.models import build_model_with_cfg, register_model
 from timm.models import vision_transformer as timm_vit
 
 from .errors import ConfigError
-from .gpt import GPT, block_indices, gpt_dims
+from .gpt import GPT, block_indices, gpt_dims, rms_norm
 from .vit import vit
 
 # ViT shapes as timm / DeiT (patch 16, MLP 4x).
@@ -141,6 +141,14 @@ def features(model: nn.Module, x: torch.Tensor, layers=None, norm: bool = True) 
     return {**feats, "norm": final} if norm else feats
 
 
+def embed(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The tokens block 0 reads: a timm ViT's patches with their position embedding and the class
+    token (timm's own steps), the GPT's normed token embeddings."""
+    if isinstance(model, timm_vit.VisionTransformer):
+        return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+    return rms_norm(model.wte(x))
+
+
 def _timm_entry(name: str):
     """timm's entry point for a zoo ViT: timm's builder around ours (a local-dir / hf-hub export's
     config.json and weights go through timm's own loading)."""
@@ -152,6 +160,6 @@ def _timm_entry(name: str):
 
 
 # timm's convention: an entry point is an attribute of its module, listed in its __all__.
-__all__ = ["create_model", "features", "list_models", "model_defaults", "model_label"]
+__all__ = ["create_model", "embed", "features", "list_models", "model_defaults", "model_label"]
 for _name in list_models("vit*"):
     globals()[_name] = register_model(_timm_entry(_name))

@@ -4,6 +4,7 @@ one-line errors, and the quick start's geometry columns."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -147,6 +148,26 @@ def test_gpt_checkpoint(tmp_path):
     per_seq = sp.per_sequence_spectra(f, seq)
     assert got["spectral_per_seq"]["n_sequences"] == 32
     assert got["spectral_per_seq"]["n_pcs_0.99"] == pytest.approx(per_seq["n_pcs_0.99"], abs=1e-12)
+
+
+def test_a_glob_and_skip_done_measure_only_what_is_missing(vit, tmp_path, monkeypatch, capsys):
+    """checkpoint= as a quoted glob finds a sweep's checkpoints (sorted); skip_done leaves out those
+    whose analysis.json exists, so a re-run of a sweep's analyses resumes; a glob matching nothing
+    is one line."""
+    import analysis.__main__ as cli
+
+    folder = Path(vit["ckpts"][0]).parent.parent.parent  # <tmp>/<run>/ckpt/last.pt
+    measured = []
+    monkeypatch.setattr(cli, "analyze_checkpoint", lambda p, **kw: measured.append(p) or pytest.fail("re-measured"))
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("analysis", overrides=[f"checkpoint='{folder}/*/ckpt/last.pt'", "skip_done=true",
+                                             "progress=false", "figures=false"])
+        assert cli._checkpoints(cfg) == sorted(Path(c) for c in vit["ckpts"])
+        assert cli.run(cfg) == [] and not measured
+        assert "[analysis] skip_done: 2 checkpoints analysed already, 0 to go" in capsys.readouterr().out
+        bad = compose("analysis", overrides=[f"checkpoint='{tmp_path}/*/ckpt/last.pt'", "progress=false"])
+    with pytest.raises(ValueError, match=r"checkpoint=.*: the pattern matches no file"):
+        cli.run(bad)
 
 
 def test_missing_checkpoint_is_one_line(tmp_path):

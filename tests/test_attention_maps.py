@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+import laplace.zoo
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
@@ -68,7 +70,7 @@ def test_hooks_give_the_reference_P_and_leave_the_forward_unchanged(ckpt):
         want_logits = model(x)
         P = capture_attention(model, x, [0, 1])
         got_logits = model(x)
-        t, ref = model.embed(x), {}
+        t, ref = laplace.zoo.embed(model, x), {}
         for i, blk in enumerate(model.blocks):
             ref[i] = blk.attn(blk.norm1(t), return_attn=True)[1]
             t = blk(t)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from scipy import stats
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
@@ -89,8 +90,9 @@ def test_mean_and_band_on_known_values(runs, tmp_path):
         for step, v in enumerate(losses, 1):
             log.log(step, {"loss": v, "lr": 0.1}, split="train")
         log.log(3, {"val_acc1": 50.0 + seed}, split="val", epoch=0)
+    t1 = stats.t.ppf(0.975, 1)  # the 95% t interval of a mean of two seeds: +-12.7 se
     for band, lo, hi in [("sd", [4 - math.sqrt(2), 2, 1.5 - math.sqrt(0.5)], [4 + math.sqrt(2), 2, 1.5 + math.sqrt(0.5)]),
-                         ("minmax", [3, 2, 1], [5, 2, 2]), ("se2", [2, 2, 0.5], [6, 2, 2.5])]:
+                         ("minmax", [3, 2, 1], [5, 2, 2]), ("ci", [4 - t1, 2, 1.5 - t1 / 2], [4 + t1, 2, 1.5 + t1 / 2])]:
         got = _curves(f"runs={tmp_path / 'runs'}", f"out={tmp_path / band}", f"band={band}", "metrics=[loss,val_acc1]")
         line = got["data"]["loss"]["k=1 (2 seeds)"]
         assert line["x"] == [1, 2, 3] and line["mean"] == pytest.approx([4, 2, 1.5])
@@ -98,6 +100,33 @@ def test_mean_and_band_on_known_values(runs, tmp_path):
         assert line["values"] == [[3, 5], [2, 2], [1, 2]]
         assert got["data"]["val_acc1"]["k=1 (2 seeds)"]["mean"] == [50.5]
     assert band_of([7.0], "sd") == (7.0, 7.0, 7.0)  # one seed: no band
+
+
+def test_runs_of_different_trainers_share_only_what_they_logged(runs, tmp_path):
+    """A run of another trainer that never logged val_acc1 (a GPT: loss and val_bpb) beside the
+    ViTs: each panel has the lines of the runs that logged its metric (issue 47: this crashed with
+    `max() arg is an empty sequence`)."""
+    import yaml
+
+    root, dirs = runs
+    folder = tmp_path / "mixed"
+    shutil.copytree(root, folder / "deit3")
+    cfg = yaml.safe_load(open(f"{dirs[0]}/config.yaml"))
+    cfg["trainer"]["name"], cfg["data"]["name"] = "gpt", "pydoc_text"
+    gpt = folder / "gpt" / "gpt_s0"
+    gpt.mkdir(parents=True)
+    (gpt / "config.yaml").write_text(yaml.safe_dump(cfg))
+    log = MetricsLogger(gpt)
+    for step in (1, 2):
+        log.log(step, {"loss": 5.0 - step}, split="train")
+    log.log(2, {"val_bpb": 2.5}, split="val", epoch=0)
+    got = _curves(f"runs={folder}", f"out={tmp_path / 'mixed_fig'}")
+    titles = [ax.get_title() for ax in got["axes"]]
+    assert titles == ["loss", "val_loss", "val_acc1", "val_acc5", "val_bpb"]
+    lines = {t: [ln.get_label() for ln in ax.get_lines()] for t, ax in zip(titles, got["axes"])}
+    assert len(lines["loss"]) == 3 and len(lines["val_acc1"]) == 2 and len(lines["val_bpb"]) == 1
+    assert lines["val_bpb"][0].endswith("k=0 (1 seed)") and not any("pydoc" in x for x in lines["val_acc1"])
+    assert got["data"]["val_bpb"][lines["val_bpb"][0]]["mean"] == [2.5]
 
 
 def test_glob_epoch_and_errors(runs, tmp_path):

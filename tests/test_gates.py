@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from scipy import stats as scipy_stats
 
 from conftest import ROOT, TINY_VIT
 from test_dino import TINY_DINO
@@ -25,9 +25,6 @@ from train import run
 from train.dino import dino_param_groups
 from train.logger import read_metrics
 from train.optim import build_muon_adamw, build_optimizer
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import miniature  # noqa: E402
 
 
 
@@ -132,16 +129,20 @@ def test_gates_pooled_over_seeds_into_a_table_and_a_figure(make_cfg, tmp_path):
     assert g["n"] == 2 and g["seeds"] == [0, 1] and g["layers"] == ["blocks.0", "blocks.1"] and g["heads"] == 3
     e = [ends[0][1][2], ends[1][1][2]]
     assert g["end"][1][2] == pytest.approx(statistics.fmean(e))
-    assert g["end_2se"][1][2] == pytest.approx(2 * statistics.stdev(e) / math.sqrt(2))
+    half = scipy_stats.t.ppf(0.975, 1) * statistics.stdev(e) / math.sqrt(2)  # the 95% t interval, 1 df
+    assert (g["end_lo"][1][2], g["end_hi"][1][2]) == pytest.approx((g["end"][1][2] - half, g["end"][1][2] + half))
     assert g["move"][1][2] == pytest.approx(statistics.fmean(e) - g["start"][1][2])
-    assert g["end_2se"][1][2] > 0 and g["traj"][-1] == g["end"]  # the seeds differ
+    assert g["end_hi"][1][2] > g["end_lo"][1][2] and g["traj"][-1] == g["end"]  # the seeds differ
 
     paths = render_tables(records, tmp_path / "tables", echo=False)
     name = f"gates_{g['name']}"
     assert tmp_path / f"tables/{name}.md" in paths and tmp_path / f"tables/{name}.csv" in paths
     md = (tmp_path / f"tables/{name}.md").read_text()
     s, a = g["start"][1][2], g["end"][1][2]
-    assert f"| 1 | {g['start'][1][0]:.3f} → " in md and f"{s:.3f} → {a:.3f} ± {g['end_2se'][1][2]:.2g} |" in md
+    grid = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in md.splitlines() if ln.startswith("|")]
+    assert grid[0] == ["block", "h0", "h1", "h2"] and grid[3][0] == "1"
+    assert grid[3][1].startswith(f"{g['start'][1][0]:.3f} → ")
+    assert grid[3][3] == f"{s:.3f} → {a:.3f} [{g['end_lo'][1][2]:.3f}, {g['end_hi'][1][2]:.3f}]"
     assert all(line in md for line in summary(g))
     rows = (tmp_path / f"tables/{name}.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * 3 and rows[-1].startswith(f"blocks.1,2,{s!r},{a!r},")
@@ -149,31 +150,32 @@ def test_gates_pooled_over_seeds_into_a_table_and_a_figure(make_cfg, tmp_path):
     assert {tmp_path / f"figures/{name}.png", tmp_path / f"figures/{name}.pdf"} <= set(figs)
     assert all(p.stat().st_size > 0 for p in figs)
 
-    report = "\n".join(miniature.gates_section({"deit3": records, "gpt": []}))  # the miniature's report
-    assert report.count("### gates_") == 1 and md in report
-
     (tmp_path / "runs/s1/ckpt/last.pt").unlink()  # a run whose checkpoint was deleted: said, left out
     skipped = []
     [g1] = gate_groups(collect(tmp_path / "runs"), skipped)
-    assert g1["n"] == 1 and g1["end"] == ends[0] and g1["end_2se"][0] == [None] * 3
+    assert g1["n"] == 1 and g1["end"] == ends[0] and all(math.isnan(x) for x in g1["end_lo"][0])
     assert skipped == [f"{tmp_path / 'runs/s1/ckpt/last.pt'}: not found (or no learned gates in it); "
                        f"{tmp_path / 'runs/s1'} left out"]
 
 
 def test_summary_answers_which_heads_went_laplacian():
-    """Known gates: of 4 heads, h1 of block 0 crossed 0.5 upward (beyond 2 se), h2 (started
-    Laplacian) fell, block 1 moved within noise."""
+    """Known gates: of 4 heads, h1 of block 0 crossed 0.5 upward (its interval above 0), h2 (started
+    Laplacian) fell (its interval below 0), the rest moved within their intervals."""
     lo, hi = 1 / (1 + math.exp(1)), 1 / (1 + math.exp(-1))
     g = {"layers": ["blocks.0", "blocks.1"], "heads": 2, "n": 3,
-         "start": [[lo, lo], [lo, hi]], "end": [[lo + 0.01, 0.6], [lo, hi - 0.3]],
-         "move_2se": [[0.05, 0.1], [0.01, 0.2]]}
+         "start": [[lo, lo], [lo, hi]], "end": [[lo + 0.01, 0.6], [lo, hi - 0.3]]}
     g["move"] = [[e - s for s, e in zip(*rows)] for rows in zip(g["start"], g["end"])]
+    half = [[0.05, 0.1], [0.01, 0.2]]
+    g["move_lo"] = [[m - h for m, h in zip(*rows)] for rows in zip(g["move"], half)]
+    g["move_hi"] = [[m + h for m, h in zip(*rows)] for rows in zip(g["move"], half)]
+    top = 0.6 - lo
     assert summary(g) == [
-        "moved toward Laplacian (end > start): 2 of 4 heads (50%; 1 beyond 2 se); away from it: 1 (1 beyond 2 se)",
+        "moved toward Laplacian (end > start): 2 of 4 heads (50%; 1 with a 95% interval above 0); away from it: "
+        "1 (1 below 0)",
         "ended above 0.5: 1 of 4 heads (started above 0.5: 1): blocks.0 h1 0.600",
         "crossed 0.5 toward Laplacian: blocks.0 h1",
         "crossed 0.5 toward standard: blocks.1 h1",
-        f"moved most: blocks.0 h1 {lo:.3f} -> 0.600 ({0.6 - lo:+.3g} ± 0.1)",
+        f"moved most: blocks.0 h1 {lo:.3f} -> 0.600 ({top:+.3g} [{top - 0.1:+.3g}, {top + 0.1:+.3g}])",
         "mean move of the 1 heads that started Laplacian: -0.3",
         f"mean move of the 3 heads that started standard: {(0.01 + 0.6 - lo) / 3:+.3g}",
     ]

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+
+import laplace
 import torch.nn.functional as F
 from conftest import CONFIGS, ROOT, TINY_VIT, randomize_
 from hydra import compose, initialize_config_dir
@@ -107,6 +109,10 @@ class _Counting(torch.nn.Module):
         self.calls += 1
         return self.vit.forward_features(*a, **kw)
 
+    def forward_intermediates(self, *a, **kw):
+        self.calls += 1
+        return self.vit.forward_intermediates(*a, **kw)
+
 
 def test_feature_kinds_shapes_and_values():
     vit = randomize_(create_model(**{**NODE, "num_classes": 0})).eval()
@@ -114,10 +120,10 @@ def test_feature_kinds_shapes_and_values():
     cls = batch_features(vit, x, "cls")
     assert cls.shape == (5, 48)
     torch.testing.assert_close(cls.norm(dim=1), torch.ones(5))
-    torch.testing.assert_close(cls, F.normalize(vit.forward_features(x, layers=[])["norm"][:, 0], dim=1))
+    torch.testing.assert_close(cls, F.normalize(laplace.features(vit, x, layers=[])["norm"][:, 0], dim=1))
     lin = batch_features(vit, x, "linear", n_last_blocks=2)
     assert lin.shape == (5, 96)
-    feats = vit.forward_features(x, layers=[1, 2], norm=True)
+    feats = laplace.features(vit, x, layers=[1, 2], norm=True)
     torch.testing.assert_close(lin[:, :48], vit.norm(feats["blocks.1"])[:, 0])
     torch.testing.assert_close(lin[:, 48:], feats["norm"][:, 0])  # the last block after the final norm
     lin4 = batch_features(vit, x, "linear", n_last_blocks=3, avgpool=True)

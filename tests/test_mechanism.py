@@ -1,8 +1,11 @@
-"""analysis/mechanism.py, "does each head smooth?": the heads' outputs sum to the attention's
-output (ViT and GPT, fixed and learned gates), hand-set Laplacian heads with W_v W_o = -cI / +cI
-give cos_smooth = +1 / -1 and a falling / rising within-sequence variance, the eigenvalues of
-sym(W_v W_o) from the small problem equal the D x D ones, `python -m analysis` writes the
-diagnostic on a tiny trained checkpoint and analysis.runs reads its summary."""
+"""analysis/mechanism.py, "does each head smooth the residual stream?": the heads' outputs sum
+to the attention's output (ViT and GPT, fixed and learned gates) and, after LayerScale, to the
+block's attention branch; hand-set Laplacian heads with W_v W_o = -cI / +cI give cos_smooth =
++1 / -1 and a falling / rising within-sequence variance and share (first order, against finite
+differences); a LayerScale of -1 turns a smoothing head into a sharpening one in the stream; the
+eigenvalues of sym(M) from the small problem equal the D x D ones, a random rank-d head has d
+of each sign (the 0.5 null); `python -m analysis` writes the diagnostic on a tiny trained
+checkpoint and analysis.runs reads its summary."""
 from __future__ import annotations
 
 import json
@@ -16,8 +19,8 @@ from hydra import compose, initialize_config_dir
 
 from analysis.__main__ import analysis_dir, run as analysis_run
 from analysis.geometry import eval_split, load_for_analysis
-from analysis.mechanism import (HeadAccumulator, head_mechanism, head_outputs, summary, sym_eigenvalues,
-                                to_markdown)
+from analysis.mechanism import (HeadAccumulator, head_mechanism, head_outputs, stream_frame, summary,
+                                sym_eigenvalues, to_markdown, weight_spectrum)
 from analysis.runs import metric_value, read_run
 from conftest import CONFIGS, ROOT, randomize_, train_tiny_vit
 from laplace.attention import Attention
@@ -116,7 +119,7 @@ def _hand_set(c: float, D: int = 8, causal: bool = False):
         with torch.no_grad():
             out, P = attn(x, is_causal=causal, return_attn=True)
         torch.testing.assert_close(out.double(), (c * (x - P[:, 0] @ x)).double(), rtol=1e-5, atol=1e-5)
-        acc.update(x, P, out)
+        acc.update(x, x, P, out)  # a bare attention: the stream is its input
     h, = acc.compute()
     return h, acc
 
@@ -138,21 +141,31 @@ def test_a_negative_diffusion_smooths_and_a_positive_one_sharpens(causal):
     assert h["dvar"] > 0.1 and h["neg_mass"] == 0.0 and h["trace_fro"] == pytest.approx(math.sqrt(8))
 
 
-def test_dvar_is_the_relative_change_of_the_within_sequence_variance():
+def test_dvar_and_dshare_are_the_first_order_changes():
+    """dvar and dshare are the derivatives at 0 of W(x + e D) / W(x) and of the within-sequence
+    share W / T along the head's part D (checked by central finite differences)."""
     h, _ = _hand_set(-0.5)
     attn = Attention(8, 1, num_laplacian_heads=1, qkv_bias=False, proj_bias=False, fused=False)
     g = torch.Generator().manual_seed(0)  # the same x as _hand_set's
     with torch.no_grad():
         attn.qkv.weight.copy_(torch.randn(24, 8, generator=g) / math.sqrt(8))
-    xs = [torch.randn(4, 10, 8, generator=g).double() for _ in range(3)]
+    xs = torch.cat([torch.randn(4, 10, 8, generator=g).double() for _ in range(3)])
     qk = attn.qkv.weight.double()
-    W = lambda z: ((z - z.mean(1, keepdim=True)) ** 2).sum()  # noqa: E731 (summed over sequences)
-    before = after = 0.0
-    for x in xs:
-        q, k = x @ qk[:8].T, x @ qk[8:16].T
-        P = ((q @ k.transpose(1, 2)) / math.sqrt(8)).softmax(-1)
-        before, after = before + W(x), after + W(x + 0.5 * (P @ x - x))
-    assert h["dvar"] == pytest.approx(((after - before) / before).item(), rel=1e-5)
+    q, k = xs @ qk[:8].T, xs @ qk[8:16].T
+    P = ((q @ k.transpose(1, 2)) / math.sqrt(8)).softmax(-1)
+    D = 0.5 * (P @ xs - xs)  # the head's output: -(PX - X) W_v W_o with W_v W_o = -0.5 I
+
+    def W(z):  # the within-sequence sum of squares, summed over sequences
+        return ((z - z.mean(1, keepdim=True)) ** 2).sum()
+
+    def share(z):
+        return W(z) / ((z - z.reshape(-1, 8).mean(0)) ** 2).sum()
+
+    e = 1e-6
+    dW = (W(xs + e * D) - W(xs - e * D)) / (2 * e)
+    assert h["dvar"] == pytest.approx((dW / W(xs)).item(), rel=1e-6) and h["dvar"] < 0
+    ds = (share(xs + e * D) - share(xs - e * D)) / (2 * e)
+    assert h["dshare"] == pytest.approx(ds.item(), rel=1e-5)
 
 
 def test_sym_eigenvalues_are_those_of_the_full_matrix():
@@ -163,6 +176,70 @@ def test_sym_eigenvalues_are_those_of_the_full_matrix():
     nonzero = full[full.abs() > 1e-9]
     assert len(nonzero) == 8
     torch.testing.assert_close(sym_eigenvalues(A, B), nonzero)
+    # a rank-4 head that does not write into the subspace it reads: 4 eigenvalues of each sign, the
+    # reason a neg_mass of 0.5 is the null and not a sign of smoothing
+    assert int((nonzero < 0).sum()) == int((nonzero > 0).sum()) == 4
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm block's attention branch, as the ViT's: x + ls1(attn(norm1(x)))."""
+
+    def __init__(self, attn, gain, gamma):
+        from timm.layers import LayerScale
+
+        super().__init__()
+        D = gain.numel()
+        self.norm1, self.attn, self.ls1 = torch.nn.LayerNorm(D), attn, LayerScale(D, 1.0)
+        with torch.no_grad():
+            self.norm1.weight.copy_(gain)
+            self.ls1.gamma.copy_(gamma)
+
+    def forward(self, x):
+        return x + self.ls1(self.attn(self.norm1(x)))
+
+
+def test_the_stream_frame_includes_the_norm_gain_and_layerscale():
+    """A Laplacian head with W_v W_o = -cI smooths its normed input; with LayerScale -1 it
+    sharpens the stream (neg_mass 0, cos_smooth < 0), with +1 it smooths it (neg_mass 1); with
+    any gain and LayerScale, neg_mass is that of Pi diag(g) W_v W_o diag(lambda) computed on the
+    D x D matrix, and the heads' parts sum to the block's attention branch."""
+    D, c = 8, 0.5
+    g = torch.Generator().manual_seed(4)
+    attn = Attention(D, 1, num_laplacian_heads=1, qkv_bias=False, proj_bias=True, fused=False)
+    with torch.no_grad():
+        attn.qkv.weight.copy_(torch.randn(3 * D, D, generator=g) / math.sqrt(D))
+        attn.qkv.weight[2 * D:] = torch.eye(D)
+        attn.proj.weight.copy_(-c * torch.eye(D))
+        attn.proj.bias.copy_(torch.randn(D, generator=g))
+    x = torch.randn(6, 10, D, generator=g)
+    for gamma, sign in ((torch.ones(D), +1), (-torch.ones(D), -1)):
+        blk = _Block(attn, torch.ones(D), gamma)
+        frame = stream_frame(blk)
+        assert frame["center"] and torch.equal(frame["scale"], gamma.double())
+        h, = weight_spectrum(attn, **frame)
+        assert h["neg_mass"] == pytest.approx(1.0 if sign > 0 else 0.0, abs=1e-8)  # Pi's zero: rounding
+        acc = HeadAccumulator(attn, frame)
+        with torch.no_grad():
+            out, P = attn(blk.norm1(x), return_attn=True)
+        acc.update(x, blk.norm1(x), P, out)
+        assert h["neg_mass"] == acc.compute()[0]["neg_mass"] and sign * acc.compute()[0]["cos_smooth"] > 0.5
+    # a gain and a mixed-sign LayerScale: the small problem against the full matrix
+    gain, gamma = torch.rand(D, generator=g) + 0.5, torch.randn(D, generator=g)
+    blk = _Block(attn, gain, gamma)
+    h, = weight_spectrum(attn, **stream_frame(blk))
+    Pi = torch.eye(D, dtype=torch.float64) - 1.0 / D
+    M = Pi @ torch.diag(gain.double()) @ (-c * torch.eye(D, dtype=torch.float64)) @ torch.diag(gamma.double())
+    e = torch.linalg.eigvalsh((M + M.T) / 2)
+    e = e[e.abs() > 1e-9]
+    assert h["neg_mass"] == pytest.approx((e.clamp_max(0).abs().sum() / e.abs().sum()).item())
+    assert h["trace_fro"] == pytest.approx((M.trace() / M.norm()).item())
+    with torch.no_grad():
+        xn = blk.norm1(x)
+        out, P = attn(xn, return_attn=True)
+        parts = head_outputs(attn, xn, P) * gamma.double()  # [B, H, N, D] as each head enters the stream
+        branch = blk(x) - x
+    torch.testing.assert_close(parts.sum(1) + attn.proj.bias.double() * gamma.double(), branch.double(),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_summary_and_markdown():
@@ -181,8 +258,10 @@ def test_summary_and_markdown():
     assert s["blocks.1"] == {"cos_smooth.softmax": 0.0, "dvar.softmax": 0.03, "neg_mass.softmax": 0.6,
                              "trace_fro.softmax": 0.1}
     md = to_markdown({"model": "m", "heads": heads, "n_tokens": 10, "n_sequences": 2})
-    assert "| blocks.0 | 1 | laplacian | +0.600 | +0.500 | -0.0200 | 0.900 | -1.000 |" in md
-    assert "| laplacian | +0.6000 | +0.5000 | -0.0200 | +0.9000 | -1.0000 |" in md
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in md.splitlines() if ln.startswith("|")]
+    assert ["blocks.0", "1", "laplacian", "+0.600", "+0.500", "-0.0200", "nan", "0.900", "-1.000"] in \
+        [r[:9] for r in rows]  # no dshare in these hand-written heads: nan
+    assert ["laplacian", "+0.6000", "+0.5000", "-0.0200", "nan", "+0.9000", "-1.0000"] in rows
 
 
 @pytest.fixture(scope="module")
@@ -200,20 +279,21 @@ def analysed(tmp_path_factory):
 
 def test_cli_writes_the_mechanism(analysed):
     mech, out = analysed["res"]["mechanism"], analysis_dir(analysed["ckpt"])
-    assert mech["n_sequences"] == 64 and mech["n_tokens"] == 64 * 17 and mech["batch_size"] == 16
+    assert mech["n_sequences"] == 64 and mech["n_tokens"] == 64 * 16 and mech["batch_size"] == 16  # patch tokens
     assert mech["recon_err"] < 1e-5 and list(mech["heads"]) == ["blocks.0", "blocks.1"]
     assert [h["type"] for h in mech["heads"]["blocks.1"]] == ["softmax", "softmax", "laplacian"]
-    assert "[analysis] mechanism: 1,088 tokens" in analysed["stdout"]
+    assert "[analysis] mechanism: 1,024 tokens" in analysed["stdout"]
     # the same numbers in-process on the same split
     model, _, data = load_for_analysis(analysed["ckpt"], device="cpu")
     ds, _ = eval_split(model, data, seed=0, max_tokens=1100)
     again = head_mechanism(model, ds, batch_size=64)
     for layer, hs in again.items():
         for got, want in zip(mech["heads"][layer], hs):
-            for key in ("cos_smooth", "cos_token", "dvar", "neg_mass", "trace_fro", "eig_min"):
+            for key in ("cos_smooth", "cos_token", "dvar", "dshare", "neg_mass", "trace_fro", "eig_min"):
                 assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (layer, key)
     md = (out / "mechanism.md").read_text()
-    assert "| blocks.1 | 2 | laplacian |" in md and "Means over the heads" in md
+    assert any(ln.replace(" ", "").startswith("|blocks.1|2|laplacian|") for ln in md.splitlines())
+    assert "Means over the heads" in md
     for ext in ("png", "pdf"):
         assert (out / f"mechanism.{ext}").stat().st_size > 5000
 

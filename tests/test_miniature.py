@@ -1,201 +1,233 @@
-"""The miniature reproduction (scripts/miniature.py): its verdict rule, and the whole script
-end to end at smoke size (every paradigm and variant, one seed, two steps)."""
+"""The study's report (analysis/report.py) and the miniature's chain (scripts/miniature.sh): paired
+claims with 95% intervals and Holm within the declared families (the other choice as the
+sensitivity), the values a claim reads (final model, a kept step, a logged line), the learning
+curves' table, the comparison at equal validation loss, every plan composes, and the whole chain
+end to end at smoke size (one seed, two steps)."""
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from scipy import stats
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import miniature  # noqa: E402
-import miniature_claims as mc  # noqa: E402
-
-
-def _record(k: int, seed: int, by_layer: dict, model: str = "vitt_0L", arch: str = "vit") -> dict:
-    """A flat record as analysis.runs.collect makes it, with geometry at the given layers."""
-    return {"k": k, "mode": "fixed", "seed": seed, "model": model, "arch": arch, "run_dir": "/nonexistent",
-            "metrics": {"final.val_acc1": 50.0 + k + seed + 0.1 * seed * seed},
-            "layer_geometry": by_layer, "geometry": by_layer["norm"]}
+from analysis import report
+from analysis.runs import frame
+from analysis.stats import holm
+from conftest import CONFIGS, ROOT
+from laplace.errors import ConfigError
 
 
-def test_claims_use_the_papers_objects_arms_and_layers():
-    names = {(c.paradigm, c.metric): c for c in mc.CLAIMS}
-    # the claim rows on the paper's objects; the class token's NC1 and the global spectrum kept beside
-    assert names["deit3", "geometry.patch_nc1"].family == "paper" and names["deit3", "geometry.nc1"].family == "other"
-    assert names["deit3", "geometry.per_seq_n_pcs_0.99"].family == "paper"
-    assert names["deit3", "geometry.n_pcs_0.99"].family == "other"
-    # the arm nearest the paper's: all 3 heads (ViT-B-12L), 5 of 6 for DINO, 1 of 2 for the LM's 5 of 10
-    deit = [_record(k, 0, {"norm": {}}) for k in (0, 1, 3)]
-    assert mc.claim_arm(deit, mc.ALL) == 3
-    assert mc.claim_arm([_record(k, 0, {"norm": {}}, "vits_0L") for k in (0, 3, 5, 6)], mc.DINO_BEST) == 5
-    assert mc.claim_arm([_record(k, 0, {"norm": {}}, "vits_0L") for k in (0, 3, 6)], mc.DINO_BEST) == 6
-    assert mc.claim_arm([_record(k, 0, {"norm": {}}, "gpt_d3_0L", "gpt") for k in (0, 1, 2)], mc.LM_BEST) == 1
-    # a class-token ViT: patch claims also at the last block's input; the class token's at the norm only
-    layers = {"blocks.0": {}, "blocks.1": {}, "blocks.2": {}, "norm": {}}
-    vit = [_record(0, 0, layers)]
-    assert mc.claim_layers(vit, names["deit3", "geometry.patch_nc1"]) == [
-        ("norm", "final norm"), ("blocks.1", "blocks.1 (deepest the loss reaches)")]
-    assert mc.claim_layers(vit, names["deit3", "geometry.nc1"]) == [("norm", "final norm")]
-    assert mc.claim_layers(vit, names["deit3", "final.val_acc1"]) == [(None, "model output")]
-    gpt = [_record(0, 0, layers, "gpt_d3_0L", "gpt")]
-    assert mc.claim_layers(gpt, names["gpt", "geometry.per_seq_n_pcs_0.99"]) == [("norm", "final norm")]
+def _record(experiment: str, k: int, seed: int, metrics: dict, geometry: dict, steps: int = 100,
+            step_geometry: dict = None, logs: dict = None) -> dict:
+    """A run as analysis.runs.collect makes it; geometry at the final norm."""
+    return {"run_dir": f"/runs/{experiment}/m_{k}L_s{seed}", "experiment": experiment, "trainer": "deit3",
+            "dataset": "digits", "family": "vitt", "model": f"vitt_{k}L", "arch": "vit", "k": k, "k_label": str(k),
+            "mode": "fixed", "seed": seed, "steps": steps, "recipe_id": "r", "recipe": "r", "finished": True,
+            "metrics": metrics, "layer_geometry": {"norm": geometry} if geometry else {}, "analysis_step": steps,
+            "step_geometry": step_geometry or {}, "step_mechanism": {}, "mechanism": {}, "logs": logs or {}}
 
 
-def test_claim_rows_are_paired_and_holm_corrected():
-    # patch NC1 falls by exactly 0.5 + 0.01 seed at the final norm: the pairing sees it; the
-    # seeds' spread (0.3 a seed) hides it from the earlier unpaired rule
-    def geo(k, s):
-        return {"blocks.0": {"patch_nc1": 2.0}, "blocks.1": {"patch_nc1": 2.0 + 0.1 * s},
-                "norm": {"patch_nc1": 2.0 + 0.3 * s - (0.5 + 0.01 * s) * (k > 0), "nc1": 1.0 + 0.3 * s}}
-    recs = {"deit3": [_record(k, s, geo(k, s)) for k in (0, 1, 3) for s in range(5)]}
-    rows = mc.claim_rows(recs, "paper")
-    nc1 = next(r for r in rows if r["claim"].metric == "geometry.patch_nc1" and r["layer"] == "norm")
-    assert nc1["k"] == 3 and nc1["test"].n == 5 and nc1["test"].df == 4
-    assert nc1["test"].d == pytest.approx(-0.52) and nc1["verdict"] == "agrees"
-    assert mc.old_rule(nc1["base"], nc1["arm"], -1) == "within noise"
-    acc = next(r for r in rows if r["claim"].metric == "final.val_acc1")
-    assert acc["test"].d == pytest.approx(3.0) and acc["verdict"] == "agrees"  # +3 in every seed
-    # Holm: the adjusted p is never below the raw one; metrics never measured are "not measured"
-    tested = [r for r in rows if r["test"] is not None]
-    assert all(r["holm_p"] >= r["test"].p for r in tested)
-    assert any(r["verdict"] == "not measured" for r in rows)  # e.g. the per-image spectrum
-    table = mc.claims_table(rows)
-    assert table[0].startswith("| paradigm | claim | definition | layer | k | baseline | arm | d | t (df) | p | Holm p |")
-    row = next(ln for ln in table if "sequence means" in ln and "| final norm |" in ln)
-    assert "| 3 of 3 |" in row and "| -0.52 |" in row and "**agrees**" in row
-    blocks = mc.block_table(recs)
-    assert blocks[0] == "| deit3: definition (arm k) | blocks.0 | blocks.1 | norm |"
-    row = next(ln for ln in blocks if ln.startswith("| NC1 of the image means"))
-    assert row.split(" | ")[1:] == ["+0 ± 0", "+0 ± 0", "-0.52 ± 0.014 |"]  # descriptive: no verdicts
-    assert not any(ln.startswith("| val top-1") for ln in blocks)  # no layer: not in the per-block table
-    changes = mc.changes_table(rows, mc.claim_rows(recs, "other"))
-    line = next(ln for ln in changes if "neural collapse" in ln)
-    # the earlier reading (class-token NC1, unpaired) saw nothing; the paired test on the image means does
-    assert line.split(" | ")[2:] == ["within noise (NC1 of the class token)", "within noise", "agrees",
-                                     line.split(" | ")[-1]]
+def _frame(records):
+    """frame() of records whose logged lines are given in the record (no metrics.jsonl to read)."""
+    f = frame(records)
+    logged = [{**{c: r.get(c) for c in f.columns}, "step": s, "layer": None, "metric": f"log.{m}", "value": v,
+               "final": False} for r in records for (m, s), v in r["logs"].items()]
+    import pandas as pd
+
+    return pd.concat([f, pd.DataFrame(logged, columns=f.columns)], ignore_index=True) if logged else f
 
 
-def test_paradigms_not_trained_get_no_rows():
-    recs = {"deit3": [_record(k, s, {"norm": {"nc1": 2.0 - 0.5 * k + 0.01 * s}}) for k in (0, 3) for s in (0, 1, 2)]}
-    assert {r["paradigm"] for r in mc.claim_rows(recs, "paper")} == {"deit3"}
-    assert mc.base_paradigm("deit3_avg") == "deit3" and mc.claims_of("deit3_avg") == mc.claims_of("deit3")
+def _plan(**over):
+    base = {"name": "t", "title": "t", "scope": "s", "command": "c", "declared": "d", "family": "paradigm",
+            "sensitivity": "role",
+            "paradigms": {"a": {"experiment": "exp_a", "arm": 3, "heads": 3, "curve": "log.val_acc1"},
+                          "b": {"experiment": "exp_b", "arm": 3, "heads": 3, "curve": "log.val_acc1"}},
+            "claims": [{"paradigm": "a", "claim": "acc", "metric": "final.val_acc1", "sign": 1, "definition": "top-1"},
+                       {"paradigm": "a", "claim": "share", "metric": "geometry.within_seq_share", "layer": "norm",
+                        "sign": -1, "definition": "share"}]}
+    return OmegaConf.create({**base, **over})
+
+
+def test_claims_are_paired_with_intervals_and_holm_within_the_declared_families():
+    """Paradigm a: accuracy +1 in every seed but one (agrees), the share grows by 0.3 +- a little
+    (disagrees); paradigm b: ten claims of noise. Per paradigm, a's rows keep their verdicts; pooled
+    with b's ten (the sensitivity), Holm's m grows and the share row may turn inconclusive."""
+    recs = []
+    for seed in range(4):
+        recs.append(_record("exp_a", 0, seed, {"final.val_acc1": 90.0 + seed}, {"within_seq_share": 0.5 + 0.02 * seed}))
+        recs.append(_record("exp_a", 3, seed, {"final.val_acc1": 91.0 + seed + 0.1 * (seed == 2)},
+                            {"within_seq_share": 0.8 + 0.02 * seed + 0.01 * (seed % 2)}))
+        noise = {f"final.m{i}": ((seed * 7 + i * 3) % 5) / 10 for i in range(10)}
+        recs += [_record("exp_b", 0, seed, {k: 0.0 for k in noise}, {}), _record("exp_b", 3, seed, noise, {})]
+    noise_claims = [{"paradigm": "b", "claim": f"m{i}", "metric": f"final.m{i}", "sign": 1, "definition": f"m{i}"}
+                    for i in range(10)]
+    plan = _plan()
+    plan.claims = list(plan.claims) + noise_claims
+    rows = report.claim_rows(_frame(recs), plan)
+    acc, share = rows.iloc[0], rows.iloc[1]
+    base, arm = [90.0 + s for s in range(4)], [91.0 + s + 0.1 * (s == 2) for s in range(4)]
+    ref = stats.ttest_rel(arm, base)
+    assert acc["test"].p == pytest.approx(ref.pvalue) and acc["test"].df == 3
+    assert (acc["test"].lo, acc["test"].hi) == pytest.approx(tuple(ref.confidence_interval(0.95)))
+    assert acc["family"] == "a / primary" and share["family"] == "a / primary"
+    # Holm within paradigm a's two rows: the adjusted p of each is Holm's over exactly those two
+    assert [acc["holm_p"], share["holm_p"]] == pytest.approx(holm([acc["p"], share["p"]]))
+    assert acc["verdict"] == "agrees" and share["verdict"] == "disagrees"
+    # the sensitivity: one family of all twelve rows
+    assert set(rows["sens"]) == {"primary"}
+    pooled = holm(list(rows["p"]))
+    assert list(rows["sens_p"]) == pytest.approx(pooled) and pooled[1] > share["holm_p"]
+    noisy = rows.iloc[2]
+    assert noisy["verdict"].startswith("inconclusive [") and f"{noisy['test'].lo:+.3g}" in noisy["verdict"]
+    table = report.claims_table(rows[rows["role"] == "primary"])
+    assert list(table.columns) == ["paradigm", "claim", "definition", "layer", "k", "baseline", "arm",
+                                   "d [95% CI] (n)", "t", "p", "family", "Holm p", "verdict"]
+    assert table.iloc[0]["layer"] == "model output" and table.iloc[1]["layer"] == "norm"
+    assert table.iloc[0]["k"] == "3 of 3" and table.iloc[0]["verdict"] == "**agrees**"
+    d = acc["test"]
+    assert table.iloc[0]["d [95% CI] (n)"] == f"{d.d:+.3g} [{d.lo:+.3g}, {d.hi:+.3g}] (4), df 3"
+
+
+def test_a_claim_reads_the_final_model_a_kept_step_or_a_logged_line():
+    recs = [_record("exp_a", k, s, {"final.val_acc1": 50.0 + k + s}, {"within_seq_share": 0.5 - 0.01 * k},
+                    steps=3000, step_geometry={1000: {"norm": {"within_seq_share": 0.9 - 0.1 * k + 0.001 * s}}},
+                    logs={("loss", 2975): 9.0, ("loss", 3000): 4.0 - 0.1 * k + 0.01 * s})
+            for k in (0, 1) for s in range(3)]
+    f = _frame(recs)
+    final = report.select(f, "geometry.within_seq_share", "norm")
+    assert sorted(final["value"]) == pytest.approx([0.49] * 3 + [0.5] * 3)
+    early = report.select(f, "geometry.within_seq_share", "norm", 1000)
+    assert report.by_seed(early, 1) == pytest.approx({0: 0.8, 1: 0.801, 2: 0.802})
+    loss = report.select(f, "log.loss")  # a logged metric: its line at the run's last step
+    assert report.by_seed(loss, 0) == pytest.approx({0: 4.0, 1: 4.01, 2: 4.02})
+    plan = _plan(steps=[1000, 3000], paradigms={"a": {"experiment": "exp_a", "arm": 1, "curve": "log.loss"}},
+                 claims=[{"paradigm": "a", "claim": "share", "metric": "geometry.within_seq_share", "layer": "norm",
+                          "sign": -1, "definition": "share"}])
+    grid = report.paired_grid(f, plan, plan.claims, [1000, 3000], lambda c, s: (c.layer, s))
+    assert grid.iloc[0]["1000"] == "-0.1 [-0.1, -0.1] (3)"  # the same -0.1 in every seed: no spread
+    assert grid.iloc[0]["3000"] == "-0.01 [-0.01, -0.01] (3)"
 
 
 def test_curves_table_and_last_quarter():
-    from miniature_curves import curves_markdown
-
-    data = {"gpt": {"gpt_d3_0L": {50: [3.0, 3.2], 100: [2.0, 2.2], 150: [1.9, 2.1], 200: [1.85, 2.05]},
-                    "gpt_d3_2L": {50: [3.1], 200: [2.5]}}}
-    md = curves_markdown(data, {"gpt": "val_bpb"})
-    assert md[2] == "| step | gpt_d3_0L | gpt_d3_2L |"
-    assert "| 50 | 3.1 ± 0.2 (2) | 3.1 (1) |" in md and "| 100 | 2.1 ± 0.2 (2) |  |" in md
+    points = {"k=0": {50: [3.0, 3.2], 100: [2.0, 2.2], 150: [1.9, 2.1], 200: [1.85, 2.05]},
+              "k=2": {50: [3.1], 200: [2.5]}}
+    table, lines = report.curves_table(points)
+    assert list(table.columns) == ["step", "k=0", "k=2"] and list(table["step"]) == [50, 100, 150, 200]
+    half = stats.t.ppf(0.975, 1) * 0.1  # two seeds 0.2 apart: sd 0.141, se 0.1
+    assert table.iloc[0]["k=0"] == f"3.1 [{3.1 - half:.4g}, {3.1 + half:.4g}] (2)" and table.iloc[0]["k=2"] == "3.1 (1)"
+    assert table.iloc[1]["k=2"] == ""
     # 150 = the first step at or after 75% of 200, 100 the first at or after 50%
-    assert "- gpt_d3_0L: -0.05 from step 150 to 200 (before: -0.1 from step 100 to 150)" in md
-    assert "- gpt_d3_2L: -0.6 from step 50 to 200" in md    # no step in the last quarter but the end
+    assert lines == ["- k=0: -0.05 from step 150 to 200 (before: -0.1 from step 100 to 150)",
+                     "- k=2: -0.6 from step 50 to 200"]  # no step in the last quarter but the end
 
 
-@pytest.mark.timeout(1200)  # above its subprocess's 900 s
+def test_equal_validation_loss_picks_each_runs_nearest_checkpoint():
+    """k = 1 learns slower: at the common loss L (the larger arm mean of the final val_loss), the
+    baseline's nearest checkpoint is an earlier one."""
+    recs = []
+    for s in range(3):
+        for k, losses in ((0, {1000: 3.0, 2000: 2.5, 3000: 2.2}), (1, {1000: 3.2, 2000: 2.8, 3000: 2.5})):
+            geo = {step: {"norm": {"lc_cdnv_mean": step / 1000 + k + 0.01 * s}} for step in losses}
+            recs.append(_record("exp_a", k, s, {}, geo[3000]["norm"], steps=3000, step_geometry=geo,
+                                logs={("val_loss", st): v + 0.001 * s for st, v in losses.items()}))
+    plan = _plan(steps=[1000, 2000, 3000], paradigms={"a": {"experiment": "exp_a", "arm": 1, "curve": "log.val_loss"}},
+                 claims=[{"paradigm": "a", "claim": "cdnv", "metric": "geometry.lc_cdnv_mean", "layer": "norm",
+                          "sign": -1, "definition": "CDNV"}])
+    table, how = report.equal_loss(_frame(recs), plan, "a", plan.claims)
+    # L = 2.501 (k = 1's final mean): k = 0 is nearest at step 2000 (2.5), k = 1 at 3000
+    assert how.startswith("L = 2.5010") and "k=0: steps [2000, 2000, 2000]" in how and "k=1: steps [3000" in how
+    assert table.iloc[0]["d [95% CI] (n)"].startswith("+2 ")  # (3 + 1) - 2 at every seed
+
+
+@pytest.mark.parametrize("name", ["short", "long", "study", "study_lm"])
+def test_every_plan_composes_and_names_its_paradigms(name):
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("report", overrides=[f"plan={name}", "runs=x", "out=y"])
+    report.check_plan(cfg.plan)
+    for c in cfg.plan.claims:
+        assert c.metric.split(".")[0] in ("final", "geometry", "log", "knn", "linear"), c
+        assert (c.get("layer") is not None) == c.metric.startswith("geometry."), c
+        assert c.sign in (1, -1) and c.get("role", "primary") in ("primary", "secondary")
+    experiments = {p.experiment for p in cfg.plan.paradigms.values()}
+    assert experiments <= {p.stem for p in (ROOT / "configs/experiment").glob("*.yaml")}
+    primary = [c for c in cfg.plan.claims if c.get("role", "primary") == "primary"]
+    # one primary object and layer per claim of a paradigm
+    keys = [(c.paradigm, c.claim) for c in primary]
+    assert len(keys) == len(set(keys)), name
+
+
+def test_a_bad_plan_is_one_line():
+    with pytest.raises(ConfigError, match=r"plan.claims\[0\].paradigm=zz: not in plan.paradigms"):
+        report.check_plan(_plan(claims=[{"paradigm": "zz", "claim": "c", "metric": "final.x", "sign": 1,
+                                         "definition": "d"}]))
+    with pytest.raises(ConfigError, match="plan.family=seed: choose paradigm, role or all"):
+        report.check_plan(_plan(family="seed"))
+
+
+def test_the_chain_refuses_an_unknown_profile_in_one_line():
+    proc = subprocess.run(["bash", "scripts/miniature.sh", "huge"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "usage: bash scripts/miniature.sh [short|long|study]"
+
+
+@pytest.mark.timeout(1800)  # above its subprocess's 1500 s
 @pytest.mark.slow
-def test_miniature_runs_end_to_end(tmp_path):
-    out, docs = tmp_path / "runs", tmp_path / "docs"
-    proc = subprocess.run([sys.executable, "scripts/miniature.py", "--seeds", "0", "--steps", "2", "--pca-maps", "1",
-                           "--out", str(out), "--docs", str(docs)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+def test_the_short_profile_end_to_end(tmp_path):
+    """Every sweep of the short profile at 2 steps and one seed, the analyses and the report: the
+    chain's commands, the claims with the plan's families, the curves, every section, the tables."""
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    env = {**os.environ, "STEPS": "2", "SEEDS": "0", "RUNS": str(runs), "DOCS": str(docs),
+           "VIRTUAL_ENV": sys.prefix, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "scripts/miniature.sh", "short"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1500, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = (docs / "README.md").read_text()
-    trained = [c for c in mc.CLAIMS if c.paradigm in ("deit3", "gpt")]  # the short profile's paradigms
-    claims = report.split("## Learning curves")[0]
-    for c in trained:  # every claim's every definition got a row with a verdict, none unmeasured
-        assert f"| {c.definition} |" in claims
-    assert "not measured" not in claims and "| **one seed: " in claims
-    assert "| final norm |" in claims and "| blocks.2 (deepest the loss reaches) |" in claims
-    assert "### What the definitions and the test change, on these runs" in claims
-    assert "| dino |" not in report
-    assert "## Do the heads smooth?" in claims and "**deit3, k = 3 fixed** (n = 1)" in claims
-    assert "## How much the blocks change the residual stream" in report and "- gpt gpt_d4_1L_learned:" in report
-    assert "| deit3: definition (arm k) | blocks.0 | blocks.1 | blocks.2 | blocks.3 | norm |" in report
-    assert "blocks.3" in (docs / "tables/per_block.md").read_text() and list((docs / "figures").glob("blocks_*.png"))
-    # the learned gates of every block, in both paradigms, as the tables and figures show them
-    assert report.count("### gates_") == 2 and "| 3 | " in report and "moved toward Laplacian" in report
-    assert len(list((docs / "tables").glob("gates_*.md"))) == 2 and len(list((docs / "figures").glob("gates_*.png"))) == 2
-    assert (docs / "tables/supervised.md").exists() and list((docs / "figures").glob("*.png"))
-    assert len(list(out.glob("*/*/results.json"))) == 8  # 2 paradigms x 4 variants
-    # learning curves: one line per arm, one row per evaluated step
-    assert "## Learning curves" in report and (docs / "figures/curves.png").exists()
-    assert "| step | vitt_0L | vitt_1L | vitt_3L | vitt_1L_learned |" in (docs / "tables/curves.md").read_text()
+    commands = (docs / "commands.log").read_text().splitlines()
+    assert commands[0] == "$ python train.py -m seed=0 experiment=mini_vit model=vitt_0L,vitt_1L,vitt_3L trainer.max_steps=2"
+    assert sum(c.startswith("$ python -m analysis ") for c in commands) == 2
+    assert commands[-1].startswith("$ python -m analysis.report ")
+    assert len(list(runs.glob("*/*/*/results.json"))) == 8  # 2 paradigms x 4 arms
+    assert len(list(runs.glob("*/*/*/ckpt/last_analysis/analysis.json"))) == 8
+    text = (docs / "README.md").read_text()
+    claims = text.split("## Learning curves")[0]
+    plan = OmegaConf.load(ROOT / "configs/plan/short.yaml")
+    for c in plan.claims:  # every declared claim has a row, none unmeasured (one seed: no test)
+        assert f"| {c.definition} " in claims, c.definition
+    assert "not measured" not in claims and "one seed: no test" in claims and "deit3 / primary" in claims
+    for section in ("### Sensitivity: the other family choice (role)", "## Geometry at every block",
+                    "## Do the heads smooth the residual stream?", "## How much the blocks change the residual stream",
+                    "## Learned gates", "**deit3**: log.val_acc1", "**gpt**: log.val_bpb"):
+        assert section in text, section
+    assert text.count("### gates_") == 2 and "- gpt k=1 learned:" in text
+    for f in ("tables/supervised.md", "tables/per_block.md", "tables/claims.csv", "figures/curves.png",
+              "figures/vs_k.png", "plan.json"):
+        assert (docs / f).stat().st_size > 100, f
 
 
-def test_run_jobs_skips_what_is_done_and_goes_seed_by_seed(tmp_path, monkeypatch):
-    import io
-    import json
+def test_unfinished_runs_are_left_out_unless_partial_and_then_said_first(tmp_path, capsys):
+    """A run still training has no results.json: the report refuses to pass it for a finished one,
+    and with partial=true says first that it is a look, not the result."""
+    from train.logger import MetricsLogger
 
-    import miniature_runs as mr
+    run = tmp_path / "runs" / "gpt" / "study_lm" / "gpt_d3_0L_s0"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {name: gpt_d3_0L, num_laplacian_heads: 0}\ntrainer: {name: gpt}\n"
+                                     "data: {name: stdlib_bpe}\nseed: 0\n")
+    log = MetricsLogger(run)
+    for step, bpb in ((250, 2.0), (500, 1.9)):
+        log.log(step, {"val_bpb": bpb, "val_loss": 4.0}, split="val", epoch=0)
 
-    calls = []
-    monkeypatch.setattr(mr, "sh", lambda cmd, *a, **k: calls.append(cmd))
-    recipes = {"deit3": dict(variants=[("vitt_0L", [])], args=[]),
-               "dino": dict(variants=[("vits_0L", [])], args=[], evals=mr.LONG["dino"]["evals"])}
-    done = tmp_path / "dino" / "vits_0L_s0"
-    (done / "eval" / "knn_digits").mkdir(parents=True)
-    (done / "results.json").write_text("{}")
-    (done / "eval" / "knn_digits" / "results.json").write_text("{}")
-    runs = mr.run_jobs(recipes, tmp_path, [0, 1], io.StringIO())
-    assert runs == {"deit3": [tmp_path / "deit3" / f"vitt_0L_s{s}" for s in (0, 1)],
-                    "dino": [tmp_path / "dino" / f"vits_0L_s{s}" for s in (0, 1)]}
-    # seed 0 whole before seed 1; the finished run and its k-NN are skipped, its linear probe is not
-    what = [(c[1], next(a for a in c if a.startswith(("run_dir=", "seed=")))) for c in calls]
-    assert what == [("train.py", "seed=0"), ("-m", f"run_dir={done / 'eval' / 'linear_digits'}"),
-                    ("train.py", "seed=1"), ("train.py", "seed=1"),
-                    ("-m", f"run_dir={tmp_path / 'dino' / 'vits_0L_s1' / 'eval' / 'knn_digits'}"),
-                    ("-m", f"run_dir={tmp_path / 'dino' / 'vits_0L_s1' / 'eval' / 'linear_digits'}")]
-    timings = [json.loads(x) for x in (tmp_path / "timings.jsonl").read_text().splitlines()]
-    assert len(timings) == len(calls) and all(t["end"] >= t["start"] for t in timings)
+    def cfg(*extra):
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            return compose("report", overrides=["plan=study_lm", f"runs={tmp_path / 'runs'}",
+                                                f"out={tmp_path / 'docs'}", "pca_maps=0", *extra])
 
-
-def test_wall_time_counts_only_while_a_command_ran(tmp_path):
-    """Two overlapping runs, then a paradigm re-run a day later: 10 + 5 minutes of wall time,
-    not the day between."""
-    import json
-
-    rows = [{"run": "deit3/a_s0", "start": 0, "end": 480}, {"run": "gpt/b_s0", "start": 120, "end": 600},
-            {"run": "gpt/b_s0", "start": 86400, "end": 86700}]
-    (tmp_path / "timings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = miniature.wall_time(tmp_path)
-    assert "15 min of wall time" in text and "21 min summed over 3 commands (deit3 8, gpt 13;" in text
-    assert miniature.wall_time(tmp_path / "none") == ""
-
-
-def test_only_and_train_only_train_one_paradigm_then_stop(tmp_path, monkeypatch, capsys):
-    calls = []
-
-    def fake_run_jobs(recipes, out, seeds, log, jobs=1, steps=None, dry=False):
-        calls.append((sorted(recipes), dry))
-        return {pd: [out / pd / f"x_s{s}" for s in seeds] for pd in recipes}
-
-    monkeypatch.setattr(miniature, "run_jobs", fake_run_jobs)
-    docs = tmp_path / "docs"
-    monkeypatch.setattr(sys, "argv", ["miniature.py", "--only", "gpt", "--train-only", "--out", str(tmp_path / "runs"),
-                                      "--docs", str(docs)])
-    miniature.main()
-    # the asked paradigm trained; the whole profile's run dirs named (dry); no analysis, no report
-    assert calls == [(["gpt"], False), (["deit3", "gpt"], True)] and not (docs / "README.md").exists()
-    monkeypatch.setattr(sys, "argv", ["miniature.py", "--only", "dino", "--out", str(tmp_path / "runs")])
-    with pytest.raises(SystemExit):
-        miniature.main()
-    assert "--only dino: the short profile trains deit3, gpt" in capsys.readouterr().err and len(calls) == 2
-
-
-def test_run_jobs_dry_names_the_runs_and_runs_nothing(tmp_path, monkeypatch):
-    import io
-
-    import miniature_runs as mr
-
-    monkeypatch.setattr(mr, "sh", lambda *a, **k: pytest.fail("a dry run_jobs ran a command"))
-    runs = mr.run_jobs({"gpt": dict(variants=[("gpt_d3_0L", []), ("gpt_d3_1L", mr.LEARNED)], args=[])},
-                       tmp_path, [0, 1], io.StringIO(), dry=True)
-    assert runs == {"gpt": [tmp_path / "gpt" / n for n in ("gpt_d3_0L_s0", "gpt_d3_1L_learned_s0", "gpt_d3_0L_s1",
-                                                           "gpt_d3_1L_learned_s1")]}
-    assert not (tmp_path / "timings.jsonl").exists()
+    with pytest.raises(ConfigError, match="no finished runs there; .* or look at unfinished ones with partial=true"):
+        report.run(cfg())
+    text = report.run(cfg("partial=true")).read_text()
+    assert "**Partial: 1 of 1 runs have not finished**" in text.split("## Claims")[0]
+    assert re.search(r"\|\s*500\s*\|\s*1\.9 \(1\)\s*\|", text) and "**not measured**" in text  # its curve, no claim

@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+import laplace
+
 pytest.importorskip("mmseg", reason="the [seg] extra is not installed (pip install -e '.[seg]')")
 
 from conftest import ROOT, randomize_  # noqa: E402
@@ -88,7 +90,7 @@ def test_backbone_keys_and_features_equal_laplace(trained):
     ref.eval()
     bb.eval()
     x = torch.randn(2, 3, 64, 64)
-    feats = ref.forward_features(x, layers=[1, 3], norm=False)
+    feats = laplace.features(ref, x, layers=[1, 3], norm=False)
     with torch.no_grad():
         outs = bb(x)
     for out, i in zip(outs, (1, 3)):
@@ -96,7 +98,7 @@ def test_backbone_keys_and_features_equal_laplace(trained):
     # Whole-image inference: another size is padded to whole patches (bottom / right) and the
     # position embedding resampled to its grid, as laplace's ViT does for that padded input.
     odd = torch.randn(1, 3, 90, 75)
-    want = ref.forward_features(torch.nn.functional.pad(odd, (0, 5, 0, 6)), layers=[3], norm=False)["blocks.3"]
+    want = laplace.features(ref, torch.nn.functional.pad(odd, (0, 5, 0, 6)), layers=[3], norm=False)["blocks.3"]
     with torch.no_grad():
         got = bb(odd)[1]
     assert got.shape == (1, 48, 12, 10)

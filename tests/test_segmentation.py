@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+import laplace
 from PIL import Image
 
 from conftest import ROOT, TINY_VIT
@@ -172,9 +174,9 @@ def test_frozen_backbone_features_and_gradients():
     out.sum().backward()
     assert all(p.grad is None for p in seg.backbone.parameters())
     assert seg.head.conv.weight.grad is not None and seg.head.bn.num_features == 48 * 2 * 2
-    feats = vit.forward_features(x, layers=[1], norm=True)["norm"][:, 1:]  # the last block, normed
+    feats = laplace.features(vit, x, layers=[1], norm=True)["norm"][:, 1:]  # the last block, normed
     got = seg.features(x)[:, :48]  # the first layer in the concatenation is block 0
-    ref = vit.norm(vit.forward_features(x, layers=[0], norm=False)["blocks.0"])[:, 1:]
+    ref = vit.norm(laplace.features(vit, x, layers=[0], norm=False)["blocks.0"])[:, 1:]
     torch.testing.assert_close(got.flatten(2).transpose(1, 2), ref)
     torch.testing.assert_close(seg.features(x)[:, 96:144].flatten(2).transpose(1, 2), feats)
 

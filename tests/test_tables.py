@@ -17,8 +17,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
+from scipy import stats as scipy_stats
 
-from analysis import blocks, figures, runs as runs_mod, tables
+from analysis import figures, runs as runs_mod, tables
 from analysis.__main__ import analysis_dir
 from analysis.geometry import analyze_checkpoint
 from conftest import CONFIGS, ROOT, TINY_VIT
@@ -113,7 +114,7 @@ def _csv(runs, name) -> list[dict]:
 def _md_rows(runs, name) -> dict:
     """Markdown table rows as {(model without marks, k): [cells]} plus the header."""
     lines = (runs["out"] / f"{name}.md").read_text().splitlines()
-    grid = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines if ln.startswith("|")]
+    grid = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines if ln.startswith("|")]
     head = grid[0]
     mi = head.index("model")
     return {"head": head, **{(r[mi].split("†")[0], r[mi + 1]): r for r in grid[2:]}}
@@ -136,14 +137,16 @@ def test_collect_finds_the_runs(runs):
 
 def test_aggregate_matches_hand_computation(runs):
     recs = runs_mod.collect(runs["root"] / "real")
-    rows = runs_mod.aggregate(recs, "final.val_acc1")
+    rows = runs_mod.aggregate(recs, "final.val_acc1").to_dict("records")
     assert [(g["family"], g["k"], g["n"]) for g in rows] == [(VIT_FAMILY, 0, 2), (VIT_FAMILY, 3, 2)]
     for g in rows:
         vals = _acc(runs, g["k"])
         assert g["mean"] == pytest.approx(statistics.fmean(vals), abs=1e-12)
-        assert g["std"] == pytest.approx(statistics.stdev(vals), abs=1e-12) and sorted(g["seeds"]) == [0, 1]
+        assert g["sd"] == pytest.approx(statistics.stdev(vals), abs=1e-12) and sorted(g["seeds"]) == [0, 1]
+        half = scipy_stats.t.ppf(0.975, 1) * statistics.stdev(vals) / math.sqrt(2)  # the 95% t interval, 1 df
+        assert (g["lo"], g["hi"]) == pytest.approx((g["mean"] - half, g["mean"] + half))
     one = runs_mod.aggregate([r for r in recs if r["seed"] == 0], "geometry.nc1")
-    assert all(g["n"] == 1 and g["std"] is None for g in one)
+    assert (one["n"] == 1).all() and one["sd"].isna().all()
 
 
 def test_written_tables_and_csv_numbers(runs):
@@ -152,17 +155,17 @@ def test_written_tables_and_csv_numbers(runs):
         for ext in ("md", "tex", "csv"):
             assert (runs["out"] / f"{name}.{ext}").stat().st_size > 100, (name, ext)
     recs = runs_mod.collect(runs["root"])
-    acc = {(g["family"], g["k"], g["dataset"]): g for g in runs_mod.aggregate(recs, "final.val_acc1")}
+    acc = {(g["family"], g["k"], g["dataset"]): g for g in runs_mod.aggregate(recs, "final.val_acc1").to_dict("records")}
     rows = {(r["model"], r["k"], r["column"]): r for r in _csv(runs, "supervised")}
     for k in (0, 3):
         row, g = rows[(VIT_FAMILY, str(k), "digits")], acc[(VIT_FAMILY, k, "digits")]
-        assert (float(row["mean"]), float(row["std"]), int(row["n"])) == (g["mean"], g["std"], g["n"])
+        assert (float(row["mean"]), float(row["std"]), int(row["n"])) == (g["mean"], g["sd"], g["n"])
         assert row["seeds"] == "0 1" and row["paper"] == ""
-    nc1 = {g["k"]: g for g in runs_mod.aggregate(recs, "geometry.nc1")}
+    nc1 = {g["k"]: g for g in runs_mod.aggregate(recs, "geometry.nc1").to_dict("records")}
     geo = {(r["model"], r["k"], r["column"]): r for r in _csv(runs, "geometry")}
     assert float(geo[(VIT_FAMILY, "3", "nc1")]["mean"]) == nc1[3]["mean"]
     assert "\\begin{tabular}" in (runs["out"] / "supervised.tex").read_text()
-    assert "| model | k | ImageNet-1k | CIFAR-100 | CIFAR-10 | digits |" in (runs["out"] / "supervised.md").read_text()
+    assert _md_rows(runs, "supervised")["head"] == ["model", "k", "ImageNet-1k", "CIFAR-100", "CIFAR-10", "digits"]
 
 
 def test_paper_numbers_and_deltas(runs):
@@ -289,13 +292,14 @@ def test_layer_geometry_holds_every_block(runs):
 
 def test_per_block_pools_seeds_at_every_layer(runs):
     recs = [r for r in runs_mod.collect(runs["root"] / "real") if r["arch"] == "vit"]
-    rows = runs_mod.per_block(recs)
+    rows = runs_mod.per_block(recs).to_dict("records")
     cells = {(g["k"], g["layer"], g["metric"]): g for g in rows}
     assert len(cells) == len(rows) == 2 * 3 * len(_IN_JSON["vit"])  # k x layers x metrics, nothing missing
     for (k, layer, key), g in cells.items():
         vals = [_from_json(r, layer, key) for r in sorted(recs, key=lambda r: r["seed"]) if r["k"] == k]
         assert g["values"] == vals and g["mean"] == statistics.fmean(vals) and g["n"] == 2
         assert g["se"] == pytest.approx(statistics.stdev(vals) / 2 ** 0.5, rel=1e-12)
+        assert g["hi"] - g["mean"] == pytest.approx(scipy_stats.t.ppf(0.975, 1) * g["se"], rel=1e-9)
 
 
 def test_per_block_table(runs):
@@ -311,10 +315,13 @@ def test_per_block_table(runs):
         vals = [_from_json(r, row["layer"], row["metric"]) for r in runs_k]
         assert float(row["mean"]) == statistics.fmean(vals) and int(row["n"]) == len(vals), row
     md = (runs["out"] / "per_block.md").read_text()
-    assert f"#### digits_{VIT_FAMILY}: NC1 (class token)" in md and "| layer | k=0 | k=3 |" in md
+    section = md.split(f"#### digits_{VIT_FAMILY}: NC1 (class token)")[1].split("####")[0]
+    grid = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in section.splitlines() if ln.startswith("|")]
+    assert grid[0] == ["layer", "k=0", "k=3"]
     nc1 = [_from_json(r, "blocks.0", "nc1") for r in recs if r["k"] == 0 and r["arch"] == "vit"]
-    two_se = 2 * (statistics.stdev(nc1) / math.sqrt(2))  # as analysis.runs.per_block computes it
-    assert f"| blocks.0 | {statistics.fmean(nc1):.4g} ± {two_se:.4g} (2) |" in md
+    half = scipy_stats.t.ppf(0.975, 1) * statistics.stdev(nc1) / math.sqrt(2)  # the 95% t interval, 1 df
+    m = statistics.fmean(nc1)
+    assert grid[2][:2] == ["blocks.0", f"{m:.4g} [{m - half:.4g}, {m + half:.4g}] (2)"]
     assert "NC1 (class token)" not in md.split("pydoc_text_gpt_d2")[1]  # a GPT has no class token
     assert "\\begin{tabular}" in (runs["out"] / "per_block.tex").read_text()
 
@@ -323,7 +330,7 @@ def test_unknown_table_kind_is_refused():
     with pytest.raises(ConfigError, match=r"tables.x.kind=grid: unknown"):
         tables.load_specs(specs={"x": {"kind": "grid"}})
     with pytest.raises(ConfigError, match=r"tables.per_block.metrics: 'acc'"):
-        blocks.build_per_block("per_block", {"metrics": ["acc"]}, [])
+        tables.build_per_block("per_block", {"metrics": ["acc"]}, [])
 
 
 def test_blocks_figure_with_missing_metrics(runs, tmp_path):
@@ -377,3 +384,21 @@ def test_geometry_tables_name_their_objects(runs):
     lm = _md_rows(runs, "geometry_lm")
     assert lm[("gpt_d20", "0")][lm["head"].index("PCs 99% (per window; mean)")] == "paper 547.7"
     assert lm[("gpt_d20", "0")][lm["head"].index("PCs 99% (global)")] == ""
+
+
+def test_the_papers_number_sits_only_beside_the_papers_model():
+    """A 2-layer GPT with k = 0 fills the geometry_lm row k = 0 of its own family: the paper's
+    547.7 PCs (its depth-20 model) stays in the gpt_d20 row and no delta is printed between them
+    (issue 47: "Δ -442.1" compared a toy with the paper's model)."""
+    rec = {"run_dir": "/x/gpt_d2_0L_s0", "trainer": "gpt", "dataset": "pydoc_text", "family": "gpt_d2",
+           "model": "gpt_d2_0L", "arch": "gpt", "k": 0, "k_label": "0", "mode": "fixed", "seed": 0,
+           "recipe_id": "r", "recipe": "gpt, 3 steps", "finished": True, "steps": 3, "metrics": {},
+           "geometry": {"per_seq_n_pcs_0.99": 105.6}, "layer_geometry": {"norm": {"per_seq_n_pcs_0.99": 105.6}}}
+    spec = tables.load_specs(["geometry_lm"])["geometry_lm"]
+    table = tables.build_table("geometry_lm", spec, [rec], tables.load_paper())
+    c = table["cells"].set_index(["model", "k_label", "column"])
+    toy, paper = c.loc[("gpt_d2", "0", "per_seq_n_pcs_0.99")], c.loc[("gpt_d20", "0", "per_seq_n_pcs_0.99")]
+    assert toy["mean"] == 105.6 and toy["paper"] is None and toy["delta"] is None
+    assert paper["paper"] == 547.7 and paper["n"] is None
+    text = tables.grid(table).to_string()
+    assert "Δ" not in text and "paper 547.7" in text

@@ -1,0 +1,437 @@
+"""A study's report from its runs, by a plan declared before them: each claim decided by a
+paired t over seeds on its primary object and layer, with its 95% interval and Holm's correction
+within the declared families; the other readings, the learning curves, the geometry at every
+block and checkpoint, the mechanism and the learned gates beside, as descriptions.
+
+    python -m analysis.report runs=runs/miniature_study plan=study out=docs/miniature/study
+    python -m analysis.report runs=runs/gpt/study_lm plan=study_lm out=docs/study_lm
+
+A plan is configs/plan/<name>.yaml: its paradigms (which runs: the experiment folder, the arm k
+compared with k = 0), its claims (metric, layer, direction, role: primary or secondary) and its
+Holm families. Written to `out`: README.md (the report), tables/ (`python -m analysis.tables`'s
+tables, claims.csv) and figures/ (`python -m analysis.figures`'s, curves.png). Every number is a
+view of the runs' tidy table (analysis.runs.frame); every mean, interval and test comes from
+analysis.stats.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from analysis.runs import arm_label, collect, frame, layer_order, runs_roots, sort_key
+from analysis.stats import describe, holm, interval_text, paired, verdict
+from laplace.cli import config_dir, hydra_entry
+from laplace.errors import ConfigError
+from laplace.io import atomic_write, write_json
+from laplace.rundir import check_writable
+
+# A plan's keys: a misspelt one (famly: role) would otherwise change nothing and pass unseen
+PLAN_KEYS = {"name", "title", "scope", "command", "family", "sensitivity", "paradigms", "claims", "steps",
+             "equal_loss", "declared"}
+# The mechanism's per-head numbers the report pools (analysis/mechanism.py), their labels and formats.
+MECHANISM = (("cos_smooth", "cos(head's part, Px - x)", "+.3f"), ("dvar", "d within-seq. variance", "+.3g"),
+             ("dshare", "d within-seq. share", "+.3g"), ("neg_mass", "neg. eigen-mass (null 0.5)", ".3f"))
+
+
+# ----------------------------------------------------------------------------- selecting values
+
+def select(f: pd.DataFrame, metric: str, layer=None, step="final") -> pd.DataFrame:
+    """The rows of one value per run: `metric` at `layer` (None: not a layer's), of the final
+    model (step="final": its results, its last analysis, or a log line at its last step) or of
+    the checkpoint at `step`."""
+    g = f[(f["metric"] == metric) & (f["layer"].isna() if layer is None else f["layer"] == layer)]
+    # (a logged metric, e.g. the training loss, is never "final": its line at the run's last step is)
+    g = g[g["final"] | (g["step"] == g["steps"])] if step == "final" else g[g["step"] == step]
+    # a final row wins over a kept checkpoint's of the same step (e.g. eval/ and ckpt/step_N_knn/)
+    # (one value per run: a pair is a seed's two runs)
+    return g.sort_values("final", kind="stable").drop_duplicates("run_dir", keep="last")
+
+
+def by_seed(g: pd.DataFrame, k) -> dict:
+    """{seed: value} of the fixed-mode runs with k Laplacian heads."""
+    # learned gates are their own arm: a claim compares fixed k with k = 0
+    arm = g[(g["k"] == k) & (g["mode"] == "fixed")]
+    return dict(zip(arm["seed"], arm["value"]))
+
+
+def _paradigm(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
+    # a paradigm's runs: the folder its experiment config names (runs/<trainer>/<experiment>/...)
+    return f[f["experiment"] == plan.paradigms[name].experiment]
+
+
+# ----------------------------------------------------------------------------- the claims
+
+def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
+    """Every claim of the plan tested: its fields, k, n, the arms' Summaries (base, arm), the
+    Paired test, family, Holm's p in it, the verdict; and under the sensitivity's other family
+    choice its Holm p and verdict (sens_p, sens_verdict)."""
+    rows = []
+    for c in plan.claims:
+        p = plan.paradigms[c.paradigm]
+        # the claim's one value per run: its metric at its primary layer, of the final model
+        g = select(_paradigm(f, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"))
+        k = c.get("arm", p.arm)  # a claim may name its own arm (the LM's spectrum: all heads)
+        base, arm = by_seed(g, 0), by_seed(g, k)
+        # (no common seed: the claim is reported as not measured, never as inconclusive)
+        test = paired(base, arm) if set(base) & set(arm) else None
+        rows.append({**OmegaConf.to_container(c), "layer": c.get("layer"), "role": c.get("role", "primary"), "k": k,
+                     "heads": p.get("heads"), "base": describe(base.values()) if base else None,
+                     "arm": describe(arm.values()) if arm else None, "test": test,
+                     "p": test.p if test else math.nan})
+    out = pd.DataFrame(rows)
+    # (a plan without claims still gets its descriptions)
+    if out.empty:
+        return out
+    # the declared families, and the other choice as the sensitivity (see configs/plan/*.yaml)
+    # a family is the rows sharing these fields; Holm adjusts within it only
+    family = {"paradigm": ["paradigm", "role"], "role": ["role"], "all": []}
+    for col, choice in (("family", plan.family), ("sens", plan.sensitivity)):
+        keys = family[choice]
+        out[col] = out[keys].astype(str).agg(" / ".join, axis=1) if keys else "all"
+        # (transform: each row gets its family's adjusted p, in the rows' order)
+        out[f"{col}_p"] = out.groupby(col)["p"].transform(lambda ps: holm(list(ps)))
+        out[f"{col}_verdict"] = [verdict(t, s, hp) for t, s, hp in zip(out["test"], out["sign"], out[f"{col}_p"])]
+    return out.rename(columns={"family_p": "holm_p", "family_verdict": "verdict"})
+
+
+def _p(p: float) -> str:
+    return "" if math.isnan(p) else f"{p:.2g}" if p >= 1e-4 else "<1e-4"
+
+
+def _mean(s) -> str:
+    """An arm's 'mean ± sd (n)'."""
+    return "" if s is None else f"{s.mean:.4g}" + ("" if s.n < 2 else f" ± {s.sd:.2g}") + f" ({s.n})"
+
+
+def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
+    """The claims as text: paradigm, claim, definition, layer, k, both arms, d [95% interval] (df),
+    p, Holm's p in its family, the verdict (or, with `sensitivity`, the other family choice)."""
+    out = []
+    for r in rows.to_dict("records"):
+        # "3 of 3": the arm beside the paper's (ViT-B-12L: all heads; its LM: 5 of 10)
+        t, k = r["test"], f"{r['k']}" + (f" of {r['heads']}" if r.get("heads") else "")
+        d = "" if t is None else interval_text(t.d, t.lo, t.hi, t.n, signed=True) + (f", df {t.df}" if t.n > 1 else "")
+        row = {"paradigm": r["paradigm"], "claim": r["claim"], "definition": r["definition"],
+               # pandas' string columns hold a missing layer as NaN, not None
+               "layer": r["layer"] if isinstance(r["layer"], str) else "model output", "k": k,
+               "baseline": _mean(r["base"]), "arm": _mean(r["arm"]), "d [95% CI] (n)": d, "t": "" if t is None or t.n < 2 else f"{t.t:+.2f}",
+               "p": _p(r["p"])}
+        if sensitivity:
+            row.update({"family (declared)": r["family"], "Holm p": _p(r["holm_p"]), "verdict": r["verdict"],
+                        "family (other choice)": r["sens"], "Holm p, other": _p(r["sens_p"]),
+                        "verdict, other": r["sens_verdict"]})
+        else:
+            row.update({"family": r["family"], "Holm p": _p(r["holm_p"]), "verdict": f"**{r['verdict']}**"})
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+# ----------------------------------------------------------------------------- descriptions
+
+def paired_grid(f: pd.DataFrame, plan, claims, columns: list, at) -> pd.DataFrame:
+    """Rows = claims (paradigm, definition), columns = `columns`; a cell is the paired d [95%
+    interval] (n) of the claim's metric at `at(claim, column)` = (layer, step)."""
+    rows = []
+    for c in claims:
+        k = c.get("arm", plan.paradigms[c.paradigm].arm)
+        # (a description of where an effect appears: the same paired d and interval, no verdict)
+        row = {"paradigm": c.paradigm, "definition": f"{c.definition} (k={k})"}
+        for col in columns:
+            g = select(_paradigm(f, plan, c.paradigm), c.metric, *at(c, col))
+            base, arm = by_seed(g, 0), by_seed(g, k)
+            t = paired(base, arm) if set(base) & set(arm) else None
+            row[str(col)] = "" if t is None else interval_text(t.d, t.lo, t.hi, t.n, signed=True)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def arms_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
+    """Every arm of a paradigm (k, mode) with the final value of each claim's metric: mean ±
+    sd (n)."""
+    g0 = _paradigm(f, plan, name)
+    # every claim's metric once, as it is declared: the arms' raw values beside the paired tests
+    cols = list(dict.fromkeys((c.metric, c.get("layer"), c.definition) for c in plan.claims if c.paradigm == name
+                              and c.get("step", "final") == "final"))
+    rows = []
+    for (k, mode), arm in sorted(g0.groupby(["k", "mode"]), key=lambda km: (km[0][1] != "fixed", sort_key(km[0][0]))):
+        row = {"k": arm["k_label"].iloc[0], "mode": mode}
+        for metric, layer, label in cols:
+            v = select(arm, metric, layer)["value"]
+            row[f"{label}" + (f" @ {layer}" if layer and layer != "norm" else "")] = \
+                _mean(describe(v)) if len(v) else ""
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def curve_points(f: pd.DataFrame, plan, name: str) -> dict:
+    """A paradigm's learning curve (its plan's `curve` metric: a logged "log.val_bpb", or an
+    evaluation of every kept checkpoint, "knn.top1"): {arm label: {step: [value per seed]}}."""
+    g = _paradigm(f, plan, name)
+    g = g[g["metric"] == plan.paradigms[name].curve].sort_values("final", kind="stable")
+    # (a curve of a kept checkpoint's evaluations meets the final evaluation at the last step)
+    g = g.drop_duplicates(["run_dir", "step"], keep="last")  # a final evaluation wins at its step
+    out = {}
+    for (k, mode), arm in sorted(g.groupby(["k", "mode"]), key=lambda km: (km[0][1] != "fixed", sort_key(km[0][0]))):
+        out[arm_label(arm["k_label"].iloc[0], mode)] = {s: list(a["value"]) for s, a in arm.groupby("step")}
+    return out
+
+
+def curves_table(points: dict) -> tuple[pd.DataFrame, list[str]]:
+    """Rows = steps, columns = arms, mean [95% interval] (n); and per arm the change over the last
+    quarter of training and the quarter before it (has the metric flattened?)."""
+    table, lines = {}, []
+    for label, by_step in points.items():
+        at = {s: describe(v) for s, v in by_step.items()}
+        table[label] = {s: interval_text(d.mean, d.lo, d.hi, d.n, ".4g") for s, d in at.items()}
+        st = sorted(at)
+        if len(st) > 1:
+            late = next(s for s in st if s >= 0.75 * st[-1])
+            # the last quarter (from the first step at or after 75%) and the quarter before it: is it still
+            # learning? a verdict on an undertrained model says little
+            late = st[-2] if late == st[-1] else late  # never an empty quarter
+            mid = min(next(s for s in st if s >= 0.5 * st[-1]), late)
+            lines.append(f"- {label}: {at[st[-1]].mean - at[late].mean:+.4g} from step {late} to {st[-1]}"
+                         + (f" (before: {at[late].mean - at[mid].mean:+.4g} from step {mid} to {late})"
+                            if mid < late else ""))
+    out = pd.DataFrame(table).sort_index().fillna("")
+    return out.rename_axis("step").reset_index(), lines
+
+
+def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
+    """Per arm and head type, each run's mean over the heads of all layers, then the mean [95%
+    interval] (n) over seeds; the eigen-mass beside its 0.5 null."""
+    g = _paradigm(f, plan, name)
+    # each run's mean over the heads of a type in all layers: one number per run, so seeds are the unit
+    g = g[g["final"] & (g["layer"] == "all") & g["metric"].str.startswith("mechanism.")]
+    rows = []
+    for (k, mode), arm in sorted(g.groupby(["k", "mode"]), key=lambda km: (km[0][1] != "fixed", sort_key(km[0][0]))):
+        for t in ("softmax", "laplacian", "learned"):
+            row = {"arm": arm_label(arm["k_label"].iloc[0], mode), "heads": t}
+            for key, label, fmt in MECHANISM:
+                v = arm[arm["metric"] == f"mechanism.{key}.{t}"]["value"]
+                if len(v):
+                    s = describe(v)
+                    row[label] = interval_text(s.mean, s.lo, s.hi, s.n, fmt)
+                    if key == "neg_mass" and s.n > 1:  # against the null: does the interval exclude 0.5?
+                        row[label] += " > 0.5" if s.lo > 0.5 else " < 0.5" if s.hi < 0.5 else ""
+            if len(row) > 2:
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def equal_loss(f: pd.DataFrame, plan, name: str, claims) -> tuple[pd.DataFrame, str]:
+    """The geometry compared at equal validation loss: a common value L (the larger of the two
+    arms' mean final val_loss, which both reach), each run's kept checkpoint whose logged
+    val_loss is nearest L, and the paired d [95% interval] of each claim's metric there."""
+    p = plan.paradigms[name]
+    g = _paradigm(f, plan, name)
+    # the validation loss logged at each kept checkpoint's step (evaluations every 250 steps)
+    loss = g[(g["metric"] == "log.val_loss") & g["step"].isin(list(plan.steps))]
+    finals = select(g, "log.val_loss")
+    means = [finals[finals["k"] == k]["value"].mean() for k in (0, p.arm)]
+    if any(math.isnan(m) for m in means) or loss.empty:
+        return pd.DataFrame(), "not measured: both arms need a final val_loss and val_loss at the kept checkpoints"
+    target = max(means)  # the level both arms reach
+    # each run's kept checkpoint nearest L: coarse with 3 checkpoints, so their val_loss is printed
+    near = loss.assign(gap=(loss["value"] - target).abs()).sort_values("gap").drop_duplicates("run_dir")
+    chosen = dict(zip(near["run_dir"], near["step"]))
+    rows = []
+    for c in claims:
+        # (the geometry of the chosen checkpoint of each run; the arms may sit at different steps)
+        vals = g[(g["metric"] == c.metric) & (g["layer"] == c.layer) & (g["step"] == g["run_dir"].map(chosen))]
+        base, arm = by_seed(vals, 0), by_seed(vals, p.arm)
+        t = paired(base, arm) if set(base) & set(arm) else None
+        rows.append({"definition": c.definition, "d [95% CI] (n)": "" if t is None
+                     else interval_text(t.d, t.lo, t.hi, t.n, signed=True)})
+    steps = {k: near[near["k"] == k] for k in (0, p.arm)}
+    how = (f"L = {target:.4f} (val_loss); the nearest kept checkpoints: "
+           + "; ".join(f"k={k}: steps {sorted(s['step'].tolist())}, val_loss {s['value'].mean():.4f}"
+                       for k, s in steps.items()))
+    return pd.DataFrame(rows), how
+
+
+def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
+    """Per block, the mean over tokens of |h_i - h_(i-1)| / |h_(i-1)| on n validation sequences
+    (h_(-1): the embedding that enters block 0), averaged over the runs: how much each block moves
+    the residual stream (a LayerScale of 1e-6 would leave them near identities at this length)."""
+    import torch
+
+    from analysis.geometry import eval_split
+    from laplace.zoo import embed, features
+    from laplace.checkpoint import load_checkpoint, model_from_checkpoint
+
+    per_run = []
+    for path in checkpoints:
+        ckpt = load_checkpoint(path)
+        model = model_from_checkpoint(ckpt)
+        ds, _ = eval_split(model, ckpt["config"]["data"], seed=0, max_tokens=None)
+        # the first n sequences of the fixed order: the same for every run
+        x = torch.utils.data.default_collate([ds[i] for i in range(min(n, len(ds)))])[0]
+        with torch.no_grad():
+            # the embedding as block 0 reads it: the ViT's patches + position + class token, the GPT's normed tokens
+            h0 = embed(model, x)
+            feats = features(model, x, norm=False)
+            hs = [h0] + [feats[f"blocks.{i}"] for i in range(len(model.blocks))]
+        per_run.append([float(((b - a).norm(dim=-1) / a.norm(dim=-1)).mean()) for a, b in zip(hs, hs[1:])])
+    return [sum(col) / len(col) for col in zip(*per_run)]
+
+
+# ----------------------------------------------------------------------------- the report
+
+def _md(df: pd.DataFrame) -> str:
+    # (text cells as they are: tabulate would re-read "0.50" as a number and reformat it)
+    return df.to_markdown(index=False, disable_numparse=True) if len(df) else "(no runs)"
+
+
+def check_plan(plan) -> None:
+    """Refuse a plan whose claims name an undeclared paradigm or family rule, in one line."""
+    # checked before any number is read: a bad plan is one line, not a traceback halfway
+    bad = set(plan) - PLAN_KEYS
+    if bad:
+        raise ConfigError(f"plan.{sorted(bad)[0]}: not a plan key; keys: {', '.join(sorted(PLAN_KEYS))}")
+    for key in ("family", "sensitivity"):
+        if plan[key] not in ("paradigm", "role", "all"):
+            raise ConfigError(f"plan.{key}={plan[key]}: choose paradigm, role or all (the Holm families)")
+    for i, c in enumerate(plan.claims):
+        if c.paradigm not in plan.paradigms:
+            raise ConfigError(f"plan.claims[{i}].paradigm={c.paradigm}: not in plan.paradigms "
+                              f"({', '.join(plan.paradigms)})")
+
+
+def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Path:
+    """README.md, tables/ and figures/ of `plan` over `records` (finished runs) in `out`."""
+    from analysis.curves import draw_curves
+    from analysis.figures import draw_figures
+    from analysis.gates import gate_groups, to_markdown as gates_markdown
+    from analysis.tables import render_tables
+
+    check_plan(plan)
+    # every number below is a view of this one table (analysis.runs.frame)
+    f = frame(records, logs=True)
+    # the claims first: the report's point; everything after describes
+    rows = claim_rows(f, plan)
+    primary, secondary = (rows[rows["role"] == r] if len(rows) else rows for r in ("primary", "secondary"))
+    unfinished = [r["run_dir"] for r in records if not r["finished"]]
+    lines = [f"# {plan.title} ({datetime.date.today().isoformat()})", "", plan.scope.strip(), ""]
+    if unfinished:  # a look while the runs train (partial=true): said first, so no one reads it as the result
+        lines += [f"**Partial: {len(unfinished)} of {len(records)} runs have not finished**; their latest analysed "
+                  "checkpoint stands for their final model and their final results are absent. Not the study's "
+                  "result.", ""]
+    lines += [f"Command: `{plan.command}`. Plan: configs/plan/{plan.name}.yaml ({plan.declared}). Runs: "
+              + ", ".join(f"{n}: {_paradigm(f, plan, n)['run_dir'].nunique()} ({p.experiment})"
+                          for n, p in plan.paradigms.items()) + ". The paper's tables: tables/; figures: figures/.",
+              "", "## Claims", "",
+              "Each claim is decided once, on its primary object and layer: the baseline (k = 0) against the arm "
+              "k, over the seeds both have, by a paired t on the per-seed differences (the arms of a seed share "
+              "the data order and the initial weights); d is the mean difference with its 95% t interval and "
+              f"degrees of freedom; Holm's p is adjusted within the declared family ({plan.family}: "
+              + {"paradigm": "per paradigm and role", "role": "per role, all paradigms together",
+                 "all": "every row one family"}[plan.family]
+              + "). Verdict: agrees / disagrees with the paper when Holm's p < 0.05, else inconclusive with the "
+                "interval of the effects the seeds leave possible. Arms: mean ± sd (n).", "",
+              "### Primary", "", _md(claims_table(primary)), "",
+              "### Secondary (other readings and layers, reported apart; Holm within their own family)", "",
+              _md(claims_table(secondary)), "",
+              f"### Sensitivity: the other family choice ({plan.sensitivity})", "",
+              _md(claims_table(rows, sensitivity=True)), ""]
+    if len(rows):
+        # the claims as numbers (full precision) beside the Markdown: d, its interval and n per row
+        sheet = rows.drop(columns=["test", "base", "arm"]).assign(
+            d=[t.d if t else None for t in rows["test"]], lo=[t.lo if t else None for t in rows["test"]],
+            hi=[t.hi if t else None for t in rows["test"]], n=[t.n if t else None for t in rows["test"]])
+        (out / "tables").mkdir(parents=True, exist_ok=True)
+        atomic_write(out / "tables" / "claims.csv", sheet.to_csv(index=False, lineterminator="\n").encode())
+    lines += ["## Learning curves", "", "Each arm's validation metric against the step: mean [95% interval] "
+              "(n seeds); figures/curves.png. Then the change over the last quarter of the steps, and the quarter "
+              "before it.", ""]
+    panels = {}
+    for name, p in plan.paradigms.items():
+        points = curve_points(f, plan, name)
+        table, change = curves_table(points)
+        lines += [f"**{name}**: {p.curve}", "", _md(table), "", *change, ""]
+        if points:
+            panels[name] = (p.curve, points)
+    # the geometry claims read at the final norm: the rows of the per-block and per-step tables
+    geo = [c for c in plan.claims if c.metric.startswith("geometry.") and c.get("layer") == "norm"]
+    lines += ["## Every arm (final values, mean ± sd over seeds)", ""]
+    for name in plan.paradigms:
+        lines += [f"**{name}**", "", _md(arms_table(f, plan, name)), ""]
+    lines += ["## Geometry at every block (descriptive)", "",
+              "Each geometry claim at every layer of the final model (blocks.<i>: the residual stream after block "
+              "i; norm: the final norm): the arm minus the baseline, d [95% interval] (n) of the paired differences. "
+              "Where along the depth a difference appears; not further tests. Every arm: tables/per_block.md.", ""]
+    for name in plan.paradigms:
+        recs = [r for r in records if r["experiment"] == plan.paradigms[name].experiment]
+        mine = [c for c in geo if c.paradigm == name]
+        if recs and mine:
+            lines += [_md(paired_grid(f, plan, mine, layer_order(recs), lambda c, layer: (layer, "final"))), ""]
+    if plan.get("steps"):
+        lines += ["## At every kept checkpoint (equal step, descriptive)", "",
+                  "Each geometry claim at the final norm of the checkpoints of the same step: d [95% interval] (n).",
+                  "", _md(paired_grid(f, plan, geo, list(plan.steps), lambda c, s: (c.layer, s))), ""]
+    if plan.get("equal_loss"):
+        for name in plan.paradigms:
+            table, how = equal_loss(f, plan, name, [c for c in geo if c.paradigm == name])
+            lines += ["## At equal validation loss (descriptive)", "", how + ".", "", _md(table), ""]
+    lines += ["## Do the heads smooth the residual stream? (the mechanism, analysis/mechanism.py)", "",
+              "Per head, in the stream's frame (its part after LayerScale; its matrix Pi diag(g) W_v W_o diag(lambda) "
+              "with the norm's centring and gain): the cosine with Px - x (> 0: toward the attention-weighted mean), "
+              "the first-order change of the within-sequence variance (relative) and share (< 0: smooths), the "
+              "negative share of the eigen-mass of its symmetric part (null 0.5: a rank-d head has d eigenvalues "
+              "of each sign). Each run's mean over the heads of a type, then mean [95% interval] (n) over seeds. "
+              "Per head: each run's ckpt/<name>_analysis/mechanism.md.", ""]
+    for name in plan.paradigms:
+        table = mechanism_table(f, plan, name)
+        if len(table):
+            lines += [f"**{name}**", "", _md(table), ""]
+    lines += ["## How much the blocks change the residual stream", "",
+              "Mean over tokens of |h_i - h_(i-1)| / |h_(i-1)| per block (h_(-1): the embedding), 64 validation "
+              "sequences, averaged over seeds:", ""]
+    for name, p in plan.paradigms.items():
+        arms: dict = {}
+        for r in sorted(records, key=lambda r: (r["mode"] != "fixed", sort_key(r["k"]))):
+            if r["experiment"] == p.experiment and Path(r["checkpoint"]).is_file():  # the final model's
+                arms.setdefault(arm_label(r["k_label"], r["mode"]), []).append(r["checkpoint"])
+        for label, ckpts in arms.items():
+            lines.append(f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(ckpts)))
+    gates = gate_groups(records)
+    if gates:
+        lines += ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
+                  *[gates_markdown(g) for g in gates]]
+    # the paper's tables and figures of the same runs, and the learning curves' figure
+    render_tables(records, out / "tables", echo=False)
+    # (the metric-vs-k figure's metrics as `python -m analysis.figures` has them)
+    vs_k = OmegaConf.to_container(OmegaConf.load(config_dir("figures") / "figures.yaml").vs_k)
+    draw_figures(records, out / "figures", vs_k, pca_maps)
+    if panels:
+        draw_curves(panels, out / "figures" / "curves", "ci")
+    write_json(out / "plan.json", OmegaConf.to_container(plan, resolve=True), indent=1)  # what decided it
+    atomic_write(out / "README.md", ("\n".join(lines) + "\n").encode())
+    return out / "README.md"
+
+
+def run(cfg: DictConfig) -> Path:
+    """Collect the runs of cfg.runs and write the report of cfg.plan to cfg.out."""
+    roots = runs_roots(cfg, "analysis.report")
+    # (before the work: a read-only docs/ would fail after every figure was drawn)
+    out = check_writable(Path(cfg.out), "out")
+    # a run still training would pass for a finished one: left out unless partial=true asks for a look
+    records = [r for r in collect(roots) if r["finished"] or cfg.partial]
+    if not records:
+        raise ConfigError(f"runs={cfg.runs}: no finished runs there; train them first ({cfg.plan.command}), "
+                          f"or look at unfinished ones with partial=true")
+    path = write_report(records, cfg.plan, out, int(cfg.pca_maps))
+    print(f"[report] {len(records)} runs ({sum(not r['finished'] for r in records)} unfinished); wrote {path}",
+          flush=True)
+    return path
+
+
+main = hydra_entry("report")(run)
+
+
+if __name__ == "__main__":
+    main()
