@@ -44,6 +44,7 @@ from laplace.config import required_list
 from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.rundir import check_writable
+from laplace.zoo import model_label
 from train.logger import log_to_training_run
 
 def analysis_dir(checkpoint, out=None) -> Path:
@@ -105,7 +106,7 @@ def _labels(runs: list[dict]) -> list[str]:
 def _facts(path, model, ckpt) -> dict:
     """What a legend needs about a checkpoint, when no metrics were measured."""
     k = list(model.num_laplacian_heads)
-    return {"model": ckpt["config"]["model"]["name"], "checkpoint": str(Path(path).resolve()),
+    return {"model": model_label(ckpt["config"]["model"]), "checkpoint": str(Path(path).resolve()),
             "num_heads": model.blocks[0].attn.num_heads, "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
 
 

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
+from laplace.zoo import model_label
 
 UPSAMPLE = ("nearest", "bilinear")
 
@@ -243,7 +244,7 @@ def run(cfg: DictConfig) -> dict:
     except (UnidentifiedImageError, OSError) as e:
         raise ConfigError(f"image={image_path}: not a readable image ({type(e).__name__}); pass a .png or .jpg") from None
     model, ckpt, data = load_for_analysis(ckpt_path, None, cfg.device)
-    name = ckpt["config"]["model"]["name"]
+    name = model_label(ckpt["config"]["model"])
     # (a GPT has no patches to draw attention over)
     if not isinstance(model, VisionTransformer):
         raise ConfigError(f"checkpoint={ckpt_path}: model {name} is not a ViT; attention maps over image patches "

@@ -65,7 +65,7 @@ from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 from laplace.dist import resolve_device
 from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
-from laplace.zoo import features
+from laplace.zoo import features, model_label
 
 METRICS = ("anova", "nc", "cdnv", "spectral")
 # A GPT's labels are next tokens, which vary within a window: its ANOVA has sequence parts only,
@@ -361,7 +361,7 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
                         progress=progress, per_seq_max_sequences=per_seq_max_sequences)
     counts = list(model.num_laplacian_heads)
     return {
-        "checkpoint": str(Path(path).resolve()), "model": cfg["model"]["name"],
+        "checkpoint": str(Path(path).resolve()), "model": model_label(cfg["model"]),
         "arch": "vit" if isinstance(model, VisionTransformer) else "gpt",
         "num_heads": model.blocks[0].attn.num_heads,
         "num_laplacian_heads": counts[0] if len(set(counts)) == 1 else counts,

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from laplace.zoo import features
+from laplace.zoo import features, model_label
 
 TYPES = ("softmax", "laplacian", "learned")
 #: The per-head numbers pooled by `summary` (and read by analysis.runs as mechanism.<key>.<type>).
@@ -355,7 +355,7 @@ def mechanism_checkpoint(path, *, data=None, max_tokens: Optional[int] = None, b
     model, ckpt, data_node = loaded or load_for_analysis(path, data, device)
     dataset, _ = eval_split(model, data_node, seed, max_tokens)
     res = mechanism_model(model, dataset, batch_size, num_workers, progress)
-    return {"checkpoint": str(Path(path).resolve()), "model": ckpt["config"]["model"]["name"], **res}
+    return {"checkpoint": str(Path(path).resolve()), "model": model_label(ckpt["config"]["model"]), **res}
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -165,19 +165,17 @@ def layer_geometry(analysis: dict) -> dict:
 def model_family(name: str, model_cfg: dict) -> str:
     """The zoo name without its _{k}L suffix, tagged where the config changed the shape
     (vitt_3L with model.depth=2 embed_dim=48 -> "vitt_d2_w48"), so shapes never pool."""
-    from laplace.zoo import model_defaults, parse_name
+    from laplace.zoo import model_defaults
 
     try:
-        base, _ = parse_name(name)
         zoo = model_defaults(name)
     except ConfigError:  # not a zoo name (an outside trainer's model): the name less a _{k}L suffix
         return re.sub(r"_\d+L$", "", name)
-    if zoo["arch"] == "gpt":  # the depth is in the name, and sets the width
-        depth = model_cfg.get("depth", zoo["depth"])
-        return base if depth == zoo["depth"] else f"gpt_d{depth}"
+    if zoo["arch"] == "gpt":  # the depth sets the width: it is the family
+        return f"gpt_d{model_cfg.get('depth', zoo.get('depth'))}"
     tags = [f"_{t}{model_cfg[key]}" for key, t in (("depth", "d"), ("embed_dim", "w"), ("num_heads", "h"))
             if key in model_cfg and model_cfg[key] != zoo[key]]
-    return base + "".join(tags)
+    return zoo["name"] + "".join(tags)
 
 
 def _recipe_id(cfg: dict) -> str:

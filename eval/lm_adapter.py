@@ -38,6 +38,7 @@ from laplace.errors import ConfigError
 from laplace.gpt import GPT
 from laplace.sampling import Calculator, stream_tokens
 from laplace.tokenizer import tokenizer_from_config
+from laplace.zoo import model_label
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class LaplaceLM(LM):
         # (the training context) and git revision are needed too, and d20 files are large.
         self.model: GPT = model_from_checkpoint(ckpt, self._device)
         if not isinstance(self.model, GPT):
-            raise CheckpointError(f"checkpoint={checkpoint} holds {cfg['model']['name']}, not a GPT: "
+            raise CheckpointError(f"checkpoint={checkpoint} holds {model_label(cfg['model'])}, not a GPT: "
                                   f"lm-eval needs a language model")
         self.tok = tokenizer_from_config(cfg)
         self.checkpoint, self.git_rev = str(checkpoint), ckpt.get("git_rev", "unknown")

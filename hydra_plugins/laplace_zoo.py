@@ -30,7 +30,7 @@ class LaplaceZooConfigSource(ConfigSource):
         try:
             node = model_node(self._name(config_path))
         except UnknownModelError as e:  # Hydra prints a compact exception as its message alone
-            raise ConfigCompositionException(f"error: {e}") from None
+            raise ConfigCompositionException(str(e)) from None
         return ConfigResult(config=OmegaConf.create(node), path=self.full_path(), provider=self.provider,
                             header={"package": None})
 
@@ -41,12 +41,9 @@ class LaplaceZooConfigSource(ConfigSource):
         return config_path.strip("/") in ("", GROUP)
 
     def is_config(self, config_path: str) -> bool:
-        # Any name of the zoo's form: one it cannot build (too many heads) fails in load_config with
-        # the zoo's message; anything else is Hydra's "could not find" (`model: null` asks too).
-        from laplace.zoo import looks_like_a_name
-
-        name = self._name(config_path)
-        return name is not None and looks_like_a_name(name)
+        # Any name but a null default's ("model/None"): one the zoo cannot build fails in load_config
+        # with the zoo's message naming the valid ones, not Hydra's list of every listed name.
+        return self._name(config_path) not in (None, "None")
 
     def list(self, config_path: str, results_filter: ObjectType | None) -> list[str]:
         from laplace.zoo import list_models

@@ -71,13 +71,58 @@ def hydra_entry(config_name: str):
             import hydra
 
             path = cli_errors(config_dir)(config_name)
+            # Hydra prints its own errors (an unknown key, a bad override, a model the zoo cannot
+            # build) in several lines; with HYDRA_FULL_ERROR set it raises them, and they become one.
+            user_setting = os.environ.get("HYDRA_FULL_ERROR")
+            os.environ["HYDRA_FULL_ERROR"] = "1"
             # the wrappers keep fn's name, module and file (functools.wraps): Hydra names the job after them
-            task = cli_errors(_required(fn))
-            return hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(task)()
+            task = cli_errors(_required(_user_setting(fn, user_setting)))
+            run = hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(task)
+            return cli_errors(_hydra_errors(run, user_setting))()
 
         return main
 
     return decorate
+
+
+def _user_setting(fn, value):
+    """`fn` with the user's HYDRA_FULL_ERROR back (the task's own processes inherit it)."""
+    @functools.wraps(fn)
+    def wrapped(cfg):
+        _set_env("HYDRA_FULL_ERROR", value)
+        return fn(cfg)
+
+    return wrapped
+
+
+def _set_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+def _hydra_errors(run, user_setting):
+    """`run` with Hydra's composition errors as one-line UserErrors (a list of options joined)."""
+    from hydra.errors import HydraException
+
+    def wrapped():
+        try:
+            return run()
+        except HydraException as e:
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            _set_env("HYDRA_FULL_ERROR", user_setting)
+            if user_setting == "1":
+                raise
+            if any(ln.startswith("Available options") for ln in lines):
+                i = next(i for i, ln in enumerate(lines) if ln.startswith("Available options"))
+                options = [ln for ln in lines[i + 1:] if not ln.startswith(("Config search path", "provider="))]
+                raise UserError(f"{lines[0]}; choose one of: {', '.join(options)}") from None
+            raise UserError(" ".join(lines[:2]) or type(e).__name__) from None
+        finally:
+            _set_env("HYDRA_FULL_ERROR", user_setting)
+
+    return wrapped
 
 
 def _required(fn):

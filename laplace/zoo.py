@@ -69,11 +69,6 @@ def model_defaults(name: str) -> dict:
     return cfg
 
 
-def looks_like_a_name(name: str) -> bool:
-    """Whether `name` has the form of a zoo name or family (it may still ask for too many heads)."""
-    return _NAME.match(str(name)) is not None
-
-
 def model_label(node) -> str:
     """A model node's name in run folders, logs and results: the family with the node's own k
     ("vitb_3L"; the GPT's family carries its depth, "gpt_d20_5L"). Per-layer counts join with "-"

@@ -58,7 +58,7 @@ def main(out: str, runs: str):
     from omegaconf import open_dict
 
     from laplace import dist
-        from train import run
+    from train import run
 
     real_init, real_new_group = tdist.init_process_group, tdist.new_group
 

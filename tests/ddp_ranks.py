@@ -37,7 +37,7 @@ def main(out: str, runs: str):
     from omegaconf import open_dict
 
     from laplace import dist
-        from train import check_engine_config, get_trainer
+    from train import check_engine_config, get_trainer
 
     results = {}
     with mock.patch.object(dist, "cleanup", lambda: None):  # the group stays for the next run

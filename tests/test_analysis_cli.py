@@ -11,6 +11,8 @@ import sys
 
 import pytest
 import torch
+
+import laplace
 from hydra import compose, initialize_config_dir
 
 from analysis import metrics as m
@@ -80,7 +82,7 @@ def test_vit_streamed_equals_in_memory(vit):
     x = torch.stack([ds[i][0] for i in range(len(ds))])
     y = torch.tensor([ds[i][1] for i in range(len(ds))])
     with torch.no_grad():
-        feats = model.forward_features(x)
+        feats = laplace.features(model, x)
     W, b = model.head.weight, model.head.bias
     for layer in ("blocks.0", "norm"):
         f = feats[layer].double()
@@ -134,7 +136,7 @@ def test_gpt_checkpoint(tmp_path):
     x = torch.stack([ds[i][0] for i in range(len(ds))])
     nxt = torch.stack([ds[i][1] for i in range(len(ds))]).reshape(-1)
     with torch.no_grad():
-        f = model.forward_features(x)["norm"].double()
+        f = laplace.features(model, x)["norm"].double()
     seq = torch.arange(len(ds)).repeat_interleave(64)
     got = res["results"]["tokens"]["norm"]
     assert set(got) == {"anova", "lc", "spectral", "spectral_within", "spectral_per_seq"}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = {"laplace": 0, "train": 1, "eval": 2, "analysis": 2, "bench": 3, "scripts": 3}
+FLOORS = {"laplace": 0, "hydra_plugins": 0, "train": 1, "eval": 2, "analysis": 2, "bench": 3, "scripts": 3}
 FLOOR_NAMES = {0: "library", 1: "loop", 2: "consumers", 3: "tools"}
 ROOT_SCRIPTS = 3  # train.py and any other entry script beside the packages
 # Folders of the repository that hold no code of a floor (tests may import every floor).

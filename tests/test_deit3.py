@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import timm
 import torch
+
+from laplace import model_label
 from omegaconf import OmegaConf
 from PIL import Image
 from timm.layers import resample_abs_pos_embed
@@ -208,7 +210,7 @@ def test_experiment_trains_two_steps(experiment, tiny_data, make_cfg, tmp_path):
     extra = [f"trainer.init_from={ckpt}"] if experiment.endswith(("_ft", "_ft224")) else []
     cfg = make_cfg(f"experiment={experiment}", *TINY, f"data.root={root / data}",
                    "trainer.max_steps=2", *extra)
-    assert cfg.model.name == "vitb_0L" and cfg.trainer.name == "deit3"
+    assert model_label(cfg.model) == "vitb_0L" and cfg.trainer.name == "deit3"
     metrics = run(cfg)
     assert math.isfinite(metrics["val_loss"]) and 0 <= metrics["val_acc1"] <= 100
     res = json.loads((tmp_path / "run/results.json").read_text())
@@ -238,7 +240,7 @@ def test_device_augment_trains_two_steps(tiny_data, make_cfg, tmp_path):
 def test_experiments_combine_with_any_model(model, make_cfg):
     for experiment in EXPERIMENTS:
         cfg = make_cfg(f"experiment={experiment}", f"model={model}")
-        assert cfg.model.name == model and cfg.model.num_laplacian_heads == int(model[5:-1])
+        assert model_label(cfg.model) == model and cfg.model.num_laplacian_heads == int(model[5:-1])
         assert cfg.model.drop_path_rate > 0 and cfg.trainer.mixup == 0.8  # the recipe survives
 
 

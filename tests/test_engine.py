@@ -11,6 +11,8 @@ import textwrap
 import pytest
 import torch
 
+from laplace.zoo import model_label
+
 import laplace
 from laplace.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from laplace.errors import ConfigError
@@ -98,7 +100,7 @@ def test_checkpoint_contents_and_load_model(make_cfg, tmp_path):
     run(cfg)
     ckpt = load_checkpoint(tmp_path / "run/ckpt/last.pt")
     assert ckpt["loop"]["step"] == 2 and ckpt["optimizer"] is not None
-    assert ckpt["config"]["model"]["name"] == "vitt_2L"
+    assert model_label(ckpt["config"]["model"]) == "vitt_2L" and ckpt["config"]["model"]["name"] == "vitt"
     assert ckpt["config"]["model"]["num_classes"] == 10  # interpolations resolved
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     assert (tmp_path / "run/config.yaml").exists() and (tmp_path / "run/results.json").exists()
@@ -294,7 +296,7 @@ def test_resume_refuses_a_checkpoint_of_another_configuration(make_cfg, tmp_path
     with pytest.raises(CheckpointError) as e:
         run(make_cfg(*base, "model=vitt_3L"))
     msg = str(e.value)
-    assert "belongs to another configuration" in msg and "model.name: vitt_0L -> vitt_3L" in msg
+    assert "belongs to another configuration" in msg and "model.num_laplacian_heads: 0 -> 3" in msg
     assert "model.num_laplacian_heads: 0 -> 3" in msg and "trainer.resume=force" in msg and "\n" not in msg
     # Execution settings (workers, cadences, micro batch) are not part of the recipe.
     run(make_cfg(*base, "model=vitt_0L", "trainer.num_workers=1", "trainer.eval_every=7", "trainer.stop_after=1"))

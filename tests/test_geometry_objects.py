@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+import laplace
+
 from analysis import spectra as sp
 from analysis.geometry import analyze_model, eval_split, load_for_analysis
 from analysis.runs import geometry
@@ -92,7 +94,7 @@ def test_gpt_within_window_spectra_and_headline_keys(tmp_path):
     res = analyze_model(model, ds, batch_size=16, min_count=2, progress=False)  # 40 windows: 16 + 16 + 8
     x = torch.stack([ds[i][0] for i in range(len(ds))])
     with torch.no_grad():
-        f = model.forward_features(x)["norm"].double()
+        f = laplace.features(model, x)["norm"].double()
     seq = torch.arange(len(ds)).repeat_interleave(T)
     got = res["results"]["tokens"]["norm"]
     assert set(got) == {"anova", "lc", "spectral", "spectral_within", "spectral_per_seq"}

@@ -12,9 +12,8 @@ of width C with H heads 44 C + 16 H + 8 bytes:
     6 C  SDPA's q, k, v;  2 C its output (+ 4 H, the log-sum-exp)
     4 C  the MLP's RMSNorm upcast;  2 C c_fc's input;  8 C ReLU's output;  8 C the square (c_proj's input)
 and 10 C + 8 V for the final norm, the output layer and the float32 logits (tanh's output and
-log_softmax's, V = vocabulary). Ours keeps the same (measured: equal at depths 4 and 8). Before,
-ours kept 50 C per layer: v was a view of the fused qkv output (so all of it, 6 C, stayed alive
-for SDPA's backward) and at k = 0 the projection kept the head-merging copy of SDPA's output.
+log_softmax's, V = vocabulary). Ours keeps the same at k = 0 (measured: equal at depths 4, 8 and
+20), and 2 C more per layer at k > 0: the Laplacian heads' concatenation, kept by the projection.
 """
 from __future__ import annotations
 
@@ -46,11 +45,14 @@ def per_layer(C: int, H: int, k: int = 0, **kw) -> float:
 
 @pytest.mark.parametrize("k", [0, 1])
 def test_saved_bytes_per_token_within_nanochats_budget(k):
-    """gpt_d4 (256 wide, 2 heads): 44 C + 16 H + 8 bytes per layer as nanochat (before: 50 C),
-    and the whole model within depth x that + 10 C + 8 V (+ a few bytes)."""
+    """gpt_d4 (256 wide, 2 heads): at k = 0, 44 C + 16 H + 8 bytes per layer as nanochat (before: 50
+    C); at k > 0 2 C more, the merged heads the projection keeps (the README's line in plain
+    autograd: `python -m bench gpt_memory` measures 1.0036x nanochat's at d4, 1.0115x at d8, 1.031x
+    at d20). The whole model within depth x that + 10 C + 8 V (+ a few bytes)."""
     C, H, depth = 256, 2, 4
-    layer_budget = 44 * C + 16 * H + 8
+    layer_budget = 44 * C + 16 * H + 8 + (2 * C if k else 0)
     assert per_layer(C, H, k) <= layer_budget
+    assert per_layer(C, H, k) > layer_budget - 2 * C  # the budget is tight: a regression shows
     total = saved_per_token(create_model(f"gpt_d{depth}_{k}L", vocab_size=V, max_seq_len=T), T, V, "cpu")
     assert total <= depth * layer_budget + 10 * C + 8 * V + 16, total
 

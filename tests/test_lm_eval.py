@@ -38,7 +38,7 @@ def ckpt(tmp_path_factory) -> Path:
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-        from laplace.data.prepare import prepare
+    from laplace.data.prepare import prepare
     from train import run
 
     base = tmp_path_factory.mktemp("lm_ckpt")

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 import torch
+
+import laplace
 from hydra import compose, initialize_config_dir
 
 from analysis.__main__ import analysis_dir, run as analysis_run
@@ -23,9 +25,16 @@ from analysis.mechanism import (HeadAccumulator, head_mechanism, head_outputs, s
                                 sym_eigenvalues, to_markdown, weight_spectrum)
 from analysis.runs import metric_value, read_run
 from conftest import CONFIGS, ROOT, randomize_, train_tiny_vit
-from laplace.attention import Attention
+from laplace.attention import LaplacianAttention
 from laplace.config import model_node
 from laplace.zoo import create_model
+
+
+def Attention(dim, heads, fused=True, **kwargs):
+    """A LaplacianAttention on the fused or the reference path (timm's `fused_attn`)."""
+    attn = LaplacianAttention(dim, heads, **kwargs)
+    attn.fused_attn = fused
+    return attn
 
 
 def _model(name: str, mode: str):
@@ -54,11 +63,11 @@ def test_head_outputs_sum_to_the_module_output(name, mode):
     data = _data(model)
     x = torch.stack([d[0] for d in data])
     with torch.no_grad():
-        before = model.forward_features(x)["norm"]
+        before = laplace.features(model, x)["norm"]
     accs = {}
     heads = head_mechanism(model, data, batch_size=4, accumulators=accs)
     with torch.no_grad():
-        after = model.forward_features(x)["norm"]
+        after = laplace.features(model, x)["norm"]
     torch.testing.assert_close(before, after, rtol=0, atol=0)  # the hooks are gone
     assert list(heads) == [f"blocks.{i}" for i in range(len(model.blocks))]
     for acc in accs.values():

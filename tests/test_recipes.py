@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import laplace
+
 from train import recipe as R
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +104,7 @@ def test_gpt_keeps_nanochats_dtypes_under_bf16_autocast(monkeypatch):
     for amp, dtype in ((False, torch.float32), (True, torch.bfloat16)):
         seen.clear()
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            feats = m.forward_features(idx, norm=False)
+            feats = laplace.features(m, idx, norm=False)
             cache = m.new_kv_cache(1, 8)
         assert {f.dtype for f in feats.values()} == {dtype} and cache.kv.dtype == dtype
         assert set(seen) == {(dtype, dtype)}

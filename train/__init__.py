@@ -61,7 +61,7 @@ def check_engine_config(cls, cfg: DictConfig):
         raise ConfigError(f"data={cfg.data.name} holds {modality} data but trainer={name} "
                           f"trains on {cls.data_modality}; {_fitting(modality=modality)}")
     if cls.model_archs and arch not in cls.model_archs:
-        raise ConfigError(f"model={cfg.model.name} is a {ARCH_NAMES[arch]} but trainer={name} trains "
+        raise ConfigError(f"model={model_label(cfg.model)} is a {ARCH_NAMES[arch]} but trainer={name} trains "
                           f"{'/'.join(ARCH_NAMES[a] for a in cls.model_archs)}s; {_fitting(arch=arch)}")
     check_config(cfg)  # reliability: types, ranges and choices, declared once
 

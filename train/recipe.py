@@ -314,9 +314,10 @@ def _fmt(v) -> str:
 
 
 def render(experiment: str, ref: dict, rows: list[Row], overrides: list[str] = ()) -> str:
+    given = {o.split("=", 1)[0] for o in overrides}  # the command line's own replace the card's
+    shown = [o for o in ref.get("overrides", []) if o.split("=", 1)[0] not in given] + list(overrides)
     lines = [f"# Recipe card: `experiment={experiment}`", "", ref.get("title", "").strip(), "",
-             f"Composed from `python train.py experiment={experiment} "
-             + " ".join([*ref.get("overrides", []), *overrides]) + "`"
+             f"Composed from `python train.py experiment={experiment} " + " ".join(shown) + "`"
              + (f"; assumed: {', '.join(f'{k} {v}' for k, v in ref.get('assume', {}).items())}" if ref.get("assume") else "")
              + ". Regenerate with `python -m train.recipe --all`.", "", "Sources:", ""]
     lines += [f"- **{k}**: {v}" for k, v in ref.get("sources", {}).items()]
