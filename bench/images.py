@@ -105,7 +105,7 @@ def run(args) -> pd.DataFrame:
         for overrides in [None] + RUNS:
             cfg = compose_config((overrides or RUNS[0]) + [f"data.root={root}", "data.format=folder"])
             # The trainer's own data builder (it reads only cfg): the set training's workers index.
-            ds = get_trainer(cfg.trainer.name).build_datasets(SimpleNamespace(cfg=cfg))[0]
+            ds = get_trainer(cfg.trainer.name).build_data(SimpleNamespace(cfg=cfg)).train
             if overrides is None:
                 ds.transform = None  # the decoded RGB image, nothing else
             it = itertools.cycle(range(len(ds)))

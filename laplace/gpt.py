@@ -242,6 +242,12 @@ class GPT(nn.Module):
             feats["norm"] = h
         return feats
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, nanochat's estimate (what the logged MFU divides by): 6 x the
+        parameters outside the embedding, plus the attention's 12 x layers x heads x head size x context."""
+        n = sum(p.numel() for p in self.parameters()) - self.wte.weight.numel()
+        return 6 * n + 12 * self.depth * self.num_heads * self.head_dim * seq_len
+
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty cache in the compute dtype: autocast's if it is on here, else the weights'."""
         w = self.wte.weight

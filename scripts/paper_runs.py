@@ -96,9 +96,7 @@ def train_cost(experiment: str, overrides: tuple[str, ...]) -> tuple[int, float]
     r = recipe(experiment, list(overrides))
     cfg, model, batch = r.cfg, r.trainer.model, r.cfg.trainer.global_batch_size
     if cfg.trainer.name == "gpt":  # nanochat's estimate, the one its logged MFU uses
-        from train.gpt import flops_per_token
-
-        return r.total_steps(), flops_per_token(model, cfg.data.seq_len) * r.tokens_per_step()
+        return r.total_steps(), model.flops_per_token(cfg.data.seq_len) * r.tokens_per_step()
     if cfg.trainer.name == "dino":
         mc = cfg.trainer.multicrop
 
@@ -116,7 +114,7 @@ def eval_cost(stage: str, experiment: str, overrides: tuple[str, ...]) -> tuple[
     from train.recipe import compose_config
 
     r = recipe(experiment, list(overrides))
-    backbone, train_size = r.trainer.export_model(), int(r.train_size)
+    backbone, train_size = r.trainer.exported, int(r.train_size)
     if stage == "seg":  # 40k iterations of 16 crops, then the sliding-window test; the head is 0.2%
         e = compose_config(["checkpoint=x"], "segmentation")
         return e.iters * e.batch_size + ADE_VAL * ADE_WINDOWS, vit_flops(backbone, e.crop_size, train=False)
@@ -134,12 +132,12 @@ def eval_cost(stage: str, experiment: str, overrides: tuple[str, ...]) -> tuple[
 @lru_cache(maxsize=None)
 def rates() -> dict[str, float]:
     """FLOP/s of one H200 per family: the measured runs, counted by the same rules."""
-    from train.gpt import PEAK_BF16_FLOPS, flops_per_token
+    from train.engine import PEAK_BF16_FLOPS
 
     vit = recipe(VIT_RECORD["experiment"], [f"model={VIT_RECORD['model']}", f"data.img_size={VIT_RECORD['img_size']}"])
     gpt = recipe(GPT_RECORD["experiment"], [f"model={GPT_RECORD['model']}"])
     return {"vit": VIT_RECORD["images_per_s"] * vit_flops(vit.trainer.model, VIT_RECORD["img_size"], train=True),
-            "gpt": GPT_RECORD["tokens_per_s"] * flops_per_token(gpt.trainer.model, gpt.cfg.data.seq_len),
+            "gpt": GPT_RECORD["tokens_per_s"] * gpt.trainer.model.flops_per_token(gpt.cfg.data.seq_len),
             "peak": PEAK_BF16_FLOPS["H200"]}
 
 

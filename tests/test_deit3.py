@@ -31,7 +31,8 @@ from laplace.errors import ConfigError
 from train.logger import read_metrics
 from train import run
 from train.feeds import SeededDataset
-from train.deit3 import SeededRepeatAugSampler, build_criterion, build_mixup
+from train.feeds import SeededRepeatAugSampler
+from train.deit3 import build_criterion, build_mixup
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs/experiment").glob("deit3_*.yaml"))
 # A 2-layer, 48-wide ViT-B (12 heads of 4 dims) at 32 px with 8 px patches: steps in milliseconds.

@@ -254,27 +254,31 @@ def test_the_dino_module_holds_all_of_dinos_state():
 class Probe(DINOTrainer):
     """Checks, at every step, the teacher EMA and that no gradient reaches the teacher."""
 
-    def before_optimizer_step(self):
+    def configure_optimizers(self):
+        optimizers = super().configure_optimizers()  # DINO's own hooks first: these see their work
+        for opt in optimizers.values():
+            opt.register_step_pre_hook(lambda *_: self._before())
+            opt.register_step_post_hook(lambda *_: self._after())
+        return optimizers
+
+    def _before(self):
         assert all(p.grad is None for p in self.model.teacher.parameters())
-        logs = super().before_optimizer_step()
         last = list(self.model.student.head.last_layer.parameters())
         self.frozen_steps = getattr(self, "frozen_steps", []) + [all(p.grad is None for p in last)]
-        return logs
+        self.teacher_before = [p.detach().clone() for p in self.model.teacher.parameters()]
 
-    def after_optimizer_step(self):
-        before = [p.detach().clone() for p in self.model.teacher.parameters()]
-        super().after_optimizer_step()
+    def _after(self):
         m = self.hparams["teacher_momentum"]
         assert self.cfg.trainer.schedules.teacher_momentum.value - 1e-9 <= m < 1.0
-        for t0, t1, s in zip(before, self.model.teacher.parameters(), self.model.student.parameters()):
-            assert torch.allclose(t1, m * t0 + (1 - m) * s, atol=1e-6)
+        for t0, t1, s in zip(self.teacher_before, self.model.teacher.parameters(), self.model.student.parameters()):
+            assert torch.allclose(t1, m * t0 + (1 - m) * s, atol=1e-6)  # the EMA of the stepped student
 
 
 def test_ema_teacher_and_last_layer_frozen_in_the_first_epoch_only(make_cfg, tmp_path):
     cfg = make_cfg(*TINY_DINO, "trainer.max_steps=4", "trainer.stop_after=2")
     (tmp_path / "run").mkdir()  # train.run makes it; here the trainer is driven directly
     t = Probe(cfg).setup()
-    assert t.steps_per_epoch == 2 and t.freeze_steps == 2
+    assert t.steps_per_epoch == 2 and cfg.trainer.freeze_last_layer == 1  # one epoch: two steps
     last = lambda: [p.detach().clone() for p in t.model.student.head.last_layer.parameters()]
     first = [p.detach().clone() for p in t.model.student.head.mlp.parameters()]
     teacher0 = [p.detach().clone() for p in t.model.teacher.parameters()]

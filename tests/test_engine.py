@@ -120,9 +120,9 @@ def test_construction_reads_the_config_and_setup_builds_in_a_visible_order(make_
     calls = []
 
     class Recording(DeiT3Trainer):
-        def build_datasets(self):
+        def build_data(self):
             calls.append("data")
-            return super().build_datasets()
+            return super().build_data()
 
         def build_model(self):
             calls.append("model")
@@ -132,9 +132,9 @@ def test_construction_reads_the_config_and_setup_builds_in_a_visible_order(make_
             calls.append("optimizers")
             return super().configure_optimizers()
 
-        def wrap_model(self, model):
+        def _wrap(self, model):
             calls.append("wrap")
-            return super().wrap_model(model)
+            return super()._wrap(model)
 
     (tmp_path / "run").mkdir()
     t = Recording(make_cfg(*TINY_VIT, "model=vitt_1L", "model.depth=1", "trainer.max_steps=1"))

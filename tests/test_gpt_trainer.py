@@ -70,12 +70,12 @@ def test_batches_without_counted_targets_give_no_zero_by_zero(make_cfg, tmp_path
     (tmp_path / "run").mkdir()
     t = GPTTrainer(make_cfg(*TINY_GPT, "trainer.sample_prompts=[]")).setup()
     x = torch.randint(0, 256, (2, 32))
-    loss, _ = t.train_step((x, torch.full_like(x, -1)))
+    loss = t.train_step((x, torch.full_like(x, -1)))
     loss.backward()
     assert loss.item() == 0.0
     assert all(not p.grad.any() for p in t.model.parameters() if p.grad is not None)
-    t._val_batches = lambda: [(x, torch.full_like(x, BOS))]
+    t.data.val_batches = lambda loader: [(x, torch.full_like(x, BOS))]
     metrics = t.evaluate()
     assert math.isfinite(metrics["val_loss"]) and metrics["val_loss"] > 0 and "val_bpb" not in metrics
-    t._val_batches = lambda: [(x, x)]
+    t.data.val_batches = lambda loader: [(x, x)]
     assert t.evaluate()["val_bpb"] > 0

@@ -86,7 +86,7 @@ def test_deit3_trainer_keeps_no_ema():
     from train.engine import Trainer
     from train.deit3 import DeiT3Trainer
 
-    assert DeiT3Trainer.after_optimizer_step is Trainer.after_optimizer_step
+    assert DeiT3Trainer.configure_optimizers is Trainer.configure_optimizers  # no optimizer hook: no EMA
     assert DeiT3Trainer.build_model is Trainer.build_model  # the zoo model alone: no EMA copy in it
 
 

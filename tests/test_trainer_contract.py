@@ -20,7 +20,8 @@ from train.feeds import Feed, MapFeed, epoch_sampler
 from train.logger import read_metrics
 from train.optim import (Schedule, apply_group_schedules, build_schedules, check_group_schedules,
                          clip_gradients, parse_length, schedule_node)
-from train.deit3 import DeiT3Trainer, SeededRepeatAugSampler
+from train.feeds import SeededRepeatAugSampler
+from train.deit3 import DeiT3Trainer
 
 
 def _train(run_dir, key="loss"):
@@ -330,10 +331,10 @@ def test_the_engine_and_the_recipe_cards_count_with_one_step_plan(make_cfg, tmp_
     t = DeiT3Trainer(cfg).setup()
     assert isinstance(t.feed, Feed) and t.plan == step_plan(cfg, 1, t.feed.micro_batches_per_epoch)
     assert (t.micro_bs, t.accum, t.total_steps) == (16, 2, 2 * t.steps_per_epoch)
-    card = Recipe(cfg, train_size=len(t.train_set))
+    card = Recipe(cfg, train_size=len(t.data.train))
     assert (card.micro_batch(), card.accum(), card.steps_per_epoch(), card.total_steps()) == \
         (t.micro_bs, t.accum, t.steps_per_epoch, t.total_steps)
-    assert t.steps_per_epoch == len(t.train_set) // 256 * 256 // 32
+    assert t.steps_per_epoch == len(t.data.train) // 256 * 256 // 32
     offline = DeiT3Trainer.offline(cfg)
     shapes = lambda opts: {k: [[p.shape for p in g["params"]] for g in o.param_groups] for k, o in opts.items()}  # noqa: E731
     assert shapes(offline.optimizers) == shapes(t.optimizers) and not offline.dist.is_main

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from laplace import create_model
+from laplace.data import Data
 from laplace.data.shards import TokenStream, list_shards
 from train.engine import Trainer
 from train.deit3 import DeiT3Trainer
@@ -38,18 +39,16 @@ class StudentTeacher(nn.Module):
         self.student, self.teacher = student, copy.deepcopy(student).requires_grad_(False)
         self.register_buffer("center", torch.zeros(num_classes))
 
+    def forward(self, x):
+        return self.student(x)
+
 
 class EMAToy(DeiT3Trainer):
     scheduled_values = ("ema_momentum",)
+    export = "teacher"
 
     def build_model(self):
         return StudentTeacher(create_model(**self.cfg.model), self.cfg.data.num_classes)
-
-    def wrap_model(self, model):
-        return super().wrap_model(model.student)  # DDP / compile around the student only
-
-    def export_model(self):
-        return self.model.teacher
 
     def configure_optimizers(self):
         o, student = self.cfg.optim, self.model.student
@@ -57,9 +56,12 @@ class EMAToy(DeiT3Trainer):
         for n, p in student.blocks.named_parameters():
             (no_decay if p.ndim < 2 else decay).append(p)
         rest = [p for n, p in student.named_parameters() if not n.startswith("blocks.")]
+        sgd = torch.optim.SGD(rest, lr=o.lr, momentum=0.9, weight_decay=o.weight_decay)
+        # the head (in SGD's params) frozen at first; the EMA after the last optimizer's step
+        sgd.register_step_pre_hook(lambda *_: self._freeze_head())
+        sgd.register_step_post_hook(lambda *_: self._ema())
         return {"adamw": torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=o.lr, weight_decay=o.weight_decay),
-                "sgd": torch.optim.SGD(rest, lr=o.lr, momentum=0.9, weight_decay=o.weight_decay)}
+                                           lr=o.lr, weight_decay=o.weight_decay), "sgd": sgd}
 
     def train_step(self, batch):
         x, y = batch
@@ -71,15 +73,13 @@ class EMAToy(DeiT3Trainer):
         loss = F.cross_entropy(logits.float() - center, y) * (1 + 0.01 * noise)
         return loss, {"noise": noise}
 
-    def before_optimizer_step(self):
-        logs = super().before_optimizer_step()
+    def _freeze_head(self):
         if self.step < FREEZE_STEPS:
             for p in self.model.student.head.parameters():
                 p.grad = None
-        return logs
 
     @torch.no_grad()
-    def after_optimizer_step(self):
+    def _ema(self):
         m = self.hparams["ema_momentum"]
         t, s = list(self.model.teacher.parameters()), list(self.model.student.parameters())
         torch._foreach_lerp_(t, s, 1.0 - m)
@@ -87,21 +87,17 @@ class EMAToy(DeiT3Trainer):
     def evaluate(self):
         return {}
 
-    def on_fit_end(self, final_metrics):
-        pass
-
 
 class StreamLM(Trainer):
     """Next-token loss on a TokenStream: data.root holds train/*.npy shards."""
 
-    unit = "tok"
-    model_archs, data_modality = ("gpt",), "text"
+    archs, modality = ("gpt",), "text"
 
-    def build_datasets(self):
+    def build_data(self):
         d = self.cfg.data
-        self.units_per_sample = d.seq_len
-        return TokenStream(list_shards(d.root, "train"), d.seq_len, self.micro_bs, self.dist.rank,
-                           self.dist.world_size), None
+        stream = TokenStream(list_shards(d.root, "train"), d.seq_len, self.micro_bs, self.dist.rank,
+                             self.dist.world_size, step_windows=self.cfg.trainer.global_batch_size)
+        return Data(stream, unit="tok", units_per_sample=d.seq_len, identity=stream.identity())
 
     def train_step(self, batch):
         x, y = batch
@@ -122,11 +118,11 @@ class Crashing(DeiT3Trainer):
 class SignalledDuringSetup(DeiT3Trainer):
     """Gets SIGUSR1 while it builds its data, as when a preemption warning comes early."""
 
-    def build_datasets(self):
+    def build_data(self):
         import signal
 
         os.kill(os.getpid(), signal.SIGUSR1)
-        return super().build_datasets()
+        return super().build_data()
 
 
 class Diverging(DeiT3Trainer):
@@ -138,11 +134,17 @@ class Diverging(DeiT3Trainer):
         return os.environ.get("DIVERGE", "loss") == what and self.step + 1 == int(os.environ["DIVERGE_AT"])
 
     def train_step(self, batch):
-        loss, extra = super().train_step(batch)
-        return (loss * float("nan") if self._now("loss") else loss), extra
+        loss = super().train_step(batch)
+        return loss * float("nan") if self._now("loss") else loss
+
+    def configure_optimizers(self):
+        optimizers = super().configure_optimizers()
+        for opt in optimizers.values():
+            opt.register_step_post_hook(lambda *_: self._spoil())
+        return optimizers
 
     @torch.no_grad()
-    def after_optimizer_step(self):
+    def _spoil(self):
         if self._now("weights"):
             self.model.head.weight[0, 0] = float("inf")
 

@@ -50,19 +50,17 @@ def check_engine_config(cls, cfg: DictConfig):
     """One-line errors for a model or data the trainer does not take (before anything resolves,
     so an interpolation the wrong data node lacks is never reached), for engine settings no
     trainer can run with, then for any value of the schema's (laplace.schema) out of its range."""
-    from .engine import Trainer
-
-    if cfg.optim.get("name") == "muon" and cls.configure_optimizers is Trainer.configure_optimizers:
-        raise ConfigError(f"optim=muon splits a GPT's parameters between Muon and AdamW; trainer={cfg.trainer.name} "
-                          f"builds one optimizer from optim: use optim=adamw (or optim=lamb)")
     arch = model_defaults(cfg.model.name)["arch"]  # the zoo's one-line error if unknown
     modality, name = cfg.data.get("modality"), cfg.trainer.name
-    if cls.data_modality and modality and modality != cls.data_modality:  # a node without one: trusted
+    if cls.modality and modality and modality != cls.modality:  # a node without one: trusted
         raise ConfigError(f"data={cfg.data.name} holds {modality} data but trainer={name} "
-                          f"trains on {cls.data_modality}; {_fitting(modality=modality)}")
-    if cls.model_archs and arch not in cls.model_archs:
+                          f"trains on {cls.modality}; {_fitting(modality=modality)}")
+    if cls.archs and arch not in cls.archs:
         raise ConfigError(f"model={model_label(cfg.model)} is a {ARCH_NAMES[arch]} but trainer={name} trains "
-                          f"{'/'.join(ARCH_NAMES[a] for a in cls.model_archs)}s; {_fitting(arch=arch)}")
+                          f"{'/'.join(ARCH_NAMES[a] for a in cls.archs)}s; {_fitting(arch=arch)}")
+    if cfg.optim.get("name") == "muon" and arch != "gpt":  # train.optim.build_muon_adamw routes a GPT's parameters
+        raise ConfigError(f"optim=muon splits a GPT's parameters between Muon and AdamW; model={model_label(cfg.model)} "
+                          f"is a {ARCH_NAMES[arch]}: use optim=adamw (or optim=lamb)")
     check_config(cfg)  # reliability: types, ranges and choices, declared once
 
 
@@ -71,7 +69,7 @@ def _fitting(arch: str | None = None, modality: str | None = None) -> str:
     fits = []
     for name in TRAINERS:
         cls = get_trainer(name)
-        if (arch is None or arch in cls.model_archs) and (modality is None or modality == cls.data_modality):
+        if (arch is None or arch in cls.archs) and (modality is None or modality == cls.modality):
             fits.append(f"trainer={name} (e.g. {cls.example})" if cls.example else f"trainer={name}")
     return f"use {' or '.join(fits)}" if fits else "no trainer here fits it"
 

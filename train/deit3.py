@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.data import Mixup
-from timm.data.distributed_sampler import RepeatAugSampler
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
 
+from laplace.data import Data
 from laplace.data.crop_augment import crop_and_augment, decoded_collate
 from laplace.data.vision import build_vision_dataset
 from laplace.dist import all_reduce_sum
@@ -62,95 +62,53 @@ def build_criterion(tc, num_classes: int) -> nn.Module:
     raise ConfigError(f"trainer.loss={tc.loss!r}: choose ce or bce")
 
 
-class SeededRepeatAugSampler(RepeatAugSampler):
-    """timm's RepeatAugSampler (DeiT's RASampler) with the run's seed in its shuffle.
-
-    Each image appears `num_repeats` times per epoch, the copies dealt to consecutive ranks
-    (on one process: consecutive positions of a batch), and an epoch keeps the dataset's
-    length (floored to a multiple of 256 as DeiT). The order depends only on seed + epoch, as
-    torch's DistributedSampler, which is what ResumableSampler needs to skip into an epoch.
-    """
-
-    def __init__(self, dataset, num_replicas: int, rank: int, num_repeats: int = 3, seed: int = 0):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
-                         num_repeats=num_repeats)
-        self.seed = seed
-
-    def set_epoch(self, epoch: int):
-        super().set_epoch(self.seed + epoch)
-
-
 class DeiT3Trainer(Trainer):
-    unit = "img"
-    model_archs, data_modality = ("vit",), "image"
+    archs, modality = ("vit",), "image"
     example = "python train.py experiment=deit3_cifar100 model=vitb_12L"
+    best_metric = "val_acc1"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        tc, nc = cfg.trainer, cfg.data.num_classes
-        self.mixup = build_mixup(tc, nc)
-        # Mixing happens on the micro batch (what one process sees per forward), as DeiT mixes
-        # each GPU's batch.
+    def build_data(self) -> Data:
+        d, tc = self.cfg.data, self.cfg.trainer
+        # The recipe's Mixup / CutMix and loss (first: a bad combination is one line before any data).
+        # Mixing happens on the micro batch (what one process sees per forward), as DeiT mixes each GPU's.
+        self.mixup, self.criterion = build_mixup(tc, d.num_classes), build_criterion(tc, d.num_classes)
         if self.mixup is not None and self.micro_bs % 2:
             raise ConfigError(f"Mixup/CutMix pair each image with the flipped batch: the micro batch "
                               f"({self.micro_bs}) must be even; change trainer.micro_batch_size")
-        self.criterion = build_criterion(tc, nc).to(self.device)
-
-    def collate(self, items):
-        if isinstance(items[0][0], dict):  # data.device_augment: images of different sizes, padded
-            return decoded_collate([x for x, _ in items]), torch.utils.data.default_collate([y for _, y in items])
-        return super().collate(items)
-
-    def build_datasets(self):
-        return build_vision_dataset(self.cfg.data, True), build_vision_dataset(self.cfg.data, False)
-
-    def build_sampler(self, dataset):
-        n = self.cfg.trainer.repeated_aug
-        if not n or n <= 1:
-            return super().build_sampler(dataset)
-        return SeededRepeatAugSampler(dataset, self.dist.world_size, self.dist.rank, n, self.cfg.seed)
+        # data.device_augment: the workers send decoded images of different sizes (padded) with
+        # their crops' boxes and parameters; the step cuts and augments them on the device.
+        collate = device_collate if d.get("device_augment") else torch.utils.data.default_collate
+        return Data(build_vision_dataset(d, True), build_vision_dataset(d, False), collate,
+                    val_collate=torch.utils.data.default_collate, unit="img")
 
     def train_step(self, batch):
         x, y = batch
-        if isinstance(x, dict):  # data.device_augment: decoded images, their crops' boxes and parameters
-            d = self.cfg.data
+        d = self.cfg.data
+        if d.get("device_augment"):  # decoded images, their crops' boxes and parameters: cut and augmented here
             x = crop_and_augment(x, [d.img_size], tuple(d.mean), tuple(d.std), jitter_last=True)[0]
         if self.mixup is not None:
             x, y = self.mixup(x, y)  # numpy RNG: per rank, saved in checkpoints
-        logits = self.net(x)
-        return self.criterion(logits.float(), y), {}
+        return self.criterion(self.net(x).float(), y)  # timm's losses hold no tensor: any device
 
     def evaluate(self) -> dict:
-        if self.val_set is None:
+        if self.data.val is None:
             return {}
         # Sums over this rank's shard, then over ranks: exact, whatever the world size.
         sums = torch.zeros(4, device=self.device, dtype=torch.float64)  # loss, top1, top5, n
-        for x, y in self.eval_loader(self.val_set):
+        for x, y in self.eval_loader(self.data.val):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             logits = self.net(x).float()
             top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
             hit = top5 == y[:, None]
             sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
                                  hit[:, 0].sum(), hit.any(1).sum(), torch.tensor(len(y), device=self.device)]).double()
-        sums = all_reduce_sum(sums)
-        loss, top1, top5, n = sums.tolist()
+        loss, top1, top5, n = all_reduce_sum(sums).tolist()
         return {"val_loss": loss / n, "val_acc1": 100 * top1 / n, "val_acc5": 100 * top5 / n}
 
-    def on_fit_end(self, final_metrics: dict):
-        best = final_metrics
-        for rec in self._val_history():
-            if rec.get("val_acc1", -1) > best.get("val_acc1", -1):
-                best = rec
-        d, tc = self.cfg.data, self.cfg.trainer
-        keys = ("val_acc1", "val_acc5", "val_loss")
-        self.write_results({
-            "img_size": d.img_size, "patch_size": d.patch_size,
-            "global_batch_size": tc.global_batch_size, "loss": tc.loss, "init_from": tc.init_from,
-            "final": {k: final_metrics[k] for k in keys},
-            "best": {k: best[k] for k in keys} | {"step": best.get("step", self.step)},
-        })
+    def results(self, metrics: dict) -> dict:
+        return {"loss": self.cfg.trainer.loss}
 
-    def _val_history(self) -> list[dict]:
-        from .logger import logged
 
-        return logged(self.run_dir, "val") if self.dist.is_main else []
+def device_collate(items):
+    """Batches of (decoded image with its crops' parameters, label), images padded (data.device_augment)."""
+    return decoded_collate([x for x, _ in items]), torch.utils.data.default_collate([y for _, y in items])

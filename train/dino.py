@@ -22,18 +22,18 @@ state is the model's); this file wires data, schedules and optimizer to it. The 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from omegaconf import OmegaConf
 
 from laplace import create_model
+from laplace.data import Data
 from laplace.data.multicrop import MultiCrop, multicrop_collate
 from laplace.data.vision import build_vision_dataset
 from laplace.dino import DINO, DINOHead
 from laplace.errors import ConfigError
 
 from .engine import Trainer
+from .optim import build_optimizers
 
 
 def dino_param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -50,31 +50,18 @@ def dino_param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict
 
 
 class DINOTrainer(Trainer):
-    unit = "img"
-    model_archs, data_modality = ("vit",), "image"
+    archs, modality = ("vit",), "image"
     example = "python train.py experiment=dino_digits model=vitt_3L"
+    export = "teacher.backbone"  # a plain zoo ViT with num_classes=0: load_model and every evaluation take it
     scheduled_values = ("teacher_temp", "teacher_momentum")
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        if cfg.model.num_classes != 0:
-            # The exported backbone has no classifier: the saved config (load_model) must say so.
-            cfg.model.num_classes = 0
-
-    @property
-    def freeze_steps(self) -> int:
-        """Steps without an update of the head's last layer (trainer.freeze_last_layer epochs)."""
-        return round(float(self.cfg.trainer.freeze_last_layer) * self.steps_per_epoch)
-
-    # ---- data ----------------------------------------------------------------------------
-    def build_datasets(self):
+    def build_data(self) -> Data:
         d = self.cfg.data
         mc = self.cfg.trainer.multicrop
-        p = d.patch_size
         for key in ("global_size", "local_size"):
-            if mc[key] % p:
+            if mc[key] % d.patch_size:
                 raise ConfigError(f"trainer.multicrop.{key}={mc[key]} is not a multiple of the patch "
-                                  f"size data.patch_size={p}")
+                                  f"size data.patch_size={d.patch_size}")
         if "root" in d and (OmegaConf.is_missing(d, "root") or d.root is None):  # experiment=dino_in1k
             raise ConfigError(f"data={d.name} needs its location: set data.root=PATH")
         self.multicrop = MultiCrop.from_config(mc, d.mean, d.std)
@@ -88,14 +75,12 @@ class DINOTrainer(Trainer):
                               f"needs one of digits, cifar10, cifar100, imagenet")
         train_set.transform = self.multicrop
         self.multicrop.reduce = bool(d.get("reduced_decode", False))
-        return train_set, None
+        return Data(train_set, None, multicrop_collate, unit="img")
 
-    def collate(self, items):
-        return multicrop_collate(items)
-
-    # ---- model and optimizer -------------------------------------------------------------
     def build_model(self):
         tc = self.cfg.trainer
+        # The exported backbone has no classifier: the saved config (what load_model reads) says so.
+        self.cfg.model.num_classes = 0
         h = tc.head
         # The crops' position embeddings follow DINO's resampling rule (laplace.vit).
         backbone = create_model(**self.cfg.model, pos_embed_resample="dino")
@@ -103,60 +88,27 @@ class DINOTrainer(Trainer):
                         h.norm_last_layer, h.use_bn)
         return DINO(backbone, head, len(tc.multicrop.global_blur), tc.student_temp, tc.center_momentum)
 
-    def wrap_model(self, model):
-        if self.cfg.trainer.head.use_bn and self.dist.distributed and self.device.type == "cuda":
-            # DINO: batch statistics over the global batch (SyncBatchNorm runs on CUDA only; over
-            # gloo on CPU each rank normalises its own batch). The teacher is converted too.
-            model.student = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.student)
-            model.teacher = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.teacher)
-        return super().wrap_model(model.student)  # DDP / compile around the student only
-
-    @functools.cached_property
-    def teacher_net(self):
-        """The teacher as the step calls it: it takes no gradient, so outside DDP, compiled on its
-        own when compile is on (read after wrap_model, which may have converted its batch norms)."""
-        return torch.compile(self.model.teacher) if self.compile else self.model.teacher
-
-    def export_model(self):
-        # The checkpoint's "model" is the teacher backbone, a plain zoo ViT with num_classes=0 (as
-        # the `model` node says): load_model and every evaluation take it as any other ViT. The
-        # whole DINO module is its "train_model" (resume).
-        return self.model.teacher.backbone
-
     def configure_optimizers(self):
-        o = self.cfg.optim
-        if o.name != "adamw":
-            raise ConfigError(f"trainer=dino trains with AdamW (DINO's default): set optim=adamw, "
-                              f"not optim={o.name}")
-        kwargs = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps}
-        return {"adamw": torch.optim.AdamW(dino_param_groups(self.model.student, o.weight_decay), **kwargs)}
+        optimizers = build_optimizers(dino_param_groups(self.model.student, self.cfg.optim.weight_decay), self.cfg.optim)
+        for opt in optimizers.values():
+            # Around the step, as main_dino: the head's last layer keeps its weights in the first
+            # epoch(s) (its gradients dropped after clipping), and after the step the centre and
+            # the EMA teacher move.
+            opt.register_step_pre_hook(lambda *_: self._freeze_last_layer())
+            opt.register_step_post_hook(lambda *_: self.model.update_teacher(self.hparams["teacher_momentum"]))
+        return optimizers
 
-    # ---- the step ------------------------------------------------------------------------
-    def train_step(self, crops):
-        if isinstance(crops, dict):  # multicrop.device_augment: uint8 crops and their parameters
-            crops = self.multicrop.augment_batch(crops)
-        return self.model(crops, self.hparams["teacher_temp"], student=self.net, teacher=self.teacher_net), {}
-
-    def before_optimizer_step(self):
-        logs = super().before_optimizer_step()  # per-tensor clipping (optim.grad_clip_mode=param)
-        # DINO's cancel_gradients_last_layer: no update of the last layer in the first epoch(s).
-        # Counted in steps: the feed's epoch moves on with the last batch of an epoch already.
-        if self.step < self.freeze_steps:
+    def _freeze_last_layer(self):
+        # DINO's cancel_gradients_last_layer, counted in steps (the feed's epoch moves on with an
+        # epoch's last batch already).
+        if self.step < round(float(self.cfg.trainer.freeze_last_layer) * self.steps_per_epoch):
             for p in self.model.student.head.last_layer.parameters():
                 p.grad = None
-        return logs
 
-    def after_optimizer_step(self):
-        self.model.update_teacher(self.hparams["teacher_momentum"])  # the centre, then the EMA
+    def train_step(self, crops):
+        if self.cfg.trainer.multicrop.device_augment:  # uint8 crops and their parameters: augmented here
+            crops = self.multicrop.augment_batch(crops)
+        return self.net(crops, self.hparams["teacher_temp"])
 
-    def on_fit_end(self, final_metrics: dict):
-        from .logger import logged
-
-        if not self.dist.is_main:
-            return
-        train = logged(self.run_dir, "train")
-        d, tc = self.cfg.data, self.cfg.trainer
-        self.write_results({
-            "img_size": d.img_size, "patch_size": d.patch_size, "global_batch_size": tc.global_batch_size,
-            "out_dim": tc.head.out_dim, "final": {"train_loss": train[-1]["loss"] if train else None},
-        })
+    def results(self, metrics: dict) -> dict:
+        return {"out_dim": self.cfg.trainer.head.out_dim}

@@ -31,6 +31,7 @@ from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from laplace.errors import ConfigError
@@ -38,14 +39,9 @@ from laplace.errors import ConfigError
 
 @runtime_checkable
 class Feed(Protocol):
-    """The training data as the engine reads it (train/engine.py); a training set with these
-    members is used as it is, any other is served by a MapFeed.
-
-    Optional, called where a feed has them: `set_step_windows(global_batch)` (once, before the
-    first batch: epochs end on a whole optimizer step, laplace.data.shards.TokenStream),
-    `identity() -> dict` (what the data is, checked on resume: Trainer.data_identity) and
-    `close()` (at the loop's end: stop the feed's worker processes, MapFeed).
-    """
+    """The training data as the engine reads it (train/engine.py): a training set with these
+    members (laplace.data.shards.TokenStream) is used as it is, any other is served by a MapFeed.
+    A feed's epochs end on a whole optimizer step (the global batch)."""
 
     epoch: int  # the epoch of the next micro-batch (it moves on with an epoch's last one)
 
@@ -61,6 +57,9 @@ class Feed(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state_dict() (of a run on any number of processes)."""
+
+    def close(self) -> None:
+        """At the loop's end: stop the feed's worker processes, if it has any."""
 
 
 def split_batch(global_batch: int, micro_batch: int | None, world: int) -> tuple[int, int]:
@@ -241,3 +240,28 @@ class MapFeed:
             if w.is_alive():  # stuck in a dataset call: the signal it cannot ignore
                 w.kill()
                 w.join()
+
+
+class SeededRepeatAugSampler(RepeatAugSampler):
+    """timm's RepeatAugSampler (DeiT's RASampler) with the run's seed in its shuffle.
+
+    Each image appears `num_repeats` times per epoch, the copies dealt to consecutive ranks (on one
+    process: consecutive positions of a batch), and an epoch keeps the dataset's length (floored
+    to a multiple of 256 as DeiT). The order depends only on seed + epoch, as torch's
+    DistributedSampler, which is what ResumableSampler needs to skip into an epoch.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, num_repeats: int = 3, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, num_repeats=num_repeats)
+        self.seed = seed
+
+    def set_epoch(self, epoch: int):
+        super().set_epoch(self.seed + epoch)
+
+
+def train_sampler(dataset, seed: int, rank: int, world_size: int, repeated_aug: int | None = None):
+    """The epoch-seeded order of the training samples: torch's DistributedSampler (also on one
+    process: one code path), or repeated augmentation (DeiT-III's trainer.repeated_aug: 3)."""
+    if repeated_aug and repeated_aug > 1:
+        return SeededRepeatAugSampler(dataset, world_size, rank, repeated_aug, seed)
+    return epoch_sampler(dataset, True, seed, rank, world_size)

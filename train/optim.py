@@ -40,6 +40,15 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     return create_optimizer_v2(model, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay, **kwargs)
 
 
+def build_optimizers(model, cfg) -> dict[str, torch.optim.Optimizer]:
+    """The optimizers of the `optim` family: {"muon": ..., "adamw": ...} for optim=muon
+    (nanochat's routing of a GPT's parameters), else {optim.name: timm's optimizer}. `model` is a
+    module, or parameter groups of it (DINO's)."""
+    if cfg.name == "muon":
+        return build_muon_adamw(model, cfg)
+    return {cfg.name: build_optimizer(model, cfg)}
+
+
 def parse_length(value, key: str, steps_per_epoch: int, total_steps: int) -> int:
     """Steps in a length: an int (steps), "<n>ep" (epochs) or "<p>%" (of the run)."""
     if value is None:

@@ -99,7 +99,7 @@ class Recipe:
 
     def params(self) -> int:
         """Parameters of the network a checkpoint holds (DINO: the teacher backbone)."""
-        return sum(p.numel() for p in self.trainer.export_model().parameters())
+        return sum(p.numel() for p in self.trainer.exported.parameters())
 
     def plan(self, world_size: int = 1):
         """The engine's step plan (train/plan.py) on `world_size` processes, an epoch being
@@ -116,7 +116,7 @@ class Recipe:
 
                 examples = range(int(self.train_size))  # only its length is used
                 micro = step_plan(self.cfg, 1, None).micro_batch
-                feed = MapFeed(examples, self.trainer.build_sampler(examples), micro,
+                feed = MapFeed(examples, self.trainer.sampler(examples), micro,
                                step_size=self.cfg.trainer.global_batch_size)
                 per_epoch = feed.micro_batches_per_epoch
             return step_plan(self.cfg, world_size, per_epoch)

@@ -15,6 +15,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassConfusionMatrix, MulticlassJaccardIndex
 
 from laplace.checkpoint import load_backbone
+from laplace.data import Data
 from laplace.data.ade20k import IGNORE
 from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
@@ -143,11 +144,11 @@ def seg_scores(metric: MetricCollection) -> dict:
 class SegLinearTrainer(Trainer):
     """`trainer=seg_linear`: the linear protocol on the engine (see the module docstring)."""
 
-    unit = "img"
-    model_archs, data_modality = ("vit",), "segmentation"
+    archs, modality = ("vit",), "segmentation"
     example = "python -m eval.segmentation checkpoint=PATH eval=seg_ade20k_linear"
+    export = "backbone"  # the frozen backbone: what load_model returns; the head is in train_model
 
-    def build_datasets(self):
+    def build_data(self) -> Data:
         # mmseg's ADE20K pipeline (laplace/data/ade20k.py): random rescale, crop, flip, colours;
         # validation images at `data.scale` short side, labels at full size.
         from laplace.data.ade20k import ADE20K, SegEvalTransform, SegTrainTransform, write_digits_ade20k
@@ -158,7 +159,7 @@ class SegLinearTrainer(Trainer):
         norm = dict(mean=tuple(d.mean), std=tuple(d.std))
         train = ADE20K(d.root, "training", SegTrainTransform(tc.crop_size, d.scale, tuple(tc.ratio_range),
                                                              tc.cat_max_ratio, **norm))
-        return train, ADE20K(d.root, "validation", SegEvalTransform(d.scale, **norm))
+        return Data(train, ADE20K(d.root, "validation", SegEvalTransform(d.scale, **norm)), unit="img")
 
     def build_model(self):
         tc = self.cfg.trainer
@@ -167,22 +168,12 @@ class SegLinearTrainer(Trainer):
         backbone, _ = load_backbone(self.cfg.checkpoint, img_size=tc.crop_size, head=True)
         return FrozenBackboneSeg(backbone, self.cfg.data.num_classes, tc.layers, tc.cls_token)
 
-    def wrap_model(self, model):
-        if self.dist.distributed and self.device.type == "cuda":
-            # DINOv2 / mmseg: the head's batch norm synchronised over ranks. SyncBatchNorm has CUDA
-            # kernels only (on CPU its forward raises): over gloo each rank normalises its own batch.
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        return super().wrap_model(model)
-
-    def export_model(self):
-        return self.model.backbone
-
     def train_step(self, batch):
         x, y = batch
-        return seg_loss(self.net(x), y), {}
+        return seg_loss(self.net(x), y)
 
     def evaluate(self) -> dict:
-        if self.val_set is None:
+        if self.data.val is None:
             return {}
         tc, k = self.cfg.trainer, self.cfg.data.num_classes
         window = tc.crop_size
@@ -190,7 +181,7 @@ class SegLinearTrainer(Trainer):
         metric = seg_metric(k).to(self.device)
         # Evaluation as DINOv2: sliding windows over the image at a 512 short side, the logits
         # resized to the full annotation, where the pixels are counted.
-        loader = self.eval_loader(self.val_set, batch_size=1)  # images differ in size
+        loader = self.eval_loader(self.data.val, batch_size=1)  # images differ in size
         bar = progress_bar(len(loader), self.dist.is_main and tc.progress, interval=self.cfg.logger.progress_interval,
                            desc="val (sliding windows)", unit="img", leave=False, iterable=loader)
         for x, y in bar:
@@ -202,12 +193,12 @@ class SegLinearTrainer(Trainer):
         self._per_class = out
         return {"val_mIoU": out["mIoU"], "val_aAcc": out["aAcc"], "val_mAcc": out["mAcc"]}
 
-    def on_fit_end(self, final_metrics: dict):
+    def results(self, final_metrics: dict) -> dict:
         # results.json in <backbone run>/eval/seg_<data>_l<layers>/, where analysis.tables reads it
         tc, pc = self.cfg.trainer, getattr(self, "_per_class", {})
-        self.write_results({
+        return {
             "protocol": f"linear{'_ms' if tc.layers > 1 else ''}", "backbone_checkpoint": str(self.cfg.checkpoint),
             "layers": tc.layers, "cls_token": tc.cls_token, "crop_size": tc.crop_size, "iters": self.total_steps,
             "global_batch_size": tc.global_batch_size, "mIoU": final_metrics.get("val_mIoU"),
             "aAcc": final_metrics.get("val_aAcc"), "mAcc": final_metrics.get("val_mAcc"),
-            "per_class_IoU": pc.get("IoU")})
+            "per_class_IoU": pc.get("IoU")}

@@ -22,27 +22,20 @@ from omegaconf import DictConfig, open_dict
 from laplace.errors import ConfigError
 from laplace.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_config
 
+from . import Data
+
 
 @dataclass
-class TextData:
-    """One run's text data.
+class TextData(Data):
+    """One run's text data (laplace.data.Data), and:
 
     Args:
-        train: a map-style dataset (the engine feeds it through a MapFeed) or a feed (TokenStream).
-        val: the map-style validation set, or None.
         tokenizer: the data's tokenizer (bits per byte, samples).
-        unit: what throughput counts: "tok" (tokens) or "conv" (conversations).
-        units_per_sample: units in one row of a batch.
-        collate: how a DataLoader batches items.
         token_budget: the step count comes from a token budget (pre-training), not from epochs.
     """
 
-    train: Any
-    val: Any
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None = None
     unit: str = "tok"
-    units_per_sample: int = 1
-    collate: Callable = field(default=torch.utils.data.default_collate)
     token_budget: bool = False
 
     def val_batches(self, loader: Callable) -> Iterable | None:
@@ -113,18 +106,18 @@ def _windows(d, *, init_from, **_) -> TextData:
 
     # The windows' own vocabulary (256 bytes + <|bos|>) is the byte tokenizer's first 257 ids.
     tok = resolve_tokenizer(d, init_from, check_vocab=False)
-    return TextData(build_pydoc_text(True, d.seq_len), build_pydoc_text(False, d.seq_len), tok,
+    return TextData(build_pydoc_text(True, d.seq_len), build_pydoc_text(False, d.seq_len), tokenizer=tok,
                     units_per_sample=d.seq_len)
 
 
-def _shards(d, *, init_from, micro_batch_size, rank, world_size, **_) -> ShardData:
+def _shards(d, *, init_from, micro_batch_size, rank, world_size, step_windows, **_) -> ShardData:
     from .shards import TokenStream, list_shards
 
     tok = resolve_tokenizer(d, init_from)
     # A feed, not a dataset: it streams its own ranks' windows and resumes from its state_dict.
     train = TokenStream(list_shards(d.root, "train"), d.seq_len, micro_batch_size,
-                        rank=rank, world_size=world_size)
-    return ShardData(train, None, tok, units_per_sample=d.seq_len, token_budget=True,
+                        rank=rank, world_size=world_size, step_windows=step_windows)
+    return ShardData(train, None, tokenizer=tok, units_per_sample=d.seq_len, token_budget=True, identity=train.identity(),
                      val_files=list_shards(d.root, "val"), val_tokens=d.val_tokens,
                      micro_batch_size=micro_batch_size, rank=rank, world_size=world_size)
 
@@ -148,14 +141,14 @@ def _chat(d, *, init_from, seed, **_) -> TextData:
         # nanochat pads with <|assistant_end|>: any id works, padded targets are ignored.
         extra = dict(unit="conv", units_per_sample=1,
                      collate=functools.partial(sft_collate, pad_id=tok.special_id("<|assistant_end|>")))
-    return TextData(make(train_convs), make(val_convs) if val_convs is not None else None, tok, **extra)
+    return TextData(make(train_convs), make(val_convs) if val_convs is not None else None, tokenizer=tok, **extra)
 
 
 KINDS: dict[str, Callable[..., TextData]] = {"windows": _windows, "shards": _shards, "chat": _chat}
 
 
 def build_text_data(d: DictConfig, *, seed: int, micro_batch_size: int, rank: int = 0,
-                    world_size: int = 1, init_from: str | None = None) -> TextData:
+                    world_size: int = 1, init_from: str | None = None, step_windows: int | None = None) -> TextData:
     """The TextData of `d` (the `data` config node) by its `kind`.
 
     Args:
@@ -163,9 +156,14 @@ def build_text_data(d: DictConfig, *, seed: int, micro_batch_size: int, rank: in
         seed: the run's seed (the chat mixture's order).
         micro_batch_size, rank, world_size: this process's share (token shards stream per rank).
         init_from: trainer.init_from, for data.tokenizer=from_init.
+        step_windows: rows of one optimizer step (the global batch): token shards' epochs end on it.
+    The identity a resume checks: the shards' (token shards) and the tokenizer's fingerprint
+    (data.tokenizer may move between machines, the tokenizer it names may not change).
     """
     kind = d.kind if "kind" in d else None
     if kind not in KINDS:
         raise ConfigError(f"data.kind={kind!r} (data={d.name}): choose {', '.join(KINDS)}")
-    return KINDS[kind](d, seed=seed, micro_batch_size=micro_batch_size, rank=rank,
-                       world_size=world_size, init_from=init_from)
+    data = KINDS[kind](d, seed=seed, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
+                       init_from=init_from, step_windows=step_windows)
+    data.identity = {**(data.identity or {}), "tokenizer": data.tokenizer.fingerprint()[:16]}
+    return data

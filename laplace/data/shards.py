@@ -119,11 +119,13 @@ class TokenStream:
         world_size: W, the number of processes that consume the stream in lockstep.
         loop: start again after the last window (training); False stops after one pass.
         max_windows: use at most the first this many windows (e.g. a validation budget).
+        step_windows: end each epoch at a multiple of this many windows (one optimizer step: the
+            global batch), see set_step_windows.
     """
 
     def __init__(self, files: Sequence[str | os.PathLike], seq_len: int, micro_batch_size: int,
                  rank: int = 0, world_size: int = 1, loop: bool = True,
-                 max_windows: int | None = None):
+                 max_windows: int | None = None, step_windows: int | None = None):
         if isinstance(files, (str, os.PathLike)):
             files = [files]
         self.files = [Path(f) for f in files]
@@ -159,6 +161,8 @@ class TokenStream:
         self._epoch_windows = self._windows // per_round * per_round
         self._epoch, self._position = 0, 0
         self._maps: dict[int, np.ndarray] = {}  # opened on first use, see _map
+        if step_windows:
+            self.set_step_windows(step_windows)
 
     def set_step_windows(self, windows: int) -> None:
         """End each epoch at a multiple of `windows` (one optimizer step: the global batch,
@@ -216,6 +220,9 @@ class TokenStream:
             h.update(len(a).to_bytes(8, "little") + a.dtype.str.encode())
             h.update(np.ascontiguousarray(a[:4096]).tobytes() + np.ascontiguousarray(a[-4096:]).tobytes())
         return {"shards": len(self.files), "tokens": self.num_tokens, "digest": h.hexdigest()[:16]}
+
+    def close(self) -> None:
+        """Nothing to stop: the stream reads in the training process (train.feeds.Feed)."""
 
     def __getstate__(self):
         # Pickle paths and lengths only; each process maps the shards itself.

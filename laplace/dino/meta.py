@@ -6,11 +6,10 @@ whole of DINO's training state. A training step is
 
     loss = dino(crops, teacher_temp)          # per micro-batch; backward on it
     ... optimizer step ...
-    dino.update_teacher(teacher_momentum)     # once per optimizer step
+    dino.update_teacher(teacher_momentum)     # once per optimizer step (train/dino.py: its hook)
 
-Wrappers (DDP, torch.compile) go around the student and the teacher separately, never around
-this module: DDP would broadcast the loss's buffers from rank 0 every forward, replacing each
-rank's own teacher-output sums. `forward` takes the wrapped networks.
+DDP wraps the whole module without broadcasting buffers before each forward (the engine's
+forward_sync_buffers=False): a broadcast would replace each rank's own teacher-output sums.
 """
 from __future__ import annotations
 
@@ -52,15 +51,11 @@ class DINO(nn.Module):
         self.teacher.backbone.eval()
         return self
 
-    def forward(self, crops, teacher_temp: float, student: nn.Module | None = None,
-                teacher: nn.Module | None = None) -> torch.Tensor:
-        """The DINO loss of a batch of crops (global crops first). `student` / `teacher`: the
-        wrapped networks to run (default: this module's own)."""
-        student = self.student if student is None else student
-        teacher = self.teacher if teacher is None else teacher
+    def forward(self, crops, teacher_temp: float) -> torch.Tensor:
+        """The DINO loss of a batch of crops (global crops first)."""
         with torch.no_grad():
-            teacher_out = teacher(crops[:self.loss.n_global])
-        return self.loss(student(crops), teacher_out, teacher_temp)
+            teacher_out = self.teacher(crops[:self.loss.n_global])
+        return self.loss(self.student(crops), teacher_out, teacher_temp)
 
     @torch.no_grad()
     def update_teacher(self, momentum: float):
