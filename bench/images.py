@@ -104,8 +104,8 @@ def run(args) -> pd.DataFrame:
         os.symlink(Path(root, "train"), Path(root, "val"))  # DeiT-III's builder opens both splits
         for overrides in [None] + RUNS:
             cfg = compose_config((overrides or RUNS[0]) + [f"data.root={root}", "data.format=folder"])
-            # The trainer's own data builder (it reads only cfg): the set training's workers index.
-            ds = get_trainer(cfg.trainer.name).build_data(SimpleNamespace(cfg=cfg)).train
+            # The trainer's own data builder (it reads cfg and the micro batch): the set training's workers index.
+            ds = get_trainer(cfg.trainer.name).build_data(SimpleNamespace(cfg=cfg, micro_bs=2)).train
             if overrides is None:
                 ds.transform = None  # the decoded RGB image, nothing else
             it = itertools.cycle(range(len(ds)))
