@@ -46,13 +46,14 @@ class LaplaceZooConfigSource(ConfigSource):
         return self._name(config_path) not in (None, "None")
 
     def list(self, config_path: str, results_filter: ObjectType | None) -> list[str]:
-        from laplace.zoo import list_models
+        from laplace.zoo import VIT_ARCHS
 
         path = config_path.strip("/")
         if path == "" and results_filter in (None, ObjectType.GROUP):
             return [GROUP]
         if path == GROUP and results_filter in (None, ObjectType.CONFIG):
-            return list_models()  # the listed names (--help, tab completion); any zoo name composes
+            # What --help shows: the names' forms, not ~80 names in text order (any zoo name composes)
+            return [f"{a}_{{0..{c['num_heads']}}}L" for a, c in VIT_ARCHS.items()] + ["gpt_d{depth}_{k}L"]
         return []
 
 

@@ -72,6 +72,8 @@ def test_any_zoo_name_composes_from_the_zoo_config_source(tmp_path):
     p = _run(["train.py", "model=gpt_d37_1L", "--cfg", "job", "--package", "model"], ROOT, PYTHONPATH=str(ROOT))
     assert p.returncode == 0 and "name: gpt" in p.stdout and "depth: 37" in p.stdout, p.stderr[-2000:]
     assert "num_laplacian_heads: 1" in p.stdout
+    helped = _run(["train.py", "--help"], ROOT, PYTHONPATH=str(ROOT))  # the names' forms, not ~80 names
+    assert "model: gpt_d{depth}_{k}L, vitb_{0..12}L, vitl_{0..16}L, vits_{0..6}L, vitt_{0..3}L" in helped.stdout
     bad = _run(["train.py", "model=vitb_13L"], ROOT, PYTHONPATH=str(ROOT))
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[0] == (
         "error: model 'vitb_13L' asks for 13 Laplacian heads but has only 12 heads per layer; use k in 0..12")
