@@ -30,7 +30,7 @@ def model_node(name: str) -> dict:
     d = model_defaults(name)
     arch = d.pop("arch")
     params = inspect.signature(BUILDERS[arch]).parameters
-    d.setdefault("num_laplacian_heads", 0)
+    d.setdefault("num_laplacian_heads", 0)  # a family's node ("vitb"): no Laplacian head
     return {**d, **{k: params[k].default for k in STATED[arch]}, **FROM_DATA[arch]}
 
 

@@ -1,23 +1,11 @@
 """nanochat-style GPT with Laplacian heads (the paper's 561M language model at depth 20).
 
-Design choices (nanochat, Oct 2025 - Jan 2026):
-- width = 64 x depth, head size 128 (heads = ceil(width / 128)); depth 20 -> 1280 wide, 10 heads;
-- rotary position embeddings (base 10,000), no learned positions;
-- QK-norm: parameter-free RMSNorm on queries and keys after rotary;
-- parameter-free RMSNorm before every attention / MLP, after the token embedding and at the end;
-- ReLU^2 MLP with 4x hidden width; no biases anywhere;
-- untied token embedding and output layer; logits soft-capped at 15 by 15 tanh(z / 15);
-- zero-initialised output projections and lm_head (nanochat's init).
-The depth-20 model with vocab 65,536 has exactly 560,988,160 parameters.
-
-Precision, as nanochat keeps it: under autocast the residual stream, the rotary tables (so q and
-k out of rotary) and the KV cache are in the compute dtype (bf16), the logits in float32. nanochat
-stores `wte` in bf16 on CUDA; ours keeps float32 master weights and casts the embedded tokens, so
-the forward sees the same bf16 values and the optimizer updates float32 weights. What changes
-against float32 activations: every residual addition is rounded to bf16, and so is the gradient
-flowing back along the residual stream. Without autocast (CPU) everything stays float32.
-`grad_checkpointing` recomputes each block in backward (torch.utils.checkpoint, non-reentrant):
-only the blocks' inputs are kept, for larger micro batches at ~1/3 more compute.
+nanochat's design (Oct 2025 - Jan 2026): width 64 x depth, heads of 128, rotary embeddings,
+QK-norm, parameter-free RMSNorm, ReLU^2 MLP, no biases, untied embedding and output layer, logits
+soft-capped at 15, zero-initialised output layers; each choice is commented where it is made.
+The depth-20 model with vocab 65,536 has exactly 560,988,160 parameters. Under autocast the
+residual stream, the rotary tables and the KV cache are bf16 as nanochat keeps them, the logits
+float32; without autocast (CPU) everything is float32.
 """
 from __future__ import annotations
 
@@ -89,19 +77,21 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2 (nanochat), 4x wide, no biases
 
 
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, num_laplacian_heads: int, laplacian_mode: str,
                  fused_attn: bool):
         super().__init__()
+        # nanochat's attention: no biases, QK-norm by a parameter-free RMSNorm (after rotary)
         self.attn = LaplacianAttention(dim, num_heads, num_laplacian_heads, laplacian_mode, qkv_bias=False,
                                        proj_bias=False, qk_norm=True, norm_layer=RMSNorm)
         self.attn.fused_attn = fused_attn
         self.mlp = MLP(dim)
 
     def forward(self, x, rope, kv_cache=None, layer_idx=0):
+        # pre-norm blocks, the norm without parameters (nanochat's `norm`)
         x = x + self.attn(rms_norm(x), is_causal=True, rope=rope, kv_cache=kv_cache,
                           layer_idx=layer_idx)
         return x + self.mlp(rms_norm(x))
@@ -117,8 +107,8 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 def gpt_dims(depth: int, aspect_ratio: int = 64, head_dim: int = 128) -> tuple[int, int]:
     """(width, num_heads) of nanochat's depth-parametrised model."""
-    width = depth * aspect_ratio
-    num_heads = max(1, math.ceil(width / head_dim))
+    width = depth * aspect_ratio  # nanochat: the depth sets the width (d20: 1280)
+    num_heads = max(1, math.ceil(width / head_dim))  # heads of 128 (d20: 10)
     return width, num_heads
 
 
@@ -155,8 +145,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(vocab_size, width)
         self.blocks = nn.ModuleList([Block(width, num_heads, k, laplacian_mode, fused_attn)
                                      for k in self.num_laplacian_heads])
-        self.lm_head = nn.Linear(width, vocab_size, bias=False)
-        # Rotary table: non-persistent, so it is neither a parameter nor in the state dict.
+        self.lm_head = nn.Linear(width, vocab_size, bias=False)  # untied from wte (nanochat)
+        # Rotary table (base 10,000; no learned positions): non-persistent, so neither a parameter
+        # nor in the state dict; 10x the context, so generation can run past it.
         self.rope_base = rope_base
         self.rope_len = 10 * max_seq_len
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -169,12 +160,13 @@ class GPT(nn.Module):
         """nanochat's init: fan-in scaled normal, unit-variance embedding, zero output layers.
         Call it after moving a meta-device model to a real device with `to_empty`."""
         for m in self.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear):  # fan-in scaled, and smaller for a layer that narrows
                 fan_out, fan_in = m.weight.shape
                 std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
                 nn.init.normal_(m.weight, std=std)
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=1.0)
+        # Zero output layers: every block starts as the identity and the first logits are uniform.
         nn.init.zeros_(self.lm_head.weight)
         for blk in self.blocks:
             nn.init.zeros_(blk.attn.proj.weight)
@@ -202,9 +194,13 @@ class GPT(nn.Module):
         """Shared trunk: returns the final-norm output and any collected block outputs."""
         start = kv_cache.pos if kv_cache is not None else 0
         x = self.wte(idx)
-        x = x.to(compute_dtype(x))  # nanochat's bf16 residual stream (and rotary) under autocast
+        # nanochat keeps wte in bf16 on CUDA; here the float32 master weights are cast after the
+        # lookup: the forward sees the same bf16 values, the optimizer updates float32 weights, and
+        # under autocast every residual addition (and its gradient) is rounded to bf16 as nanochat's.
+        x = x.to(compute_dtype(x))
         rope = self._rope(start, idx.shape[1], x.dtype)
         x = rms_norm(x)
+        # grad_checkpointing: each block recomputed in backward, only its input kept (~1/3 more compute)
         recompute = self.grad_checkpointing and kv_cache is None and torch.is_grad_enabled()
         feats = {}
         for i, blk in enumerate(self.blocks):
@@ -216,7 +212,8 @@ class GPT(nn.Module):
         return rms_norm(x), feats
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        z = self.lm_head(h).float()
+        z = self.lm_head(h).float()  # float32 logits, also under autocast
+        # nanochat's soft cap, 15 tanh(z / 15): the logits stay within +-15
         return self.softcap * torch.tanh(z / self.softcap) if self.softcap else z
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,

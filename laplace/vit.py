@@ -35,7 +35,8 @@ class VisionTransformer(timm_vit.VisionTransformer):
     def __init__(self, *args, pos_embed_resample: str = "plain", **kwargs):
         if pos_embed_resample not in RESAMPLE_RULES:
             raise ConfigError(f"pos_embed_resample={pos_embed_resample!r}: choose {' or '.join(RESAMPLE_RULES)}")
-        super().__init__(*args, dynamic_img_size=True, **kwargs)  # patches come as [B, H, W, C]
+        # dynamic_img_size: any input size divisible by the patch; patches come as [B, H, W, C]
+        super().__init__(*args, dynamic_img_size=True, **kwargs)
         self.pos_embed_resample = pos_embed_resample
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,13 +76,15 @@ def vit(img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classe
         raise ConfigError(f"drop_path_schedule={drop_path_schedule!r}: choose {' or '.join(DROP_PATH_SCHEDULES)}")
     if global_pool not in POOLS:
         raise ConfigError(f"global_pool={global_pool!r}: choose {' or '.join(POOLS)} (model.global_pool=token: the class token)")
+    # DeiT-III on timm's class: qkv bias, LayerScale, the class token without position embedding,
+    # the final norm before the pooling (timm's `fc_norm` would normalise after a mean pool)
     model = VisionTransformer(
         img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
         embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=True,
         qk_norm=qk_norm, init_values=init_values, no_embed_class=True, global_pool=global_pool,
         fc_norm=False, drop_path_rate=drop_path_rate, attn_layer=attn_layer(0, laplacian_mode),
         pos_embed_resample=pos_embed_resample)
-    set_laplacian_heads(model, num_laplacian_heads)
+    set_laplacian_heads(model, num_laplacian_heads)  # one count per layer: set after construction
     for blk in model.blocks:
         blk.attn.fused_attn = fused_attn
         if drop_path_schedule == "uniform":  # timm's class knows only the linear rule

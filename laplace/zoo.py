@@ -26,7 +26,7 @@ from .errors import ConfigError
 from .gpt import GPT, block_indices, gpt_dims, rms_norm
 from .vit import vit
 
-# ViT shapes as timm / DeiT (patch 16, MLP 4x).
+# ViT shapes as timm / DeiT (patch 16, MLP 4x): the family names the width, depth and heads.
 VIT_ARCHS = {
     "vitt": dict(embed_dim=192, depth=12, num_heads=3),
     "vits": dict(embed_dim=384, depth=12, num_heads=6),
@@ -101,6 +101,7 @@ def create_model(name: str, **overrides) -> nn.Module:
     or a node's family; `overrides` replace any constructor argument (img_size, num_classes,
     drop_path_rate, vocab_size, num_laplacian_heads as a per-layer list, ...). None values are
     ignored, so a Hydra node may leave a key unset."""
+    # the node's own values win over the name's defaults (k too: the node holds it)
     cfg = {**model_defaults(name), **{k: v for k, v in overrides.items() if v is not None}}
     cfg.pop("name")
     build = BUILDERS[cfg.pop("arch")]
@@ -129,6 +130,7 @@ def features(model: nn.Module, x: torch.Tensor, layers=None, norm: bool = True) 
     wanted = sorted(block_indices(layers, len(model.blocks)))
     if not wanted:
         return {"norm": model.forward_features(x)} if norm else {}
+    # timm splits each block's output into patch and prefix (class) tokens: put them back together
     out = model.forward_intermediates(x, indices=wanted, return_prefix_tokens=True, output_fmt="NLC",
                                       stop_early=not norm, intermediates_only=not norm)
     final, blocks = out if norm else (None, out)
@@ -148,6 +150,7 @@ def _timm_entry(name: str):
     """timm's entry point for a zoo ViT: timm's builder around ours (a local-dir / hf-hub export's
     config.json and weights go through timm's own loading)."""
     def entry(pretrained: bool = False, **kwargs):
+        # timm's builder: it applies a pretrained_cfg (num_classes, img_size) and loads its weights
         return build_model_with_cfg(partial(create_model, name), name, pretrained, **kwargs)
 
     entry.__name__ = entry.__qualname__ = name
