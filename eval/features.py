@@ -28,17 +28,8 @@ from laplace.rundir import check_writable
 from laplace.zoo import features
 from train.logger import progress_bar, progress_interval
 
-CACHE_VERSION = 1
-
-
-def _plain(node) -> dict:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-
-
 def feature_kind(kind: str, n_last_blocks: int = 4, avgpool: bool = False) -> str:
-    """The cache-file name of a feature kind: "cls" or "last<n>[_avgpool]"."""
-    if kind not in ("cls", "linear"):
-        raise ConfigError(f"feature kind {kind!r}: use cls (k-NN) or linear")
+    """The cache-file name of a feature kind, "cls" (k-NN) or "linear": "cls" or "last<n>[_avgpool]"."""
     return "cls" if kind == "cls" else f"last{n_last_blocks}" + ("_avgpool" if avgpool else "")
 
 
@@ -74,8 +65,8 @@ def cache_key(info: dict, data_cfg, split: str, kind: str, n: int, crop_pct: flo
     its evaluation transform, the feature kind and the number of samples."""
     path = Path(info["checkpoint"])
     st = path.stat() if path.is_file() else None
-    d = _plain(data_cfg)
-    return {"version": CACHE_VERSION, "checkpoint": str(path.resolve()), "size": st.st_size if st else None,
+    d = OmegaConf.to_container(data_cfg, resolve=True)
+    return {"version": 1, "checkpoint": str(path.resolve()), "size": st.st_size if st else None,
             "mtime_ns": st.st_mtime_ns if st else None, "step": info.get("step"), "model": info.get("model"),
             "data": d.get("name"), "root": str(d.get("root")), "split": split, "img_size": d.get("img_size"),
             "crop_pct": float(crop_pct), "mean": list(d.get("mean", [])), "std": list(d.get("std", [])),
@@ -128,7 +119,7 @@ def extract_features(model, dataset, *, kind: str = "cls", n_last_blocks: int = 
 def probe_data_node(data_cfg, crop_pct: float | None = None) -> DictConfig:
     """The data node with the probes' evaluation transform for both splits: bicubic resize of the
     short side to img_size / crop_pct, centre crop img_size."""
-    d = OmegaConf.create(_plain(data_cfg))
+    d = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))  # a copy, interpolations resolved
     d.augment = "none"
     if crop_pct is None:
         # data=imagenet: DINO's 0.875, Resize(256) + CenterCrop(224), the same ratio at other

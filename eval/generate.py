@@ -31,9 +31,6 @@ from laplace.export import EXPORT_TOKENIZER
 from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
 from laplace.tokenizer import load_tokenizer
 
-QUIT = ("quit", "exit")
-
-
 def gpt_source(path) -> dict:
     """What the GPT at `path` (a laplace checkpoint or a folder of `python -m laplace.export`) is,
     read without building it: {path, node, dataset, step, git_rev, seq_len, tokenizer, fingerprint}."""
@@ -89,14 +86,13 @@ def load_gpt(path, device="cpu", tokenizer: str | None = None):
     return load_model(info["path"], device), tok, info
 
 
-def _stream_print(tokens, tok, out: TextIO) -> str:
-    """Print a token stream as text as it arrives; return the whole text."""
+def _stream_print(tokens, tok, out: TextIO, before: str = "") -> str:
+    """Print `before`, then a token stream as text as it arrives, then a newline; return the text."""
     dec = IncrementalDecoder(tok)  # holds back a half-received multi-byte character
+    print(before, end="", file=out)
     for t in tokens:
-        out.write(dec.push(t))
-        out.flush()
-    out.write(dec.flush())
-    out.flush()
+        print(dec.push(t), end="", file=out, flush=True)
+    print(dec.flush(), file=out, flush=True)
     return dec.printed
 
 
@@ -107,13 +103,12 @@ def _turns(prompt: str | None, stdin: TextIO, out: TextIO):
         return
     out.write("Chat: one user turn per line; \"quit\" or EOF (Ctrl-D) ends it.\n")
     while True:
-        out.write("\nUser: ")
-        out.flush()
+        print("\nUser: ", end="", file=out, flush=True)
         line = stdin.readline()
         if not line:  # EOF
             out.write("\n")
             return
-        if line.strip().lower() in QUIT:
+        if line.strip().lower() in ("quit", "exit"):
             return
         if line.strip():
             yield line.strip()
@@ -132,12 +127,8 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
                              stop_ids, gen, tools)
 
     prompt = None if cfg.prompt is None else str(cfg.prompt)
-    if not cfg.chat:
-        tokens = sample(tok.encode(prompt or "", prepend_bos=True))  # arguments checked before printing
-        out.write(prompt or "")
-        text = _stream_print(tokens, tok, out)
-        out.write("\n")
-        return [text]
+    if not cfg.chat:  # stream_tokens checks its arguments at the call, before anything is printed
+        return [_stream_print(sample(tok.encode(prompt or "", prepend_bos=True)), tok, out, prompt or "")]
 
     end = tok.special_id("<|assistant_end|>")  # a tokenizer without chat tokens: its one-line error
     if end >= model.vocab_size:
@@ -150,9 +141,7 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
         # the whole conversation so far, rendered as SFT saw it, ending with <|assistant_start|>
         messages.append({"role": "user", "content": text})
         tokens = sample(render_for_completion(tok, {"messages": messages}), stops, tools)
-        out.write("Assistant: " if prompt is None else "")
-        replies.append(_stream_print(tokens, tok, out))
-        out.write("\n")
+        replies.append(_stream_print(tokens, tok, out, "Assistant: " if prompt is None else ""))
         messages.append({"role": "assistant", "content": replies[-1]})
     return replies
 

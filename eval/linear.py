@@ -67,15 +67,6 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
     return 100.0 * hit[:, 0].float().mean().item(), 100.0 * hit.any(dim=1).float().mean().item()
 
 
-def holdout_split(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fit indices, held-out indices) of a training set of n, a seeded permutation."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ConfigError(f"val_fraction={val_fraction}: use a share of the training set in (0, 1)")
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_hold = max(1, int(round(n * val_fraction)))
-    return perm[n_hold:], perm[:n_hold]
-
-
 def linear_probe(train_feats, train_labels, val_feats, val_labels, base_lrs, num_classes: int, *, epochs: int = 100,
                  batch_size: int = 1024, momentum: float = 0.9, weight_decay: float = 0.0, val_fraction: float = 0.1,
                  retrain: bool = True, seed: int = 0) -> dict:
@@ -86,8 +77,13 @@ def linear_probe(train_feats, train_labels, val_feats, val_labels, base_lrs, num
     """
     if not base_lrs:
         raise ConfigError("lr_grid is empty: give at least one base lr")
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"val_fraction={val_fraction}: use a share of the training set in (0, 1)")
     lrs = [float(b) * batch_size / 256 for b in base_lrs]  # DINO: lr = base x batch / 256
-    fit, hold = (i.to(train_feats.device) for i in holdout_split(len(train_feats), val_fraction, seed))
+    # the lr is chosen on a seeded held-out part of the TRAINING set, never on the validation split
+    perm = torch.randperm(len(train_feats), generator=torch.Generator().manual_seed(seed)).to(train_feats.device)
+    n_hold = max(1, int(round(len(train_feats) * val_fraction)))
+    fit, hold = perm[n_hold:], perm[:n_hold]
     train = dict(num_classes=num_classes, epochs=epochs, batch_size=batch_size, momentum=momentum,
                  weight_decay=weight_decay, seed=seed)
     heads = train_grid(train_feats[fit], train_labels[fit], lrs, **train)

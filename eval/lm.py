@@ -67,7 +67,6 @@ def _task_manager(include_defaults: bool, data_root: str | None):
 def task_manager(names: list[str], data_root: str | None = None):
     """An lm-eval TaskManager that knows eval/tasks and, unless every name is one of ours, lm-eval's
     built-in tasks. An unknown name is a one-line error listing close ones."""
-    data_root = None if data_root is None else str(data_root)
     tm = _task_manager(False, data_root)
     if not all(n in tm.task_index for n in names):
         tm = _task_manager(True, data_root)
@@ -214,19 +213,6 @@ def summarize(res: dict) -> tuple[dict, dict]:
     return tasks, flat
 
 
-@contextlib.contextmanager
-def _offline_data_errors():
-    # lm-eval's own tasks read the hub through `datasets`: unreachable (offline, no cache) is the
-    # user's to fix, in one line
-    try:
-        yield
-    except ConnectionError as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise ConfigError(f"{first}: lm-eval's tasks read their hub datasets through `datasets`; offline, "
-                          f"fill the HF cache first (HF_DATASETS_OFFLINE=1 then reads it), or use the "
-                          f"laplace_chat tasks with data_root=DIR") from None
-
-
 def _quiet(record: logging.LogRecord) -> bool:
     # lm-eval warns, once per task with a custom_dataset (ours), about passing --metadata
     return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
@@ -270,14 +256,20 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
     records = []
     for src, d in zip(sources, dirs):
         t0 = time.time()
-        with code_execution(bool(cfg.allow_code_execution)), _offline_data_errors():
-            res = lm_eval.simple_evaluate(
-                model="laplace", model_args={"checkpoint": str(src["path"]), "dtype": str(cfg.dtype)},
-                tasks=list(names), num_fewshot=cfg.num_fewshot, batch_size=int(cfg.batch_size),
-                device=str(cfg.device), limit=cfg.limit, bootstrap_iters=int(cfg.bootstrap_iters),
-                apply_chat_template=bool(cfg.apply_chat_template), gen_kwargs=gen_kwargs,
-                task_manager=tm, confirm_run_unsafe_code=bool(cfg.allow_code_execution),
-                log_samples=bool(cfg.log_samples), **seeds)
+        try:
+            with code_execution(bool(cfg.allow_code_execution)):
+                res = lm_eval.simple_evaluate(
+                    model="laplace", model_args={"checkpoint": str(src["path"]), "dtype": str(cfg.dtype)},
+                    tasks=list(names), num_fewshot=cfg.num_fewshot, batch_size=int(cfg.batch_size),
+                    device=str(cfg.device), limit=cfg.limit, bootstrap_iters=int(cfg.bootstrap_iters),
+                    apply_chat_template=bool(cfg.apply_chat_template), gen_kwargs=gen_kwargs,
+                    task_manager=tm, confirm_run_unsafe_code=bool(cfg.allow_code_execution),
+                    log_samples=bool(cfg.log_samples), **seeds)
+        except ConnectionError as e:  # lm-eval's own tasks read the hub through `datasets`: unreachable
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"{first}: lm-eval's tasks read their hub datasets through `datasets`; offline, "
+                              f"fill the HF cache first (HF_DATASETS_OFFLINE=1 then reads it), or use the "
+                              f"laplace_chat tasks with data_root=DIR") from None
         tasks, flat = summarize(res)
         record = {**results_header(src["node"], src["dataset"], src["path"], step=src["step"]),
                   "evaluation": "lm_eval", "lm_eval_version": res.get("lm_eval_version"),
@@ -290,9 +282,8 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
                 lines = "".join(json.dumps(s, default=str) + "\n" for s in samples)
                 atomic_write(d / f"samples_{task}.jsonl", lines.encode())
         write_json(d / "results.json", record)
+        # lm-eval's table (its groups with their aggregate are rows of it too)
         out.write(f"[lm_eval] {src['path']} (step {src['step']})\n{make_table(res)}\n")
-        if "groups" in res:  # lm-eval's command line prints the groups' table too
-            out.write(make_table(res, "groups") + "\n")
         out.write(f"[lm_eval] wrote {d / 'results.json'}\n")
         out.flush()
         if src["path"].is_file():  # "lm/<task>/<metric>" in the W&B run of the GPT's training, if any

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import sys
-from collections.abc import Sequence
 
 if __name__ == "__main__":
     # `python -m eval.lm_adapter` runs this file as __main__: make `import eval.lm_adapter` return
@@ -62,7 +61,6 @@ class LaplaceLM(LM):
         if info.distributed:
             atexit.register(dist.cleanup)
         self.model, self.tok, self.info = load_gpt(checkpoint, self._device, tokenizer)
-        self.checkpoint = str(checkpoint)
 
         dtype = str(dtype).lower()
         if dtype == "auto":
@@ -107,7 +105,7 @@ class LaplaceLM(LM):
 
     def get_model_info(self) -> dict:
         return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
-                "model_dtype": str(self._amp_dtype), "checkpoint": self.checkpoint,
+                "model_dtype": str(self._amp_dtype), "checkpoint": str(self.info["path"]),
                 "checkpoint_git_rev": self.info["git_rev"] or "unknown", "max_length": self.max_length}
 
     # ---- data parallelism: lm-eval's evaluator calls these when world_size > 1 ----------------------
@@ -224,9 +222,8 @@ class LaplaceLM(LM):
         out = []
         gen = torch.Generator(device=self._device).manual_seed(self.seed)
         for r in tqdm(requests, disable=disable_tqdm or self._rank != 0, desc="laplace: generate_until requests"):
-            context, gen_kwargs = r.args
-            out.append(self._generate(context, gen_kwargs, gen))
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), out[-1])
+            out.append(self._generate(*r.args, gen))  # r.args: (context, gen_kwargs)
+            self.cache_hook.add_partial("generate_until", r.args, out[-1])
         return out
 
     def _generate(self, context: str, gen_kwargs: dict, gen: torch.Generator) -> str:
@@ -274,15 +271,7 @@ class LaplaceLM(LM):
         return self.tok.decode(ids)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """lm-eval's command line (`lm_eval.__main__.cli_evaluate`) with "laplace" registered;
-    `argv` replaces sys.argv[1:] when given."""
+if __name__ == "__main__":
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    main()
+    cli_evaluate()  # lm-eval's own command line, "laplace" registered above

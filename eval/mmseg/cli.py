@@ -29,11 +29,9 @@ def parser(description: str, checkpoint: bool = False) -> argparse.ArgumentParse
     if checkpoint:
         p.add_argument("checkpoint", help="an mmseg checkpoint written by eval.mmseg.train (iter_N.pth)")
     p.add_argument("--work-dir", help="where logs and checkpoints go (default: see eval/mmseg/cli.py)")
-    p.add_argument("--cfg-options", nargs="+", action=DictAction, default={},
-                   help="key=value overrides merged into the config, e.g. "
-                        "model.backbone.checkpoint=PATH data_root=DIR train_cfg.max_iters=2000")
-    p.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none",
-                   help="job launcher (pytorch: under torchrun)")
+    p.add_argument("--cfg-options", nargs="+", action=DictAction, default={},  # e.g. train_cfg.max_iters=2000
+                   help="key=value overrides, e.g. model.backbone.checkpoint=PATH data_root=DIR")
+    p.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="pytorch: torchrun")
     # torch.distributed.launch passes --local-rank; torchrun sets LOCAL_RANK (mmseg's tools do both)
     p.add_argument("--local_rank", "--local-rank", type=int, default=0)
     return p

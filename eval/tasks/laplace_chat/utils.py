@@ -45,10 +45,10 @@ class CodeExecutionRefused(UserError, RuntimeError):
     """HumanEval asked for without the code-execution flag."""
 
 
-def require_code_execution(what: str = "laplace_chat_humaneval") -> None:
+def require_code_execution() -> None:
     if os.environ.get(ALLOW_ENV, "") != "1":
         raise CodeExecutionRefused(
-            f"{what} runs model-generated code: pass allow_code_execution=true to python -m eval.lm "
+            f"laplace_chat_humaneval runs model-generated code: pass allow_code_execution=true to python -m eval.lm "
             f"(or set {ALLOW_ENV}=1 and confirm_run_unsafe_code=True), or leave the task out")
 
 
