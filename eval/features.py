@@ -37,7 +37,7 @@ def batch_features(model, x: torch.Tensor, kind: str = "cls", n_last_blocks: int
                    avgpool: bool = False) -> torch.Tensor:
     """Features [B, F] of images [B, 3, H, W] (see the module docstring)."""
     if kind == "cls":
-        out = model.pool(model.forward_features(x)).float()  # timm: the final-norm tokens, pooled as the head reads them
+        out = model.pool(model.forward_features(x)).float()  # timm: final-norm tokens, pooled as the head reads them
         return F.normalize(out, dim=-1, p=2)
     depth = len(model.blocks)
     if not 1 <= n_last_blocks <= depth:

@@ -101,17 +101,14 @@ def _turns(prompt: str | None, stdin: TextIO, out: TextIO):
     if prompt is not None:
         yield prompt
         return
-    out.write("Chat: one user turn per line; \"quit\" or EOF (Ctrl-D) ends it.\n")
-    while True:
-        print("\nUser: ", end="", file=out, flush=True)
-        line = stdin.readline()
-        if not line:  # EOF
-            out.write("\n")
-            return
+    print("Chat: one user turn per line; \"quit\" or EOF (Ctrl-D) ends it.\n\nUser: ", end="", file=out, flush=True)
+    for line in iter(stdin.readline, ""):  # "" at EOF
         if line.strip().lower() in ("quit", "exit"):
             return
         if line.strip():
-            yield line.strip()
+            yield line.strip()  # the reply is printed before the next prompt
+        print("\nUser: ", end="", file=out, flush=True)
+    out.write("\n")  # EOF (Ctrl-D): end the prompt's line
 
 
 def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 
 from laplace.checkpoint import results_header, run_dir_of
 from laplace.cli import hydra_entry
@@ -45,15 +45,6 @@ CODE_ENV = ("LAPLACE_ALLOW_CODE_EXECUTION", "HF_ALLOW_CODE_EVAL")  # ours (eval/
 
 
 # ------------------------------------------------------------------------------------- tasks
-
-def task_names(cfg) -> list[str]:
-    tasks = cfg.tasks  # a list, or one comma-separated string
-    names = [str(t) for t in tasks] if isinstance(tasks, (list, tuple, ListConfig)) else str(tasks).split(",")
-    names = [n.strip() for n in names if n.strip()]
-    if not names:
-        raise ConfigError("tasks=[]: name at least one task, e.g. tasks=[laplace_chat]")
-    return names
-
 
 @functools.lru_cache(maxsize=4)
 def _task_manager(include_defaults: bool, data_root: str | None):
@@ -223,11 +214,12 @@ def _quiet(record: logging.LogRecord) -> bool:
 def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
     """Run the command: every checkpoint on every task; returns the records written."""
     out = stdout or sys.stdout
-    values = required_list(cfg, "checkpoint", "python -m eval.lm checkpoint=PATH tasks=[laplace_chat]")
-    if not values:
-        raise ConfigError("checkpoint=[]: give at least one checkpoint")
+    usage = "python -m eval.lm checkpoint=PATH tasks=[laplace_chat]"
+    values, names = required_list(cfg, "checkpoint", usage), required_list(cfg, "tasks", usage)  # one, or a list
+    if not values or not names:
+        raise ConfigError(f"checkpoint={values}, tasks={names}: give at least one of each, e.g. {usage}")
     sources = [gpt_source(v) for v in values]  # every checkpoint checked before any evaluation
-    paths, names = [s["path"] for s in sources], task_names(cfg)
+    paths = [s["path"] for s in sources]
     tm = task_manager(names, cfg.data_root)
     code_tasks = unsafe_tasks(tm, names)
     if code_tasks and not cfg.allow_code_execution:

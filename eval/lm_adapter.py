@@ -50,12 +50,10 @@ class LaplaceLM(LM):
 
     def __init__(self, checkpoint: str, device: str = "auto", dtype: str = "auto", batch_size: int | str = 8,
                  max_length: int | None = None, max_gen_toks: int = 256, seed: int = 1234,
-                 tokenizer: str | None = None, max_batch_size: int | None = None):
+                 tokenizer: str | None = None, max_batch_size: int | None = None):  # lm-eval's, for batch_size=auto
         super().__init__()
-        del max_batch_size  # lm-eval passes it for batch_size=auto; there is no search here
-        device = str(device)
-        if dist._env_ranks()[1] > 1 and device.startswith("cuda"):
-            device = "cuda"  # one GPU per process, the local rank's (the CLI's default is cuda:0)
+        # under torchrun one GPU per process, the local rank's (lm-eval's CLI defaults to cuda:0)
+        device = "cuda" if dist._env_ranks()[1] > 1 and str(device).startswith("cuda") else str(device)
         info = dist.setup(device)  # one process: the device; under torchrun: the group too
         self._rank, self._world_size, self._device = info.rank, info.world_size, info.device
         if info.distributed:
@@ -78,10 +76,9 @@ class LaplaceLM(LM):
         self.batch_size = 8 if bs.startswith("auto") else int(bs) if bs.isdigit() else 0
         if self.batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r}: use a positive integer")
-        self.bos_id = self.tok.bos_id
         # a generation also ends where the model ends its chat turn or starts a new document
         end = self.tok.special_tokens.get("<|assistant_end|>")
-        self.stop_ids = frozenset(i for i in (self.bos_id, end) if i is not None and i < self.model.vocab_size)
+        self.stop_ids = frozenset(i for i in (self.tok.bos_id, end) if i is not None and i < self.model.vocab_size)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
@@ -132,7 +129,7 @@ class LaplaceLM(LM):
         """Ids of `text`, special-token strings as their ids, `<|bos|>` first."""
         # our models saw a bos before every document; a rendered chat prompt starts with it already
         ids = self.tok.encode_with_specials(text)
-        return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+        return ids if ids[:1] == [self.tok.bos_id] else [self.tok.bos_id, *ids]
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         # lm-eval's HF split: trailing spaces move to the continuation, the whole is encoded once
@@ -205,9 +202,9 @@ class LaplaceLM(LM):
         windows, owner = [], []
         for k, r in enumerate(requests):
             ids = self.tok.encode_with_specials(r.args[0])
-            ids = ids[1:] if ids[:1] == [self.bos_id] else ids  # the prefix token is the bos
+            ids = ids[1:] if ids[:1] == [self.tok.bos_id] else ids  # the prefix token is the bos
             for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=ids, prefix_token=self.bos_id, max_seq_len=self.max_length, context_len=1)):
+                    token_list=ids, prefix_token=self.tok.bos_id, max_seq_len=self.max_length, context_len=1)):
                 windows.append((None, ctx, cont))
                 owner.append(k)
         totals = [0.0] * len(requests)

@@ -41,9 +41,7 @@ def _stub_ops() -> types.ModuleType:
     sys.modules["mmcv.ops"] = ops
     mmcv.ops = ops
     point_sample = importlib.import_module("mmcv.ops.point_sample")
-    ops.point_sample = point_sample.point_sample
-    ops.bilinear_grid_sample = point_sample.bilinear_grid_sample
-    ops.SimpleRoIAlign = point_sample.SimpleRoIAlign
+    ops.point_sample = point_sample.point_sample  # the one op mmseg's models import unconditionally
     ops.sigmoid_focal_loss = _sigmoid_focal_loss
 
     def __getattr__(name: str):
