@@ -26,7 +26,7 @@ from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
 from laplace.zoo import features
-from train.logger import progress_bar, progress_interval
+from train.logger import log_to_training_run, progress_bar, progress_interval
 
 def feature_kind(kind: str, n_last_blocks: int = 4, avgpool: bool = False) -> str:
     """The cache-file name of a feature kind, "cls" (k-NN) or "linear": "cls" or "last<n>[_avgpool]"."""
@@ -151,11 +151,13 @@ def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False)
 
 def write_results(cfg, info: dict, protocol: str, fields: dict) -> dict:
     """The results header and `fields` as results.json in run_dir, by default
-    <the checkpoint's run>/eval/<protocol>_<data>/ (where analysis.tables finds it); returns it."""
+    <the checkpoint's run>/eval/<protocol>_<data>/ (where analysis.tables finds it), and the
+    `fields[protocol]` block in the W&B run of the checkpoint's training, if it used W&B; returns it."""
     record = {**results_header(info["node"], cfg.data.name, info["checkpoint"], protocol=protocol,
                                step=info["step"], weights=info["source"]), **fields}
     out = Path(cfg.run_dir) if cfg.run_dir else run_dir_of(info["checkpoint"]) / "eval" / f"{protocol}_{cfg.data.name}"
     write_json(out / "results.json", record)
+    log_to_training_run(info["checkpoint"], record[protocol], protocol)
     return record
 
 

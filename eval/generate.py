@@ -114,8 +114,8 @@ def _turns(prompt: str | None, stdin: TextIO, out: TextIO):
 def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:
     """Run the command: print the generated text(s) and return them (one per reply)."""
     stdin, out = stdin or sys.stdin, stdout or sys.stdout
-    path = required(cfg, "checkpoint", 'python -m eval.generate checkpoint=PATH prompt="..."')
-    model, tok, _ = load_gpt(path, resolve_device(str(cfg.device)), cfg.tokenizer)
+    checkpoint = required(cfg, "checkpoint", 'python -m eval.generate checkpoint=PATH prompt="..."')
+    model, tok, _ = load_gpt(checkpoint, resolve_device(str(cfg.device)), cfg.tokenizer)
     gen = torch.Generator(device=model.wte.weight.device).manual_seed(int(cfg.seed))
 
     def sample(ids, stop_ids=(), tools=None):

@@ -16,7 +16,6 @@ from omegaconf import DictConfig
 
 from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
-from train.logger import log_to_training_run
 
 from .features import eval_features, run_and_clean_up, write_results
 
@@ -38,12 +37,11 @@ def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
     if num_classes is None:
         num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     ks = sorted({min(int(k), len(train_feats)) for k in ks})
-    kmax = ks[-1]
     correct = {k: [0, 0] for k in ks}
     for s in range(0, len(test_feats), chunk):
         q, y = test_feats[s:s + chunk], test_labels[s:s + chunk]
         # memory stays at chunk x N_train similarities
-        sim, idx = (q @ train_feats.T).topk(kmax, dim=1, largest=True, sorted=True)  # [b, kmax]
+        sim, idx = (q @ train_feats.T).topk(ks[-1], dim=1, largest=True, sorted=True)  # [b, kmax]: the largest k serves every k
         neighbours = train_labels[idx]
         weights = (sim / T).exp()  # each neighbour votes for its class with exp(similarity / T)
         for k in ks:
@@ -69,11 +67,9 @@ def evaluate_knn(cfg: DictConfig) -> dict:
     k = min(int(cfg.k), len(xtr))
     for kk, r in res.items():
         print(f"[knn] {kk:>4}-NN T={cfg.T}: top1 {r['top1']:.2f}  top5 {r['top5']:.2f}")
-    record = write_results(cfg, info, "knn", {
+    return write_results(cfg, info, "knn", {
         "k": int(cfg.k), "T": float(cfg.T), "feature": "cls_norm_l2", "n_train": len(xtr), "n_val": len(xva),
         "knn": {**res[k], "per_k": {str(kk): r for kk, r in res.items()}}})
-    log_to_training_run(info["checkpoint"], record["knn"], "knn")  # when the run used W&B
-    return record
 
 
 @hydra_entry("knn")

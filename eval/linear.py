@@ -22,7 +22,6 @@ from torch import nn
 
 from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
-from train.logger import log_to_training_run
 
 from .features import eval_features, run_and_clean_up, write_results
 
@@ -39,13 +38,12 @@ def train_grid(feats: torch.Tensor, labels: torch.Tensor, lrs, num_classes: int,
         nn.init.zeros_(h.bias)
     opt = torch.optim.SGD([{"params": h.parameters(), "lr": float(lr)} for h, lr in zip(heads, lrs)],
                           lr=float(lrs[0]), momentum=momentum, weight_decay=weight_decay)
-    n = len(feats)
     for e in range(epochs):
         scale = 0.5 * (1 + math.cos(math.pi * e / epochs))  # DINO's per-epoch CosineAnnealingLR to 0
         for group, lr in zip(opt.param_groups, lrs):
             group["lr"] = float(lr) * scale
-        order = torch.randperm(n, generator=g).to(feats.device)
-        for s in range(0, n, batch_size):
+        order = torch.randperm(len(feats), generator=g).to(feats.device)
+        for s in range(0, len(feats), batch_size):
             idx = order[s:s + batch_size]
             x = feats[idx]
             logits = torch.stack([h(x) for h in heads])  # [L, b, C]
@@ -116,14 +114,12 @@ def evaluate_linear(cfg: DictConfig) -> dict:
         print(f"[linear] base lr {row['base_lr']:g} (lr {row['lr']:g}): held-out top1 {row['heldout_top1']:.2f}{mark}")
     print(f"[linear] val top1 {r['top1']:.2f}  top5 {r['top5']:.2f} (lr {r['lr']:g}, "
           f"{'retrained on the full train set' if r['retrained'] else 'the chosen head'})")
-    record = write_results(cfg, info, "linear", {
+    return write_results(cfg, info, "linear", {
         "n_last_blocks": int(cfg.n_last_blocks), "avgpool": bool(cfg.avgpool), "feature_dim": xtr.shape[1],
         "epochs": int(cfg.epochs), "train_batch_size": int(cfg.train_batch_size), "seed": int(cfg.seed),
         "val_fraction": float(cfg.val_fraction), "retrained": r["retrained"], "augmentation": "none (cached)",
         "n_train": len(xtr), "n_val": len(xva), "n_fit": r["n_fit"], "n_heldout": r["n_heldout"], "grid": r["grid"],
         "linear": {k: r[k] for k in ("top1", "top5", "lr", "base_lr", "heldout_top1")}})
-    log_to_training_run(info["checkpoint"], record["linear"], "linear")  # when the run used W&B
-    return record
 
 
 @hydra_entry("linear")

@@ -15,10 +15,8 @@ num_fewshot, metrics: {metric: {value, stderr}}}}` and flat `"<task>/<metric>": 
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
-import json
 import logging
 import math
 import os
@@ -33,7 +31,7 @@ from laplace.checkpoint import results_header, run_dir_of
 from laplace.cli import hydra_entry
 from laplace.config import required_list
 from laplace.errors import ConfigError
-from laplace.io import atomic_write, write_json
+from laplace.io import write_json
 from laplace.rundir import MAX_NAME, check_writable, short_name
 from train.logger import log_to_training_run
 
@@ -84,41 +82,32 @@ def unsafe_tasks(tm, names) -> list[str]:
     found = set()
 
     def visit(item, unsafe: bool = False):  # unsafe: a group above said so
-        if isinstance(item, dict):  # a group's member written inline, with overrides
+        if isinstance(item, list):  # a group's members
+            for child in item:
+                visit(child, unsafe)
+            return
+        if isinstance(item, dict):  # a member written inline, with overrides: a task, or a group (its list)
             unsafe = unsafe or bool(item.get("unsafe_code"))
-            if "group" in item and item["group"] not in tm.task_index:  # a group defined inline
-                for child in item.get("task") or []:
-                    visit(child, unsafe)
-                return
-            item = item.get("task") or item.get("group")
+            return visit(item.get("task") or item.get("group"), unsafe)
         entry = tm.task_index.get(str(item))
         if entry is not None and entry.kind == Kind.TAG:
-            for t in sorted(entry.tags):
-                visit(t, unsafe)
-            return
+            return visit(sorted(entry.tags), unsafe)
         cfg = {} if entry is None else entry.cfg if entry.cfg is not None else \
             load_yaml(entry.yaml_path, resolve_func=False) if entry.yaml_path else {}
         unsafe = unsafe or bool(cfg.get("unsafe_code"))
         if entry is not None and entry.kind == Kind.GROUP:
-            for child in cfg.get("task") or []:
-                visit(child, unsafe)
+            visit(cfg.get("task") or [], unsafe)
         elif unsafe and item:
             found.add(str(item))
 
-    for n in names:
-        visit(n)
+    visit(list(names))
     return sorted(found)
 
 
-@contextlib.contextmanager
 def code_execution(allowed: bool):
-    """The environment flags that let HumanEval run code, set for this run only."""
-    with mock.patch.dict(os.environ):  # restores the environment as it was, whatever happens
-        for k in CODE_ENV:
-            os.environ.pop(k, None)
-        if allowed:
-            os.environ.update(dict.fromkeys(CODE_ENV, "1"))
-        yield
+    """The environment flags that let HumanEval run code, set ("1") or cleared ("") for this run only."""
+    # patch.dict restores the environment as it was when the block ends, whatever happens
+    return mock.patch.dict(os.environ, dict.fromkeys(CODE_ENV, "1" if allowed else ""))
 
 
 def check_code_eval_metric(tasks: list[str]) -> None:
@@ -127,8 +116,7 @@ def check_code_eval_metric(tasks: list[str]) -> None:
     try:
         import evaluate
 
-        with code_execution(True):
-            evaluate.load("code_eval")
+        evaluate.load("code_eval")  # loading needs no flag; running the code does (HF_ALLOW_CODE_EVAL)
     except Exception as e:  # noqa: BLE001 -- FileNotFoundError / ConnectionError offline, ImportError without evaluate
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise ConfigError(f"tasks {', '.join(tasks)} score with the `evaluate` library's code_eval metric, "
@@ -256,7 +244,7 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
                     device=str(cfg.device), limit=cfg.limit, bootstrap_iters=int(cfg.bootstrap_iters),
                     apply_chat_template=bool(cfg.apply_chat_template), gen_kwargs=gen_kwargs,
                     task_manager=tm, confirm_run_unsafe_code=bool(cfg.allow_code_execution),
-                    log_samples=bool(cfg.log_samples), **seeds)
+                    **seeds)
         except ConnectionError as e:  # lm-eval's own tasks read the hub through `datasets`: unreachable
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise ConfigError(f"{first}: lm-eval's tasks read their hub datasets through `datasets`; offline, "
@@ -269,10 +257,6 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
                   "apply_chat_template": bool(cfg.apply_chat_template),
                   "data_root": None if cfg.data_root is None else str(cfg.data_root),
                   "seconds": round(time.time() - t0, 1), "tasks": tasks, **flat}
-        if cfg.log_samples:  # each prompt, response and score
-            for task, samples in (res.get("samples") or {}).items():
-                lines = "".join(json.dumps(s, default=str) + "\n" for s in samples)
-                atomic_write(d / f"samples_{task}.jsonl", lines.encode())
         write_json(d / "results.json", record)
         # lm-eval's table (its groups with their aggregate are rows of it too)
         out.write(f"[lm_eval] {src['path']} (step {src['step']})\n{make_table(res)}\n")

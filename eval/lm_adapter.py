@@ -97,8 +97,7 @@ class LaplaceLM(LM):
 
     def chat_template(self, chat_template: bool | str = False) -> str:
         # for lm-eval's logged config only: `apply_chat_template` renders, not a Jinja template
-        return ("laplace.chat_format (nanochat): <|bos|><|user_start|>{system\\n\\n}{user}<|user_end|>"
-                "<|assistant_start|>{assistant}<|assistant_end|>...<|assistant_start|>")
+        return "laplace.chat_format (nanochat): <|bos|><|user_start|>...<|user_end|><|assistant_start|>...<|assistant_end|>"
 
     def get_model_info(self) -> dict:
         return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),

@@ -23,6 +23,7 @@ LAPLACE_ALLOW_CODE_EXECUTION=1 (`python -m eval.lm allow_code_execution=true` se
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import resource
@@ -124,12 +125,10 @@ _CODE_BLOCK = re.compile(r"```(?:python)?\s*\n(.*?)\n```", re.DOTALL)
 
 def humaneval_program(doc, completion: str) -> str:
     """The prompt's imports + the reply's code + the test + check(entry_point), as nanochat assembles it."""
-    imports = []
-    for line in doc["prompt"].split("\n"):  # the import lines at the top of the prompt
-        if line.strip().startswith(("import ", "from ")):
-            imports.append(line.strip())
-        elif line.strip() and not line.strip().startswith("#"):
-            break
+    # the import lines at the top of the prompt: those before its first line of anything else
+    top = itertools.takewhile(lambda s: not s or s.startswith(("import ", "from ", "#")),
+                              (line.strip() for line in doc["prompt"].split("\n")))
+    imports = [s for s in top if s.startswith(("import ", "from "))]
     blocks = _CODE_BLOCK.findall(completion)  # the first ```python (or ```) block, else the whole reply
     code = (blocks[0] if blocks else completion).strip()
     return "\n".join(imports) + "\n\n" + code + "\n\n" + doc["test"] + "\n" + f"check({doc['entry_point']})"
