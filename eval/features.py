@@ -121,11 +121,9 @@ def probe_data_node(data_cfg, crop_pct: float | None = None) -> DictConfig:
     short side to img_size / crop_pct, centre crop img_size."""
     d = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))  # a copy, interpolations resolved
     d.augment = "none"
-    if crop_pct is None:
-        # data=imagenet: DINO's 0.875, Resize(256) + CenterCrop(224), the same ratio at other
-        # sizes; nodes without it the supervised evaluation's crop
-        crop_pct = d.get("probe_crop_pct", d.get("eval_crop_pct", 1.0))
-    d.eval_crop_pct = float(crop_pct)
+    # crop_pct None: the node's probe_crop_pct (data=imagenet: DINO's 0.875, Resize(256) +
+    # CenterCrop(224), the same ratio at other sizes), else the supervised evaluation's crop
+    d.eval_crop_pct = float(d.get("probe_crop_pct", d.get("eval_crop_pct", 1.0)) if crop_pct is None else crop_pct)
     return d
 
 

@@ -96,11 +96,8 @@ def _stream_print(tokens, tok, out: TextIO, before: str = "") -> str:
     return dec.printed
 
 
-def _turns(prompt: str | None, stdin: TextIO, out: TextIO):
-    """The user turns of a chat: the prompt, or lines of stdin until EOF or "quit" (blank ones skipped)."""
-    if prompt is not None:
-        yield prompt
-        return
+def _turns(stdin: TextIO, out: TextIO):
+    """The user turns of an interactive chat: lines of stdin until EOF or "quit" (blank ones skipped)."""
     print("Chat: one user turn per line; \"quit\" or EOF (Ctrl-D) ends it.\n\nUser: ", end="", file=out, flush=True)
     for line in iter(stdin.readline, ""):  # "" at EOF
         if line.strip().lower() in ("quit", "exit"):
@@ -134,7 +131,7 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
     stops = (end, tok.bos_id)  # <|bos|>: a model that starts a new document has stopped answering
     tools = Calculator(tok)  # as nanochat's chat: the model's calculator calls are answered
     messages, replies = [], []
-    for text in _turns(prompt, stdin, out):
+    for text in [prompt] if prompt is not None else _turns(stdin, out):
         # the whole conversation so far, rendered as SFT saw it, ending with <|assistant_start|>
         messages.append({"role": "user", "content": text})
         tokens = sample(render_for_completion(tok, {"messages": messages}), stops, tools)

@@ -40,8 +40,8 @@ def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
     correct = {k: [0, 0] for k in ks}
     for s in range(0, len(test_feats), chunk):
         q, y = test_feats[s:s + chunk], test_labels[s:s + chunk]
-        # memory stays at chunk x N_train similarities
-        sim, idx = (q @ train_feats.T).topk(ks[-1], dim=1, largest=True, sorted=True)  # [b, kmax]: the largest k serves every k
+        # memory stays at chunk x N_train similarities; one search for the largest k serves every k
+        sim, idx = (q @ train_feats.T).topk(ks[-1], dim=1, largest=True, sorted=True)  # [b, kmax]
         neighbours = train_labels[idx]
         weights = (sim / T).exp()  # each neighbour votes for its class with exp(similarity / T)
         for k in ks:

@@ -113,6 +113,8 @@ def code_execution(allowed: bool):
 def check_code_eval_metric(tasks: list[str]) -> None:
     """lm-eval's own humaneval scores with `evaluate`'s code_eval metric, a script fetched from
     the hub on first use: offline without it cached, say so in one line before any model work."""
+    if not tasks:  # our own humaneval runs its programs itself (tasks/laplace_chat/utils.py)
+        return
     try:
         import evaluate
 
@@ -213,9 +215,7 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
     if code_tasks and not cfg.allow_code_execution:
         raise ConfigError(f"tasks {', '.join(code_tasks)} run model-generated code on this machine: pass "
                           f"allow_code_execution=true, or leave them out of tasks=[...]")
-    foreign = [t for t in code_tasks if not _ours(tm, t)]
-    if foreign:
-        check_code_eval_metric(foreign)
+    check_code_eval_metric([t for t in code_tasks if not _ours(tm, t)])
     ours = [n for n in names if _ours(tm, n)]
     if cfg.apply_chat_template and ours:
         raise ConfigError(f"apply_chat_template=true with {', '.join(ours)}: those tasks render our chat "

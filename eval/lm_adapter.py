@@ -29,10 +29,6 @@ from laplace.sampling import Calculator, stream_tokens
 
 from .generate import load_gpt
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
 @register_model("laplace")
 class LaplaceLM(LM):
     """A laplace GPT as an lm-eval model (docs/lm_adapter.md).
@@ -63,9 +59,9 @@ class LaplaceLM(LM):
         dtype = str(dtype).lower()
         if dtype == "auto":
             dtype = "bfloat16" if self._device.type == "cuda" else "float32"
-        if dtype not in _DTYPES:
-            raise ConfigError(f"dtype={dtype}: choose auto, {', '.join(_DTYPES)}")
-        self._amp_dtype = _DTYPES[dtype]  # the weights stay fp32; bf16 / fp16 through autocast
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype={dtype}: choose auto, float32, bfloat16 or float16")
+        self._amp_dtype = getattr(torch, dtype)  # the weights stay fp32; bf16 / fp16 through autocast
         # the training context: a checkpoint's data.seq_len, which an export's model node also holds
         self.max_length = int(max_length or self.info["seq_len"] or self.info["node"].get("max_seq_len") or 2048)
         if self.max_length > self.model.rope_len:
@@ -97,7 +93,7 @@ class LaplaceLM(LM):
 
     def chat_template(self, chat_template: bool | str = False) -> str:
         # for lm-eval's logged config only: `apply_chat_template` renders, not a Jinja template
-        return "laplace.chat_format (nanochat): <|bos|><|user_start|>...<|user_end|><|assistant_start|>...<|assistant_end|>"
+        return "laplace.chat_format (nanochat): <|bos|><|user_start|>...<|user_end|><|assistant_start|>..."
 
     def get_model_info(self) -> dict:
         return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
@@ -120,8 +116,7 @@ class LaplaceLM(LM):
         torch.distributed.gather_object(obj, result, dst=dst)
         return result
 
-    def barrier(self) -> None:
-        dist.barrier()
+    barrier = staticmethod(dist.barrier)
 
     # ---- tokens -------------------------------------------------------------------------------------
     def tok_encode(self, text: str) -> list[int]:
@@ -235,10 +230,8 @@ class LaplaceLM(LM):
             raise ConfigError(f"generation_kwargs.tools={tool!r}: the only tool is calculator")
         # the prompt keeps its last tokens that leave room for max_gen in the rotary table (10x the
         # training context): unlike lm-eval's HF model, generated tokens may run past max_length
-        room = min(self.max_length, self.model.rope_len - max_gen)
-        if room < 1:
-            raise ConfigError(f"max_gen_toks={max_gen} leaves no room for a prompt in the model's "
-                              f"rotary table ({self.model.rope_len} positions)")
+        # (at least one token: stream_tokens refuses a max_gen_toks that leaves no room, in one line)
+        room = max(1, min(self.max_length, self.model.rope_len - max_gen))
         new, text = [], ""
         longest = max((len(s) for s in until), default=0)
         with self._amp():
