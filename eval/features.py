@@ -63,6 +63,8 @@ def _gather_rows(local: torch.Tensor, n_total: int, info: DistInfo) -> torch.Ten
 def cache_key(info: dict, data_cfg, split: str, kind: str, n: int, crop_pct: float) -> dict:
     """What a cached feature file must match: the weights (path, size, mtime, step), the data and
     its evaluation transform, the feature kind and the number of samples."""
+    # the file's size and mtime with its step: a checkpoint rewritten at the same path (a resumed
+    # run's last.pt) makes new features; the number of samples catches a changed data folder
     path = Path(info["checkpoint"])
     st = path.stat() if path.is_file() else None
     d = OmegaConf.to_container(data_cfg, resolve=True)
@@ -95,14 +97,17 @@ def extract_features(model, dataset, *, kind: str = "cls", n_last_blocks: int = 
             hit = torch.load(cache, map_location="cpu", weights_only=True)
         except Exception:  # missing, truncated or foreign: recompute
             hit = None
-        if all(all_gather_object(isinstance(hit, dict) and hit.get("key") == key)):  # valid on every rank
+        # every rank must agree: one that recomputes alone would wait forever in the all_gather below
+        if all(all_gather_object(isinstance(hit, dict) and hit.get("key") == key)):
             return hit["features"].to(device), hit["labels"].to(device)
+    # rank r takes the samples r, r + W, ...; one process takes them all, in order
     sampler = DistributedSampler(dataset, info.world_size, info.rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                         pin_memory=device.type == "cuda")
     feats, labels = [], []
     for x, y in progress_bar(len(loader), progress is not None and info.is_main, interval=progress or 0, desc=desc,
                              unit="batch", iterable=loader):
+        # bf16 on CUDA as DINO's evaluations; the features are kept in float32
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             feats.append(batch_features(model, x.to(device, non_blocking=True), kind, n_last_blocks, avgpool).float())
         labels.append(torch.as_tensor(y).to(device=device, dtype=torch.long))
@@ -112,7 +117,7 @@ def extract_features(model, dataset, *, kind: str = "cls", n_last_blocks: int = 
         if info.is_main:
             obj = {"key": key, "features": out_f.cpu(), "labels": out_y.cpu()}
             atomic_write(Path(cache), lambda f: torch.save(obj, f))
-        barrier()
+        barrier()  # the other ranks return once the file is whole
     return out_f, out_y
 
 
@@ -132,12 +137,13 @@ def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False)
     `cfg`; info as `load_backbone`'s."""
     from laplace.data.vision import build_vision_dataset
 
-    dist_info = setup(cfg.device)
+    dist_info = setup(cfg.device)  # under torchrun: the process group, each rank its GPU
     model, info = load_backbone(cfg.checkpoint, cfg.get("model"), cfg.data.img_size, device=dist_info.device)
     d, name = probe_data_node(cfg.data, cfg.crop_pct), feature_kind(kind, n_last_blocks, avgpool)
     splits = []
     for split in ("train", "val"):
         dataset = build_vision_dataset(d, train=split == "train")
+        # beside the run, so k-NN, the linear probe and a re-run share one extraction
         cache = run_dir_of(cfg.checkpoint) / "eval" / f"features_{d.name}_{split}_{name}.pt" if cfg.cache else None
         splits.append(extract_features(
             model, dataset, kind=kind, n_last_blocks=n_last_blocks, avgpool=avgpool, device=dist_info.device,

@@ -34,7 +34,7 @@ def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
         num_classes: C (default: the largest label + 1).
         chunk: test samples per similarity block.
     """
-    if num_classes is None:
+    if num_classes is None:  # the entry point passes the data node's
         num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     ks = sorted({min(int(k), len(train_feats)) for k in ks})
     correct = {k: [0, 0] for k in ks}
@@ -51,7 +51,7 @@ def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
             hit = pred.eq(y[:, None])
             correct[k][0] += int(hit[:, 0].sum())
             correct[k][1] += int(hit.any(dim=1).sum())
-    n = max(len(test_feats), 1)
+    n = max(len(test_feats), 1)  # an empty split scores 0, not a division by zero
     return {k: {"top1": 100.0 * c1 / n, "top5": 100.0 * c5 / n} for k, (c1, c5) in correct.items()}
 
 
@@ -61,7 +61,7 @@ def evaluate_knn(cfg: DictConfig) -> dict:
     if min(ks) < 1 or cfg.T <= 0:
         raise ConfigError(f"ks={ks}, T={cfg.T}: need k >= 1 and T > 0")
     (xtr, ytr), (xva, yva), info, dist_info = eval_features(cfg, "cls")
-    if not dist_info.is_main:
+    if not dist_info.is_main:  # every rank holds all features; rank 0 classifies and writes
         return {}
     res = knn_classify(xtr, ytr, xva, yva, ks, float(cfg.T), int(cfg.data.num_classes), int(cfg.chunk))
     k = min(int(cfg.k), len(xtr))

@@ -30,12 +30,14 @@ def train_grid(feats: torch.Tensor, labels: torch.Tensor, lrs, num_classes: int,
                batch_size: int = 1024, momentum: float = 0.9, weight_decay: float = 0.0,
                seed: int = 0) -> nn.ModuleList:
     """One linear head per lr in `lrs` (absolute), all trained on the same shuffled batches."""
+    # a CPU generator orders the batches, so the order is the same on every device
     g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the heads' initialisation
     heads = nn.ModuleList(nn.Linear(feats.shape[1], num_classes) for _ in lrs).to(feats.device)
     for h in heads:  # DINO's LinearClassifier: no batch norm, weights N(0, 0.01), bias 0
         nn.init.normal_(h.weight, mean=0.0, std=0.01)
         nn.init.zeros_(h.bias)
+    # one parameter group per head: each its own lr, one optimizer step for the grid
     opt = torch.optim.SGD([{"params": h.parameters(), "lr": float(lr)} for h, lr in zip(heads, lrs)],
                           lr=float(lrs[0]), momentum=momentum, weight_decay=weight_decay)
     for e in range(epochs):
@@ -87,7 +89,8 @@ def linear_probe(train_feats, train_labels, val_feats, val_labels, base_lrs, num
     heads = train_grid(train_feats[fit], train_labels[fit], lrs, **train)
     with torch.no_grad():
         scores = [accuracy(h(train_feats[hold]), train_labels[hold]) for h in heads]
-    chosen = max(range(len(lrs)), key=lambda i: (scores[i][0], scores[i][1], -i))  # ties: the smaller lr
+    # top-1 first, then top-5; ties go to the smaller lr (the first in the grid)
+    chosen = max(range(len(lrs)), key=lambda i: (scores[i][0], scores[i][1], -i))
     # retrain: the chosen lr on the whole training set, as a grid of one
     head = train_grid(train_feats, train_labels, [lrs[chosen]], **train)[0] if retrain else heads[chosen]
     with torch.no_grad():
