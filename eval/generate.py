@@ -1,29 +1,14 @@
-"""`python -m eval.generate`: text from a GPT checkpoint, printed token by token as it is sampled.
+"""`python -m eval.generate`: text from a GPT, printed token by token as it is sampled.
 
     python -m eval.generate checkpoint=runs/gpt/pydoc_text/gpt_d2_0L_s0/ckpt/last.pt prompt="The for"
+    python -m eval.generate checkpoint=exports/gpt_d2_0L prompt="The for"      # an exported folder
     python -m eval.generate checkpoint=... prompt="Lists are" temperature=0 max_new_tokens=64   # greedy
     python -m eval.generate checkpoint=... chat=true prompt="What is a lambda?"                # one turn
     python -m eval.generate checkpoint=... chat=true                                           # a chat on stdin
     python -m eval.generate checkpoint=... 'prompt="Hi: there, you!"'    # punctuation: Hydra's quotes
 
-Every default lives in configs/generate.yaml. The model is rebuilt from the checkpoint alone
-(`laplace.checkpoint`) on `device` and its tokenizer from the checkpoint's config
-(`laplace.tokenizer.tokenizer_from_config`: `data.tokenizer`, byte-level for runs without one);
-`tokenizer=PATH` reads it from elsewhere when that file has moved (a run copied to another
-machine), refused if it is not the tokenizer the run was trained with.
-
-Plain mode continues `<|bos|> prompt` and prints the prompt, then the continuation as it comes.
-Chat mode (`chat=true`, nanochat's chat_cli): the prompt is a user turn rendered by
-`render_for_completion` (`... <|user_start|> prompt <|user_end|> <|assistant_start|>`) and the
-reply ends at `<|assistant_end|>`; without a prompt, user turns are read from stdin, one per
-line, and the conversation accumulates until EOF or "quit". Chat needs a model whose vocabulary
-holds the chat special tokens (an SFT / mid-trained model, or any run with a bpe tokenizer or
-`data.vocab_size=265` on bytes).
-
-Sampling is `laplace.sampling.stream_tokens` (KV cache, same ids as `GPT.generate` for the same
-seed); printing decodes everything generated so far and prints the new suffix, so multi-byte
-characters appear whole. Bad input (missing checkpoint, a ViT checkpoint, chat on a model
-without the chat tokens) exits with one `error: ...` line.
+Defaults: configs/generate.yaml. `load_gpt` (also the lm-eval adapter's) rebuilds the model and its
+tokenizer from a checkpoint or an exported folder alone.
 """
 from __future__ import annotations
 
@@ -34,93 +19,110 @@ from typing import TextIO
 import torch
 from omegaconf import DictConfig
 
-from laplace import model_label
+from laplace import load_model, model_label
 from laplace.chat_format import render_for_completion
-from laplace.checkpoint import load_checkpoint, model_from_checkpoint
-from laplace.data import DatasetNotFoundError
-from laplace.dist import resolve_device
+from laplace.checkpoint import load_checkpoint, read_export_config
 from laplace.cli import hydra_entry
 from laplace.config import required
+from laplace.data import DatasetNotFoundError
+from laplace.dist import resolve_device
 from laplace.errors import ConfigError
-from laplace.gpt import GPT
+from laplace.export import EXPORT_TOKENIZER
 from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
-from laplace.tokenizer import load_tokenizer, tokenizer_from_config
+from laplace.tokenizer import load_tokenizer
 
-QUIT = ("quit", "exit")
+def gpt_source(path) -> dict:
+    """What the GPT at `path` (a laplace checkpoint or a folder of `python -m laplace.export`) is,
+    read without building it: {path, node, dataset, step, git_rev, seq_len, tokenizer, fingerprint}."""
+    path = Path(str(path)).expanduser()
+    if path.is_dir():
+        # An export: config.json's "laplace" node holds the model node, the tokenizer and the source.
+        node = read_export_config(path)
+        src, spec = node.get("source") or {}, node.get("tokenizer", "bytes")
+        info = dict(node=node["model"], dataset=src.get("data"), step=src.get("step"), git_rev=src.get("git_rev"),
+                    seq_len=None, fingerprint=None,
+                    # a trained BPE travels as tokenizer.json in the folder; bytes / gpt2 are built in
+                    tokenizer=str(path / spec) if spec == EXPORT_TOKENIZER else spec)
+    elif path.is_file():
+        ckpt = load_checkpoint(path, mmap=True)  # mmap: the weights are read only when the model is built
+        data = ckpt["config"].get("data") or {}
+        info = dict(node=ckpt["config"]["model"], dataset=data.get("name"), step=(ckpt.get("loop") or {}).get("step"),
+                    git_rev=ckpt.get("git_rev"), seq_len=data.get("seq_len"),
+                    tokenizer=data.get("tokenizer") or "bytes",  # runs before data.tokenizer were byte-level
+                    # the tokenizer the run trained with (train/gpt.py): its file may have changed since
+                    fingerprint=(ckpt.get("data_identity") or {}).get("tokenizer"))
+    else:
+        raise ConfigError(f"checkpoint={path}: no such file or folder; pass checkpoint=PATH to a GPT's laplace "
+                          f"checkpoint (runs/gpt/<data>/<run>/ckpt/last.pt) or exported folder")
+    if not str(info["node"].get("name", "")).startswith("gpt"):
+        raise ConfigError(f"checkpoint={path} holds {model_label(info['node'])}, not a GPT: generation and "
+                          f"lm-eval need a language model")
+    return {"path": path, **info}
 
 
-def _checkpoint(cfg) -> Path:
-    value = required(cfg, "checkpoint", 'python -m eval.generate checkpoint=PATH prompt="..."')
-    path = Path(str(value))
-    if not path.is_file():
-        raise ConfigError(f"checkpoint={value}: no such file; pass checkpoint=PATH to a GPT's laplace "
-                          f"checkpoint, e.g. runs/gpt/<data>/<run>/ckpt/last.pt")
-    return path
-
-
-def load_generator_model(path, device: str = "auto", tokenizer: str | None = None):
-    """(GPT in eval mode on its device, its tokenizer) from a checkpoint file; `tokenizer`:
-    a path (or bytes | gpt2) instead of the one the checkpoint's config names."""
-    ckpt = load_checkpoint(path)
-    name = model_label(ckpt["config"]["model"])
-    model = model_from_checkpoint(ckpt, resolve_device(device))
-    if not isinstance(model, GPT):
-        raise ConfigError(f"checkpoint={path} holds {name}, not a GPT: generation needs a language model")
-    return model, _tokenizer(ckpt, path, tokenizer)
-
-
-def _tokenizer(ckpt: dict, path, override: str | None):
+def gpt_tokenizer(info: dict, override: str | None = None):
+    """The tokenizer `info` (gpt_source) names, or `override` (a path, bytes or gpt2) where that
+    file has moved; an override that is not the one the run trained with is refused."""
     if override is None:
         try:
-            return tokenizer_from_config(ckpt["config"])
+            return load_tokenizer(info["tokenizer"])
         except DatasetNotFoundError:
-            spec = ckpt["config"]["data"]["tokenizer"]
             raise DatasetNotFoundError(
-                f"checkpoint={path} was trained with the tokenizer {spec} (data.tokenizer of its config), "
-                f"which is not there: moved or deleted; pass tokenizer=<its new path> to "
-                f"python -m eval.generate, or put the file back") from None
+                f"checkpoint={info['path']} was trained with the tokenizer {info['tokenizer']} (data.tokenizer of "
+                f"its config), which is not there: moved or deleted; pass tokenizer=<its new path> to python -m "
+                f"eval.generate (or lm-eval's model_args), or put the file back") from None
     tok = load_tokenizer(str(override))
-    # Checkpoints since the data check (train/engine.py) know their tokenizer's fingerprint.
-    trained = (ckpt.get("data_identity") or {}).get("tokenizer")
-    if trained and tok.fingerprint()[:16] != trained:
-        raise ConfigError(f"tokenizer={override} is not the tokenizer checkpoint={path} was trained with "
-                          f"(fingerprint {tok.fingerprint()[:16]}, the run's {trained}); pass that run's "
-                          f"tokenizer.json")
+    if info["fingerprint"] and tok.fingerprint()[:16] != info["fingerprint"]:
+        raise ConfigError(f"tokenizer={override} is not the tokenizer checkpoint={info['path']} was trained with "
+                          f"(fingerprint {tok.fingerprint()[:16]}, the run's {info['fingerprint']}); pass that "
+                          f"run's tokenizer.json")
     return tok
 
 
-def _stream_print(tokens, tok, out: TextIO) -> str:
-    """Print a token stream as text as it arrives; return the whole text."""
-    dec = IncrementalDecoder(tok)
+def load_gpt(path, device="cpu", tokenizer: str | None = None):
+    """(GPT in eval mode on `device`, its tokenizer, gpt_source's info) of a checkpoint or export."""
+    info = gpt_source(path)
+    tok = gpt_tokenizer(info, tokenizer)  # a missing tokenizer fails before the weights are read
+    return load_model(info["path"], device), tok, info
+
+
+def _stream_print(tokens, tok, out: TextIO, before: str = "") -> str:
+    """Print `before`, then a token stream as text as it arrives, then a newline; return the text."""
+    dec = IncrementalDecoder(tok)  # holds back a half-received multi-byte character
+    print(before, end="", file=out)
     for t in tokens:
-        piece = dec.push(t)
-        if piece:
-            out.write(piece)
-            out.flush()
-    out.write(dec.flush())
-    out.flush()
+        print(dec.push(t), end="", file=out, flush=True)
+    print(dec.flush(), file=out, flush=True)
     return dec.printed
+
+
+def _turns(stdin: TextIO, out: TextIO):
+    """The user turns of an interactive chat: lines of stdin until EOF or "quit" (blank ones skipped)."""
+    print("Chat: one user turn per line; \"quit\" or EOF (Ctrl-D) ends it.\n\nUser: ", end="", file=out, flush=True)
+    for line in iter(stdin.readline, ""):  # "" at EOF
+        if line.strip().lower() in ("quit", "exit"):
+            return
+        if line.strip():
+            yield line.strip()  # the reply is printed before the next prompt
+        print("\nUser: ", end="", file=out, flush=True)
+    out.write("\n")  # EOF (Ctrl-D): end the prompt's line
 
 
 def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[str]:
     """Run the command: print the generated text(s) and return them (one per reply)."""
     stdin, out = stdin or sys.stdin, stdout or sys.stdout
-    model, tok = load_generator_model(_checkpoint(cfg), str(cfg.device), cfg.tokenizer)
-    device = model.wte.weight.device
-    top_k = int(cfg.top_k) if cfg.top_k else None
-    gen = torch.Generator(device=device).manual_seed(int(cfg.seed))
+    checkpoint = required(cfg, "checkpoint", 'python -m eval.generate checkpoint=PATH prompt="..."')
+    model, tok, _ = load_gpt(checkpoint, resolve_device(str(cfg.device)), cfg.tokenizer)
+    gen = torch.Generator(device=model.wte.weight.device).manual_seed(int(cfg.seed))
 
     def sample(ids, stop_ids=(), tools=None):
-        return stream_tokens(model, ids, int(cfg.max_new_tokens), float(cfg.temperature), top_k,
+        # laplace.sampling: the KV-cache loop, the same ids as GPT.generate for the same seed
+        return stream_tokens(model, ids, int(cfg.max_new_tokens), float(cfg.temperature), int(cfg.top_k or 0) or None,
                              stop_ids, gen, tools)
 
     prompt = None if cfg.prompt is None else str(cfg.prompt)
-    if not cfg.chat:
-        tokens = sample(tok.encode(prompt or "", prepend_bos=True))  # checked before printing
-        out.write(prompt or "")
-        text = _stream_print(tokens, tok, out)
-        out.write("\n")
-        return [text]
+    if not cfg.chat:  # stream_tokens checks its arguments at the call, before anything is printed
+        return [_stream_print(sample(tok.encode(prompt or "", prepend_bos=True)), tok, out, prompt or "")]
 
     end = tok.special_id("<|assistant_end|>")  # a tokenizer without chat tokens: its one-line error
     if end >= model.vocab_size:
@@ -128,36 +130,13 @@ def generate(cfg: DictConfig, stdin: TextIO | None = None, stdout: TextIO | None
                           f"tokens (<|assistant_end|> = {end}); it was not trained for chat, use chat=false")
     stops = (end, tok.bos_id)  # <|bos|>: a model that starts a new document has stopped answering
     tools = Calculator(tok)  # as nanochat's chat: the model's calculator calls are answered
-    messages: list[dict] = []
-    replies = []
-    turns = [prompt] if prompt is not None else None
-    interactive = turns is None
-    if interactive:
-        out.write("Chat: one user turn per line; \"quit\" or EOF (Ctrl-D) ends it.\n")
-    while True:
-        if interactive:
-            out.write("\nUser: ")
-            out.flush()
-            line = stdin.readline()
-            if not line:  # EOF
-                out.write("\n")
-                break
-            text = line.strip()
-            if text.lower() in QUIT:
-                break
-            if not text:
-                continue
-        else:
-            if not turns:
-                break
-            text = turns.pop(0)
+    messages, replies = [], []
+    for text in [prompt] if prompt is not None else _turns(stdin, out):
+        # the whole conversation so far, rendered as SFT saw it, ending with <|assistant_start|>
         messages.append({"role": "user", "content": text})
         tokens = sample(render_for_completion(tok, {"messages": messages}), stops, tools)
-        out.write("Assistant: " if interactive else "")
-        reply = _stream_print(tokens, tok, out)
-        out.write("\n")
-        messages.append({"role": "assistant", "content": reply})
-        replies.append(reply)
+        replies.append(_stream_print(tokens, tok, out, "Assistant: " if prompt is None else ""))
+        messages.append({"role": "assistant", "content": replies[-1]})
     return replies
 
 

@@ -5,29 +5,17 @@
     python -m eval.knn checkpoint=deit3_small_224.pth model=vits_0L data=imagenet    # a timm / DeiT-III state dict
     torchrun --nproc_per_node=8 -m eval.knn checkpoint=... data=imagenet                # extraction split over ranks
 
-Every train and validation image goes through the evaluation transform (bicubic resize +
-centre crop; on ImageNet DINO's Resize(256) + CenterCrop(224)) and the frozen backbone; its class token after the final norm, L2-normalised, is the feature
-(eval/features.py, cached beside the run). Each validation feature votes with its k nearest
-training features by cosine similarity, each neighbour's class weighted exp(sim / T), T = 0.07;
-the class with the largest sum is the prediction (top-5: the five largest). DINO reports
-k = 20 and prints 10, 20, 100, 200. The test features are processed in chunks, so memory stays
-at chunk x N_train similarities.
-
-results.json lands in `<the checkpoint's run>/eval/knn_<data>/` (run_dir= to change), with the
-shared fields (model, num_laplacian_heads, dataset, checkpoint, step), protocol "knn", k, T and
-the block `knn: {top1, top5, per_k: {k: {top1, top5}}}` in %; `python -m analysis.tables`
-reads it as `knn.top1` in the run's record.
+Each validation image's normed class token (eval/features.py) votes with its k nearest training
+tokens by cosine similarity. results.json (`<run>/eval/knn_<data>/`) holds the shared fields,
+k, T and `knn: {top1, top5, per_k: {k: {top1, top5}}}` in %; analysis.tables reads `knn.top1`.
 """
 from __future__ import annotations
-
 
 import torch
 from omegaconf import DictConfig
 
 from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
-from train.logger import log_to_training_run
-
 
 from .features import eval_features, run_and_clean_up, write_results
 
@@ -46,17 +34,16 @@ def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
         num_classes: C (default: the largest label + 1).
         chunk: test samples per similarity block.
     """
-    if num_classes is None:
+    if num_classes is None:  # the entry point passes the data node's
         num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     ks = sorted({min(int(k), len(train_feats)) for k in ks})
-    kmax = ks[-1]
     correct = {k: [0, 0] for k in ks}
     for s in range(0, len(test_feats), chunk):
         q, y = test_feats[s:s + chunk], test_labels[s:s + chunk]
-        sim = q @ train_feats.T  # [b, N]
-        dist, idx = sim.topk(kmax, dim=1, largest=True, sorted=True)
-        neighbours = train_labels[idx]  # [b, kmax]
-        weights = (dist / T).exp()
+        # memory stays at chunk x N_train similarities; one search for the largest k serves every k
+        sim, idx = (q @ train_feats.T).topk(ks[-1], dim=1, largest=True, sorted=True)  # [b, kmax]
+        neighbours = train_labels[idx]
+        weights = (sim / T).exp()  # each neighbour votes for its class with exp(similarity / T)
         for k in ks:
             votes = torch.zeros(len(q), num_classes, device=q.device, dtype=weights.dtype)
             votes.scatter_add_(1, neighbours[:, :k], weights[:, :k])
@@ -64,31 +51,25 @@ def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
             hit = pred.eq(y[:, None])
             correct[k][0] += int(hit[:, 0].sum())
             correct[k][1] += int(hit.any(dim=1).sum())
-    n = max(len(test_feats), 1)
+    n = max(len(test_feats), 1)  # an empty split scores 0, not a division by zero
     return {k: {"top1": 100.0 * c1 / n, "top5": 100.0 * c5 / n} for k, (c1, c5) in correct.items()}
 
 
 def evaluate_knn(cfg: DictConfig) -> dict:
     """Extract (or reuse) the features, classify on rank 0, write results.json; returns it."""
-    ks = [int(k) for k in cfg.ks]
-    if int(cfg.k) not in ks:
-        ks.append(int(cfg.k))
+    ks = sorted({int(k) for k in cfg.ks} | {int(cfg.k)})  # DINO prints 10, 20, 100, 200 and reports 20
     if min(ks) < 1 or cfg.T <= 0:
         raise ConfigError(f"ks={ks}, T={cfg.T}: need k >= 1 and T > 0")
     (xtr, ytr), (xva, yva), info, dist_info = eval_features(cfg, "cls")
-    if not dist_info.is_main:
+    if not dist_info.is_main:  # every rank holds all features; rank 0 classifies and writes
         return {}
     res = knn_classify(xtr, ytr, xva, yva, ks, float(cfg.T), int(cfg.data.num_classes), int(cfg.chunk))
     k = min(int(cfg.k), len(xtr))
     for kk, r in res.items():
         print(f"[knn] {kk:>4}-NN T={cfg.T}: top1 {r['top1']:.2f}  top5 {r['top5']:.2f}")
-    record = write_results(cfg, info, "knn", {
-        "k": int(cfg.k), "T": float(cfg.T), "feature": "cls_norm_l2",
-        "n_train": len(xtr), "n_val": len(xva),
-        "knn": {"top1": res[k]["top1"], "top5": res[k]["top5"],
-                "per_k": {str(kk): r for kk, r in res.items()}}})
-    log_to_training_run(info["checkpoint"], record["knn"], "knn")  # when the run used W&B
-    return record
+    return write_results(cfg, info, "knn", {
+        "k": int(cfg.k), "T": float(cfg.T), "feature": "cls_norm_l2", "n_train": len(xtr), "n_val": len(xva),
+        "knn": {**res[k], "per_k": {str(kk): r for kk, r in res.items()}}})
 
 
 @hydra_entry("knn")

@@ -140,7 +140,7 @@ def test_chat_turns_accumulate(ckpts, monkeypatch):
     import eval.generate as g
 
     model, tok = randomize_(load_model(ckpts["chat"]), seed=3), load_tokenizer("bytes")
-    monkeypatch.setattr(g, "load_generator_model", lambda path, device, tokenizer=None: (model, tok))
+    monkeypatch.setattr(g, "load_gpt", lambda path, device, tokenizer=None: (model, tok, {}))
     replies = generate(cfg, stdin=io.StringIO("hello\nand then?\n"), stdout=io.StringIO())  # ends at EOF
     end = tok.special_id("<|assistant_end|>")
     messages = []
@@ -161,9 +161,9 @@ def test_cli_chat_with_a_prompt_and_errors(ckpts, tmp_path):
     assert proc.stderr.startswith("error: chat=true: the model's vocabulary (257 tokens) lacks the chat tokens")
     proc = _cli(f"checkpoint={tmp_path / 'missing.pt'}", "prompt=x")
     assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.strip() == (f"error: checkpoint={tmp_path / 'missing.pt'}: no such file; pass "
-                                   f"checkpoint=PATH to a GPT's laplace checkpoint, e.g. "
-                                   f"runs/gpt/<data>/<run>/ckpt/last.pt")
+    assert proc.stderr.strip() == (f"error: checkpoint={tmp_path / 'missing.pt'}: no such file or folder; pass "
+                                   f"checkpoint=PATH to a GPT's laplace checkpoint "
+                                   f"(runs/gpt/<data>/<run>/ckpt/last.pt) or exported folder")
 
 
 
@@ -213,3 +213,38 @@ def test_calculator_tool_is_arithmetic_only_and_forces_its_output():
     model.fed = []
     assert list(stream_tokens(model, [tok.bos_id], 50, stop_ids=(end,))) == call + [0] * len(output) + tok.encode(" ok")
     assert tools.output_tokens(tok.encode("import os")) == []
+
+
+def test_an_exported_folder_generates_as_its_checkpoint(ckpts, tmp_path):
+    """`python -m laplace.export` folders: eval.generate samples from them as from the checkpoint, plain
+    and chat, the tokenizer read from the folder (a trained BPE travels as tokenizer.json, so the run's
+    own file may be gone)."""
+    from laplace.checkpoint import save_checkpoint
+    from laplace.config import model_node
+    from laplace.export import export
+    from laplace.tokenizer import train_bpe
+    from laplace.zoo import create_model
+
+    kw = ["prompt=The for", "max_new_tokens=12", "temperature=0.8", "device=cpu", "seed=3"]
+    out = export(ckpts["chat"], tmp_path / "bytes_export")  # config.json names "bytes"
+    for mode in ("chat=false", "chat=true"):
+        want = generate(_gen_cfg(f"checkpoint={ckpts['chat']}", mode, *kw), stdout=io.StringIO())
+        assert generate(_gen_cfg(f"checkpoint={out}", mode, *kw), stdout=io.StringIO()) == want and want[0]
+
+    bpe_file = tmp_path / "data" / "tokenizer.json"
+    tok = train_bpe(["The for statement iterates over the items of a list, in order."] * 50, 300, bpe_file)
+    node = dict(model_node("gpt_d2_1L"), vocab_size=300, max_seq_len=32)
+    ckpt = save_checkpoint(tmp_path / "bpe" / "ckpt" / "last.pt", model=randomize_(create_model(**node)),
+                           data_identity={"tokenizer": tok.fingerprint()[:16]},
+                           config={"model": node, "data": {"name": "pydoc_bpe", "tokenizer": str(bpe_file)}})
+    out = export(ckpt, tmp_path / "bpe_export")
+    want = generate(_gen_cfg(f"checkpoint={ckpt}", *kw), stdout=io.StringIO())
+    bpe_file.unlink()
+    assert generate(_gen_cfg(f"checkpoint={out}", *kw), stdout=io.StringIO()) == want and want[0]
+    proc = _cli(f"checkpoint={out}", "prompt=The for", "max_new_tokens=8", "device=cpu")
+    assert proc.returncode == 0 and proc.stdout.startswith("The for"), proc.stderr
+    # an exported ViT is refused in one line
+    vit = save_checkpoint(tmp_path / "vit" / "ckpt" / "last.pt", model=create_model("vitt_0L", depth=1, img_size=16),
+                          config={"model": {"name": "vitt_0L", "depth": 1, "img_size": 16}})
+    with pytest.raises(ConfigError, match="holds vitt_0L, not a GPT"):
+        generate(_gen_cfg(f"checkpoint={export(vit, tmp_path / 'vit_export')}", "device=cpu"), stdout=io.StringIO())

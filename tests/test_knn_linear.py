@@ -165,17 +165,19 @@ def test_cache_reused_and_invalidated(tmp_path):
 
 
 def test_gather_rows_restores_dataset_order(monkeypatch):
-    """Rank r extracts samples r, r + W, ...; the all-gathered rows come back in dataset order
-    (all_gather simulated for 3 ranks, 10 samples: shards of 4, 3, 3 rows, padded to 4)."""
+    """Each rank extracts what DistributedSampler gives it (3 ranks, 10 samples: r, r + 3, ...,
+    wrapping round to 4 each); the all-gathered rows come back in dataset order (all_gather simulated)."""
     import eval.features as ef
     from laplace.dist import DistInfo
+    from torch.utils.data import DistributedSampler
 
     rows = torch.arange(10.0)[:, None].repeat(1, 2)
-    shards = [rows[r::3] for r in range(3)]
+    shards = [rows[list(DistributedSampler(rows, 3, r, shuffle=False))] for r in range(3)]
+    assert [len(s) for s in shards] == [4, 4, 4]
 
     def fake_all_gather(parts, local):
         for r, p in enumerate(parts):
-            p.zero_()[:len(shards[r])] = shards[r]
+            p.copy_(shards[r])
 
     monkeypatch.setattr(ef.dist, "all_gather", fake_all_gather)
     out = ef._gather_rows(shards[1], 10, DistInfo(rank=1, world_size=3))

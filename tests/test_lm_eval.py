@@ -417,3 +417,21 @@ def test_builtin_laplace_pydoc_group_needs_no_data(ckpt, capsys):
     assert 0.0 <= saved["laplace_pydoc_mc/acc"] <= 1.0
     assert 0.5 < saved["laplace_pydoc_text/bits_per_byte"] < 12  # 3 steps: far from the 8 bits of chance
     assert "laplace_pydoc_text" in capsys.readouterr().out
+
+
+def test_an_exported_folder_scores_as_its_checkpoint(ckpt, tmp_path, capsys):
+    """eval.lm on a `python -m laplace.export` folder: the same numbers as on the checkpoint, the
+    tokenizer the folder's tokenizer.json, results.json in <folder>/eval with the run's fields."""
+    from eval.lm import evaluate_lm
+    from laplace.export import export
+
+    out = export(ckpt, tmp_path / "export")
+    kw = ["tasks=[laplace_pydoc]", "bootstrap_iters=0", "device=cpu", "limit=4"]
+    [want] = evaluate_lm(_lm_cfg(f"checkpoint={ckpt}", *kw, f"out={tmp_path / 'from_ckpt'}"))
+    [got] = evaluate_lm(_lm_cfg(f"checkpoint={out}", *kw))
+    saved = json.loads((out / "eval" / "lm_laplace_pydoc_limit4" / "results.json").read_text())
+    assert saved == json.loads(json.dumps(got, default=str)) and saved["checkpoint"] == str(out)
+    assert (saved["model"], saved["num_laplacian_heads"], saved["step"]) == ("gpt_d2_1L", 1, 3)
+    assert saved["dataset"] == want["dataset"] and saved["tasks"] == want["tasks"]
+    assert saved["laplace_pydoc_text/bits_per_byte"] == want["laplace_pydoc_text/bits_per_byte"]
+    assert f"[lm_eval] {out} (step 3)" in capsys.readouterr().out

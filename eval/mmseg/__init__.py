@@ -18,7 +18,5 @@ from . import shim  # noqa: F401  (before anything imports mmseg)
 # model here uses it.
 warnings.filterwarnings("ignore", message=".*MultiScaleDeformableAttention.*")
 
-from .backbone import LaplaceViT  # noqa: E402
-from .hooks import PlainCheckpointHook  # noqa: E402
-
-__all__ = ["LaplaceViT", "PlainCheckpointHook"]
+from .backbone import LaplaceViT  # noqa: E402,F401
+from .hooks import PlainCheckpointHook  # noqa: E402,F401

@@ -11,7 +11,6 @@ On top of mmseg's tools/train.py, the config gets:
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from mmengine.config import Config, DictAction
@@ -29,13 +28,9 @@ def parser(description: str, checkpoint: bool = False) -> argparse.ArgumentParse
     if checkpoint:
         p.add_argument("checkpoint", help="an mmseg checkpoint written by eval.mmseg.train (iter_N.pth)")
     p.add_argument("--work-dir", help="where logs and checkpoints go (default: see eval/mmseg/cli.py)")
-    p.add_argument("--cfg-options", nargs="+", action=DictAction, default={},
-                   help="key=value overrides merged into the config, e.g. "
-                        "model.backbone.checkpoint=PATH data_root=DIR train_cfg.max_iters=2000")
-    p.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none",
-                   help="job launcher (pytorch: under torchrun)")
-    # torch.distributed.launch passes --local-rank; torchrun sets LOCAL_RANK (mmseg's tools do both)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=0)
+    p.add_argument("--cfg-options", nargs="+", action=DictAction, default={},  # e.g. train_cfg.max_iters=2000
+                   help="key=value overrides, e.g. model.backbone.checkpoint=PATH data_root=DIR")
+    p.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none", help="pytorch: torchrun")
     return p
 
 
@@ -54,13 +49,11 @@ def _match_widths(model):
                           "model.backbone.checkpoint=PATH (a laplace checkpoint of a ViT)")
     for m in [model.neck] if model.get("neck") else [model.get("decode_head"), model.get("auxiliary_head")]:
         if m is not None:
-            many = isinstance(m.in_channels, (list, tuple))
-            m.in_channels = [width] * len(m.in_channels) if many else width
+            m.in_channels = [width] * len(m.in_channels) if isinstance(m.in_channels, (list, tuple)) else width
 
 
 def load_config(args) -> Config:
     """The config file, the --cfg-options and the additions of the module docstring."""
-    os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     cfg = Config.fromfile(args.config)
     cfg.launcher = args.launcher
     cfg.merge_from_dict(args.cfg_options)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from mmengine.hooks import Hook
 from mmengine.logging import HistoryBuffer
+from mmengine.utils import apply_to
 from mmseg.registry import HOOKS
 
 # torch >= 2.6 loads with weights_only=True by default and mmengine 0.10.7 calls torch.load without
@@ -22,16 +23,15 @@ _TAG = "__history_buffer__"
 
 def _plain(obj):
     """A copy of obj with HistoryBuffers as tagged dicts and numpy values as Python data."""
-    if isinstance(obj, HistoryBuffer):
-        log, count = obj.data
-        return {_TAG: True, "log": log.tolist(), "count": count.tolist(), "max_length": obj.max_length}
-    if isinstance(obj, dict):
-        return type(obj)((k, _plain(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_plain(v) for v in obj)
-    if isinstance(obj, (np.ndarray, np.generic)):
-        return obj.tolist()
-    return obj
+
+    def plain(v):
+        if isinstance(v, HistoryBuffer):
+            log, count = v.data
+            return {_TAG: True, "log": log.tolist(), "count": count.tolist(), "max_length": v.max_length}
+        return v.tolist()  # a numpy array or scalar
+
+    # mmengine's apply_to walks the dicts, lists and tuples (a new object: the live hub is untouched)
+    return apply_to(obj, lambda v: isinstance(v, (HistoryBuffer, np.ndarray, np.generic)), plain)
 
 
 def _rebuild(obj):
@@ -51,7 +51,7 @@ class PlainCheckpointHook(Hook):
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         for key in ("message_hub", "meta"):
             if key in checkpoint:
-                checkpoint[key] = _plain(checkpoint[key])  # a new object: the live hub is untouched
+                checkpoint[key] = _plain(checkpoint[key])
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         if "message_hub" in checkpoint:

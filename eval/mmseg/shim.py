@@ -23,14 +23,6 @@ _HINT = ("needs mmcv's compiled ops, and mmcv-lite (the [seg] extra) has none; i
          "mmcv 2.1.0 (from source, see eval/mmseg/shim.py) instead of mmcv-lite")
 
 
-def full_mmcv() -> bool:
-    """True when mmcv with compiled ops is installed (then the shim stays out of the way)."""
-    try:
-        return importlib.util.find_spec("mmcv._ext") is not None
-    except ImportError:  # no mmcv at all
-        return False
-
-
 def _sigmoid_focal_loss(*args, **kwargs):
     # mmseg calls the compiled focal loss for CUDA tensors only, its own PyTorch one otherwise.
     raise RuntimeError(f"mmcv.ops.sigmoid_focal_loss (CUDA focal loss) {_HINT}")
@@ -49,9 +41,7 @@ def _stub_ops() -> types.ModuleType:
     sys.modules["mmcv.ops"] = ops
     mmcv.ops = ops
     point_sample = importlib.import_module("mmcv.ops.point_sample")
-    ops.point_sample = point_sample.point_sample
-    ops.bilinear_grid_sample = point_sample.bilinear_grid_sample
-    ops.SimpleRoIAlign = point_sample.SimpleRoIAlign
+    ops.point_sample = point_sample.point_sample  # the one op mmseg's models import unconditionally
     ops.sigmoid_focal_loss = _sigmoid_focal_loss
 
     def __getattr__(name: str):
@@ -85,13 +75,12 @@ def _package_configs():
 
 def apply() -> bool:
     """Install the stub `mmcv.ops` if needed; True when the mmcv shim is active."""
-    if importlib.util.find_spec("mmengine") is not None:
-        _package_configs()
+    _package_configs()  # mmengine comes with mmseg (the [seg] extra)
     current = sys.modules.get("mmcv.ops")
     if current is not None:
         return bool(getattr(current, "__laplace_shim__", False))
-    if importlib.util.find_spec("mmcv") is None or full_mmcv():
-        return False
+    if importlib.util.find_spec("mmcv") is None or importlib.util.find_spec("mmcv._ext") is not None:
+        return False  # no mmcv, or full mmcv with its compiled ops: the shim stays out of the way
     _stub_ops()
     return True
 

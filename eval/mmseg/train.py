@@ -6,6 +6,8 @@
         --cfg-options model.backbone.checkpoint=PATH data_root=DIR train_cfg.max_iters=50
     torchrun --nproc-per-node 8 -m eval.mmseg.train CONFIG --launcher pytorch --cfg-options ...
     python -m eval.mmseg.train CONFIG --work-dir DIR --resume      # continue DIR's last checkpoint
+    python -m eval.mmseg.train CONFIG --cfg-options optim_wrapper.type=AmpOptimWrapper \
+        optim_wrapper.loss_scale=dynamic ...                       # mixed precision (mmseg's --amp)
 
 Work dir, data_root and head widths: eval/mmseg/cli.py. Checkpoints: DIR/iter_N.pth (mmengine's
 format; DIR/last_checkpoint names the newest); `python -m eval.mmseg.test CONFIG DIR/iter_N.pth`
@@ -22,12 +24,9 @@ from laplace.errors import cli_errors
 def main(argv=None):
     p = cli.parser("Train an mmseg segmentor with a laplace ViT backbone")
     p.add_argument("--resume", action="store_true", help="continue from the work dir's last checkpoint")
-    p.add_argument("--amp", action="store_true", help="mixed precision (mmengine's AmpOptimWrapper)")
     args = p.parse_args(argv)
     cfg = cli.load_config(args)
     cfg.resume = args.resume
-    if args.amp:
-        cfg.optim_wrapper.type, cfg.optim_wrapper.loss_scale = "AmpOptimWrapper", "dynamic"
     Runner.from_cfg(cfg).train()
 
 

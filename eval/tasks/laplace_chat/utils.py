@@ -16,34 +16,28 @@ special tokens' strings: `<|bos|><|user_start|>USER<|user_end|><|assistant_start
                                     prompt's imports with the test and `check(entry_point)` in a
                                     subprocess with a timeout; acc = pass@1 (greedy).
 
-Data (`load_dataset`, the tasks' `custom_dataset`): the hub dataset through `datasets`
-(offline: HF_DATASETS_OFFLINE=1 with a filled HF cache), or with the TaskManager metadata
-`data_root=DIR` a local copy at `DIR/<repo name>` in the hub repo's layout (DIR/ai2_arc,
-DIR/mmlu, DIR/gsm8k, DIR/openai_humaneval, e.g. from `hf download allenai/ai2_arc
---repo-type dataset --local-dir DIR/ai2_arc`; parquet or jsonl), read by
-`laplace.data.chat.load_split`.
-
-Generated code runs only when asked: the HumanEval task is `unsafe_code` (lm-eval wants
-`confirm_run_unsafe_code=True`) and, besides, loading or scoring it raises unless the
-environment has LAPLACE_ALLOW_CODE_EXECUTION=1 (`python -m eval.lm allow_code_execution=true`
-sets it for its own run).
+Data: the hub datasets through `datasets`, or local copies in the hub layout (`data_root=DIR`).
+Generated code runs only when asked: HumanEval is `unsafe_code` and, besides, needs
+LAPLACE_ALLOW_CODE_EXECUTION=1 (`python -m eval.lm allow_code_execution=true` sets it).
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
 
+from laplace.chat_format import chat_prompt_text as chat_prompt  # one user turn, the assistant's opened
 from laplace.data import DatasetNotFoundError
-from laplace.chat_format import chat_prompt_text
 from laplace.data.chat import render_mc
 from laplace.errors import UserError
 
 ALLOW_ENV = "LAPLACE_ALLOW_CODE_EXECUTION"
-MMLU_LETTERS = ("A", "B", "C", "D")
 TIMEOUT_S = 5.0          # nanochat's execute_code: 5 s per program
 MEMORY_BYTES = 1 << 30   # address-space cap of a program (nanochat: 256 MB; 1 GB: Python + numpy fit)
 
@@ -52,14 +46,10 @@ class CodeExecutionRefused(UserError, RuntimeError):
     """HumanEval asked for without the code-execution flag."""
 
 
-def code_execution_allowed() -> bool:
-    return os.environ.get(ALLOW_ENV, "") == "1"
-
-
-def require_code_execution(what: str = "laplace_chat_humaneval") -> None:
-    if not code_execution_allowed():
+def require_code_execution() -> None:
+    if os.environ.get(ALLOW_ENV, "") != "1":
         raise CodeExecutionRefused(
-            f"{what} runs model-generated code: pass allow_code_execution=true to python -m eval.lm "
+            f"laplace_chat_humaneval runs model-generated code: pass allow_code_execution=true to python -m eval.lm "
             f"(or set {ALLOW_ENV}=1 and confirm_run_unsafe_code=True), or leave the task out")
 
 
@@ -67,16 +57,18 @@ def require_code_execution(what: str = "laplace_chat_humaneval") -> None:
 
 def load_dataset(repo: str, subset: str | None = None, split: str = "test", data_root: str | None = None,
                  **_metadata):
-    """{split: datasets.Dataset} of one hub dataset: `repo` from the hub (or its cache), or
-    the local copy `<data_root>/<repo name>` (hub layout, `laplace.data.chat.load_split`)."""
+    """{split: datasets.Dataset} of one hub dataset (the tasks' `custom_dataset`): `repo` from the
+    hub (or its cache), or the local copy `<data_root>/<repo name>` (`hf download <repo>
+    --repo-type dataset --local-dir DIR/<repo name>`: parquet or jsonl)."""
     import datasets
 
     from laplace.data.chat import load_split
 
     if repo == "openai/openai_humaneval":  # refuse before any model work, not after generating
         require_code_execution()
-    if data_root:
-        path = os.path.join(os.path.expanduser(str(data_root)), repo.split("/")[-1])
+    name = repo.split("/")[-1]
+    if data_root:  # lm-eval passes the TaskManager's metadata (eval.lm's data_root=)
+        path = os.path.join(os.path.expanduser(str(data_root)), name)
         if not os.path.isdir(path):
             raise DatasetNotFoundError(f"data_root={data_root}: no folder {path} (the copy of {repo}); make it "
                                        f"with `hf download {repo} --repo-type dataset --local-dir {path}`")
@@ -85,7 +77,6 @@ def load_dataset(repo: str, subset: str | None = None, split: str = "test", data
         return datasets.DatasetDict({split: load_split(repo, subset, split, key="repo")})
     except DatasetNotFoundError as e:
         reason = str(e).split(": ", 2)[-1].split("; offline")[0]
-        name = repo.split("/")[-1]
         raise DatasetNotFoundError(
             f"{repo} ({subset}, {split}): {reason}; offline, fill the HF cache (HF_DATASETS_OFFLINE=1 then "
             f"reads it) or download a copy, `hf download {repo} --repo-type dataset "
@@ -93,32 +84,14 @@ def load_dataset(repo: str, subset: str | None = None, split: str = "test", data
 
 
 # ---------------------------------------------------------------------------------- prompts
-
-chat_prompt = chat_prompt_text  # one user turn, the assistant's opened (render_for_completion as text)
-
-
-def arc_letters(doc) -> list[str]:
-    return list(doc["choices"]["label"])  # the dataset's own labels (a few rows use 1-4), as nanochat
-
+# The letters and the answer's index are jinja in the YAMLs: an ARC row's own labels (a few use 1-4).
 
 def arc_prompt(doc) -> str:
-    return chat_prompt(render_mc(doc["question"], arc_letters(doc), doc["choices"]["text"]))
-
-
-def arc_target(doc) -> int:
-    return arc_letters(doc).index(doc["answerKey"])
-
-
-def mmlu_letters(doc) -> list[str]:
-    return list(MMLU_LETTERS[:len(doc["choices"])])
+    return chat_prompt(render_mc(doc["question"], doc["choices"]["label"], doc["choices"]["text"]))
 
 
 def mmlu_prompt(doc) -> str:
-    return chat_prompt(render_mc(doc["question"], mmlu_letters(doc), doc["choices"]))
-
-
-def mmlu_target(doc) -> int:
-    return int(doc["answer"])
+    return chat_prompt(render_mc(doc["question"], "ABCD"[:len(doc["choices"])], doc["choices"]))
 
 
 def gsm8k_prompt(doc) -> str:
@@ -141,9 +114,8 @@ def extract_gsm8k_answer(text: str) -> str | None:
 
 
 def gsm8k_process_results(doc, results) -> dict:
-    ref = extract_gsm8k_answer(doc["answer"])
-    pred = extract_gsm8k_answer(results[0])
-    return {"acc": float(pred is not None and pred == ref)}
+    pred = extract_gsm8k_answer(results[0])  # no #### answer: wrong, as nanochat
+    return {"acc": float(pred is not None and pred == extract_gsm8k_answer(doc["answer"]))}
 
 
 # ---------------------------------------------------------------------------------- HumanEval
@@ -151,54 +123,25 @@ def gsm8k_process_results(doc, results) -> dict:
 _CODE_BLOCK = re.compile(r"```(?:python)?\s*\n(.*?)\n```", re.DOTALL)
 
 
-def extract_imports(prompt: str) -> str:
-    """The import lines at the top of a HumanEval prompt (nanochat's `extract_imports`)."""
-    imports = []
-    for line in prompt.split("\n"):
-        s = line.strip()
-        if s.startswith(("import ", "from ")):
-            imports.append(s)
-        elif s and not s.startswith("#"):
-            break
-    return "\n".join(imports)
-
-
-def extract_program(completion: str) -> str:
-    """The first ```python (or ```) block of a reply, else the whole reply (nanochat)."""
-    m = _CODE_BLOCK.findall(completion)
-    return (m[0] if m else completion).strip()
-
-
 def humaneval_program(doc, completion: str) -> str:
-    """imports + the reply's code + the test + check(entry_point), as nanochat assembles it."""
-    return (extract_imports(doc["prompt"]) + "\n\n" + extract_program(completion) + "\n\n"
-            + doc["test"] + "\n" + f"check({doc['entry_point']})")
+    """The prompt's imports + the reply's code + the test + check(entry_point), as nanochat assembles it."""
+    # the import lines at the top of the prompt: those before its first line of anything else
+    top = itertools.takewhile(lambda s: not s or s.startswith(("import ", "from ", "#")),
+                              (line.strip() for line in doc["prompt"].split("\n")))
+    imports = [s for s in top if s.startswith(("import ", "from "))]
+    blocks = _CODE_BLOCK.findall(completion)  # the first ```python (or ```) block, else the whole reply
+    code = (blocks[0] if blocks else completion).strip()
+    return "\n".join(imports) + "\n\n" + code + "\n\n" + doc["test"] + "\n" + f"check({doc['entry_point']})"
 
 
 def _limit_memory():  # in the child, before exec
-    try:
-        import resource
-
+    with contextlib.suppress(ValueError, OSError):  # a hard limit below ours: keep it
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-    except (ImportError, ValueError, OSError):
-        pass
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the program's whole process group: it may have started processes of its own."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is already empty
-        pass
 
 
 def run_program(program: str, timeout: float = TIMEOUT_S) -> bool:
     """Run a program in a fresh isolated Python (`-I`) in an empty temporary folder, with a
-    timeout and a memory cap; True when it exits 0. Refuses without the code-execution flag.
-
-    The program leads its own session (process group), which is killed when it times out and
-    also when it ends, so nothing it started (a `sleep`, a server) outlives the check. A program
-    that starts a new session of its own escapes this; the timeout is no sandbox against malice."""
+    timeout and a memory cap; True when it exits 0. Refuses without the code-execution flag."""
     require_code_execution()
     with tempfile.TemporaryDirectory(prefix="laplace_humaneval_") as tmp:
         path = os.path.join(tmp, "program.py")
@@ -206,19 +149,19 @@ def run_program(program: str, timeout: float = TIMEOUT_S) -> bool:
             f.write(program)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "HOME": tmp,
                "OMP_NUM_THREADS": "1"}
-        posix = os.name == "posix"
+        # POSIX: the program leads its own session (process group), killed when it times out and
+        # also when it ends, so nothing it started (a `sleep`, a server) outlives the check. A program
+        # that starts a new session of its own escapes: the timeout is no sandbox against malice.
         proc = subprocess.Popen([sys.executable, "-I", path], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=posix,
-                                preexec_fn=_limit_memory if posix else None)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_limit_memory)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            if posix:
-                _kill_group(proc)
-            else:
-                proc.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already empty
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         return code == 0
 

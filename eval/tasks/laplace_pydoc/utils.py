@@ -19,6 +19,7 @@ def load_mc(**_metadata):
 
     from laplace.data.chat import MMLU, PydocChat, render_mc
 
+    # the val split: every 10th help topic, held out of pre-training (pydoc_text) and SFT alike
     rows = [r for r in PydocChat("val").rows if r["kind"] == "mc"]
     question = "Which section of the Python documentation is this passage from?\n\n{}\n"
     return datasets.DatasetDict({"test": datasets.Dataset.from_list([
