@@ -101,6 +101,9 @@ def check_train(overrides: list[str]) -> None:
     from train import run_dir_from_overrides
 
     overrides = [o for o in overrides if o not in ("-m", "--multirun")]
+    if "--cfg" in overrides:  # --cfg job|hydra|all: Hydra prints the config instead of running
+        i = overrides.index("--cfg")
+        overrides = overrides[:i] + overrides[i + 2:]
     for run in expand_sweeps(overrides):
         cfg = compose("config", run)
         run_dir_from_overrides(cfg, [o for o in run if not o.startswith("hydra/")])  # the checks a run makes first
@@ -138,6 +141,9 @@ def check_argparse(path: Path, module: str | None, args: list[str], monkeypatch)
 
 
 def check_python(argv: list[str], ctx) -> None:
+    if argv[0] == "-c":  # python -c CODE: it compiles
+        compile(argv[1], "<python -c>", "exec")
+        return
     if argv[0] == "-m":
         target, args = argv[1], argv[2:]
     else:
@@ -154,6 +160,8 @@ def check_python(argv: list[str], ctx) -> None:
         out = main(args)
         assert (out / "model.safetensors").is_file()
         return
+    if target.startswith("eval.mmseg") and importlib.util.find_spec("mmseg") is None:
+        return  # the [seg] extra is not installed here: nothing to parse with
     path, module = entry_source(target)
     entry = re.search(r'hydra_entry\("(\w+)"\)', path.read_text())
     if entry:
