@@ -44,6 +44,8 @@ EXTERNAL = {"hf", "wget", "tar", "cd", "mkdir", "unzip", "sha1sum", "source", "s
             "torchrun", "for", "done", "(cd", "export", "lm_eval"}
 
 
+# Why a SystemExit: the entry points run inside laplace.errors.cli_errors, which treats any other
+# exception as a bug (traceback, then a hard exit of the process) but passes a status-0 exit on.
 class Parsed(SystemExit):
     """Raised by argparse once a command's arguments are read: the command stops there (a
     SystemExit of status 0, which the entry points' error handling passes on)."""
@@ -60,16 +62,18 @@ def code_blocks(text: str, lang: str) -> list[str]:
 def shell_commands(text: str, inline: bool = False) -> list[list[str]]:
     """The commands of the ```bash blocks, one argv each, trailing comments dropped; `inline`: also
     those quoted in the prose (`python ...`, `bash ...`: in the README each is a whole command)."""
+    # a trailing backslash continues a command on the next line, as in a shell
     lines = [ln for block in code_blocks(text, "bash") for ln in block.replace("\\\n", " ").splitlines()]
     if inline:
         prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
         lines += re.findall(r"`((?:python|bash) [^`]+)`", prose)
+    # shlex splits as bash does: quotes kept together ('checkpoint={1}/...'), `# ...` dropped
     return [argv for argv in (shlex.split(ln, comments=True) for ln in lines) if argv]
 
 
 def failures(commands: list[list[str]], ctx, strict: bool) -> list[str]:
     """'<command>: <why>' for each command that fails its check (or, strict, is of an unknown kind)."""
-    failed = []
+    failed = []  # every failing command named at once, not the first one alone
     for argv in commands:
         try:
             if not check_command(argv, ctx) and strict:
@@ -80,6 +84,7 @@ def failures(commands: list[list[str]], ctx, strict: bool) -> list[str]:
 
 
 def compose(config_name: str, overrides: list[str]):
+    # the recipe cards' composition: Hydra's compose API on configs/, the zoo's model source included
     from train.recipe import compose_config
 
     return compose_config(overrides, config_name)
@@ -88,6 +93,7 @@ def compose(config_name: str, overrides: list[str]):
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
     """One override list per value of each sweep (`k=a,b`: [.., k=a, ..] and [.., k=b, ..]; other
     sweeps at their first value): every value is composed, without the product of all."""
+    # Hydra's compose refuses a sweep value ("a,b"); its own parser says which overrides sweep
     parsed = OverridesParser.create().parse_overrides(overrides)
     first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else raw
              for o, raw in zip(parsed, overrides)]
@@ -107,7 +113,9 @@ def check_train(overrides: list[str]) -> None:
         overrides = overrides[:i] + overrides[i + 2:]
     for run in expand_sweeps(overrides):
         cfg = compose("config", run)
-        run_dir_from_overrides(cfg, [o for o in run if not o.startswith("hydra/")])  # the checks a run makes first
+        # train.py names the run folder from its task overrides (hydra/launcher=... is Hydra's own),
+        # and naming it runs the checks a run makes first: mandatory values, fit, the schema
+        run_dir_from_overrides(cfg, [o for o in run if not o.startswith("hydra/")])
 
 
 def entry_source(target: str) -> tuple[Path, str | None]:
@@ -130,6 +138,8 @@ def check_argparse(path: Path, module: str | None, args: list[str], monkeypatch)
     def parse_then_stop(self, a=None, namespace=None):
         raise Parsed(original(self, a, namespace))
 
+    # in this process rather than `python ... --help`: one import of torch for every command, and
+    # the arguments themselves are read (a --help would not look at them)
     with monkeypatch.context() as m:
         m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
         m.setattr(sys, "argv", [str(path), *args])
@@ -155,7 +165,7 @@ def check_python(argv: list[str], ctx) -> None:
         head = next(i for i, a in enumerate(args) if not a.startswith("--"))
         check_argparse(*entry_source(target), args, ctx.monkeypatch)
         return check_python(args[head:], ctx)
-    if target == "laplace.export":
+    if target == "laplace.export":  # key=value arguments without a parser: run it on the tiny run
         from laplace.export import main
 
         out = main(args)
@@ -164,6 +174,7 @@ def check_python(argv: list[str], ctx) -> None:
     if target.startswith("eval.mmseg") and importlib.util.find_spec("mmseg") is None:
         return  # the [seg] extra is not installed here: nothing to parse with
     path, module = entry_source(target)
+    # a Hydra entry names its config in its decorator: the source says which one, without importing it
     entry = re.search(r'hydra_entry\("(\w+)"\)', path.read_text())
     if entry:
         from laplace.config import check_required
@@ -179,7 +190,7 @@ def check_python(argv: list[str], ctx) -> None:
 def check_bash(argv: list[str], ctx) -> None:
     script, args = argv[0], argv[1:]
     assert (ROOT / script).is_file(), f"no file {script}"
-    subprocess.run(["bash", "-n", str(ROOT / script)], check=True, timeout=60)
+    subprocess.run(["bash", "-n", str(ROOT / script)], check=True, timeout=60)  # parses, runs nothing
     if script == "slurm/paper.sh":  # exec python scripts/paper_runs.py "$@"
         check_argparse(ROOT / "scripts" / "paper_runs.py", None, args, ctx.monkeypatch)
     elif script == "slurm/submit.sh":  # sbatch flags, a script of slurm/, the script's arguments
@@ -206,6 +217,7 @@ def check_command(argv: list[str], ctx) -> bool:
     """Check one command; False when it is of a kind this test does not know."""
     while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):  # VAR=value before the program
         argv = argv[1:]
+    # <run> and friends become a real run folder: a command that reads it (an export) finds one
     argv = [PLACEHOLDER.sub(str(ctx.run), a) for a in argv]
     program, rest = argv[0], argv[1:]
     if program == "python":
@@ -264,6 +276,7 @@ def test_every_command_of_the_manual_runs(page, ctx):
 def test_the_readme_python_block_runs(tiny_run, tmp_path, monkeypatch):
     """The library block as a user pastes it; its load_model path is the tiny run's checkpoint."""
     (block,) = [b for b in code_blocks(README.read_text(), "python") if "import laplace" in b]
+    # the block names the checkpoint `python train.py model=vitt_3L` would write; ours is the tiny one
     block = re.sub(r'load_model\("[^"]+"\)', f'load_model("{tiny_run / "ckpt" / "last.pt"}")', block)
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
