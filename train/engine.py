@@ -234,14 +234,9 @@ class Trainer:
             net = nn.parallel.DistributedDataParallel(net, device_ids=ids, forward_sync_buffers=False)
         return torch.compile(net) if self.compile else net
 
-    def _to_device(self, x):
-        if isinstance(x, torch.Tensor):
-            return x.to(self.device, non_blocking=True)
-        if isinstance(x, (list, tuple)):
-            return type(x)(self._to_device(v) for v in x)
-        if isinstance(x, dict):
-            return {k: self._to_device(v) for k, v in x.items()}
-        return x
+    def _to_device(self, batch):
+        # tensors anywhere in a batch (lists, tuples, dicts of them: multi-crop, decoded images)
+        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), batch)
 
     def _throughput(self, units_per_s: float) -> dict:
         """Units per second, and the model FLOPs utilisation where the trainer counts FLOPs."""
@@ -312,7 +307,7 @@ class Trainer:
 
     def fit(self, stop: StopRequest | None = None) -> dict:
         """Train to total_steps (or trainer.stop_after more steps); returns the last metrics.
-        `stop` is the signal flag (train.run installs it before set-up); None: fit's own."""
+        `stop`: the signal flag train.run installs before set-up (None: fit's own)."""
         with contextlib.nullcontext(stop) if stop is not None else StopRequest() as stop:
             return self.setup()._fit(stop)
 
