@@ -152,10 +152,15 @@ def checkout() -> Path:
                     f"from the checkout ({Path.cwd()} is none)")
 
 
-def run_command(name: str) -> None:
-    """Run console script `name` (a key of COMMANDS) as its command line runs: `python -m mod`
-    (runpy.run_module, the module as __main__) or `python file.py` (runpy.run_path), with
-    sys.argv[1:] as they are and the checkout first on sys.path, as `python` puts it there."""
+def main() -> None:
+    """Every console script (pyproject's [project.scripts] all name this function): run the command
+    line of COMMANDS that the script's own name picks, as `python -m mod` (runpy.run_module, the
+    module as __main__) or `python file.py` (runpy.run_path) runs it, with sys.argv[1:] as they are
+    and the checkout first on sys.path, as `python` puts it there."""
+    # pip's launcher sets argv[0] to the script's path (on Windows with .exe): its name is the command.
+    name = Path(sys.argv[0]).name.removesuffix(".exe")
+    if name not in COMMANDS:  # called by hand under another name: say what it serves
+        raise SystemExit(f"error: {name} is not a laplace console script ({', '.join(COMMANDS)})")
     root = cli_errors(checkout)()
     target = COMMANDS[name]
     sys.path.insert(0, str(root))
@@ -164,60 +169,3 @@ def run_command(name: str) -> None:
     else:
         sys.argv[0] = str(root / target)
         runpy.run_path(sys.argv[0], run_name="__main__")
-
-
-# One function per console script (pyproject's [project.scripts] names them).
-def train():
-    run_command("laplace-train")
-
-
-def launch():
-    run_command("laplace-launch")
-
-
-def recipe():
-    run_command("laplace-recipe")
-
-
-def prepare():
-    run_command("laplace-prepare")
-
-
-def knn():
-    run_command("laplace-knn")
-
-
-def linear():
-    run_command("laplace-linear")
-
-
-def segmentation():
-    run_command("laplace-segmentation")
-
-
-def generate():
-    run_command("laplace-generate")
-
-
-def lm_eval():
-    run_command("laplace-lm-eval")
-
-
-def lm_harness():
-    run_command("laplace-lm-harness")
-
-
-def analysis():
-    run_command("laplace-analysis")
-
-
-def tables():
-    run_command("laplace-tables")
-
-
-def figures():
-    run_command("laplace-figures")
-
-
-def bench():
-    run_command("laplace-bench")
