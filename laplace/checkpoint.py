@@ -34,6 +34,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.nn as nn
+from timm.models import clean_state_dict  # strips DDP's `module.` and torch.compile's `_orig_mod.`
 
 from .dist import unwrap
 from .errors import ConfigError, UserError
@@ -42,21 +43,10 @@ from .zoo import model_label
 
 FORMAT = "laplace-checkpoint"
 VERSION = 2
-_PREFIXES = ("_orig_mod.", "module.")
 
 
 class CheckpointError(UserError, ValueError):
     """A file that is not a laplace checkpoint, or is truncated / corrupt."""
-
-
-def clean_state_dict(sd: dict) -> dict:
-    """Strip compile / DDP prefixes so keys match the bare model."""
-    out = {}
-    for k, v in sd.items():
-        for p in _PREFIXES:
-            k = k.replace(p, "")
-        out[k] = v
-    return out
 
 
 def git_revision() -> str:
@@ -146,12 +136,7 @@ def _read(path: Path, what: str, map_location: Any = "cpu", mmap: bool = False) 
         # timm's train.py saves its argparse Namespace beside the weights (`args`): the one
         # non-tensor class allowed, so the first author's last.pth.tar / model_best.pth.tar load.
         with torch.serialization.safe_globals([argparse.Namespace]):
-            try:
-                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-            except RuntimeError as e:
-                if not mmap or "mmap can only be used" not in str(e):
-                    raise
-                return torch.load(path, map_location=map_location, weights_only=True)  # torch < 1.6's format
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises many types for truncated / foreign pickles
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path} is not a readable {what} (corrupt, truncated or not "
@@ -198,18 +183,11 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     return _validate(ckpt, path)
 
 
-def load_weights(path: str | os.PathLike) -> tuple[dict, Optional[dict]]:
-    """(state dict, model node or None) of a laplace checkpoint or a timm / DeiT weights file
-    (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1`/`gamma_2` LayerScale
-    names too; timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar): what
-    fine-tuning (`trainer.init_from`) and the frozen backbones start from."""
-    path = Path(path)
-    sd, ckpt = _weights(path)
-    return sd, None if ckpt is None else _model_node(ckpt, path)
-
-
 def _weights(path: Path) -> tuple[dict, Optional[dict]]:
-    """(state dict, the validated checkpoint, or None for a timm / DeiT file)."""
+    """(state dict, the validated checkpoint) of a laplace checkpoint, or (state dict, None) of a
+    timm / DeiT weights file (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1` /
+    `gamma_2` LayerScale names; timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar):
+    what fine-tuning (`trainer.init_from`) and the frozen backbones start from."""
     obj = _read(path, "weights file")
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
         return _validate(obj, path)["model"], obj
@@ -338,9 +316,10 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: 
     if not path.is_file():
         raise CheckpointError(f"trainer.init_from: no file at {path}")
     try:
-        sd, src_cfg = load_weights(path)
+        sd, ckpt = _weights(path)
     except CheckpointError as e:  # name the config key that pointed at the file
         raise CheckpointError(f"trainer.init_from: {e}") from None
+    src_cfg = None if ckpt is None else _model_node(ckpt, path)
     if src_cfg is not None:
         got = (src_cfg.get("num_laplacian_heads"), src_cfg.get("laplacian_mode", "fixed"))
         k = model_cfg.num_laplacian_heads
