@@ -332,7 +332,8 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
                   "```python", "import timm", "model = timm.create_model(\"local-dir:<this folder>\", pretrained=True)"
                   "  # or \"hf-hub:<Hub id>\"", "```"]
     else:
-        lines.append(f"timm builds it only where laplace's models are registered with timm: {info['timm_unsupported']}.")
+        why = info["timm_unsupported"]
+        lines.append(f"timm builds it only where laplace's models are registered with timm: {why}.")
     return "\n".join([*lines, "", "## Citation", "", "```bibtex", CITATION, "```", ""])
 
 

@@ -129,9 +129,10 @@ class Tokenizer:
         return self.enc.encode(text, allowed_special="all")
 
     def decode(self, ids) -> str:
-        """Text of ids (a list, tensor or array); specials decode to their strings and bytes that
-        are not valid UTF-8 to U+FFFD."""
-        return self.enc.decode(_as_list(ids), errors="replace")
+        """Text of ids (a list, tensor or array; a [1, T] batch too); specials decode to their strings
+        and bytes that are not valid UTF-8 to U+FFFD."""
+        ids = ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids
+        return self.enc.decode(np.asarray(ids, dtype=np.int64).reshape(-1).tolist(), errors="replace")
 
     def token_bytes(self) -> torch.Tensor:
         """int64 [vocab_size]: the UTF-8 byte length of each token, 0 for special tokens."""
@@ -165,40 +166,6 @@ class Tokenizer:
         if self.spec is None:
             self.spec = str(path)
         return path
-
-
-class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes (ids 0..255) + the specials at 256..264. Encoding skips tiktoken's regex and
-    merge loop, which have nothing to do here: `str.encode` is an order of magnitude faster."""
-
-    def __init__(self):
-        enc = tiktoken.Encoding(
-            "laplace-bytes", pat_str=SPLIT_PATTERN,
-            mergeable_ranks={bytes([i]): i for i in range(256)},
-            special_tokens={name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)})
-        super().__init__("bytes", enc, "<|bos|>", "bytes")
-
-    def encode(self, text: str, prepend_bos: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        return [self.bos_id, *ids] if prepend_bos else ids
-
-    def encode_batch(self, texts: list[str], prepend_bos: bool = False,
-                     num_threads: int | None = None) -> list[list[int]]:
-        return [self.encode(t, prepend_bos) for t in texts]
-
-    def encode_with_specials(self, text: str) -> list[int]:
-        specials = self.enc._special_tokens
-        pattern = "(" + "|".join(re.escape(name) for name in specials) + ")"
-        return [i for piece in re.split(pattern, text) if piece
-                for i in ([specials[piece]] if piece in specials else piece.encode("utf-8"))]
-
-
-def _as_list(ids) -> list[int]:
-    if isinstance(ids, torch.Tensor):
-        return ids.detach().cpu().reshape(-1).tolist()
-    if isinstance(ids, np.ndarray):
-        return ids.reshape(-1).tolist()
-    return [int(i) for i in ids]
 
 
 def _bpe(ranks: dict[bytes, int], pattern: str, spec: str | None) -> Tokenizer:
@@ -290,8 +257,11 @@ def _read_file(path: Path) -> Tokenizer:
 
 @functools.lru_cache(maxsize=16)
 def _load_cached(spec: str, _stamp: tuple | None) -> Tokenizer:
-    if spec == "bytes":
-        return ByteTokenizer()
+    if spec == "bytes":  # the 256 bytes as ranks (no merges), then the specials at 256..264
+        ranks = {bytes([i]): i for i in range(256)}
+        enc = tiktoken.Encoding("laplace-bytes", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
+                                special_tokens={name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)})
+        return Tokenizer("bytes", enc, "<|bos|>", "bytes")
     if spec == "gpt2":
         return _gpt2()
     return _read_file(Path(spec))
