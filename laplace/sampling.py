@@ -12,13 +12,12 @@ Everything runs on the model's device under `torch.inference_mode`, applied per 
 decorator (a `with` block inside a generator would stay active in the caller between steps).
 A sampling generator must live on that device too: `torch.Generator(device=...)`.
 
-`IncrementalDecoder` prints a stream as it comes: it decodes all ids so far and returns the new
-suffix, holding back a trailing U+FFFD, which is a multi-byte character (or a BPE token cut
-inside one) still incomplete; so é, emoji and CJK characters appear whole.
+`IncrementalDecoder` prints a stream as it comes, each character once it is whole.
 """
 from __future__ import annotations
 
 import ast
+import codecs
 import operator
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -171,23 +170,19 @@ def sample_texts(model: nn.Module, tok, prompts: Sequence[str], max_new_tokens: 
 
 
 class IncrementalDecoder:
-    """Text of a token stream as it grows: `push(id)` returns the text to print now."""
+    """Text of a token stream as it grows: `push(id)` returns the text to print now, `printed` is
+    all of it so far. Python's incremental UTF-8 decoder holds back a character until its last
+    byte has come, so é, emoji and CJK characters (or a BPE token cut inside one) print whole."""
 
     def __init__(self, tok):
-        self.tok, self.ids, self.printed = tok, [], ""
+        self.tok, self.utf8, self.printed = tok, codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
 
-    def push(self, token: int) -> str:
-        self.ids.append(int(token))
-        text = self.tok.decode(self.ids)
-        stable = text.rstrip("\ufffd")  # an incomplete character at the end: wait for its bytes
-        if not stable.startswith(self.printed):  # a later token re-read earlier bytes
-            return ""
-        new, self.printed = stable[len(self.printed):], stable
+    def push(self, token: int, final: bool = False) -> str:
+        data = b"" if token is None else self.tok.enc.decode_single_token_bytes(int(token))
+        new = self.utf8.decode(data, final=final)
+        self.printed += new
         return new
 
     def flush(self) -> str:
         """What is left at the end (a character that never completed prints as U+FFFD)."""
-        text = self.tok.decode(self.ids)
-        new = text[len(self.printed):] if text.startswith(self.printed) else ""
-        self.printed = text
-        return new
+        return self.push(None, final=True)
