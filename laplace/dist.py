@@ -76,31 +76,24 @@ def _env_ranks() -> tuple[int, int, int]:
 
 def resolve_device(device: str = "auto", index: int = 0) -> torch.device:
     """"auto" -> CUDA when available, else CPU; asking for CUDA without one is a one-line error.
-    Every entry point (training, evaluation, analysis, generation) resolves its device here, so
-    a CUDA device also turns TF32 on (`use_tf32`).
-
-    index is the local rank; it is taken modulo the visible GPUs because Slurm's --gpus-per-task /
-    --gpu-bind give each task its own CUDA_VISIBLE_DEVICES (one GPU, index 0), while --gpus=N or
-    torchrun show every GPU of the node to every process (index = local rank).
-    """
+    Every entry point (training, evaluation, analysis, generation) resolves its device here.
+    index is the local rank (see below)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={device} but no CUDA device is visible; use cpu or auto")
-        dev = torch.device("cuda", index % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
-        use_tf32(dev)
-        return dev
-    return torch.device(device)
-
-
-def use_tf32(device: torch.device):
-    """On CUDA, float32 matmuls in TF32 (10 mantissa bits, several times float32's rate; torch
-    already runs float32 convolutions so), as nanochat and timm's train.py set it: the matmuls bf16
-    autocast does not take (runs with trainer.amp=false, float32 forwards of the analysis, k-NN
-    similarities). The analysis accumulators are float64, which TF32 leaves alone."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
+    if not device.startswith("cuda"):
+        return torch.device(device)
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={device} but no CUDA device is visible; use cpu or auto")
+    # Modulo the visible GPUs: Slurm's --gpus-per-task / --gpu-bind give each task its own
+    # CUDA_VISIBLE_DEVICES (one GPU, index 0), while --gpus=N or torchrun show every GPU of the
+    # node to every process (index = local rank).
+    dev = torch.device("cuda", index % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
+    # float32 matmuls in TF32 (10 mantissa bits, several times float32's rate; torch already runs
+    # float32 convolutions so), as nanochat and timm's train.py set it: the matmuls bf16 autocast
+    # does not take (trainer.amp=false, the analysis' float32 forwards, k-NN similarities). The
+    # analysis accumulators are float64, which TF32 leaves alone.
+    torch.set_float32_matmul_precision("high")
+    return dev
 
 
 def setup(device: str = "auto") -> DistInfo:
