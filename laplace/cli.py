@@ -66,6 +66,20 @@ def hydra_entry(config_name: str):
     failure exits at once), inside Hydra's task function so that no error reaches Hydra's own handler."""
 
     def decorate(fn):
+        user = {}  # the user's HYDRA_FULL_ERROR, read when the command starts
+
+        @functools.wraps(fn)  # fn's name, module and file: Hydra names the job after them
+        def task(cfg):
+            from omegaconf.errors import MissingMandatoryValue
+
+            _set_env("HYDRA_FULL_ERROR", user["value"])  # the task's own processes inherit the user's
+            try:
+                return fn(cfg)
+            except MissingMandatoryValue as e:  # a `???` left unset: one line naming the key
+                from .config import required_error
+
+                raise required_error(e.full_key) from None
+
         @functools.wraps(fn)
         def main():
             import hydra
@@ -73,26 +87,14 @@ def hydra_entry(config_name: str):
             path = cli_errors(config_dir)(config_name)
             # Hydra prints its own errors (an unknown key, a bad override, a model the zoo cannot
             # build) in several lines; with HYDRA_FULL_ERROR set it raises them, and they become one.
-            user_setting = os.environ.get("HYDRA_FULL_ERROR")
+            user["value"] = os.environ.get("HYDRA_FULL_ERROR")
             os.environ["HYDRA_FULL_ERROR"] = "1"
-            # the wrappers keep fn's name, module and file (functools.wraps): Hydra names the job after them
-            task = cli_errors(_required(_user_setting(fn, user_setting)))
-            run = hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(task)
-            return cli_errors(_hydra_errors(run, user_setting))()
+            run = hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(cli_errors(task))
+            return cli_errors(_hydra_errors(run, user["value"]))()
 
         return main
 
     return decorate
-
-
-def _user_setting(fn, value):
-    """`fn` with the user's HYDRA_FULL_ERROR back (the task's own processes inherit it)."""
-    @functools.wraps(fn)
-    def wrapped(cfg):
-        _set_env("HYDRA_FULL_ERROR", value)
-        return fn(cfg)
-
-    return wrapped
 
 
 def _set_env(key: str, value: str | None) -> None:
@@ -110,33 +112,17 @@ def _hydra_errors(run, user_setting):
         try:
             return run()
         except HydraException as e:
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             _set_env("HYDRA_FULL_ERROR", user_setting)
-            if user_setting == "1":
+            if user_setting == "1":  # the user asked for Hydra's own report
                 raise
-            if any(ln.startswith("Available options") for ln in lines):
-                i = next(i for i, ln in enumerate(lines) if ln.startswith("Available options"))
-                options = [ln for ln in lines[i + 1:] if not ln.startswith(("Config search path", "provider="))]
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            starts = [i for i, ln in enumerate(lines) if ln.startswith("Available options")]
+            if starts:  # a group's options, one a line: joined, without Hydra's search path
+                options = [ln for ln in lines[starts[0] + 1:] if not ln.startswith(("Config search path", "provider="))]
                 raise UserError(f"{lines[0]}; choose one of: {', '.join(options)}") from None
             raise UserError(" ".join(lines[:2]) or type(e).__name__) from None
         finally:
             _set_env("HYDRA_FULL_ERROR", user_setting)
-
-    return wrapped
-
-
-def _required(fn):
-    """A mandatory value (`???`) left unset, as one line naming the key."""
-    from omegaconf.errors import MissingMandatoryValue
-
-    @functools.wraps(fn)
-    def wrapped(cfg):
-        try:
-            return fn(cfg)
-        except MissingMandatoryValue as e:
-            from .config import required_error
-
-            raise required_error(e.full_key) from None
 
     return wrapped
 
