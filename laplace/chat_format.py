@@ -70,38 +70,34 @@ def _describe(conversation) -> str:
 
 def _messages(conversation) -> list[dict]:
     """The validated messages, the system message merged into the first user message."""
-    if not isinstance(conversation, Mapping) or not isinstance(conversation.get("messages"), Sequence):
-        raise ConversationError(f"{_describe(conversation)}: expected {{'messages': [...]}}")
-    messages = list(conversation["messages"])
+    def bad(why: str) -> ConversationError:
+        return ConversationError(f"{_describe(conversation)}: {why}")
+
+    messages = conversation.get("messages") if isinstance(conversation, Mapping) else None
+    if not isinstance(messages, Sequence):
+        raise bad("expected {'messages': [...]}")
     if not messages:
-        raise ConversationError(f"{_describe(conversation)}: it has no messages")
+        raise bad("it has no messages")
     if not all(isinstance(m, Mapping) for m in messages):
-        raise ConversationError(f"{_describe(conversation)}: every message must be a "
-                                f"{{'role': ..., 'content': ...}} mapping")
+        raise bad("every message must be a {'role': ..., 'content': ...} mapping")
+    messages = list(messages)
     if messages[0].get("role") == "system":  # nanochat's surgery: prepend it to the first user turn
         if len(messages) < 2 or messages[1].get("role") != "user":
-            raise ConversationError(f"{_describe(conversation)}: a system message must be followed "
-                                    f"by a user message")
+            raise bad("a system message must be followed by a user message")
         if not isinstance(messages[0].get("content"), str):
-            raise ConversationError(f"{_describe(conversation)}: the system message's content must "
-                                    f"be a string")
-        merged = dict(messages[1])
-        merged["content"] = messages[0]["content"] + "\n\n" + messages[1]["content"]
+            raise bad("the system message's content must be a string")
+        merged = {**messages[1], "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}
         messages = [merged] + messages[2:]
     for i, m in enumerate(messages):
-        want = "user" if i % 2 == 0 else "assistant"
-        role = m.get("role")
+        # roles alternate user, assistant, ... starting with the user (as nanochat asserts)
+        want, role, content = ("user", "assistant")[i % 2], m.get("role"), m.get("content")
         if role != want:
-            raise ConversationError(f"{_describe(conversation)}: message {i} (after merging the system "
-                                    f"message) is from {role!r} but should be from {want!r}: roles "
-                                    f"alternate user, assistant, ... starting with the user")
-        content = m.get("content")
+            raise bad(f"message {i} (after merging the system message) is from {role!r} but should be from "
+                      f"{want!r}: roles alternate user, assistant, ... starting with the user")
         if role == "user" and not isinstance(content, str):
-            raise ConversationError(f"{_describe(conversation)}: user message {i} must have string "
-                                    f"content, got {type(content).__name__}")
+            raise bad(f"user message {i} must have string content, got {type(content).__name__}")
         if role == "assistant" and not isinstance(content, (str, list, tuple)):
-            raise ConversationError(f"{_describe(conversation)}: assistant message {i} must have a "
-                                    f"string or a list of parts, got {type(content).__name__}")
+            raise bad(f"assistant message {i} must have a string or a list of parts, got {type(content).__name__}")
     return messages
 
 
