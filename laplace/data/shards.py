@@ -146,20 +146,20 @@ class TokenStream:
             self._cum.append(self._cum[-1] + len(a))
             del a
         self.num_tokens = self._cum[-1]
-        self._windows = max(self.num_tokens - 1, 0) // seq_len
+        self.windows_per_epoch = max(self.num_tokens - 1, 0) // seq_len
         if max_windows is not None:
-            self._windows = min(self._windows, max_windows)
+            self.windows_per_epoch = min(self.windows_per_epoch, max_windows)
         per_round = world_size * micro_batch_size
-        if self._windows < per_round:
+        if self.windows_per_epoch < per_round:
             cap = f" (max_windows={max_windows})" if max_windows is not None else ""
             raise ConfigError(
                 f"too little data: data.seq_len={seq_len} x micro batch {micro_batch_size} x "
                 f"world size {world_size} needs {per_round * seq_len + 1} tokens, the shards hold "
-                f"{self.num_tokens} tokens ({self._windows} windows{cap})")
+                f"{self.num_tokens} tokens ({self.windows_per_epoch} windows{cap})")
         # An epoch ends when fewer than one round's windows remain (dropped, like drop_last), or
         # one optimizer step's (set_step_windows); the next starts again at window 0.
-        self._epoch_windows = self._windows // per_round * per_round
-        self._epoch, self._position = 0, 0
+        self._epoch_end = self.windows_per_epoch // per_round * per_round
+        self.epoch, self.position = 0, 0  # position: windows consumed this epoch, over all ranks
         self._maps: dict[int, np.ndarray] = {}  # opened on first use, see _map
         if step_windows:
             self.set_step_windows(step_windows)
@@ -174,38 +174,26 @@ class TokenStream:
         if windows < 1 or windows % per_round:
             raise ValueError(f"set_step_windows({windows}): must be a positive multiple of "
                              f"world size x micro batch ({per_round})")
-        if self._windows < windows:
+        if self.windows_per_epoch < windows:
             raise ConfigError(f"too little data: one step of {windows} windows of data.seq_len="
                               f"{self.seq_len} needs {windows * self.seq_len + 1} tokens, the shards "
-                              f"hold {self.num_tokens} tokens ({self._windows} windows)")
-        self._epoch_windows = self._windows // windows * windows
-
-    @property
-    def windows_per_epoch(self) -> int:
-        return self._windows
+                              f"hold {self.num_tokens} tokens ({self.windows_per_epoch} windows)")
+        self._epoch_end = self.windows_per_epoch // windows * windows
 
     @property
     def micro_batches_per_epoch(self) -> int:
         """Micro-batches each rank yields in a full epoch (the remainder is dropped)."""
-        return self._epoch_windows // (self.world_size * self.micro_batch_size)
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def position(self) -> int:
-        return self._position
+        return self._epoch_end // (self.world_size * self.micro_batch_size)
 
     def state_dict(self) -> dict:
-        return {"epoch": int(self._epoch), "position": int(self._position)}
+        return {"epoch": int(self.epoch), "position": int(self.position)}
 
     def load_state_dict(self, state: dict) -> None:
         epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= self._windows:
+        if epoch < 0 or not 0 <= position <= self.windows_per_epoch:
             raise ValueError(f"bad TokenStream state {state}: position must be in 0 .. "
-                             f"{self._windows} (windows per epoch) and epoch >= 0")
-        self._epoch, self._position = epoch, position
+                             f"{self.windows_per_epoch} (windows per epoch) and epoch >= 0")
+        self.epoch, self.position = epoch, position
 
     def identity(self) -> dict:
         """What the data is, wherever it lies: shard and token counts and a digest of each
@@ -261,15 +249,15 @@ class TokenStream:
         """Yield (x, y), int64 [B, T], from the current state on (one iterator at a time)."""
         per_round = self.world_size * self.micro_batch_size
         while True:
-            while self._position + per_round <= self._epoch_windows:
-                batch = self._batch(self._position)
+            while self.position + per_round <= self._epoch_end:
+                batch = self._batch(self.position)
                 # Advanced before the yield: after k batches the state says k rounds consumed,
                 # so a checkpoint saved after the step that used a batch resumes after it.
-                self._position += per_round
+                self.position += per_round
                 yield batch
             if not self.loop:
                 return
-            self._epoch, self._position = self._epoch + 1, 0
+            self.epoch, self.position = self.epoch + 1, 0
 
 
 class ShardWindows(torch.utils.data.Dataset):
