@@ -243,8 +243,7 @@ def _read_file(path: Path) -> Tokenizer:
                           f"python prepare.py")
     try:
         ranks = {base64.b64decode(t, validate=True): r for r, t in enumerate(obj["ranks"])}
-        pattern = obj["pattern"]
-        specials = obj["special_tokens"]
+        pattern, specials = obj["pattern"], obj["special_tokens"]
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{where} is damaged ({type(e).__name__}: {e}); re-create it with "
                           f"python prepare.py") from None
@@ -277,15 +276,12 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     if spec in ("bytes", "gpt2"):
         return _load_cached(spec, None)
     path = Path(spec).expanduser().absolute()
-    try:
-        st = path.stat()
-    except OSError:
-        st = None
-    if st is None or not path.is_file():
+    if not path.is_file():
         raise DatasetNotFoundError(
             f"tokenizer file not found: looked for {path}; make one with python "
             f"prepare.py source=... (it writes <out>/tokenizer.json), or set the "
             f"tokenizer key to bytes | gpt2 | an existing file")
+    st = path.stat()  # size and time in the cache key: a re-trained file is read again
     return _load_cached(str(path), (st.st_size, st.st_mtime_ns))
 
 
