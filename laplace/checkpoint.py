@@ -136,7 +136,12 @@ def _read(path: Path, what: str, map_location: Any = "cpu", mmap: bool = False) 
         # timm's train.py saves its argparse Namespace beside the weights (`args`): the one
         # non-tensor class allowed, so the first author's last.pth.tar / model_best.pth.tar load.
         with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            except RuntimeError as e:  # a file torch < 1.6 wrote (no zip archive) cannot be mapped: read it
+                if not mmap or "mmap can only be used" not in str(e):
+                    raise
+                return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for truncated / foreign pickles
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path} is not a readable {what} (corrupt, truncated or not "
