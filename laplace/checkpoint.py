@@ -37,7 +37,7 @@ import torch.nn as nn
 from timm.models import clean_state_dict  # strips DDP's `module.` and torch.compile's `_orig_mod.`
 
 from .dist import unwrap
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, one_line
 from .io import atomic_write
 from .zoo import model_label
 
@@ -143,9 +143,8 @@ def _read(path: Path, what: str, map_location: Any = "cpu", mmap: bool = False) 
                     raise
                 return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for truncated / foreign pickles
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path} is not a readable {what} (corrupt, truncated or not "
-                              f"saved by laplace / timm): {first[:200]}") from None
+                              f"saved by laplace / timm): {one_line(e)[:200]}") from None
 
 
 def _validate(ckpt, path: Path) -> dict:
@@ -293,7 +292,7 @@ def _load_export(folder: Path, map_location: Any, eval_mode: bool, **overrides) 
                               f"{' '.join(str(e).split())[:300]}") from None
     except Exception as e:  # safetensors' own error for a corrupt or truncated file
         raise CheckpointError(f"{weights} is not a readable safetensors file (corrupt or truncated): "
-                              f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}") from None
+                              f"{one_line(e)[:200]}") from None
     model.to(map_location)
     return model.eval() if eval_mode else model
 

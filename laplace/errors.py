@@ -88,10 +88,10 @@ def name_storage_error(e: BaseException, path) -> None:
         full.filename = str(path)
 
 
-def one_line(e: UserError) -> str:
-    """The message of a user error. torch re-raises a data-loader worker's exception as
-    `type(e)("Caught <type> in DataLoader worker process N.\nOriginal Traceback ...")`: there the
-    message is the traceback's last line, after its "module.Type: "."""
+def one_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none). torch re-raises
+    a data-loader worker's exception as `type(e)("Caught <type> in DataLoader worker process N.\n
+    Original Traceback ...")`: there the message is the traceback's last line, after its "module.Type: "."""
     lines = str(e).strip().splitlines()
     if len(lines) > 1 and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
         return lines[-1].split(": ", 1)[-1]

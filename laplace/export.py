@@ -29,7 +29,7 @@ import torch.nn as nn
 from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_VERSION, EXPORT_WEIGHTS, CheckpointError,
                          load_checkpoint, load_model, model_from_checkpoint, read_export_config, run_dir_of)
 from .cli import config_dir
-from .errors import ConfigError, UserError, cli_errors
+from .errors import ConfigError, UserError, cli_errors, one_line
 from .io import atomic_dir
 
 CITATION = """@article{zhang2026laplacian,
@@ -354,9 +354,8 @@ def local_or_hub(name_or_path: str | os.PathLike, revision: Optional[str], cache
         raise CheckpointError(f"{name_or_path}: no such file or folder, and not a Hugging Face Hub id "
                               f"(org/name)") from None
     except (OSError, ValueError) as e:  # offline and not cached, not found, no access
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{name_or_path}: no such local folder, and the Hugging Face Hub did not give "
-                              f"it: {first[:200]}") from None
+                              f"it: {one_line(e)[:200]}") from None
 
 
 def from_pretrained(name_or_path: str | os.PathLike, revision: Optional[str] = None, cache_dir=None,

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from laplace.data.shards import shard_dtype
 from laplace.errors import ConfigError
 from laplace.io import atomic_write
-from laplace.tokenizer import MIN_VOCAB, Tokenizer, _cores, capped_texts, load_tokenizer, train_bpe
+from laplace.tokenizer import Tokenizer, _cores, capped_texts, load_tokenizer, train_bpe
 
 from .settings import TEXT_OUTPUTS, _positive, pin, remove_outputs, settings_of
 from .sources import SourceError, open_source
@@ -37,10 +37,7 @@ def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
     path = out / "tokenizer.json"
     if spec != "bpe":  # bytes, gpt2, or a file (copied into out by prepare, once the settings are checked)
         return load_tokenizer(spec)
-    vocab = _positive(cfg, "vocab_size")
-    if vocab <= MIN_VOCAB:
-        raise ConfigError(f"vocab_size={vocab} must exceed {MIN_VOCAB} (256 bytes + 9 special "
-                          f"tokens); the paper uses 65536, the built-in text 4096")
+    vocab = _positive(cfg, "vocab_size")  # (train_bpe says what a too small one must exceed)
     if path.is_file():  # a resumed run keeps its tokenizer: its shards' ids depend on it
         tok = load_tokenizer(path)
         if tok.vocab_size != vocab:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from laplace.data import DatasetNotFoundError
-from laplace.errors import ConfigError, UserError
+from laplace.errors import ConfigError, UserError, one_line
 
 
 class SourceError(UserError, ValueError):
@@ -154,7 +154,7 @@ def _decodes(column, i: int) -> bool:
 
 def _unreadable(f: Path, e: BaseException, where: str = "") -> SourceError:
     return SourceError(f"{f}{where} is not a readable parquet file ({type(e).__name__}: "
-                       f"{_first_line(e)}); download it again or remove it from the source")
+                       f"{one_line(e)[:300]}); download it again or remove it from the source")
 
 
 class HFSource:
@@ -192,12 +192,12 @@ class HFSource:
         except (OSError, datasets.exceptions.DatasetNotFoundError) as e:  # incl. ConnectionError
             raise DatasetNotFoundError(
                 f"source={self.source}: no such local path ({Path(self.source).absolute()}) and "
-                f"`datasets` could not load it ({type(e).__name__}: {_first_line(e)}); set source "
+                f"`datasets` could not load it ({type(e).__name__}: {one_line(e)[:300]}); set source "
                 f"to pydoc, a parquet folder / glob, a local dataset folder or a reachable hub id"
             ) from None
         except ValueError as e:  # an unknown config or split name
             raise ConfigError(f"source={self.source} source_config={self.config} split={split}: "
-                              f"{_first_line(e)}") from None
+                              f"{one_line(e)[:300]}") from None
 
     def _batches(self, ds, batch: int) -> Iterator[list[str]]:
         for rows in ds.iter(batch_size=batch):  # columns -> lists of `batch` values, the last fewer
@@ -214,11 +214,6 @@ class HFSource:
     def val_batches(self, batch: int) -> Iterator[list[str]]:
         yield from self._batches((self._val if self._val is not None else self._train)
                                  .take(self.val_docs), batch)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:300] if lines else ""
 
 
 def open_source(cfg) -> BuiltinSource | ParquetSource | HFSource:
