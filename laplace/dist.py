@@ -10,6 +10,7 @@ line naming that rank (`lost_peer`), found by a roll call through the rendezvous
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import socket
@@ -22,6 +23,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from timm.utils import unwrap_model as unwrap  # the plain module under DDP and torch.compile, in any order
 
 from laplace.errors import ConfigError, UserError
 
@@ -40,17 +42,6 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module under DDP and torch.compile wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 def _env_ranks() -> tuple[int, int, int]:
@@ -131,10 +122,11 @@ def barrier():
         dist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`t` reduced over ranks (a new tensor; `t` itself where there is one process)."""
     if dist.is_initialized():
         t = t.clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
     return t
 
 
@@ -171,11 +163,7 @@ def average_(tensors: list[torch.Tensor]):
         t.copy_(v.view_as(t))
 
 
-def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return t
+all_reduce_min = functools.partial(all_reduce_sum, op=dist.ReduceOp.MIN)
 
 
 def all_gather_object(obj) -> list:
