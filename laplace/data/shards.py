@@ -55,19 +55,14 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
     """
     dtype = shard_dtype(vocab_size)
     arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
-        arr = arr.astype(dtype)  # np.asarray([]) is float64
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(dtype) if arr.size == 0 else arr  # np.asarray([]) is float64
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be a 1-D array of integers, got shape {arr.shape} and dtype {arr.dtype}")
     # An id out of range would be read back as another token (uint16 wraps): refuse it here.
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         raise ValueError(f"token ids must be in 0 .. {vocab_size - 1} (vocab_size={vocab_size}), "
                          f"got min {arr.min()} and max {arr.max()}")
-    path = Path(path)
-    if path.suffix != ".npy":
-        path = path.with_name(path.name + ".npy")
+    path = Path(path) if str(path).endswith(".npy") else Path(f"{path}.npy")
     # A hidden temp file, fsynced, then renamed: a crash never leaves a half-written shard under its
     # final name, and list_shards skips the hidden leftovers.
     return atomic_write(path, lambda f: np.save(f, arr.astype(dtype, copy=False)))
@@ -84,9 +79,8 @@ def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) ->
     if not glob.has_magic(where):
         where = os.path.abspath(where)
         if not os.path.isdir(where):
-            raise DatasetNotFoundError(
-                f"token shards not found: folder {where} does not exist; "
-                f"set data.root to the folder holding the *.npy shards")
+            raise DatasetNotFoundError(f"token shards not found: folder {where} does not exist; "
+                                       f"set data.root to the folder holding the *.npy shards")
         if split is not None and os.path.isdir(os.path.join(where, split)):  # prepare's train/ and val/
             where, split = os.path.join(where, split), None
         where = os.path.join(where, "*.npy")
@@ -94,10 +88,9 @@ def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) ->
                    if p.endswith(".npy") and not os.path.basename(p).startswith(".")
                    and (split is None or split in os.path.basename(p)) and os.path.isfile(p))
     if not files:
-        raise DatasetNotFoundError(
-            f"no token shards found: looked for {where}"
-            f"{f' with {split!r} in the name' if split else ''}; "
-            f"set data.root to the folder holding the *.npy shards")
+        named = f" with {split!r} in the name" if split else ""
+        raise DatasetNotFoundError(f"no token shards found: looked for {where}{named}; "
+                                   f"set data.root to the folder holding the *.npy shards")
     return files
 
 
