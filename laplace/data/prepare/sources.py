@@ -134,22 +134,20 @@ class ParquetSource:
 
 
 def _texts(column, f: Path, name: str, first_row: int) -> list[str]:
-    try:
-        return [d if d is not None else "" for d in column.to_pylist()]  # a null document: empty
-    except UnicodeDecodeError as e:
-        # pyarrow names neither file nor row: find the row, so the user can fix or drop it.
-        bad = next(i for i in range(len(column)) if not _decodes(column, i))
-        raise SourceError(f"{f}: row {first_row + bad} of column {name!r} is not valid UTF-8 "
-                          f"({e.reason} at byte {e.start}); fix or drop that row, or remove "
-                          f"the file from the source") from None
+    """The documents of a string column; a null document is empty."""
+    import pyarrow as pa
 
-
-def _decodes(column, i: int) -> bool:
-    try:
-        column[i].as_py()
-        return True
-    except UnicodeDecodeError:
-        return False
+    docs = []
+    # As bytes, decoded here: pyarrow's own decode error names neither file nor row.
+    kind = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
+    for raw in column.view(kind).to_pylist():
+        try:
+            docs.append("" if raw is None else raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise SourceError(f"{f}: row {first_row + len(docs)} of column {name!r} is not valid UTF-8 "
+                              f"({e.reason} at byte {e.start}); fix or drop that row, or remove "
+                              f"the file from the source") from None
+    return docs
 
 
 def _unreadable(f: Path, e: BaseException, where: str = "") -> SourceError:
