@@ -104,13 +104,14 @@ def _messages(conversation) -> list[dict]:
 def _segments(conversation) -> list[tuple[str | None, str | None, int]]:
     """The conversation as (special token name or None, text or None, mask) segments, before
     tokenization, so that many conversations' texts can be encoded in one batch."""
+    # mask 1 exactly on what the model must learn to produce; the document start is given
     segs: list[tuple[str | None, str | None, int]] = [("<|bos|>", None, 0)]
     for m in _messages(conversation):
         content = m["content"]
-        if m["role"] == "user":
+        if m["role"] == "user":  # the user's turn is conditioned on, never learnt
             segs += [("<|user_start|>", None, 0), (None, content, 0), ("<|user_end|>", None, 0)]
             continue
-        segs.append(("<|assistant_start|>", None, 0))
+        segs.append(("<|assistant_start|>", None, 0))  # the prompt gives it; the reply follows
         if isinstance(content, str):
             segs.append((None, content, 1))
         else:
@@ -126,7 +127,7 @@ def _segments(conversation) -> list[tuple[str | None, str | None, int]]:
                     segs += [("<|python_start|>", None, 1), (None, text, 1), ("<|python_end|>", None, 1)]
                 else:  # the tool writes its output: conditioned on, never learnt
                     segs += [("<|output_start|>", None, 0), (None, text, 0), ("<|output_end|>", None, 0)]
-        segs.append(("<|assistant_end|>", None, 1))
+        segs.append(("<|assistant_end|>", None, 1))  # learnt: the model must learn when to stop
     return segs
 
 
@@ -134,7 +135,9 @@ def render_conversations(tok, conversations: Iterable, max_tokens: int | None = 
                          num_threads: int | None = None) -> list[tuple[list[int], list[int]]]:
     """`render_conversation` of many conversations, their texts tokenized in one
     `tok.encode_batch` call. Returns [(ids, mask), ...] in order."""
-    specials = special_ids(tok)
+    specials = special_ids(tok)  # a tokenizer without chat tokens fails here, in its one line
+    # Every text of every conversation in one encode_batch: mid-training renders ~10^6 of them,
+    # and tiktoken's threads only pay off on large batches.
     all_segs = [_segments(c) for c in conversations]
     texts = [text for segs in all_segs for name, text, _ in segs if name is None and text]
     encoded = iter(tok.encode_batch(texts, num_threads=num_threads) if texts else [])
@@ -143,7 +146,7 @@ def render_conversations(tok, conversations: Iterable, max_tokens: int | None = 
         ids: list[int] = []
         mask: list[int] = []
         for name, text, m in segs:
-            if name is not None:
+            if name is not None:  # inserted by id, never parsed out of text: a turn cannot be forged
                 piece = [specials[name]]
             elif text:
                 piece = next(encoded)
@@ -177,7 +180,7 @@ def render_for_completion(tok, conversation) -> list[int]:
     appended. Never truncated: cutting the prompt's end would cut the question."""
     conversation = copy.copy(conversation)
     messages = list(conversation.get("messages", ())) if isinstance(conversation, Mapping) else []
-    if messages and messages[-1].get("role") == "assistant":
+    if messages and messages[-1].get("role") == "assistant":  # a task's reference answer
         messages = messages[:-1]
     if not messages or messages[-1].get("role") != "user":
         raise ConversationError(f"{_describe(conversation)}: a completion needs a conversation that "

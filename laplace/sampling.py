@@ -1,18 +1,11 @@
 """Token-by-token sampling from a GPT: the streaming loop behind `python -m eval.generate`, and the
 few greedy samples the trainer logs at each evaluation.
 
-`stream_tokens` is `GPT.generate` (batch 1) turned into a Python generator: the prompt goes
-through the model once to fill a KV cache, then every step feeds the one new token, so a reply
-of n tokens costs n single-token forwards. Each step picks the token exactly as `GPT.generate`
-does (argmax at temperature 0; else logits / temperature, the top-k filter, then
-`torch.multinomial` with the caller's generator), so with the same seed both return the same
-ids; unlike it, the stream stops early at a stop token (a chat reply's `<|assistant_end|>`).
-
-Everything runs on the model's device under `torch.inference_mode`, applied per step by the
-decorator (a `with` block inside a generator would stay active in the caller between steps).
-A sampling generator must live on that device too: `torch.Generator(device=...)`.
-
-`IncrementalDecoder` prints a stream as it comes, each character once it is whole.
+`stream_tokens` is `GPT.generate` (batch 1) as a Python generator: each step picks the token exactly
+as `GPT.generate` does (argmax at temperature 0; else logits / temperature, the top-k filter, then
+`torch.multinomial` with the caller's generator, which must live on the model's device), so with
+the same seed both return the same ids. `IncrementalDecoder` prints a stream as it comes, each
+character once it is whole.
 """
 from __future__ import annotations
 
@@ -52,7 +45,7 @@ def _check(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, tem
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Next ids [B, 1] from last-position logits [B, V], exactly as `GPT.generate` picks them."""
-    if temperature == 0:
+    if temperature == 0:  # greedy: no draw, so the generator is left as it is
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
     if top_k:  # None or 0: the whole vocabulary
@@ -107,9 +100,13 @@ def calculate(expr: str) -> int | float | None:
     return round(value, 6) if isinstance(value, float) else value
 
 
+# inference_mode as a decorator: applied per step, while a `with` block inside a generator would
+# stay active in the caller between steps
 @torch.inference_mode()
 def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, generator, tools):
     device = model.wte.weight.device
+    # The prompt fills the KV cache in one forward; then each step feeds only the new token,
+    # so a reply of n tokens costs n one-token forwards (as GPT.generate, with batch 1).
     cache = model.new_kv_cache(1, len(prompt_ids) + max_new_tokens)
     logits = model(torch.tensor([list(prompt_ids)], dtype=torch.long, device=device), kv_cache=cache)[:, -1, :]
     forced: deque[int] = deque()  # tool output to feed before sampling again
@@ -117,7 +114,7 @@ def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, gen
     for i in range(max_new_tokens):
         # one host sync per token: the caller wants it now anyway
         token = forced.popleft() if forced else int(sample_next(logits, temperature, top_k, generator))
-        if token in stop_ids:
+        if token in stop_ids:  # e.g. a chat reply's <|assistant_end|>: GPT.generate runs on, we stop
             return
         yield token
         if tools is not None:
@@ -128,7 +125,7 @@ def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, gen
                 code = None
             elif code is not None:
                 code.append(token)
-        if i + 1 < max_new_tokens:
+        if i + 1 < max_new_tokens:  # no forward for a token nobody will read
             logits = model(torch.tensor([[token]], dtype=torch.long, device=device), kv_cache=cache)[:, -1, :]
 
 
@@ -150,7 +147,7 @@ def stream_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: i
 
     Arguments are checked when this is called, not at the first step.
     """
-    model = unwrap(model)
+    model = unwrap(model)  # a compiled model would recompile at every new length
     _check(model, prompt_ids, max_new_tokens, temperature, top_k)
     return _stream(model, prompt_ids, max_new_tokens, temperature, top_k,
                    frozenset(int(i) for i in stop_ids), generator, tools)

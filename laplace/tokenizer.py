@@ -110,12 +110,15 @@ class Tokenizer:
 
     def encode(self, text: str, prepend_bos: bool = False) -> list[int]:
         """Ids of ordinary text: a special token's string inside `text` is encoded as plain text."""
+        # Specials are never parsed out of text: a document (or a user's chat turn) that contains
+        # "<|assistant_end|>" cannot end a turn; chat_format inserts specials by id.
         ids = self.enc.encode_ordinary(text)
         return [self.bos_id, *ids] if prepend_bos else ids
 
     def encode_batch(self, texts: list[str], prepend_bos: bool = False,
                      num_threads: int | None = None) -> list[list[int]]:
         """`encode` of each text, in parallel threads over the texts (None: one per core)."""
+        # tiktoken encodes in Rust and releases the GIL: threads scale with cores (prepare, packed chat)
         batch = self.enc.encode_ordinary_batch(list(texts), num_threads=num_threads or _cores())
         if prepend_bos:
             for ids in batch:
@@ -137,6 +140,8 @@ class Tokenizer:
     def token_bytes(self) -> torch.Tensor:
         """int64 [vocab_size]: the UTF-8 byte length of each token, 0 for special tokens."""
         if self._token_bytes is None:
+            # nanochat's table for bits per byte: bpb = sum of the targets' losses in nats /
+            # (ln 2 * sum of their token_bytes); a special token stands for no text, so 0 bytes.
             specials = set(self.enc._special_tokens.values())
             self._token_bytes = torch.tensor(
                 [0 if i in specials else len(self.enc.decode_single_token_bytes(i))
@@ -145,6 +150,8 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         """sha256 of what fixes the ids (pattern, ranks, specials): equal iff they encode alike."""
+        # Not the path: the same tokenizer moved to another machine must match, a retrained file
+        # under the same name must not (export and resume compare fingerprints).
         h = hashlib.sha256(f"{self.kind}\0{self.enc._pat_str}\0".encode())
         for tok, rank in sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1]):
             h.update(rank.to_bytes(4, "little") + len(tok).to_bytes(2, "little") + tok)
@@ -158,6 +165,8 @@ class Tokenizer:
             raise ConfigError(f"tokenizer={self.kind} has nothing to save: pass "
                               f"tokenizer={self.kind} wherever a tokenizer is asked for")
         ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
+        # The ranks as base64 in rank order: tiktoken's own format inside a tagged JSON, so that a
+        # foreign JSON file is refused in one line and plain tiktoken can rebuild the Encoding.
         obj = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind,
                "pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens,
                "ranks": [base64.b64encode(tok).decode("ascii") for tok, _ in ranks]}
@@ -169,6 +178,7 @@ class Tokenizer:
 
 
 def _bpe(ranks: dict[bytes, int], pattern: str, spec: str | None) -> Tokenizer:
+    # nanochat's layout: the 256 bytes, the merges, then the 9 specials after the ordinary ids
     specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     # The name only labels the Encoding (tiktoken's registry is not involved).
     enc = tiktoken.Encoding(f"laplace-bpe-{len(ranks) + len(specials)}", pat_str=pattern,
@@ -215,6 +225,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: str | os.PathLike | N
 
 
 def _gpt2() -> Tokenizer:
+    # tiktoken downloads GPT-2's BPE files on first use into its cache; a compute node without a
+    # network needs that cache filled elsewhere, which the error says how to do.
     try:
         enc = tiktoken.get_encoding("gpt2")
     except (OSError, ValueError) as e:  # requests' errors are OSErrors; ValueError: bad hash
@@ -256,7 +268,8 @@ def _read_file(path: Path) -> Tokenizer:
 
 @functools.lru_cache(maxsize=16)
 def _load_cached(spec: str, _stamp: tuple | None) -> Tokenizer:
-    if spec == "bytes":  # the 256 bytes as ranks (no merges), then the specials at 256..264
+    if spec == "bytes":  # the 256 bytes as ranks (no merges), then the specials at 256..264:
+        # <|bos|> = 256 as in the built-in byte-level text (laplace.data.text), so its models stay valid
         ranks = {bytes([i]): i for i in range(256)}
         enc = tiktoken.Encoding("laplace-bytes", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
                                 special_tokens={name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)})
