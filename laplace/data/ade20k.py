@@ -78,12 +78,10 @@ class ADE20K(Dataset):
             raise DatasetNotFoundError(f"ADE20K {split} split is empty: no *.jpg in {base / 'images' / split}")
         # Every annotation is looked for now: a missing one stops the run at its start, in one
         # line, not hours later in a worker.
-        self.items = []
-        for img in images:
-            ann = base / "annotations" / split / f"{img.stem}.png"
+        self.items = [(img, base / "annotations" / split / f"{img.stem}.png") for img in images]
+        for img, ann in self.items:
             if not ann.is_file():
                 raise DatasetNotFoundError(f"ADE20K annotation missing: {ann} (for {img.name})")
-            self.items.append((img, ann))
         self.transform = transform
 
     def __len__(self):
