@@ -50,6 +50,7 @@ class CheckpointError(UserError, ValueError):
 
 
 def git_revision() -> str:
+    # The code that wrote a checkpoint, so that a result can be traced to it ("unknown" outside git)
     try:
         root = Path(__file__).resolve().parent.parent
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root,
@@ -60,6 +61,8 @@ def git_revision() -> str:
 
 def rng_state() -> dict:
     """This process's RNG states as plain tensors / tuples (weights_only-safe)."""
+    # NumPy's key array as an int64 tensor: weights_only=True loads tensors and plain Python
+    # types, never ndarrays (a checkpoint must not need unpickling arbitrary classes)
     np_state = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -90,6 +93,7 @@ def set_rng_state(state: dict):
 
 def _plain_state(obj):
     """Optimizers (one, or a {name: optimizer} dict) as state dicts; anything else as it is."""
+    # state dicts, not the objects: a pickled optimizer class would need weights_only=False
     if isinstance(obj, torch.optim.Optimizer):
         return obj.state_dict()
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.optim.Optimizer) for v in obj.values()):
@@ -118,6 +122,8 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
 def resume_candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Checkpoints a run can resume from, best first: last.pt, then step_<N>.pt newest first."""
     ckpt_dir = Path(ckpt_dir)
+    # A torn last.pt (a full disk, a kill the atomic write did not cover) falls back to the newest
+    # kept step_<N>.pt; a name that is not step_<number>.pt sorts last.
     steps = sorted(ckpt_dir.glob("step_*.pt"),
                    key=lambda p: int(p.stem[5:]) if p.stem[5:].isdigit() else -1, reverse=True)
     return [p for p in [ckpt_dir / "last.pt", *steps] if p.is_file()]
@@ -332,6 +338,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: 
             raise CheckpointError(f"{path} was trained as {model_label(src_cfg)} ({got[0]} {got[1]} "
                                   f"Laplacian heads) but the model is {model_label(model_cfg)} ({want[0]} "
                                   f"{want[1]}); fine-tune each model from its own pre-training")
+    # A head of another shape (ImageNet's 1000 classes into CIFAR's 100) cannot load; one of the
+    # same shape loads unless asked not to (a new task with as many classes is still a new head).
     own = model.state_dict()
     head_keys = [k for k in own if k.startswith(_HEADS)]
     fits = all(k in sd and sd[k].shape == own[k].shape for k in head_keys)
@@ -350,6 +358,7 @@ def _load_into(model: nn.Module, sd: dict, source: str, name: str) -> None:
     from .vit import VisionTransformer, load_timm_state_dict
 
     own = model.state_dict()
+    # a head the model does not have (num_classes=0: a backbone) is left out, every other key strict
     sd = {k: v for k, v in sd.items() if k in own or not k.startswith(_HEADS)}
     try:
         if isinstance(model, VisionTransformer):
@@ -412,6 +421,7 @@ def _backbone_source(path: Path, model_node, img_size, head: bool) -> tuple[dict
     if "embed_dim" not in node:
         raise ConfigError(f"checkpoint={path} holds a {node.get('name')} model: a frozen-backbone evaluation "
                           f"needs a ViT")
+    # frozen features: no stochastic depth; another input size resamples the position embedding
     node.update(drop_path_rate=0.0, **({"img_size": int(img_size)} if img_size else {}))
     if not head:
         node["num_classes"] = 0
