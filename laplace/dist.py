@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from timm.utils import unwrap_model as unwrap  # the plain module under DDP and torch.compile, in any order
 
-from laplace.errors import ConfigError, UserError
+from laplace.errors import ConfigError, UserError, causes
 
 
 @dataclass
@@ -95,7 +95,7 @@ def setup(device: str = "auto") -> DistInfo:
     """
     rank, world, local_rank = _env_ranks()
     dev = resolve_device(device, local_rank)
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # before the process group: NCCL binds each rank to the current device
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
@@ -104,6 +104,8 @@ def setup(device: str = "auto") -> DistInfo:
 
 
 def cleanup():
+    # The CPU group goes with the default group: a later setup (tests, a second run in one
+    # process) must make a new one.
     global _CPU_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -113,7 +115,7 @@ def cleanup():
 def seed_everything(seed: int):
     """Seed python, numpy and torch (all devices). Call with seed + rank."""
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    np.random.seed(seed % 2**32)  # NumPy's legacy seed takes 32 bits only
     torch.manual_seed(seed)
 
 
@@ -156,7 +158,7 @@ def average_(tensors: list[torch.Tensor]):
     """Each tensor replaced by its mean over ranks, in place (one all-reduce for all of them)."""
     if not tensors or not dist.is_initialized():
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # one collective instead of one per tensor
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
     for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
@@ -270,16 +272,11 @@ def lost_peer(e: BaseException, wait_s: float = 3.0) -> PeerLost | None:
     """If `e` is a collective failing because a rank is gone, a PeerLost naming the ranks that do
     not answer a roll call in the rendezvous store within `wait_s` (every survivor fails within
     moments of the loss and calls in), else None: `e` is then an error of its own."""
-    seen, chain = set(), e
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        # gloo and NCCL raise RuntimeErrors (DistError among them); an OSError such as a closed
-        # stdout's BrokenPipeError is this process's own
-        if isinstance(chain, RuntimeError) and (isinstance(chain, dist.DistError) or
-                                                any(m in str(chain) for m in _GONE)):
-            break
-        chain = chain.__cause__ or chain.__context__
-    if chain is None or not dist.is_initialized():
+    # gloo and NCCL raise RuntimeErrors (DistError among them); an OSError such as a closed
+    # stdout's BrokenPipeError is this process's own
+    gone = (isinstance(c, RuntimeError) and (isinstance(c, dist.DistError) or any(m in str(c) for m in _GONE))
+            for c in causes(e))
+    if not any(gone) or not dist.is_initialized():
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
     keys = [f"laplace/alive/{r}" for r in range(world)]

@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 
 
 class UserError(Exception):
@@ -65,15 +66,21 @@ _SHORT_WRITE = re.compile(r"^\d+ requested and \d+ written$")
 SHORT_WRITE = "short write: the disk is full or over quota"
 
 
-def storage_error(e: BaseException | None) -> OSError | None:
-    """The storage OSError behind `e` (itself, or what it was raised from or during, as torch.save
-    wraps a full disk in a RuntimeError), else None."""
+def causes(e: BaseException | None) -> Iterator[BaseException]:
+    """`e`, then what it was raised from or during, and so on (each once)."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and (e.errno in STORAGE_ERRNOS or _short_write(e)):
-            return e
+        yield e
         e = e.__cause__ or e.__context__
+
+
+def storage_error(e: BaseException | None) -> OSError | None:
+    """The storage OSError behind `e` (itself, or what it was raised from or during, as torch.save
+    wraps a full disk in a RuntimeError), else None."""
+    for c in causes(e):
+        if isinstance(c, OSError) and (c.errno in STORAGE_ERRNOS or _short_write(c)):
+            return c
     return None
 
 
