@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -146,14 +147,12 @@ def check_writable(folder: str | os.PathLike, key: str) -> Path:
     """Create `folder` and write a file in it now, so that a run fails before its work, not after:
     a UserError naming `key` (the setting that chose the folder) if it cannot be written."""
     folder = Path(folder)
-    probe = folder / f".write-test-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
+        with tempfile.TemporaryFile(dir=folder) as f:  # removed when closed, whatever happens
             f.write(b"x")
             f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
+            os.fsync(f.fileno())  # a full disk or quota may only say so here
     except OSError as e:
         raise UserError(f"{key}: cannot write in {folder} ({e.strerror}); free space or make it writable, "
                         f"or give {key}=<a writable folder>") from None
