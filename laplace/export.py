@@ -71,7 +71,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
         raise ConfigError(f"out={out} is a file; give a folder to write the export into")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"out={out} exists and is not empty; choose another folder or pass overwrite=true")
-    ckpt = load_checkpoint(src)
+    ckpt = load_checkpoint(src)  # a foreign or torn file: one line, before anything is written
     model = model_from_checkpoint(ckpt)
     # A diverged run's weights must not be published (timm's logits check would blame timm for them).
     for name, t in model.state_dict().items():
@@ -82,6 +82,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
     node, data = dict(ckpt["config"]["model"]), ckpt["config"].get("data") or {}
     # A GPT carries its tokenizer: sampling from the folder alone needs it (eval.generate, users).
     tokenizer, tokenizer_file = _tokenizer(src, ckpt) if hasattr(model, "vocab_size") else (None, None)
+    # A k = 0 ViT is timm's own VisionTransformer: published as timm's, plain timm loads it.
     timm_arch, timm_args, why_not = timm_equivalent(model, node)
     # config.json's "laplace" node: what load_model rebuilds, and where the weights come from.
     info = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "model": node,

@@ -78,7 +78,8 @@ class ParquetSource:
                 raise SourceError(f"{f}: column {column!r} holds {kind}, not text; write it as a "
                                   f"UTF-8 string column, or set text_column to one")
             self.row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-        self.name = Path(where.split("*")[0].rstrip("/")).name or "parquet"  # out's default folder name
+        # out's default folder name: the folder the files (or the glob) are in
+        self.name = Path(where.split("*")[0].rstrip("/")).name or "parquet"
         self.num_train = sum(sum(r) for r in self.row_groups[:-1])
         self._where = where
 
