@@ -130,6 +130,8 @@ def _hydra_errors(run, user_setting):
 def checkout() -> Path:
     """The checkout whose train/, eval/, analysis/ and bench/ the commands run: the one the
     laplace package sits in (`pip install -e .`), else the working directory."""
+    # train/ etc. are not installed packages (pyproject says why): they are read from a checkout,
+    # found by its train.py and train/ package
     for place in (Path(__file__).resolve().parent.parent, Path.cwd()):
         if (place / "train.py").is_file() and (place / "train" / "__init__.py").is_file():
             return place.resolve()

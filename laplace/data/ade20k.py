@@ -91,6 +91,7 @@ class ADE20K(Dataset):
         img_path, ann_path = self.items[i]
         with Image.open(img_path) as im:
             img = im.convert("RGB")
+        # The annotation as its palette indices: a conversion (RGB, L) would change the class ids
         with Image.open(ann_path) as an:
             mask = np.array(an)  # the class indices as stored, never converted
         if self.transform is None:
