@@ -70,51 +70,48 @@ def _describe(conversation) -> str:
 
 def _messages(conversation) -> list[dict]:
     """The validated messages, the system message merged into the first user message."""
-    if not isinstance(conversation, Mapping) or not isinstance(conversation.get("messages"), Sequence):
-        raise ConversationError(f"{_describe(conversation)}: expected {{'messages': [...]}}")
-    messages = list(conversation["messages"])
+    def bad(why: str) -> ConversationError:
+        return ConversationError(f"{_describe(conversation)}: {why}")
+
+    messages = conversation.get("messages") if isinstance(conversation, Mapping) else None
+    if not isinstance(messages, Sequence):
+        raise bad("expected {'messages': [...]}")
     if not messages:
-        raise ConversationError(f"{_describe(conversation)}: it has no messages")
+        raise bad("it has no messages")
     if not all(isinstance(m, Mapping) for m in messages):
-        raise ConversationError(f"{_describe(conversation)}: every message must be a "
-                                f"{{'role': ..., 'content': ...}} mapping")
+        raise bad("every message must be a {'role': ..., 'content': ...} mapping")
+    messages = list(messages)
     if messages[0].get("role") == "system":  # nanochat's surgery: prepend it to the first user turn
         if len(messages) < 2 or messages[1].get("role") != "user":
-            raise ConversationError(f"{_describe(conversation)}: a system message must be followed "
-                                    f"by a user message")
+            raise bad("a system message must be followed by a user message")
         if not isinstance(messages[0].get("content"), str):
-            raise ConversationError(f"{_describe(conversation)}: the system message's content must "
-                                    f"be a string")
-        merged = dict(messages[1])
-        merged["content"] = messages[0]["content"] + "\n\n" + messages[1]["content"]
+            raise bad("the system message's content must be a string")
+        merged = {**messages[1], "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}
         messages = [merged] + messages[2:]
     for i, m in enumerate(messages):
-        want = "user" if i % 2 == 0 else "assistant"
-        role = m.get("role")
+        # roles alternate user, assistant, ... starting with the user (as nanochat asserts)
+        want, role, content = ("user", "assistant")[i % 2], m.get("role"), m.get("content")
         if role != want:
-            raise ConversationError(f"{_describe(conversation)}: message {i} (after merging the system "
-                                    f"message) is from {role!r} but should be from {want!r}: roles "
-                                    f"alternate user, assistant, ... starting with the user")
-        content = m.get("content")
+            raise bad(f"message {i} (after merging the system message) is from {role!r} but should be from "
+                      f"{want!r}: roles alternate user, assistant, ... starting with the user")
         if role == "user" and not isinstance(content, str):
-            raise ConversationError(f"{_describe(conversation)}: user message {i} must have string "
-                                    f"content, got {type(content).__name__}")
+            raise bad(f"user message {i} must have string content, got {type(content).__name__}")
         if role == "assistant" and not isinstance(content, (str, list, tuple)):
-            raise ConversationError(f"{_describe(conversation)}: assistant message {i} must have a "
-                                    f"string or a list of parts, got {type(content).__name__}")
+            raise bad(f"assistant message {i} must have a string or a list of parts, got {type(content).__name__}")
     return messages
 
 
 def _segments(conversation) -> list[tuple[str | None, str | None, int]]:
     """The conversation as (special token name or None, text or None, mask) segments, before
     tokenization, so that many conversations' texts can be encoded in one batch."""
+    # mask 1 exactly on what the model must learn to produce; the document start is given
     segs: list[tuple[str | None, str | None, int]] = [("<|bos|>", None, 0)]
     for m in _messages(conversation):
         content = m["content"]
-        if m["role"] == "user":
+        if m["role"] == "user":  # the user's turn is conditioned on, never learnt
             segs += [("<|user_start|>", None, 0), (None, content, 0), ("<|user_end|>", None, 0)]
             continue
-        segs.append(("<|assistant_start|>", None, 0))
+        segs.append(("<|assistant_start|>", None, 0))  # the prompt gives it; the reply follows
         if isinstance(content, str):
             segs.append((None, content, 1))
         else:
@@ -130,7 +127,7 @@ def _segments(conversation) -> list[tuple[str | None, str | None, int]]:
                     segs += [("<|python_start|>", None, 1), (None, text, 1), ("<|python_end|>", None, 1)]
                 else:  # the tool writes its output: conditioned on, never learnt
                     segs += [("<|output_start|>", None, 0), (None, text, 0), ("<|output_end|>", None, 0)]
-        segs.append(("<|assistant_end|>", None, 1))
+        segs.append(("<|assistant_end|>", None, 1))  # learnt: the model must learn when to stop
     return segs
 
 
@@ -138,7 +135,9 @@ def render_conversations(tok, conversations: Iterable, max_tokens: int | None = 
                          num_threads: int | None = None) -> list[tuple[list[int], list[int]]]:
     """`render_conversation` of many conversations, their texts tokenized in one
     `tok.encode_batch` call. Returns [(ids, mask), ...] in order."""
-    specials = special_ids(tok)
+    specials = special_ids(tok)  # a tokenizer without chat tokens fails here, in its one line
+    # Every text of every conversation in one encode_batch: mid-training renders ~10^6 of them,
+    # and tiktoken's threads only pay off on large batches.
     all_segs = [_segments(c) for c in conversations]
     texts = [text for segs in all_segs for name, text, _ in segs if name is None and text]
     encoded = iter(tok.encode_batch(texts, num_threads=num_threads) if texts else [])
@@ -147,7 +146,7 @@ def render_conversations(tok, conversations: Iterable, max_tokens: int | None = 
         ids: list[int] = []
         mask: list[int] = []
         for name, text, m in segs:
-            if name is not None:
+            if name is not None:  # inserted by id, never parsed out of text: a turn cannot be forged
                 piece = [specials[name]]
             elif text:
                 piece = next(encoded)
@@ -181,7 +180,7 @@ def render_for_completion(tok, conversation) -> list[int]:
     appended. Never truncated: cutting the prompt's end would cut the question."""
     conversation = copy.copy(conversation)
     messages = list(conversation.get("messages", ())) if isinstance(conversation, Mapping) else []
-    if messages and messages[-1].get("role") == "assistant":
+    if messages and messages[-1].get("role") == "assistant":  # a task's reference answer
         messages = messages[:-1]
     if not messages or messages[-1].get("role") != "user":
         raise ConversationError(f"{_describe(conversation)}: a completion needs a conversation that "

@@ -34,32 +34,23 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.nn as nn
+from timm.models import clean_state_dict  # strips DDP's `module.` and torch.compile's `_orig_mod.`
 
 from .dist import unwrap
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, one_line
 from .io import atomic_write
 from .zoo import model_label
 
 FORMAT = "laplace-checkpoint"
 VERSION = 2
-_PREFIXES = ("_orig_mod.", "module.")
 
 
 class CheckpointError(UserError, ValueError):
     """A file that is not a laplace checkpoint, or is truncated / corrupt."""
 
 
-def clean_state_dict(sd: dict) -> dict:
-    """Strip compile / DDP prefixes so keys match the bare model."""
-    out = {}
-    for k, v in sd.items():
-        for p in _PREFIXES:
-            k = k.replace(p, "")
-        out[k] = v
-    return out
-
-
 def git_revision() -> str:
+    # The code that wrote a checkpoint, so that a result can be traced to it ("unknown" outside git)
     try:
         root = Path(__file__).resolve().parent.parent
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root,
@@ -70,6 +61,8 @@ def git_revision() -> str:
 
 def rng_state() -> dict:
     """This process's RNG states as plain tensors / tuples (weights_only-safe)."""
+    # NumPy's key array as an int64 tensor: weights_only=True loads tensors and plain Python
+    # types, never ndarrays (a checkpoint must not need unpickling arbitrary classes)
     np_state = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -100,6 +93,7 @@ def set_rng_state(state: dict):
 
 def _plain_state(obj):
     """Optimizers (one, or a {name: optimizer} dict) as state dicts; anything else as it is."""
+    # state dicts, not the objects: a pickled optimizer class would need weights_only=False
     if isinstance(obj, torch.optim.Optimizer):
         return obj.state_dict()
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.optim.Optimizer) for v in obj.values()):
@@ -128,6 +122,8 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
 def resume_candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
     """Checkpoints a run can resume from, best first: last.pt, then step_<N>.pt newest first."""
     ckpt_dir = Path(ckpt_dir)
+    # A torn last.pt (a full disk, a kill the atomic write did not cover) falls back to the newest
+    # kept step_<N>.pt; a name that is not step_<number>.pt sorts last.
     steps = sorted(ckpt_dir.glob("step_*.pt"),
                    key=lambda p: int(p.stem[5:]) if p.stem[5:].isdigit() else -1, reverse=True)
     return [p for p in [ckpt_dir / "last.pt", *steps] if p.is_file()]
@@ -148,14 +144,13 @@ def _read(path: Path, what: str, map_location: Any = "cpu", mmap: bool = False) 
         with torch.serialization.safe_globals([argparse.Namespace]):
             try:
                 return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-            except RuntimeError as e:
+            except RuntimeError as e:  # a file torch < 1.6 wrote (no zip archive) cannot be mapped: read it
                 if not mmap or "mmap can only be used" not in str(e):
                     raise
-                return torch.load(path, map_location=map_location, weights_only=True)  # torch < 1.6's format
+                return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for truncated / foreign pickles
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path} is not a readable {what} (corrupt, truncated or not "
-                              f"saved by laplace / timm): {first[:200]}") from None
+                              f"saved by laplace / timm): {one_line(e)[:200]}") from None
 
 
 def _validate(ckpt, path: Path) -> dict:
@@ -198,18 +193,11 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     return _validate(ckpt, path)
 
 
-def load_weights(path: str | os.PathLike) -> tuple[dict, Optional[dict]]:
-    """(state dict, model node or None) of a laplace checkpoint or a timm / DeiT weights file
-    (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1`/`gamma_2` LayerScale
-    names too; timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar): what
-    fine-tuning (`trainer.init_from`) and the frozen backbones start from."""
-    path = Path(path)
-    sd, ckpt = _weights(path)
-    return sd, None if ckpt is None else _model_node(ckpt, path)
-
-
 def _weights(path: Path) -> tuple[dict, Optional[dict]]:
-    """(state dict, the validated checkpoint, or None for a timm / DeiT file)."""
+    """(state dict, the validated checkpoint) of a laplace checkpoint, or (state dict, None) of a
+    timm / DeiT weights file (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1` /
+    `gamma_2` LayerScale names; timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar):
+    what fine-tuning (`trainer.init_from`) and the frozen backbones start from."""
     obj = _read(path, "weights file")
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
         return _validate(obj, path)["model"], obj
@@ -310,7 +298,7 @@ def _load_export(folder: Path, map_location: Any, eval_mode: bool, **overrides) 
                               f"{' '.join(str(e).split())[:300]}") from None
     except Exception as e:  # safetensors' own error for a corrupt or truncated file
         raise CheckpointError(f"{weights} is not a readable safetensors file (corrupt or truncated): "
-                              f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}") from None
+                              f"{one_line(e)[:200]}") from None
     model.to(map_location)
     return model.eval() if eval_mode else model
 
@@ -338,9 +326,10 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: 
     if not path.is_file():
         raise CheckpointError(f"trainer.init_from: no file at {path}")
     try:
-        sd, src_cfg = load_weights(path)
+        sd, ckpt = _weights(path)
     except CheckpointError as e:  # name the config key that pointed at the file
         raise CheckpointError(f"trainer.init_from: {e}") from None
+    src_cfg = None if ckpt is None else _model_node(ckpt, path)
     if src_cfg is not None:
         got = (src_cfg.get("num_laplacian_heads"), src_cfg.get("laplacian_mode", "fixed"))
         k = model_cfg.num_laplacian_heads
@@ -349,6 +338,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: 
             raise CheckpointError(f"{path} was trained as {model_label(src_cfg)} ({got[0]} {got[1]} "
                                   f"Laplacian heads) but the model is {model_label(model_cfg)} ({want[0]} "
                                   f"{want[1]}); fine-tune each model from its own pre-training")
+    # A head of another shape (ImageNet's 1000 classes into CIFAR's 100) cannot load; one of the
+    # same shape loads unless asked not to (a new task with as many classes is still a new head).
     own = model.state_dict()
     head_keys = [k for k in own if k.startswith(_HEADS)]
     fits = all(k in sd and sd[k].shape == own[k].shape for k in head_keys)
@@ -367,6 +358,7 @@ def _load_into(model: nn.Module, sd: dict, source: str, name: str) -> None:
     from .vit import VisionTransformer, load_timm_state_dict
 
     own = model.state_dict()
+    # a head the model does not have (num_classes=0: a backbone) is left out, every other key strict
     sd = {k: v for k, v in sd.items() if k in own or not k.startswith(_HEADS)}
     try:
         if isinstance(model, VisionTransformer):
@@ -429,6 +421,7 @@ def _backbone_source(path: Path, model_node, img_size, head: bool) -> tuple[dict
     if "embed_dim" not in node:
         raise ConfigError(f"checkpoint={path} holds a {node.get('name')} model: a frozen-backbone evaluation "
                           f"needs a ViT")
+    # frozen features: no stochastic depth; another input size resamples the position embedding
     node.update(drop_path_rate=0.0, **({"img_size": int(img_size)} if img_size else {}))
     if not head:
         node["num_classes"] = 0

@@ -66,6 +66,20 @@ def hydra_entry(config_name: str):
     failure exits at once), inside Hydra's task function so that no error reaches Hydra's own handler."""
 
     def decorate(fn):
+        user = {}  # the user's HYDRA_FULL_ERROR, read when the command starts
+
+        @functools.wraps(fn)  # fn's name, module and file: Hydra names the job after them
+        def task(cfg):
+            from omegaconf.errors import MissingMandatoryValue
+
+            _set_env("HYDRA_FULL_ERROR", user["value"])  # the task's own processes inherit the user's
+            try:
+                return fn(cfg)
+            except MissingMandatoryValue as e:  # a `???` left unset: one line naming the key
+                from .config import required_error
+
+                raise required_error(e.full_key) from None
+
         @functools.wraps(fn)
         def main():
             import hydra
@@ -73,26 +87,14 @@ def hydra_entry(config_name: str):
             path = cli_errors(config_dir)(config_name)
             # Hydra prints its own errors (an unknown key, a bad override, a model the zoo cannot
             # build) in several lines; with HYDRA_FULL_ERROR set it raises them, and they become one.
-            user_setting = os.environ.get("HYDRA_FULL_ERROR")
+            user["value"] = os.environ.get("HYDRA_FULL_ERROR")
             os.environ["HYDRA_FULL_ERROR"] = "1"
-            # the wrappers keep fn's name, module and file (functools.wraps): Hydra names the job after them
-            task = cli_errors(_required(_user_setting(fn, user_setting)))
-            run = hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(task)
-            return cli_errors(_hydra_errors(run, user_setting))()
+            run = hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(cli_errors(task))
+            return cli_errors(_hydra_errors(run, user["value"]))()
 
         return main
 
     return decorate
-
-
-def _user_setting(fn, value):
-    """`fn` with the user's HYDRA_FULL_ERROR back (the task's own processes inherit it)."""
-    @functools.wraps(fn)
-    def wrapped(cfg):
-        _set_env("HYDRA_FULL_ERROR", value)
-        return fn(cfg)
-
-    return wrapped
 
 
 def _set_env(key: str, value: str | None) -> None:
@@ -110,13 +112,13 @@ def _hydra_errors(run, user_setting):
         try:
             return run()
         except HydraException as e:
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             _set_env("HYDRA_FULL_ERROR", user_setting)
-            if user_setting == "1":
+            if user_setting == "1":  # the user asked for Hydra's own report
                 raise
-            if any(ln.startswith("Available options") for ln in lines):
-                i = next(i for i, ln in enumerate(lines) if ln.startswith("Available options"))
-                options = [ln for ln in lines[i + 1:] if not ln.startswith(("Config search path", "provider="))]
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            starts = [i for i, ln in enumerate(lines) if ln.startswith("Available options")]
+            if starts:  # a group's options, one a line: joined, without Hydra's search path
+                options = [ln for ln in lines[starts[0] + 1:] if not ln.startswith(("Config search path", "provider="))]
                 raise UserError(f"{lines[0]}; choose one of: {', '.join(options)}") from None
             raise UserError(" ".join(lines[:2]) or type(e).__name__) from None
         finally:
@@ -125,25 +127,11 @@ def _hydra_errors(run, user_setting):
     return wrapped
 
 
-def _required(fn):
-    """A mandatory value (`???`) left unset, as one line naming the key."""
-    from omegaconf.errors import MissingMandatoryValue
-
-    @functools.wraps(fn)
-    def wrapped(cfg):
-        try:
-            return fn(cfg)
-        except MissingMandatoryValue as e:
-            from .config import required_error
-
-            raise required_error(e.full_key) from None
-
-    return wrapped
-
-
 def checkout() -> Path:
     """The checkout whose train/, eval/, analysis/ and bench/ the commands run: the one the
     laplace package sits in (`pip install -e .`), else the working directory."""
+    # train/ etc. are not installed packages (pyproject says why): they are read from a checkout,
+    # found by its train.py and train/ package
     for place in (Path(__file__).resolve().parent.parent, Path.cwd()):
         if (place / "train.py").is_file() and (place / "train" / "__init__.py").is_file():
             return place.resolve()
@@ -152,10 +140,15 @@ def checkout() -> Path:
                     f"from the checkout ({Path.cwd()} is none)")
 
 
-def run_command(name: str) -> None:
-    """Run console script `name` (a key of COMMANDS) as its command line runs: `python -m mod`
-    (runpy.run_module, the module as __main__) or `python file.py` (runpy.run_path), with
-    sys.argv[1:] as they are and the checkout first on sys.path, as `python` puts it there."""
+def main() -> None:
+    """Every console script (pyproject's [project.scripts] all name this function): run the command
+    line of COMMANDS that the script's own name picks, as `python -m mod` (runpy.run_module, the
+    module as __main__) or `python file.py` (runpy.run_path) runs it, with sys.argv[1:] as they are
+    and the checkout first on sys.path, as `python` puts it there."""
+    # pip's launcher sets argv[0] to the script's path (on Windows with .exe): its name is the command.
+    name = Path(sys.argv[0]).name.removesuffix(".exe")
+    if name not in COMMANDS:  # called by hand under another name: say what it serves
+        raise SystemExit(f"error: {name} is not a laplace console script ({', '.join(COMMANDS)})")
     root = cli_errors(checkout)()
     target = COMMANDS[name]
     sys.path.insert(0, str(root))
@@ -164,60 +157,3 @@ def run_command(name: str) -> None:
     else:
         sys.argv[0] = str(root / target)
         runpy.run_path(sys.argv[0], run_name="__main__")
-
-
-# One function per console script (pyproject's [project.scripts] names them).
-def train():
-    run_command("laplace-train")
-
-
-def launch():
-    run_command("laplace-launch")
-
-
-def recipe():
-    run_command("laplace-recipe")
-
-
-def prepare():
-    run_command("laplace-prepare")
-
-
-def knn():
-    run_command("laplace-knn")
-
-
-def linear():
-    run_command("laplace-linear")
-
-
-def segmentation():
-    run_command("laplace-segmentation")
-
-
-def generate():
-    run_command("laplace-generate")
-
-
-def lm_eval():
-    run_command("laplace-lm-eval")
-
-
-def lm_harness():
-    run_command("laplace-lm-harness")
-
-
-def analysis():
-    run_command("laplace-analysis")
-
-
-def tables():
-    run_command("laplace-tables")
-
-
-def figures():
-    run_command("laplace-figures")
-
-
-def bench():
-    run_command("laplace-bench")

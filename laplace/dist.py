@@ -10,6 +10,7 @@ line naming that rank (`lost_peer`), found by a roll call through the rendezvous
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import socket
@@ -22,8 +23,9 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from timm.utils import unwrap_model as unwrap  # the plain module under DDP and torch.compile, in any order
 
-from laplace.errors import ConfigError, UserError
+from laplace.errors import ConfigError, UserError, causes
 
 
 @dataclass
@@ -40,17 +42,6 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module under DDP and torch.compile wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 def _env_ranks() -> tuple[int, int, int]:
@@ -76,31 +67,24 @@ def _env_ranks() -> tuple[int, int, int]:
 
 def resolve_device(device: str = "auto", index: int = 0) -> torch.device:
     """"auto" -> CUDA when available, else CPU; asking for CUDA without one is a one-line error.
-    Every entry point (training, evaluation, analysis, generation) resolves its device here, so
-    a CUDA device also turns TF32 on (`use_tf32`).
-
-    index is the local rank; it is taken modulo the visible GPUs because Slurm's --gpus-per-task /
-    --gpu-bind give each task its own CUDA_VISIBLE_DEVICES (one GPU, index 0), while --gpus=N or
-    torchrun show every GPU of the node to every process (index = local rank).
-    """
+    Every entry point (training, evaluation, analysis, generation) resolves its device here.
+    index is the local rank (see below)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={device} but no CUDA device is visible; use cpu or auto")
-        dev = torch.device("cuda", index % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
-        use_tf32(dev)
-        return dev
-    return torch.device(device)
-
-
-def use_tf32(device: torch.device):
-    """On CUDA, float32 matmuls in TF32 (10 mantissa bits, several times float32's rate; torch
-    already runs float32 convolutions so), as nanochat and timm's train.py set it: the matmuls bf16
-    autocast does not take (runs with trainer.amp=false, float32 forwards of the analysis, k-NN
-    similarities). The analysis accumulators are float64, which TF32 leaves alone."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
+    if not device.startswith("cuda"):
+        return torch.device(device)
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={device} but no CUDA device is visible; use cpu or auto")
+    # Modulo the visible GPUs: Slurm's --gpus-per-task / --gpu-bind give each task its own
+    # CUDA_VISIBLE_DEVICES (one GPU, index 0), while --gpus=N or torchrun show every GPU of the
+    # node to every process (index = local rank).
+    dev = torch.device("cuda", index % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
+    # float32 matmuls in TF32 (10 mantissa bits, several times float32's rate; torch already runs
+    # float32 convolutions so), as nanochat and timm's train.py set it: the matmuls bf16 autocast
+    # does not take (trainer.amp=false, the analysis' float32 forwards, k-NN similarities). The
+    # analysis accumulators are float64, which TF32 leaves alone.
+    torch.set_float32_matmul_precision("high")
+    return dev
 
 
 def setup(device: str = "auto") -> DistInfo:
@@ -111,7 +95,7 @@ def setup(device: str = "auto") -> DistInfo:
     """
     rank, world, local_rank = _env_ranks()
     dev = resolve_device(device, local_rank)
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # before the process group: NCCL binds each rank to the current device
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
@@ -120,6 +104,8 @@ def setup(device: str = "auto") -> DistInfo:
 
 
 def cleanup():
+    # The CPU group goes with the default group: a later setup (tests, a second run in one
+    # process) must make a new one.
     global _CPU_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -129,7 +115,7 @@ def cleanup():
 def seed_everything(seed: int):
     """Seed python, numpy and torch (all devices). Call with seed + rank."""
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    np.random.seed(seed % 2**32)  # NumPy's legacy seed takes 32 bits only
     torch.manual_seed(seed)
 
 
@@ -138,10 +124,11 @@ def barrier():
         dist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`t` reduced over ranks (a new tensor; `t` itself where there is one process)."""
     if dist.is_initialized():
         t = t.clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
     return t
 
 
@@ -171,18 +158,14 @@ def average_(tensors: list[torch.Tensor]):
     """Each tensor replaced by its mean over ranks, in place (one all-reduce for all of them)."""
     if not tensors or not dist.is_initialized():
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # one collective instead of one per tensor
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
     for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(v.view_as(t))
 
 
-def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return t
+all_reduce_min = functools.partial(all_reduce_sum, op=dist.ReduceOp.MIN)
 
 
 def all_gather_object(obj) -> list:
@@ -289,16 +272,11 @@ def lost_peer(e: BaseException, wait_s: float = 3.0) -> PeerLost | None:
     """If `e` is a collective failing because a rank is gone, a PeerLost naming the ranks that do
     not answer a roll call in the rendezvous store within `wait_s` (every survivor fails within
     moments of the loss and calls in), else None: `e` is then an error of its own."""
-    seen, chain = set(), e
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        # gloo and NCCL raise RuntimeErrors (DistError among them); an OSError such as a closed
-        # stdout's BrokenPipeError is this process's own
-        if isinstance(chain, RuntimeError) and (isinstance(chain, dist.DistError) or
-                                                any(m in str(chain) for m in _GONE)):
-            break
-        chain = chain.__cause__ or chain.__context__
-    if chain is None or not dist.is_initialized():
+    # gloo and NCCL raise RuntimeErrors (DistError among them); an OSError such as a closed
+    # stdout's BrokenPipeError is this process's own
+    gone = (isinstance(c, RuntimeError) and (isinstance(c, dist.DistError) or any(m in str(c) for m in _GONE))
+            for c in causes(e))
+    if not any(gone) or not dist.is_initialized():
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
     keys = [f"laplace/alive/{r}" for r in range(world)]

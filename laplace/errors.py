@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 
 
 class UserError(Exception):
@@ -65,15 +66,21 @@ _SHORT_WRITE = re.compile(r"^\d+ requested and \d+ written$")
 SHORT_WRITE = "short write: the disk is full or over quota"
 
 
-def storage_error(e: BaseException | None) -> OSError | None:
-    """The storage OSError behind `e` (itself, or what it was raised from or during, as torch.save
-    wraps a full disk in a RuntimeError), else None."""
+def causes(e: BaseException | None) -> Iterator[BaseException]:
+    """`e`, then what it was raised from or during, and so on (each once)."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and (e.errno in STORAGE_ERRNOS or _short_write(e)):
-            return e
+        yield e
         e = e.__cause__ or e.__context__
+
+
+def storage_error(e: BaseException | None) -> OSError | None:
+    """The storage OSError behind `e` (itself, or what it was raised from or during, as torch.save
+    wraps a full disk in a RuntimeError), else None."""
+    for c in causes(e):
+        if isinstance(c, OSError) and (c.errno in STORAGE_ERRNOS or _short_write(c)):
+            return c
     return None
 
 
@@ -88,10 +95,10 @@ def name_storage_error(e: BaseException, path) -> None:
         full.filename = str(path)
 
 
-def one_line(e: UserError) -> str:
-    """The message of a user error. torch re-raises a data-loader worker's exception as
-    `type(e)("Caught <type> in DataLoader worker process N.\nOriginal Traceback ...")`: there the
-    message is the traceback's last line, after its "module.Type: "."""
+def one_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none). torch re-raises
+    a data-loader worker's exception as `type(e)("Caught <type> in DataLoader worker process N.\n
+    Original Traceback ...")`: there the message is the traceback's last line, after its "module.Type: "."""
     lines = str(e).strip().splitlines()
     if len(lines) > 1 and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
         return lines[-1].split(": ", 1)[-1]

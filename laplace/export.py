@@ -28,7 +28,8 @@ import torch.nn as nn
 
 from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_VERSION, EXPORT_WEIGHTS, CheckpointError,
                          load_checkpoint, load_model, model_from_checkpoint, read_export_config, run_dir_of)
-from .errors import ConfigError, UserError, cli_errors
+from .cli import config_dir
+from .errors import ConfigError, UserError, cli_errors, one_line
 from .io import atomic_dir
 
 CITATION = """@article{zhang2026laplacian,
@@ -70,7 +71,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
         raise ConfigError(f"out={out} is a file; give a folder to write the export into")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"out={out} exists and is not empty; choose another folder or pass overwrite=true")
-    ckpt = load_checkpoint(src)
+    ckpt = load_checkpoint(src)  # a foreign or torn file: one line, before anything is written
     model = model_from_checkpoint(ckpt)
     # A diverged run's weights must not be published (timm's logits check would blame timm for them).
     for name, t in model.state_dict().items():
@@ -81,6 +82,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
     node, data = dict(ckpt["config"]["model"]), ckpt["config"].get("data") or {}
     # A GPT carries its tokenizer: sampling from the folder alone needs it (eval.generate, users).
     tokenizer, tokenizer_file = _tokenizer(src, ckpt) if hasattr(model, "vocab_size") else (None, None)
+    # A k = 0 ViT is timm's own VisionTransformer: published as timm's, plain timm loads it.
     timm_arch, timm_args, why_not = timm_equivalent(model, node)
     # config.json's "laplace" node: what load_model rebuilds, and where the weights come from.
     info = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "model": node,
@@ -179,60 +181,41 @@ def _constructor_args(node: dict) -> dict:
             **{k: v for k, v in node.items() if v is not None}}
 
 
-def _timm_model(model: nn.Module, arch: str, args: dict) -> nn.Module:
-    """timm's model for `model` with its weights, checked to give the same logits."""
+def _save_for_timm(folder: Path, model: nn.Module, info: dict, arch: str, args: dict, data: dict) -> None:
+    """timm's own export (`save_for_hf`) of timm's model holding our weights: model.safetensors and
+    timm's config.json, our "laplace" node in it."""
     import timm
+    from timm.models import save_for_hf
 
     # license / tag: of the ImageNet weights the architecture name stands for, not of these
     t = timm.create_model(arch, pretrained=False, pretrained_cfg_overlay=dict(license=None, tag=None), **args)
     t.load_state_dict(model.state_dict(), strict=True)  # same parameter names: strict, no mapping
-    t.eval()
-    x = torch.randn(1, args["in_chans"], args["img_size"], args["img_size"],
-                    generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, args["in_chans"], args["img_size"], args["img_size"], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours, theirs = model.eval()(x), t(x)
-    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):  # a bug of ours: the claim must hold
+        ours, theirs = model.eval()(x), t.eval()(x)
+    # The card says timm builds this model: a difference would be a bug of ours, never published.
+    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):
         raise RuntimeError(f"timm's {arch} gives other logits than {type(model).__name__} "
                            f"(max |diff| {(ours - theirs).abs().max().item():.3g})")
-    return t
-
-
-def _save_for_timm(folder: Path, model: nn.Module, info: dict, arch: str, args: dict, data: dict) -> None:
-    """timm's own export (`save_for_hf`): model.safetensors of timm's model (our weights, loaded
-    strictly and checked for equal logits) and timm's config.json, our "laplace" node in it."""
-    from timm.models import save_for_hf
-
-    save_for_hf(_timm_model(model, arch, args), str(folder), model_config={"laplace": info},
-                safe_serialization=True, data_config=_data_config(data) or None)
+    save_for_hf(t, str(folder), model_config={"laplace": info}, safe_serialization=True,
+                data_config=_data_config(data) or None)
 
 
 def _source(path: Path, ckpt: dict) -> dict:
-    """Where the weights come from: the checkpoint, its step, code revision, data, experiment."""
-    config = ckpt["config"]
-    # the run's name and the file in it, not the absolute path: the folder is meant to be shared
-    run = run_dir_of(path)
-    return {"run": run.resolve().name, "checkpoint": str(path.resolve().relative_to(run.resolve())),
-            "step": (ckpt.get("loop") or {}).get("step"), "git_rev": ckpt.get("git_rev"),
-            "trainer": (config.get("trainer") or {}).get("name"), "data": (config.get("data") or {}).get("name"),
-            "experiment": _experiment(config)}
-
-
-def _experiment(config: dict) -> Optional[str]:
-    """The experiment of the run, when its run dir says it: train.py names run dirs
-    <runs_dir>/<trainer>/<experiment or data>/<model>_s<seed>, and an experiment is a
-    configs/experiment/<name>.yaml of this checkout."""
-    from .cli import config_dir
-
-    run_dir = config.get("run_dir")
-    if not run_dir:
-        return None
-    name = Path(str(run_dir)).parent.name
-    if name == (config.get("data") or {}).get("name"):
-        return None
+    """Where the weights come from: the run and the file in it (not the absolute path: the folder
+    is meant to be shared), its step, code revision, trainer, data and experiment."""
+    config, run = ckpt["config"], run_dir_of(path).resolve()
+    data = (config.get("data") or {}).get("name")
+    # train.py names run dirs <runs>/<trainer>/<experiment or data>/<model>_s<seed>: the middle
+    # part is an experiment where this checkout has configs/experiment/<it>.yaml.
+    exp = Path(str(config["run_dir"])).parent.name if config.get("run_dir") else None
     try:
-        return name if (config_dir("config") / "experiment" / f"{name}.yaml").is_file() else None
+        exp = exp if exp and exp != data and (config_dir() / "experiment" / f"{exp}.yaml").is_file() else None
     except UserError:  # no configs/ (an installed package): the run dir alone does not tell
-        return None
+        exp = None
+    return {"run": run.name, "checkpoint": str(path.resolve().relative_to(run)),
+            "step": (ckpt.get("loop") or {}).get("step"), "git_rev": ckpt.get("git_rev"),
+            "trainer": (config.get("trainer") or {}).get("name"), "data": data, "experiment": exp}
 
 
 def code_url() -> Optional[str]:
@@ -249,43 +232,33 @@ def code_url() -> Optional[str]:
 def _results(checkpoint: Path) -> list[tuple[str, dict]]:
     """(path relative to the run, record) of the run's results.json files (the trainer's, and
     the evaluations' in eval/*/) that were measured on this checkpoint."""
-    run = run_dir_of(checkpoint)
-    found = []
+    run, found = run_dir_of(checkpoint), []
     for p in [run / "results.json", *sorted(run.glob("eval/*/results.json"))]:
         try:
             rec = json.loads(p.read_text()) if p.is_file() else None
         except (OSError, ValueError):  # a results file being rewritten or broken: not ours to fix here
             continue
-        if isinstance(rec, dict) and _same_checkpoint(rec.get("checkpoint"), checkpoint):
+        if not (isinstance(rec, dict) and rec.get("checkpoint")):
+            continue
+        # The record's path was written from the run's cwd: resolved here it may point elsewhere,
+        # so <ckpt dir>/<file> equal counts too (last.pt of another run sits in another run dir).
+        where, ours = Path(str(rec["checkpoint"])), checkpoint.resolve()
+        if where.resolve() == ours or where.parts[-2:] == ours.parts[-2:]:
             found.append((str(p.relative_to(run)), rec))
     return found
-
-
-def _same_checkpoint(recorded, checkpoint: Path) -> bool:
-    # The record's path was written from the run's cwd: resolved here it may point elsewhere,
-    # so <ckpt dir>/<file> equal counts too (last.pt of another run sits in another run dir).
-    if not recorded:
-        return False
-    r = Path(str(recorded))
-    return r.resolve() == checkpoint.resolve() or r.parts[-2:] == checkpoint.resolve().parts[-2:]
 
 
 def metrics_of(record: dict) -> dict[str, float]:
     """The measured numbers of a results.json: the trainers' `final` / `best`, k-NN's and the
     linear probe's top-1 / top-5, segmentation's mIoU / aAcc / mAcc, lm-eval's task/metric."""
-    out = {}
-    for group in ("final", "best", "knn", "linear"):
-        for k, v in (record.get(group) or {}).items():
-            if _number(v) and k not in ("step", "lr", "base_lr"):  # bookkeeping, not measurements
-                out[f"{group}/{k}"] = v
-    for k, v in record.items():
-        if (k in ("mIoU", "aAcc", "mAcc") or "/" in k) and k not in _HEADER_KEYS and _number(v):
-            out[k] = v
-    return out
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    # step and rates are bookkeeping, not measurements
+    out = {f"{group}/{k}": v for group in ("final", "best", "knn", "linear")
+           for k, v in (record.get(group) or {}).items() if number(v) and k not in ("step", "lr", "base_lr")}
+    return {**out, **{k: v for k, v in record.items() if (k in ("mIoU", "aAcc", "mAcc") or "/" in k)
+                      and k not in _HEADER_KEYS and number(v)}}
 
 
 def _k_text(ks) -> str:
@@ -301,11 +274,10 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
 
     from .vit import VisionTransformer
 
-    name, src = node["name"], info["source"]
-    vit = isinstance(model, VisionTransformer)
+    name, src, vit = node["name"], info["source"], isinstance(model, VisionTransformer)
     # a depth-0 model (tests, ablations) has no block to read heads or mode from
-    ks, heads = model.num_laplacian_heads, (model.blocks[0].attn.num_heads if len(model.blocks) else 0)
-    mode = model.blocks[0].attn.laplacian_mode if len(model.blocks) else "fixed"
+    ks, attn = model.num_laplacian_heads, (model.blocks[0].attn if len(model.blocks) else None)
+    heads, mode = (attn.num_heads, attn.laplacian_mode) if attn is not None else (0, "fixed")
     task = ("image-classification" if model.num_classes else "image-feature-extraction") if vit else "text-generation"
     # The Hub's ids of the training data: the data node's own, or its sources' (the chat mixtures).
     sources = data.get("sources") if isinstance(data.get("sources"), dict) else {}
@@ -327,19 +299,19 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
              f"{f' ({url})' if url else ''}. License: MIT (the code's); the training data's terms apply too.",
              "", "## Model", ""]
     if vit:
-        a = _constructor_args(node)
+        a, pe = _constructor_args(node), model.patch_embed
+        scale = f"LayerScale (init {a['init_values']})" if a["init_values"] else "no LayerScale"
+        pool = "class-token" if model.global_pool == "token" else "mean (patch tokens)"
         lines.append(f"- Architecture: ViT (DeiT-III style), width {model.embed_dim}, depth {len(model.blocks)}, "
-                     f"{heads} heads, patch {model.patch_embed.patch_size[0]}, input "
-                     f"{model.patch_embed.img_size[0]} px, {model.num_classes or 'no'} classes, "
-                     f"{'LayerScale (init ' + str(a['init_values']) + ')' if a['init_values'] else 'no LayerScale'}, "
-                     f"QK-norm {'on' if a['qk_norm'] else 'off'}, "
-                     f"{'class-token' if model.global_pool == 'token' else 'mean (patch tokens)'} pooling")
+                     f"{heads} heads, patch {pe.patch_size[0]}, input {pe.img_size[0]} px, "
+                     f"{model.num_classes or 'no'} classes, {scale}, QK-norm {'on' if a['qk_norm'] else 'off'}, "
+                     f"{pool} pooling")
     else:
-        lines.append(f"- Architecture: nanochat GPT, width {model.width}, depth {model.depth}, {heads} heads, "
-                     f"vocabulary {model.vocab_size}")
         tok = info.get("tokenizer")
-        lines.append(f"- Tokenizer: {'tokenizer.json in this folder' if tok == EXPORT_TOKENIZER else tok} "
-                     f"(laplace.tokenizer.load_tokenizer)")
+        lines += [f"- Architecture: nanochat GPT, width {model.width}, depth {model.depth}, {heads} heads, "
+                  f"vocabulary {model.vocab_size}",
+                  f"- Tokenizer: {'tokenizer.json in this folder' if tok == EXPORT_TOKENIZER else tok} "
+                  f"(laplace.tokenizer.load_tokenizer)"]
     lines += [f"- Laplacian heads: k = {_k_text(ks)} of {heads} heads per layer"
               f"{f' (the last k; {mode} mode)' if any(ks) else ''}",
               f"- Parameters: {sum(p.numel() for p in model.parameters()):,}", "", "## Training", ""]
@@ -348,21 +320,22 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
         lines.append(f"- Recipe: `experiment={exp}` (its recipe card: docs/recipes/{exp}.md in the laplace repository)")
     lines += [f"- {label}: {src[key]}" for key, label in (("trainer", "Trainer"), ("data", "Data"), ("step", "Steps"),
                                                           ("git_rev", "Code revision")) if src.get(key) is not None]
-    rows = [(where, rec.get("dataset"), PROTOCOLS.get(k.split("/")[0], "lm-eval (eval.lm)"), k, v)
-            for where, rec in results for k, v in metrics_of(rec).items()]
+    # One row per measured number, with how it was measured (PROTOCOLS; anything else is lm-eval's).
+    rows = [f"| {where} | {rec.get('dataset')} | {PROTOCOLS.get(k.split('/')[0], 'lm-eval (eval.lm)')} | {k} | "
+            f"{v:.6g} |" for where, rec in results for k, v in metrics_of(rec).items()]
     if rows:
-        lines += ["", "## Metrics", "", "| results | dataset | protocol | metric | value |", "|---|---|---|---|---|"]
-        lines += [f"| {w} | {d} | {p} | {k} | {v:.6g} |" for w, d, p, k, v in rows]
+        lines += ["", "## Metrics", "", "| results | dataset | protocol | metric | value |", "|---|---|---|---|---|",
+                  *rows]
     lines += ["", "## Usage", "", "```python", "import laplace",
-              "model = laplace.from_pretrained(\"<this folder or its Hub id>\")", "```"]
+              "model = laplace.from_pretrained(\"<this folder or its Hub id>\")", "```", ""]
     if timm_arch:
-        lines += ["", "Without Laplacian heads this is timm's VisionTransformer, so timm loads it too:", "",
+        lines += ["Without Laplacian heads this is timm's VisionTransformer, so timm loads it too:", "",
                   "```python", "import timm", "model = timm.create_model(\"local-dir:<this folder>\", pretrained=True)"
                   "  # or \"hf-hub:<Hub id>\"", "```"]
     else:
-        lines += ["", f"timm builds it only where laplace's models are registered with timm: {info['timm_unsupported']}."]
-    lines += ["", "## Citation", "", "```bibtex", CITATION, "```", ""]
-    return "\n".join(lines)
+        why = info["timm_unsupported"]
+        lines.append(f"timm builds it only where laplace's models are registered with timm: {why}.")
+    return "\n".join([*lines, "", "## Citation", "", "```bibtex", CITATION, "```", ""])
 
 
 def local_or_hub(name_or_path: str | os.PathLike, revision: Optional[str], cache_dir) -> Path:
@@ -382,9 +355,8 @@ def local_or_hub(name_or_path: str | os.PathLike, revision: Optional[str], cache
         raise CheckpointError(f"{name_or_path}: no such file or folder, and not a Hugging Face Hub id "
                               f"(org/name)") from None
     except (OSError, ValueError) as e:  # offline and not cached, not found, no access
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{name_or_path}: no such local folder, and the Hugging Face Hub did not give "
-                              f"it: {first[:200]}") from None
+                              f"it: {one_line(e)[:200]}") from None
 
 
 def from_pretrained(name_or_path: str | os.PathLike, revision: Optional[str] = None, cache_dir=None,

@@ -44,9 +44,9 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
             else:
                 f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # the bytes on disk before the name points at them
         os.replace(tmp, path)
-    except BaseException as e:
+    except BaseException as e:  # a signal or a full disk too: no temp file is left behind
         Path(tmp).unlink(missing_ok=True)
         name_storage_error(e, path)
         raise

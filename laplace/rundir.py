@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,11 +49,11 @@ class RunDirInUse(UserError):
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: nothing is sent, only whether the process exists is checked
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, someone else's
-        return True
+    except PermissionError:  # it exists, someone else's
+        pass
     return True
 
 
@@ -82,6 +83,11 @@ class RunDirLock:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(start))) if start.isdigit() else start
         return f"pid {pid} on host {host} (since {when})", host
 
+    def _refuse(self, fd: int):
+        os.close(fd)
+        raise RunDirInUse(f"run_dir {self.path.parent} is in use by {self._holder()[0]}: wait for that run to "
+                          f"end (or stop it), or give another run_dir=") from None
+
     def acquire(self) -> "RunDirLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -93,10 +99,7 @@ class RunDirLock:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EACCES, errno.EAGAIN):  # POSIX allows either for "held by another"
-                os.close(fd)
-                who, _ = self._holder()
-                raise RunDirInUse(f"run_dir {self.path.parent} is in use by {who}: wait for that run to "
-                                  f"end (or stop it), or give another run_dir=") from None
+                self._refuse(fd)
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 os.close(fd)
                 raise
@@ -116,9 +119,7 @@ class RunDirLock:
         who, host = self._holder()
         if len(text) >= 2 and text[0].isdigit():
             if host == socket.gethostname() and int(text[0]) != os.getpid() and _alive(int(text[0])):
-                os.close(fd)
-                raise RunDirInUse(f"run_dir {self.path.parent} is in use by {who}: wait for that run to "
-                                  f"end (or stop it), or give another run_dir=")
+                self._refuse(fd)
             if host != socket.gethostname():
                 print(f"[laplace] warning: {self.path} names {who} and this file system has no locks: "
                       f"if that run is alive, stop one of them", flush=True)
@@ -146,14 +147,12 @@ def check_writable(folder: str | os.PathLike, key: str) -> Path:
     """Create `folder` and write a file in it now, so that a run fails before its work, not after:
     a UserError naming `key` (the setting that chose the folder) if it cannot be written."""
     folder = Path(folder)
-    probe = folder / f".write-test-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
+        with tempfile.TemporaryFile(dir=folder) as f:  # removed when closed, whatever happens
             f.write(b"x")
             f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
+            os.fsync(f.fileno())  # a full disk or quota may only say so here
     except OSError as e:
         raise UserError(f"{key}: cannot write in {folder} ({e.strerror}); free space or make it writable, "
                         f"or give {key}=<a writable folder>") from None

@@ -1,24 +1,16 @@
 """Token-by-token sampling from a GPT: the streaming loop behind `python -m eval.generate`, and the
 few greedy samples the trainer logs at each evaluation.
 
-`stream_tokens` is `GPT.generate` (batch 1) turned into a Python generator: the prompt goes
-through the model once to fill a KV cache, then every step feeds the one new token, so a reply
-of n tokens costs n single-token forwards. Each step picks the token exactly as `GPT.generate`
-does (argmax at temperature 0; else logits / temperature, the top-k filter, then
-`torch.multinomial` with the caller's generator), so with the same seed both return the same
-ids; unlike it, the stream stops early at a stop token (a chat reply's `<|assistant_end|>`).
-
-Everything runs on the model's device under `torch.inference_mode`, applied per step by the
-decorator (a `with` block inside a generator would stay active in the caller between steps).
-A sampling generator must live on that device too: `torch.Generator(device=...)`.
-
-`IncrementalDecoder` prints a stream as it comes: it decodes all ids so far and returns the new
-suffix, holding back a trailing U+FFFD, which is a multi-byte character (or a BPE token cut
-inside one) still incomplete; so é, emoji and CJK characters appear whole.
+`stream_tokens` is `GPT.generate` (batch 1) as a Python generator: each step picks the token exactly
+as `GPT.generate` does (argmax at temperature 0; else logits / temperature, the top-k filter, then
+`torch.multinomial` with the caller's generator, which must live on the model's device), so with
+the same seed both return the same ids. `IncrementalDecoder` prints a stream as it comes, each
+character once it is whole.
 """
 from __future__ import annotations
 
 import ast
+import codecs
 import operator
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -53,7 +45,7 @@ def _check(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, tem
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Next ids [B, 1] from last-position logits [B, V], exactly as `GPT.generate` picks them."""
-    if temperature == 0:
+    if temperature == 0:  # greedy: no draw, so the generator is left as it is
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
     if top_k:  # None or 0: the whole vocabulary
@@ -79,7 +71,7 @@ class Calculator:
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def calculate(expr: str) -> int | float | None:
@@ -92,9 +84,8 @@ def calculate(expr: str) -> int | float | None:
             return ev(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            v = ev(node.operand)
-            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
         raise ValueError("not arithmetic")
@@ -108,9 +99,13 @@ def calculate(expr: str) -> int | float | None:
     return round(value, 6) if isinstance(value, float) else value
 
 
+# inference_mode as a decorator: applied per step, while a `with` block inside a generator would
+# stay active in the caller between steps
 @torch.inference_mode()
 def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, generator, tools):
     device = model.wte.weight.device
+    # The prompt fills the KV cache in one forward; then each step feeds only the new token,
+    # so a reply of n tokens costs n one-token forwards (as GPT.generate, with batch 1).
     cache = model.new_kv_cache(1, len(prompt_ids) + max_new_tokens)
     logits = model(torch.tensor([list(prompt_ids)], dtype=torch.long, device=device), kv_cache=cache)[:, -1, :]
     forced: deque[int] = deque()  # tool output to feed before sampling again
@@ -118,7 +113,7 @@ def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, gen
     for i in range(max_new_tokens):
         # one host sync per token: the caller wants it now anyway
         token = forced.popleft() if forced else int(sample_next(logits, temperature, top_k, generator))
-        if token in stop_ids:
+        if token in stop_ids:  # e.g. a chat reply's <|assistant_end|>: GPT.generate runs on, we stop
             return
         yield token
         if tools is not None:
@@ -129,7 +124,7 @@ def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, gen
                 code = None
             elif code is not None:
                 code.append(token)
-        if i + 1 < max_new_tokens:
+        if i + 1 < max_new_tokens:  # no forward for a token nobody will read
             logits = model(torch.tensor([[token]], dtype=torch.long, device=device), kv_cache=cache)[:, -1, :]
 
 
@@ -151,7 +146,7 @@ def stream_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: i
 
     Arguments are checked when this is called, not at the first step.
     """
-    model = unwrap(model)
+    model = unwrap(model)  # a compiled model would recompile at every new length
     _check(model, prompt_ids, max_new_tokens, temperature, top_k)
     return _stream(model, prompt_ids, max_new_tokens, temperature, top_k,
                    frozenset(int(i) for i in stop_ids), generator, tools)
@@ -171,23 +166,19 @@ def sample_texts(model: nn.Module, tok, prompts: Sequence[str], max_new_tokens: 
 
 
 class IncrementalDecoder:
-    """Text of a token stream as it grows: `push(id)` returns the text to print now."""
+    """Text of a token stream as it grows: `push(id)` returns the text to print now, `printed` is
+    all of it so far. Python's incremental UTF-8 decoder holds back a character until its last
+    byte has come, so é, emoji and CJK characters (or a BPE token cut inside one) print whole."""
 
     def __init__(self, tok):
-        self.tok, self.ids, self.printed = tok, [], ""
+        self.tok, self.utf8, self.printed = tok, codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
 
-    def push(self, token: int) -> str:
-        self.ids.append(int(token))
-        text = self.tok.decode(self.ids)
-        stable = text.rstrip("\ufffd")  # an incomplete character at the end: wait for its bytes
-        if not stable.startswith(self.printed):  # a later token re-read earlier bytes
-            return ""
-        new, self.printed = stable[len(self.printed):], stable
+    def push(self, token: int, final: bool = False) -> str:
+        data = b"" if token is None else self.tok.enc.decode_single_token_bytes(int(token))
+        new = self.utf8.decode(data, final=final)
+        self.printed += new
         return new
 
     def flush(self) -> str:
         """What is left at the end (a character that never completed prints as U+FFFD)."""
-        text = self.tok.decode(self.ids)
-        new = text[len(self.printed):] if text.startswith(self.printed) else ""
-        self.printed = text
-        return new
+        return self.push(None, final=True)

@@ -110,12 +110,15 @@ class Tokenizer:
 
     def encode(self, text: str, prepend_bos: bool = False) -> list[int]:
         """Ids of ordinary text: a special token's string inside `text` is encoded as plain text."""
+        # Specials are never parsed out of text: a document (or a user's chat turn) that contains
+        # "<|assistant_end|>" cannot end a turn; chat_format inserts specials by id.
         ids = self.enc.encode_ordinary(text)
         return [self.bos_id, *ids] if prepend_bos else ids
 
     def encode_batch(self, texts: list[str], prepend_bos: bool = False,
                      num_threads: int | None = None) -> list[list[int]]:
         """`encode` of each text, in parallel threads over the texts (None: one per core)."""
+        # tiktoken encodes in Rust and releases the GIL: threads scale with cores (prepare, packed chat)
         batch = self.enc.encode_ordinary_batch(list(texts), num_threads=num_threads or _cores())
         if prepend_bos:
             for ids in batch:
@@ -129,13 +132,16 @@ class Tokenizer:
         return self.enc.encode(text, allowed_special="all")
 
     def decode(self, ids) -> str:
-        """Text of ids (a list, tensor or array); specials decode to their strings and bytes that
-        are not valid UTF-8 to U+FFFD."""
-        return self.enc.decode(_as_list(ids), errors="replace")
+        """Text of ids (a list, tensor or array; a [1, T] batch too); specials decode to their strings
+        and bytes that are not valid UTF-8 to U+FFFD."""
+        ids = ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids
+        return self.enc.decode(np.asarray(ids, dtype=np.int64).reshape(-1).tolist(), errors="replace")
 
     def token_bytes(self) -> torch.Tensor:
         """int64 [vocab_size]: the UTF-8 byte length of each token, 0 for special tokens."""
         if self._token_bytes is None:
+            # nanochat's table for bits per byte: bpb = sum of the targets' losses in nats /
+            # (ln 2 * sum of their token_bytes); a special token stands for no text, so 0 bytes.
             specials = set(self.enc._special_tokens.values())
             self._token_bytes = torch.tensor(
                 [0 if i in specials else len(self.enc.decode_single_token_bytes(i))
@@ -144,6 +150,8 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         """sha256 of what fixes the ids (pattern, ranks, specials): equal iff they encode alike."""
+        # Not the path: the same tokenizer moved to another machine must match, a retrained file
+        # under the same name must not (export and resume compare fingerprints).
         h = hashlib.sha256(f"{self.kind}\0{self.enc._pat_str}\0".encode())
         for tok, rank in sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1]):
             h.update(rank.to_bytes(4, "little") + len(tok).to_bytes(2, "little") + tok)
@@ -157,6 +165,8 @@ class Tokenizer:
             raise ConfigError(f"tokenizer={self.kind} has nothing to save: pass "
                               f"tokenizer={self.kind} wherever a tokenizer is asked for")
         ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
+        # The ranks as base64 in rank order: tiktoken's own format inside a tagged JSON, so that a
+        # foreign JSON file is refused in one line and plain tiktoken can rebuild the Encoding.
         obj = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind,
                "pattern": self.enc._pat_str, "special_tokens": self.enc._special_tokens,
                "ranks": [base64.b64encode(tok).decode("ascii") for tok, _ in ranks]}
@@ -167,41 +177,8 @@ class Tokenizer:
         return path
 
 
-class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes (ids 0..255) + the specials at 256..264. Encoding skips tiktoken's regex and
-    merge loop, which have nothing to do here: `str.encode` is an order of magnitude faster."""
-
-    def __init__(self):
-        enc = tiktoken.Encoding(
-            "laplace-bytes", pat_str=SPLIT_PATTERN,
-            mergeable_ranks={bytes([i]): i for i in range(256)},
-            special_tokens={name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)})
-        super().__init__("bytes", enc, "<|bos|>", "bytes")
-
-    def encode(self, text: str, prepend_bos: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        return [self.bos_id, *ids] if prepend_bos else ids
-
-    def encode_batch(self, texts: list[str], prepend_bos: bool = False,
-                     num_threads: int | None = None) -> list[list[int]]:
-        return [self.encode(t, prepend_bos) for t in texts]
-
-    def encode_with_specials(self, text: str) -> list[int]:
-        specials = self.enc._special_tokens
-        pattern = "(" + "|".join(re.escape(name) for name in specials) + ")"
-        return [i for piece in re.split(pattern, text) if piece
-                for i in ([specials[piece]] if piece in specials else piece.encode("utf-8"))]
-
-
-def _as_list(ids) -> list[int]:
-    if isinstance(ids, torch.Tensor):
-        return ids.detach().cpu().reshape(-1).tolist()
-    if isinstance(ids, np.ndarray):
-        return ids.reshape(-1).tolist()
-    return [int(i) for i in ids]
-
-
 def _bpe(ranks: dict[bytes, int], pattern: str, spec: str | None) -> Tokenizer:
+    # nanochat's layout: the 256 bytes, the merges, then the 9 specials after the ordinary ids
     specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     # The name only labels the Encoding (tiktoken's registry is not involved).
     enc = tiktoken.Encoding(f"laplace-bpe-{len(ranks) + len(specials)}", pat_str=pattern,
@@ -248,6 +225,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: str | os.PathLike | N
 
 
 def _gpt2() -> Tokenizer:
+    # tiktoken downloads GPT-2's BPE files on first use into its cache; a compute node without a
+    # network needs that cache filled elsewhere, which the error says how to do.
     try:
         enc = tiktoken.get_encoding("gpt2")
     except (OSError, ValueError) as e:  # requests' errors are OSErrors; ValueError: bad hash
@@ -276,8 +255,7 @@ def _read_file(path: Path) -> Tokenizer:
                           f"python prepare.py")
     try:
         ranks = {base64.b64decode(t, validate=True): r for r, t in enumerate(obj["ranks"])}
-        pattern = obj["pattern"]
-        specials = obj["special_tokens"]
+        pattern, specials = obj["pattern"], obj["special_tokens"]
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{where} is damaged ({type(e).__name__}: {e}); re-create it with "
                           f"python prepare.py") from None
@@ -290,8 +268,12 @@ def _read_file(path: Path) -> Tokenizer:
 
 @functools.lru_cache(maxsize=16)
 def _load_cached(spec: str, _stamp: tuple | None) -> Tokenizer:
-    if spec == "bytes":
-        return ByteTokenizer()
+    if spec == "bytes":  # the 256 bytes as ranks (no merges), then the specials at 256..264:
+        # <|bos|> = 256 as in the built-in byte-level text (laplace.data.text), so its models stay valid
+        ranks = {bytes([i]): i for i in range(256)}
+        enc = tiktoken.Encoding("laplace-bytes", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
+                                special_tokens={name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)})
+        return Tokenizer("bytes", enc, "<|bos|>", "bytes")
     if spec == "gpt2":
         return _gpt2()
     return _read_file(Path(spec))
@@ -307,15 +289,12 @@ def load_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     if spec in ("bytes", "gpt2"):
         return _load_cached(spec, None)
     path = Path(spec).expanduser().absolute()
-    try:
-        st = path.stat()
-    except OSError:
-        st = None
-    if st is None or not path.is_file():
+    if not path.is_file():
         raise DatasetNotFoundError(
             f"tokenizer file not found: looked for {path}; make one with python "
             f"prepare.py source=... (it writes <out>/tokenizer.json), or set the "
             f"tokenizer key to bytes | gpt2 | an existing file")
+    st = path.stat()  # size and time in the cache key: a re-trained file is read again
     return _load_cached(str(path), (st.st_size, st.st_mtime_ns))
 
 

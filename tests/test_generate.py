@@ -94,7 +94,7 @@ def test_incremental_decoder_prints_multibyte_characters_whole():
     text = "naïve café → 日本 🙂!"
     dec = IncrementalDecoder(tok)
     pieces = [dec.push(b) for b in text.encode("utf-8")]
-    assert "".join(pieces) + dec.flush() == text
+    assert "".join(pieces) + dec.flush() == text == dec.printed
     assert not any("\ufffd" in p for p in pieces)
     assert "🙂" in pieces  # printed once its 4th byte arrived
 

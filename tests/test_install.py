@@ -73,6 +73,12 @@ def test_console_scripts_are_the_commands():
         assert module == "laplace.cli" and callable(getattr(laplace.cli, fn)), name
 
 
+def test_the_console_function_refuses_another_name(tmp_path):
+    p = _run(_script("laplace-train", "--help")[:2] + [
+        "import sys; sys.argv[0] = '/bin/laplace-nope.exe'; from laplace.cli import main; main()"], tmp_path)
+    assert p.returncode == 1 and p.stderr.startswith("error: laplace-nope is not a laplace console script (laplace-train,")
+
+
 def _run(args, cwd, timeout=120):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

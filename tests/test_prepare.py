@@ -181,7 +181,8 @@ def test_rerun_with_other_settings_is_refused(fineweb, tmp_path):
     prep.prepare(parquet_cfg(src, out, "tokenizer=bytes"))
     with pytest.raises(ConfigError) as e:
         prep.prepare(parquet_cfg(src, out, "tokenizer=bytes", "docs_per_shard=10"))
-    assert "docs_per_shard=10" in str(e.value) and "\n" not in str(e.value)
+    assert "holds shards made with docs_per_shard=25, not 10: set it back" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("docs_per_shard", [25, 10])

@@ -78,12 +78,10 @@ class ADE20K(Dataset):
             raise DatasetNotFoundError(f"ADE20K {split} split is empty: no *.jpg in {base / 'images' / split}")
         # Every annotation is looked for now: a missing one stops the run at its start, in one
         # line, not hours later in a worker.
-        self.items = []
-        for img in images:
-            ann = base / "annotations" / split / f"{img.stem}.png"
+        self.items = [(img, base / "annotations" / split / f"{img.stem}.png") for img in images]
+        for img, ann in self.items:
             if not ann.is_file():
                 raise DatasetNotFoundError(f"ADE20K annotation missing: {ann} (for {img.name})")
-            self.items.append((img, ann))
         self.transform = transform
 
     def __len__(self):
@@ -93,6 +91,7 @@ class ADE20K(Dataset):
         img_path, ann_path = self.items[i]
         with Image.open(img_path) as im:
             img = im.convert("RGB")
+        # The annotation as its palette indices: a conversion (RGB, L) would change the class ids
         with Image.open(ann_path) as an:
             mask = np.array(an)  # the class indices as stored, never converted
         if self.transform is None:

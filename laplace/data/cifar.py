@@ -20,31 +20,18 @@ from laplace.errors import ConfigError
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100}
 
 
-class _PresenceCheckMixin:
-    """Makes torchvision's CIFAR integrity checks presence-only unless verify_md5 is set."""
-
-    def __init__(self, *args, verify_md5: bool = False, **kwargs):
-        # torchvision checks every batch file's md5 before reading, which would reject a tiny set
-        # in the same format (what the tests write). With the md5s blanked its check_integrity is
-        # a presence check, so the same unpickling code reads the real data and the test data; a
-        # truncated real file still fails when unpickled.
-        if not verify_md5:
-            # Instance attributes shadow the class-level (filename, md5) lists torchvision
-            # reads in _check_integrity and _load_meta; the archive md5 used by download() stays.
-            self.train_list = [[name, None] for name, _ in type(self).train_list]
-            self.test_list = [[name, None] for name, _ in type(self).test_list]
-            self.meta = {**type(self).meta, "md5": None}
-        super().__init__(*args, **kwargs)
+def _presence_only(cls: type) -> type:
+    """torchvision's `cls` whose file checks are presence checks: torchvision checks every batch
+    file's md5 before reading, which would reject a tiny set in the same format (what the tests
+    write); a truncated real file still fails when unpickled. The archive's md5 (download) stays."""
+    # (filename, None): torchvision's check_integrity then only asks that the file exists.
+    blank = {"train_list": [[name, None] for name, _ in cls.train_list], "meta": {**cls.meta, "md5": None},
+             "test_list": [[name, None] for name, _ in cls.test_list], "__module__": __name__}
+    return type(cls.__name__, (cls,), blank)
 
 
-class CIFAR10(_PresenceCheckMixin, datasets.CIFAR10):
-    """torchvision CIFAR10 with an optional md5 check (`verify_md5=False` by default)."""
-
-
-class CIFAR100(_PresenceCheckMixin, datasets.CIFAR100):
-    """torchvision CIFAR100 with an optional md5 check (`verify_md5=False` by default)."""
-
-
+# Module-level names, so that the datasets pickle into DataLoader workers.
+CIFAR10, CIFAR100 = _presence_only(datasets.CIFAR10), _presence_only(datasets.CIFAR100)
 _CLASSES = {"cifar10": CIFAR10, "cifar100": CIFAR100}
 
 
@@ -62,7 +49,7 @@ def build_cifar(name: str, root: str, train: bool, transform: Callable | None = 
     """
     if name not in _CLASSES:
         raise ConfigError(f"unknown CIFAR dataset {name!r}; expected one of {sorted(_CLASSES)}")
-    cls = _CLASSES[name]
+    cls = _CLASSES[name].__base__ if verify_md5 else _CLASSES[name]
     root = os.path.abspath(os.path.expanduser(root))
     folder = os.path.join(root, cls.base_folder)
     files = [f for f, _ in (cls.train_list if train else cls.test_list)] + [cls.meta["filename"]]
@@ -75,7 +62,7 @@ def build_cifar(name: str, root: str, train: bool, transform: Callable | None = 
             f"or data.download=true on a machine with internet"
         )
     try:
-        return cls(root, train=train, transform=transform, download=download, verify_md5=verify_md5)
+        return cls(root, train=train, transform=transform, download=download)
     except OSError as e:  # no network, DNS failure, ... (URLError is an OSError)
         if not missing:
             raise

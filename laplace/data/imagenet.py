@@ -36,28 +36,21 @@ _FOLDER_SPLIT = {True: "train", False: "val"}
 _PARQUET_SPLIT = {True: "train", False: "validation"}
 
 
-class ImageFolder(tv_datasets.ImageFolder):
+class ImageFolder(CorruptImages, tv_datasets.ImageFolder):
     """torchvision's ImageFolder (its file list and sorted-wnid labels) whose images are read by
-    laplace.data.images.load: an unreadable file is one line naming it, or skipped."""
+    laplace.data.images.load: an unreadable file is one line naming it, or skipped (its
+    __getitem__ is CorruptImages', data.skip_corrupt's policy)."""
 
     def __init__(self, root: str, transform: Callable | None = None, skip_corrupt: bool = False):
         super().__init__(root, transform=transform)
-        self.corrupt = CorruptImages(skip_corrupt)
-
-    def __getitem__(self, index: int) -> tuple:
-        # Through data.skip_corrupt's policy: raise, or serve the next readable sample.
-        return self.corrupt.get(self._load, index, len(self))
+        self.init_corrupt(skip_corrupt)
 
     def _load(self, index: int) -> tuple:
         path, target = self.samples[index]  # labels: the sorted wnids' order, ImageNet's 0..999
         return load(path, path, self.transform), target
 
-    @property
-    def skipped_corrupt(self) -> int:
-        return self.corrupt.skipped
 
-
-class ParquetImageNet(torch.utils.data.Dataset):
+class ParquetImageNet(CorruptImages, torch.utils.data.Dataset):
     """ImageNet rows from parquet files with an `image` {bytes, path} and a `label` column.
 
     Args:
@@ -87,13 +80,10 @@ class ParquetImageNet(torch.utils.data.Dataset):
         self.starts = [0]
         for f in self.files[:-1]:
             self.starts.append(self.starts[-1] + pq.read_metadata(f).num_rows)
-        self.corrupt = CorruptImages(skip_corrupt)
+        self.init_corrupt(skip_corrupt)
 
     def __len__(self) -> int:
         return len(self.ds)
-
-    def __getitem__(self, index: int) -> tuple:
-        return self.corrupt.get(self._load, int(index), len(self))
 
     def _load(self, index: int) -> tuple:
         row = self.ds[index]
@@ -102,10 +92,6 @@ class ParquetImageNet(torch.utils.data.Dataset):
         src = io.BytesIO(image["bytes"]) if image["bytes"] is not None else image["path"]
         k = bisect.bisect_right(self.starts, index) - 1
         return load(src, f"{self.files[k]} row {index - self.starts[k]}", self.transform), row["label"]
-
-    @property
-    def skipped_corrupt(self) -> int:
-        return self.corrupt.skipped
 
 
 def _parquet_files(root: str, train: bool) -> list[str]:

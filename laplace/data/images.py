@@ -61,33 +61,31 @@ def load(src, name: str, transform=None):
 
 
 class CorruptImages:
-    """What a dataset does with a sample that raises CorruptImageError.
+    """Base of the datasets that read image files (their `_load(index)` reads sample `index`): what
+    they do with a sample that raises CorruptImageError. Call `init_corrupt(skip)` in __init__;
+    skip False raises it, True counts it, says so once per file and process, and serves the next
+    index's sample instead (wrapping at the end)."""
 
-    Args:
-        skip: False: raise it; True: count it, say so once per file and process, and serve the
-            next index's sample instead (wrapping at the end).
-    """
-
-    def __init__(self, skip: bool = False):
-        self.skip = skip
+    def init_corrupt(self, skip: bool = False):
+        self.skip_corrupt = skip
         # In shared memory, inherited by the data-loader workers: their skips add up.
         self._count = multiprocessing.Value("q", 0) if skip else None
         self._named: set[str] = set()
 
     @property
-    def skipped(self) -> int:
+    def skipped_corrupt(self) -> int:
         """Samples served in place of unreadable ones so far, by this process and its workers."""
         return self._count.value if self._count is not None else 0
 
-    def get(self, load, index: int, n: int):
-        """load(index), or with `skip` the first readable of load(index + 1), ... (mod n)."""
+    def __getitem__(self, index: int):
+        n = len(self)
         # The replacement depends on the index alone (not on what this worker read before), so a
         # resumed run serves the same samples.
         for k in range(min(n, MAX_IN_A_ROW)):
             try:
-                return load((index + k) % n)
+                return self._load((int(index) + k) % n)
             except CorruptImageError as e:
-                if not self.skip:
+                if not self.skip_corrupt:
                     raise
                 with self._count.get_lock():
                     self._count.value += 1

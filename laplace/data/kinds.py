@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,43 +32,20 @@ class TextData(Data):
     Args:
         tokenizer: the data's tokenizer (bits per byte, samples).
         token_budget: the step count comes from a token budget (pre-training), not from epochs.
+        val_pass: makes this rank's batches of one validation pass where the data streams them
+            itself (token shards); None: the trainer's loader makes them from `val`.
     """
 
     tokenizer: Tokenizer | None = None
     unit: str = "tok"
     token_budget: bool = False
+    val_pass: Callable[[], Iterable] | None = None
 
     def val_batches(self, loader: Callable) -> Iterable | None:
         """This rank's batches of one validation pass; `loader` makes them from a map-style set."""
+        if self.val_pass is not None:
+            return self.val_pass()
         return loader(self.val) if self.val is not None else None
-
-
-@dataclass
-class ShardData(TextData):
-    """Token shards: validation streams once over the files of `<root>/val`."""
-
-    val_files: list = field(default_factory=list)
-    val_tokens: int | None = None
-    micro_batch_size: int = 1
-    rank: int = 0
-    world_size: int = 1
-
-    def val_batches(self, loader: Callable) -> Iterable:
-        import numpy as np
-
-        from .shards import validation_pass
-
-        seq_len = self.units_per_sample
-        # Every rank makes the same number of batches (collectives stay in step): counted from the
-        # shards' headers, capped at data.val_tokens.
-        tokens = sum(len(np.load(f, mmap_mode="r")) for f in self.val_files)  # headers only
-        windows = (tokens - 1) // seq_len
-        if self.val_tokens:
-            windows = min(windows, self.val_tokens // seq_len)
-        # A small validation shard still gives every rank one batch (of fewer rows).
-        rows = max(1, min(self.micro_batch_size, windows // self.world_size))
-        return validation_pass(self.val_files, seq_len, rows, self.rank, self.world_size,
-                               max_windows=windows)
 
 
 def resolve_tokenizer(d: DictConfig, init_from: str | None, check_vocab: bool = True) -> Tokenizer:
@@ -110,16 +87,26 @@ def _windows(d, *, init_from, **_) -> TextData:
                     units_per_sample=d.seq_len)
 
 
-def _shards(d, *, init_from, micro_batch_size, rank, world_size, step_windows, **_) -> ShardData:
-    from .shards import TokenStream, list_shards
+def _shards(d, *, init_from, micro_batch_size, rank, world_size, step_windows, **_) -> TextData:
+    import numpy as np
+
+    from .shards import TokenStream, list_shards, validation_pass
 
     tok = resolve_tokenizer(d, init_from)
     # A feed, not a dataset: it streams its own ranks' windows and resumes from its state_dict.
     train = TokenStream(list_shards(d.root, "train"), d.seq_len, micro_batch_size,
                         rank=rank, world_size=world_size, step_windows=step_windows)
-    return ShardData(train, None, tokenizer=tok, units_per_sample=d.seq_len, token_budget=True, identity=train.identity(),
-                     val_files=list_shards(d.root, "val"), val_tokens=d.val_tokens,
-                     micro_batch_size=micro_batch_size, rank=rank, world_size=world_size)
+    # Validation streams once over <root>/val. Every rank makes the same number of batches
+    # (collectives stay in step): counted from the shards' headers, capped at data.val_tokens.
+    files = list_shards(d.root, "val")
+    windows = (sum(len(np.load(f, mmap_mode="r")) for f in files) - 1) // d.seq_len
+    if d.val_tokens:
+        windows = min(windows, d.val_tokens // d.seq_len)
+    # A small validation shard still gives every rank one batch (of fewer rows).
+    rows = max(1, min(micro_batch_size, windows // world_size))
+    val = functools.partial(validation_pass, files, d.seq_len, rows, rank, world_size, max_windows=windows)
+    return TextData(train, None, tokenizer=tok, units_per_sample=d.seq_len, token_budget=True,
+                    identity=train.identity(), val_pass=val)
 
 
 def _chat(d, *, init_from, seed, **_) -> TextData:

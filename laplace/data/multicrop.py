@@ -13,6 +13,7 @@ draws and decodes, and `augment_batch` does the rest on the training device (lap
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 from PIL import Image, ImageFilter, ImageOps
@@ -25,33 +26,29 @@ from .decode import draft, reduction, rgb, window
 from .transforms import ToNormalizedTensor
 
 
+@dataclass
 class GaussianBlur:
     """DINO's utils.GaussianBlur: with probability p, PIL's Gaussian blur of radius U(lo, hi),
     both drawn from Python's `random`, as DINO draws them."""
 
-    def __init__(self, p: float = 0.5, radius_min: float = 0.1, radius_max: float = 2.0):
-        self.p, self.radius_min, self.radius_max = p, radius_min, radius_max
+    p: float = 0.5
+    radius_min: float = 0.1
+    radius_max: float = 2.0
 
     def __call__(self, img: Image.Image) -> Image.Image:
         if random.random() > self.p:  # DINO: blur when random() <= p
             return img
         return img.filter(ImageFilter.GaussianBlur(radius=random.uniform(self.radius_min, self.radius_max)))
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(p={self.p}, radius=({self.radius_min}, {self.radius_max}))"
 
-
+@dataclass
 class Solarization:
     """DINO's utils.Solarization: with probability p (Python's `random`), PIL's solarize at 128."""
 
-    def __init__(self, p: float):
-        self.p = p
+    p: float
 
     def __call__(self, img: Image.Image) -> Image.Image:
         return ImageOps.solarize(img) if random.random() < self.p else img
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(p={self.p})"
 
 
 class MultiCrop:

@@ -55,19 +55,14 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
     """
     dtype = shard_dtype(vocab_size)
     arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
-        arr = arr.astype(dtype)  # np.asarray([]) is float64
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(dtype) if arr.size == 0 else arr  # np.asarray([]) is float64
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be a 1-D array of integers, got shape {arr.shape} and dtype {arr.dtype}")
     # An id out of range would be read back as another token (uint16 wraps): refuse it here.
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         raise ValueError(f"token ids must be in 0 .. {vocab_size - 1} (vocab_size={vocab_size}), "
                          f"got min {arr.min()} and max {arr.max()}")
-    path = Path(path)
-    if path.suffix != ".npy":
-        path = path.with_name(path.name + ".npy")
+    path = Path(path) if str(path).endswith(".npy") else Path(f"{path}.npy")
     # A hidden temp file, fsynced, then renamed: a crash never leaves a half-written shard under its
     # final name, and list_shards skips the hidden leftovers.
     return atomic_write(path, lambda f: np.save(f, arr.astype(dtype, copy=False)))
@@ -84,9 +79,8 @@ def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) ->
     if not glob.has_magic(where):
         where = os.path.abspath(where)
         if not os.path.isdir(where):
-            raise DatasetNotFoundError(
-                f"token shards not found: folder {where} does not exist; "
-                f"set data.root to the folder holding the *.npy shards")
+            raise DatasetNotFoundError(f"token shards not found: folder {where} does not exist; "
+                                       f"set data.root to the folder holding the *.npy shards")
         if split is not None and os.path.isdir(os.path.join(where, split)):  # prepare's train/ and val/
             where, split = os.path.join(where, split), None
         where = os.path.join(where, "*.npy")
@@ -94,10 +88,9 @@ def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) ->
                    if p.endswith(".npy") and not os.path.basename(p).startswith(".")
                    and (split is None or split in os.path.basename(p)) and os.path.isfile(p))
     if not files:
-        raise DatasetNotFoundError(
-            f"no token shards found: looked for {where}"
-            f"{f' with {split!r} in the name' if split else ''}; "
-            f"set data.root to the folder holding the *.npy shards")
+        named = f" with {split!r} in the name" if split else ""
+        raise DatasetNotFoundError(f"no token shards found: looked for {where}{named}; "
+                                   f"set data.root to the folder holding the *.npy shards")
     return files
 
 
@@ -146,20 +139,20 @@ class TokenStream:
             self._cum.append(self._cum[-1] + len(a))
             del a
         self.num_tokens = self._cum[-1]
-        self._windows = max(self.num_tokens - 1, 0) // seq_len
+        self.windows_per_epoch = max(self.num_tokens - 1, 0) // seq_len
         if max_windows is not None:
-            self._windows = min(self._windows, max_windows)
+            self.windows_per_epoch = min(self.windows_per_epoch, max_windows)
         per_round = world_size * micro_batch_size
-        if self._windows < per_round:
+        if self.windows_per_epoch < per_round:
             cap = f" (max_windows={max_windows})" if max_windows is not None else ""
             raise ConfigError(
                 f"too little data: data.seq_len={seq_len} x micro batch {micro_batch_size} x "
                 f"world size {world_size} needs {per_round * seq_len + 1} tokens, the shards hold "
-                f"{self.num_tokens} tokens ({self._windows} windows{cap})")
+                f"{self.num_tokens} tokens ({self.windows_per_epoch} windows{cap})")
         # An epoch ends when fewer than one round's windows remain (dropped, like drop_last), or
         # one optimizer step's (set_step_windows); the next starts again at window 0.
-        self._epoch_windows = self._windows // per_round * per_round
-        self._epoch, self._position = 0, 0
+        self._epoch_end = self.windows_per_epoch // per_round * per_round
+        self.epoch, self.position = 0, 0  # position: windows consumed this epoch, over all ranks
         self._maps: dict[int, np.ndarray] = {}  # opened on first use, see _map
         if step_windows:
             self.set_step_windows(step_windows)
@@ -174,38 +167,26 @@ class TokenStream:
         if windows < 1 or windows % per_round:
             raise ValueError(f"set_step_windows({windows}): must be a positive multiple of "
                              f"world size x micro batch ({per_round})")
-        if self._windows < windows:
+        if self.windows_per_epoch < windows:
             raise ConfigError(f"too little data: one step of {windows} windows of data.seq_len="
                               f"{self.seq_len} needs {windows * self.seq_len + 1} tokens, the shards "
-                              f"hold {self.num_tokens} tokens ({self._windows} windows)")
-        self._epoch_windows = self._windows // windows * windows
-
-    @property
-    def windows_per_epoch(self) -> int:
-        return self._windows
+                              f"hold {self.num_tokens} tokens ({self.windows_per_epoch} windows)")
+        self._epoch_end = self.windows_per_epoch // windows * windows
 
     @property
     def micro_batches_per_epoch(self) -> int:
         """Micro-batches each rank yields in a full epoch (the remainder is dropped)."""
-        return self._epoch_windows // (self.world_size * self.micro_batch_size)
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def position(self) -> int:
-        return self._position
+        return self._epoch_end // (self.world_size * self.micro_batch_size)
 
     def state_dict(self) -> dict:
-        return {"epoch": int(self._epoch), "position": int(self._position)}
+        return {"epoch": int(self.epoch), "position": int(self.position)}
 
     def load_state_dict(self, state: dict) -> None:
         epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= self._windows:
+        if epoch < 0 or not 0 <= position <= self.windows_per_epoch:
             raise ValueError(f"bad TokenStream state {state}: position must be in 0 .. "
-                             f"{self._windows} (windows per epoch) and epoch >= 0")
-        self._epoch, self._position = epoch, position
+                             f"{self.windows_per_epoch} (windows per epoch) and epoch >= 0")
+        self.epoch, self.position = epoch, position
 
     def identity(self) -> dict:
         """What the data is, wherever it lies: shard and token counts and a digest of each
@@ -261,15 +242,15 @@ class TokenStream:
         """Yield (x, y), int64 [B, T], from the current state on (one iterator at a time)."""
         per_round = self.world_size * self.micro_batch_size
         while True:
-            while self._position + per_round <= self._epoch_windows:
-                batch = self._batch(self._position)
+            while self.position + per_round <= self._epoch_end:
+                batch = self._batch(self.position)
                 # Advanced before the yield: after k batches the state says k rounds consumed,
                 # so a checkpoint saved after the step that used a batch resumes after it.
-                self._position += per_round
+                self.position += per_round
                 yield batch
             if not self.loop:
                 return
-            self._epoch, self._position = self._epoch + 1, 0
+            self.epoch, self.position = self.epoch + 1, 0
 
 
 class ShardWindows(torch.utils.data.Dataset):

@@ -20,10 +20,6 @@ BOS = 256
 VOCAB_SIZE = 257
 
 
-def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))  # ids 0-255 are the bytes
-
-
 def decode(ids) -> str:
     # <|bos|> dropped; a window may cut a character in two: "replace" keeps decoding.
     return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
@@ -122,7 +118,8 @@ class TokenWindows(Dataset):
 
 def build_pydoc_text(train: bool, seq_len: int) -> TokenWindows:
     """data=pydoc_text: the help topics' bytes, <|bos|> before each, as windows."""
-    ids = [t for doc in pydoc_documents(train) for t in [BOS, *encode(doc)]]  # as the token shards
+    # ids 0-255 are the UTF-8 bytes, <|bos|> before each document as in the token shards
+    ids = [t for doc in pydoc_documents(train) for t in [BOS, *doc.encode("utf-8")]]
     # In memory for the whole run (~450 k tokens): int16, a quarter of int64's bytes.
     ds = TokenWindows(torch.tensor(ids, dtype=torch.int16), seq_len)
     if len(ds) == 0:

@@ -12,6 +12,8 @@ size it needs (laplace.data.decode), its last ToTensor + Normalize in one.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from PIL import Image, ImageFilter
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -45,25 +47,17 @@ class ToNormalizedTensor:
         return f"{type(self).__name__}(mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()})"
 
 
+@dataclass
 class PILGaussianBlur:
     """PIL's Gaussian blur of a radius drawn uniformly from torch's generator, as DeiT-III's
     GaussianBlur. torchvision's truncates the Gaussian to a fixed kernel size; PIL's support grows
-    with the radius, so DeiT's pixels need PIL's.
+    with the radius, so DeiT's pixels need PIL's (DINO's blur draws from Python's: laplace.data.multicrop)."""
 
-    Args:
-        radius_min, radius_max: the radius range (DeiT: 0.1 to 2).
-    """
-
-    def __init__(self, radius_min: float = 0.1, radius_max: float = 2.0):
-        self.radius_min, self.radius_max = radius_min, radius_max
+    radius_min: float = 0.1
+    radius_max: float = 2.0
 
     def __call__(self, img: Image.Image) -> Image.Image:
-        # torch's generator, as DeiT's GaussianBlur (DINO's draws from Python's: laplace.data.multicrop).
-        radius = float(torch.empty(1).uniform_(self.radius_min, self.radius_max))
-        return img.filter(ImageFilter.GaussianBlur(radius))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(radius=({self.radius_min}, {self.radius_max}))"
+        return img.filter(ImageFilter.GaussianBlur(float(torch.empty(1).uniform_(self.radius_min, self.radius_max))))
 
 
 def three_augment(img_size: int, color_jitter: float | None = 0.3, simple_random_crop: bool = False,

@@ -12,6 +12,8 @@ crop size (laplace.vit resamples the position embeddings to the crop's grid).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
@@ -36,17 +38,12 @@ class DINOHead(nn.Module):
                  nlayers: int = 3, norm_last_layer: bool = True, use_bn: bool = False):
         super().__init__()
         self.out_dim = out_dim
-        nlayers = max(nlayers, 1)
-        if nlayers == 1:
-            self.mlp = nn.Linear(in_dim, bottleneck_dim)
-        else:
-            def hidden(d_in):
-                return [nn.Linear(d_in, hidden_dim), *([nn.BatchNorm1d(hidden_dim)] if use_bn else []), nn.GELU()]
-            layers = hidden(in_dim)
-            for _ in range(nlayers - 2):
-                layers += hidden(hidden_dim)
-            layers.append(nn.Linear(hidden_dim, bottleneck_dim))
-            self.mlp = nn.Sequential(*layers)
+        layers, d = [], in_dim
+        for _ in range(max(nlayers, 1) - 1):  # the hidden layers: Linear, [BatchNorm], GELU
+            layers += [nn.Linear(d, hidden_dim), *([nn.BatchNorm1d(hidden_dim)] if use_bn else []), nn.GELU()]
+            d = hidden_dim
+        # DINO's one-layer head is a bare Linear (its weights are mlp.weight, not mlp.0.weight)
+        self.mlp = nn.Sequential(*layers, nn.Linear(d, bottleneck_dim)) if layers else nn.Linear(d, bottleneck_dim)
         self.apply(self._init_weights)  # before the last layer exists, as DINO (it keeps torch's init)
         self.last_layer = nn.utils.parametrizations.weight_norm(nn.Linear(bottleneck_dim, out_dim, bias=False))
         g = self.last_layer.parametrizations.weight.original0  # [out_dim, 1]
@@ -82,11 +79,6 @@ class MultiCropWrapper(nn.Module):
     def forward(self, crops) -> torch.Tensor:
         if isinstance(crops, torch.Tensor):
             crops = [crops]
-        feats, start = [], 0
-        while start < len(crops):
-            end = start + 1
-            while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
-                end += 1
-            feats.append(self.backbone(torch.cat(list(crops[start:end]))))
-            start = end
-        return self.head(torch.cat(feats))
+        # One backbone pass per run of equal resolution (the global crops, then the local ones)
+        runs = itertools.groupby(crops, key=lambda c: c.shape[-2:])
+        return self.head(torch.cat([self.backbone(torch.cat(list(run))) for _, run in runs]))

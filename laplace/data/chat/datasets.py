@@ -46,6 +46,8 @@ def sft_collate(items: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int)
     T = max(len(ids) for ids, _ in items) - 1  # padded to the batch's longest, not to max_tokens
     if T < 1:
         raise ValueError("sft_collate: every conversation has fewer than 2 tokens")
+    # Any pad id works (nanochat's is <|assistant_end|>): padded targets are ignored and attention is
+    # causal, so no real token ever attends to a pad.
     x = torch.full((len(items), T), pad_id, dtype=torch.long)
     y = torch.full((len(items), T), -1, dtype=torch.long)
     for b, (ids, mask) in enumerate(items):

@@ -17,6 +17,8 @@ from .sources import HUB_IDS, load_split
 from .tasks import ARC, GSM8K, MMLU, ChatTask, SmolTalk
 
 TASKS = {"smoltalk": SmolTalk, "mmlu": MMLU, "gsm8k": GSM8K, "arc": ARC, "pydoc_chat": PydocChat}
+# The subsets nanochat's mid-training and SFT read (MMLU's auxiliary_train: 100 k training
+# questions, never its test split; ARC-Easy for SFT; GSM8K's main, with calculator annotations)
 DEFAULT_SUBSETS = {"smoltalk": None, "mmlu": "auxiliary_train", "gsm8k": "main", "arc": "ARC-Easy"}
 
 

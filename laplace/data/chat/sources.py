@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from laplace.data import DatasetNotFoundError
+from laplace.errors import one_line
 
 HUB_IDS = {"smoltalk": "HuggingFaceTB/smol-smoltalk", "mmlu": "cais/mmlu", "gsm8k": "openai/gsm8k",
            "arc": "allenai/ai2_arc"}
@@ -64,8 +65,7 @@ def load_split(path: str, subset: str | None, split: str, *, key: str = "path",
         return datasets.load_dataset(str(path), name=subset, split=split, cache_dir=cache_dir)
     except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as e:
         # Offline, or no such dataset: one line with the command that makes a local copy.
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise DatasetNotFoundError(f"{key}={path}: cannot load the hub dataset (subset {subset}, split "
-                                   f"{split}): {first}; offline, download it with `hf download "
+                                   f"{split}): {one_line(e)[:200]}; offline, download it with `hf download "
                                    f"{path} --repo-type dataset --local-dir DIR` and set "
                                    f"{key}=DIR") from None

@@ -12,9 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 from laplace.data.shards import shard_dtype
 from laplace.errors import ConfigError
 from laplace.io import atomic_write
-from laplace.tokenizer import MIN_VOCAB, Tokenizer, _cores, capped_texts, load_tokenizer, train_bpe
+from laplace.tokenizer import Tokenizer, _cores, capped_texts, load_tokenizer, train_bpe
 
-from .settings import _positive, check_settings, remove_outputs, settings_of
+from .settings import TEXT_OUTPUTS, _positive, pin, remove_outputs, settings_of
 from .sources import SourceError, open_source
 from .writer import Stats, write_train, write_val
 
@@ -23,12 +23,11 @@ __all__ = ["SourceError", "make_tokenizer", "output_dir", "prepare"]
 META_VERSION = 1
 
 
-def output_dir(cfg, src) -> Path:
-    """out, or <data_dir>/<name> (default <source>_<tokenizer>: a re-run finds its own folder)."""
+def output_dir(cfg, default_name: str) -> Path:
+    """out, or <data_dir>/<name> (default: a name of the source, so that a re-run finds its folder)."""
     if cfg.out is not None:
         return Path(str(cfg.out)).expanduser()
-    kind = cfg.tokenizer if cfg.tokenizer in ("bpe", "bytes", "gpt2") else "bpe"
-    return Path(str(cfg.paths.data_dir)).expanduser() / (cfg.name or f"{src.name}_{kind}")
+    return Path(str(cfg.paths.data_dir)).expanduser() / (cfg.name or default_name)
 
 
 def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
@@ -38,10 +37,7 @@ def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
     path = out / "tokenizer.json"
     if spec != "bpe":  # bytes, gpt2, or a file (copied into out by prepare, once the settings are checked)
         return load_tokenizer(spec)
-    vocab = _positive(cfg, "vocab_size")
-    if vocab <= MIN_VOCAB:
-        raise ConfigError(f"vocab_size={vocab} must exceed {MIN_VOCAB} (256 bytes + 9 special "
-                          f"tokens); the paper uses 65536, the built-in text 4096")
+    vocab = _positive(cfg, "vocab_size")  # (train_bpe says what a too small one must exceed)
     if path.is_file():  # a resumed run keeps its tokenizer: its shards' ids depend on it
         tok = load_tokenizer(path)
         if tok.vocab_size != vocab:
@@ -80,21 +76,20 @@ def prepare(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
 
     src = open_source(cfg)
-    out = output_dir(cfg, src)
+    # <source>_<tokenizer kind> (a tokenizer file is a bpe)
+    out = output_dir(cfg, f"{src.name}_{cfg.tokenizer if cfg.tokenizer in ('bytes', 'gpt2') else 'bpe'}")
     settings = {**settings_of(cfg), "source_files": src.fingerprint()}
-    remove_outputs(out, everything=bool(cfg.rebuild))  # a killed run's temp files; rebuild: all
-    # Checked twice: before training a BPE (minutes, wasted on a refused folder), and with the
-    # tokenizer's fingerprint, which pins the ids the finished shards hold.
-    check_settings(out, settings, src.describe())
+    remove_outputs(out, TEXT_OUTPUTS, everything=bool(cfg.rebuild))  # a killed run's temp files; rebuild: all
+    # Pinned before the first shard, twice: before training a BPE (minutes, wasted on a refused
+    # folder), and with the tokenizer's fingerprint, which pins the ids the finished shards hold.
+    pin(out, settings, src.describe(), record=False)
     tok = make_tokenizer(cfg, out, src, max_docs)
     settings["tokenizer_fingerprint"] = tok.fingerprint()
-    check_settings(out, settings, src.describe())
+    pin(out, settings, src.describe())
     if tok.kind == "bpe" and Path(tok.spec) != (out / "tokenizer.json").absolute():
         # A given BPE file: copied in, so the folder is self-contained (train.py reads it there).
         tok.save(out / "tokenizer.json")
         tok = load_tokenizer(out / "tokenizer.json")
-    # Pinned before the first shard: a re-run with other settings is refused, not mixed in.
-    atomic_write(out / ".settings.json", json.dumps(settings, indent=1).encode())
 
     print(f"[prepare] {src.describe()} -> {out} ({tok.kind} tokenizer, vocab {tok.vocab_size:,}, "
           f"{threads} threads)", flush=True)

@@ -37,19 +37,6 @@ def scan(folder: Path):
     return ds.classes, ds.samples
 
 
-def pin(out: Path, settings: dict) -> None:
-    """Refuse to resume into `out` with settings or folders other than those its shards were made
-    with (whole shards would be kept and mixed with new ones); else record these."""
-    path = out / ".settings.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    for key, now in settings.items():
-        if key in old and old[key] != now:
-            now, was = (json.dumps(v) for v in (now, old[key]))  # null, as YAML says it
-            raise ConfigError(f"out={out} holds shards made with {key}={was}, not {now}: set it back to "
-                              f"resume, or write to another out=, or add rebuild=true")
-    atomic_write(path, json.dumps({**old, **settings}, indent=1).encode())
-
-
 def write_shards(ds, split: str, folder: Path, per_shard: int, pool: ThreadPoolExecutor, progress: bool) -> list:
     """`ds` (an HF Dataset of file paths) as parquet shards of `per_shard` rows; returns [{file, images}]."""
     import pyarrow as pa
@@ -91,7 +78,8 @@ def prepare_images(cfg) -> dict:
 
     from laplace.tokenizer import _cores
 
-    from .settings import _positive
+    from . import output_dir
+    from .settings import _positive, pin, remove_outputs
 
     if cfg["in"] is None:
         raise ConfigError("source=imagefolder needs in=<folder holding train/<wnid>/*.JPEG and "
@@ -100,8 +88,7 @@ def prepare_images(cfg) -> dict:
     per_shard = _positive(cfg, "images_per_shard")
     seed = _positive(cfg, "shuffle_seed", allow_null=True, allow_zero=True)
     threads = _positive(cfg, "num_workers", allow_null=True) or _cores()
-    name = cfg.name or f"{src.name}_parquet"
-    out = Path(str(cfg.out)).expanduser() if cfg.out is not None else Path(str(cfg.paths.data_dir)).expanduser() / name
+    out = output_dir(cfg, f"{src.name}_parquet")
     if out.absolute() == src:
         raise ConfigError(f"out={out} is in=: write the shards to another folder")
     found = [(d, s) for d, s in SPLITS if (src / d).is_dir()]
@@ -119,9 +106,8 @@ def prepare_images(cfg) -> dict:
     print(f"[prepare] {src}: {len(classes)} classes, " + ", ".join(f"{s} {len(smp):,} images" for s, (_, smp)
                                                                    in scans.items()) + f" -> {out}", flush=True)
 
-    if cfg.rebuild:
-        for p in [*(out / "data").glob("*.parquet"), out / "meta.json", out / ".settings.json"]:
-            p.unlink(missing_ok=True)
+    # A killed run's temp files; with rebuild=true every output
+    remove_outputs(out, ("data/*.parquet", "meta.json", ".settings.json"), everything=bool(cfg.rebuild))
     # What decides the shards: a re-run must match it. A split's files: their count and a hash
     # of their relative names and labels.
     files = {f"{s} images": f"{len(smp)} files, sha256 " + hashlib.sha256("\n".join(

@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from laplace.errors import ConfigError
+from laplace.io import atomic_write
 
 
 def settings_of(cfg) -> dict:
@@ -20,17 +21,17 @@ def settings_of(cfg) -> dict:
     return {k: OmegaConf.to_container(cfg, resolve=True)[k] for k in keys}
 
 
-def check_settings(out: Path, settings: dict, describe: str) -> None:
+def pin(out: Path, settings: dict, describe: str | None = None, record: bool = True) -> None:
+    """Refuse to resume into `out` with settings or a source other than those its shards were made
+    with (whole shards would be kept and mixed with new ones); else, with `record`, record these."""
     path = out / ".settings.json"
-    if not path.is_file():
-        return
-    old = json.loads(path.read_text())
+    old = json.loads(path.read_text()) if path.is_file() else {}
     change = None
     # A changed source first: its message says which files changed (the last file is val, so an
     # added file would turn the old validation file into training text).
-    if "source_files" in old and old["source_files"] != settings["source_files"]:
-        change = _changes(old["source_files"] or [], settings["source_files"] or [])
-    elif "source_files" not in old and (out / "meta.json").is_file():
+    if "source_files" in old and old["source_files"] != settings.get("source_files"):
+        change = _changes(old["source_files"] or [], settings.get("source_files") or [])
+    elif "source_files" in settings and "source_files" not in old and (out / "meta.json").is_file():
         # Prepared before sources were pinned: its meta.json still names the files it split.
         was = json.loads((out / "meta.json").read_text()).get("source")
         change = f"was {was}, now {describe}" if was != describe else None
@@ -39,10 +40,13 @@ def check_settings(out: Path, settings: dict, describe: str) -> None:
                           f"({change}): its shards would mix old and new files and the validation "
                           f"file would become training text; prepare into another out= (or name=), "
                           f"or add rebuild=true to delete {out}'s shards and start again")
-    for k, v in settings.items():
-        if k in old and old[k] != v:
-            raise ConfigError(f"{k}={v}, but out={out} holds shards made with {k}={old[k]}; set "
-                              f"{k}={old[k]} to resume, or out= to another folder (or delete it)")
+    for key, now in settings.items():
+        if key in old and old[key] != now:
+            now, was = (json.dumps(v) for v in (now, old[key]))  # null, as YAML says it
+            raise ConfigError(f"out={out} holds shards made with {key}={was}, not {now}: set it back to "
+                              f"resume, or write to another out=, or add rebuild=true")
+    if record:
+        atomic_write(path, json.dumps({**old, **settings}, indent=1).encode())
 
 
 def _changes(old: list, new: list) -> str:
@@ -52,13 +56,13 @@ def _changes(old: list, new: list) -> str:
                      + [f"{n} changed" for n in a if n in b and a[n] != b[n]]) or "files renamed"
 
 
-_OUTPUTS = ("train/shard_*.npy", "val/shard_*.npy", "tokenizer.json", "meta.json", ".settings.json")
+TEXT_OUTPUTS = ("train/shard_*.npy", "val/shard_*.npy", "tokenizer.json", "meta.json", ".settings.json")
 
 
-def remove_outputs(out: Path, everything: bool) -> None:
+def remove_outputs(out: Path, patterns: tuple[str, ...], everything: bool) -> None:
     """Delete the temp files a killed run left in `out` (atomic_write's `.<name>.*.tmp`), and
     with `everything` the outputs themselves (rebuild=true)."""
-    for pattern in _OUTPUTS:
+    for pattern in patterns:
         folder, name = (out / pattern).parent, Path(pattern).name
         # Never read (hidden, not *.npy), but they hold disk; one prepare per `out` at a time.
         for p in folder.glob(f".{name}.*.tmp"):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from laplace.data import DatasetNotFoundError
-from laplace.errors import ConfigError, UserError
+from laplace.errors import ConfigError, UserError, one_line
 
 
 class SourceError(UserError, ValueError):
@@ -78,7 +78,8 @@ class ParquetSource:
                 raise SourceError(f"{f}: column {column!r} holds {kind}, not text; write it as a "
                                   f"UTF-8 string column, or set text_column to one")
             self.row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-        self.name = Path(where.split("*")[0].rstrip("/")).name or "parquet"  # out's default folder name
+        # out's default folder name: the folder the files (or the glob) are in
+        self.name = Path(where.split("*")[0].rstrip("/")).name or "parquet"
         self.num_train = sum(sum(r) for r in self.row_groups[:-1])
         self._where = where
 
@@ -134,27 +135,25 @@ class ParquetSource:
 
 
 def _texts(column, f: Path, name: str, first_row: int) -> list[str]:
-    try:
-        return [d if d is not None else "" for d in column.to_pylist()]  # a null document: empty
-    except UnicodeDecodeError as e:
-        # pyarrow names neither file nor row: find the row, so the user can fix or drop it.
-        bad = next(i for i in range(len(column)) if not _decodes(column, i))
-        raise SourceError(f"{f}: row {first_row + bad} of column {name!r} is not valid UTF-8 "
-                          f"({e.reason} at byte {e.start}); fix or drop that row, or remove "
-                          f"the file from the source") from None
+    """The documents of a string column; a null document is empty."""
+    import pyarrow as pa
 
-
-def _decodes(column, i: int) -> bool:
-    try:
-        column[i].as_py()
-        return True
-    except UnicodeDecodeError:
-        return False
+    docs = []
+    # As bytes, decoded here: pyarrow's own decode error names neither file nor row.
+    kind = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
+    for raw in column.view(kind).to_pylist():
+        try:
+            docs.append("" if raw is None else raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise SourceError(f"{f}: row {first_row + len(docs)} of column {name!r} is not valid UTF-8 "
+                              f"({e.reason} at byte {e.start}); fix or drop that row, or remove "
+                              f"the file from the source") from None
+    return docs
 
 
 def _unreadable(f: Path, e: BaseException, where: str = "") -> SourceError:
     return SourceError(f"{f}{where} is not a readable parquet file ({type(e).__name__}: "
-                       f"{_first_line(e)}); download it again or remove it from the source")
+                       f"{one_line(e)[:300]}); download it again or remove it from the source")
 
 
 class HFSource:
@@ -192,12 +191,12 @@ class HFSource:
         except (OSError, datasets.exceptions.DatasetNotFoundError) as e:  # incl. ConnectionError
             raise DatasetNotFoundError(
                 f"source={self.source}: no such local path ({Path(self.source).absolute()}) and "
-                f"`datasets` could not load it ({type(e).__name__}: {_first_line(e)}); set source "
+                f"`datasets` could not load it ({type(e).__name__}: {one_line(e)[:300]}); set source "
                 f"to pydoc, a parquet folder / glob, a local dataset folder or a reachable hub id"
             ) from None
         except ValueError as e:  # an unknown config or split name
             raise ConfigError(f"source={self.source} source_config={self.config} split={split}: "
-                              f"{_first_line(e)}") from None
+                              f"{one_line(e)[:300]}") from None
 
     def _batches(self, ds, batch: int) -> Iterator[list[str]]:
         for rows in ds.iter(batch_size=batch):  # columns -> lists of `batch` values, the last fewer
@@ -214,11 +213,6 @@ class HFSource:
     def val_batches(self, batch: int) -> Iterator[list[str]]:
         yield from self._batches((self._val if self._val is not None else self._train)
                                  .take(self.val_docs), batch)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:300] if lines else ""
 
 
 def open_source(cfg) -> BuiltinSource | ParquetSource | HFSource:
