@@ -1,7 +1,7 @@
-"""Spectral decay of token representations, in memory: how many principal components explain a
-fraction of the variance, of all tokens (one covariance), of tokens less their sequence's mean
-(pooled), or of each sequence alone (averaged over sequences). Float64, plain dicts of floats,
-as analysis.metrics; analysis.streaming computes the same in one pass.
+"""Spectral decay of token representations: how many principal components explain a fraction of
+the variance, of all tokens (one covariance), of tokens less their sequence's mean (pooled), or
+of each sequence alone (averaged over sequences). Float64, plain dicts of floats, as
+analysis.metrics; `spectral_decay` is the one-batch case of analysis.streaming's accumulator.
 
     from analysis.spectra import per_sequence_spectra, spectral_decay
     spectral_decay(feats)["n_pcs_0.99"]                                   # global
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from analysis.metrics import _NO_VARIANCE, _check_rows, _sq, as_float64, as_index, group_sums
+from analysis.metrics import _NO_VARIANCE, _sq, as_float64, as_index, one_pass
 
 
 def spectrum_metrics(cov: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99),
@@ -89,60 +89,31 @@ def sequence_spectra(x: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99),
     return out
 
 
-def per_sequence_spectra(features, seq_ids, thresholds: Sequence[float] = (0.9, 0.99)) -> dict:
-    """n_pcs_<t> and effective_rank of each sequence's own centred tokens (`spectral_decay`
-    with one sequence at a time), averaged over the sequences that vary.
-
-    The in-memory reference of the streamed `spectral_per_seq`: sequences may differ in
-    length. Keys n_pcs_<t>, effective_rank (means over sequences, NaN when none varies),
-    n_sequences (sequences averaged) and n_no_variance (sequences left out: their tokens are
-    all equal).
-    """
-    x = as_float64(features)
-    sid = as_index(seq_ids, x.device)
-    _check_rows(x, sid)
-    keys = [f"n_pcs_{t:g}" for t in thresholds] + ["effective_rank"]
-    vals = {k: [] for k in keys}
-    skipped = 0
-    # the in-memory twin of streaming.SequenceSpectra: a loop over sequences, each its own spectrum
-    for s in torch.unique(sid):
-        one = spectral_decay(x[sid == s], thresholds)
-        if math.isnan(one["effective_rank"]):
-            skipped += 1
-            continue
-        for k in keys:
-            vals[k].append(one[k])
-    out = {k: (math.fsum(v) / len(v) if v else float("nan")) for k, v in vals.items()}
-    return {**out, "n_sequences": float(len(vals[keys[0]])), "n_no_variance": float(skipped)}
-
-
 def spectral_decay(features, thresholds: Sequence[float] = (0.9, 0.99), seq_ids=None,
                    center: str = "global") -> dict:
-    """Eigen-spectrum of the covariance of centred token representations.
-
-    Keys n_pcs_<t> (e.g. n_pcs_0.9, n_pcs_0.99), effective_rank (exp of the entropy of the
-    normalised spectrum), total_variance (trace) and spectrum (eigenvalues / sum, descending,
-    a list: the only non-float value).
-
-    Args:
-        features: [N, D] token representations.
-        thresholds: explained-variance fractions to report.
-        seq_ids: [N] sequence of each token; needed for center="sequence".
-        center: "global" subtracts the mean of all rows; "sequence" subtracts each sequence's
-            own mean (the spectrum of within-sequence variation, e.g. the tokens of one image).
-    """
-    x = as_float64(features)
-    if center == "global":
-        xc = x - x.mean(0)
-    elif center == "sequence":
-        if seq_ids is None:
-            raise ValueError("center='sequence' needs seq_ids")
-        sid = as_index(seq_ids, x.device)
-        _check_rows(x, sid)
-        _, inv = torch.unique(sid, return_inverse=True)
-        S, n_s = group_sums(x, inv, int(inv.max()) + 1)
-        # each row less its own sequence's mean: the pooled within-sequence covariance below
-        xc = x - (S / n_s[:, None])[inv]
-    else:
+    """Eigen-spectrum of the covariance of centred token representations [N, D]: n_pcs_<t>,
+    effective_rank (exp of the entropy of the normalised spectrum), total_variance (trace) and
+    spectrum (eigenvalues / sum, descending; a list). center="global" subtracts the mean of all
+    rows; "sequence" each sequence's own mean (`seq_ids` [N]): the spectrum of within-sequence
+    variation, e.g. of the tokens of one image."""
+    if center not in ("global", "sequence"):
         raise ValueError(f"center must be 'global' or 'sequence', not {center!r}")
-    return spectrum_metrics(xc.T @ xc / x.shape[0], thresholds, mean_square=float(_sq(x).mean()))
+    acc, _ = one_pass(("spectral",), features, seq_ids if center == "sequence" else None)
+    return acc.spectral(thresholds, center)
+
+
+def per_sequence_spectra(features, seq_ids, thresholds: Sequence[float] = (0.9, 0.99)) -> dict:
+    """n_pcs_<t> and effective_rank of each sequence's own centred tokens (`spectral_decay` of one
+    sequence at a time; sequences may differ in length), averaged over the sequences that vary;
+    n_sequences (averaged) and n_no_variance (left out: their tokens are all equal). The direct
+    reference of the streamed, batched `streaming.SequenceSpectra`."""
+    x = as_float64(features)
+    sid = as_index(seq_ids, x.device)
+    if sid.numel() != x.shape[0]:
+        raise ValueError(f"{x.shape[0]} feature rows but {sid.numel()} seq_ids")
+    keys = [f"n_pcs_{t:g}" for t in thresholds] + ["effective_rank"]
+    # one spectrum per sequence; a sequence of identical tokens has none (NaN) and is counted apart
+    each = [spectral_decay(x[sid == s], thresholds) for s in torch.unique(sid)]
+    varied = [one for one in each if not math.isnan(one["effective_rank"])]
+    out = {k: math.fsum(one[k] for one in varied) / len(varied) if varied else float("nan") for k in keys}
+    return {**out, "n_sequences": float(len(varied)), "n_no_variance": float(len(each) - len(varied))}

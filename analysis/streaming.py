@@ -1,27 +1,25 @@
 """Exact token-geometry metrics at scale: one pass over batches, memory independent of N.
 
-The streaming twin of `analysis.metrics` (same keys, equal to ~1e-13 relative on tests): every metric
-is finished from sufficient statistics kept in float64 on the device of the incoming tensors
-(GPU when there is one):
+Every metric of `analysis.metrics` is finished from sufficient statistics kept in float64 on the
+device of the incoming tensors (GPU when there is one):
     N, sum x, sum ||x||^2, sum x x^T [D, D]            (the scatter: only for nc and spectral)
     per sequence: sum S_s, count n_s, label           (sequences may span batches)
     per class:    sum T_c, count n_c, sum ||x||^2     (a table grown to the largest label)
-so memory is O(D^2 + (#sequences + #classes) D). Rows are shifted by the first batch's mean
-before accumulating, which keeps sum ||x||^2 - N ||mu||^2 style differences accurate.
+so memory is O(D^2 + (#sequences + #classes) D). The in-memory functions of analysis.metrics and
+analysis.spectra are the one-batch case of these classes.
 
     acc = GeometryAccumulator(768)                                  # ViT: labels per image
     for feats, seq_ids, labels in batches:                          # [B, T, D], [B, T], [B, T]
         acc.update(feats, seq_ids, labels)
-    out = acc.compute(weight=head.weight, bias=head.bias)           # anova, nc1-nc3, cdnv, spectra
+    out = acc.compute(weight=head.weight)                           # anova, nc1-nc3, cdnv, spectra
 
     acc = GeometryAccumulator(1280, metrics=("anova_seq", "lc", "spectral"))   # LM
     ... acc.update(hidden, seq_ids, next_token_ids) ...
     out = acc.compute(unembedding=lm_head.weight, min_count=5)
 
-NC4 and the NCC agreement compare every row with the final class means, so they need a second
-pass: `classes, means = acc.class_means()` then `NCCAgreement(means, W[classes], ...)`.
-Neural Collapse of sequence means (the paper's ViT analysis) is `metrics.neural_collapse` on
-`acc.sequence_means()`, which is small.
+NC4 compares every row with the final class means (a second look at the rows: `acc.class_means()`,
+then `analysis.metrics.ncc_mismatch`); Neural Collapse of the sequence means (the paper's ViT
+analysis) is `metrics.neural_collapse` on `acc.sequence_means()`, which is small.
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from analysis.metrics import (_sq, add_shares, as_float64, as_index, cdnv_from_class_stats, class_mean_geometry,
-                              lc_from_class_stats, nc1_from_scatter, ncc_mismatch)
+                              lc_from_class_stats, nc1_from_scatter)
 from analysis.spectra import sequence_spectra, spectrum_metrics
 
 METRICS = ("anova", "anova_seq", "nc", "cdnv", "lc", "spectral")
@@ -55,18 +53,14 @@ class GeometryAccumulator:
             "spectral". "anova*" need seq_ids in every update; "anova", "nc", "cdnv", "lc"
             need labels (non-negative class ids).
         device: where the statistics live; default the device of the first batch.
-        num_classes: pre-allocate the class table (else it grows to the largest label seen).
     """
 
-    def __init__(self, dim: int, metrics: Sequence[str] = ("anova", "nc", "cdnv", "spectral"),
-                 device=None, num_classes: Optional[int] = None):
+    def __init__(self, dim: int, metrics: Sequence[str] = ("anova", "nc", "cdnv", "spectral"), device=None):
         unknown = set(metrics) - set(METRICS)
         if unknown:
             raise ValueError(f"unknown metrics {sorted(unknown)}; choose from {METRICS}")
         self.dim, self.metrics = dim, set(metrics)
         self.device = torch.device(device) if device is not None else None
-        # the class table grows to the largest label seen: a vocabulary need not be known in advance
-        self.num_classes = num_classes or 1
         self.needs_seq = bool(self.metrics & {"anova", "anova_seq"})
         self.needs_labels = bool(self.metrics & {"anova", "nc", "cdnv", "lc"})
         # the D x D scatter costs O(B D^2) per batch: kept only for the metrics that need it
@@ -86,8 +80,8 @@ class GeometryAccumulator:
         # per-sequence sums grow as new sequences arrive (a sequence may span batches)
         self.seq_sum, self.seq_n = torch.zeros(0, D, **f64), torch.zeros(0, **f64)
         self.seq_label = torch.zeros(0, dtype=torch.int64, device=dev)
-        C = self.num_classes
-        self.cls_sum, self.cls_n, self.cls_sq = torch.zeros(C, D, **f64), torch.zeros(C, **f64), torch.zeros(C, **f64)
+        # the class table grows to the largest label seen: a vocabulary need not be known in advance
+        self.cls_sum, self.cls_n, self.cls_sq = torch.zeros(1, D, **f64), torch.zeros(1, **f64), torch.zeros(1, **f64)
 
     @torch.no_grad()
     def update(self, features, seq_ids=None, labels=None):
@@ -148,8 +142,8 @@ class GeometryAccumulator:
         bad = bool((first[inv] != y).any()) or bool(((prev >= 0) & (prev != first)).any())
         self.seq_labels_consistent &= not bad
         if bad and "anova" in self.metrics:
-            raise ValueError("labels vary within a sequence; the ANOVA's class parts need one label "
-                             "per sequence (for next-token labels use metrics 'anova_seq')")
+            raise ValueError("labels vary within a sequence (its tokens have different labels); the ANOVA's "
+                             "class parts need one label per sequence (next-token labels: metrics 'anova_seq')")
         self.seq_label[rows] = first
 
     # ------------------------------------------------------------------ finished quantities
@@ -187,13 +181,13 @@ class GeometryAccumulator:
         return w[classes]
 
     @torch.no_grad()
-    def compute(self, weight=None, bias=None, unembedding=None, thresholds=(0.9, 0.99),
+    def compute(self, weight=None, unembedding=None, thresholds=(0.9, 0.99),
                 spectral_center: str = "global", min_count: int = 1, lc_center: str = "classes",
                 center_unembedding: bool = False) -> dict:
         """Finish every requested metric; the keys are those of `analysis.metrics`.
 
         Args:
-            weight, bias: classifier [K, D] and [K] for nc2_equinorm_w and nc3 (nc4: NCCAgreement).
+            weight: classifier [K, D] for nc2_equinorm_w and nc3 (nc4: analysis.metrics.neural_collapse).
             unembedding: [V, D] LM head for the lc self-duality measures.
             thresholds, spectral_center: as in `spectra.spectral_decay` ("sequence" needs seq_ids).
             min_count, lc_center, center_unembedding: as in `metrics.linguistic_collapse`.
@@ -330,41 +324,3 @@ class SequenceSpectra:
         n = float(self.n)
         out = {k: float(s) / n if n else float("nan") for k, s in self.sums.items()}
         return {**out, "n_sequences": n, "n_no_variance": float(self.skipped)}
-
-
-class NCCAgreement:
-    """Second pass for NC4 / the NCC agreement: compares argmax_c (W x + b)_c with the nearest
-    class mean, batch by batch, given the final class means of the first pass.
-
-    compute() returns ncc_mismatch (= nc4 when all classes are used) and ncc_agreement (=
-    lc_ncc_agreement with the kept classes and the unembedding rows).
-
-    Args:
-        means: [K, D] class means (e.g. from GeometryAccumulator.class_means()).
-        weight: [K, D] classifier rows of those classes, same order.
-        bias: [K] classifier bias of those classes; optional.
-        classes: [K] class ids; when given, only rows whose label is among them are counted
-            (update() then needs labels).
-    """
-
-    def __init__(self, means, weight, bias=None, classes=None):
-        self.means = as_float64(means)
-        dev = self.means.device
-        self.weight = as_float64(weight, dev)
-        self.bias = as_float64(bias, dev).reshape(-1) if bias is not None else None
-        self.classes = as_index(classes, dev) if classes is not None else None
-        self.wrong = self.n = 0
-
-    @torch.no_grad()
-    def update(self, features, labels=None):
-        x = as_float64(features, self.means.device)
-        if self.classes is not None:
-            if labels is None:
-                raise ValueError("restricting to classes needs labels")
-            x = x[torch.isin(as_index(labels, x.device), self.classes)]
-        self.wrong += ncc_mismatch(x, self.means, self.weight, self.bias)
-        self.n += x.shape[0]
-
-    def compute(self) -> dict:
-        frac = self.wrong / self.n
-        return {"ncc_mismatch": frac, "ncc_agreement": 1.0 - frac}

@@ -1,5 +1,6 @@
-"""Token-geometry metrics: known answers on synthetic data, plain-loop references, and the
-streaming accumulator against the in-memory functions."""
+"""Token-geometry metrics: known answers on synthetic data, plain-loop references (the in-memory
+functions are the accumulator fed every row at once), and the streamed accumulator, in uneven
+batches with sequences spanning them, against one batch."""
 import itertools
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 
 from analysis import metrics as m
 from analysis import spectra as sp
-from analysis.streaming import GeometryAccumulator, NCCAgreement
+from analysis.streaming import GeometryAccumulator
 
 
 def make_tokens(seed=0, n_seq=12, n_cls=4, D=8, offset=5.0):
@@ -234,7 +235,7 @@ def test_streaming_equals_in_memory(kind):
     W, b = rng.normal(size=(5, x.shape[1])), rng.normal(size=5)
     sizes = [1, 37, 200, 3, len(x) - 241]
     acc = stream(split(x, s, y, sizes, kind), metrics=("anova", "nc", "cdnv", "lc", "spectral"))
-    out = acc.compute(weight=W, bias=b, unembedding=W, min_count=1)
+    out = acc.compute(weight=W, unembedding=W, min_count=1)
     assert_same(out, m.anova(x, s, y))
     nc = m.neural_collapse(x, y, W, b)
     assert_same(out, {k: v for k, v in nc.items() if k != "nc4"})
@@ -244,13 +245,12 @@ def test_streaming_equals_in_memory(kind):
     assert_same(out, sp.spectral_decay(x))
     seq_spec = acc.compute(spectral_center="sequence", thresholds=(0.5, 0.95))
     assert_same(seq_spec, sp.spectral_decay(x, (0.5, 0.95), seq_ids=s, center="sequence"))
-    # second pass: NC4 and the NCC agreement from the streamed class means
+    # a second look at the rows: NC4 from the streamed class means
     classes, means = acc.class_means()
     classes = classes.cpu().numpy()
-    ncc = NCCAgreement(means, W[classes], b[classes])
-    for xb, _, _ in split(x, s, y, sizes, kind):
-        ncc.update(xb)
-    assert ncc.compute()["ncc_mismatch"] == pytest.approx(nc["nc4"])
+    x64 = torch.from_numpy(x).to(means.device)
+    W64, b64 = (torch.from_numpy(a[classes]).to(means.device) for a in (W, b))
+    assert m.ncc_mismatch(x64, means, W64, b64) / len(x) == pytest.approx(nc["nc4"])
     # sequence means feed the in-memory NC of the paper's ViT analysis
     ids, seq_means, seq_labels = acc.sequence_means()
     ref = {k: x[s == k].mean(0) for k in ids.tolist()}
@@ -276,10 +276,9 @@ def test_streaming_language_model_setup():
     lc = m.linguistic_collapse(x, y, unembedding=U, min_count=4)
     assert_same(out, {k: v for k, v in lc.items() if k != "lc_ncc_agreement"})
     classes, means = acc.class_means(min_count=4)
-    ncc = NCCAgreement(means, U[classes.numpy()], classes=classes)
-    for xb, _, yb in batches:
-        ncc.update(xb, yb)
-    assert ncc.compute()["ncc_agreement"] == pytest.approx(lc["lc_ncc_agreement"])
+    rows = torch.from_numpy(x[np.isin(y, classes.numpy())])
+    agree = 1 - m.ncc_mismatch(rows, means, torch.from_numpy(U[classes.numpy()])) / len(rows)
+    assert agree == pytest.approx(lc["lc_ncc_agreement"])
 
 
 def test_rows_that_do_not_vary_give_nan_shares_and_spectra_not_zero_by_zero():
