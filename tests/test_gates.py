@@ -152,7 +152,7 @@ def test_gates_pooled_over_seeds_into_a_table_and_a_figure(make_cfg, tmp_path):
     name = f"gates_{g['name']}"
     assert tmp_path / f"tables/{name}.md" in paths and tmp_path / f"tables/{name}.csv" in paths
     md = (tmp_path / f"tables/{name}.md").read_text()
-    s, a = b1h2["start"], b1h2["end"]
+    s, a = float(b1h2["start"]), float(b1h2["end"])
     grid = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in md.splitlines() if ln.startswith("|")]
     assert grid[0] == ["block", "h0", "h1", "h2"] and grid[3][0] == "1"
     assert grid[3][1].startswith(f"{gates.loc[(1, 0), 'start']:.3f} → ")
