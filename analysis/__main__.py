@@ -48,16 +48,13 @@ def analysis_dir(checkpoint, out=None) -> Path:
 
 
 def headline(res: dict) -> dict:
-    """The quick start's columns, all at the final norm: within-sequence share and n_pcs_0.99 of the
-    patch tokens (GPT: all tokens), NC1 of the class token (GPT: CDNV of next-token classes)."""
-    norm = res["results"]["patch" if res["arch"] == "vit" else "tokens"].get("norm", {})
-    out = {"within_seq_share": norm.get("anova", {}).get("within_seq_share"),
-           "n_pcs_0.99": norm.get("spectral", {}).get("n_pcs_0.99")}
-    if res["arch"] == "vit":
-        out["nc1"] = res["results"]["cls"].get("norm", {}).get("nc", {}).get("nc1")
-    else:
-        out["lc_cdnv_mean"] = norm.get("lc", {}).get("lc_cdnv_mean")
-    return out
+    """The quick start's columns at the final norm (analysis.runs.geometry): within-sequence share
+    and n_pcs_0.99 of the patch tokens (GPT: all tokens), NC1 of the class token (GPT: CDNV of
+    next-token classes); None where not measured."""
+    from analysis.runs import geometry
+
+    g = geometry(res)
+    return {k: g.get(k) for k in ("within_seq_share", "n_pcs_0.99", "nc1" if res["arch"] == "vit" else "lc_cdnv_mean")}
 
 
 def _checkpoints(cfg) -> list[Path]:

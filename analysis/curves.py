@@ -17,13 +17,12 @@ per run left out, then `[curves] wrote <path>`.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig
 
-from analysis.runs import arm_key, arm_label, experiments, find_runs, frame, read_run, runs_roots, sort_key
+from analysis.runs import arm_key, arms, experiments, find_runs, frame, read_run, runs_roots, sort_key
 from analysis.stats import describe
 from laplace.cli import hydra_entry
 from laplace.errors import ConfigError
@@ -58,12 +57,9 @@ def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title
     """A panel per entry of `panels` {title: (ylabel, {label: {x: [value per seed]}})}, a line per
     label with its band, at most 3 panels a row (5 metrics stay readable on a page); writes
     stem.{png,pdf}. Returns (the axes, the paths)."""
-    from analysis.figures import plt, save
+    from analysis.figures import panels as grid, save
 
-    cols = min(len(panels), 3)
-    fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, squeeze=False,
-                             figsize=(4.6 * cols, 3.6 * math.ceil(len(panels) / cols)))
-    axes = list(axes.ravel())
+    fig, axes = grid(len(panels), min(len(panels), 3), 4.6, 3.6)
     for ax, (name, (ylabel, lines)) in zip(axes, panels.items()):
         for label, points in lines.items():
             s = line_stats(points, band)
@@ -72,12 +68,19 @@ def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title
         ax.set(title=name, xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in axes[len(panels):]:
-        ax.axis("off")
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return axes[:len(panels)], save(fig, stem)
+
+
+def points(rows, x: str = "step") -> dict:
+    """{arm label: {x: [value per seed]}} of rows of the tidy table (analysis.runs.frame) of one
+    metric: each run's last value at each x (an epoch's last step; a resumed run's rerun; a final
+    evaluation over a kept checkpoint's of the same step)."""
+    rows = rows[rows[x].notna()].sort_values("final", kind="stable").drop_duplicates(["run_dir", x], keep="last")
+    return {label: {at: list(a["value"]) for at, a in arm.sort_values("seed", kind="stable").groupby(x)}
+            for label, arm in arms(rows)}
 
 
 def collect_curves(records: list[dict], metrics: list[str], x: str, logged) -> tuple[dict, list[str]]:
@@ -85,20 +88,17 @@ def collect_curves(records: list[dict], metrics: list[str], x: str, logged) -> t
     `logged`, and a note per run left out. A line is one experiment's arm; the experiment is named
     in the label only when the runs hold several (the usual one-folder call keeps short labels)."""
     logged = logged[logged["metric"].isin([f"log.{m}" for m in metrics]) & logged[x].notna()]
-    # a point per x: the last value logged there (an epoch's last step; a resumed run's rerun)
-    logged = logged.drop_duplicates(["run_dir", "metric", x], keep="last")
     data, notes, exps = {m: {} for m in metrics}, [], experiments(records)
     for exp, recs in exps.items():
+        mine = logged[logged["run_dir"].isin([r["run_dir"] for r in recs])]
         for r in sorted(recs, key=lambda r: (arm_key(r["k"], r["mode"]), sort_key(r["seed"]))):
-            mine = logged[logged["run_dir"] == r["run_dir"]]
-            if mine.empty:
+            if not (mine["run_dir"] == r["run_dir"]).any():
                 why = "no metrics.jsonl" if not (Path(r["run_dir"]) / "metrics.jsonl").exists() else \
                     f"none of {metrics} logged against {x}"
                 notes.append(f"{r['run_dir']}: {why}; left out")
-                continue
-            label = (f"{exp} " if len(exps) > 1 else "") + arm_label(r["k_label"], r["mode"])
-            for m, at, v in zip(mine["metric"], mine[x], mine["value"]):
-                data[m[len("log."):]].setdefault(label, {}).setdefault(at, []).append(v)
+        for m in metrics:
+            data[m].update({(f"{exp} " if len(exps) > 1 else "") + label: pts
+                            for label, pts in points(mine[mine["metric"] == f"log.{m}"], x).items()})
     return {m: lines for m, lines in data.items() if lines}, notes
 
 

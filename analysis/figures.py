@@ -71,6 +71,16 @@ def save(fig, stem: Path) -> list[Path]:
     return paths
 
 
+def panels(n: int, cols: int, width: float, height: float):
+    """A figure of n panels, `cols` a row, each width x height inches: (figure, the axes in a flat
+    list); the unused ones off."""
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax in axes.ravel()[n:]:
+        ax.axis("off")
+    return fig, list(axes.ravel())
+
+
 def color(i: int) -> str:
     """The i-th colour of the shared cycle (the same arm gets the same colour in every panel)."""
     return f"C{i % 10}"
@@ -120,13 +130,11 @@ def draw_layers(ax, stats: pd.DataFrame, metric: str, layers, band: str = "sd", 
                   fontsize=7 if len(pos) > 14 else 8)
 
 
-def layer_figure(stats: pd.DataFrame, panels, layers, title: str, stem: Path, band: str = "sd",
+def layer_figure(stats: pd.DataFrame, specs, layers, title: str, stem: Path, band: str = "sd",
                  cols: int = 3) -> list[Path]:
-    """A panel per (key, title, log) of `panels`, drawn by `draw_layers`; the legend once, below."""
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.7 * rows), squeeze=False)
-    axes = axes.ravel()
-    for ax, (key, sub, log) in zip(axes, panels):
+    """A panel per (key, title, log) of `specs`, drawn by `draw_layers`; the legend once, below."""
+    fig, axes = panels(len(specs), cols, 3.4, 2.7)
+    for ax, (key, sub, log) in zip(axes, specs):
         draw_layers(ax, stats, key, layers, band)
         ys = stats.loc[stats["metric"] == key, "mean"].dropna()
         # a log axis where asked and the values allow it (a near-constant series gets unreadable ticks)
@@ -135,8 +143,6 @@ def layer_figure(stats: pd.DataFrame, panels, layers, title: str, stem: Path, ba
         ax.set_title(sub, fontsize=9)
         ax.set_xlabel("layer", fontsize=8)
         ax.grid(alpha=0.3)
-    for ax in axes[len(panels):]:
-        ax.axis("off")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     handles, labels = axes[0].get_legend_handles_labels()
@@ -151,10 +157,10 @@ def _kind(lines) -> str:
 
 def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
     """The anova or collapse figure of `lines` [(label, [analysis.json of its seeds])]."""
-    panels = PANELS[figure, _kind(lines)]
-    stats = layer_stats(lines, {k for k, *_ in panels})
-    cols = len(panels) if figure == "anova" else 4 if _kind(lines) == "vit" else 3
-    return layer_figure(stats, panels, lines[0][1][0]["layers"], f"{name}: {TITLES[figure, _kind(lines)]}"
+    specs = PANELS[figure, _kind(lines)]
+    stats = layer_stats(lines, {k for k, *_ in specs})
+    cols = len(specs) if figure == "anova" else 4 if _kind(lines) == "vit" else 3
+    return layer_figure(stats, specs, lines[0][1][0]["layers"], f"{name}: {TITLES[figure, _kind(lines)]}"
                         .lstrip(": "), stem, cols=cols)
 
 
@@ -225,36 +231,32 @@ def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     """The headline geometry at every block (the per_block table's numbers): a panel per metric,
     a line per arm (k, mode), the mean over seeds with its 95% interval as a band."""
     rows = per_block(records)
-    panels = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
-              if (rows["metric"] == key).any()]
-    if not panels:  # analysed without any headline metric (e.g. metrics=[cdnv])
+    specs = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
+             if (rows["metric"] == key).any()]
+    if not specs:  # analysed without any headline metric (e.g. metrics=[cdnv])
         return []
     labels = {(r["k"], r["mode"]): r["k_label"] for r in records}
     rows = rows.assign(line=[arm_label(labels[k, m], m) for k, m in zip(rows["k"], rows["mode"])],
                        _o=[arm_key(k, m) for k, m in zip(rows["k"], rows["mode"])]).sort_values("_o", kind="stable")
     layers = sorted(set(rows["layer"]), key=lambda n: (n == "norm", int(n.split(".")[1]) if n != "norm" else 0))
-    return layer_figure(rows, panels, layers, f"{name}: token geometry at every block (mean, 95% interval over "
+    return layer_figure(rows, specs, layers, f"{name}: token geometry at every block (mean, 95% interval over "
                         f"seeds)", stem, band="ci")
 
 
 def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
     """Metric vs k, a panel per experiment: seeds as dots, the mean with +-1 sd bars, a line per
     mode. `metrics`: {trainer: {metric, label}}; per-layer lists of k have no place on a k axis."""
-    panels = []
+    found = []
     for name, recs in experiments(records).items():
         spec = metrics.get(recs[0]["trainer"])
         rows = aggregate(recs, spec["metric"]) if spec else pd.DataFrame()
         rows = rows[[isinstance(k, int) for k in rows["k"]]] if len(rows) else rows
         if len(rows):
-            panels.append((name, spec, rows.sort_values("k")))
-    if not panels:
+            found.append((name, spec, rows.sort_values("k")))
+    if not found:
         return []
-    cols = min(len(panels), 4)
-    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(3.4 * cols, 2.9 * -(-len(panels) // cols)),
-                             squeeze=False)
-    for ax in axes.ravel()[len(panels):]:
-        ax.axis("off")
-    for ax, (name, spec, rows) in zip(axes.ravel(), panels):
+    fig, axes = panels(len(found), min(len(found), 4), 3.4, 2.9)
+    for ax, (name, spec, rows) in zip(axes, found):
         for c, (mode, g) in enumerate(rows.groupby("mode")):
             # every seed, so a mean of two far-apart runs is not mistaken for a trend
             for k, n, values in zip(g["k"], g["n"], g["values"]):

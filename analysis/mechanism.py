@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from laplace.zoo import features, model_label
+from laplace.zoo import features
 
 TYPES = ("softmax", "laplacian", "learned")
 #: The per-head numbers pooled by `summary` (and read by analysis.runs as mechanism.<key>.<type>).

@@ -169,8 +169,7 @@ def cdnv_from_class_stats(means: torch.Tensor, var: torch.Tensor) -> dict:
     return {"cdnv_mean": s[0], "cdnv_std": s[1]}
 
 
-def lc_from_class_stats(means, counts, var, unembedding=None, center: str = "classes",
-                        center_unembedding: bool = False) -> dict:
+def lc_from_class_stats(means, counts, var, unembedding=None, center: str = "classes") -> dict:
     """Linguistic-collapse measures (keys lc_*, see `linguistic_collapse`) from the kept classes'
     means, counts and variances; `unembedding` holds their rows in the same order."""
     if center not in ("classes", "tokens"):
@@ -188,9 +187,7 @@ def lc_from_class_stats(means, counts, var, unembedding=None, center: str = "cla
     out["lc_coherence_mean"], out["lc_coherence_std"] = pairs.get("cos", nan2)
     out["lc_abs_coherence_mean"], out["lc_abs_coherence_std"] = pairs.get("abs", nan2)
     if unembedding is not None:
-        W = unembedding.to(means)
-        W = W - W.mean(0) if center_unembedding else W
-        cos = (U * _unit_rows(W)).sum(1)
+        cos = (U * _unit_rows(unembedding.to(means))).sum(1)  # the unembedding rows as they are, as the code
         out["lc_self_duality_cos_mean"] = float(cos.mean())
         out["lc_self_duality"] = 1.0 - float(cos.mean())
         out["lc_uniform_duality"] = float(cos.std(unbiased=False))
@@ -255,15 +252,14 @@ def cdnv(features, labels) -> dict:
     return one_pass(("cdnv",), features, labels=labels)[0].compute()
 
 
-def linguistic_collapse(features, labels, unembedding=None, min_count: int = 1,
-                        center: str = "classes", center_unembedding: bool = False) -> dict:
+def linguistic_collapse(features, labels, unembedding=None, min_count: int = 1, center: str = "classes") -> dict:
     """Wu & Papyan's "linguistic collapse" measures, classes = next-token ids.
 
     As "Linguistic Collapse: Neural Collapse in (Large) Language Models" (NeurIPS 2024,
     arXiv:2405.17767) computes them in its code (rhubarbwu/linguistic-collapse, lib/collapse.py):
     class means of the classes with at least `min_count` rows (its --min_per_class), centred by
     the unweighted mean of those class means (center="tokens": the token-weighted mean), the
-    unembedding rows as they are (center_unembedding=True centres them over the kept classes).
+    unembedding rows as they are.
     Keys (pairs are ordered pairs c != c', stds are population stds):
         lc_num_classes            number of kept classes
         lc_cdnv_mean, lc_cdnv_std CDNV over pairs of kept classes (within-class variability, NC1)
@@ -278,8 +274,7 @@ def linguistic_collapse(features, labels, unembedding=None, min_count: int = 1,
                                   classes) is the nearest kept class mean (NC4)
     """
     acc, x = one_pass(("lc",), features, labels=labels)
-    out = acc.compute(unembedding=unembedding, min_count=min_count, lc_center=center,
-                      center_unembedding=center_unembedding)
+    out = acc.compute(unembedding=unembedding, min_count=min_count, lc_center=center)
     if unembedding is not None:
         # rows of dropped classes are removed first, as the code's --min_per_class does
         classes, means = acc.class_means(min_count)

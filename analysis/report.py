@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from analysis.runs import arm_key, arm_label, collect, frame, layer_order, runs_roots
+from analysis.curves import draw_curves, points
+from analysis.runs import arm_key, arm_label, arms, collect, frame, layer_order, runs_roots
 from analysis.stats import describe, holm, interval_text, paired, verdict
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
@@ -71,12 +72,6 @@ def _d(t) -> str:
 def _paradigm(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     # a paradigm's runs: the folder its experiment config names (runs/<trainer>/<experiment>/...)
     return f[f["experiment"] == plan.paradigms[name].experiment]
-
-
-def _arms(g: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """(arm label, its rows) per arm (k, mode) of a slice of the frame: fixed by k, then learned."""
-    groups = sorted(g.groupby(["k", "mode"]), key=lambda kv: arm_key(*kv[0]))
-    return [(arm_label(part["k_label"].iloc[0], mode), part) for (_, mode), part in groups]
 
 
 # ----------------------------------------------------------------------------- the claims
@@ -162,7 +157,7 @@ def arms_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     cols = list(dict.fromkeys((c.metric, c.get("layer"), c.definition) for c in plan.claims if c.paradigm == name
                               and c.get("step", "final") == "final"))
     rows = []
-    for _, arm in _arms(_paradigm(f, plan, name)):
+    for _, arm in arms(_paradigm(f, plan, name)):
         row = {"k": arm["k_label"].iloc[0], "mode": arm["mode"].iloc[0]}
         for metric, layer, label in cols:
             v = select(arm, metric, layer)["value"]
@@ -171,21 +166,11 @@ def arms_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def curve_points(f: pd.DataFrame, plan, name: str) -> dict:
-    """A paradigm's learning curve (its plan's `curve` metric: a logged "log.val_bpb", or an
-    evaluation of every kept checkpoint, "knn.top1"): {arm label: {step: [value per seed]}}."""
-    g = _paradigm(f, plan, name)
-    g = g[g["metric"] == plan.paradigms[name].curve].sort_values("final", kind="stable")
-    # a kept checkpoint's evaluation meets the final evaluation at the last step: the final one wins
-    g = g.drop_duplicates(["run_dir", "step"], keep="last")
-    return {label: {s: list(a["value"]) for s, a in arm.groupby("step")} for label, arm in _arms(g)}
-
-
-def curves_table(points: dict) -> tuple[pd.DataFrame, list[str]]:
+def curves_table(by_arm: dict) -> tuple[pd.DataFrame, list[str]]:
     """Rows = steps, columns = arms, mean [95% interval] (n); and per arm the change over the last
     quarter of training and the quarter before it (has the metric flattened?)."""
     table, lines = {}, []
-    for label, by_step in points.items():
+    for label, by_step in by_arm.items():
         at = {s: describe(v) for s, v in by_step.items()}
         table[label] = {s: interval_text(d.mean, d.lo, d.hi, d.n, ".4g") for s, d in at.items()}
         st = sorted(at)
@@ -209,7 +194,7 @@ def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     g = _paradigm(f, plan, name)
     g = g[g["final"] & (g["layer"] == "all") & g["metric"].str.startswith("mechanism.")]
     rows = []
-    for label, arm in _arms(g):
+    for label, arm in arms(g):
         for t in ("softmax", "laplacian", "learned"):
             row = {"arm": label, "heads": t}
             for key, col, fmt in MECHANISM:
@@ -298,7 +283,6 @@ def check_plan(plan) -> None:
 
 def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Path:
     """README.md, tables/ and figures/ of `plan` over `records` (finished runs) in `out`."""
-    from analysis.curves import draw_curves
     from analysis.figures import draw_figures
     from analysis.gates import gate_groups, to_markdown as gates_markdown
     from analysis.tables import render_tables
@@ -341,15 +325,14 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     lines += ["## Learning curves", "", "Each arm's validation metric against the step: mean [95% interval] "
               "(n seeds); figures/curves.png. Then the change over the last quarter of the steps, and the quarter "
               "before it.", ""]
+    # a paradigm's learning curve: its plan's `curve` metric, logged ("log.val_bpb") or an evaluation of
+    # every kept checkpoint ("knn.top1")
     panels = {}
     for name, p in plan.paradigms.items():
-        points = curve_points(f, plan, name)
-        table, change = curves_table(points)
+        g = _paradigm(f, plan, name)
+        panels[name] = (p.curve, points(g[g["metric"] == p.curve]))
+        table, change = curves_table(panels[name][1])
         lines += [f"**{name}**: {p.curve}", "", _md(table), "", *change, ""]
-        if points:
-            panels[name] = (p.curve, points)
-    # the geometry claims read at the final norm: the rows of the per-block and per-step tables
-    geo = [c for c in plan.claims if c.metric.startswith("geometry.") and c.get("layer") == "norm"]
     lines += ["## Every arm (final values, mean ± sd over seeds)", ""]
     for name in plan.paradigms:
         lines += [f"**{name}**", "", _md(arms_table(f, plan, name)), ""]
@@ -357,19 +340,20 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               "Each geometry claim at every layer of the final model (blocks.<i>: the residual stream after block "
               "i; norm: the final norm): the arm minus the baseline, d [95% interval] (n) of the paired differences. "
               "Where along the depth a difference appears; not further tests. Every arm: tables/per_block.md.", ""]
-    for name in plan.paradigms:
-        recs = [r for r in records if r["experiment"] == plan.paradigms[name].experiment]
+    # the geometry claims read at the final norm: the rows of the per-block and per-step tables
+    geo = [c for c in plan.claims if c.metric.startswith("geometry.") and c.get("layer") == "norm"]
+    for name, p in plan.paradigms.items():
+        layers = layer_order([r for r in records if r["experiment"] == p.experiment])
         mine = [c for c in geo if c.paradigm == name]
-        if recs and mine:
-            lines += [_md(paired_grid(f, plan, mine, layer_order(recs), lambda c, layer: (layer, "final"))), ""]
+        if layers and mine:
+            lines += [_md(paired_grid(f, plan, mine, layers, lambda c, layer: (layer, "final"))), ""]
     if plan.get("steps"):
         lines += ["## At every kept checkpoint (equal step, descriptive)", "",
                   "Each geometry claim at the final norm of the checkpoints of the same step: d [95% interval] (n).",
                   "", _md(paired_grid(f, plan, geo, list(plan.steps), lambda c, s: (c.layer, s))), ""]
-    if plan.get("equal_loss"):
-        for name in plan.paradigms:
-            table, how = equal_loss(f, plan, name, [c for c in geo if c.paradigm == name])
-            lines += ["## At equal validation loss (descriptive)", "", how + ".", "", _md(table), ""]
+    for name in plan.paradigms if plan.get("equal_loss") else ():
+        table, how = equal_loss(f, plan, name, [c for c in geo if c.paradigm == name])
+        lines += ["## At equal validation loss (descriptive)", "", how + ".", "", _md(table), ""]
     lines += ["## Do the heads smooth the residual stream? (the mechanism, analysis/mechanism.py)", "",
               "Per head, in the stream's frame (its part after LayerScale; its matrix Pi diag(g) W_v W_o diag(lambda) "
               "with the norm's centring and gain): the cosine with Px - x (> 0: toward the attention-weighted mean), "
@@ -379,18 +363,17 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               "Per head: each run's ckpt/<name>_analysis/mechanism.md.", ""]
     for name in plan.paradigms:
         table = mechanism_table(f, plan, name)
-        if len(table):
-            lines += [f"**{name}**", "", _md(table), ""]
+        lines += [f"**{name}**", "", _md(table), ""] if len(table) else []
     lines += ["## How much the blocks change the residual stream", "",
               "Mean over tokens of |h_i - h_(i-1)| / |h_(i-1)| per block (h_(-1): the embedding), 64 validation "
               "sequences, averaged over seeds:", ""]
     for name, p in plan.paradigms.items():
-        arms: dict = {}
+        arms: dict = {}  # the final models' checkpoints per arm
         for r in sorted(records, key=lambda r: arm_key(r["k"], r["mode"])):
-            if r["experiment"] == p.experiment and Path(r["checkpoint"]).is_file():  # the final model's
+            if r["experiment"] == p.experiment and Path(r["checkpoint"]).is_file():
                 arms.setdefault(arm_label(r["k_label"], r["mode"]), []).append(r["checkpoint"])
-        for label, ckpts in arms.items():
-            lines.append(f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(ckpts)))
+        lines += [f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(ckpts))
+                  for label, ckpts in arms.items()]
     gates = gate_groups(records)
     if gates:
         lines += ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
@@ -400,8 +383,8 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     # (the metric-vs-k figure's metrics as `python -m analysis.figures` has them)
     vs_k = OmegaConf.to_container(OmegaConf.load(config_dir("figures") / "figures.yaml").vs_k)
     draw_figures(records, out / "figures", vs_k, pca_maps)
-    if panels:
-        draw_curves(panels, out / "figures" / "curves", "ci")
+    if any(points for _, points in panels.values()):
+        draw_curves({n: v for n, v in panels.items() if v[1]}, out / "figures" / "curves", "ci")
     write_json(out / "plan.json", OmegaConf.to_container(plan, resolve=True), indent=1)  # what decided it
     atomic_write(out / "README.md", ("\n".join(lines) + "\n").encode())
     return out / "README.md"

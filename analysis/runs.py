@@ -356,6 +356,12 @@ def arm_label(k_label: str, mode: str) -> str:
     return f"k={k_label}" + ("" if mode == "fixed" else f" {mode}")
 
 
+def arms(rows: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(arm label, its rows) per arm (k, mode) of a slice of the tidy table, in `arm_key` order."""
+    groups = sorted(rows.groupby(["k", "mode"]), key=lambda kv: arm_key(*kv[0]))
+    return [(arm_label(part["k_label"].iloc[0], mode), part) for (_, mode), part in groups]
+
+
 # The facts of a run that every row of the tidy table carries (what a group or a label needs).
 FACTS = ("run_dir", "experiment", "trainer", "dataset", "family", "model", "arch", "k", "k_label", "mode", "seed",
          "steps", "recipe_id", "recipe", "finished")

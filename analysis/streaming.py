@@ -42,6 +42,19 @@ def _grow(t: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([t, extra])
 
 
+def _add(table: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """table (grown to the largest id) with `values` summed into the rows `idx`."""
+    return _grow(table, int(idx.max()) + 1 if idx.numel() else 0).index_add_(0, idx, values)
+
+
+def _ids(ids, x: torch.Tensor, what: str) -> torch.Tensor:
+    """One non-negative integer id per row of x (a negative one would index a table from its end)."""
+    t = as_index(ids, x.device)
+    if t.numel() != x.shape[0] or (t.numel() and int(t.min()) < 0):
+        raise ValueError(f"{what} must be one non-negative integer per row ({x.shape[0]} rows, {t.numel()} {what})")
+    return t
+
+
 class GeometryAccumulator:
     """Accumulates the sufficient statistics of token representations batch by batch.
 
@@ -68,83 +81,58 @@ class GeometryAccumulator:
         self.n = 0
         self.shift = None
         self.seq_labels_consistent = True  # one label per sequence so far
-        self._seq_row: dict = {}  # sequence id -> row of the per-sequence tables
 
     def _allocate(self, x: torch.Tensor):
-        D, dev, f64 = self.dim, x.device, dict(dtype=torch.float64, device=x.device)
+        f64 = dict(dtype=torch.float64, device=x.device)
         # every row is stored shifted by the first batch's mean: sums of squares then stay near the
         # data's spread, so differences like sum |x|^2 - N |mu|^2 do not cancel catastrophically
         self.shift = x.mean(0)
-        self.sum, self.sq = torch.zeros(D, **f64), torch.zeros((), **f64)
-        self.xtx = torch.zeros(D, D, **f64) if self.needs_scatter else None
-        # per-sequence sums grow as new sequences arrive (a sequence may span batches)
-        self.seq_sum, self.seq_n = torch.zeros(0, D, **f64), torch.zeros(0, **f64)
-        self.seq_label = torch.zeros(0, dtype=torch.int64, device=dev)
-        # the class table grows to the largest label seen: a vocabulary need not be known in advance
-        self.cls_sum, self.cls_n, self.cls_sq = torch.zeros(1, D, **f64), torch.zeros(1, **f64), torch.zeros(1, **f64)
+        self.sum, self.sq = torch.zeros(self.dim, **f64), torch.zeros((), **f64)
+        self.xtx = torch.zeros(self.dim, self.dim, **f64) if self.needs_scatter else None
+        # the tables per sequence (sum, count, label: -1 unseen) and per class (sum, count, sum of
+        # squares) are indexed by the id itself and grow to the largest seen: neither the number of
+        # sequences nor a vocabulary need be known in advance, and a sequence may span batches
+        self.seq_sum, self.seq_n = torch.zeros(0, self.dim, **f64), torch.zeros(0, **f64)
+        self.seq_label = torch.zeros(0, dtype=torch.int64, device=x.device)
+        self.cls_sum, self.cls_n, self.cls_sq = torch.zeros(0, self.dim, **f64), torch.zeros(0, **f64), torch.zeros(0, **f64)
 
     @torch.no_grad()
     def update(self, features, seq_ids=None, labels=None):
-        """Add one batch: features [..., D], seq_ids [...] (any integers), labels [...] (>= 0)."""
+        """Add one batch: features [..., D], seq_ids [...] and labels [...] (ids >= 0)."""
         x = as_float64(features, self.device)
         if x.shape[1] != self.dim:
             raise ValueError(f"expected dim {self.dim}, got {x.shape[1]}")
         if self.shift is None:
             self.device = x.device
             self._allocate(x)
-        # (the shift leaves every variance unchanged; means get it back in class_means / sequence_means)
-        x = x - self.shift
+        x = x - self.shift  # the shift leaves every variance unchanged; the means get it back
         sq = _sq(x)
         self.n += x.shape[0]
         self.sum += x.sum(0)
         self.sq += sq.sum()
         if self.xtx is not None:
             self.xtx.addmm_(x.T, x)  # the O(B D^2) step that dominates the cost
-        y = None
-        if labels is not None:
-            y = as_index(labels, x.device)
-            # a negative label would silently index the class table from its end
-            if y.numel() != x.shape[0] or (y.numel() and int(y.min()) < 0):
-                raise ValueError("labels must be one non-negative class id per row")
-        elif self.needs_labels:
+        sid, y = (None if v is None else _ids(v, x, what) for v, what in ((seq_ids, "seq_ids"), (labels, "labels")))
+        if y is None and self.needs_labels:
             raise ValueError(f"metrics {sorted(self.metrics)} need labels")
-        if seq_ids is not None:
-            self._add_sequences(x, as_index(seq_ids, x.device), y)
-        elif self.needs_seq:
+        if sid is None and self.needs_seq:
             raise ValueError("the ANOVA needs seq_ids in every batch")
-        if y is not None and self.needs_labels and y.numel():
+        if sid is not None:
+            self.seq_sum, self.seq_n = _add(self.seq_sum, sid, x), _add(self.seq_n, sid, torch.ones_like(sq))
+            if y is not None:
+                # one label per sequence, also across batches: each sequence's label in this batch
+                # (any of its tokens') against all its tokens and against what an earlier batch said
+                before = _grow(self.seq_label, self.seq_n.shape[0], fill=-1)
+                self.seq_label = before.clone().scatter_(0, sid, y)
+                bad = bool((self.seq_label[sid] != y).any()) or bool(((before[sid] >= 0) & (before[sid] != y)).any())
+                self.seq_labels_consistent &= not bad
+                if bad and "anova" in self.metrics:
+                    raise ValueError("labels vary within a sequence (its tokens have different labels); the ANOVA's "
+                                     "class parts need one label per sequence (next-token labels: metrics 'anova_seq')")
+        if y is not None and self.needs_labels:
             # sum, count and sum of squares per class: the class means and within-class variances
-            self.cls_sum = _grow(self.cls_sum, int(y.max()) + 1)
-            self.cls_n, self.cls_sq = _grow(self.cls_n, self.cls_sum.shape[0]), _grow(self.cls_sq, self.cls_sum.shape[0])
-            self.cls_sum.index_add_(0, y, x)
-            self.cls_n.index_add_(0, y, torch.ones_like(sq))
-            self.cls_sq.index_add_(0, y, sq)
-
-    def _add_sequences(self, x, sid, y):
-        if sid.numel() != x.shape[0]:
-            raise ValueError(f"{x.shape[0]} rows but {sid.numel()} seq_ids")
-        # sequence ids are any integers: map them to rows of the per-sequence tables in order of first
-        # appearance (a python dict: a few thousand sequences, one lookup per sequence per batch)
-        uniq, inv = torch.unique(sid, return_inverse=True)
-        rows = [self._seq_row.setdefault(s, len(self._seq_row)) for s in uniq.tolist()]
-        rows = torch.tensor(rows, dtype=torch.int64, device=x.device)
-        n = len(self._seq_row)
-        self.seq_sum, self.seq_n = _grow(self.seq_sum, n), _grow(self.seq_n, n)
-        self.seq_label = _grow(self.seq_label, n, fill=-1)
-        self.seq_sum.index_add_(0, rows[inv], x)
-        self.seq_n.index_add_(0, rows[inv], torch.ones_like(x[:, 0]))
-        if y is None:
-            return
-        # one label per sequence, also across batches (a -1 marks a sequence not seen before)
-        # the label of each sequence's first token in this batch, checked against all its tokens
-        first = torch.empty_like(rows).scatter_(0, inv, y)
-        prev = self.seq_label[rows]
-        bad = bool((first[inv] != y).any()) or bool(((prev >= 0) & (prev != first)).any())
-        self.seq_labels_consistent &= not bad
-        if bad and "anova" in self.metrics:
-            raise ValueError("labels vary within a sequence (its tokens have different labels); the ANOVA's "
-                             "class parts need one label per sequence (next-token labels: metrics 'anova_seq')")
-        self.seq_label[rows] = first
+            self.cls_sum, self.cls_n = _add(self.cls_sum, y, x), _add(self.cls_n, y, torch.ones_like(sq))
+            self.cls_sq = _add(self.cls_sq, y, sq)
 
     # ------------------------------------------------------------------ finished quantities
     def _classes(self):
@@ -163,14 +151,12 @@ class GeometryAccumulator:
         return classes[kept], means[kept] + self.shift
 
     def sequence_means(self):
-        """(sequence ids [S], means [S, D], labels [S] or None) in order of first appearance;
-        labels only when every token of each sequence came with the same label."""
-        n = len(self._seq_row)
-        ids = torch.tensor(list(self._seq_row), dtype=torch.int64)
-        # sequence means carry labels only when each sequence had one (an image's class, not next tokens)
-        has = n and self.seq_labels_consistent and bool((self.seq_label[:n] >= 0).all())
-        labels = self.seq_label[:n] if has else None
-        return ids, self.seq_sum[:n] / self.seq_n[:n, None] + self.shift, labels
+        """(sequence ids [S], means [S, D], labels [S] or None) of the sequences seen, by id; labels
+        only when every token of each sequence came with the same label (an image's class, not next
+        tokens)."""
+        ids = torch.nonzero(self.seq_n > 0).flatten()
+        has = self.seq_labels_consistent and self.seq_label.numel() and bool((self.seq_label[ids] >= 0).all())
+        return ids, self.seq_sum[ids] / self.seq_n[ids, None] + self.shift, self.seq_label[ids] if has else None
 
     def _rows(self, w, classes):
         if w is None:
@@ -181,23 +167,22 @@ class GeometryAccumulator:
         return w[classes]
 
     @torch.no_grad()
-    def compute(self, weight=None, unembedding=None, thresholds=(0.9, 0.99),
-                spectral_center: str = "global", min_count: int = 1, lc_center: str = "classes",
-                center_unembedding: bool = False) -> dict:
+    def compute(self, weight=None, unembedding=None, thresholds=(0.9, 0.99), min_count: int = 1,
+                lc_center: str = "classes") -> dict:
         """Finish every requested metric; the keys are those of `analysis.metrics`.
 
         Args:
             weight: classifier [K, D] for nc2_equinorm_w and nc3 (nc4: analysis.metrics.neural_collapse).
             unembedding: [V, D] LM head for the lc self-duality measures.
-            thresholds, spectral_center: as in `spectra.spectral_decay` ("sequence" needs seq_ids).
-            min_count, lc_center, center_unembedding: as in `metrics.linguistic_collapse`.
+            thresholds: as in `spectra.spectral_decay` (the global spectrum; `spectral` the others).
+            min_count, lc_center: as in `metrics.linguistic_collapse`.
         """
         if self.n == 0:
             raise ValueError("no data: call update() first")
         N, mu = self.n, self.sum / self.n
         Q, mu2 = float(self.sq), float(_sq(mu))
-        ns = len(self._seq_row)
-        S, n_s = self.seq_sum[:ns], self.seq_n[:ns]
+        present = self.seq_n > 0
+        ns, S, n_s = int(present.sum()), self.seq_sum[present], self.seq_n[present]
         # The ANOVA from sums alone (all about the shifted origin): N total = Q - N |mu|^2,
         # N within_seq = Q - A, N between_seq = A - N |mu|^2
         A = float((_sq(S) / n_s).sum()) if ns else float("nan")  # sum_s ||S_s||^2 / n_s
@@ -229,37 +214,28 @@ class GeometryAccumulator:
             if int(kept.sum()) < 2:
                 raise ValueError(f"fewer than 2 classes have {min_count} or more rows")
             out.update(lc_from_class_stats(means[kept], n_c[kept], var[kept],
-                                           self._rows(unembedding, classes[kept]), lc_center, center_unembedding))
+                                           self._rows(unembedding, classes[kept]), lc_center))
         if "spectral" in self.metrics:
-            out.update(self.spectral(thresholds, spectral_center))
+            out.update(self.spectral(thresholds))
         return out
 
     @torch.no_grad()
     def spectral(self, thresholds=(0.9, 0.99), center: str = "global") -> dict:
         """The spectral keys of `compute` alone (n_pcs_<t>, effective_rank, total_variance,
-        spectrum), without finishing the other metrics.
-
-        center: "global" (the covariance of all rows about their mean) or "sequence" (the
-        pooled within-sequence covariance: every row minus its own sequence's mean, one
-        covariance of all those rows; needs seq_ids).
-        """
-        if "spectral" not in self.metrics:
-            raise ValueError("the spectrum needs metrics 'spectral'")
-        if self.n == 0:
-            raise ValueError("no data: call update() first")
-        N, mu = self.n, self.sum / self.n
-        ns = len(self._seq_row)
+        spectrum): center="global", the covariance of all rows about their mean; "sequence", the
+        pooled within-sequence covariance (every row less its own sequence's mean; needs seq_ids)."""
+        if "spectral" not in self.metrics or self.n == 0:
+            raise ValueError("the spectrum needs metrics 'spectral' and data (call update() first)")
+        N, mu, present = self.n, self.sum / self.n, self.seq_n > 0
         if center == "global":
             # the shift cancels: both the scatter and mu are about the same shifted origin
             cov = (self.xtx - N * torch.outer(mu, mu)) / N
-        elif center == "sequence":
-            if not ns:
-                raise ValueError("spectral_center='sequence' needs seq_ids")
-            S, n_s = self.seq_sum[:ns], self.seq_n[:ns]
+        elif center == "sequence" and present.any():
+            S, n_s = self.seq_sum[present], self.seq_n[present]
             # sum_i (x_i - mu_s(i))(...)^T = X^T X - sum_s S_s S_s^T / n_s: each token less its own sequence's mean
             cov = (self.xtx - (S / n_s[:, None]).T @ S) / N
         else:
-            raise ValueError(f"spectral_center must be 'global' or 'sequence', not {center!r}")
+            raise ValueError(f"center={center!r}: 'global', or 'sequence' with seq_ids in the updates")
         # the rows' mean square tells rounding from real variance (spectrum_metrics' no-variance rule)
         return spectrum_metrics(cov, thresholds, mean_square=float(self.sq) / N)
 

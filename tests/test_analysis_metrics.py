@@ -243,7 +243,7 @@ def test_streaming_equals_in_memory(kind):
     lc = m.linguistic_collapse(x, y, unembedding=W)
     assert_same(out, {k: v for k, v in lc.items() if k != "lc_ncc_agreement"})
     assert_same(out, sp.spectral_decay(x))
-    seq_spec = acc.compute(spectral_center="sequence", thresholds=(0.5, 0.95))
+    seq_spec = acc.spectral((0.5, 0.95), center="sequence")
     assert_same(seq_spec, sp.spectral_decay(x, (0.5, 0.95), seq_ids=s, center="sequence"))
     # a second look at the rows: NC4 from the streamed class means
     classes, means = acc.class_means()
