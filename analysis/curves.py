@@ -110,7 +110,7 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError(f"x={cfg.x}: choose one of {', '.join(X_KEYS)} (the fields every metrics.jsonl line has)")
     roots = runs_roots(cfg, "analysis.curves")
     # unfinished runs too: a learning curve is most useful while a run trains
-    records = [r for r in (read_run(d) for d in find_runs(roots)) if r is not None]
+    records = [r for r in (read_run(d) for d, _ in find_runs(roots)) if r is not None]
     if not records:
         raise ConfigError(f"runs={cfg.runs}: no run directories (folders with a run's config.yaml) found there")
     logged = frame(records, logs=True)  # the tidy table's "log." rows: the runs' metrics.jsonl, read once

@@ -242,40 +242,6 @@ class HeadAccumulator:
         return heads
 
 
-@torch.no_grad()
-def head_mechanism(model, dataset, batch_size: int = 64, num_workers: int = 0, progress: bool = False,
-                   accumulators: Optional[dict] = None) -> dict[str, list[dict]]:
-    """Measure every head of every block on `dataset` (items (image, class) or (window, next
-    tokens), e.g. `eval_split`'s): {"blocks.<i>": [per-head dict, see the module docstring]}.
-    `accumulators` (a dict) receives the layers' `HeadAccumulator`s (for their counts)."""
-    from tqdm.auto import tqdm
-
-    from analysis.attention import attention_hooks
-
-    dev = next(model.parameters()).device
-    # the geometry's ViT ANOVA is of the patch tokens: the mechanism leaves out the class token too
-    skip = 1 if hasattr(model, "patch_embed") else 0
-    accs = {f"blocks.{i}": HeadAccumulator(blk.attn, stream_frame(blk), skip) for i, blk in enumerate(model.blocks)}
-    streams = {}  # each block's input: the residual stream its attention's part is added to
-
-    def fold(i, x, out, P):
-        accs[f"blocks.{i}"].update(streams.pop(i), x, P, out)
-
-    handles = attention_hooks(model, range(len(model.blocks)), fold)
-    handles += [blk.register_forward_pre_hook(lambda m, args, i=i: streams.__setitem__(i, args[0]))
-                for i, blk in enumerate(model.blocks)]
-    try:
-        loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-        for x, _ in tqdm(loader, desc="mechanism", disable=not progress, leave=False):
-            features(model, x.to(dev), norm=False)  # the final norm is not needed
-    finally:
-        for h in handles:
-            h.remove()
-    if accumulators is not None:
-        accumulators.update(accs)
-    return {name: acc.compute() for name, acc in accs.items()}
-
-
 def summary(heads: dict[str, list[dict]]) -> dict:
     """Means of SUMMARY_KEYS over the heads of each type group (softmax, laplacian, learned):
     {"<key>.<group>": mean over all layers, "blocks.<i>": {"<key>.<group>": mean in that layer}}."""
@@ -291,14 +257,35 @@ def summary(heads: dict[str, list[dict]]) -> dict:
     return {**pool(rows), **{layer: pool(part) for layer, part in rows.groupby("layer", sort=False)}}
 
 
+@torch.no_grad()
 def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, progress: bool = False) -> dict:
-    """`head_mechanism` with its summary, counts and time: what analysis.json holds as "mechanism"."""
+    """Measure every head of every block on `dataset` (items (image, class) or (window, next
+    tokens), e.g. `eval_split`'s): what analysis.json holds as "mechanism": heads
+    ({"blocks.<i>": [per-head dict, see the module docstring]}), their summary, the counts, the
+    largest relative deviation of the heads' sum from the attention's output (recon_err) and time."""
+    from tqdm.auto import tqdm
+
+    from analysis.attention import attention_hooks
+
     t0 = time.perf_counter()
-    accs: dict = {}
-    heads = head_mechanism(model, dataset, batch_size, num_workers, progress, accs)
-    first = next(iter(accs.values()))
-    return {"heads": heads, "summary": summary(heads), "n_sequences": first.sequences, "n_tokens": first.tokens,
-            "recon_err": max(a.recon_err for a in accs.values()), "seconds": time.perf_counter() - t0,
+    dev = next(model.parameters()).device
+    # the geometry's ViT ANOVA is of the patch tokens: the mechanism leaves out the class token too
+    skip = 1 if hasattr(model, "patch_embed") else 0
+    accs = [HeadAccumulator(blk.attn, stream_frame(blk), skip) for blk in model.blocks]
+    streams = {}  # each block's input: the residual stream its attention's part is added to
+    handles = attention_hooks(model, range(len(accs)), lambda i, x, out, P: accs[i].update(streams.pop(i), x, P, out))
+    handles += [blk.register_forward_pre_hook(lambda m, args, i=i: streams.__setitem__(i, args[0]))
+                for i, blk in enumerate(model.blocks)]
+    try:
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+        for x, _ in tqdm(loader, desc="mechanism", disable=not progress, leave=False):
+            features(model, x.to(dev), norm=False)  # the final norm is not needed
+    finally:
+        for h in handles:
+            h.remove()
+    heads = {f"blocks.{i}": acc.compute() for i, acc in enumerate(accs)}
+    return {"heads": heads, "summary": summary(heads), "n_sequences": accs[0].sequences, "n_tokens": accs[0].tokens,
+            "recon_err": max(a.recon_err for a in accs), "seconds": time.perf_counter() - t0,
             "batch_size": batch_size, "frame": "stream"}
 
 

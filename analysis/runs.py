@@ -58,25 +58,23 @@ def _read_yaml(path: Path) -> tuple[Optional[dict], Optional[str]]:
     return (obj, None) if isinstance(obj, dict) else (None, "not a mapping")
 
 
-def find_runs(roots: Iterable, unreadable: Optional[dict] = None) -> list[Path]:
-    """Run directories under `roots`: folders with a run's config.yaml (one with a `model` node),
-    or a results.json outside any such folder; sorted. Folders whose config.yaml cannot be read
-    go into `unreadable` (if given): {folder: why}."""
-    runs, seen = [], set()
+def find_runs(roots: Iterable) -> list[tuple[Path, Optional[str]]]:
+    """(folder, None or why its config.yaml cannot be read) of the run directories under `roots`:
+    folders with a run's config.yaml (one with a `model` node), or a results.json outside any
+    such folder, and folders whose config.yaml cannot be read; sorted."""
+    runs, seen = {}, set()
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
             # sorted: the same records in the same order on every machine (os.walk's order is the file system's)
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
             d = Path(dirpath).resolve()  # overlapping roots (runs=[runs,runs/deit3]) count a run once
             cfg, why = _read_yaml(d / "config.yaml") if "config.yaml" in filenames else ({}, None)
-            if why is not None and unreadable is not None:
-                unreadable[d] = why
             # a results.json inside a run (e.g. an evaluation's) belongs to that run
             inside = any(p in seen for p in d.parents)
-            if ("model" in (cfg or {}) or ("results.json" in filenames and not inside)) and d not in seen:
+            if "model" in (cfg or {}) or ("results.json" in filenames and not inside) or why is not None:
                 seen.add(d)
-                runs.append(d)
-    return sorted(runs)
+                runs.setdefault(d, why)
+    return sorted(runs.items())
 
 
 def flat_metrics(obj: dict, prefix: str = "") -> dict:
@@ -285,20 +283,16 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
     directory left out, saying why.
     """
     roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
-    records, unreadable = [], {}
-    for d in find_runs(roots, unreadable):
+    records = []
+    for d, why in find_runs(roots):  # why: None, or why its config.yaml cannot be read
         r = read_run(d)
         if r is not None:
-            if d in unreadable:  # kept through its results.json
-                r["notes"].append(f"{d / 'config.yaml'}: not readable ({unreadable.pop(d)}); the run's "
-                                  f"recipe is unknown")
+            if why is not None:  # kept through its results.json
+                r["notes"].append(f"{d / 'config.yaml'}: not readable ({why}); the run's recipe is unknown")
             records.append(r)
         elif skipped is not None:
-            why = f"config.yaml not readable ({unreadable.pop(d)})" if d in unreadable else \
-                "its results.json names no model"
-            skipped.append(f"{d}: {why}; left out")
-    if skipped is not None:
-        skipped += [f"{d}: config.yaml not readable ({why}); left out" for d, why in sorted(unreadable.items())]
+            skipped.append(f"{d}: " + (f"config.yaml not readable ({why})" if why else "its results.json names no model")
+                           + "; left out")
     for r in records:
         r["recipe"] = recipe_tag(r)
     return records
@@ -472,19 +466,16 @@ def runs_roots(cfg, command: str = "analysis.tables") -> list[Path]:
     folders = []
     for item in required_list(cfg, "runs", f"python -m {command} runs=DIR (or runs=[DIR1,DIR2], or a quoted "
                                            f"glob runs='runs/deit3/digits/vitt_*'), folders holding run directories"):
-        if not glob.has_magic(item):
-            folders.append(Path(item))
-            continue
         # a quoted glob picks runs by name (runs='runs/deit3/digits/vitt_*'), sorted: the same order every time
-        found = sorted(Path(p) for p in glob.glob(item) if Path(p).is_dir())
+        found = sorted(Path(p) for p in glob.glob(item) if Path(p).is_dir()) if glob.has_magic(item) else [Path(item)]
         if not found:
             raise ConfigError(f"runs={item}: the pattern matches no folder; check it (quoted, e.g. "
                               f"runs='runs/deit3/digits/vitt_*')")
+        for p in found:
+            if not p.is_dir():
+                raise ConfigError(f"runs={p}: no such folder; pass runs=DIR holding run directories "
+                                  f"(each with config.yaml / results.json), e.g. runs=runs/deit3/digits")
         folders += found
     if not folders:
         raise ConfigError("runs=[]: give at least one folder of runs")
-    for p in folders:
-        if not p.is_dir():
-            raise ConfigError(f"runs={p}: no such folder; pass runs=DIR holding run directories "
-                              f"(each with config.yaml / results.json), e.g. runs=runs/deit3/digits")
     return folders

@@ -120,6 +120,35 @@ def test_vit_figures(vit):
     assert all(r["nc1"] > 0 and 0 < r["within_seq_share"] < 1 for r in summary["runs"])
 
 
+def test_an_exported_folder_is_analysed_as_its_checkpoint(vit, tmp_path):
+    """python -m analysis checkpoint=<a folder python -m laplace.export wrote> (issue 47): the same
+    numbers as its checkpoint's analysis; the data node from the export's config.json when it
+    records one, else data=<name>, and without it one line saying so."""
+    from laplace.checkpoint import read_export_config
+    from laplace.export import export
+
+    folder = export(vit["ckpts"][1], tmp_path / "exports" / "vitt_3L")
+    args = [a for a in VIT_ARGS if not a.startswith("pca_maps")] + ["figures=false"]
+    if not read_export_config(folder).get("data"):
+        bad = _analysis(f"checkpoint={folder}", *args)
+        err = bad.stderr.strip().splitlines()
+        assert bad.returncode == 1 and len(err) == 1, bad.stderr[-2000:]
+        assert err[0].startswith(f"error: checkpoint={folder}: it records no data node; pass data=<name>")
+        args.append("data=digits")  # the data the tiny ViTs trained on
+    proc = _analysis(f"checkpoint={folder}", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((analysis_dir(folder) / "analysis.json").read_text())
+    assert analysis_dir(folder) == tmp_path / "exports" / "vitt_3L_analysis"
+    want = vit["results"][1]
+    assert (res["model"], res["num_laplacian_heads"], res["n_tokens"]) == (want["model"], 3, want["n_tokens"])
+    for layer in want["layers"]:
+        for kind, group, key in (("patch", "anova", "within_seq_share"), ("patch", "nc", "nc1"),
+                                 ("cls", "nc", "nc1"), ("patch", "spectral", "n_pcs_0.99")):
+            _approx(res["results"][kind][layer][group][key], want["results"][kind][layer][group][key], rel=1e-6)
+    assert res["mechanism"]["summary"]["cos_smooth.laplacian"] == pytest.approx(
+        want["mechanism"]["summary"]["cos_smooth.laplacian"], rel=1e-6)
+
+
 def test_gpt_checkpoint(tmp_path):
     ckpt = save_tiny_gpt(tmp_path / "gpt" / "ckpt" / "last.pt")
     proc = _analysis(f"checkpoint={ckpt}", "max_tokens=2048", "batch_size=12", "min_count=2")
