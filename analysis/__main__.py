@@ -78,6 +78,7 @@ def _checkpoints(cfg) -> list[Path]:
 
 def _out_dir(cfg, paths: list[Path]) -> Path:
     """Comparison figures and PCA maps: analysis_out, else out, else beside the (first) checkpoint."""
+    # one checkpoint: its own folder holds its maps; several: a folder of their own, shared axes
     if cfg.analysis_out:
         return Path(cfg.analysis_out)
     if len(paths) == 1:
@@ -112,11 +113,14 @@ def _mechanism(model, data_node, cfg, batch_size: int, out: Path, res: dict) -> 
     from analysis.mechanism import draw_mechanism, mechanism_model, to_markdown
 
     dataset, _ = eval_split(model, data_node, cfg.seed, cfg.max_tokens)
+    # it reruns the model with return_attn=True (every layer's P): in the residual stream's frame,
+    # analysis/mechanism.py says what each number means
     res["mechanism"] = mech = mechanism_model(model, dataset, batch_size, cfg.num_workers, cfg.progress)
     atomic_write(out / "mechanism.md", to_markdown({"model": res["model"], **mech}).encode())
     if cfg.figures:
         draw_mechanism({"model": res["model"], **mech}, out / "mechanism")
     s = mech["summary"]
+    # the line a reader checks first: do the Laplacian heads smooth (cos > 0, dshare < 0)?
     means = ", ".join(f"{k}.{t}={s[f'{k}.{t}']:+.3f}" for k in ("cos_smooth", "dshare")
                       for t in ("softmax", "laplacian", "learned") if f"{k}.{t}" in s)
     print(f"[analysis] mechanism: {mech['n_tokens']:,} tokens in {mech['seconds']:.1f} s; {means}", flush=True)
@@ -137,7 +141,7 @@ def _labels(runs: list[dict]) -> list[str]:
     model name (two seeds of one model would otherwise share a legend entry)."""
     from analysis.figures import run_label
 
-    names = [r["model"] for r in runs]
+    names = [r["model"] for r in runs]  # the run folder only where a model name repeats
     return [run_label(r) + (f" {run_dir_of(r['checkpoint']).name}" if names.count(r["model"]) > 1 else "")
             for r in runs]
 
@@ -168,7 +172,7 @@ def run(cfg: DictConfig) -> list[dict]:
         raise ConfigError("metrics=[] and pca_maps=0: nothing to do; ask for metrics or pca_maps=<n>")
     mechanism_bs = _check_options(cfg, paths, metrics)
     runs, vits, kinds = [], {}, set()
-    for p in paths:
+    for p in paths:  # one model in memory at a time: a sweep of ViT-B checkpoints would not fit otherwise
         loaded = load_for_analysis(p, cfg.get("data"), cfg.device)
         model, ckpt, data_node = loaded
         # the comparison figures draw checkpoints on shared axes: one architecture and one split
@@ -180,13 +184,14 @@ def run(cfg: DictConfig) -> list[dict]:
         for key in ("spectrum_layer", "pca_layer"):  # a layer the figures need but the analysis skipped
             if cfg[key] not in measured:
                 raise ConfigError(f"{key}={cfg[key]}: not a measured layer; choose one of {measured}")
-        if isinstance(model, VisionTransformer):
+        if isinstance(model, VisionTransformer):  # what a PCA-map column's title needs
             k = list(model.num_laplacian_heads)
-            vits[p] = {"model": model_label(ckpt["config"]["model"]), "checkpoint": str(p), "num_heads": model.blocks[0].attn.num_heads,
-                       "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
+            vits[p] = {"model": model_label(ckpt["config"]["model"]), "checkpoint": str(p),
+                       "num_heads": model.blocks[0].attn.num_heads, "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
         elif cfg.pca_maps:
             print(f"[analysis] pca_maps: skipped for {p}, not a ViT", flush=True)
         if metrics:
+            # the geometry of every layer in one pass (analysis/geometry.py), on the loaded model
             res = analyze_checkpoint(p, metrics=metrics, layers=layers, max_tokens=cfg.max_tokens,
                                      batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed,
                                      min_count=cfg.min_count, thresholds=list(cfg.thresholds),
@@ -201,7 +206,7 @@ def run(cfg: DictConfig) -> list[dict]:
             log_to_training_run(p, headline(res), "analysis")  # when the checkpoint's run used W&B
             if cfg.figures:
                 draw_all([(_labels([res])[0], [res])], analysis_dir(p, cfg.out), cfg.spectrum_layer)
-        del model, loaded  # one model in memory at a time: a sweep of ViT-B checkpoints would not fit otherwise
+        del model, loaded
     if len(runs) > 1:  # several checkpoints on the same axes, and a summary of their headline numbers
         out, labels = _out_dir(cfg, paths), _labels(runs)
         if cfg.figures:

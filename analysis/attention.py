@@ -56,6 +56,7 @@ def attention_hooks(model, blocks: Iterable[int], fold: Callable) -> list:
 def capture_attention(model, images: torch.Tensor, blocks: Sequence[int]) -> dict[int, torch.Tensor]:
     """{block index: P [B, heads, N, N]} of one forward of `images` through `model` (a ViT)."""
     store = {}
+    # the hooks keep P; the model's own forward runs unchanged (the block gets its usual output)
     handles = attention_hooks(model, blocks, lambda i, x, out, P: store.__setitem__(i, P))
     try:
         with torch.no_grad():
@@ -78,7 +79,7 @@ def attention_maps(model, image: torch.Tensor, blocks: Sequence[int], patch: tup
     [blocks, heads] (the query's weight on the class token: with it a row sums to 1), weights
     [blocks, heads] (each head's gate a: 0 standard, 1 Laplacian) and labels (the heads' titles)."""
     ph, pw = model.patch_embed.patch_size
-    grid = (image.shape[-2] // ph, image.shape[-1] // pw)
+    grid = (image.shape[-2] // ph, image.shape[-1] // pw)  # the patch grid of this image
     r, c = patch
     if not (0 <= r < grid[0] and 0 <= c < grid[1]):
         raise ConfigError(f"patch=[{r},{c}]: outside the {grid[0]}x{grid[1]} patch grid of this image; "
@@ -130,6 +131,7 @@ def draw_maps(maps: dict, image: np.ndarray, title: str, stem: Path, upsample: s
 
     H, W = image.shape[:2]
     (gh, gw), (r, c) = maps["grid"], maps["patch_rc"]
+    # rows: per block, the class token's attention then the query patch's; columns: the image, then the heads
     heads, cell = maps["cls"].shape[1], 1.7  # inches
     fig, axes = plt.subplots(2 * len(maps["blocks"]), heads + 1, squeeze=False,
                              figsize=(cell * (heads + 1), cell * 2 * len(maps["blocks"]) + 0.9))
@@ -197,7 +199,9 @@ def run(cfg: DictConfig) -> dict:
         with Image.open(image_path) as im:
             pil = im.convert("RGB")
     except (UnidentifiedImageError, OSError) as e:
-        raise ConfigError(f"image={image_path}: not a readable image ({type(e).__name__}); pass a .png or .jpg") from None
+        raise ConfigError(f"image={image_path}: not a readable image ({type(e).__name__}); pass a .png or "
+                          f".jpg") from None
+    # the model rebuilt from the checkpoint alone (or an export); its data node gives the transform
     model, ckpt, data = load_for_analysis(ckpt_path, None, cfg.device)
     name = model_label(ckpt["config"]["model"])
     if not isinstance(model, VisionTransformer):  # a GPT has no patches to draw attention over
@@ -213,14 +217,15 @@ def run(cfg: DictConfig) -> dict:
         patch = (grid[0] // 2, grid[1] // 2)  # the centre patch: on a centred object it sits inside it
     elif not (isinstance(patch, (list, ListConfig)) and len(patch) == 2 and all(isinstance(v, int) for v in patch)):
         raise ConfigError(f"patch={patch}: give [row,col] of a patch on the grid, e.g. patch=[0,0]; null: the centre")
+    # where python -m analysis puts this checkpoint's results, checked before the forward
     out_dir = check_writable(analysis_dir(ckpt_path, cfg.out), "out")
     maps = attention_maps(model, x, blocks, (int(patch[0]), int(patch[1])))
     title = title_of(name, maps, model.blocks[0].attn.laplacian_mode, th)
     stem = out_dir / f"attention_{image_path.stem}"
     axes, paths = draw_maps(maps, denormalize(x[None], data["mean"], data["std"])[0], title, stem, cfg.upsample, th)
     # the numbers behind the figure, for a figure of one's own
-    np.savez(stem.with_suffix(".npz"), **{k: maps[k] for k in ("cls", "cls_to_cls", "patch", "patch_to_cls", "weights")},
-             blocks=np.array(blocks), patch_rc=np.array(maps["patch_rc"]))
+    arrays = {k: maps[k] for k in ("cls", "cls_to_cls", "patch", "patch_to_cls", "weights")}
+    np.savez(stem.with_suffix(".npz"), **arrays, blocks=np.array(blocks), patch_rc=np.array(maps["patch_rc"]))
     paths.append(stem.with_suffix(".npz"))
     for p in paths:
         print(f"[attention] wrote {p}", flush=True)

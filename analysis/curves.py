@@ -38,9 +38,11 @@ def band_of(xs: list[float], band: str) -> tuple[float, float, float]:
     """(mean, lo, hi) of the seeds' values at one x (analysis.stats: the tables' mean, sd and t
     interval): lo..hi is +-1 sample sd, the seeds' range or the 95% interval; lo = hi = mean for one."""
     s = describe(xs)
+    # minmax shows every seed's reach; sd the seeds' spread; ci where the mean may be (it shrinks
+    # with more seeds, the spread does not)
     if band == "minmax":
         return s.mean, min(xs), max(xs)
-    if s.n < 2:
+    if s.n < 2:  # one seed: no spread to show, and no band rather than a zero-width one
         return s.mean, s.mean, s.mean
     return (s.mean, s.mean - s.sd, s.mean + s.sd) if band == "sd" else (s.mean, s.lo, s.hi)
 
@@ -48,6 +50,7 @@ def band_of(xs: list[float], band: str) -> tuple[float, float, float]:
 def line_stats(points: dict[float, list[float]], band: str) -> dict:
     """One line's numbers (what <out>.json holds): x (sorted), mean, lo, hi, n (seeds) and values."""
     xs = sorted(points)
+    # the numbers drawn, also written to <out>.json: a figure's data for one's own plot
     mean, lo, hi = zip(*(band_of(points[x], band) for x in xs)) if xs else ((), (), ())
     return {"x": xs, "mean": list(mean), "lo": list(lo), "hi": list(hi), "n": [len(points[x]) for x in xs],
             "values": [points[x] for x in xs]}
@@ -63,6 +66,7 @@ def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title
     for ax, (name, (ylabel, lines)) in zip(axes, panels.items()):
         for label, points in lines.items():
             s = line_stats(points, band)
+            # the line is the mean; its band shares its colour (matplotlib's cycle picks it)
             line, = ax.plot(s["x"], s["mean"], marker="o", ms=3, label=label)
             ax.fill_between(s["x"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15)
         ax.set(title=name, xlabel=xlabel, ylabel=ylabel)
@@ -87,6 +91,8 @@ def collect_curves(records: list[dict], metrics: list[str], x: str, logged) -> t
     """{metric: {line label: {x: [value per seed]}}} of `records` from their frame(logs=True)
     `logged`, and a note per run left out. A line is one experiment's arm; the experiment is named
     in the label only when the runs hold several (the usual one-folder call keeps short labels)."""
+    # runs of different trainers share a folder: a metric one never logged (a DINO run has no
+    # val_loss) adds nothing to that panel, and the run is not a line there
     logged = logged[logged["metric"].isin([f"log.{m}" for m in metrics]) & logged[x].notna()]
     data, notes, exps = {m: {} for m in metrics}, [], experiments(records)
     for exp, recs in exps.items():
@@ -113,12 +119,13 @@ def run(cfg: DictConfig) -> dict:
     records = [r for r in (read_run(d) for d, _ in find_runs(roots)) if r is not None]
     if not records:
         raise ConfigError(f"runs={cfg.runs}: no run directories (folders with a run's config.yaml) found there")
-    logged = frame(records, logs=True)  # the tidy table's "log." rows: the runs' metrics.jsonl, read once
+    # the tidy table's "log." rows: every run's metrics.jsonl, read once for every panel
+    logged = frame(records, logs=True)
     logged = logged[logged["metric"].str.startswith("log.")]
     # by default the loss, then every validation metric: what a reader checks before any verdict
     keys = {m[len("log."):] for m in logged["metric"]}
-    metrics = list(cfg.metrics) if cfg.metrics is not None else \
-        [k for k in ("loss", "val_loss") if k in keys] + sorted(k for k in keys if k.startswith("val_") and k != "val_loss")
+    val = sorted(k for k in keys if k.startswith("val_") and k != "val_loss")
+    metrics = list(cfg.metrics) if cfg.metrics is not None else [k for k in ("loss", "val_loss") if k in keys] + val
     if not metrics:
         raise ConfigError(f"runs={cfg.runs}: the runs logged no loss or val_* metric; name some with metrics=[...]")
     stem = Path(cfg.out) if cfg.out else roots[0] / "curves"
@@ -135,7 +142,7 @@ def run(cfg: DictConfig) -> dict:
     panels = {m: (m, {f"{label} ({n} seed{'s' if n > 1 else ''})": points
                       for label, points in lines.items() for n in [max(map(len, points.values()))]})
               for m, lines in data.items()}
-    n = len(records) - len(notes)
+    n = len(records) - len(notes)  # the runs drawn, for the title
     axes, paths = draw_curves(panels, stem, cfg.band, cfg.x,
                               f"{n} run{'s' if n > 1 else ''}: mean over seeds, {BANDS[cfg.band]}")
     numbers = {m: {label: line_stats(points, cfg.band) for label, points in lines.items()}

@@ -49,7 +49,8 @@ PANELS = {
     ("collapse", "vit"): [("nc1", "NC1 (class token)", True), ("nc2_equinorm", "NC2 equinorm", False),
                           ("nc2_equiangular", "NC2 equiangular", False), ("nc2_maxangle", "NC2 max-angle", False),
                           ("nc3", "NC3 (vs classifier)", False), ("nc4", "NC4 (head != NCC)", False),
-                          ("cdnv_mean", "CDNV (class token)", True), ("patch_nc1", "NC1 (image means of patches)", True)],
+                          ("cdnv_mean", "CDNV (class token)", True),
+                          ("patch_nc1", "NC1 (image means of patches)", True)],
     ("collapse", "gpt"): [("lc_cdnv_mean", "CDNV (next-token classes)", True), ("lc_equinorm", "equinorm", False),
                           ("lc_coherence_std", "equiangularity (std cos)", False),
                           ("lc_abs_coherence_mean", "mean |cos| of class means", False),
@@ -83,6 +84,7 @@ def panels(n: int, cols: int, width: float, height: float):
 
 def color(i: int) -> str:
     """The i-th colour of the shared cycle (the same arm gets the same colour in every panel)."""
+    # matplotlib's default cycle by name ("C0".."C9"): the figures' colours match every other plot's
     return f"C{i % 10}"
 
 
@@ -104,6 +106,7 @@ def layer_stats(lines, keys) -> pd.DataFrame:
     """lines [(label, [analysis.json of its seeds])] -> a row per (line, metric, layer) with the
     mean, sd and 95% interval over the seeds (analysis.stats.summarize); a layer a seed did not
     measure is left out of that layer's mean."""
+    # one row per (line, seed, layer, key): the tidy shape analysis.stats pools, as for the tables
     rows = [{"line": label, "seed": i, "layer": layer, "metric": key, "value": v}
             for label, seeds in lines for i, res in enumerate(seeds)
             for layer, g in layer_geometry(res).items() for key, v in g.items() if key in keys]
@@ -122,8 +125,10 @@ def draw_layers(ax, stats: pd.DataFrame, metric: str, layers, band: str = "sd", 
         if s.empty:  # an arm analysed without this metric: no line, the others drawn
             continue
         x, mean = s["layer"].map(pos), s["mean"]
+        # the legend names the seeds behind a line when some line pools several
         ax.plot(x, mean, style, ms=3, color=color(c),
                 label=(label + (f" (n={s['n'].max()})" if pooled else "")) if legend else "_nolegend_")
+        # sd: the seeds' spread (the per-layer figures); ci: where the mean may be (the per_block numbers)
         lo, hi = (s["lo"], s["hi"]) if band == "ci" else (mean - s["sd"], mean + s["sd"])
         ax.fill_between(x, lo.fillna(mean), hi.fillna(mean), color=color(c), alpha=0.2, lw=0)
     ax.set_xticks(list(pos.values()), [n if n == "norm" else n.split(".")[1] for n in pos],
@@ -158,6 +163,7 @@ def _kind(lines) -> str:
 def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
     """The anova or collapse figure of `lines` [(label, [analysis.json of its seeds])]."""
     specs = PANELS[figure, _kind(lines)]
+    # only the keys drawn are pooled: an analysis holds some forty per layer
     stats = layer_stats(lines, {k for k, *_ in specs})
     cols = len(specs) if figure == "anova" else 4 if _kind(lines) == "vit" else 3
     return layer_figure(stats, specs, lines[0][1][0]["layers"], f"{name}: {TITLES[figure, _kind(lines)]}"
@@ -189,6 +195,7 @@ def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> lis
             sd = cum.std(0, ddof=1)
             ax_c.fill_between(k, cum.mean(0) - sd, cum.mean(0) + sd, color=color(c), alpha=0.2, lw=0)
         ax_c.axvline(n99, color=color(c), ls=":", lw=1)
+    # the third panel: PCs for 99% vs layer, as the other per-layer figures draw their lines
     stats = layer_stats(lines, {"n_pcs_0.99", "within_n_pcs_0.99"})
     draw_layers(ax_l, stats, "n_pcs_0.99", lines[0][1][0]["layers"])
     if kind == "patch":
@@ -230,12 +237,14 @@ def draw_all(lines, out_dir, spectrum_layer: str = "norm", name: str = "", suffi
 def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     """The headline geometry at every block (the per_block table's numbers): a panel per metric,
     a line per arm (k, mode), the mean over seeds with its 95% interval as a band."""
-    rows = per_block(records)
+    rows = per_block(records)  # the per_block table's numbers: mean and 95% interval per arm, layer and key
+    # a log axis for NC1 and CDNV, which span decades over depth
     specs = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
              if (rows["metric"] == key).any()]
     if not specs:  # analysed without any headline metric (e.g. metrics=[cdnv])
         return []
     labels = {(r["k"], r["mode"]): r["k_label"] for r in records}
+    # a line per arm, fixed arms by k then learned ones: the same colour for the same arm in every panel
     rows = rows.assign(line=[arm_label(labels[k, m], m) for k, m in zip(rows["k"], rows["mode"])],
                        _o=[arm_key(k, m) for k, m in zip(rows["k"], rows["mode"])]).sort_values("_o", kind="stable")
     layers = sorted(set(rows["layer"]), key=lambda n: (n == "norm", int(n.split(".")[1]) if n != "norm" else 0))
@@ -250,6 +259,7 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
     for name, recs in experiments(records).items():
         spec = metrics.get(recs[0]["trainer"])
         rows = aggregate(recs, spec["metric"]) if spec else pd.DataFrame()
+        # per-layer lists of k (e.g. [0,0,6,6]) have no place on a k axis: left out of this figure
         rows = rows[[isinstance(k, int) for k in rows["k"]]] if len(rows) else rows
         if len(rows):
             found.append((name, spec, rows.sort_values("k")))
@@ -281,6 +291,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
     from analysis.pca_maps import THRESHOLD, checkpoint_maps
 
     out = Path(out)
+    # each figure is skipped with a note when the runs do not hold its data
     paths = draw_vs_k(records, vs_k, out / "vs_k")
     if not paths:
         print(f"[figures] skipped vs_k: no finished run of a trainer in vs_k ({', '.join(vs_k)}) has its metric",
@@ -294,6 +305,7 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
             print(f"[figures] skipped the layer figures of {name}: no analysis.json (run python -m analysis "
                   f"checkpoint=<run>/ckpt/last.pt on its runs)", flush=True)
         else:
+            # per-layer figures need python -m analysis's output; the PCA maps below only the checkpoints
             paths += draw_all(list(arms.items()), out, "norm", name, f"_{name}")
             paths += draw_blocks(recs, out / f"blocks_{name}", name)
         if pca_maps and recs[0]["arch"] == "vit":

@@ -31,6 +31,7 @@ def checkpoint_gates(path) -> dict[str, list[float]]:
     from laplace.attention import learned_gates
     from laplace.checkpoint import load_model
 
+    # sigmoid of the logits, from the model the run saved: the end of the trajectory, exactly
     return learned_gates(load_model(path))
 
 
@@ -80,6 +81,7 @@ def run_gates(record: dict) -> Optional[tuple[pd.DataFrame, list[str]]]:
         notes.append(f"{record['run_dir']}/metrics.jsonl: no gate.<layer>.h<head> records; its trajectory "
                      f"is the start and the end only")
         logs = [{"step": record["steps"], **{k: a for ks, row in zip(keys, end) for k, a in zip(ks, row)}}]
+    # one row per gate and point in time: pandas pools seeds, pivots blocks x heads and draws from it
     points = [("start", 0, start), *[("logged", r["step"], [[r[k] for k in ks] for ks in keys]) for r in logs],
               ("end", record["steps"], end)]
     return pd.DataFrame([{"point": p, "step": s, "block": b, "head": h, "a": a} for p, s, gates in points
@@ -95,11 +97,13 @@ def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dic
     left out (its checkpoint is gone)."""
     by: dict = {}
     for r in records:
+        # learned-gate runs only; seeds of one recipe pool (analysis.runs.GROUP_KEYS)
         if r["mode"] == "learned" and r["finished"]:
             by.setdefault(tuple(r.get(f) for f in GROUP_KEYS), []).append(r)
     groups, names = [], set()
     for key in sorted(by, key=lambda k: tuple(sort_key(v) for v in k)):
         recs = sorted(by[key], key=lambda r: sort_key(r["seed"]))
+        # seeds in order; a run whose checkpoint is gone is left out and said (skipped)
         found = [(r, got) for r in recs for got in [run_gates(r)] if got]
         if skipped is not None:
             done = {r["run_dir"] for r, _ in found}
@@ -118,6 +122,7 @@ def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dic
                                                        values="a").reset_index().sort_values(["block", "head", "seed"])
         wide["move"] = wide["end"] - wide["start"]
         gates = None
+        # start, end and move each pooled as every table pools: the mean and its 95% t interval
         for what in ("start", "end", "move"):
             s = summarize(wide, ["block", "head"], value=what)[["block", "head", "mean", "lo", "hi"]]
             s = s.rename(columns={"mean": what, "lo": f"{what}_lo", "hi": f"{what}_hi"})
@@ -173,6 +178,7 @@ def summary(g: dict) -> list[str]:
 def to_markdown(g: dict) -> str:
     """A group as a Markdown table (block x head: start → end [95% interval]), its runs and summary."""
     t = g["gates"]
+    # start → end [the end's 95% interval over seeds]: where a head went, and how sure
     text = [f"{s:.3f} → {e:.3f}" + ("" if g["n"] < 2 else f" [{lo:.3f}, {hi:.3f}]")
             for s, e, lo, hi in zip(t["start"], t["end"], t["end_lo"], t["end_hi"])]
     # long -> wide: a row per block, a column per head
@@ -219,6 +225,7 @@ def draw_gates(g: dict, stem: Path) -> list[Path]:
     rows = 2 * -(-nb // cols)  # two rows per row of blocks: the gate, and its change from the start
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.3 * rows), squeeze=False)
     start = g["gates"].set_index(["block", "head"])["start"]
+    # the mean over seeds per head; below each block the same less its start
     for (b, h), line in g["traj"].groupby(["block", "head"]):
         ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
         lap = start[b, h] > 0.5  # dashed: the heads that started Laplacian

@@ -89,6 +89,7 @@ def load_for_analysis(path, data=None, device: str = "auto"):
 def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = None):
     """(dataset, tokens per sequence): a fixed random subset of the validation split."""
     if isinstance(model, VisionTransformer):
+        # the checkpoint's evaluation transform (resize, centre crop, normalise): what the model saw in validation
         from laplace.data.vision import build_vision_dataset
 
         # a ViT's position embedding fixes its image size: another size is refused, not resampled
@@ -123,6 +124,7 @@ def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = Non
 def layer_names(model, layers="all") -> tuple[Optional[list[int]], list[str]]:
     """Block indices for laplace.features (None = all) and the layer names, "norm" last."""
     depth = len(model.blocks)
+    # all blocks by default: the per-block tables and figures read every one
     if layers in (None, "all"):
         return None, [f"blocks.{i}" for i in range(depth)] + ["norm"]
     idx = [layers] if isinstance(layers, int) else list(layers)
@@ -137,7 +139,7 @@ def layer_names(model, layers="all") -> tuple[Optional[list[int]], list[str]]:
 
 def group_metrics(out: dict) -> dict:
     """Split one flat metric dict into {"anova", "nc", "cdnv", "lc", "spectral"} groups (by key prefix)."""
-    def group(k):
+    def group(k):  # by key prefix: the streamed and in-memory metrics share their key names
         if k.startswith(("lc_", "cdnv")):
             return k.split("_")[0]
         if k.startswith(("n_pcs_", "effective_rank", "total_variance", "spectrum")):
@@ -188,8 +190,9 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
     # the class tokens are few (one per image): kept in memory for the in-memory NC and CDNV
     cls_rows: dict = {n: [] for n in names}
     cls_labels = []
+    # the split's fixed order (no shuffle): every checkpoint of a comparison sees the same batches
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # the pass's own peak, reported beside the throughput
         torch.cuda.reset_peak_memory_stats(dev)
     seen = tokens = 0
     t0 = time.perf_counter()
@@ -197,7 +200,7 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         feats = features(model, x, layers=block_ids)
         B, T = feats["norm"].shape[:2]
-        sid = torch.arange(seen, seen + B, device=dev)
+        sid = torch.arange(seen, seen + B, device=dev)  # a sequence id per image / window, unique over batches
         for n in names:
             f = feats[n].float()
             if vit:
@@ -218,6 +221,7 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
         torch.cuda.synchronize(dev)  # CUDA runs asynchronously: the pass's time includes its last kernels
     pass_s = time.perf_counter() - t0
 
+    # finish layer by layer: each accumulator is freed before the next (their D x D scatters add up)
     results = {"patch": {}, "cls": {}} if vit else {"tokens": {}}
     W, b = (getattr(getattr(model, "head", None), k, None) for k in ("weight", "bias"))
     labels = torch.cat(cls_labels) if cls_labels else None
@@ -286,11 +290,12 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
         The rest as in `analyze_model`.
     """
     model, ckpt, data_node = loaded or load_for_analysis(path, data, device)
+    # the same seeded subset for every checkpoint: paired comparisons measure the same tokens
     dataset, per_seq = eval_split(model, data_node, seed, max_tokens)
     out = analyze_model(model, dataset, metrics=metrics, layers=layers, batch_size=batch_size,
                         num_workers=num_workers, min_count=min_count, thresholds=thresholds,
                         progress=progress, per_seq_max_sequences=per_seq_max_sequences)
-    counts = list(model.num_laplacian_heads)
+    counts = list(model.num_laplacian_heads)  # one k per layer; one number when every layer has the same
     return {
         "checkpoint": str(Path(path).resolve()), "model": model_label(ckpt["config"]["model"]),
         "arch": "vit" if isinstance(model, VisionTransformer) else "gpt",

@@ -252,7 +252,8 @@ def summary(heads: dict[str, list[dict]]) -> dict:
     rows = rows[rows["value"].map(math.isfinite)]
 
     def pool(part):
-        return {f"{k}.{g}": v for (k, g), v in part.groupby(["key", "group"], sort=False)["value"].agg(statistics.fmean).items()}
+        means = part.groupby(["key", "group"], sort=False)["value"].agg(statistics.fmean)
+        return {f"{k}.{g}": v for (k, g), v in means.items()}
 
     return {**pool(rows), **{layer: pool(part) for layer, part in rows.groupby("layer", sort=False)}}
 

@@ -81,7 +81,7 @@ def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
     test, family, Holm's p in it, the verdict; and under the sensitivity's other family choice its
     Holm p and verdict (sens_p, sens_verdict)."""
     rows = []
-    for c in plan.claims:
+    for c in plan.claims:  # in the plan's order: the tables show them as declared
         p = plan.paradigms[c.paradigm]
         # the claim's one value per run: its metric at its primary layer, of the final model
         g = select(_paradigm(f, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"))
@@ -118,7 +118,7 @@ def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
     """The claims as text: paradigm, claim, definition, layer, k, both arms, d [95% interval] (df),
     p, Holm's p in its family, the verdict (or, with `sensitivity`, the other family choice)."""
     out = []
-    for r in rows.to_dict("records"):
+    for r in rows.to_dict("records"):  # text cells: the numbers at the precision a reader needs
         # "3 of 3": the arm beside the paper's (ViT-B-12L: all heads; its LM: 5 of 10)
         t, k = r["test"], f"{r['k']}" + (f" of {r['heads']}" if r.get("heads") else "")
         row = {"paradigm": r["paradigm"], "claim": r["claim"], "definition": r["definition"],
@@ -143,7 +143,7 @@ def paired_grid(f: pd.DataFrame, plan, claims, columns: list, at) -> pd.DataFram
     """Rows = claims, columns = `columns`; a cell is the paired d [95% interval] (n) of the claim's
     metric at `at(claim, column)` = (layer, step): where an effect appears, no verdict."""
     rows = []
-    for c in claims:
+    for c in claims:  # the same paired d and interval as a claim's, no verdict
         k = c.get("arm", plan.paradigms[c.paradigm].arm)
         g = _paradigm(f, plan, c.paradigm)
         rows.append({"paradigm": c.paradigm, "definition": f"{c.definition} (k={k})",
@@ -245,7 +245,7 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
     from laplace.zoo import embed, features
 
     per_run = []
-    for path in checkpoints:
+    for path in checkpoints:  # one model in memory at a time, on the CPU (64 sequences are quick)
         model, _, data = load_for_analysis(path, device="cpu")
         ds, _ = eval_split(model, data, seed=0, max_tokens=None)
         # the first n sequences of the fixed order: the same for every run
@@ -255,6 +255,7 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
             h0 = embed(model, x)
             feats = features(model, x, norm=False)
             hs = [h0] + [feats[f"blocks.{i}"] for i in range(len(model.blocks))]
+        # |h_i - h_(i-1)| / |h_(i-1)| per token, averaged: how far block i moved the stream
         per_run.append([float(((b - a).norm(dim=-1) / a.norm(dim=-1)).mean()) for a, b in zip(hs, hs[1:])])
     return [sum(col) / len(col) for col in zip(*per_run)]
 
@@ -294,6 +295,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     rows = claim_rows(f, plan)
     primary, secondary = (rows[rows["role"] == r] if len(rows) else rows for r in ("primary", "secondary"))
     unfinished = [r["run_dir"] for r in records if not r["finished"]]
+    # the date: a report regenerated later (more runs, a fix) says when it was made
     lines = [f"# {plan.title} ({datetime.date.today().isoformat()})", "", plan.scope.strip(), ""]
     if unfinished:  # a look while the runs train (partial=true): said first, so no one reads it as the result
         lines += [f"**Partial: {len(unfinished)} of {len(records)} runs have not finished**; their latest analysed "
@@ -375,7 +377,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
         lines += [f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(ckpts))
                   for label, ckpts in arms.items()]
     gates = gate_groups(records)
-    if gates:
+    if gates:  # only when a plan's runs learned their gates (laplacian_mode=learned)
         lines += ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
                   *[gates_markdown(g) for g in gates]]
     # the paper's tables and figures of the same runs, and the learning curves' figure

@@ -98,6 +98,7 @@ def flat_metrics(obj: dict, prefix: str = "") -> dict:
 
 
 def _finite(d: dict) -> dict:
+    # a number or nothing: NaN (a sequence without variance) and non-numbers (lists, names) left out
     return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
@@ -115,6 +116,7 @@ def geometry(analysis: dict, layer: str = "norm") -> dict:
     """
     vit = analysis.get("arch") == "vit"
     res = analysis.get("results", {})
+    # the ViT's sequence geometry is of its patch tokens; the class token is a kind of its own
     at = res.get("patch" if vit else "tokens", {}).get(layer, {})
     anova = at.get("anova", {})
     g = {k: v for k, v in anova.items() if k.endswith("_share")}
@@ -204,7 +206,7 @@ def read_run(run_dir) -> Optional[dict]:
     cfg = _read_yaml(d / "config.yaml")[0] or {}
     res = _read_json(d / "results.json")
     mcfg, tcfg, dcfg, r = cfg.get("model") or {}, cfg.get("trainer") or {}, cfg.get("data") or {}, res or {}
-    name = r.get("model") or mcfg.get("name")
+    name = r.get("model") or mcfg.get("name")  # results.json's word first: it is what the run did
     if not name:
         return None
     metrics = {}
@@ -283,7 +285,7 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
     directory left out, saying why.
     """
     roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
-    records = []
+    records = []  # finished or not: the tables leave the unfinished out, the curves draw them
     for d, why in find_runs(roots):  # why: None, or why its config.yaml cannot be read
         r = read_run(d)
         if r is not None:
@@ -291,8 +293,8 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
                 r["notes"].append(f"{d / 'config.yaml'}: not readable ({why}); the run's recipe is unknown")
             records.append(r)
         elif skipped is not None:
-            skipped.append(f"{d}: " + (f"config.yaml not readable ({why})" if why else "its results.json names no model")
-                           + "; left out")
+            why = f"config.yaml not readable ({why})" if why else "its results.json names no model"
+            skipped.append(f"{d}: {why}; left out")
     for r in records:
         r["recipe"] = recipe_tag(r)
     return records
@@ -306,7 +308,7 @@ def metric_value(record: dict, metric: Metric) -> Optional[float]:
     (over all layers: "mechanism.cos_smooth.laplacian"), "mechanism@blocks.<i>.<key>", a list of
     keys (the first a run has: a results key spelt differently by two versions), or a function of
     the record. None when absent or not finite."""
-    if callable(metric):
+    if callable(metric):  # a table's derived column (scaled, or the mean of others)
         v = metric(record)
         return v if v is None or math.isfinite(v) else None
     for key in ([metric] if isinstance(metric, str) else metric):
@@ -452,7 +454,7 @@ def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> pd.D
     `aggregate` pools: a row per (group, layer, metric: a key of `geometry`) with the `by` fields,
     layer, metric and the summarize fields; layers in `layer_order`."""
     keys = [f"geometry.{k}" for k in (metrics or [k for k, _ in BLOCK_METRICS])]
-    f = frame(records)
+    f = frame(records)  # one tidy table: the same numbers as the tables and the report
     # the final model's layers only (a run's kept checkpoints are the report's business)
     f = f[f["metric"].isin(keys) & f["layer"].notna() & f["final"]]
     order = {n: i for i, n in enumerate(layer_order(records))}

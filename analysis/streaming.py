@@ -94,7 +94,8 @@ class GeometryAccumulator:
         # sequences nor a vocabulary need be known in advance, and a sequence may span batches
         self.seq_sum, self.seq_n = torch.zeros(0, self.dim, **f64), torch.zeros(0, **f64)
         self.seq_label = torch.zeros(0, dtype=torch.int64, device=x.device)
-        self.cls_sum, self.cls_n, self.cls_sq = torch.zeros(0, self.dim, **f64), torch.zeros(0, **f64), torch.zeros(0, **f64)
+        self.cls_sum, self.cls_n, self.cls_sq = torch.zeros(0, self.dim, **f64), torch.zeros(0, **f64), \
+            torch.zeros(0, **f64)
 
     @torch.no_grad()
     def update(self, features, seq_ids=None, labels=None):

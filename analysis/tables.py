@@ -82,7 +82,8 @@ def load_paper(path=None) -> dict:
 
 def load_specs(only=None, specs=None) -> dict:
     """The table specs of configs/tables.yaml (or `specs`), restricted to `only`."""
-    specs = specs if specs is not None else OmegaConf.to_container(OmegaConf.load(config_dir("tables") / "tables.yaml"))["tables"]
+    if specs is None:
+        specs = OmegaConf.to_container(OmegaConf.load(config_dir("tables") / "tables.yaml"))["tables"]
     if only:
         bad = [n for n in only if n not in specs]
         if bad:
@@ -98,6 +99,7 @@ def load_specs(only=None, specs=None) -> dict:
 # ----------------------------------------------------------------------------- building a table
 
 def _matches(record: dict, where: dict) -> bool:
+    # every field must match: a spec's `where: {trainer: deit3, dataset: [cifar10, cifar100]}`
     for field, want in (where or {}).items():
         allowed = want if isinstance(want, list) else [want]
         # as text: a YAML value and a record's value may differ in type only (7 vs "7")
@@ -110,7 +112,7 @@ def _columns(spec: dict, recs: list[dict], entries: list[dict]) -> list[dict]:
     """The column specs: as listed, or one per value of a record field (`from:`), the
     `order` ones first, then the paper's, then the rest sorted."""
     cols = spec["columns"]
-    if isinstance(cols, list):
+    if isinstance(cols, list):  # listed: the table's own columns (the LM's benchmarks, the geometry's objects)
         return [dict(c) for c in cols]
     field, labels = cols["from"], cols.get("labels") or {}
     values = list(cols.get("order") or [])
@@ -263,12 +265,14 @@ def grid(table: dict) -> pd.DataFrame:
     fmts = {col["name"]: col.get("fmt") or table["fmt"] for col in table["columns"]}
     # a row's common marks are shown once, on its model name; a mode column only when some arm is learned
     index = [*table["rows_by"], "model", "k"] + (["mode"] if (c["mode"] != "fixed").any() else [])
-    c = c.assign(text=[cell_text(x, fmts.get(x["column"], table["fmt"]), x["row_marks"]) for x in c.to_dict("records")],
-                 model=[m + "".join(f"†{i}" for i in marks) for m, marks in zip(c["model"], c["row_marks"])],
-                 k=c["k_label"], **{b: [("" if v is None else str(v)) for v in c[b]] for b in table["rows_by"]})
+    c = c.assign(k=c["k_label"])
+    c["text"] = [cell_text(x, fmts.get(x["column"], table["fmt"]), x["row_marks"]) for x in c.to_dict("records")]
+    c["model"] = [m + "".join(f"†{i}" for i in marks) for m, marks in zip(c["model"], c["row_marks"])]
+    for b in table["rows_by"]:  # as text: a field a row leaves open is an empty cell
+        c[b] = ["" if v is None else str(v) for v in c[b]]
     # long -> wide in the rows' order (pivot would sort them), a column per shown column, by its label
-    rows = list(dict.fromkeys(zip(*(c[i] for i in index))))
-    wide = c.set_index(index).pivot(columns="column", values="text").reindex(pd.MultiIndex.from_tuples(rows, names=index))
+    rows = pd.MultiIndex.from_tuples(list(dict.fromkeys(zip(*(c[i] for i in index)))), names=index)
+    wide = c.set_index(index).pivot(columns="column", values="text").reindex(rows)
     wide = wide.reindex(columns=[col["name"] for col in table["columns"]])
     wide.columns = [col.get("label", col["name"]) for col in table["columns"]]
     return wide.reset_index()
@@ -306,6 +310,7 @@ def _tex(text: str) -> str:
 def latex(name: str, title: str, frame: pd.DataFrame, footer: list[str], label: bool = True) -> str:
     """A LaTeX `table` (booktabs) by pandas' to_latex; our escapes for ±, Δ and the daggers."""
     # escape=False: our own escapes, which also turn ±, Δ and the daggers into maths
+    # booktabs by pandas; every cell and header through _tex first
     text = frame.rename(columns=_tex).map(_tex).to_latex(
         index=False, escape=False, caption=_tex(title), label=f"tab:{name.replace('_', '-')}" if label else None,
         column_format="l" * (len(frame.columns) - 1) + "r")
@@ -317,6 +322,7 @@ def latex(name: str, title: str, frame: pd.DataFrame, footer: list[str], label: 
 def to_csv(table: dict) -> str:
     """One line per cell (long format), full precision; a missing value is an empty field."""
     c = table["cells"].copy()
+    # the long form: one line per cell, every number at full precision, the footnotes spelt out
     c["seeds"] = c["seeds"].map(lambda s: " ".join(map(str, s or [])))
     c["notes"] = c["marks"].map(lambda ms: " | ".join(table["notes"][m - 1] for m in ms))
     # mean, sd and delta are written as Python floats (repr): the CSV equals the pooled values
@@ -353,7 +359,8 @@ def per_block_table(name: str, spec: dict, records: list[dict]) -> tuple[str, st
         parts.append(f)
         for metric, s in f.groupby("metric", sort=False):
             arms = [arm for _, arm in sorted({(arm_key(k, m), arm) for k, m, arm in zip(s["k"], s["mode"], s["arm"])})]
-            # long -> wide: rows = layers (the model's order, norm last), columns = arms; a layer no arm measured is dropped
+            # long -> wide: rows = layers (the model's order, norm last), columns = arms; a layer no arm
+            # measured is dropped
             g = s.pivot(index="layer", columns="arm", values="text").reindex(layer_order(recs)).reindex(columns=arms)
             g = g.dropna(how="all").fillna("").reset_index()
             md.append(markdown(f"{exp}: {labels[metric]} ({recs[0]['recipe']})", g, [], level=4))
@@ -387,6 +394,7 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
     done = [r for r in records if r["finished"]]
     paths = []
     for name, spec in specs.items():
+        # Markdown for reading, LaTeX for a paper, CSV for one's own analysis: the same numbers
         if spec.get("kind") == "per_block":
             md, tex, sheet = per_block_table(name, spec, [r for r in done if _matches(r, spec.get("where"))])
         else:
@@ -408,6 +416,7 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
 def run(cfg: DictConfig) -> list[Path]:
     """Collect the runs of cfg.runs and write every table; returns the written paths."""
     roots = runs_roots(cfg)
+    # checked before the runs are read: a read-only folder fails now, not after every table
     out = check_writable(Path(cfg.out) if cfg.out else roots[0] / "tables", "out")
     skipped: list[str] = []
     records = collect(roots, skipped)
@@ -420,7 +429,7 @@ def run(cfg: DictConfig) -> list[Path]:
     unfinished = [r["run_dir"] for r in records if not r["finished"]]
     print(f"[tables] {len(records)} runs under {', '.join(map(str, roots))}"
           + (f" ({len(unfinished)} unfinished, left out)" if unfinished else ""), flush=True)
-    for r in records:
+    for r in records:  # e.g. an analysis of last.pt from before a resume, not used
         for note in r["notes"]:
             print(f"[tables] note: {note}", flush=True)
     specs = OmegaConf.to_container(cfg.tables, resolve=True)
