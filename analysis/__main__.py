@@ -29,7 +29,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from analysis.geometry import analyze_checkpoint, check_metrics, layer_names, load_for_analysis
+from analysis.geometry import analysis_dir, analyze_checkpoint, check_metrics, layer_names, load_for_analysis
 from laplace.checkpoint import run_dir_of
 from laplace.cli import hydra_entry
 from laplace.config import required_list
@@ -38,13 +38,6 @@ from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
 from laplace.zoo import model_label
 from train.logger import log_to_training_run
-
-
-def analysis_dir(checkpoint, out=None) -> Path:
-    """Where the analysis of one checkpoint goes: beside it, named after it; with `out`, in
-    <out>/<run folder>_<name>_analysis (the checkpoint's folder may be read-only)."""
-    p = Path(checkpoint)
-    return p.parent / f"{p.stem}_analysis" if out is None else Path(out) / f"{run_dir_of(p).name}_{p.stem}_analysis"
 
 
 def headline(res: dict) -> dict:

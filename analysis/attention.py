@@ -178,8 +178,7 @@ def run(cfg: DictConfig) -> dict:
     """Draw the attention maps of cfg.checkpoint on cfg.image; returns the maps, the axes and the paths."""
     from PIL import Image, UnidentifiedImageError
 
-    from analysis.__main__ import analysis_dir
-    from analysis.geometry import layer_names, load_for_analysis
+    from analysis.geometry import analysis_dir, layer_names, load_for_analysis
     from analysis.pca_maps import denormalize
     from laplace.data.vision import build_transform
     from laplace.rundir import check_writable

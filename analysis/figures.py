@@ -34,6 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from analysis.runs import (BLOCK_METRICS, aggregate, arm_key, arm_label, collect, experiments,  # noqa: E402
                            layer_geometry, per_block, runs_roots, sort_key)
+from analysis.gates import gate_groups  # noqa: E402
 from analysis.stats import summarize  # noqa: E402
 from laplace.cli import hydra_entry  # noqa: E402
 
@@ -282,12 +283,59 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
     return save(fig, stem)
 
 
+def draw_gates(g: dict, stem: Path) -> list[Path]:
+    """Gate vs step per block (a line per head: the mean over seeds, 95% interval band; the heads
+    that started Laplacian dashed), and below each block its change from the start: moves of a
+    few hundredths, typical here, are flat lines on the 0-1 axis."""
+    nb, cols = len(g["layers"]), min(len(g["layers"]), 4)
+    rows = 2 * -(-nb // cols)  # two rows per row of blocks: the gate, and its change from the start
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.3 * rows), squeeze=False)
+    start = g["gates"].set_index(["block", "head"])["start"]
+    # the mean over seeds per head; below each block the same less its start
+    for (b, h), line in g["traj"].groupby(["block", "head"]):
+        ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
+        lap = start[b, h] > 0.5  # dashed: the heads that started Laplacian
+        for ax, shift in ((ax_a, 0.0), (ax_d, start[b, h])):
+            ax.plot(line["step"], line["mean"] - shift, "--" if lap else "-", color=color(h), lw=1.4,
+                    label=f"h{h}" + (" (started Laplacian)" if lap else ""))
+            if g["n"] > 1:  # the 95% interval of the mean over seeds
+                ax.fill_between(line["step"], line["lo"] - shift, line["hi"] - shift, color=color(h), alpha=0.2, lw=0)
+    for b, layer in enumerate(g["layers"]):
+        ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
+        ax_a.axhline(0.5, color="grey", ls=":", lw=1)
+        ax_a.set_ylim(0, 1)
+        ax_d.axhline(0.0, color="grey", ls=":", lw=1)
+        ax_a.set_title(layer, fontsize=9)
+        ax_a.set_ylabel("gate a = sigmoid(g)", fontsize=8)
+        ax_d.set(ylabel="a - start", xlabel="step")
+        for ax in (ax_a, ax_d):
+            ax.grid(alpha=0.3)
+    for b in range(nb, (rows // 2) * cols):
+        axes[2 * (b // cols), b % cols].axis("off")
+        axes[2 * (b // cols) + 1, b % cols].axis("off")
+    fig.suptitle(f"{g['name']}: learned gates, mean over {g['n']} seed{'s' * (g['n'] > 1)}"
+                 + (", 95% interval" if g["n"] > 1 else ""), fontsize=10)
+    fig.tight_layout()
+    # every block's legend: a head that started Laplacian in one block may not in another
+    labels = {}
+    for ax in axes[::2].ravel():
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    fig.legend(list(labels.values()), list(labels), loc="upper center", ncol=min(len(labels), 4), fontsize=8,
+               bbox_to_anchor=(0.5, 0.0))
+    return save(fig, stem)
+
+
+def draw_gate_figures(records: list[dict], out) -> list[Path]:
+    """out/gates_<exp>.{png,pdf} for every learned-gate experiment of `records`; the paths."""
+    return [p for g in gate_groups(records) for p in draw_gates(g, Path(out) / f"gates_{g['name']}")]
+
+
 def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_layer: str = "norm",
                  device: str = "auto", seed: int = 0) -> list[Path]:
     """Every figure the records (finished runs from `collect`) support, in `out`; the paths.
     vs_k: {trainer: {metric, label}}; pca_maps: images per PCA-map grid (0: none) at pca_layer,
     run on `device` in the fixed image order of `seed`."""
-    from analysis.gates import draw_gate_figures
     from analysis.pca_maps import THRESHOLD, checkpoint_maps
 
     out = Path(out)

@@ -1,5 +1,5 @@
 """Token geometry of one checkpoint: its evaluation data through `laplace.features`, folded into
-the accumulators of analysis/streaming.py layer by layer, in one pass. `python -m analysis` runs
+the accumulators of analysis/metrics.py layer by layer, in one pass. `python -m analysis` runs
 it (analysis/__main__.py); in-process:
 
     from analysis.geometry import analyze_checkpoint
@@ -27,6 +27,7 @@ GPT `tokens`: every position of a window; sequence = window, label = next-token 
 """
 from __future__ import annotations
 
+import math
 import resource
 import time
 from pathlib import Path
@@ -36,10 +37,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 
-from analysis.metrics import cdnv, neural_collapse
-from analysis.spectra import spectral_decay
-from analysis.streaming import GeometryAccumulator, SequenceSpectra
-from laplace.checkpoint import load_checkpoint, load_model, model_from_checkpoint, read_export_config
+from analysis.metrics import GeometryAccumulator, SequenceSpectra, cdnv, neural_collapse, spectral_decay
+from laplace.checkpoint import load_checkpoint, load_model, model_from_checkpoint, read_export_config, run_dir_of
 from laplace.dist import resolve_device
 from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
@@ -84,6 +83,13 @@ def load_for_analysis(path, data=None, device: str = "auto"):
     model = load_model(path, resolve_device(device)) if path.is_dir() else \
         model_from_checkpoint(ckpt, resolve_device(device))
     return model, ckpt, data
+
+
+def analysis_dir(checkpoint, out=None) -> Path:
+    """Where the analysis of one checkpoint goes: beside it, named after it; with `out`, in
+    <out>/<run folder>_<name>_analysis (the checkpoint's folder may be read-only)."""
+    p = Path(checkpoint)
+    return p.parent / f"{p.stem}_analysis" if out is None else Path(out) / f"{run_dir_of(p).name}_{p.stem}_analysis"
 
 
 def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = None):
@@ -310,3 +316,55 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
                      "per_seq_max_sequences": per_seq_max_sequences},
         **out,
     }
+
+
+# ----------------------------------------------------------------------------- reading analysis.json
+
+def _finite(d: dict) -> dict:
+    # a number or nothing: NaN (a sequence without variance) and non-numbers (lists, names) left out
+    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def geometry(analysis: dict, layer: str = "norm") -> dict:
+    """Headline token geometry at one layer of one analysis.json ({} when not measured). Tokens:
+    the ViT's patch tokens (sequence = image), the GPT's tokens (sequence = window). Keys:
+        within_seq_share, between_seq_share, within_class_share, between_class_share (ANOVA)
+        total_var, within_seq_var, ...  the raw parts, per-token mean squares (*_class: ViT only)
+        n_pcs_<t>, effective_rank, total_variance   global spectrum (one covariance of all tokens)
+        within_n_pcs_<t>          pooled within-sequence spectrum (tokens less their sequence's mean)
+        per_seq_n_pcs_<t>, per_seq_effective_rank   each sequence's own, the mean over sequences
+        nc1, nc2_*, nc3, nc4, cdnv_mean, cdnv_std   ViT: the class token (what the head classifies)
+        patch_nc1, patch_nc2_*, ...  ViT: the image means of the patch tokens (the paper's object)
+        lc_*                      GPT: linguistic collapse (classes = next-token ids)
+    """
+    vit = analysis.get("arch") == "vit"
+    res = analysis.get("results", {})
+    # the ViT's sequence geometry is of its patch tokens; the class token is a kind of its own
+    at = res.get("patch" if vit else "tokens", {}).get(layer, {})
+    anova = at.get("anova", {})
+    g = {k: v for k, v in anova.items() if k.endswith("_share")}
+    g.update({f"{k}_var": v for k, v in anova.items() if not k.endswith("_share")})
+    g.update({k: v for k, v in at.get("spectral", {}).items() if k != "spectrum"})
+    g.update({f"within_{k}": v for k, v in at.get("spectral_within", {}).items() if k.startswith("n_pcs")})
+    g.update({f"per_seq_{k}": v for k, v in at.get("spectral_per_seq", {}).items()
+              if k.startswith("n_pcs") or k == "effective_rank"})
+    g.update(at.get("lc", {}))
+    if vit:
+        g.update({f"patch_{k}": v for k, v in at.get("nc", {}).items() if k.startswith("nc")})
+        cls = res.get("cls", {}).get(layer, {})
+        g.update({k: v for k, v in cls.get("nc", {}).items() if k != "num_classes"})
+        g.update(cls.get("cdnv", {}))
+    return _finite(g)
+
+
+def layer_geometry(analysis: dict) -> dict:
+    """`geometry` at every layer the analysis measured, in its order: {layer: {key: value}}."""
+    return {layer: geometry(analysis, layer) for layer in analysis.get("layers", [])}
+
+
+def mechanism_summary(analysis: Optional[dict]) -> dict:
+    """The per-head smoothing diagnostic of one analysis.json pooled per head type (analysis/
+    mechanism.py's summary, finite values only): {"<key>.<type>": mean over all layers,
+    "blocks.<i>": {"<key>.<type>": ...}}; {} when the analysis ran without it."""
+    s = ((analysis or {}).get("mechanism") or {}).get("summary") or {}
+    return {**_finite(s), **{k: _finite(v) for k, v in s.items() if isinstance(v, dict)}}

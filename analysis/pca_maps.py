@@ -23,14 +23,17 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from analysis.figures import plt
 from laplace.errors import ConfigError
 from laplace.zoo import features
+
+matplotlib.use("Agg")  # files only; no display on servers / CI
+import matplotlib.pyplot as plt  # noqa: E402
 
 DPI = 150          # of the PNG grid; cell sizes are computed in pixels at this dpi
 MIN_CELL_PX = 240  # small images are enlarged by an integer factor to about this many pixels

@@ -345,10 +345,9 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     # the geometry claims read at the final norm: the rows of the per-block and per-step tables
     geo = [c for c in plan.claims if c.metric.startswith("geometry.") and c.get("layer") == "norm"]
     for name, p in plan.paradigms.items():
-        layers = layer_order([r for r in records if r["experiment"] == p.experiment])
-        mine = [c for c in geo if c.paradigm == name]
-        if layers and mine:
-            lines += [_md(paired_grid(f, plan, mine, layers, lambda c, layer: (layer, "final"))), ""]
+        recs, mine = [r for r in records if r["experiment"] == p.experiment], [c for c in geo if c.paradigm == name]
+        if recs and mine:
+            lines += [_md(paired_grid(f, plan, mine, layer_order(recs), lambda c, layer: (layer, "final"))), ""]
     if plan.get("steps"):
         lines += ["## At every kept checkpoint (equal step, descriptive)", "",
                   "Each geometry claim at the final norm of the checkpoints of the same step: d [95% interval] (n).",

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Optional, Union
 import pandas as pd
 from omegaconf import OmegaConf
 
+from analysis.geometry import geometry, layer_geometry, mechanism_summary  # noqa: F401 (analysis.runs.geometry)
 from analysis.stats import summarize
 from laplace.config import flatten, required_list
 from laplace.errors import ConfigError
@@ -95,56 +96,6 @@ def flat_metrics(obj: dict, prefix: str = "") -> dict:
                     name = f"{item['task']}/{item['metric']}" if item.get("metric") else str(item["task"])
                     out[name] = float(item["value"])
     return out
-
-
-def _finite(d: dict) -> dict:
-    # a number or nothing: NaN (a sequence without variance) and non-numbers (lists, names) left out
-    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-
-
-def geometry(analysis: dict, layer: str = "norm") -> dict:
-    """Headline token geometry at one layer of one analysis.json ({} when not measured). Tokens:
-    the ViT's patch tokens (sequence = image), the GPT's tokens (sequence = window). Keys:
-        within_seq_share, between_seq_share, within_class_share, between_class_share (ANOVA)
-        total_var, within_seq_var, ...  the raw parts, per-token mean squares (*_class: ViT only)
-        n_pcs_<t>, effective_rank, total_variance   global spectrum (one covariance of all tokens)
-        within_n_pcs_<t>          pooled within-sequence spectrum (tokens less their sequence's mean)
-        per_seq_n_pcs_<t>, per_seq_effective_rank   each sequence's own, the mean over sequences
-        nc1, nc2_*, nc3, nc4, cdnv_mean, cdnv_std   ViT: the class token (what the head classifies)
-        patch_nc1, patch_nc2_*, ...  ViT: the image means of the patch tokens (the paper's object)
-        lc_*                      GPT: linguistic collapse (classes = next-token ids)
-    """
-    vit = analysis.get("arch") == "vit"
-    res = analysis.get("results", {})
-    # the ViT's sequence geometry is of its patch tokens; the class token is a kind of its own
-    at = res.get("patch" if vit else "tokens", {}).get(layer, {})
-    anova = at.get("anova", {})
-    g = {k: v for k, v in anova.items() if k.endswith("_share")}
-    g.update({f"{k}_var": v for k, v in anova.items() if not k.endswith("_share")})
-    g.update({k: v for k, v in at.get("spectral", {}).items() if k != "spectrum"})
-    g.update({f"within_{k}": v for k, v in at.get("spectral_within", {}).items() if k.startswith("n_pcs")})
-    g.update({f"per_seq_{k}": v for k, v in at.get("spectral_per_seq", {}).items()
-              if k.startswith("n_pcs") or k == "effective_rank"})
-    g.update(at.get("lc", {}))
-    if vit:
-        g.update({f"patch_{k}": v for k, v in at.get("nc", {}).items() if k.startswith("nc")})
-        cls = res.get("cls", {}).get(layer, {})
-        g.update({k: v for k, v in cls.get("nc", {}).items() if k != "num_classes"})
-        g.update(cls.get("cdnv", {}))
-    return _finite(g)
-
-
-def layer_geometry(analysis: dict) -> dict:
-    """`geometry` at every layer the analysis measured, in its order: {layer: {key: value}}."""
-    return {layer: geometry(analysis, layer) for layer in analysis.get("layers", [])}
-
-
-def mechanism_summary(analysis: Optional[dict]) -> dict:
-    """The per-head smoothing diagnostic of one analysis.json pooled per head type (analysis/
-    mechanism.py's summary, finite values only): {"<key>.<type>": mean over all layers,
-    "blocks.<i>": {"<key>.<type>": ...}}; {} when the analysis ran without it."""
-    s = ((analysis or {}).get("mechanism") or {}).get("summary") or {}
-    return {**_finite(s), **{k: _finite(v) for k, v in s.items() if isinstance(v, dict)}}
 
 
 def model_family(name: str, model_cfg: dict) -> str:

@@ -16,7 +16,6 @@ import laplace
 from hydra import compose, initialize_config_dir
 
 from analysis import metrics as m
-from analysis import spectra as sp
 from analysis.__main__ import analysis_dir, run as analysis_run
 from analysis.geometry import eval_split, load_for_analysis
 from conftest import CONFIGS, ROOT, save_tiny_gpt, train_tiny_vit
@@ -91,11 +90,11 @@ def test_vit_streamed_equals_in_memory(vit):
         seq, lab = torch.arange(64).repeat_interleave(P), y.repeat_interleave(P)
         got_patch, got_cls = res["results"]["patch"][layer], res["results"]["cls"][layer]
         ref = {"anova": m.anova(patches, seq, lab), "cdnv": m.cdnv(patches, lab),
-               "spectral": sp.spectral_decay(patches),
-               "spectral_within": sp.spectral_decay(patches, seq_ids=seq, center="sequence"),
-               "spectral_per_seq": sp.per_sequence_spectra(patches, seq),
+               "spectral": m.spectral_decay(patches),
+               "spectral_within": m.spectral_decay(patches, seq_ids=seq, center="sequence"),
+               "spectral_per_seq": m.per_sequence_spectra(patches, seq),
                "nc": m.neural_collapse(patches.mean(1), y, W, b)}
-        ref_cls = {"nc": m.neural_collapse(cls, y, W, b), "cdnv": m.cdnv(cls, y), "spectral": sp.spectral_decay(cls)}
+        ref_cls = {"nc": m.neural_collapse(cls, y, W, b), "cdnv": m.cdnv(cls, y), "spectral": m.spectral_decay(cls)}
         for got, want in ((got_patch, ref), (got_cls, ref_cls)):
             for group, values in want.items():
                 for key, v in values.items():
@@ -174,9 +173,9 @@ def test_gpt_checkpoint(tmp_path):
     lc = m.linguistic_collapse(f, nxt, unembedding=model.lm_head.weight, min_count=2)
     for key in ("lc_num_classes", "lc_cdnv_mean", "lc_equinorm", "lc_coherence_std", "lc_self_duality"):
         _approx(got["lc"][key], lc[key])
-    assert got["spectral"]["n_pcs_0.99"] == sp.spectral_decay(f)["n_pcs_0.99"]
-    assert got["spectral_within"]["n_pcs_0.99"] == sp.spectral_decay(f, seq_ids=seq, center="sequence")["n_pcs_0.99"]
-    per_seq = sp.per_sequence_spectra(f, seq)
+    assert got["spectral"]["n_pcs_0.99"] == m.spectral_decay(f)["n_pcs_0.99"]
+    assert got["spectral_within"]["n_pcs_0.99"] == m.spectral_decay(f, seq_ids=seq, center="sequence")["n_pcs_0.99"]
+    per_seq = m.per_sequence_spectra(f, seq)
     assert got["spectral_per_seq"]["n_sequences"] == 32
     assert got["spectral_per_seq"]["n_pcs_0.99"] == pytest.approx(per_seq["n_pcs_0.99"], abs=1e-12)
 
