@@ -307,7 +307,8 @@ def draw_gates(g: dict, stem: Path) -> list[Path]:
         ax_d.axhline(0.0, color="grey", ls=":", lw=1)
         ax_a.set_title(layer, fontsize=9)
         ax_a.set_ylabel("gate a = sigmoid(g)", fontsize=8)
-        ax_d.set(ylabel="a - start", xlabel="step")
+        ax_d.set_ylabel("a - start", fontsize=8)
+        ax_d.set_xlabel("step", fontsize=8)
         for ax in (ax_a, ax_d):
             ax.grid(alpha=0.3)
     for b in range(nb, (rows // 2) * cols):
