@@ -1,127 +1,280 @@
-"""The paper's figures from a folder of runs: one command, PNG + PDF.
+"""The paper's figures, PNG (a quick look) + PDF (a paper): token geometry vs layer for the
+checkpoints of `python -m analysis`, and per experiment from a folder of runs:
 
     python -m analysis.figures runs=runs/deit3/digits
     python -m analysis.figures runs=[runs/deit3,runs/gpt] out=reports/figures pca_maps=8 device=cuda
 
-Runs are found and pooled over seeds as by `python -m analysis.tables` (analysis/runs.py);
-the per-layer figures read each run's ckpt/last_analysis/analysis.json, so run
-`python -m analysis checkpoint=<run>/ckpt/last.pt` on the runs first. Written to `out`
-(default <first runs folder>/figures), one experiment = trainer x dataset x model family x
-recipe, named <dataset>_<family>:
+Runs are found and pooled over seeds as by `python -m analysis.tables` (analysis/runs.py); the
+per-layer figures read each run's ckpt/last_analysis/analysis.json (run `python -m analysis
+checkpoint=<run>/ckpt/last.pt` first). Written to `out` (default <first runs folder>/figures), an
+experiment (trainer x dataset x model family x recipe) named <dataset>_<family>:
 
-    vs_k                  accuracy (GPT: val bits per byte) vs the number of Laplacian heads k,
-                          one panel per experiment: each seed a dot, the mean a line, +-1 sd bars
-    anova_<exp>           ANOVA shares vs layer (within-sequence, between-class) and the total
-                          variance, a line per k (mean over seeds, +-1 sd band; analysis/plots.py)
-    spectrum_<exp>        the eigen-spectrum and cumulative explained variance at the final norm,
-                          and n_pcs_0.99 vs layer, a line per k
-    collapse_<exp>        ViT: NC1-NC4 of the class token vs layer; GPT: linguistic collapse (CDNV, ...)
-    blocks_<exp>          the headline geometry at every block (the per_block table's numbers:
-                          analysis.runs.BLOCK_METRICS), a panel per metric, a line per k, its 95%
-                          interval as a band
-    pca_maps_<exp>        ViT: PCA maps of `pca_maps` images, one checkpoint (the lowest seed) per k
-    gates_<trainer>_<exp>_k<k>
-                          learned gates vs step and their change, a panel per block, a line per
-                          head (analysis/gates.py)
+    vs_k            accuracy (GPT: val bits per byte) vs k, a panel per experiment: seeds as dots, mean +- sd
+    anova_<exp>     ANOVA shares vs layer and the total variance, a line per arm (mean, +-1 sd band)
+    collapse_<exp>  ViT: NC1-NC4 and CDNV of the class token, NC1 of the image means; GPT: linguistic collapse
+    spectrum_<exp>  eigen-spectrum and cumulative explained variance at the final norm, PCs for 99% vs layer
+    blocks_<exp>    the per_block table's headline geometry at every block, its 95% interval as a band
+    pca_maps_<exp>  ViT: PCA maps of `pca_maps` images, one checkpoint (the lowest seed) per arm
+    gates_<trainer>_<exp>_k<k>  learned gates vs step (analysis/gates.py)
 
-A figure without data is skipped with a printed note; stdout ends with one `[figures] wrote`
-line per file.
+A figure without data is skipped with a printed note; stdout ends with a `[figures] wrote` line per file.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import matplotlib
+import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from analysis import plots
-from analysis.gates import draw_gate_figures
-from analysis.plots import plt, save
-from analysis.runs import BLOCK_METRICS, aggregate, arm_label, collect, experiments, layer_order, per_block, \
-    runs_roots, sort_key
-from laplace.cli import hydra_entry
+matplotlib.use("Agg")  # files only; no display on servers / CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+from analysis.runs import (BLOCK_METRICS, aggregate, arm_key, arm_label, collect, experiments,  # noqa: E402
+                           layer_geometry, per_block, runs_roots, sort_key)
+from analysis.gates import gate_groups  # noqa: E402
+from analysis.stats import summarize  # noqa: E402
+from laplace.cli import hydra_entry  # noqa: E402
+
+FIGURES = ("anova", "collapse", "spectrum")
+# The per-layer panels of each figure and architecture: (key of analysis.runs.geometry, title, log
+# axis where the values span decades over depth).
+PANELS = {
+    ("anova", "vit"): [("within_seq_share", "within-image share", False),
+                       ("within_class_share", "within-class share", False),
+                       ("between_class_share", "between-class share", False), ("total_var", "total variance", True)],
+    ("anova", "gpt"): [("within_seq_share", "within-window share", False),
+                       ("between_seq_share", "between-window share", False), ("total_var", "total variance", True)],
+    ("collapse", "vit"): [("nc1", "NC1 (class token)", True), ("nc2_equinorm", "NC2 equinorm", False),
+                          ("nc2_equiangular", "NC2 equiangular", False), ("nc2_maxangle", "NC2 max-angle", False),
+                          ("nc3", "NC3 (vs classifier)", False), ("nc4", "NC4 (head != NCC)", False),
+                          ("cdnv_mean", "CDNV (class token)", True),
+                          ("patch_nc1", "NC1 (image means of patches)", True)],
+    ("collapse", "gpt"): [("lc_cdnv_mean", "CDNV (next-token classes)", True), ("lc_equinorm", "equinorm", False),
+                          ("lc_coherence_std", "equiangularity (std cos)", False),
+                          ("lc_abs_coherence_mean", "mean |cos| of class means", False),
+                          ("lc_self_duality", "self-duality 1 - cos(mu_c, w_c)", False),
+                          ("lc_uniform_duality", "uniform duality (std cos)", False)]}
+TITLES = {("anova", "vit"): "ANOVA of token representations vs layer", ("anova", "gpt"): "ANOVA of token "
+          "representations vs layer", ("collapse", "vit"): "Neural Collapse vs layer (classes = image classes)",
+          ("collapse", "gpt"): "linguistic collapse vs layer (classes = next-token ids)"}
 
 
-def _lines(records: list[dict]) -> list[tuple[str, list[dict]]]:
-    """(label, analysis.json contents of its seeds) per (k, mode), in k order: the lines."""
-    by: dict = {}
-    for r in records:
-        # a run not analysed has no line (the figure says which are missing)
-        if r.get("analysis"):
-            by.setdefault((r["k"], r["mode"]), []).append((r, json.loads(Path(r["analysis"]).read_text())))
-    # one line per arm (k, mode): its seeds' analyses, pooled by the drawers
-    lines = []
-    for k, mode in sorted(by, key=lambda km: (sort_key(km[0]), km[1])):
-        runs = by[(k, mode)]
-        label = arm_label(runs[0][0]["k_label"], mode)
-        lines.append((label, [res for _, res in runs]))
-    return lines
+def save(fig, stem: Path) -> list[Path]:
+    """Write stem.png and stem.pdf, close the figure; return both paths."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
+    # a tight box grows the image to fit legends placed below the axes
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def panels(n: int, cols: int, width: float, height: float):
+    """A figure of n panels, `cols` a row, each width x height inches: (figure, the axes in a flat
+    list); the unused ones off."""
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax in axes.ravel()[n:]:
+        ax.axis("off")
+    return fig, list(axes.ravel())
+
+
+def color(i: int) -> str:
+    """The i-th colour of the shared cycle (the same arm gets the same colour in every panel)."""
+    # matplotlib's default cycle by name ("C0".."C9"): the figures' colours match every other plot's
+    return f"C{i % 10}"
+
+
+def run_label(res: dict) -> str:
+    """Legend text: the model name and its Laplacian heads, e.g. 'vitt_3L (3/3 Laplacian)'."""
+    k = res["num_laplacian_heads"]
+    k = k if isinstance(k, int) else "/".join(map(str, k))  # a per-layer list of k is written 0/0/6/6
+    return res.get("label") or f"{res['model']} ({k}/{res['num_heads']} Laplacian)"
+
+
+def layer_positions(layers) -> dict:
+    """{layer name: x}: blocks at their index, the final norm one step after the last block (it
+    reads that block's output)."""
+    xs = {n: int(n.split(".")[1]) for n in layers if n != "norm"}
+    return {n: xs[n] if n != "norm" else max(xs.values(), default=-1) + 1 for n in layers}
+
+
+def layer_stats(lines, keys) -> pd.DataFrame:
+    """lines [(label, [analysis.json of its seeds])] -> a row per (line, metric, layer) with the
+    mean, sd and 95% interval over the seeds (analysis.stats.summarize); a layer a seed did not
+    measure is left out of that layer's mean."""
+    # one row per (line, seed, layer, key): the tidy shape analysis.stats pools, as for the tables
+    rows = [{"line": label, "seed": i, "layer": layer, "metric": key, "value": v}
+            for label, seeds in lines for i, res in enumerate(seeds)
+            for layer, g in layer_geometry(res).items() for key, v in g.items() if key in keys]
+    return summarize(pd.DataFrame(rows, columns=["line", "seed", "layer", "metric", "value"]),
+                     ["line", "metric", "layer"])
+
+
+def draw_layers(ax, stats: pd.DataFrame, metric: str, layers, band: str = "sd", style: str = "-o",
+                legend: bool = True) -> None:
+    """A line per stats["line"] (in order of appearance): the mean vs layer, a band of +-1 sd
+    (band="sd") or the 95% interval ("ci"); one seed: no band."""
+    pos = layer_positions(layers)
+    pooled = stats["n"].max() > 1  # n in the legend only when lines pool seeds
+    for c, (label, s) in enumerate(stats.groupby("line", sort=False)):
+        s = s[(s["metric"] == metric) & s["layer"].isin(pos)].sort_values("layer", key=lambda ls: ls.map(pos))
+        if s.empty:  # an arm analysed without this metric: no line, the others drawn
+            continue
+        x, mean = s["layer"].map(pos), s["mean"]
+        # the legend names the seeds behind a line when some line pools several
+        ax.plot(x, mean, style, ms=3, color=color(c),
+                label=(label + (f" (n={s['n'].max()})" if pooled else "")) if legend else "_nolegend_")
+        # sd: the seeds' spread (the per-layer figures); ci: where the mean may be (the per_block numbers)
+        lo, hi = (s["lo"], s["hi"]) if band == "ci" else (mean - s["sd"], mean + s["sd"])
+        ax.fill_between(x, lo.fillna(mean), hi.fillna(mean), color=color(c), alpha=0.2, lw=0)
+    ax.set_xticks(list(pos.values()), [n if n == "norm" else n.split(".")[1] for n in pos],
+                  fontsize=7 if len(pos) > 14 else 8)
+
+
+def layer_figure(stats: pd.DataFrame, specs, layers, title: str, stem: Path, band: str = "sd",
+                 cols: int = 3) -> list[Path]:
+    """A panel per (key, title, log) of `specs`, drawn by `draw_layers`; the legend once, below."""
+    fig, axes = panels(len(specs), cols, 3.4, 2.7)
+    for ax, (key, sub, log) in zip(axes, specs):
+        draw_layers(ax, stats, key, layers, band)
+        ys = stats.loc[stats["metric"] == key, "mean"].dropna()
+        # a log axis where asked and the values allow it (a near-constant series gets unreadable ticks)
+        if log and len(ys) and ys.min() > 0 and ys.max() / ys.min() > 10:
+            ax.set_yscale("log")
+        ax.set_title(sub, fontsize=9)
+        ax.set_xlabel("layer", fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    # below the axes whatever the figure height; save()'s tight bounding box grows to fit it
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4), fontsize=8, bbox_to_anchor=(0.5, 0.0))
+    return save(fig, stem)
+
+
+def _kind(lines) -> str:
+    return lines[0][1][0]["arch"]
+
+
+def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
+    """The anova or collapse figure of `lines` [(label, [analysis.json of its seeds])]."""
+    specs = PANELS[figure, _kind(lines)]
+    # only the keys drawn are pooled: an analysis holds some forty per layer
+    stats = layer_stats(lines, {k for k, *_ in specs})
+    cols = len(specs) if figure == "anova" else 4 if _kind(lines) == "vit" else 3
+    return layer_figure(stats, specs, lines[0][1][0]["layers"], f"{name}: {TITLES[figure, _kind(lines)]}"
+                        .lstrip(": "), stem, cols=cols)
+
+
+def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> list[Path]:
+    """The eigen-spectrum and the cumulative explained variance at `layer` (mean over seeds), and
+    PCs for 99% of the variance vs layer (ViT: dashed, of the image-centred tokens)."""
+    from laplace.errors import ConfigError
+
+    kind = "patch" if _kind(lines) == "vit" else "tokens"
+    fig, (ax_s, ax_c, ax_l) = plt.subplots(1, 3, figsize=(11, 3))
+    for c, (label, seeds) in enumerate(lines):
+        specs = [s["results"][kind].get(layer, {}).get("spectral") for s in seeds]
+        if None in specs and layer != "norm":
+            raise ConfigError(f"spectrum_layer={layer}: not among the measured layers {seeds[0]['layers']}")
+        specs = [s for s in specs if s]  # the seeds that measured the spectrum at this layer
+        if not specs or len({len(s["spectrum"]) for s in specs}) > 1:  # not measured, or widths differ
+            continue
+        P = np.array([s["spectrum"] for s in specs])  # [seeds, components], each row sums to 1
+        k, p = np.arange(1, P.shape[1] + 1), P.mean(0)
+        # numerically zero eigenvalues (LayerNorm's centring removes one direction) are left out
+        # rather than drawn as a cliff down to the clamp
+        ax_s.plot(k[p > 1e-12], p[p > 1e-12], color=color(c), label=label)
+        cum, n99 = np.cumsum(P, 1), np.mean([s["n_pcs_0.99"] for s in specs])
+        ax_c.plot(k, cum.mean(0), color=color(c), label=f"{label}: {n99:.1f} PCs")
+        if len(specs) > 1:  # each seed's cumulative explained variance, +-1 sd over seeds
+            sd = cum.std(0, ddof=1)
+            ax_c.fill_between(k, cum.mean(0) - sd, cum.mean(0) + sd, color=color(c), alpha=0.2, lw=0)
+        ax_c.axvline(n99, color=color(c), ls=":", lw=1)
+    # the third panel: PCs for 99% vs layer, as the other per-layer figures draw their lines
+    stats = layer_stats(lines, {"n_pcs_0.99", "within_n_pcs_0.99"})
+    draw_layers(ax_l, stats, "n_pcs_0.99", lines[0][1][0]["layers"])
+    if kind == "patch":
+        draw_layers(ax_l, stats, "within_n_pcs_0.99", lines[0][1][0]["layers"], style="--s", legend=False)
+    ax_s.set(xscale="log", yscale="log", xlabel="principal component k", ylabel="eigenvalue / total")
+    ax_s.set_title(f"eigen-spectrum at {layer}", fontsize=9)
+    ax_c.axhline(0.99, color="grey", ls="--", lw=1)
+    ax_c.set(xscale="log", xlabel="principal components k", ylabel="explained variance")
+    ax_c.set_title(f"cumulative explained variance at {layer}", fontsize=9)
+    ax_c.legend(fontsize=7, loc="lower right")
+    ax_l.set(xlabel="layer", ylabel="PCs for 99% of the variance")
+    ax_l.set_title("PCs for 99% vs layer" + (" (dashed: image-centred)" if kind == "patch" else ""), fontsize=9)
+    for ax in (ax_s, ax_c, ax_l):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{name}: spectral decay of token representations".lstrip(": "), fontsize=10)
+    fig.tight_layout()
+    return save(fig, stem)
+
+
+def draw_all(lines, out_dir, spectrum_layer: str = "norm", name: str = "", suffix: str = "") -> list[Path]:
+    """Every per-layer figure `lines` [(label, [analysis.json of its seeds])] support, written to
+    out_dir/<figure><suffix>; a figure of metrics not measured is skipped (an old copy removed)."""
+    out_dir = Path(out_dir)
+    # the metric groups the analysis measured: a figure only for what is there
+    have = {g for kinds in lines[0][1][0]["results"].values() for groups in kinds.values() for g in groups}
+    paths = []
+    if "anova" in have:
+        paths += draw_panels("anova", lines, out_dir / f"anova{suffix}", name)
+    if have & {"nc", "lc", "cdnv"}:
+        paths += draw_panels("collapse", lines, out_dir / f"collapse{suffix}", name)
+    if "spectral" in have:
+        paths += draw_spectrum(lines, out_dir / f"spectrum{suffix}", name, spectrum_layer)
+    for stale in (out_dir / f"{f}{suffix}.{ext}" for f in FIGURES for ext in ("png", "pdf")):
+        if stale not in paths and stale.exists():  # drawn by an earlier call with other metrics: it would mislead
+            stale.unlink()
+    return paths
 
 
 def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
-    """The headline geometry at every block (the numbers of the per_block table): a panel per
-    metric, a line per arm (k, mode), the mean over seeds with its 95% interval as a band."""
-    rows = per_block(records)
-    layers = layer_order(records)
-    # every layer any run measured, on one x axis
-    xs, ticks = plots.layer_positions(layers)
-    labels = {(r["k"], r["mode"]): r["k_label"] for r in records}
-    # fixed arms by k, then learned ones: the same colour for the same arm in every panel
-    arms = sorted(set(zip(rows["k"], rows["mode"])), key=lambda a: (a[1] != "fixed", sort_key(a[0])))
-    # (a log axis for NC1 and CDNV, which span decades over depth)
-    panels = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
-              if (rows["metric"] == key).any()]
-    if not panels:  # analysed without any headline metric (e.g. metrics=[cdnv])
+    """The headline geometry at every block (the per_block table's numbers): a panel per metric,
+    a line per arm (k, mode), the mean over seeds with its 95% interval as a band."""
+    rows = per_block(records)  # the per_block table's numbers: mean and 95% interval per arm, layer and key
+    # a log axis for NC1 and CDNV, which span decades over depth
+    specs = [(key, label, key in ("nc1", "patch_nc1", "lc_cdnv_mean")) for key, label in BLOCK_METRICS
+             if (rows["metric"] == key).any()]
+    if not specs:  # analysed without any headline metric (e.g. metrics=[cdnv])
         return []
-
-    def draw(ax, panel):
-        for c, (k, mode) in enumerate(arms):
-            at = rows[(rows["metric"] == panel[0]) & (rows["k"] == k) & (rows["mode"] == mode)].set_index("layer")
-            # (an arm analysed at fewer layers has fewer points, not a line through missing ones)
-            pts = [(x, at.loc[n]) for x, n in zip(xs, layers) if n in at.index]
-            if not pts:
-                continue
-            x, g = [x for x, _ in pts], pd.DataFrame([g for _, g in pts])
-            ax.plot(x, g["mean"], "-o", ms=3, color=plots.color(c),
-                    label=f"{arm_label(labels[k, mode], mode)} (n={g['n'].max()})")
-            ax.fill_between(x, g["lo"].fillna(g["mean"]), g["hi"].fillna(g["mean"]), color=plots.color(c),
-                            alpha=0.2, lw=0)  # one seed: no band
-        ax.set_xticks(xs, ticks, fontsize=7 if len(xs) > 14 else 8)
-    return plots.panels_figure(panels, f"{name}: token geometry at every block (mean, 95% interval over seeds)", stem,
-                               draw)
+    labels = {(r["k"], r["mode"]): r["k_label"] for r in records}
+    # a line per arm, fixed arms by k then learned ones: the same colour for the same arm in every panel
+    rows = rows.assign(line=[arm_label(labels[k, m], m) for k, m in zip(rows["k"], rows["mode"])],
+                       _o=[arm_key(k, m) for k, m in zip(rows["k"], rows["mode"])]).sort_values("_o", kind="stable")
+    layers = sorted(set(rows["layer"]), key=lambda n: (n == "norm", int(n.split(".")[1]) if n != "norm" else 0))
+    return layer_figure(rows, specs, layers, f"{name}: token geometry at every block (mean, 95% interval over "
+                        f"seeds)", stem, band="ci")
 
 
 def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
-    """Metric vs k, one panel per experiment: seeds as dots, the mean as a line with +-1 std
-    bars, a line per mode. `metrics`: {trainer: {metric, label}}. Per-layer lists of k are
-    left out (no single x)."""
-    panels = []
+    """Metric vs k, a panel per experiment: seeds as dots, the mean with +-1 sd bars, a line per
+    mode. `metrics`: {trainer: {metric, label}}; per-layer lists of k have no place on a k axis."""
+    found = []
     for name, recs in experiments(records).items():
         spec = metrics.get(recs[0]["trainer"])
-        # per-layer lists of k have no place on a k axis: left out of this figure
-        rows = [g for g in aggregate(recs, spec["metric"]).to_dict("records") if isinstance(g["k"], int)] if spec else []
-        if rows:
-            panels.append((name, spec, rows))
-    if not panels:
+        rows = aggregate(recs, spec["metric"]) if spec else pd.DataFrame()
+        # per-layer lists of k (e.g. [0,0,6,6]) have no place on a k axis: left out of this figure
+        rows = rows[[isinstance(k, int) for k in rows["k"]]] if len(rows) else rows
+        if len(rows):
+            found.append((name, spec, rows.sort_values("k")))
+    if not found:
         return []
-    cols = min(len(panels), 4)
-    nrows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.9 * nrows), squeeze=False)
-    for ax in axes.ravel()[len(panels):]:
-        ax.axis("off")
-    for ax, (name, spec, rows) in zip(axes.ravel(), panels):
-        for c, mode in enumerate(sorted({g["mode"] for g in rows})):
-            g_m = sorted((g for g in rows if g["mode"] == mode), key=lambda g: g["k"])
-            ks = [g["k"] for g in g_m]
-            col = plots.color(c)
-            # (the seeds as dots beside the mean +-1 sd)
-            for g in g_m:  # every seed, so a mean of two far-apart runs is not mistaken for a trend
-                ax.plot([g["k"]] * g["n"], g["values"], "o", color=col, alpha=0.45, ms=4, mec="none")
-            ax.errorbar(ks, [g["mean"] for g in g_m], yerr=[0.0 if g["n"] < 2 else g["sd"] for g in g_m], color=col,
-                        marker="s", ms=4, capsize=3, label=f"{mode}: mean ± sd over seeds")
-        # (the k trained, not a range: 0, 1, 3 of 3)
-        ax.set_xticks(sorted({g["k"] for g in rows}))
+    fig, axes = panels(len(found), min(len(found), 4), 3.4, 2.9)
+    for ax, (name, spec, rows) in zip(axes, found):
+        for c, (mode, g) in enumerate(rows.groupby("mode")):
+            # every seed, so a mean of two far-apart runs is not mistaken for a trend
+            for k, n, values in zip(g["k"], g["n"], g["values"]):
+                ax.plot([k] * n, values, "o", color=color(c), alpha=0.45, ms=4, mec="none")
+            ax.errorbar(g["k"], g["mean"], yerr=g["sd"].where(g["n"] > 1, 0.0), color=color(c), marker="s", ms=4,
+                        capsize=3, label=f"{mode}: mean ± sd over seeds")
+        ax.set_xticks(sorted(set(rows["k"])))  # the k trained, not a range: 0, 1, 3 of 3
         ax.set(xlabel="Laplacian heads per layer k", ylabel=spec["label"])
         ax.set_title(name, fontsize=9)
         ax.grid(alpha=0.3)
@@ -130,49 +283,62 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
     return save(fig, stem)
 
 
-def draw_pca_maps(records: list[dict], n: int, layer: str, device: str, stem: Path, seed: int = 0) -> list[Path]:
-    """PCA maps of the first `n` images of the split (the order `python -m analysis` uses),
-    one column per k: the lowest-seed checkpoint of each."""
-    import torch
+def draw_gates(g: dict, stem: Path) -> list[Path]:
+    """Gate vs step per block (a line per head: the mean over seeds, 95% interval band; the heads
+    that started Laplacian dashed), and below each block its change from the start: moves of a
+    few hundredths, typical here, are flat lines on the 0-1 axis."""
+    nb, cols = len(g["layers"]), min(len(g["layers"]), 4)
+    rows = 2 * -(-nb // cols)  # two rows per row of blocks: the gate, and its change from the start
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.3 * rows), squeeze=False)
+    start = g["gates"].set_index(["block", "head"])["start"]
+    # the mean over seeds per head; below each block the same less its start
+    for (b, h), line in g["traj"].groupby(["block", "head"]):
+        ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
+        lap = start[b, h] > 0.5  # dashed: the heads that started Laplacian
+        for ax, shift in ((ax_a, 0.0), (ax_d, start[b, h])):
+            ax.plot(line["step"], line["mean"] - shift, "--" if lap else "-", color=color(h), lw=1.4,
+                    label=f"h{h}" + (" (started Laplacian)" if lap else ""))
+            if g["n"] > 1:  # the 95% interval of the mean over seeds
+                ax.fill_between(line["step"], line["lo"] - shift, line["hi"] - shift, color=color(h), alpha=0.2, lw=0)
+    for b, layer in enumerate(g["layers"]):
+        ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
+        ax_a.axhline(0.5, color="grey", ls=":", lw=1)
+        ax_a.set_ylim(0, 1)
+        ax_d.axhline(0.0, color="grey", ls=":", lw=1)
+        ax_a.set_title(layer, fontsize=9)
+        ax_a.set_ylabel("gate a = sigmoid(g)", fontsize=8)
+        ax_d.set_ylabel("a - start", fontsize=8)
+        ax_d.set_xlabel("step", fontsize=8)
+        for ax in (ax_a, ax_d):
+            ax.grid(alpha=0.3)
+    for b in range(nb, (rows // 2) * cols):
+        axes[2 * (b // cols), b % cols].axis("off")
+        axes[2 * (b // cols) + 1, b % cols].axis("off")
+    fig.suptitle(f"{g['name']}: learned gates, mean over {g['n']} seed{'s' * (g['n'] > 1)}"
+                 + (", 95% interval" if g["n"] > 1 else ""), fontsize=10)
+    fig.tight_layout()
+    # every block's legend: a head that started Laplacian in one block may not in another
+    labels = {}
+    for ax in axes[::2].ravel():
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    fig.legend(list(labels.values()), list(labels), loc="upper center", ncol=min(len(labels), 4), fontsize=8,
+               bbox_to_anchor=(0.5, 0.0))
+    return save(fig, stem)
 
-    from analysis.geometry import eval_split, load_for_analysis
-    from analysis.pca_maps import THRESHOLD, denormalize, draw_pca_grid, model_maps
 
-    # one checkpoint per arm: a map is of one model (a mean of maps would blur exactly what it shows)
-    picks: dict = {}  # (k, mode) -> its lowest-seed run with a checkpoint
-    for r in sorted(records, key=lambda r: (sort_key(r["k"]), r["mode"], sort_key(r["seed"]))):
-        if Path(r["checkpoint"]).is_file():
-            picks.setdefault((r["k"], r["mode"]), r)
-    if not picks:
-        return []
-    maps, names, images = {}, [], None
-    for (k, mode), r in picks.items():
-        # one model in memory at a time: ViT-B checkpoints on a laptop add up
-        model, _, data = load_for_analysis(r["checkpoint"], device=device)
-        if images is None:  # the same images in every column
-            ds, _ = eval_split(model, data, seed, None)
-            items = [ds[i] for i in range(min(n, len(ds)))]
-            x, labels = torch.stack([im for im, _ in items]), [int(y) for _, y in items]
-            images = denormalize(x, data["mean"], data["std"])
-        tag = arm_label(r["k_label"], mode)
-        # the paper's foreground rule (sign of the first component), as python -m analysis draws it
-        maps[f"{r['model']} ({tag} Laplacian, seed {r['seed']})"] = model_maps(model, x, layer, THRESHOLD)
-        names.append(f"{r['model']}_{tag}_s{r['seed']}")
-        del model
-    return draw_pca_grid(images, maps, stem, labels, layer, names, THRESHOLD)  # the paper's foreground rule
+def draw_gate_figures(records: list[dict], out) -> list[Path]:
+    """out/gates_<exp>.{png,pdf} for every learned-gate experiment of `records`; the paths."""
+    return [p for g in gate_groups(records) for p in draw_gates(g, Path(out) / f"gates_{g['name']}")]
 
 
 def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_layer: str = "norm",
                  device: str = "auto", seed: int = 0) -> list[Path]:
-    """Every figure the records support (see the module docstring); returns the paths.
+    """Every figure the records (finished runs from `collect`) support, in `out`; the paths.
+    vs_k: {trainer: {metric, label}}; pca_maps: images per PCA-map grid (0: none) at pca_layer,
+    run on `device` in the fixed image order of `seed`."""
+    from analysis.pca_maps import THRESHOLD, checkpoint_maps
 
-    Args:
-        records: finished runs from `analysis.runs.collect`.
-        out: output folder.
-        vs_k: {trainer: {metric, label}} for the metric-vs-k figure.
-        pca_maps: images per PCA-map grid (0: none); pca_layer: the layer they show.
-        device: where the PCA-map models run; seed: the fixed image order.
-    """
     out = Path(out)
     # each figure is skipped with a note when the runs do not hold its data
     paths = draw_vs_k(records, vs_k, out / "vs_k")
@@ -180,17 +346,29 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
         print(f"[figures] skipped vs_k: no finished run of a trainer in vs_k ({', '.join(vs_k)}) has its metric",
               flush=True)
     for name, recs in experiments(records).items():
-        # per-layer figures need python -m analysis's output; PCA maps only the checkpoints
-        lines = _lines(recs)
-        if not lines:
+        # a line per arm (k, mode): its seeds' analyses (a run not analysed has no line)
+        arms: dict = {}
+        for r in sorted((r for r in recs if r.get("analysis")), key=lambda r: arm_key(r["k"], r["mode"])):
+            arms.setdefault(arm_label(r["k_label"], r["mode"]), []).append(json.loads(Path(r["analysis"]).read_text()))
+        if not arms:
             print(f"[figures] skipped the layer figures of {name}: no analysis.json (run python -m analysis "
                   f"checkpoint=<run>/ckpt/last.pt on its runs)", flush=True)
         else:
-            for draw in (plots.draw_anova, plots.draw_spectrum, plots.draw_collapse):
-                paths += draw(lines, out / f"{draw.__name__[5:]}_{name}", name)
+            # per-layer figures need python -m analysis's output; the PCA maps below only the checkpoints
+            paths += draw_all(list(arms.items()), out, "norm", name, f"_{name}")
             paths += draw_blocks(recs, out / f"blocks_{name}", name)
         if pca_maps and recs[0]["arch"] == "vit":
-            got = draw_pca_maps(recs, pca_maps, pca_layer, device, out / f"pca_maps_{name}", seed)
+            # one checkpoint per arm, its lowest seed: a map is of one model (a mean of maps would blur
+            # exactly what it shows)
+            picks: dict = {}
+            for r in sorted(recs, key=lambda r: (arm_key(r["k"], r["mode"]), sort_key(r["seed"]))):
+                if Path(r["checkpoint"]).is_file():
+                    picks.setdefault((r["k"], r["mode"]), r)
+            cols = {f"{r['model']} ({arm_label(r['k_label'], r['mode'])} Laplacian, seed {r['seed']})": r["checkpoint"]
+                    for r in picks.values()}
+            names = [f"{r['model']}_{arm_label(r['k_label'], r['mode'])}_s{r['seed']}" for r in picks.values()]
+            got = checkpoint_maps(cols, out / f"pca_maps_{name}", pca_maps, pca_layer, THRESHOLD, device=device,
+                                  seed=seed, names=names) if cols else []
             if not got:
                 print(f"[figures] skipped pca_maps_{name}: no checkpoint found", flush=True)
             paths += got
@@ -200,12 +378,11 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
 def run(cfg: DictConfig) -> list[Path]:
     """Collect the runs of cfg.runs and draw every figure; returns the written paths."""
     roots = runs_roots(cfg, "analysis.figures")
-    # (a run still training would pass for a finished one)
-    records = [r for r in collect(roots) if r["finished"]]
+    records = [r for r in collect(roots) if r["finished"]]  # a run still training would pass for a finished one
     print(f"[figures] {len(records)} finished runs under {', '.join(map(str, roots))}", flush=True)
-    out = Path(cfg.out) if cfg.out else roots[0] / "figures"
-    paths = draw_figures(records, out, OmegaConf.to_container(cfg.vs_k, resolve=True), int(cfg.pca_maps),
-                         cfg.pca_layer, cfg.device, int(cfg.seed))
+    paths = draw_figures(records, Path(cfg.out) if cfg.out else roots[0] / "figures",
+                         OmegaConf.to_container(cfg.vs_k, resolve=True), int(cfg.pca_maps), cfg.pca_layer, cfg.device,
+                         int(cfg.seed))
     for p in paths:
         print(f"[figures] wrote {p}", flush=True)
     return paths

@@ -1,54 +1,33 @@
 """Token geometry of one checkpoint: its evaluation data through `laplace.features`, folded into
-the metrics of `analysis.metrics` / `analysis.streaming` layer by layer, in one pass.
-
-Used by `python -m analysis` (analysis/__main__.py); also callable in-process:
+the accumulators of analysis/metrics.py layer by layer, in one pass. `python -m analysis` runs
+it (analysis/__main__.py); in-process:
 
     from analysis.geometry import analyze_checkpoint
     res = analyze_checkpoint("runs/.../ckpt/last.pt", max_tokens=100_000)
     res["results"]["patch"]["norm"]["anova"]["within_seq_share"]
 
-Layers: "blocks.<i>" is the residual stream after block i, "norm" the final-norm output (what
-the head reads); the two can disagree, so both are measured. Token kinds and metrics:
+Layers: "blocks.<i>" is the residual stream after block i, "norm" the final-norm output (what the
+head reads); the two can disagree, so both are measured. Token kinds (results[kind][layer][group]):
 
 ViT `patch`: the patch tokens; sequence = image, label = the image's class.
-    anova            within/between image and class parts (streamed): total, within_seq,
-                     between_seq (= within_class + between_class), within_class, between_class,
-                     each a per-token mean square (mean over tokens of a squared distance, see
-                     `metrics.anova`), and their *_share of total.
-    spectral         spectrum of the globally centred patch tokens (n_pcs_0.99, ...): one
-                     covariance of all tokens of all images about their common mean.
-    spectral_within  pooled within-image spectrum: every token minus its own image's mean, ONE
-                     covariance of all those rows (how many directions the within-image
-                     variation of the whole set spans; an integer count).
-    spectral_per_seq per-image spectra averaged over images: each image's patch tokens centred on
-                     their own mean, that image's spectrum counted alone (n_pcs_<t>,
-                     effective_rank as in `metrics.spectrum_metrics`), then the mean over images
-                     (a float; the first per_seq_max_sequences images, 1024 by default;
-                     n_sequences = images averaged, n_no_variance = images whose tokens are all
-                     equal, left out). The paper's "tokens of one image concentrate".
-                     Our reading, a guess: the paper's non-integer 547.7 / 430.4 PCs are such an
-                     average over sequences (or over seeds), not one pooled count.
-    nc               Neural Collapse of the image means of the patch tokens (one row per image)
-                     with the classifier head W, b: the paper's "sequence means form a simplex
-                     ETF aligned with the classifier". The head reads the class token, so nc3/nc4
-                     here measure alignment, not the model's own decisions.
-    cdnv             over patch tokens, classes = image classes (streamed).
-ViT `cls`: the class token, one row per image; at "norm" it is exactly what the head classifies.
-    nc (NC1-NC4 with the head), cdnv, spectral; in memory (N_images x D per layer). No ANOVA:
-    a one-token sequence has no within part.
-GPT `tokens`: every position of a window; sequence = window, label = next-token id.
-    anova -> sequence parts only (total, within_seq, between_seq and shares); nc / cdnv ->
-    linguistic collapse (keys lc_*: next-token classes with >= min_count rows, unembedding =
-    lm_head.weight; the NCC agreement would need a second pass and is left out); spectral ->
-    global spectrum, spectral_within
-    (pooled, window-centred) and spectral_per_seq (per window, mean over windows), as for the ViT;
-    our tables put the paper's 547.7 -> 430.4 PCs beside spectral_per_seq (our reading).
-Memory: per layer O(D^2 + (#sequences + #classes) D), plus the class tokens. The per-sequence
-spectra cost one batched eigvalsh of [B, min(T, D), min(T, D)] per layer and batch
-(throughput.per_seq_spectra_s, part of accumulate_s).
+    anova            total, within_seq, between_seq (= within_class + between_class), within_class,
+                     between_class (per-token mean squares, `metrics.anova`) and their *_share
+    spectral         spectrum of the globally centred patch tokens (n_pcs_0.99, ...)
+    spectral_within  pooled within-image spectrum: ONE covariance of every token less its image's mean
+    spectral_per_seq each image's own spectrum, averaged over the first per_seq_max_sequences images
+                     (a float; the paper's "tokens of one image concentrate"; our reading, a guess:
+                     its non-integer 547.7 / 430.4 PCs are such an average)
+    nc               Neural Collapse of the image means of the patch tokens with the head W, b: the
+                     paper's "sequence means form a simplex ETF aligned with the classifier"
+    cdnv             over patch tokens, classes = image classes
+ViT `cls`: the class token, one row per image (at "norm", what the head classifies): nc, cdnv, spectral.
+GPT `tokens`: every position of a window; sequence = window, label = next-token id: anova (the
+    sequence parts), lc (linguistic collapse over next-token classes with >= min_count rows,
+    unembedding = lm_head.weight), spectral, spectral_within and spectral_per_seq as for the ViT.
 """
 from __future__ import annotations
 
+import math
 import resource
 import time
 from pathlib import Path
@@ -58,10 +37,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 
-from analysis.metrics import cdnv, neural_collapse
-from analysis.spectra import spectral_decay
-from analysis.streaming import GeometryAccumulator, SequenceSpectra
-from laplace.checkpoint import load_checkpoint, model_from_checkpoint
+from analysis.metrics import GeometryAccumulator, SequenceSpectra, cdnv, neural_collapse, spectral_decay
+from laplace.checkpoint import load_checkpoint, load_model, model_from_checkpoint, read_export_config, run_dir_of
 from laplace.dist import resolve_device
 from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
@@ -82,24 +59,43 @@ def check_metrics(metrics: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(metrics))
 
 
-def checkpoint_data_node(ckpt_config: dict, data=None) -> dict:
-    """The data node to evaluate on: `data` (a Hydra node or dict) if given, else the
-    checkpoint's own."""
-    # an explicit data node wins: e.g. a checkpoint trained on one split, measured on another
-    if data is not None:
-        return OmegaConf.to_container(data, resolve=True) if OmegaConf.is_config(data) else dict(data)
-    if not ckpt_config.get("data"):
-        raise ConfigError("the checkpoint's config has no data node; pass data=<name> (e.g. data=digits)")
-    return dict(ckpt_config["data"])
+def load_for_analysis(path, data=None, device: str = "auto"):
+    """(model on its device, checkpoint dict, data node) of a laplace checkpoint or of a folder
+    `python -m laplace.export` wrote; the data node is `data` (a Hydra node or dict) if given,
+    else the one the checkpoint (or the export) recorded."""
+    path = Path(path)
+    if path.is_dir():
+        # an export holds the model node (and, where the export recorded it, the data node) in its
+        # config.json; the checkpoint's other parts (optimizer, loop) are not there
+        node = read_export_config(path)
+        ckpt = {"config": {"model": node["model"], "data": node.get("data")},
+                "loop": {"step": (node.get("source") or {}).get("step")}}
+    else:
+        ckpt = load_checkpoint(path)  # read once: the model is built from the same dict
+    if data is not None:  # an explicit data node wins: e.g. a model trained on one split, measured on another
+        data = OmegaConf.to_container(data, resolve=True) if OmegaConf.is_config(data) else dict(data)
+    elif ckpt["config"].get("data"):
+        data = dict(ckpt["config"]["data"])
+    else:
+        trained_on = (node.get("source") or {}).get("data") if path.is_dir() else None
+        raise ConfigError(f"checkpoint={path}: it records no data node; pass data=<name> "
+                          f"(e.g. data={trained_on or 'digits'}) to say which validation split to measure")
+    model = load_model(path, resolve_device(device)) if path.is_dir() else \
+        model_from_checkpoint(ckpt, resolve_device(device))
+    return model, ckpt, data
+
+
+def analysis_dir(checkpoint, out=None) -> Path:
+    """Where the analysis of one checkpoint goes: beside it, named after it; with `out`, in
+    <out>/<run folder>_<name>_analysis (the checkpoint's folder may be read-only)."""
+    p = Path(checkpoint)
+    return p.parent / f"{p.stem}_analysis" if out is None else Path(out) / f"{run_dir_of(p).name}_{p.stem}_analysis"
 
 
 def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = None):
-    """(dataset, tokens per sequence): a fixed random subset of the validation split.
-
-    The order is a permutation seeded by `seed`, so every checkpoint sees the same images /
-    windows and a max_tokens cut is not biased to the first classes of a sorted split.
-    """
+    """(dataset, tokens per sequence): a fixed random subset of the validation split."""
     if isinstance(model, VisionTransformer):
+        # the checkpoint's evaluation transform (resize, centre crop, normalise): what the model saw in validation
         from laplace.data.vision import build_vision_dataset
 
         # a ViT's position embedding fixes its image size: another size is refused, not resampled
@@ -108,8 +104,7 @@ def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = Non
             raise ConfigError(f"data.img_size={data['img_size']} but the checkpoint's model takes "
                               f"{want} px images; set data.img_size={want}")
         ds = build_vision_dataset(OmegaConf.create(data), train=False)
-        # +1: the class token, which the token count includes
-        per_seq = model.patch_embed.num_patches + 1
+        per_seq = model.patch_embed.num_patches + 1  # +1: the class token, which the token count includes
     else:
         per_seq = int(data["seq_len"])
         # windows of seq_len tokens; their targets are the next tokens (linguistic collapse's classes)
@@ -126,8 +121,8 @@ def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = Non
                               f"(data=fineweb_edu, data=pydoc_bpe: set data.root) or data=pydoc_text")
     # whole sequences only (the ANOVA's within-sequence part needs them), at least one
     n = len(ds) if max_tokens is None else min(len(ds), max(1, int(max_tokens) // per_seq))
-    # a seeded permutation: a max_tokens cut takes a random subset of a sorted split, and every
-    # checkpoint gets the same one (paired comparisons measure the same tokens)
+    # a seeded permutation: a max_tokens cut takes a random subset of a sorted split (not its first
+    # classes), and every checkpoint gets the same one (paired comparisons measure the same tokens)
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:n]
     return Subset(ds, order.tolist()), per_seq
 
@@ -135,6 +130,7 @@ def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = Non
 def layer_names(model, layers="all") -> tuple[Optional[list[int]], list[str]]:
     """Block indices for laplace.features (None = all) and the layer names, "norm" last."""
     depth = len(model.blocks)
+    # all blocks by default: the per-block tables and figures read every one
     if layers in (None, "all"):
         return None, [f"blocks.{i}" for i in range(depth)] + ["norm"]
     idx = [layers] if isinstance(layers, int) else list(layers)
@@ -148,47 +144,18 @@ def layer_names(model, layers="all") -> tuple[Optional[list[int]], list[str]]:
 
 
 def group_metrics(out: dict) -> dict:
-    """Split one flat metric dict into {"anova", "nc", "cdnv", "lc", "spectral"} groups."""
+    """Split one flat metric dict into {"anova", "nc", "cdnv", "lc", "spectral"} groups (by key prefix)."""
+    def group(k):  # by key prefix: the streamed and in-memory metrics share their key names
+        if k.startswith(("lc_", "cdnv")):
+            return k.split("_")[0]
+        if k.startswith(("n_pcs_", "effective_rank", "total_variance", "spectrum")):
+            return "spectral"
+        return "anova" if k.split("_share")[0] in _ANOVA_KEYS else "nc"
+
     groups: dict = {}
     for k, v in out.items():
-        # by key prefix: the streamed and in-memory metrics share their key names
-        if k.startswith("lc_"):
-            g = "lc"
-        elif k.startswith("cdnv"):
-            g = "cdnv"
-        elif k.startswith(("n_pcs_", "effective_rank", "total_variance", "spectrum")):
-            g = "spectral"
-        elif k.split("_share")[0] in _ANOVA_KEYS:
-            g = "anova"
-        else:
-            g = "nc"
-        groups.setdefault(g, {})[k] = v
+        groups.setdefault(group(k), {})[k] = v
     return groups
-
-
-class _Timer:
-    """Wall time of a section; synchronises CUDA so the time lands where the work is."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.total = 0.0
-
-    # CUDA runs asynchronously: a sync on entry and exit lands the time where the work is
-    def __enter__(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.total += time.perf_counter() - self.t0
-
-
-def _peak_rss_mib() -> float:
-    """The process's peak resident memory so far (Linux reports KiB)."""
-    # (the peak, not the current size: what a memory budget must hold)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @torch.no_grad()
@@ -201,14 +168,14 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
     Args:
         model: a ViT or GPT from `load_model`, already on its device, in eval mode.
         dataset: items (image, class) for a ViT, (window, next tokens) for a GPT.
-        metrics: subset of METRICS (see the module docstring for what each means per kind).
+        metrics: subset of METRICS (the module docstring says what each means per kind).
         layers: "all" or block indices; "norm" is always measured.
         batch_size, num_workers: the DataLoader's (sequences per forward).
         min_count: GPT: next-token classes with fewer rows are left out of linguistic collapse.
         thresholds: explained-variance fractions for n_pcs_<t>.
         progress: tqdm bar over batches.
-        per_seq_max_sequences: spectral_per_seq averages over the first this many sequences of
-            `dataset` (None: all; 0: not measured); the rest of the metrics use every sequence.
+        per_seq_max_sequences: spectral_per_seq averages over the first this many sequences
+            (None: all; 0: not measured); the other metrics use every sequence.
     Returns {"layers", "results": {kind: {layer: {group: {...}}}}, "throughput": {...}}.
     """
     from tqdm.auto import tqdm
@@ -220,8 +187,8 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
     D = model.embed_dim if vit else model.width
     acc_metrics = ([m for m in ("anova", "cdnv", "spectral") if m in metrics] if vit
                    else list(dict.fromkeys(_GPT_ACC[m] for m in metrics)))
-    # The patch accumulator always keeps per-image sums: the image means feed patch NC.
-    # one accumulator per layer: statistics of every layer in a single pass over the data
+    # one accumulator per layer: every layer in a single pass over the data; the patch accumulator
+    # always keeps per-image sums, whose means feed the patch NC
     accs = {n: GeometryAccumulator(D, acc_metrics, device=dev) for n in names}
     # per-sequence spectra (spectral_per_seq): every batch holds whole sequences
     seqs = ({n: SequenceSpectra(thresholds, per_seq_max_sequences) for n in names}
@@ -229,45 +196,40 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
     # the class tokens are few (one per image): kept in memory for the in-memory NC and CDNV
     cls_rows: dict = {n: [] for n in names}
     cls_labels = []
+    # the split's fixed order (no shuffle): every checkpoint of a comparison sees the same batches
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    fwd, fold, per_seq = _Timer(dev), _Timer(dev), _Timer(dev)
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # the pass's own peak, reported beside the throughput
         torch.cuda.reset_peak_memory_stats(dev)
-    # (reported beside the final peak: the statistics' own memory is the difference)
-    rss_before = _peak_rss_mib()  # torch, the model and the data set-up, before any statistics
     seen = tokens = 0
     t0 = time.perf_counter()
     for x, y in tqdm(loader, desc="features", disable=not progress, leave=False):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-        with fwd:
-            feats = features(model, x, layers=block_ids)
+        feats = features(model, x, layers=block_ids)
         B, T = feats["norm"].shape[:2]
-        sid = torch.arange(seen, seen + B, device=dev)
-        with fold:
-            for n in names:
-                f = feats[n].float()
-                if vit:
-                    # a patch token's sequence is its image and its label the image's class
-                    P = T - 1  # patch tokens follow the class token
-                    accs[n].update(f[:, 1:].reshape(-1, D), sid.repeat_interleave(P), y.repeat_interleave(P))
-                    if "nc" in metrics or "cdnv" in metrics or "spectral" in metrics:
-                        cls_rows[n].append(f[:, 0].cpu())
-                else:
-                    # a GPT's every position, labelled by the token it predicts
-                    accs[n].update(f.reshape(-1, D), sid.repeat_interleave(T), y.reshape(-1))
-                if seqs:
-                    with per_seq:
-                        seqs[n].update(f[:, 1:] if vit else f)
+        sid = torch.arange(seen, seen + B, device=dev)  # a sequence id per image / window, unique over batches
+        for n in names:
+            f = feats[n].float()
+            if vit:
+                # a patch token's sequence is its image and its label the image's class
+                P = T - 1  # patch tokens follow the class token
+                accs[n].update(f[:, 1:].reshape(-1, D), sid.repeat_interleave(P), y.repeat_interleave(P))
+                if {"nc", "cdnv", "spectral"} & set(metrics):
+                    cls_rows[n].append(f[:, 0].cpu())
+            else:
+                # a GPT's every position, labelled by the token it predicts
+                accs[n].update(f.reshape(-1, D), sid.repeat_interleave(T), y.reshape(-1))
+            if seqs:
+                seqs[n].update(f[:, 1:] if vit else f)
         if vit:
             cls_labels.append(y.cpu())
         seen, tokens = seen + B, tokens + B * T
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)  # CUDA runs asynchronously: the pass's time includes its last kernels
     pass_s = time.perf_counter() - t0
 
-    t1 = time.perf_counter()
+    # finish layer by layer: each accumulator is freed before the next (their D x D scatters add up)
     results = {"patch": {}, "cls": {}} if vit else {"tokens": {}}
-    head = getattr(model, "head", None)
-    W = getattr(head, "weight", None)
-    b = getattr(head, "bias", None)
+    W, b = (getattr(getattr(model, "head", None), k, None) for k in ("weight", "bias"))
     labels = torch.cat(cls_labels) if cls_labels else None
     for n in names:
         if vit:
@@ -278,11 +240,9 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
         if seqs:
             results["patch" if vit else "tokens"][n]["spectral_per_seq"] = seqs.pop(n).compute()
         accs[n] = None  # free the layer's statistics before the next one is finished
-    compute_s = time.perf_counter() - t1
+    # the peak, not the current size: what a memory budget must hold (Linux reports KiB)
     thr = {"sequences": seen, "tokens": tokens, "seconds": pass_s, "tokens_per_s": tokens / max(pass_s, 1e-9),
-           "forward_s": fwd.total, "accumulate_s": fold.total, "per_seq_spectra_s": per_seq.total,
-           "compute_s": compute_s,
-           "peak_rss_mib": _peak_rss_mib(), "peak_rss_before_pass_mib": rss_before, "device": str(dev)}
+           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "device": str(dev)}
     if dev.type == "cuda":
         thr["peak_cuda_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
     return {"layers": names, "results": results, "throughput": thr}
@@ -290,7 +250,7 @@ def analyze_model(model, dataset, *, metrics: Sequence[str] = METRICS, layers="a
 
 def _finish_vit(acc, cls_rows, labels, W, b, metrics, thresholds):
     # the paper's ViT object: NC of the image means of the patch tokens (sequence means), beside the
-    # class token's NC (what the head reads)
+    # class token's NC (what the head reads; there nc3 / nc4 are the model's own decisions)
     patch = group_metrics(acc.compute(thresholds=thresholds)) if acc.metrics else {}
     if "spectral" in metrics:
         patch["spectral_within"] = acc.spectral(thresholds, center="sequence")
@@ -299,8 +259,7 @@ def _finish_vit(acc, cls_rows, labels, W, b, metrics, thresholds):
         patch["nc"] = neural_collapse(means, seq_labels, weight=W, bias=b)
     cls = {}
     if cls_rows:
-        x = torch.cat(cls_rows).to(acc.device)
-        y = labels.to(acc.device)
+        x, y = torch.cat(cls_rows).to(acc.device), labels.to(acc.device)
         if "nc" in metrics:
             cls["nc"] = neural_collapse(x, y, weight=W, bias=b)
         if "cdnv" in metrics:
@@ -312,30 +271,14 @@ def _finish_vit(acc, cls_rows, labels, W, b, metrics, thresholds):
 
 def _finish_gpt(acc, unembedding, metrics, min_count, thresholds):
     try:
-        out = acc.compute(unembedding=unembedding, min_count=min_count, thresholds=thresholds)
-    # too few next-token classes with min_count rows: a config problem, said as one line
-    except ValueError as e:
-        if "min_count" in str(e) or "or more rows" in str(e):
+        groups = group_metrics(acc.compute(unembedding=unembedding, min_count=min_count, thresholds=thresholds))
+    except ValueError as e:  # too few next-token classes with min_count rows: a config problem, one line
+        if "or more rows" in str(e):
             raise ConfigError(f"min_count={min_count}: {e}; lower min_count or raise max_tokens") from None
         raise
-    groups = group_metrics(out)
     if "spectral" in metrics:
         groups["spectral_within"] = acc.spectral(thresholds, center="sequence")
     return groups
-
-
-def load_for_analysis(path, data=None, device: str = "auto"):
-    """(model on its device, checkpoint dict, data node): what every analysis of `path` needs.
-
-    Args:
-        path: a laplace checkpoint (e.g. runs/.../ckpt/last.pt).
-        data: a data node (Hydra node or dict) to evaluate on; None: the checkpoint's own.
-        device: auto | cpu | cuda.
-    """
-    # (a ViT-B checkpoint is hundreds of MB: not read twice)
-    ckpt = load_checkpoint(path)  # read once: the model is built from the same dict
-    data_node = checkpoint_data_node(ckpt["config"], data)
-    return model_from_checkpoint(ckpt, resolve_device(device)), ckpt, data_node
 
 
 def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, layers="all",
@@ -343,7 +286,7 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
                        device: str = "auto", seed: int = 0, min_count: int = 5,
                        thresholds: Sequence[float] = (0.9, 0.99), progress: bool = True,
                        loaded=None, per_seq_max_sequences: Optional[int] = 1024) -> dict:
-    """Load a checkpoint with `load_model`, build its evaluation data and measure it.
+    """Measure a checkpoint (or an exported folder) on its evaluation split: the analysis.json content.
 
     Args:
         path, data, device: as in `load_for_analysis`.
@@ -351,17 +294,16 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
         seed: the fixed order of the split (the same subset for every checkpoint).
         loaded: the result of `load_for_analysis(path, ...)` when the caller has it already.
         The rest as in `analyze_model`.
-    Returns the analysis.json content: model facts, data, settings, throughput, results.
     """
     model, ckpt, data_node = loaded or load_for_analysis(path, data, device)
-    cfg = ckpt["config"]
+    # the same seeded subset for every checkpoint: paired comparisons measure the same tokens
     dataset, per_seq = eval_split(model, data_node, seed, max_tokens)
     out = analyze_model(model, dataset, metrics=metrics, layers=layers, batch_size=batch_size,
                         num_workers=num_workers, min_count=min_count, thresholds=thresholds,
                         progress=progress, per_seq_max_sequences=per_seq_max_sequences)
-    counts = list(model.num_laplacian_heads)
+    counts = list(model.num_laplacian_heads)  # one k per layer; one number when every layer has the same
     return {
-        "checkpoint": str(Path(path).resolve()), "model": model_label(cfg["model"]),
+        "checkpoint": str(Path(path).resolve()), "model": model_label(ckpt["config"]["model"]),
         "arch": "vit" if isinstance(model, VisionTransformer) else "gpt",
         "num_heads": model.blocks[0].attn.num_heads,
         "num_laplacian_heads": counts[0] if len(set(counts)) == 1 else counts,
@@ -374,3 +316,55 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
                      "per_seq_max_sequences": per_seq_max_sequences},
         **out,
     }
+
+
+# ----------------------------------------------------------------------------- reading analysis.json
+
+def _finite(d: dict) -> dict:
+    # a number or nothing: NaN (a sequence without variance) and non-numbers (lists, names) left out
+    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def geometry(analysis: dict, layer: str = "norm") -> dict:
+    """Headline token geometry at one layer of one analysis.json ({} when not measured). Tokens:
+    the ViT's patch tokens (sequence = image), the GPT's tokens (sequence = window). Keys:
+        within_seq_share, between_seq_share, within_class_share, between_class_share (ANOVA)
+        total_var, within_seq_var, ...  the raw parts, per-token mean squares (*_class: ViT only)
+        n_pcs_<t>, effective_rank, total_variance   global spectrum (one covariance of all tokens)
+        within_n_pcs_<t>          pooled within-sequence spectrum (tokens less their sequence's mean)
+        per_seq_n_pcs_<t>, per_seq_effective_rank   each sequence's own, the mean over sequences
+        nc1, nc2_*, nc3, nc4, cdnv_mean, cdnv_std   ViT: the class token (what the head classifies)
+        patch_nc1, patch_nc2_*, ...  ViT: the image means of the patch tokens (the paper's object)
+        lc_*                      GPT: linguistic collapse (classes = next-token ids)
+    """
+    vit = analysis.get("arch") == "vit"
+    res = analysis.get("results", {})
+    # the ViT's sequence geometry is of its patch tokens; the class token is a kind of its own
+    at = res.get("patch" if vit else "tokens", {}).get(layer, {})
+    anova = at.get("anova", {})
+    g = {k: v for k, v in anova.items() if k.endswith("_share")}
+    g.update({f"{k}_var": v for k, v in anova.items() if not k.endswith("_share")})
+    g.update({k: v for k, v in at.get("spectral", {}).items() if k != "spectrum"})
+    g.update({f"within_{k}": v for k, v in at.get("spectral_within", {}).items() if k.startswith("n_pcs")})
+    g.update({f"per_seq_{k}": v for k, v in at.get("spectral_per_seq", {}).items()
+              if k.startswith("n_pcs") or k == "effective_rank"})
+    g.update(at.get("lc", {}))
+    if vit:
+        g.update({f"patch_{k}": v for k, v in at.get("nc", {}).items() if k.startswith("nc")})
+        cls = res.get("cls", {}).get(layer, {})
+        g.update({k: v for k, v in cls.get("nc", {}).items() if k != "num_classes"})
+        g.update(cls.get("cdnv", {}))
+    return _finite(g)
+
+
+def layer_geometry(analysis: dict) -> dict:
+    """`geometry` at every layer the analysis measured, in its order: {layer: {key: value}}."""
+    return {layer: geometry(analysis, layer) for layer in analysis.get("layers", [])}
+
+
+def mechanism_summary(analysis: Optional[dict]) -> dict:
+    """The per-head smoothing diagnostic of one analysis.json pooled per head type (analysis/
+    mechanism.py's summary, finite values only): {"<key>.<type>": mean over all layers,
+    "blocks.<i>": {"<key>.<type>": ...}}; {} when the analysis ran without it."""
+    s = ((analysis or {}).get("mechanism") or {}).get("summary") or {}
+    return {**_finite(s), **{k: _finite(v) for k, v in s.items() if isinstance(v, dict)}}

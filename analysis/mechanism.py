@@ -1,45 +1,28 @@
 """Does each head smooth the residual stream? A per-layer, per-head diagnostic of the paper's
-mechanism, measured in the frame of the geometry: the residual stream the block reads.
+mechanism, in the frame of the geometry: the residual stream the block reads. `python -m analysis`
+runs it with mechanism=true (the default): "mechanism" in analysis.json, mechanism.md and
+mechanism.{png,pdf} in the analysis folder.
 
-    from analysis.mechanism import mechanism_checkpoint, to_markdown
-    res = mechanism_checkpoint("runs/.../ckpt/last.pt", max_tokens=100_000)
-    print(to_markdown(res))
-
-`python -m analysis` runs it with mechanism=true (the default): analysis.json gets a top-level
-"mechanism", and mechanism.md and mechanism.{png,pdf} go to the analysis folder.
-
-A block adds to its input stream x (what the geometry of the previous layer measures) the term
-ls1(attn(norm1(x))). Head h's part of it, as it enters the stream, is
+A block adds to its input stream x the term ls1(attn(norm1(x))). Head h's part of it is
 
     D_h = O_h diag(lambda),   O_h = (a V_h + (1 - 2a) P_h V_h) W_o,h     (a = 0 softmax, 1 Laplacian)
 
-with V_h the values of the normed input, lambda the ViT's LayerScale (the GPT has none: 1).
-A Laplacian head gives O_h = -(P_h X~ - X~) W_v,h W_o,h, and in the stream's coordinates
-X~ ~ x Pi diag(g) / sigma (LayerNorm: centring Pi, gain g, a positive per-token scale; the
-GPT's RMSNorm: no centring, no gain). So it smooths the stream (moves each token toward its
-attention-weighted mean) when the symmetric part of the head's stream-frame matrix
-
-    M_h = Pi diag(g) W_v,h W_o,h diag(lambda)      (row vectors: x -> x M_h; rank <= d_head)
-
-is negative. Per layer and head, on the validation data of the analysis (the same split as
-the geometry; the ViT's patch tokens, the GPT's every position, as the geometry's objects):
+with V_h the values of the normed input and lambda the ViT's LayerScale (the GPT has none). A
+Laplacian head gives O_h = -(P_h X~ - X~) W_v,h W_o,h with X~ ~ x Pi diag(g) / sigma (LayerNorm:
+centring Pi, gain g, a positive per-token scale; the GPT's RMSNorm: none of Pi and g). So it
+smooths the stream (moves each token toward its attention-weighted mean) when the symmetric part
+of M_h = Pi diag(g) W_v,h W_o,h diag(lambda) (row vectors: x -> x M_h) is negative. Per head, on
+the analysis' validation tokens (the ViT's patch tokens, the GPT's every position):
 
     cos_smooth   <D_h, P_h x - x> / (|D_h| |P_h x - x|), Frobenius over all tokens; > 0: smooths
     cos_token    the mean over tokens of the per-token cosine (tokens where either is 0 left out)
-    dvar         the first-order relative change of the within-sequence variance W(x) if D_h
-                 alone were added: 2 <x - mean_seq(x), D_h> / W(x); < 0: smooths
-    dshare       the first-order change of the within-sequence share W / T (T: the variance about
-                 the mean of all tokens): share (2 <x_c, D_h> / W - 2 <x - mean(x), D_h> / T)
+    dvar         first-order relative change of the within-sequence variance W if D_h alone were
+                 added: 2 <x - mean_seq(x), D_h> / W; < 0: smooths
+    dshare       first-order change of the within-sequence share W / T (T: about the mean of all tokens)
     out_norm     |D_h| / |x|: the head's scale relative to the stream
-    neg_mass     sum |negative eigenvalues| / sum |eigenvalues| of sym(M_h). Its null is 0.5: for
-                 a rank-d head, sym(M_h) has d positive and d negative eigenvalues unless the head
-                 writes into the subspace it reads; 1: a pure diffusion, 0: pure sharpening
-    trace_fro    trace(M_h) / |M_h|_F (signed, scale-free); eig_min, eig_max
-    type, gate   "softmax", "laplacian" or "learned a=0.73"; a
-
-Streamed over batches in float64; memory: one layer's P of one batch at a time ([B, H, N, N] in
-the model's dtype; lower mechanism_batch_size for long sequences), the float64 part folded in
-chunks of about 256 MiB (`HeadAccumulator.CHUNK_ELEMENTS`).
+    neg_mass     sum |negative eigenvalues| / sum |eigenvalues| of sym(M_h); null 0.5 (a rank-d head
+                 has d positive and d negative ones unless it writes into the subspace it reads)
+    trace_fro    trace(M_h) / |M_h|_F; eig_min, eig_max; type, gate ("learned a=0.73", a)
 """
 from __future__ import annotations
 
@@ -49,11 +32,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import pandas as pd
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from laplace.zoo import features, model_label
+from laplace.zoo import features
 
 TYPES = ("softmax", "laplacian", "learned")
 #: The per-head numbers pooled by `summary` (and read by analysis.runs as mechanism.<key>.<type>).
@@ -258,104 +242,52 @@ class HeadAccumulator:
         return heads
 
 
-def _hooks(model, accs: dict):
-    """Hooks on every block and its attention: keep the block's input (the stream), ask the
-    attention for P (return_attn=True), fold (stream, x, P, out) into the layer's accumulator,
-    hand the block its usual output."""
-    handles, streams = [], {}
+def summary(heads: dict[str, list[dict]]) -> dict:
+    """Means of SUMMARY_KEYS over the heads of each type group (softmax, laplacian, learned):
+    {"<key>.<group>": mean over all layers, "blocks.<i>": {"<key>.<group>": mean in that layer}}."""
+    rows = pd.DataFrame([{"layer": layer, "group": type_group(h["type"]), "key": k, "value": h[k]}
+                         for layer, hs in heads.items() for h in hs for k in SUMMARY_KEYS if k in h],
+                        columns=["layer", "group", "key", "value"])
+    # a head whose number is NaN (e.g. an all-zero output) is left out of its type's mean; fmean: exact sums
+    rows = rows[rows["value"].map(math.isfinite)]
 
-    def ask(module, args, kwargs):
-        return args, {**kwargs, "return_attn": True}
+    def pool(part):
+        means = part.groupby(["key", "group"], sort=False)["value"].agg(statistics.fmean)
+        return {f"{k}.{g}": v for (k, g), v in means.items()}
 
-    for i, blk in enumerate(model.blocks):
-        # (i=i: each hook keeps its own block's index)
-        def keep(module, args, i=i):
-            streams[i] = args[0]
-
-        def fold(module, args, output, i=i):
-            out, P = output
-            accs[f"blocks.{i}"].update(streams.pop(i), args[0], P, out)
-            return out
-
-        handles += [blk.register_forward_pre_hook(keep),
-                    blk.attn.register_forward_pre_hook(ask, with_kwargs=True), blk.attn.register_forward_hook(fold)]
-    return handles
+    return {**pool(rows), **{layer: pool(part) for layer, part in rows.groupby("layer", sort=False)}}
 
 
 @torch.no_grad()
-def head_mechanism(model, dataset, batch_size: int = 64, num_workers: int = 0, progress: bool = False,
-                   accumulators: Optional[dict] = None) -> dict[str, list[dict]]:
-    """Run `dataset` through `laplace.features` and measure every head of every block.
-
-    Args:
-        model: a ViT or GPT (laplace.checkpoint.load_model), on its device, in eval mode.
-        dataset: items (image, class) or (window, next tokens), e.g. `eval_split`'s.
-        batch_size, num_workers: the DataLoader's.
-        accumulators: a dict to receive the layers' `HeadAccumulator`s (for their counts).
-    Returns {"blocks.<i>": [per-head dict, see the module docstring]}.
-    """
+def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, progress: bool = False) -> dict:
+    """Measure every head of every block on `dataset` (items (image, class) or (window, next
+    tokens), e.g. `eval_split`'s): what analysis.json holds as "mechanism": heads
+    ({"blocks.<i>": [per-head dict, see the module docstring]}), their summary, the counts, the
+    largest relative deviation of the heads' sum from the attention's output (recon_err) and time."""
     from tqdm.auto import tqdm
 
+    from analysis.attention import attention_hooks
+
+    t0 = time.perf_counter()
     dev = next(model.parameters()).device
-    # (the geometry's ViT ANOVA is of the patch tokens: the mechanism measures the same tokens)
-    skip = 1 if hasattr(model, "patch_embed") else 0  # the ViT's class token is not a patch token
-    accs = {f"blocks.{i}": HeadAccumulator(blk.attn, stream_frame(blk), skip) for i, blk in enumerate(model.blocks)}
-    handles = _hooks(model, accs)
+    # the geometry's ViT ANOVA is of the patch tokens: the mechanism leaves out the class token too
+    skip = 1 if hasattr(model, "patch_embed") else 0
+    accs = [HeadAccumulator(blk.attn, stream_frame(blk), skip) for blk in model.blocks]
+    streams = {}  # each block's input: the residual stream its attention's part is added to
+    handles = attention_hooks(model, range(len(accs)), lambda i, x, out, P: accs[i].update(streams.pop(i), x, P, out))
+    handles += [blk.register_forward_pre_hook(lambda m, args, i=i: streams.__setitem__(i, args[0]))
+                for i, blk in enumerate(model.blocks)]
     try:
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
         for x, _ in tqdm(loader, desc="mechanism", disable=not progress, leave=False):
-            # norm=False: the final norm is not needed, and blocks past the last hooked one are skipped
-            features(model, x.to(dev), norm=False)
+            features(model, x.to(dev), norm=False)  # the final norm is not needed
     finally:
         for h in handles:
             h.remove()
-    if accumulators is not None:
-        accumulators.update(accs)
-    return {name: acc.compute() for name, acc in accs.items()}
-
-
-def summary(heads: dict[str, list[dict]]) -> dict:
-    """Means of SUMMARY_KEYS over the heads of each type group (softmax, laplacian, learned):
-    {"<key>.<group>": mean over all layers, "blocks.<i>": {"<key>.<group>": mean in that layer}}.
-    NaNs are left out; a group without heads is absent."""
-    def pool(hs):
-        out = {}
-        for key in SUMMARY_KEYS:
-            for g in TYPES:
-                # (a head whose numbers are NaN, e.g. an all-zero output, is left out of its type's mean)
-                vals = [h[key] for h in hs if type_group(h["type"]) == g and math.isfinite(h.get(key, math.nan))]
-                if vals:
-                    out[f"{key}.{g}"] = statistics.fmean(vals)
-        return out
-
-    res = pool([h for hs in heads.values() for h in hs])
-    res.update({layer: pool(hs) for layer, hs in heads.items()})
-    return res
-
-
-def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, progress: bool = False) -> dict:
-    """`head_mechanism` with its summary, counts and time: what analysis.json holds as "mechanism"."""
-    t0 = time.perf_counter()
-    accs: dict = {}
-    heads = head_mechanism(model, dataset, batch_size, num_workers, progress, accs)
-    first = next(iter(accs.values()))
-    return {"heads": heads, "summary": summary(heads), "n_sequences": first.sequences, "n_tokens": first.tokens,
-            "recon_err": max(a.recon_err for a in accs.values()), "seconds": time.perf_counter() - t0,
+    heads = {f"blocks.{i}": acc.compute() for i, acc in enumerate(accs)}
+    return {"heads": heads, "summary": summary(heads), "n_sequences": accs[0].sequences, "n_tokens": accs[0].tokens,
+            "recon_err": max(a.recon_err for a in accs), "seconds": time.perf_counter() - t0,
             "batch_size": batch_size, "frame": "stream"}
-
-
-def mechanism_checkpoint(path, *, data=None, max_tokens: Optional[int] = None, batch_size: int = 64,
-                         num_workers: int = 0, device: str = "auto", seed: int = 0, progress: bool = False,
-                         loaded=None) -> dict:
-    """Load a checkpoint (`analysis.geometry.load_for_analysis`), take its evaluation split
-    (`eval_split`: the same subset as the geometry) and measure its heads (`mechanism_model`),
-    adding model and checkpoint."""
-    from analysis.geometry import eval_split, load_for_analysis
-
-    model, ckpt, data_node = loaded or load_for_analysis(path, data, device)
-    dataset, _ = eval_split(model, data_node, seed, max_tokens)
-    res = mechanism_model(model, dataset, batch_size, num_workers, progress)
-    return {"checkpoint": str(Path(path).resolve()), "model": model_label(ckpt["config"]["model"]), **res}
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -365,16 +297,20 @@ _COLUMNS = {"cos_smooth": "+.3f", "cos_token": "+.3f", "dvar": "+.4f", "dshare":
             "trace_fro": "+.3f", "eig_min": "+.3g", "eig_max": "+.3g", "out_norm": ".3g"}
 
 
-def to_markdown(result: dict) -> str:
-    """The per-head table (and the means per type) of a `mechanism_model` / `mechanism_checkpoint` result."""
-    import pandas as pd
+def _heads_frame(heads: dict) -> pd.DataFrame:
+    """A row per head: layer, head, type, gate and its numbers (NaN where a head lacks one)."""
+    return pd.DataFrame([{"layer": layer, **h} for layer, hs in heads.items() for h in hs]).reindex(
+        columns=["layer", "head", "type", "gate", *_COLUMNS])
 
+
+def to_markdown(result: dict) -> str:
+    """The per-head table and the means per type of a `mechanism_model` result."""
     def fmt(v, f):
         return "nan" if not math.isfinite(v) else format(v, f)
 
-    heads = pd.DataFrame([{"layer": layer, "head": h["head"], "type": h["type"],
-                           **{k: fmt(h.get(k, math.nan), f) for k, f in _COLUMNS.items()}}
-                          for layer, hs in result["heads"].items() for h in hs])
+    heads = _heads_frame(result["heads"]).drop(columns="gate")
+    for k, f in _COLUMNS.items():
+        heads[k] = heads[k].map(lambda v, f=f: fmt(v, f))
     s = result.get("summary") or summary(result["heads"])
     means = pd.DataFrame([{"type": g, **{k: fmt(s.get(f"{k}.{g}", math.nan), "+.4f") for k in SUMMARY_KEYS}}
                           for g in TYPES if f"cos_smooth.{g}" in s])
@@ -393,21 +329,18 @@ def to_markdown(result: dict) -> str:
 
 
 def draw_mechanism(result: dict, stem: Path) -> list[Path]:
-    """Heatmaps layer x head of cos_smooth, dvar, dshare and neg eigen-mass; Laplacian heads
-    outlined (learned: those with a > 0.5). Writes stem.{png,pdf}; returns the paths."""
+    """Heatmaps layer x head of cos_smooth, dvar, dshare and the negative eigen-mass, Laplacian heads
+    outlined (learned: a > 0.5); writes stem.{png,pdf} and returns the paths."""
     import numpy as np
     from matplotlib.patches import Rectangle
 
-    from analysis.plots import plt, save
+    from analysis.figures import plt, save
 
-    heads = result["heads"]
-    layers = list(heads)
-    H = max(len(hs) for hs in heads.values())
-    grid = {k: np.full((len(layers), H), np.nan) for k in ("cos_smooth", "dvar", "dshare", "neg_mass")}
-    for i, layer in enumerate(layers):
-        for h in heads[layer]:
-            for k in grid:
-                grid[k][i, h["head"]] = h.get(k, np.nan)
+    df = _heads_frame(result["heads"])
+    layers = list(result["heads"])
+    grid = {k: df.pivot(index="layer", columns="head", values=k).reindex(layers).to_numpy(dtype=float)
+            for k in ("cos_smooth", "dvar", "dshare", "neg_mass")}
+    H = grid["dvar"].shape[1]
     # symmetric colour limits: 0 (neither smooths nor sharpens) is white
     lim = {k: (np.nanmax(np.abs(grid[k])) if np.isfinite(grid[k]).any() else 1.0) for k in ("dvar", "dshare")}
     panels = (("cos_smooth", "cos(head's part, Px - x)\n> 0: smooths", "RdBu", -1, 1),
@@ -416,15 +349,13 @@ def draw_mechanism(result: dict, stem: Path) -> list[Path]:
               ("neg_mass", f"negative eigen-mass of sym(M)\nnull {NULL_MASS}", "RdBu", 0, 1))
     fig, axes = plt.subplots(1, 4, figsize=(4 * max(2.3, 0.6 * H + 1.2), max(2.2, 0.45 * len(layers) + 1.4)),
                              squeeze=False)
+    outlined = df[(df["type"] == "laplacian") | (df["type"].str.startswith("learned") & (df["gate"] > 0.5))]
     for ax, (key, title, cmap, lo, hi) in zip(axes[0], panels):
-        im = ax.imshow(grid[key], cmap=cmap, vmin=lo, vmax=hi, aspect="auto")
-        fig.colorbar(im, ax=ax, shrink=0.8)
-        for i, layer in enumerate(layers):
-            for h in heads[layer]:
-                v = grid[key][i, h["head"]]
-                ax.text(h["head"], i, "nan" if not np.isfinite(v) else f"{v:.2f}", ha="center", va="center", fontsize=6)
-                if type_group(h["type"]) == "laplacian" or (type_group(h["type"]) == "learned" and h["gate"] > 0.5):
-                    ax.add_patch(Rectangle((h["head"] - 0.5, i - 0.5), 1, 1, fill=False, ec="k", lw=1.8))
+        fig.colorbar(ax.imshow(grid[key], cmap=cmap, vmin=lo, vmax=hi, aspect="auto"), ax=ax, shrink=0.8)
+        for (i, h), v in np.ndenumerate(grid[key]):
+            ax.text(h, i, f"{v:.2f}", ha="center", va="center", fontsize=6)  # NaN prints as nan
+        for layer, h in zip(outlined["layer"], outlined["head"]):
+            ax.add_patch(Rectangle((h - 0.5, layers.index(layer) - 0.5), 1, 1, fill=False, ec="k", lw=1.8))
         ax.set_xticks(range(H))
         ax.set_yticks(range(len(layers)), layers, fontsize=7)
         ax.set_xlabel("head", fontsize=8)
@@ -433,14 +364,3 @@ def draw_mechanism(result: dict, stem: Path) -> list[Path]:
                  "learned: gate a > 0.5)", fontsize=9)
     fig.tight_layout()
     return save(fig, stem)
-
-
-def record_summary(analysis: Optional[dict]) -> dict:
-    """The per-head smoothing diagnostic of one analysis.json, as analysis.runs records carry it, pooled per
-    head type: {"<key>.<type>": mean over the heads of all layers, "blocks.<i>": {"<key>.<type>": ...}}
-    with key in SUMMARY_KEYS and type in softmax, laplacian, learned. {} when the analysis ran
-    without it."""
-    s = ((analysis or {}).get("mechanism") or {}).get("summary") or {}
-    ok = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731
-    return {k: ({kk: float(vv) for kk, vv in v.items() if ok(vv)} if isinstance(v, dict) else float(v))
-            for k, v in s.items() if isinstance(v, dict) or ok(v)}

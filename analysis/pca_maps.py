@@ -1,37 +1,20 @@
 """PCA maps of ViT patch features (the paper's figure of sharper object boundaries with Laplacian
-heads, after DINO / DINOv2's PCA visualisations), drawn by `python -m analysis` when
-`pca_maps=<n>` is set and by `python -m analysis.figures`:
+heads, after DINO / DINOv2's PCA visualisations), drawn by `python -m analysis pca_maps=<n>` and
+by `python -m analysis.figures`:
 
     python -m analysis checkpoint=[runs/a/ckpt/last.pt,runs/b/ckpt/last.pt] pca_maps=8 metrics=[]
     python -m analysis checkpoint=... pca_maps=8 metrics=[] pca_foreground=false pca_upsample=bilinear
 
-Per image and per checkpoint:
-  1. a PCA of the image's patch tokens; foreground = the patches whose first-component score
-     is positive (`pca_threshold=sign`, the default: the paper's rule, "patches with a
-     negative score of the first PCA component" removed), or, with a number t in [0, 1),
-     those above t on the first component min-max scaled to [0, 1] (0.5: this module's
-     earlier default; DINOv2's public PCA notebook thresholds a first direction fitted on
-     several images at 0.05);
-  2. a second PCA on the foreground patches only; its first 3 components, each min-max scaled
-     over the foreground, are the RGB; the background is black (DINOv2's notebook scales the
-     colours over all patches and fits its PCA over several images: ours is per image).
-With pca_foreground=false: the first 3 components of the one PCA of all patches as RGB.
-A component's sign is arbitrary, so it is fixed: the first component of step 1 points away
-from the image border (the border mean is negative: objects sit inside the frame, as the
-"background prior" of saliency methods assumes; on an exact tie the next rule decides); every
-other component has its largest-magnitude value positive (TokenCut's rule). The same features,
-or their negation, give the same map.
-
-Written (stem = <out>/pca_maps, or <out>/pca_maps_<exp> for analysis.figures):
-    <stem>.{png,pdf}          one row per image: the image, then one column per checkpoint
-                              titled with its model and Laplacian heads; the same images in
-                              every column (the first n of the fixed analysis order). Each cell
-                              is the image's size times an integer factor (>= 1), so a 224 px
-                              image gets a 224 px cell and a 32 px digit a 256 px one.
-    <stem>/image_<i>.png      the input image, at its own resolution
-    <stem>/<model>_<i>.png    each map at the image's resolution, to drop into a paper
-The maps are upsampled from the patch grid with `pca_upsample`: nearest (the patch grid stays
-visible) or bilinear.
+Per image and checkpoint: (1) a PCA of the image's patch tokens; the foreground is the patches
+with a positive first-component score (pca_threshold=sign, the paper's rule: "patches with a
+negative score of the first PCA component" removed), or, with t in [0, 1), those above t on the
+first component min-max scaled to [0, 1]; (2) a second PCA of the foreground patches, whose first
+3 components (min-max scaled over the foreground) are the RGB, the background black (DINOv2's
+notebook fits its PCA over several images: ours is per image). pca_foreground=false: the first 3
+components of all patches. Written (stem = <out>/pca_maps, or <out>/pca_maps_<exp>):
+    <stem>.{png,pdf}          a row per image: the image, then a column per checkpoint; each cell
+                              the image's size times an integer factor (no resampling blur)
+    <stem>/image_<i>.png, <stem>/<model>_<i>.png   the images and maps at the image's resolution
 """
 from __future__ import annotations
 
@@ -40,14 +23,17 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from analysis.plots import plt
 from laplace.errors import ConfigError
 from laplace.zoo import features
+
+matplotlib.use("Agg")  # files only; no display on servers / CI
+import matplotlib.pyplot as plt  # noqa: E402
 
 DPI = 150          # of the PNG grid; cell sizes are computed in pixels at this dpi
 MIN_CELL_PX = 240  # small images are enlarged by an integer factor to about this many pixels
@@ -82,7 +68,9 @@ def _pca(x: torch.Tensor, k: int) -> torch.Tensor:
     if proj.shape[1] < k:  # fewer patches or dims than k
         # (zero columns: a 2x2 grid of 4 patches still gives 3 colour channels)
         proj = torch.cat([proj, proj.new_zeros(proj.shape[0], k - proj.shape[1])], 1)
-    peak = proj.gather(0, proj.abs().argmax(0, keepdim=True))  # largest-magnitude value per component
+    # a component's sign is arbitrary, so it is fixed (TokenCut's rule): its largest-magnitude value is
+    # positive, so the same features, or their negation, give the same map
+    peak = proj.gather(0, proj.abs().argmax(0, keepdim=True))
     return torch.where(peak < 0, -proj, proj)
 
 
@@ -105,8 +93,8 @@ def foreground_mask(patches: torch.Tensor, grid: tuple[int, int], threshold: flo
     [0, 1]. patches: [P, D] row-major over the grid."""
     s = _pca(patches.double(), 1)[:, 0]
     edge = s[_border(grid).to(s.device)].mean()
-    # (a component's sign is arbitrary: the border's mean negative puts the object, not the frame,
-    # in the foreground)
+    # the first component points away from the image border (its mean there negative): objects sit
+    # inside the frame, as the "background prior" of saliency methods assumes
     if edge.abs() > 1e-9 * s.abs().max():  # else a tie: keep the largest-magnitude rule's sign
         s = s if edge < 0 else -s
     if threshold == SIGN:
@@ -250,3 +238,25 @@ def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: P
     plt.close(fig)
     save_pngs(images, maps, stem, names)
     return paths
+
+
+def checkpoint_maps(checkpoints: dict, stem: Path, n: int, layer: str = "norm", threshold=THRESHOLD,
+                    upsample: str = "nearest", device: str = "auto", seed: int = 0, data=None,
+                    names: Sequence[str] | None = None) -> list[Path]:
+    """The grid of `checkpoints` {column title: checkpoint} on the first `n` images of the fixed
+    analysis order (`analysis.geometry.eval_split` with `seed`: the same images in every column);
+    `data` as in load_for_analysis. One model in memory at a time. Returns the grid's paths."""
+    from analysis.geometry import eval_split, load_for_analysis
+
+    maps, images = {}, None
+    for title, path in checkpoints.items():
+        model, _, node = load_for_analysis(path, data, device)
+        if images is None:
+            # no max_tokens: the maps' images are the first of the fixed order, whatever the cut
+            ds, _ = eval_split(model, node, seed, None)
+            items = [ds[i] for i in range(min(n, len(ds)))]
+            x, labels = torch.stack([im for im, _ in items]), [int(y) for _, y in items]
+            images = denormalize(x, node["mean"], node["std"])
+        maps[title] = model_maps(model, x, layer, threshold, upsample)
+        del model  # a sweep of ViT-B checkpoints on a laptop adds up
+    return draw_pca_grid(images, maps, stem, labels, layer, names, threshold)

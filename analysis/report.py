@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from analysis.runs import arm_label, collect, frame, layer_order, runs_roots, sort_key
+from analysis.curves import draw_curves, points
+from analysis.runs import arm_key, arm_label, arms, collect, frame, layer_order, runs_roots
 from analysis.stats import describe, holm, interval_text, paired, verdict
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
@@ -40,22 +41,32 @@ MECHANISM = (("cos_smooth", "cos(head's part, Px - x)", "+.3f"), ("dvar", "d wit
 # ----------------------------------------------------------------------------- selecting values
 
 def select(f: pd.DataFrame, metric: str, layer=None, step="final") -> pd.DataFrame:
-    """The rows of one value per run: `metric` at `layer` (None: not a layer's), of the final
-    model (step="final": its results, its last analysis, or a log line at its last step) or of
-    the checkpoint at `step`."""
+    """One value per run: `metric` at `layer` (None: not a layer's), of the final model
+    (step="final": its results, its last analysis, or a log line at its last step) or of the
+    checkpoint at `step`."""
     g = f[(f["metric"] == metric) & (f["layer"].isna() if layer is None else f["layer"] == layer)]
-    # (a logged metric, e.g. the training loss, is never "final": its line at the run's last step is)
+    # a logged metric (e.g. the training loss) is never "final": its line at the run's last step is
     g = g[g["final"] | (g["step"] == g["steps"])] if step == "final" else g[g["step"] == step]
     # a final row wins over a kept checkpoint's of the same step (e.g. eval/ and ckpt/step_N_knn/)
-    # (one value per run: a pair is a seed's two runs)
     return g.sort_values("final", kind="stable").drop_duplicates("run_dir", keep="last")
 
 
 def by_seed(g: pd.DataFrame, k) -> dict:
-    """{seed: value} of the fixed-mode runs with k Laplacian heads."""
-    # learned gates are their own arm: a claim compares fixed k with k = 0
+    """{seed: value} of the fixed-mode runs with k Laplacian heads (learned gates are their own arm:
+    a claim compares fixed k with k = 0)."""
     arm = g[(g["k"] == k) & (g["mode"] == "fixed")]
     return dict(zip(arm["seed"], arm["value"]))
+
+
+def _test(g: pd.DataFrame, k):
+    """The paired test of arm k against k = 0 over one value per run, None without a common seed
+    (a claim not measured is said so, never read as inconclusive)."""
+    base, arm = by_seed(g, 0), by_seed(g, k)
+    return paired(base, arm) if set(base) & set(arm) else None
+
+
+def _d(t) -> str:
+    return "" if t is None else interval_text(t.d, t.lo, t.hi, t.n, signed=True)
 
 
 def _paradigm(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
@@ -66,33 +77,29 @@ def _paradigm(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
 # ----------------------------------------------------------------------------- the claims
 
 def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
-    """Every claim of the plan tested: its fields, k, n, the arms' Summaries (base, arm), the
-    Paired test, family, Holm's p in it, the verdict; and under the sensitivity's other family
-    choice its Holm p and verdict (sens_p, sens_verdict)."""
+    """Every claim of the plan tested: its fields, k, the arms' Summaries (base, arm), the Paired
+    test, family, Holm's p in it, the verdict; and under the sensitivity's other family choice its
+    Holm p and verdict (sens_p, sens_verdict)."""
     rows = []
-    for c in plan.claims:
+    for c in plan.claims:  # in the plan's order: the tables show them as declared
         p = plan.paradigms[c.paradigm]
         # the claim's one value per run: its metric at its primary layer, of the final model
         g = select(_paradigm(f, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"))
         k = c.get("arm", p.arm)  # a claim may name its own arm (the LM's spectrum: all heads)
-        base, arm = by_seed(g, 0), by_seed(g, k)
-        # (no common seed: the claim is reported as not measured, never as inconclusive)
-        test = paired(base, arm) if set(base) & set(arm) else None
+        base, arm, test = by_seed(g, 0), by_seed(g, k), _test(g, k)
         rows.append({**OmegaConf.to_container(c), "layer": c.get("layer"), "role": c.get("role", "primary"), "k": k,
                      "heads": p.get("heads"), "base": describe(base.values()) if base else None,
                      "arm": describe(arm.values()) if arm else None, "test": test,
                      "p": test.p if test else math.nan})
     out = pd.DataFrame(rows)
-    # (a plan without claims still gets its descriptions)
-    if out.empty:
+    if out.empty:  # a plan without claims still gets its descriptions
         return out
-    # the declared families, and the other choice as the sensitivity (see configs/plan/*.yaml)
-    # a family is the rows sharing these fields; Holm adjusts within it only
+    # a family is the rows sharing these fields; Holm adjusts within it only: the declared choice,
+    # and the other as the sensitivity (configs/plan/*.yaml)
     family = {"paradigm": ["paradigm", "role"], "role": ["role"], "all": []}
     for col, choice in (("family", plan.family), ("sens", plan.sensitivity)):
         keys = family[choice]
         out[col] = out[keys].astype(str).agg(" / ".join, axis=1) if keys else "all"
-        # (transform: each row gets its family's adjusted p, in the rows' order)
         out[f"{col}_p"] = out.groupby(col)["p"].transform(lambda ps: holm(list(ps)))
         out[f"{col}_verdict"] = [verdict(t, s, hp) for t, s, hp in zip(out["test"], out["sign"], out[f"{col}_p"])]
     return out.rename(columns={"family_p": "holm_p", "family_verdict": "verdict"})
@@ -111,15 +118,15 @@ def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
     """The claims as text: paradigm, claim, definition, layer, k, both arms, d [95% interval] (df),
     p, Holm's p in its family, the verdict (or, with `sensitivity`, the other family choice)."""
     out = []
-    for r in rows.to_dict("records"):
+    for r in rows.to_dict("records"):  # text cells: the numbers at the precision a reader needs
         # "3 of 3": the arm beside the paper's (ViT-B-12L: all heads; its LM: 5 of 10)
         t, k = r["test"], f"{r['k']}" + (f" of {r['heads']}" if r.get("heads") else "")
-        d = "" if t is None else interval_text(t.d, t.lo, t.hi, t.n, signed=True) + (f", df {t.df}" if t.n > 1 else "")
         row = {"paradigm": r["paradigm"], "claim": r["claim"], "definition": r["definition"],
                # pandas' string columns hold a missing layer as NaN, not None
                "layer": r["layer"] if isinstance(r["layer"], str) else "model output", "k": k,
-               "baseline": _mean(r["base"]), "arm": _mean(r["arm"]), "d [95% CI] (n)": d, "t": "" if t is None or t.n < 2 else f"{t.t:+.2f}",
-               "p": _p(r["p"])}
+               "baseline": _mean(r["base"]), "arm": _mean(r["arm"]),
+               "d [95% CI] (n)": _d(t) + (f", df {t.df}" if t is not None and t.n > 1 else ""),
+               "t": "" if t is None or t.n < 2 else f"{t.t:+.2f}", "p": _p(r["p"])}
         if sensitivity:
             row.update({"family (declared)": r["family"], "Holm p": _p(r["holm_p"]), "verdict": r["verdict"],
                         "family (other choice)": r["sens"], "Holm p, other": _p(r["sens_p"]),
@@ -133,65 +140,44 @@ def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
 # ----------------------------------------------------------------------------- descriptions
 
 def paired_grid(f: pd.DataFrame, plan, claims, columns: list, at) -> pd.DataFrame:
-    """Rows = claims (paradigm, definition), columns = `columns`; a cell is the paired d [95%
-    interval] (n) of the claim's metric at `at(claim, column)` = (layer, step)."""
+    """Rows = claims, columns = `columns`; a cell is the paired d [95% interval] (n) of the claim's
+    metric at `at(claim, column)` = (layer, step): where an effect appears, no verdict."""
     rows = []
-    for c in claims:
+    for c in claims:  # the same paired d and interval as a claim's, no verdict
         k = c.get("arm", plan.paradigms[c.paradigm].arm)
-        # (a description of where an effect appears: the same paired d and interval, no verdict)
-        row = {"paradigm": c.paradigm, "definition": f"{c.definition} (k={k})"}
-        for col in columns:
-            g = select(_paradigm(f, plan, c.paradigm), c.metric, *at(c, col))
-            base, arm = by_seed(g, 0), by_seed(g, k)
-            t = paired(base, arm) if set(base) & set(arm) else None
-            row[str(col)] = "" if t is None else interval_text(t.d, t.lo, t.hi, t.n, signed=True)
-        rows.append(row)
+        g = _paradigm(f, plan, c.paradigm)
+        rows.append({"paradigm": c.paradigm, "definition": f"{c.definition} (k={k})",
+                     **{str(col): _d(_test(select(g, c.metric, *at(c, col)), k)) for col in columns}})
     return pd.DataFrame(rows)
 
 
 def arms_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
-    """Every arm of a paradigm (k, mode) with the final value of each claim's metric: mean ±
-    sd (n)."""
-    g0 = _paradigm(f, plan, name)
+    """Every arm of a paradigm with the final value of each claim's metric: mean ± sd (n)."""
     # every claim's metric once, as it is declared: the arms' raw values beside the paired tests
     cols = list(dict.fromkeys((c.metric, c.get("layer"), c.definition) for c in plan.claims if c.paradigm == name
                               and c.get("step", "final") == "final"))
     rows = []
-    for (k, mode), arm in sorted(g0.groupby(["k", "mode"]), key=lambda km: (km[0][1] != "fixed", sort_key(km[0][0]))):
-        row = {"k": arm["k_label"].iloc[0], "mode": mode}
+    for _, arm in arms(_paradigm(f, plan, name)):
+        row = {"k": arm["k_label"].iloc[0], "mode": arm["mode"].iloc[0]}
         for metric, layer, label in cols:
             v = select(arm, metric, layer)["value"]
-            row[f"{label}" + (f" @ {layer}" if layer and layer != "norm" else "")] = \
-                _mean(describe(v)) if len(v) else ""
+            row[label + (f" @ {layer}" if layer and layer != "norm" else "")] = _mean(describe(v)) if len(v) else ""
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def curve_points(f: pd.DataFrame, plan, name: str) -> dict:
-    """A paradigm's learning curve (its plan's `curve` metric: a logged "log.val_bpb", or an
-    evaluation of every kept checkpoint, "knn.top1"): {arm label: {step: [value per seed]}}."""
-    g = _paradigm(f, plan, name)
-    g = g[g["metric"] == plan.paradigms[name].curve].sort_values("final", kind="stable")
-    # (a curve of a kept checkpoint's evaluations meets the final evaluation at the last step)
-    g = g.drop_duplicates(["run_dir", "step"], keep="last")  # a final evaluation wins at its step
-    out = {}
-    for (k, mode), arm in sorted(g.groupby(["k", "mode"]), key=lambda km: (km[0][1] != "fixed", sort_key(km[0][0]))):
-        out[arm_label(arm["k_label"].iloc[0], mode)] = {s: list(a["value"]) for s, a in arm.groupby("step")}
-    return out
-
-
-def curves_table(points: dict) -> tuple[pd.DataFrame, list[str]]:
+def curves_table(by_arm: dict) -> tuple[pd.DataFrame, list[str]]:
     """Rows = steps, columns = arms, mean [95% interval] (n); and per arm the change over the last
     quarter of training and the quarter before it (has the metric flattened?)."""
     table, lines = {}, []
-    for label, by_step in points.items():
+    for label, by_step in by_arm.items():
         at = {s: describe(v) for s, v in by_step.items()}
         table[label] = {s: interval_text(d.mean, d.lo, d.hi, d.n, ".4g") for s, d in at.items()}
         st = sorted(at)
         if len(st) > 1:
+            # the last quarter (from the first step at or after 75%) and the quarter before it: is it
+            # still learning? a verdict on an undertrained model says little
             late = next(s for s in st if s >= 0.75 * st[-1])
-            # the last quarter (from the first step at or after 75%) and the quarter before it: is it still
-            # learning? a verdict on an undertrained model says little
             late = st[-2] if late == st[-1] else late  # never an empty quarter
             mid = min(next(s for s in st if s >= 0.5 * st[-1]), late)
             lines.append(f"- {label}: {at[st[-1]].mean - at[late].mean:+.4g} from step {late} to {st[-1]}"
@@ -202,22 +188,22 @@ def curves_table(points: dict) -> tuple[pd.DataFrame, list[str]]:
 
 
 def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
-    """Per arm and head type, each run's mean over the heads of all layers, then the mean [95%
-    interval] (n) over seeds; the eigen-mass beside its 0.5 null."""
+    """Per arm and head type: each run's mean over the heads of all layers (one number per run, so
+    seeds are the unit), then the mean [95% interval] (n) over seeds; the eigen-mass beside its
+    0.5 null."""
     g = _paradigm(f, plan, name)
-    # each run's mean over the heads of a type in all layers: one number per run, so seeds are the unit
     g = g[g["final"] & (g["layer"] == "all") & g["metric"].str.startswith("mechanism.")]
     rows = []
-    for (k, mode), arm in sorted(g.groupby(["k", "mode"]), key=lambda km: (km[0][1] != "fixed", sort_key(km[0][0]))):
+    for label, arm in arms(g):
         for t in ("softmax", "laplacian", "learned"):
-            row = {"arm": arm_label(arm["k_label"].iloc[0], mode), "heads": t}
-            for key, label, fmt in MECHANISM:
+            row = {"arm": label, "heads": t}
+            for key, col, fmt in MECHANISM:
                 v = arm[arm["metric"] == f"mechanism.{key}.{t}"]["value"]
                 if len(v):
                     s = describe(v)
-                    row[label] = interval_text(s.mean, s.lo, s.hi, s.n, fmt)
+                    row[col] = interval_text(s.mean, s.lo, s.hi, s.n, fmt)
                     if key == "neg_mass" and s.n > 1:  # against the null: does the interval exclude 0.5?
-                        row[label] += " > 0.5" if s.lo > 0.5 else " < 0.5" if s.hi < 0.5 else ""
+                        row[col] += " > 0.5" if s.lo > 0.5 else " < 0.5" if s.hi < 0.5 else ""
             if len(row) > 2:
                 rows.append(row)
     return pd.DataFrame(rows)
@@ -225,8 +211,8 @@ def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
 
 def equal_loss(f: pd.DataFrame, plan, name: str, claims) -> tuple[pd.DataFrame, str]:
     """The geometry compared at equal validation loss: a common value L (the larger of the two
-    arms' mean final val_loss, which both reach), each run's kept checkpoint whose logged
-    val_loss is nearest L, and the paired d [95% interval] of each claim's metric there."""
+    arms' mean final val_loss, which both reach), each run's kept checkpoint whose logged val_loss
+    is nearest L, and the paired d [95% interval] of each claim's metric there."""
     p = plan.paradigms[name]
     g = _paradigm(f, plan, name)
     # the validation loss logged at each kept checkpoint's step (evaluations every 250 steps)
@@ -239,18 +225,13 @@ def equal_loss(f: pd.DataFrame, plan, name: str, claims) -> tuple[pd.DataFrame, 
     # each run's kept checkpoint nearest L: coarse with 3 checkpoints, so their val_loss is printed
     near = loss.assign(gap=(loss["value"] - target).abs()).sort_values("gap").drop_duplicates("run_dir")
     chosen = dict(zip(near["run_dir"], near["step"]))
-    rows = []
-    for c in claims:
-        # (the geometry of the chosen checkpoint of each run; the arms may sit at different steps)
-        vals = g[(g["metric"] == c.metric) & (g["layer"] == c.layer) & (g["step"] == g["run_dir"].map(chosen))]
-        base, arm = by_seed(vals, 0), by_seed(vals, p.arm)
-        t = paired(base, arm) if set(base) & set(arm) else None
-        rows.append({"definition": c.definition, "d [95% CI] (n)": "" if t is None
-                     else interval_text(t.d, t.lo, t.hi, t.n, signed=True)})
-    steps = {k: near[near["k"] == k] for k in (0, p.arm)}
-    how = (f"L = {target:.4f} (val_loss); the nearest kept checkpoints: "
-           + "; ".join(f"k={k}: steps {sorted(s['step'].tolist())}, val_loss {s['value'].mean():.4f}"
-                       for k, s in steps.items()))
+    # the geometry of the chosen checkpoint of each run; the arms may sit at different steps
+    rows = [{"definition": c.definition, "d [95% CI] (n)": _d(_test(
+        g[(g["metric"] == c.metric) & (g["layer"] == c.layer) & (g["step"] == g["run_dir"].map(chosen))], p.arm))}
+        for c in claims]
+    how = f"L = {target:.4f} (val_loss); the nearest kept checkpoints: " + "; ".join(
+        f"k={k}: steps {sorted(s['step'].tolist())}, val_loss {s['value'].mean():.4f}"
+        for k in (0, p.arm) for s in [near[near["k"] == k]])
     return pd.DataFrame(rows), how
 
 
@@ -260,15 +241,13 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
     the residual stream (a LayerScale of 1e-6 would leave them near identities at this length)."""
     import torch
 
-    from analysis.geometry import eval_split
+    from analysis.geometry import eval_split, load_for_analysis
     from laplace.zoo import embed, features
-    from laplace.checkpoint import load_checkpoint, model_from_checkpoint
 
     per_run = []
-    for path in checkpoints:
-        ckpt = load_checkpoint(path)
-        model = model_from_checkpoint(ckpt)
-        ds, _ = eval_split(model, ckpt["config"]["data"], seed=0, max_tokens=None)
+    for path in checkpoints:  # one model in memory at a time, on the CPU (64 sequences are quick)
+        model, _, data = load_for_analysis(path, device="cpu")
+        ds, _ = eval_split(model, data, seed=0, max_tokens=None)
         # the first n sequences of the fixed order: the same for every run
         x = torch.utils.data.default_collate([ds[i] for i in range(min(n, len(ds)))])[0]
         with torch.no_grad():
@@ -276,6 +255,7 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
             h0 = embed(model, x)
             feats = features(model, x, norm=False)
             hs = [h0] + [feats[f"blocks.{i}"] for i in range(len(model.blocks))]
+        # |h_i - h_(i-1)| / |h_(i-1)| per token, averaged: how far block i moved the stream
         per_run.append([float(((b - a).norm(dim=-1) / a.norm(dim=-1)).mean()) for a, b in zip(hs, hs[1:])])
     return [sum(col) / len(col) for col in zip(*per_run)]
 
@@ -304,7 +284,6 @@ def check_plan(plan) -> None:
 
 def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Path:
     """README.md, tables/ and figures/ of `plan` over `records` (finished runs) in `out`."""
-    from analysis.curves import draw_curves
     from analysis.figures import draw_figures
     from analysis.gates import gate_groups, to_markdown as gates_markdown
     from analysis.tables import render_tables
@@ -316,6 +295,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     rows = claim_rows(f, plan)
     primary, secondary = (rows[rows["role"] == r] if len(rows) else rows for r in ("primary", "secondary"))
     unfinished = [r["run_dir"] for r in records if not r["finished"]]
+    # the date: a report regenerated later (more runs, a fix) says when it was made
     lines = [f"# {plan.title} ({datetime.date.today().isoformat()})", "", plan.scope.strip(), ""]
     if unfinished:  # a look while the runs train (partial=true): said first, so no one reads it as the result
         lines += [f"**Partial: {len(unfinished)} of {len(records)} runs have not finished**; their latest analysed "
@@ -341,22 +321,20 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     if len(rows):
         # the claims as numbers (full precision) beside the Markdown: d, its interval and n per row
         sheet = rows.drop(columns=["test", "base", "arm"]).assign(
-            d=[t.d if t else None for t in rows["test"]], lo=[t.lo if t else None for t in rows["test"]],
-            hi=[t.hi if t else None for t in rows["test"]], n=[t.n if t else None for t in rows["test"]])
+            **{key: [getattr(t, key, None) for t in rows["test"]] for key in ("d", "lo", "hi", "n")})
         (out / "tables").mkdir(parents=True, exist_ok=True)
         atomic_write(out / "tables" / "claims.csv", sheet.to_csv(index=False, lineterminator="\n").encode())
     lines += ["## Learning curves", "", "Each arm's validation metric against the step: mean [95% interval] "
               "(n seeds); figures/curves.png. Then the change over the last quarter of the steps, and the quarter "
               "before it.", ""]
+    # a paradigm's learning curve: its plan's `curve` metric, logged ("log.val_bpb") or an evaluation of
+    # every kept checkpoint ("knn.top1")
     panels = {}
     for name, p in plan.paradigms.items():
-        points = curve_points(f, plan, name)
-        table, change = curves_table(points)
+        g = _paradigm(f, plan, name)
+        panels[name] = (p.curve, points(g[g["metric"] == p.curve]))
+        table, change = curves_table(panels[name][1])
         lines += [f"**{name}**: {p.curve}", "", _md(table), "", *change, ""]
-        if points:
-            panels[name] = (p.curve, points)
-    # the geometry claims read at the final norm: the rows of the per-block and per-step tables
-    geo = [c for c in plan.claims if c.metric.startswith("geometry.") and c.get("layer") == "norm"]
     lines += ["## Every arm (final values, mean ± sd over seeds)", ""]
     for name in plan.paradigms:
         lines += [f"**{name}**", "", _md(arms_table(f, plan, name)), ""]
@@ -364,19 +342,19 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               "Each geometry claim at every layer of the final model (blocks.<i>: the residual stream after block "
               "i; norm: the final norm): the arm minus the baseline, d [95% interval] (n) of the paired differences. "
               "Where along the depth a difference appears; not further tests. Every arm: tables/per_block.md.", ""]
-    for name in plan.paradigms:
-        recs = [r for r in records if r["experiment"] == plan.paradigms[name].experiment]
-        mine = [c for c in geo if c.paradigm == name]
+    # the geometry claims read at the final norm: the rows of the per-block and per-step tables
+    geo = [c for c in plan.claims if c.metric.startswith("geometry.") and c.get("layer") == "norm"]
+    for name, p in plan.paradigms.items():
+        recs, mine = [r for r in records if r["experiment"] == p.experiment], [c for c in geo if c.paradigm == name]
         if recs and mine:
             lines += [_md(paired_grid(f, plan, mine, layer_order(recs), lambda c, layer: (layer, "final"))), ""]
     if plan.get("steps"):
         lines += ["## At every kept checkpoint (equal step, descriptive)", "",
                   "Each geometry claim at the final norm of the checkpoints of the same step: d [95% interval] (n).",
                   "", _md(paired_grid(f, plan, geo, list(plan.steps), lambda c, s: (c.layer, s))), ""]
-    if plan.get("equal_loss"):
-        for name in plan.paradigms:
-            table, how = equal_loss(f, plan, name, [c for c in geo if c.paradigm == name])
-            lines += ["## At equal validation loss (descriptive)", "", how + ".", "", _md(table), ""]
+    for name in plan.paradigms if plan.get("equal_loss") else ():
+        table, how = equal_loss(f, plan, name, [c for c in geo if c.paradigm == name])
+        lines += ["## At equal validation loss (descriptive)", "", how + ".", "", _md(table), ""]
     lines += ["## Do the heads smooth the residual stream? (the mechanism, analysis/mechanism.py)", "",
               "Per head, in the stream's frame (its part after LayerScale; its matrix Pi diag(g) W_v W_o diag(lambda) "
               "with the norm's centring and gain): the cosine with Px - x (> 0: toward the attention-weighted mean), "
@@ -386,20 +364,19 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               "Per head: each run's ckpt/<name>_analysis/mechanism.md.", ""]
     for name in plan.paradigms:
         table = mechanism_table(f, plan, name)
-        if len(table):
-            lines += [f"**{name}**", "", _md(table), ""]
+        lines += [f"**{name}**", "", _md(table), ""] if len(table) else []
     lines += ["## How much the blocks change the residual stream", "",
               "Mean over tokens of |h_i - h_(i-1)| / |h_(i-1)| per block (h_(-1): the embedding), 64 validation "
               "sequences, averaged over seeds:", ""]
     for name, p in plan.paradigms.items():
-        arms: dict = {}
-        for r in sorted(records, key=lambda r: (r["mode"] != "fixed", sort_key(r["k"]))):
-            if r["experiment"] == p.experiment and Path(r["checkpoint"]).is_file():  # the final model's
+        arms: dict = {}  # the final models' checkpoints per arm
+        for r in sorted(records, key=lambda r: arm_key(r["k"], r["mode"])):
+            if r["experiment"] == p.experiment and Path(r["checkpoint"]).is_file():
                 arms.setdefault(arm_label(r["k_label"], r["mode"]), []).append(r["checkpoint"])
-        for label, ckpts in arms.items():
-            lines.append(f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(ckpts)))
+        lines += [f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(ckpts))
+                  for label, ckpts in arms.items()]
     gates = gate_groups(records)
-    if gates:
+    if gates:  # only when a plan's runs learned their gates (laplacian_mode=learned)
         lines += ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
                   *[gates_markdown(g) for g in gates]]
     # the paper's tables and figures of the same runs, and the learning curves' figure
@@ -407,8 +384,8 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     # (the metric-vs-k figure's metrics as `python -m analysis.figures` has them)
     vs_k = OmegaConf.to_container(OmegaConf.load(config_dir("figures") / "figures.yaml").vs_k)
     draw_figures(records, out / "figures", vs_k, pca_maps)
-    if panels:
-        draw_curves(panels, out / "figures" / "curves", "ci")
+    if any(points for _, points in panels.values()):
+        draw_curves({n: v for n, v in panels.items() if v[1]}, out / "figures" / "curves", "ci")
     write_json(out / "plan.json", OmegaConf.to_container(plan, resolve=True), indent=1)  # what decided it
     atomic_write(out / "README.md", ("\n".join(lines) + "\n").encode())
     return out / "README.md"

@@ -1,7 +1,7 @@
 """Runs found under folders, as records and as one tidy table: what every table, figure and
 report of analysis/ reads.
 
-    from analysis.runs import aggregate, collect, frame
+    from analysis.runs import aggregate, collect, frame, per_block
     records = collect(["runs/deit3/digits"])      # one flat record per run directory
     frame(records)                                # a DataFrame row per (run, metric, layer, step)
     aggregate(records, "final.val_acc1")          # a row per group of seeds: mean, sd, n, [lo, hi]
@@ -9,13 +9,13 @@ report of analysis/ reads.
 
 Every folder that holds a run's config.yaml (or a results.json) is one run; its results.json (and
 its evaluations'), metrics.jsonl and every ckpt/<name>_analysis/analysis.json that `python -m
-analysis` wrote become one record (`collect`). Runs that differ only in their seed are pooled by
-analysis.stats (`aggregate`, `per_block`); runs of another recipe never are (recipe_id). The
-geometry is read at the final norm ("geometry.<key>") or at any measured layer
-("geometry@blocks.<i>.<key>").
+analysis` wrote become one record. Runs that differ only in their seed are pooled by
+analysis.stats; runs of another recipe never are (recipe_id). The geometry is read at the final
+norm ("geometry.<key>") or at any measured layer ("geometry@blocks.<i>.<key>").
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 import pandas as pd
-from omegaconf import ListConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf import OmegaConf
 
-from analysis.mechanism import record_summary
+from analysis.geometry import geometry, layer_geometry, mechanism_summary  # noqa: F401 (analysis.runs.geometry)
 from analysis.stats import summarize
-from laplace.config import flatten
+from laplace.config import flatten, required_list
 from laplace.errors import ConfigError
 from laplace.rundir import EXECUTION_KEYS
 
@@ -47,12 +46,11 @@ _MECH_AT_LAYER = re.compile(r"mechanism@(blocks\.\d+)\.(.+)")
 def _read_json(path: Path) -> Optional[dict]:
     try:
         return json.loads(path.read_text())
-    # (a run that is writing its results.json right now is read on the next call)
-    except (OSError, ValueError):  # absent, or being written by a live run: treat as absent
+    except (OSError, ValueError):  # absent, or being written by a live run (read on the next call)
         return None
 
 
-def _yaml_or_error(path: Path) -> tuple[Optional[dict], Optional[str]]:
+def _read_yaml(path: Path) -> tuple[Optional[dict], Optional[str]]:
     """(the YAML file as a dict, None), or (None, why it could not be read)."""
     try:
         obj = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
@@ -61,30 +59,23 @@ def _yaml_or_error(path: Path) -> tuple[Optional[dict], Optional[str]]:
     return (obj, None) if isinstance(obj, dict) else (None, "not a mapping")
 
 
-def _read_yaml(path: Path) -> Optional[dict]:
-    return _yaml_or_error(path)[0]
-
-
-def find_runs(roots: Iterable, unreadable: Optional[dict] = None) -> list[Path]:
-    """Run directories under `roots`: folders with a run's config.yaml (one with a `model`
-    node), or a results.json outside any such folder. Sorted, duplicates removed. Folders whose
-    config.yaml cannot be read go into `unreadable` (if given): {folder: why}."""
-    runs, seen = [], set()
+def find_runs(roots: Iterable) -> list[tuple[Path, Optional[str]]]:
+    """(folder, None or why its config.yaml cannot be read) of the run directories under `roots`:
+    folders with a run's config.yaml (one with a `model` node), or a results.json outside any
+    such folder, and folders whose config.yaml cannot be read; sorted."""
+    runs, seen = {}, set()
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
             # sorted: the same records in the same order on every machine (os.walk's order is the file system's)
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
             d = Path(dirpath).resolve()  # overlapping roots (runs=[runs,runs/deit3]) count a run once
-            cfg, why = _yaml_or_error(d / "config.yaml") if "config.yaml" in filenames else ({}, None)
-            if why is not None and unreadable is not None:
-                unreadable[d] = why
-            is_run = "model" in (cfg or {})
+            cfg, why = _read_yaml(d / "config.yaml") if "config.yaml" in filenames else ({}, None)
             # a results.json inside a run (e.g. an evaluation's) belongs to that run
             inside = any(p in seen for p in d.parents)
-            if (is_run or ("results.json" in filenames and not inside)) and d not in seen:
+            if "model" in (cfg or {}) or ("results.json" in filenames and not inside) or why is not None:
                 seen.add(d)
-                runs.append(d)
-    return sorted(runs)
+                runs.setdefault(d, why)
+    return sorted(runs.items())
 
 
 def flat_metrics(obj: dict, prefix: str = "") -> dict:
@@ -107,61 +98,6 @@ def flat_metrics(obj: dict, prefix: str = "") -> dict:
     return out
 
 
-def geometry(analysis: dict, layer: str = "norm") -> dict:
-    """Headline token geometry at one layer (default the final norm) of one analysis.json; {}
-    when the layer was not measured. Tokens: the ViT's patch tokens (sequence = image), the
-    GPT's tokens (sequence = window). Keys (see analysis/geometry.py for each object):
-
-    ANOVA of the tokens (results.<kind>.<layer>.anova):
-        within_seq_share, between_seq_share, within_class_share, between_class_share
-                         each part / total
-        total_var, within_seq_var, between_seq_var, within_class_var, between_class_var
-                         the raw parts, each a per-token mean square (the mean over tokens of a
-                         squared distance: total = mean_i ||x_i - mu||^2, within_seq =
-                         mean_i ||x_i - mu_s(i)||^2, ...; `analysis.metrics.anova`);
-                         *_class only for the ViT
-    Spectra (PCs for a share t of the variance, effective rank):
-        n_pcs_<t>, effective_rank, total_variance
-                         global: one covariance of all tokens about their common mean (spectral)
-        within_n_pcs_<t> pooled within-sequence: each token minus its own sequence's mean, one
-                         covariance of all those rows (spectral_within)
-        per_seq_n_pcs_<t>, per_seq_effective_rank
-                         per sequence: each sequence's own spectrum, the mean over sequences
-                         (spectral_per_seq; a float)
-    Collapse:
-        nc1, nc2_*, nc3, nc4, cdnv_mean, cdnv_std
-                         ViT: the class token (one row per image; what the head classifies)
-        patch_nc1, patch_nc2_*, ...
-                         ViT: the image means of the patch tokens (one row per image): the
-                         paper's object ("sequence means form a simplex ETF aligned with the
-                         classifier")
-        lc_*             GPT: linguistic collapse (classes = next-token ids)
-    """
-    vit = analysis.get("arch") == "vit"
-    res = analysis.get("results", {})
-    at = res.get("patch" if vit else "tokens", {}).get(layer, {})
-    anova = at.get("anova", {})
-    g = {k: v for k, v in anova.items() if k.endswith("_share")}
-    g.update({f"{k}_var": v for k, v in anova.items() if not k.endswith("_share")})
-    g.update({k: v for k, v in at.get("spectral", {}).items() if k != "spectrum"})
-    g.update({f"within_{k}": v for k, v in at.get("spectral_within", {}).items() if k.startswith("n_pcs")})
-    g.update({f"per_seq_{k}": v for k, v in at.get("spectral_per_seq", {}).items()
-              if k.startswith("n_pcs") or k == "effective_rank"})
-    g.update(at.get("lc", {}))
-    if vit:
-        g.update({f"patch_{k}": v for k, v in at.get("nc", {}).items() if k.startswith("nc")})
-        cls = res.get("cls", {}).get(layer, {})
-        g.update({k: v for k, v in cls.get("nc", {}).items() if k != "num_classes"})
-        g.update({k: v for k, v in cls.get("cdnv", {}).items()})
-    return {k: float(v) for k, v in g.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-
-
-def layer_geometry(analysis: dict) -> dict:
-    """`geometry` at every layer the analysis measured, in its order ("blocks.<i>" ..., "norm"):
-    {layer: {key: value}}. Every block is there when it was run with layers=all (the default)."""
-    return {layer: geometry(analysis, layer) for layer in analysis.get("layers", [])}
-
-
 def model_family(name: str, model_cfg: dict) -> str:
     """The zoo name without its _{k}L suffix, tagged where the config changed the shape
     (vitt_3L with model.depth=2 embed_dim=48 -> "vitt_d2_w48"), so shapes never pool."""
@@ -179,8 +115,8 @@ def model_family(name: str, model_cfg: dict) -> str:
 
 
 def _recipe_id(cfg: dict) -> str:
-    """A hash of the config without what may vary between pooled runs: seed, where things
-    are written or read from, how they execute, and the row's model name, k and mode."""
+    """A hash of the config without what may vary between pooled runs: seed, where things are
+    written or read from, how they execute, and the row's model name, k and mode."""
     skip = EXECUTION_KEYS + ("seed", "model.name", "model.num_laplacian_heads", "model.laplacian_mode",
                              "trainer.init_from")  # stage-1 paths carry the seed
     kept = {k: v for k, v in flatten(cfg).items() if not k.startswith(skip)}
@@ -197,21 +133,20 @@ def _pretrain(init_from) -> Optional[dict]:
     for d in (p.parent.parent, p.parent):  # <run>/ckpt/last.pt, or a weights file in the run
         res = _read_json(d / "results.json")
         if res is not None:
-            cfg = _read_yaml(d / "config.yaml") or {}
-            step_limited = cfg.get("trainer", {}).get("max_steps") is not None
+            step_limited = ((_read_yaml(d / "config.yaml")[0] or {}).get("trainer") or {}).get("max_steps") is not None
             return {"epochs": None if step_limited else res.get("epochs"), "steps": res.get("steps"),
                     "global_batch_size": res.get("global_batch_size")}
     return None
 
 
 def _analyses(d: Path) -> dict[int, dict]:
-    """{step: analysis.json} of every analysed checkpoint of a run (ckpt/<name>_analysis/; a
-    later file of the same step, e.g. last.pt beside step_3000.pt, replaces nothing)."""
+    """{step: analysis.json} of every analysed checkpoint of a run (ckpt/<name>_analysis/)."""
     out = {}
     for path in sorted((d / "ckpt").glob("*_analysis/analysis.json")):
         a = _read_json(path)
+        # by step, not by file name: the report compares checkpoints of the same step across runs (a
+        # later file of the same step, e.g. last.pt beside step_3000.pt, replaces nothing)
         if a is not None and a.get("step") is not None:
-            # (by step, not by file name: the report compares checkpoints of the same step across runs)
             out.setdefault(int(a["step"]), {**a, "path": str(path)})
     return out
 
@@ -219,11 +154,10 @@ def _analyses(d: Path) -> dict[int, dict]:
 def read_run(run_dir) -> Optional[dict]:
     """One run's flat record (see `collect`), or None when it names no model."""
     d = Path(run_dir)
-    cfg = _read_yaml(d / "config.yaml") or {}
+    cfg = _read_yaml(d / "config.yaml")[0] or {}
     res = _read_json(d / "results.json")
-    mcfg, tcfg = cfg.get("model") or {}, cfg.get("trainer") or {}
-    r = res or {}
-    name = r.get("model") or mcfg.get("name")
+    mcfg, tcfg, dcfg, r = cfg.get("model") or {}, cfg.get("trainer") or {}, cfg.get("data") or {}, res or {}
+    name = r.get("model") or mcfg.get("name")  # results.json's word first: it is what the run did
     if not name:
         return None
     metrics = {}
@@ -232,8 +166,7 @@ def read_run(run_dir) -> Optional[dict]:
         # evaluations of the final model (eval/*/results.json) join the run's metrics; those of kept
         # checkpoints (under ckpt/) are per step, below
         if "ckpt" not in sub.relative_to(d).parts[:-1] and not nested_run:
-            extra = _read_json(sub) or {}
-            metrics.update({k: v for k, v in flat_metrics(extra).items() if k not in metrics})
+            metrics.update({k: v for k, v in flat_metrics(_read_json(sub) or {}).items() if k not in metrics})
     k = r.get("num_laplacian_heads", mcfg.get("num_laplacian_heads"))
     k = tuple(k) if isinstance(k, list) else k  # hashable: per-layer counts group like ints
     analyses = _analyses(d)
@@ -242,8 +175,8 @@ def read_run(run_dir) -> Optional[dict]:
                     for p in sorted((d / "ckpt").glob("step_*_*/results.json"))
                     for m in [re.fullmatch(r"step_(\d+)_.+", p.parent.name)] if m}
     # the final model's geometry: the analysis of the step the run ended at (last.pt's, or a kept
-    # step_N.pt of the same step); an analysis of an earlier last.pt would mislabel it
-    # (a run still training: its latest analysed checkpoint)
+    # step_N.pt of the same step; an analysis of an earlier last.pt would mislabel it); a run still
+    # training: its latest analysed checkpoint
     final = analyses.get(r.get("steps")) if res else analyses.get(max(analyses, default=None))
     # an analysis of last.pt from before a resume measured an earlier model: said, not used
     notes = [f"{a['path']}: of step {s}, the run ended at step {r.get('steps')}; not its final model "
@@ -251,12 +184,10 @@ def read_run(run_dir) -> Optional[dict]:
              if res and s != r.get("steps") and a["path"].endswith("/last_analysis/analysis.json")]
     layers = layer_geometry(final) if final else {}
     init_from = tcfg.get("init_from") or r.get("init_from")
-    img = r.get("img_size", (cfg.get("data") or {}).get("img_size"))
-    dataset = r.get("dataset") or (cfg.get("data") or {}).get("name")
     return {
         # experiment: the folder train.py names from experiment= (or the data's name)
         "run_dir": str(d), "experiment": d.parent.name, "trainer": tcfg.get("name") or r.get("trainer"),
-        "dataset": dataset,
+        "dataset": r.get("dataset") or dcfg.get("name"),
         "model": name, "arch": "gpt" if name.startswith("gpt") else (final or {}).get("arch", "vit"),
         "family": model_family(name, mcfg), "k": k,
         "k_label": "[" + ",".join(map(str, k)) + "]" if isinstance(k, tuple) else str(k),
@@ -264,14 +195,14 @@ def read_run(run_dir) -> Optional[dict]:
         "seed": r.get("seed", cfg.get("seed")), "steps": r.get("steps"), "epochs": r.get("epochs"),
         "max_steps": tcfg.get("max_steps"),
         "global_batch_size": r.get("global_batch_size", tcfg.get("global_batch_size")),
-        "img_size": img, "init_from": init_from, "pretrain": _pretrain(init_from),
+        "img_size": r.get("img_size", dcfg.get("img_size")), "init_from": init_from, "pretrain": _pretrain(init_from),
         "global_pool": mcfg.get("global_pool", "token"),
         "finished": res is not None, "recipe_id": _recipe_id(cfg) if cfg else "",
         "metrics": metrics, "geometry": layers.get("norm", {}), "layer_geometry": layers,
-        "mechanism": record_summary(final),
+        "mechanism": mechanism_summary(final),
         # every analysed checkpoint: {step: {layer: geometry}} and {step: mechanism summary}
         "step_geometry": {s: layer_geometry(a) for s, a in analyses.items()},
-        "step_mechanism": {s: record_summary(a) for s, a in analyses.items()}, "step_metrics": step_metrics,
+        "step_mechanism": {s: mechanism_summary(a) for s, a in analyses.items()}, "step_metrics": step_metrics,
         # here, not where it was written (runs move)
         "checkpoint": str(d / "ckpt" / Path(str(r.get("checkpoint") or "last.pt")).name),
         "analysis": final["path"] if final else None, "analysis_step": final["step"] if final else None,
@@ -292,70 +223,58 @@ def recipe_tag(r: dict) -> str:
 
 
 def collect(roots, skipped: Optional[list] = None) -> list[dict]:
-    """Every run under `roots` as one flat record.
+    """Every run under `roots` (a folder or a list, searched recursively) as one flat record.
 
-    Args:
-        roots: a folder or a list of folders, searched recursively (see `find_runs`).
-    Returns records with: run_dir, trainer, dataset, model, arch, family, k (int, or a tuple
-    for per-layer counts) and k_label, mode, seed, steps, epochs, max_steps,
-    global_batch_size, img_size, init_from, pretrain (facts of the run fine-tuned from),
-    finished (results.json exists), recipe_id, recipe (a readable tag), metrics
-    ({key: float}, see `flat_metrics`), geometry ({key: float} at the final norm, see
-    `geometry`; {} when not analysed), layer_geometry (the same at every measured layer, see
-    `layer_geometry`), mechanism (the per-head smoothing diagnostic per head type, see
-    `analysis.mechanism.record_summary`; {} when not measured), analysis and analysis_step (the
-    final model's analysis.json and its step), step_geometry / step_mechanism (the same at every
-    analysed checkpoint: {step: ...}) and notes. `skipped` (if given) gets a line for each run
+    A record: run_dir, experiment, trainer, dataset, model, arch, family, k (int, or a tuple for
+    per-layer counts) and k_label, mode, seed, steps, epochs, max_steps, global_batch_size,
+    img_size, init_from, pretrain (facts of the run it fine-tuned from), finished (results.json
+    exists), recipe_id, recipe (a readable tag), metrics ({key: float}, `flat_metrics`), geometry
+    (at the final norm, `geometry`; {} when not analysed), layer_geometry (at every measured
+    layer), mechanism (`mechanism_summary`), analysis and analysis_step (the final model's
+    analysis.json and its step), step_geometry / step_mechanism / step_metrics (every analysed or
+    evaluated checkpoint: {step: ...}) and notes. `skipped` (if given) gets a line for each run
     directory left out, saying why.
     """
     roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
-    records, unreadable = [], {}
-    for d in find_runs(roots, unreadable):
+    records = []  # finished or not: the tables leave the unfinished out, the curves draw them
+    for d, why in find_runs(roots):  # why: None, or why its config.yaml cannot be read
         r = read_run(d)
         if r is not None:
-            if d in unreadable:  # kept through its results.json
-                r["notes"].append(f"{d / 'config.yaml'}: not readable ({unreadable.pop(d)}); the run's "
-                                  f"recipe is unknown")
+            if why is not None:  # kept through its results.json
+                r["notes"].append(f"{d / 'config.yaml'}: not readable ({why}); the run's recipe is unknown")
             records.append(r)
         elif skipped is not None:
-            why = f"config.yaml not readable ({unreadable.pop(d)})" if d in unreadable else \
-                "its results.json names no model"
+            why = f"config.yaml not readable ({why})" if why else "its results.json names no model"
             skipped.append(f"{d}: {why}; left out")
-    if skipped is not None:
-        skipped += [f"{d}: config.yaml not readable ({why}); left out" for d, why in sorted(unreadable.items())]
     for r in records:
         r["recipe"] = recipe_tag(r)
     return records
 
 
-# ----------------------------------------------------------------------------- pooling seeds
+# ----------------------------------------------------------------------------- the tidy table
 
 def metric_value(record: dict, metric: Metric) -> Optional[float]:
     """A record's value of `metric`: a metrics key, "geometry.<key>" (at the final norm),
-    "geometry@<layer>.<key>" (at a measured layer: "geometry@blocks.2.nc1"),
-    "mechanism.<key>" (the head diagnostic over all layers: "mechanism.cos_smooth.laplacian"),
-    "mechanism@blocks.<i>.<key>" (in one layer), a list of keys (the first present), or a
-    function of the record. None when absent or not finite."""
-    if callable(metric):
+    "geometry@<layer>.<key>" (at a measured layer: "geometry@blocks.2.nc1"), "mechanism.<key>"
+    (over all layers: "mechanism.cos_smooth.laplacian"), "mechanism@blocks.<i>.<key>", a list of
+    keys (the first a run has: a results key spelt differently by two versions), or a function of
+    the record. None when absent or not finite."""
+    if callable(metric):  # a table's derived column (scaled, or the mean of others)
         v = metric(record)
         return v if v is None or math.isfinite(v) else None
-    # a list of keys: the first a run has (a results key spelt differently by two versions)
     for key in ([metric] if isinstance(metric, str) else metric):
-        if key.startswith("geometry@"):
-            at = _AT_LAYER.fullmatch(key)
+        if key.startswith(("geometry@", "mechanism@")):
+            geo = key.startswith("geometry@")
+            at = (_AT_LAYER if geo else _MECH_AT_LAYER).fullmatch(key)
             if at is None:
                 raise ConfigError(f"metric {key!r}: write geometry@<layer>.<key> with layer norm or blocks.<i>, "
-                                  f"e.g. geometry@blocks.2.nc1")
-            v = record.get("layer_geometry", {}).get(at[1], {}).get(at[2])
-        elif key.startswith("mechanism@"):
-            at = _MECH_AT_LAYER.fullmatch(key)
-            if at is None:
-                raise ConfigError(f"metric {key!r}: write mechanism@blocks.<i>.<key>, "
+                                  f"e.g. geometry@blocks.2.nc1" if geo else
+                                  f"metric {key!r}: write mechanism@blocks.<i>.<key>, "
                                   f"e.g. mechanism@blocks.0.cos_smooth.laplacian")
-            v = (record.get("mechanism") or {}).get(at[1], {}).get(at[2])
+            v = (record.get("layer_geometry" if geo else "mechanism") or {}).get(at[1], {}).get(at[2])
         elif key.startswith("mechanism."):
             v = (record.get("mechanism") or {}).get(key[len("mechanism."):])
-            v = v if isinstance(v, float) else None
+            v = v if isinstance(v, float) else None  # "mechanism.blocks.1" is a layer, not a number
         else:
             v = (record["geometry"].get(key[len("geometry."):]) if key.startswith("geometry.")
                  else record["metrics"].get(key))
@@ -365,13 +284,29 @@ def metric_value(record: dict, metric: Metric) -> Optional[float]:
 
 
 def sort_key(v):
-    """Sort key that puts None, numbers, strings and tuples apart (they do not compare)."""
+    """Sort key that puts None, numbers, strings and tuples apart (they do not compare): a column
+    of mixed k (7 and [0,0,6,6]) still sorts."""
     if v is None:
         return (0, 0)
     if isinstance(v, (int, float)):
         return (1, v)
-    # numbers before strings before tuples: a column of mixed k (7 and [0,0,6,6]) still sorts
     return (3, v) if isinstance(v, tuple) else (2, str(v))
+
+
+def arm_key(k, mode) -> tuple:
+    """Sort key of an arm (k, mode): the fixed arms by k, then the learned ones."""
+    return mode != "fixed", sort_key(k)
+
+
+def arm_label(k_label: str, mode: str) -> str:
+    """How a legend or a column names an arm: "k=3", "k=1 learned"."""
+    return f"k={k_label}" + ("" if mode == "fixed" else f" {mode}")
+
+
+def arms(rows: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(arm label, its rows) per arm (k, mode) of a slice of the tidy table, in `arm_key` order."""
+    groups = sorted(rows.groupby(["k", "mode"]), key=lambda kv: arm_key(*kv[0]))
+    return [(arm_label(part["k_label"].iloc[0], mode), part) for (_, mode), part in groups]
 
 
 # The facts of a run that every row of the tidy table carries (what a group or a label needs).
@@ -380,51 +315,38 @@ FACTS = ("run_dir", "experiment", "trainer", "dataset", "family", "model", "arch
 
 
 def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
-    """The runs as one tidy table, a row per (run, metric, layer, step): FACTS, step, epoch,
-    layer, metric, value, final (the row is of the run's final model). Every table and report of
-    analysis/ is a view of it.
-
-    metric is a results key ("final.val_acc1": layer None, step the run's last; an evaluation of a
-    kept checkpoint, ckpt/step_<N>_<name>/results.json, at step N), "geometry.<key>"
-    (at every analysed layer and checkpoint step), "mechanism.<key>.<type>" (layer "all" or
-    "blocks.<i>"), and with logs=True "log.<key>" of metrics.jsonl (every logged step and its
-    epoch; a step logged twice, by a resumed run, keeps its last value)."""
+    """The runs as one tidy table, a row per (run, metric, layer, step): FACTS, step, epoch, layer,
+    metric, value, final (the row is of the run's final model). metric is a results key (layer
+    None, step the run's last; an evaluation of a kept checkpoint at its step), "geometry.<key>"
+    (every analysed layer and checkpoint), "mechanism.<key>.<type>" (layer "all" or "blocks.<i>"),
+    and with logs=True "log.<key>" of metrics.jsonl (every logged step, with its epoch)."""
     rows = []
     for r in records:
         facts = {f: r.get(f) for f in FACTS}
-
-        # (one row per number: pandas groups, pivots and writes it; nothing below knows a file layout)
-        def add(step, layer, metric, value, epoch=None, final=True):
-            rows.append({**facts, "step": step, "epoch": epoch, "layer": layer, "metric": metric, "value": value,
-                         "final": final})
-
-        for m, v in r["metrics"].items():
-            add(r.get("steps"), None, m, v)
-        for step, ms in r.get("step_metrics", {}).items():  # evaluations of kept checkpoints
-            for m, v in ms.items():
-                add(step, None, m, v, final=False)
-        # the final analysis from layer_geometry (what a caller may have edited), the others as read
         last = r.get("analysis_step")
+        # one row per number: pandas groups, pivots and writes it; nothing below knows a file layout
+        rows += [{**facts, "step": r.get("steps"), "metric": m, "value": v, "final": True}
+                 for m, v in r["metrics"].items()]
+        rows += [{**facts, "step": step, "metric": m, "value": v, "final": False}  # evaluations of kept checkpoints
+                 for step, ms in r.get("step_metrics", {}).items() for m, v in ms.items()]
         # the final analysis from layer_geometry, the record's own (a caller may have edited it)
-        steps = {**r.get("step_geometry", {}), last: r["layer_geometry"]}
-        for step, layers in steps.items():
-            for layer, g in layers.items():
-                for key, v in g.items():
-                    add(step, layer, f"geometry.{key}", v, final=step == last)
-        mech = {**r.get("step_mechanism", {}), last: r.get("mechanism") or {}}
-        for step, summary in mech.items():
-            for key, v in summary.items():  # {"<key>.<type>": all layers, "blocks.<i>": {...}}
-                for layer, kk, vv in ([(key, kk, vv) for kk, vv in v.items()] if isinstance(v, dict)
-                                      else [("all", key, v)]):
-                    add(step, layer, f"mechanism.{kk}", vv, final=step == last)
+        for step, layers in {**r.get("step_geometry", {}), last: r["layer_geometry"]}.items():
+            rows += [{**facts, "step": step, "layer": layer, "metric": f"geometry.{key}", "value": v,
+                      "final": step == last} for layer, g in layers.items() for key, v in g.items()]
+        for step, s in {**r.get("step_mechanism", {}), last: r.get("mechanism") or {}}.items():
+            # {"<key>.<type>": over all layers, "blocks.<i>": {"<key>.<type>": ...}}
+            flat = [("all", k, v) for k, v in s.items() if not isinstance(v, dict)]
+            flat += [(layer, k, v) for layer, d in s.items() if isinstance(d, dict) for k, v in d.items()]
+            rows += [{**facts, "step": step, "layer": layer, "metric": f"mechanism.{k}", "value": v,
+                      "final": step == last} for layer, k, v in flat]
         if logs and (Path(r["run_dir"]) / "metrics.jsonl").exists():
             from train.logger import read_metrics
 
             # metrics.jsonl: the learning curves (every logged value at its step and epoch)
-            for rec in read_metrics(r["run_dir"]):
-                for key, v in rec.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("step", "epoch"):
-                        add(rec.get("step"), None, f"log.{key}", float(v), rec.get("epoch"), final=False)
+            rows += [{**facts, "step": rec.get("step"), "epoch": rec.get("epoch"), "metric": f"log.{key}",
+                      "value": float(v), "final": False} for rec in read_metrics(r["run_dir"])
+                     for key, v in rec.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("step", "epoch")]
     out = pd.DataFrame(rows, columns=[*FACTS, "step", "epoch", "layer", "metric", "value", "final"])
     # NaN and inf are "not measured" (a sequence without variance, a diverged run): no row
     out = out[out["value"].map(lambda v: v is not None and math.isfinite(v))]
@@ -433,16 +355,10 @@ def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
 
 
 def aggregate(records: list[dict], metric: Metric, by: tuple = GROUP_KEYS) -> pd.DataFrame:
-    """Pool the runs that share `by` (by default all but the seed) over their seeds.
-
-    Args:
-        records: from `collect`.
-        metric: as in `metric_value`; runs without it are left out.
-        by: record fields that define a group.
-    Returns one row per group, sorted: the `by` fields, the analysis.stats.summarize fields (mean,
-    sd, se, n, df, lo, hi, values, seeds, run_dirs), and runs (the records), recipe, k_label, arch
-    of its first run.
-    """
+    """Pool the runs that share `by` (by default all but the seed) over their seeds: a row per
+    group, sorted, with the `by` fields, analysis.stats.summarize's (mean, sd, se, n, df, lo, hi,
+    values, seeds, run_dirs), runs (the records), and recipe, k_label, arch of its first run.
+    Runs without `metric` (as in `metric_value`) are left out."""
     rows = [{**{f: r.get(f) for f in by}, "seed": r.get("seed"), "run_dir": r["run_dir"], "value": v, "run": r}
             for r in records for v in [metric_value(r, metric)] if v is not None]
     if not rows:
@@ -451,30 +367,24 @@ def aggregate(records: list[dict], metric: Metric, by: tuple = GROUP_KEYS) -> pd
     rows.sort(key=lambda row: tuple(sort_key(row[f]) for f in by))
     flat = pd.DataFrame(rows)
     out = summarize(flat, by)
-    # each group's records, for the facts a table needs (its recipe, whether it fine-tunes)
     out["runs"] = [list(g["run"]) for _, g in flat.groupby(list(by), dropna=False, sort=False)]
-    for f in ("recipe", "k_label", "arch"):
+    for f in ("recipe", "k_label", "arch"):  # each group's facts, for a table's labels and marks
         out[f] = [runs[0].get(f) for runs in out["runs"]]
     return out
 
 
 def experiments(records: list[dict]) -> dict[str, list[dict]]:
-    """Records by experiment (trainer, dataset, family, recipe): {"<dataset>_<family>": [...]}.
-    A second recipe of the same dataset and family gets its recipe id in the name."""
+    """Records by experiment (trainer, dataset, family, recipe): {"<dataset>_<family>": [...]}; a
+    second recipe of one dataset and family gets its recipe id in the name, never pooled."""
     groups: dict = {}
     for r in records:
         groups.setdefault((r["trainer"], r["dataset"], r["family"], r["recipe_id"]), []).append(r)
-    names, out = {}, {}
+    out = {}
     for key in sorted(groups, key=lambda k: tuple(map(str, k))):
-        base = f"{key[1]}_{key[2]}"
-        # a second recipe of one dataset and family: named apart by its recipe id, never pooled
-        name = base if base not in names else f"{base}_{key[3]}"
-        names[name] = key
-        out[name] = groups[key]
+        name = f"{key[1]}_{key[2]}"
+        out[name if name not in out else f"{name}_{key[3]}"] = groups[key]
     return out
 
-
-# ----------------------------------------------------------------------------- geometry per block
 
 # The headline geometry of the per-block table and figure: (key of `geometry`, label). A key an
 # architecture does not measure (a GPT has no class token and no classes of windows) is absent.
@@ -482,11 +392,6 @@ BLOCK_METRICS = (("within_seq_share", "within-sequence share"), ("between_class_
                  ("nc1", "NC1 (class token)"), ("patch_nc1", "NC1 (image means of patch tokens)"),
                  ("lc_cdnv_mean", "CDNV (next-token classes)"), ("n_pcs_0.99", "PCs for 99% of the variance"),
                  ("per_seq_n_pcs_0.99", "PCs for 99% of one sequence's variance (mean over sequences)"))
-
-
-def arm_label(k_label: str, mode: str) -> str:
-    """How a legend or a column names an arm: "k=3", "k=1 learned"."""
-    return f"k={k_label}" + ("" if mode == "fixed" else f" {mode}")
 
 
 def layer_order(records: list[dict]) -> list[str]:
@@ -497,10 +402,10 @@ def layer_order(records: list[dict]) -> list[str]:
 
 def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> pd.DataFrame:
     """The headline geometry of the final checkpoint at every measured layer, pooled over seeds as
-    `aggregate` pools: one row per (group, layer, metric) with the `by` fields, layer, metric (a key
-    of `geometry`) and the analysis.stats.summarize fields, layers in `layer_order`."""
+    `aggregate` pools: a row per (group, layer, metric: a key of `geometry`) with the `by` fields,
+    layer, metric and the summarize fields; layers in `layer_order`."""
     keys = [f"geometry.{k}" for k in (metrics or [k for k, _ in BLOCK_METRICS])]
-    f = frame(records)
+    f = frame(records)  # one tidy table: the same numbers as the tables and the report
     # the final model's layers only (a run's kept checkpoints are the report's business)
     f = f[f["metric"].isin(keys) & f["layer"].notna() & f["final"]]
     order = {n: i for i, n in enumerate(layer_order(records))}
@@ -510,17 +415,20 @@ def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> pd.D
 
 
 def runs_roots(cfg, command: str = "analysis.tables") -> list[Path]:
-    """The folders of `runs=` (a path or a list), each checked to exist."""
-    try:
-        value = cfg.runs
-    except MissingMandatoryValue:
-        raise ConfigError(f"runs is required: python -m {command} runs=DIR "
-                          "(or runs=[DIR1,DIR2]), a folder holding run directories") from None
-    roots = [Path(str(p)) for p in (value if isinstance(value, (ListConfig, list)) else [value])]
-    if not roots:
+    """The folders of `runs=`: a path, a list, or quoted glob patterns, each checked to exist."""
+    folders = []
+    for item in required_list(cfg, "runs", f"python -m {command} runs=DIR (or runs=[DIR1,DIR2], or a quoted "
+                                           f"glob runs='runs/deit3/digits/vitt_*'), folders holding run directories"):
+        # a quoted glob picks runs by name (runs='runs/deit3/digits/vitt_*'), sorted: the same order every time
+        found = sorted(Path(p) for p in glob.glob(item) if Path(p).is_dir()) if glob.has_magic(item) else [Path(item)]
+        if not found:
+            raise ConfigError(f"runs={item}: the pattern matches no folder; check it (quoted, e.g. "
+                              f"runs='runs/deit3/digits/vitt_*')")
+        for p in found:
+            if not p.is_dir():
+                raise ConfigError(f"runs={p}: no such folder; pass runs=DIR holding run directories "
+                                  f"(each with config.yaml / results.json), e.g. runs=runs/deit3/digits")
+        folders += found
+    if not folders:
         raise ConfigError("runs=[]: give at least one folder of runs")
-    for p in roots:
-        if not p.is_dir():
-            raise ConfigError(f"runs={p}: no such folder; pass runs=DIR holding run directories "
-                              f"(each with config.yaml / results.json), e.g. runs=runs/deit3/digits")
-    return roots
+    return folders

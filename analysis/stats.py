@@ -70,41 +70,39 @@ def summarize(frame: pd.DataFrame, by: Sequence[str], value: str = "value", leve
 
 
 @dataclass(frozen=True)
-class Paired:
-    """arm - base over the seeds both arms have (Summary of the per-seed differences)."""
-    n: int          # seeds in both arms
-    d: float        # mean difference
-    sd: float       # sample sd of the differences (NaN for n < 2)
-    se: float       # sd / sqrt(n)
-    df: int         # n - 1
-    lo: float       # the LEVEL interval of d
-    hi: float
-    t: float        # d / se (+-inf when every seed moved by the same nonzero amount)
-    p: float        # two-sided p of the paired t (NaN for n < 2)
-    diffs: tuple    # the per-seed differences, in seed order
+class Paired(Summary):
+    """arm - base over the seeds both arms have: the Summary of the per-seed differences (its
+    mean is d), their t (+-inf when every seed moved by the same nonzero amount), its two-sided
+    p (NaN for one seed) and the differences in seed order."""
+    t: float
+    p: float
+    diffs: tuple
+
+    @property
+    def d(self) -> float:
+        return self.mean
 
 
 def paired(base: Mapping, arm: Mapping, level: float = LEVEL) -> Paired:
-    """The paired t of arm - base over the seeds (keys) both have.
-
-    Why paired: the arms of a seed share the data order and the initial weights (a Laplacian head
-    adds no parameter, so k changes no draw), so the per-seed differences remove the spread both
-    arms share. Equal to scipy.stats.ttest_rel (tests hold it)."""
-    # only the seeds both arms have: a pair is the unit, a seed without its partner says nothing
+    """The paired t of arm - base over the seeds (keys) both have; equal to scipy.stats.ttest_rel
+    (tests hold it)."""
+    # paired: the arms of a seed share the data order and the initial weights (a Laplacian head adds
+    # no parameter, so k changes no draw): the per-seed differences remove the spread both share.
+    # Only the seeds both arms have: a pair is the unit, a seed without its partner says nothing.
     seeds = sorted(set(base) & set(arm), key=str)
     diffs = tuple(float(arm[s]) - float(base[s]) for s in seeds)
     if not diffs:
         raise ValueError("paired: no seed is in both arms")
     s = describe(diffs, level)
     if s.n < 2:
-        return Paired(1, s.mean, *(float("nan"),) * 2, 0, *(float("nan"),) * 4, diffs)
-    if s.se == 0:  # every seed moved by exactly the same amount
+        t, p = float("nan"), float("nan")
+    elif s.se == 0:  # every seed moved by exactly the same amount
         t, p = (0.0, 1.0) if s.mean == 0 else (math.copysign(math.inf, s.mean), 0.0)
     else:
-        # Student's t on the differences; its p from scipy's t distribution (tests: equal to ttest_rel)
+        # Student's t on the differences; its p from scipy's t distribution (equal to ttest_rel's)
         t = s.mean / s.se
         p = float(2 * _stats.t.sf(abs(t), s.df))
-    return Paired(s.n, s.mean, s.sd, s.se, s.df, s.lo, s.hi, t, p, diffs)
+    return Paired(**asdict(s), t=t, p=p, diffs=diffs)
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:

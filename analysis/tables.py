@@ -28,8 +28,8 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.gates import write_gate_tables
-from analysis.runs import (BLOCK_METRICS, aggregate, arm_label, collect, experiments, layer_order, metric_value,
-                           per_block, runs_roots, sort_key)
+from analysis.runs import (BLOCK_METRICS, aggregate, arm_key, arm_label, collect, experiments, layer_order,
+                           metric_value, per_block, runs_roots, sort_key)
 from analysis.stats import interval_text
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
@@ -82,7 +82,8 @@ def load_paper(path=None) -> dict:
 
 def load_specs(only=None, specs=None) -> dict:
     """The table specs of configs/tables.yaml (or `specs`), restricted to `only`."""
-    specs = specs if specs is not None else OmegaConf.to_container(OmegaConf.load(config_dir("tables") / "tables.yaml"))["tables"]
+    if specs is None:
+        specs = OmegaConf.to_container(OmegaConf.load(config_dir("tables") / "tables.yaml"))["tables"]
     if only:
         bad = [n for n in only if n not in specs]
         if bad:
@@ -98,6 +99,7 @@ def load_specs(only=None, specs=None) -> dict:
 # ----------------------------------------------------------------------------- building a table
 
 def _matches(record: dict, where: dict) -> bool:
+    # every field must match: a spec's `where: {trainer: deit3, dataset: [cifar10, cifar100]}`
     for field, want in (where or {}).items():
         allowed = want if isinstance(want, list) else [want]
         # as text: a YAML value and a record's value may differ in type only (7 vs "7")
@@ -110,7 +112,7 @@ def _columns(spec: dict, recs: list[dict], entries: list[dict]) -> list[dict]:
     """The column specs: as listed, or one per value of a record field (`from:`), the
     `order` ones first, then the paper's, then the rest sorted."""
     cols = spec["columns"]
-    if isinstance(cols, list):
+    if isinstance(cols, list):  # listed: the table's own columns (the LM's benchmarks, the geometry's objects)
         return [dict(c) for c in cols]
     field, labels = cols["from"], cols.get("labels") or {}
     values = list(cols.get("order") or [])
@@ -257,26 +259,23 @@ def cell_text(cell: dict, fmt: str, skip=()) -> str:
 
 def grid(table: dict) -> pd.DataFrame:
     """The table as text cells, one row per table row (what Markdown and LaTeX show)."""
-    cells = table["cells"]
-    if cells.empty:
+    c = table["cells"]
+    if c.empty:
         return pd.DataFrame(columns=[*table["rows_by"], "model", "k"])
-    # (tables of fixed heads only stay as the paper prints them)
-    show_mode = (cells["mode"] != "fixed").any()  # a column only when learned
-    fmts = {c["name"]: c.get("fmt") or table["fmt"] for c in table["columns"]}
-    rows = []
-    # the long cells -> one text row per table row, in the rows' order (sort=False)
-    for _, row in cells.groupby([*table["rows_by"], "model", "mode", "k_label"], dropna=False, sort=False):
-        first = row.iloc[0]
-        out = {b: "" if first[b] is None else str(first[b]) for b in table["rows_by"]}
-        out["model"] = first["model"] + "".join(f"†{m}" for m in first["row_marks"])
-        out["k"] = first["k_label"]
-        if show_mode:
-            out["mode"] = first["mode"]
-        by_col = {c["column"]: c for c in row.to_dict("records")}
-        out.update({c.get("label", c["name"]): cell_text(by_col[c["name"]], fmts[c["name"]], first["row_marks"])
-                    for c in table["columns"]})
-        rows.append(out)
-    return pd.DataFrame(rows)
+    fmts = {col["name"]: col.get("fmt") or table["fmt"] for col in table["columns"]}
+    # a row's common marks are shown once, on its model name; a mode column only when some arm is learned
+    index = [*table["rows_by"], "model", "k"] + (["mode"] if (c["mode"] != "fixed").any() else [])
+    c = c.assign(k=c["k_label"])
+    c["text"] = [cell_text(x, fmts.get(x["column"], table["fmt"]), x["row_marks"]) for x in c.to_dict("records")]
+    c["model"] = [m + "".join(f"†{i}" for i in marks) for m, marks in zip(c["model"], c["row_marks"])]
+    for b in table["rows_by"]:  # as text: a field a row leaves open is an empty cell
+        c[b] = ["" if v is None else str(v) for v in c[b]]
+    # long -> wide in the rows' order (pivot would sort them), a column per shown column, by its label
+    rows = pd.MultiIndex.from_tuples(list(dict.fromkeys(zip(*(c[i] for i in index)))), names=index)
+    wide = c.set_index(index).pivot(columns="column", values="text").reindex(rows)
+    wide = wide.reindex(columns=[col["name"] for col in table["columns"]])
+    wide.columns = [col.get("label", col["name"]) for col in table["columns"]]
+    return wide.reset_index()
 
 
 def _footer(table: dict) -> list[str]:
@@ -311,6 +310,7 @@ def _tex(text: str) -> str:
 def latex(name: str, title: str, frame: pd.DataFrame, footer: list[str], label: bool = True) -> str:
     """A LaTeX `table` (booktabs) by pandas' to_latex; our escapes for ±, Δ and the daggers."""
     # escape=False: our own escapes, which also turn ±, Δ and the daggers into maths
+    # booktabs by pandas; every cell and header through _tex first
     text = frame.rename(columns=_tex).map(_tex).to_latex(
         index=False, escape=False, caption=_tex(title), label=f"tab:{name.replace('_', '-')}" if label else None,
         column_format="l" * (len(frame.columns) - 1) + "r")
@@ -322,6 +322,7 @@ def latex(name: str, title: str, frame: pd.DataFrame, footer: list[str], label: 
 def to_csv(table: dict) -> str:
     """One line per cell (long format), full precision; a missing value is an empty field."""
     c = table["cells"].copy()
+    # the long form: one line per cell, every number at full precision, the footnotes spelt out
     c["seeds"] = c["seeds"].map(lambda s: " ".join(map(str, s or [])))
     c["notes"] = c["marks"].map(lambda ms: " | ".join(table["notes"][m - 1] for m in ms))
     # mean, sd and delta are written as Python floats (repr): the CSV equals the pooled values
@@ -335,67 +336,41 @@ def to_csv(table: dict) -> str:
 
 # ----------------------------------------------------------------------------- geometry at every block
 
-def build_per_block(name: str, spec: dict, records: list[dict]) -> dict:
-    """The per_block table: {name, title, fmt, cells}; cells is analysis.runs.per_block's frame with
-    experiment, recipe and arm (the column label: "k=3", "k=1 learned") added.
+_BLOCK_FOOTER = ("Cells: mean [95% t interval] (n seeds) of an arm; blocks.<i> is the residual stream after "
+                 "block i, norm the final norm (what the head reads).")
 
-    Args:
-        name, spec: the table's name and spec (title, fmt, metrics: keys of BLOCK_METRICS).
-        records: finished runs from `collect`, already filtered by the spec's `where`.
-    """
+
+def per_block_table(name: str, spec: dict, records: list[dict]) -> tuple[str, str, str]:
+    """(Markdown, LaTeX, CSV) of a `kind: per_block` table: a section per experiment and metric
+    (spec.metrics: keys of analysis.runs.BLOCK_METRICS), rows = layers, columns = arms, cells the
+    mean [95% interval] (n) of analysis.runs.per_block; `records` already filtered by its `where`."""
     labels = dict(BLOCK_METRICS)
     metrics = list(spec.get("metrics") or labels)
     bad = [m for m in metrics if m not in labels]
     if bad:
         raise ConfigError(f"tables.{name}.metrics: {bad[0]!r} is not a per-block metric; choose from {list(labels)}")
-    parts = []
+    fmt, md, tex, parts = spec.get("fmt", ".4g"), [f"### {name}: {spec.get('title', name)}", ""], [], []
     for exp, recs in experiments([r for r in records if r.get("layer_geometry")]).items():
-        f = per_block(recs, metrics)
         k_labels = {(r["k"], r["mode"]): r["k_label"] for r in recs}
-        # layers travel with the cells: each section's rows in the model's order, norm last
-        parts.append(f.assign(experiment=exp, recipe=recs[0]["recipe"], layers=[layer_order(recs)] * len(f),
-                              arm=[arm_label(k_labels[k, m], m) for k, m in zip(f["k"], f["mode"])],
-                              k_label=[k_labels[k, m] for k, m in zip(f["k"], f["mode"])]))
-    cells = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-    return {"name": name, "title": spec.get("title", name), "fmt": spec.get("fmt", ".4g"), "cells": cells,
-            "labels": labels}
-
-
-_BLOCK_FOOTER = ("Cells: mean [95% t interval] (n seeds) of an arm; blocks.<i> is the residual stream after "
-                 "block i, norm the final norm (what the head reads).")
-
-
-def block_sections(table: dict):
-    """(experiment, metric label, recipe, grid) per section: rows = layers, columns = arms."""
-    c = table["cells"]
-    if c.empty:
-        return
-    c = c.assign(text=[interval_text(m, lo, hi, n, table["fmt"]) for m, lo, hi, n in zip(c["mean"], c["lo"], c["hi"], c["n"])])
-    for (exp, metric), s in c.groupby(["experiment", "metric"], sort=False):
-        arms = sorted({(k, mode, arm) for k, mode, arm in zip(s["k"], s["mode"], s["arm"])},
-                      key=lambda a: (a[1] != "fixed", sort_key(a[0])))  # fixed arms by k, then learned
-        arms = [a for *_, a in arms]
-        # long -> wide: rows = layers, columns = arms; a layer no arm measured is dropped
-        g = s.pivot(index="layer", columns="arm", values="text").reindex(s["layers"].iloc[0]).reindex(columns=arms)
-        g = g.dropna(how="all").fillna("").reset_index()
-        yield exp, table["labels"][metric], s["recipe"].iloc[0], g
-
-
-def write_per_block(table: dict) -> tuple[str, str, str]:
-    """(Markdown, LaTeX, CSV) of the per_block table."""
-    md = [f"### {table['name']}: {table['title']}", ""]
-    tex = []
-    sections = list(block_sections(table))
-    if not sections:
+        f = per_block(recs, metrics)
+        f = f.assign(experiment=exp, recipe=recs[0]["recipe"], k_label=[k_labels[km] for km in zip(f["k"], f["mode"])],
+                     text=[interval_text(*v, fmt) for v in zip(f["mean"], f["lo"], f["hi"], f["n"])])
+        f["arm"] = [arm_label(kl, m) for kl, m in zip(f["k_label"], f["mode"])]
+        parts.append(f)
+        for metric, s in f.groupby("metric", sort=False):
+            arms = [arm for _, arm in sorted({(arm_key(k, m), arm) for k, m, arm in zip(s["k"], s["mode"], s["arm"])})]
+            # long -> wide: rows = layers (the model's order, norm last), columns = arms; a layer no arm
+            # measured is dropped
+            g = s.pivot(index="layer", columns="arm", values="text").reindex(layer_order(recs)).reindex(columns=arms)
+            g = g.dropna(how="all").fillna("").reset_index()
+            md.append(markdown(f"{exp}: {labels[metric]} ({recs[0]['recipe']})", g, [], level=4))
+            tex.append(latex(name, f"{exp}: {labels[metric]} at every layer", g, [_BLOCK_FOOTER], label=False))
+    if not parts:
         md += ["No analysed runs found (run python -m analysis checkpoint=<run>/ckpt/last.pt layers=all).", ""]
-    for exp, label, recipe, g in sections:
-        md += [markdown(f"{exp}: {label} ({recipe})", g, [], level=4)]
-        tex.append(latex(table["name"], f"{exp}: {label} at every layer", g, [_BLOCK_FOOTER], label=False))
-    c = table["cells"]
     cols = ["experiment", "metric", "layer", "k_label", "mode", "mean", "sd", "se", "lo", "hi", "n", "seeds", "recipe"]
-    sheet = pd.DataFrame(columns=cols) if c.empty else c[cols].assign(seeds=c["seeds"].map(lambda s: " ".join(map(str, s))))
-    return ("\n".join(md + [_BLOCK_FOOTER]) + "\n", "".join(tex),
-            sheet.rename(columns={"k_label": "k"}).to_csv(index=False, lineterminator="\n"))
+    sheet = pd.concat(parts)[cols] if parts else pd.DataFrame(columns=cols)
+    sheet = sheet.assign(seeds=sheet["seeds"].map(lambda s: " ".join(map(str, s)))).rename(columns={"k_label": "k"})
+    return "\n".join(md + [_BLOCK_FOOTER]) + "\n", "".join(tex), sheet.to_csv(index=False, lineterminator="\n")
 
 
 # ----------------------------------------------------------------------------- the command
@@ -419,8 +394,9 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
     done = [r for r in records if r["finished"]]
     paths = []
     for name, spec in specs.items():
+        # Markdown for reading, LaTeX for a paper, CSV for one's own analysis: the same numbers
         if spec.get("kind") == "per_block":
-            md, tex, sheet = write_per_block(build_per_block(name, spec, [r for r in done if _matches(r, spec.get("where"))]))
+            md, tex, sheet = per_block_table(name, spec, [r for r in done if _matches(r, spec.get("where"))])
         else:
             table = build_table(name, spec, done, paper)
             g, foot = grid(table), _footer(table)
@@ -440,6 +416,7 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
 def run(cfg: DictConfig) -> list[Path]:
     """Collect the runs of cfg.runs and write every table; returns the written paths."""
     roots = runs_roots(cfg)
+    # checked before the runs are read: a read-only folder fails now, not after every table
     out = check_writable(Path(cfg.out) if cfg.out else roots[0] / "tables", "out")
     skipped: list[str] = []
     records = collect(roots, skipped)
@@ -452,7 +429,7 @@ def run(cfg: DictConfig) -> list[Path]:
     unfinished = [r["run_dir"] for r in records if not r["finished"]]
     print(f"[tables] {len(records)} runs under {', '.join(map(str, roots))}"
           + (f" ({len(unfinished)} unfinished, left out)" if unfinished else ""), flush=True)
-    for r in records:
+    for r in records:  # e.g. an analysis of last.pt from before a resume, not used
         for note in r["notes"]:
             print(f"[tables] note: {note}", flush=True)
     specs = OmegaConf.to_container(cfg.tables, resolve=True)

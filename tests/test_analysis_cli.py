@@ -16,7 +16,6 @@ import laplace
 from hydra import compose, initialize_config_dir
 
 from analysis import metrics as m
-from analysis import spectra as sp
 from analysis.__main__ import analysis_dir, run as analysis_run
 from analysis.geometry import eval_split, load_for_analysis
 from conftest import CONFIGS, ROOT, save_tiny_gpt, train_tiny_vit
@@ -91,11 +90,11 @@ def test_vit_streamed_equals_in_memory(vit):
         seq, lab = torch.arange(64).repeat_interleave(P), y.repeat_interleave(P)
         got_patch, got_cls = res["results"]["patch"][layer], res["results"]["cls"][layer]
         ref = {"anova": m.anova(patches, seq, lab), "cdnv": m.cdnv(patches, lab),
-               "spectral": sp.spectral_decay(patches),
-               "spectral_within": sp.spectral_decay(patches, seq_ids=seq, center="sequence"),
-               "spectral_per_seq": sp.per_sequence_spectra(patches, seq),
+               "spectral": m.spectral_decay(patches),
+               "spectral_within": m.spectral_decay(patches, seq_ids=seq, center="sequence"),
+               "spectral_per_seq": m.per_sequence_spectra(patches, seq),
                "nc": m.neural_collapse(patches.mean(1), y, W, b)}
-        ref_cls = {"nc": m.neural_collapse(cls, y, W, b), "cdnv": m.cdnv(cls, y), "spectral": sp.spectral_decay(cls)}
+        ref_cls = {"nc": m.neural_collapse(cls, y, W, b), "cdnv": m.cdnv(cls, y), "spectral": m.spectral_decay(cls)}
         for got, want in ((got_patch, ref), (got_cls, ref_cls)):
             for group, values in want.items():
                 for key, v in values.items():
@@ -118,6 +117,35 @@ def test_vit_figures(vit):
     summary = json.loads((vit["compare"] / "summary.json").read_text())
     assert [r["model"] for r in summary["runs"]] == ["vitt_0L", "vitt_3L"]
     assert all(r["nc1"] > 0 and 0 < r["within_seq_share"] < 1 for r in summary["runs"])
+
+
+def test_an_exported_folder_is_analysed_as_its_checkpoint(vit, tmp_path):
+    """python -m analysis checkpoint=<a folder python -m laplace.export wrote> (issue 47): the same
+    numbers as its checkpoint's analysis; the data node from the export's config.json when it
+    records one, else data=<name>, and without it one line saying so."""
+    from laplace.checkpoint import read_export_config
+    from laplace.export import export
+
+    folder = export(vit["ckpts"][1], tmp_path / "exports" / "vitt_3L")
+    args = [a for a in VIT_ARGS if not a.startswith("pca_maps")] + ["figures=false"]
+    if not read_export_config(folder).get("data"):
+        bad = _analysis(f"checkpoint={folder}", *args)
+        err = bad.stderr.strip().splitlines()
+        assert bad.returncode == 1 and len(err) == 1, bad.stderr[-2000:]
+        assert err[0].startswith(f"error: checkpoint={folder}: it records no data node; pass data=<name>")
+        args.append("data=digits")  # the data the tiny ViTs trained on
+    proc = _analysis(f"checkpoint={folder}", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((analysis_dir(folder) / "analysis.json").read_text())
+    assert analysis_dir(folder) == tmp_path / "exports" / "vitt_3L_analysis"
+    want = vit["results"][1]
+    assert (res["model"], res["num_laplacian_heads"], res["n_tokens"]) == (want["model"], 3, want["n_tokens"])
+    for layer in want["layers"]:
+        for kind, group, key in (("patch", "anova", "within_seq_share"), ("patch", "nc", "nc1"),
+                                 ("cls", "nc", "nc1"), ("patch", "spectral", "n_pcs_0.99")):
+            _approx(res["results"][kind][layer][group][key], want["results"][kind][layer][group][key], rel=1e-6)
+    assert res["mechanism"]["summary"]["cos_smooth.laplacian"] == pytest.approx(
+        want["mechanism"]["summary"]["cos_smooth.laplacian"], rel=1e-6)
 
 
 def test_gpt_checkpoint(tmp_path):
@@ -145,9 +173,9 @@ def test_gpt_checkpoint(tmp_path):
     lc = m.linguistic_collapse(f, nxt, unembedding=model.lm_head.weight, min_count=2)
     for key in ("lc_num_classes", "lc_cdnv_mean", "lc_equinorm", "lc_coherence_std", "lc_self_duality"):
         _approx(got["lc"][key], lc[key])
-    assert got["spectral"]["n_pcs_0.99"] == sp.spectral_decay(f)["n_pcs_0.99"]
-    assert got["spectral_within"]["n_pcs_0.99"] == sp.spectral_decay(f, seq_ids=seq, center="sequence")["n_pcs_0.99"]
-    per_seq = sp.per_sequence_spectra(f, seq)
+    assert got["spectral"]["n_pcs_0.99"] == m.spectral_decay(f)["n_pcs_0.99"]
+    assert got["spectral_within"]["n_pcs_0.99"] == m.spectral_decay(f, seq_ids=seq, center="sequence")["n_pcs_0.99"]
+    per_seq = m.per_sequence_spectra(f, seq)
     assert got["spectral_per_seq"]["n_sequences"] == 32
     assert got["spectral_per_seq"]["n_pcs_0.99"] == pytest.approx(per_seq["n_pcs_0.99"], abs=1e-12)
 

@@ -1,14 +1,15 @@
-"""Token-geometry metrics: known answers on synthetic data, plain-loop references, and the
-streaming accumulator against the in-memory functions."""
+"""Token-geometry metrics: known answers on synthetic data, plain-loop references (the in-memory
+functions are the accumulator fed every row at once), and the streamed accumulator, in uneven
+batches with sequences spanning them, against one batch."""
 import itertools
 
 import numpy as np
 import pytest
 import torch
 
+from analysis import formulas as f
 from analysis import metrics as m
-from analysis import spectra as sp
-from analysis.streaming import GeometryAccumulator, NCCAgreement
+from analysis.metrics import GeometryAccumulator
 
 
 def make_tokens(seed=0, n_seq=12, n_cls=4, D=8, offset=5.0):
@@ -146,9 +147,9 @@ def test_cdnv_matches_loop():
 
 
 def test_offdiag_stats_is_independent_of_chunking():
-    U = m._unit_rows(torch.randn(37, 6, dtype=torch.float64))
-    fn = m._cosine_block(U, lambda c: {"abs": c.abs()})
-    a, b = m.offdiag_stats(fn, 37, chunk=1), m.offdiag_stats(fn, 37, chunk=37)
+    U = f._unit_rows(torch.randn(37, 6, dtype=torch.float64))
+    fn = f._cosine_block(U, lambda c: {"abs": c.abs()})
+    a, b = f.offdiag_stats(fn, 37, chunk=1), f.offdiag_stats(fn, 37, chunk=37)
     for k in ("cos", "abs"):
         assert a[k] == pytest.approx(b[k], rel=1e-12)
 
@@ -190,14 +191,14 @@ def test_planted_rank_gives_its_number_of_components():
     basis = np.linalg.qr(rng.normal(size=(D, r)))[0].T * np.linspace(1, 2, r)[:, None]
     seq = np.repeat(np.arange(n_seq), L)
     x = rng.normal(size=(n_seq * L, r)) @ basis + 4.0
-    out = sp.spectral_decay(x)
+    out = m.spectral_decay(x)
     assert out["n_pcs_0.99"] == r and 1 <= out["n_pcs_0.9"] <= r
     assert sum(out["spectrum"]) == pytest.approx(1.0) and 1 < out["effective_rank"] <= r
     # per-sequence offsets in other directions add components unless centred per sequence
     offsets = rng.normal(size=(n_seq, D)) * 5
     y = x + offsets[seq]
-    assert sp.spectral_decay(y)["n_pcs_0.99"] > r
-    assert sp.spectral_decay(y, seq_ids=seq, center="sequence")["n_pcs_0.99"] == r
+    assert m.spectral_decay(y)["n_pcs_0.99"] > r
+    assert m.spectral_decay(y, seq_ids=seq, center="sequence")["n_pcs_0.99"] == r
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -234,23 +235,22 @@ def test_streaming_equals_in_memory(kind):
     W, b = rng.normal(size=(5, x.shape[1])), rng.normal(size=5)
     sizes = [1, 37, 200, 3, len(x) - 241]
     acc = stream(split(x, s, y, sizes, kind), metrics=("anova", "nc", "cdnv", "lc", "spectral"))
-    out = acc.compute(weight=W, bias=b, unembedding=W, min_count=1)
+    out = acc.compute(weight=W, unembedding=W, min_count=1)
     assert_same(out, m.anova(x, s, y))
     nc = m.neural_collapse(x, y, W, b)
     assert_same(out, {k: v for k, v in nc.items() if k != "nc4"})
     assert_same(out, m.cdnv(x, y))
     lc = m.linguistic_collapse(x, y, unembedding=W)
     assert_same(out, {k: v for k, v in lc.items() if k != "lc_ncc_agreement"})
-    assert_same(out, sp.spectral_decay(x))
-    seq_spec = acc.compute(spectral_center="sequence", thresholds=(0.5, 0.95))
-    assert_same(seq_spec, sp.spectral_decay(x, (0.5, 0.95), seq_ids=s, center="sequence"))
-    # second pass: NC4 and the NCC agreement from the streamed class means
+    assert_same(out, m.spectral_decay(x))
+    seq_spec = acc.spectral((0.5, 0.95), center="sequence")
+    assert_same(seq_spec, m.spectral_decay(x, (0.5, 0.95), seq_ids=s, center="sequence"))
+    # a second look at the rows: NC4 from the streamed class means
     classes, means = acc.class_means()
     classes = classes.cpu().numpy()
-    ncc = NCCAgreement(means, W[classes], b[classes])
-    for xb, _, _ in split(x, s, y, sizes, kind):
-        ncc.update(xb)
-    assert ncc.compute()["ncc_mismatch"] == pytest.approx(nc["nc4"])
+    x64 = torch.from_numpy(x).to(means.device)
+    W64, b64 = (torch.from_numpy(a[classes]).to(means.device) for a in (W, b))
+    assert f.ncc_mismatch(x64, means, W64, b64) / len(x) == pytest.approx(nc["nc4"])
     # sequence means feed the in-memory NC of the paper's ViT analysis
     ids, seq_means, seq_labels = acc.sequence_means()
     ref = {k: x[s == k].mean(0) for k in ids.tolist()}
@@ -276,10 +276,9 @@ def test_streaming_language_model_setup():
     lc = m.linguistic_collapse(x, y, unembedding=U, min_count=4)
     assert_same(out, {k: v for k, v in lc.items() if k != "lc_ncc_agreement"})
     classes, means = acc.class_means(min_count=4)
-    ncc = NCCAgreement(means, U[classes.numpy()], classes=classes)
-    for xb, _, yb in batches:
-        ncc.update(xb, yb)
-    assert ncc.compute()["ncc_agreement"] == pytest.approx(lc["lc_ncc_agreement"])
+    rows = torch.from_numpy(x[np.isin(y, classes.numpy())])
+    agree = 1 - f.ncc_mismatch(rows, means, torch.from_numpy(U[classes.numpy()])) / len(rows)
+    assert agree == pytest.approx(lc["lc_ncc_agreement"])
 
 
 def test_rows_that_do_not_vary_give_nan_shares_and_spectra_not_zero_by_zero():
@@ -292,10 +291,10 @@ def test_rows_that_do_not_vary_give_nan_shares_and_spectra_not_zero_by_zero():
         assert out["total"] == pytest.approx(0.0, abs=1e-12)
         assert all(np.isnan(out[f"{p}_share"]) for p in ("within_seq", "between_seq", "within_class",
                                                          "between_class"))
-    for spec in (sp.spectral_decay(x), stream([(x, s, y)], metrics=("spectral",)).compute(),
-                 sp.spectral_decay(np.random.default_rng(0).normal(size=(5, 4)), seq_ids=np.arange(5),
+    for spec in (m.spectral_decay(x), stream([(x, s, y)], metrics=("spectral",)).compute(),
+                 m.spectral_decay(np.random.default_rng(0).normal(size=(5, 4)), seq_ids=np.arange(5),
                                   center="sequence")):
         assert np.isnan(spec["n_pcs_0.99"]) and np.isnan(spec["effective_rank"])
         assert spec["total_variance"] == pytest.approx(0.0, abs=1e-12) and np.isnan(spec["spectrum"]).all()
-    varied = sp.spectral_decay(x + np.random.default_rng(1).normal(size=x.shape))
+    varied = m.spectral_decay(x + np.random.default_rng(1).normal(size=x.shape))
     assert varied["n_pcs_0.99"] >= 1 and not np.isnan(varied["spectrum"]).any()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 
+import pandas as pd
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -110,14 +111,22 @@ def test_every_trainer_logs_gates_and_the_report_reads_them(paradigm, make_cfg, 
     gates, as its checkpoint holds them); run_gates reads start, trajectory and end exactly."""
     _train(make_cfg, tmp_path / "r", paradigm)
     [rec] = collect(tmp_path / "r")
-    g = run_gates(rec)
+    g, notes = run_gates(rec)
+
+    def at(point):  # [step][block][head] of one point kind, steps in order
+        part = g[g["point"] == point]
+        return [[[a for a in part[(part["step"] == s) & (part["block"] == b)].sort_values("head")["a"]]
+                 for b in sorted(set(part["block"]))] for s in sorted(set(part["step"]))]
+
     train = [r for r in read_metrics(tmp_path / "r") if r.get("split") == "train"]
-    depth, heads = len(g["layers"]), len(g["end"][0])
+    [start], trajectory, [end] = at("start"), at("logged"), at("end")
+    depth, heads = len(end), len(end[0])
     logged = [[[r[f"gate.blocks.{i}.h{h}"] for h in range(heads)] for i in range(depth)] for r in train]
-    assert g["steps"] == [0, 1, 2, 3] and g["trajectory"][1:] == logged  # the same cadence in all three
-    start = [torch.sigmoid(gate_start_logits(heads, 1)).tolist()] * depth  # vitt_1L / gpt_d2_1L: k = 1
-    assert g["start"] == g["trajectory"][0] == start
-    assert g["end"] == _ckpt_gates(tmp_path / "r") == g["trajectory"][-1] and not g["notes"]
+    steps = sorted(set(g.loc[g["point"] != "end", "step"]))
+    assert steps == [0, 1, 2, 3] and trajectory == logged  # the same cadence in all three
+    assert start == [torch.sigmoid(gate_start_logits(heads, 1)).tolist()] * depth  # vitt_1L / gpt_d2_1L: k = 1
+    assert end == _ckpt_gates(tmp_path / "r") == trajectory[-1] and not notes
+    assert set(g.loc[g["point"] == "end", "step"]) == {rec["steps"]}
 
 
 def test_gates_pooled_over_seeds_into_a_table_and_a_figure(make_cfg, tmp_path):
@@ -126,23 +135,28 @@ def test_gates_pooled_over_seeds_into_a_table_and_a_figure(make_cfg, tmp_path):
     records = collect(tmp_path / "runs")
     [g] = gate_groups(records)
     ends = [_ckpt_gates(tmp_path / f"runs/s{seed}") for seed in (0, 1)]
-    assert g["n"] == 2 and g["seeds"] == [0, 1] and g["layers"] == ["blocks.0", "blocks.1"] and g["heads"] == 3
+    gates = g["gates"].set_index(["block", "head"])
+    assert g["n"] == 2 and g["seeds"] == [0, 1] and g["layers"] == ["blocks.0", "blocks.1"]
+    assert len(gates) == 2 * 3 and sorted(set(g["gates"]["head"])) == [0, 1, 2]
     e = [ends[0][1][2], ends[1][1][2]]
-    assert g["end"][1][2] == pytest.approx(statistics.fmean(e))
+    b1h2 = gates.loc[(1, 2)]
+    assert b1h2["end"] == pytest.approx(statistics.fmean(e))
     half = scipy_stats.t.ppf(0.975, 1) * statistics.stdev(e) / math.sqrt(2)  # the 95% t interval, 1 df
-    assert (g["end_lo"][1][2], g["end_hi"][1][2]) == pytest.approx((g["end"][1][2] - half, g["end"][1][2] + half))
-    assert g["move"][1][2] == pytest.approx(statistics.fmean(e) - g["start"][1][2])
-    assert g["end_hi"][1][2] > g["end_lo"][1][2] and g["traj"][-1] == g["end"]  # the seeds differ
+    assert (b1h2["end_lo"], b1h2["end_hi"]) == pytest.approx((b1h2["end"] - half, b1h2["end"] + half))
+    assert b1h2["move"] == pytest.approx(statistics.fmean(e) - b1h2["start"])
+    assert b1h2["end_hi"] > b1h2["end_lo"]  # the seeds differ
+    last = g["traj"][g["traj"]["step"] == g["traj"]["step"].max()].set_index(["block", "head"])
+    assert list(last["mean"]) == list(gates["end"]) and sorted(set(g["traj"]["step"])) == [0, 1, 2, 3]
 
     paths = render_tables(records, tmp_path / "tables", echo=False)
     name = f"gates_{g['name']}"
     assert tmp_path / f"tables/{name}.md" in paths and tmp_path / f"tables/{name}.csv" in paths
     md = (tmp_path / f"tables/{name}.md").read_text()
-    s, a = g["start"][1][2], g["end"][1][2]
+    s, a = float(b1h2["start"]), float(b1h2["end"])
     grid = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in md.splitlines() if ln.startswith("|")]
     assert grid[0] == ["block", "h0", "h1", "h2"] and grid[3][0] == "1"
-    assert grid[3][1].startswith(f"{g['start'][1][0]:.3f} → ")
-    assert grid[3][3] == f"{s:.3f} → {a:.3f} [{g['end_lo'][1][2]:.3f}, {g['end_hi'][1][2]:.3f}]"
+    assert grid[3][1].startswith(f"{gates.loc[(1, 0), 'start']:.3f} → ")
+    assert grid[3][3] == f"{s:.3f} → {a:.3f} [{b1h2['end_lo']:.3f}, {b1h2['end_hi']:.3f}]"
     assert all(line in md for line in summary(g))
     rows = (tmp_path / f"tables/{name}.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * 3 and rows[-1].startswith(f"blocks.1,2,{s!r},{a!r},")
@@ -153,7 +167,9 @@ def test_gates_pooled_over_seeds_into_a_table_and_a_figure(make_cfg, tmp_path):
     (tmp_path / "runs/s1/ckpt/last.pt").unlink()  # a run whose checkpoint was deleted: said, left out
     skipped = []
     [g1] = gate_groups(collect(tmp_path / "runs"), skipped)
-    assert g1["n"] == 1 and g1["end"] == ends[0] and all(math.isnan(x) for x in g1["end_lo"][0])
+    one = g1["gates"]
+    assert g1["n"] == 1 and [list(one[one["block"] == b]["end"]) for b in (0, 1)] == ends[0]
+    assert one["end_lo"].isna().all()
     assert skipped == [f"{tmp_path / 'runs/s1/ckpt/last.pt'}: not found (or no learned gates in it); "
                        f"{tmp_path / 'runs/s1'} left out"]
 
@@ -162,12 +178,12 @@ def test_summary_answers_which_heads_went_laplacian():
     """Known gates: of 4 heads, h1 of block 0 crossed 0.5 upward (its interval above 0), h2 (started
     Laplacian) fell (its interval below 0), the rest moved within their intervals."""
     lo, hi = 1 / (1 + math.exp(1)), 1 / (1 + math.exp(-1))
-    g = {"layers": ["blocks.0", "blocks.1"], "heads": 2, "n": 3,
-         "start": [[lo, lo], [lo, hi]], "end": [[lo + 0.01, 0.6], [lo, hi - 0.3]]}
-    g["move"] = [[e - s for s, e in zip(*rows)] for rows in zip(g["start"], g["end"])]
-    half = [[0.05, 0.1], [0.01, 0.2]]
-    g["move_lo"] = [[m - h for m, h in zip(*rows)] for rows in zip(g["move"], half)]
-    g["move_hi"] = [[m + h for m, h in zip(*rows)] for rows in zip(g["move"], half)]
+    gates = pd.DataFrame({"layer": ["blocks.0", "blocks.0", "blocks.1", "blocks.1"], "head": [0, 1, 0, 1],
+                          "start": [lo, lo, lo, hi], "end": [lo + 0.01, 0.6, lo, hi - 0.3]})
+    gates["move"] = gates["end"] - gates["start"]
+    half = pd.Series([0.05, 0.1, 0.01, 0.2])
+    gates["move_lo"], gates["move_hi"] = gates["move"] - half, gates["move"] + half
+    g = {"gates": gates, "n": 3}
     top = 0.6 - lo
     assert summary(g) == [
         "moved toward Laplacian (end > start): 2 of 4 heads (50%; 1 with a 95% interval above 0); away from it: "

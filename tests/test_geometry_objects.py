@@ -1,5 +1,5 @@
 """The token geometry on the paper's objects: per-sequence spectra averaged over sequences
-(analysis.spectra.per_sequence_spectra, streamed by analysis.streaming.SequenceSpectra), the
+(analysis.metrics.per_sequence_spectra, streamed by analysis.metrics.SequenceSpectra), the
 GPT's within-window spectra, and the headline keys of analysis.runs.geometry (raw ANOVA
 variances, per_seq_n_pcs_*) on a real tiny GPT analysed in-process."""
 from __future__ import annotations
@@ -11,10 +11,11 @@ import torch
 
 import laplace
 
-from analysis import spectra as sp
 from analysis.geometry import analyze_model, eval_split, load_for_analysis
 from analysis.runs import geometry
-from analysis.streaming import SequenceSpectra
+from analysis import metrics as m
+from analysis.formulas import sequence_spectra
+from analysis.metrics import SequenceSpectra
 from conftest import save_tiny_gpt
 
 RANKS = (1, 2, 3, 5, 8)  # <= 9, so both 0.9 and 0.99 need every direction of an equal spectrum
@@ -37,7 +38,7 @@ def _planted(ranks, T=24, D=16, seed=0) -> torch.Tensor:
 def test_per_sequence_count_is_the_mean_of_the_planted_ranks():
     x = _planted(RANKS)
     want = sum(RANKS) / len(RANKS)
-    ref = sp.per_sequence_spectra(x.reshape(-1, x.shape[-1]), torch.arange(len(RANKS)).repeat_interleave(x.shape[1]))
+    ref = m.per_sequence_spectra(x.reshape(-1, x.shape[-1]), torch.arange(len(RANKS)).repeat_interleave(x.shape[1]))
     spec = SequenceSpectra()
     spec.update(x[:2])
     spec.update(x[2:])
@@ -47,7 +48,7 @@ def test_per_sequence_count_is_the_mean_of_the_planted_ranks():
         assert out["effective_rank"] == pytest.approx(want, rel=1e-9)
         assert (out["n_sequences"], out["n_no_variance"]) == (len(RANKS), 0)
     # one sequence at a time: its own r (the pooled counting rule of spectrum_metrics)
-    one = sp.sequence_spectra(x)
+    one = sequence_spectra(x)
     assert one["n_pcs_0.99"].tolist() == list(map(float, RANKS))
     # a sequence whose tokens are all equal has no spectrum: left out of the mean, counted apart
     flat = torch.cat([x, torch.ones(1, *x.shape[1:], dtype=x.dtype)])
@@ -74,8 +75,8 @@ def test_streamed_per_sequence_equals_direct(T, D):
         spec.update(x[lo:hi].float() if lo == 8 else x[lo:hi])  # a float32 batch is measured in float64
     got = spec.compute()
     seen = torch.cat([x[:8], x[8:9].float().double(), x[9:]])  # what the accumulator saw
-    ref = sp.per_sequence_spectra(seen.reshape(-1, D), torch.arange(S).repeat_interleave(T), thresholds=thr)
-    assert ref["n_sequences"] == S and len({sp.spectral_decay(s, thr)["n_pcs_0.99"] for s in seen}) > 2  # varied
+    ref = m.per_sequence_spectra(seen.reshape(-1, D), torch.arange(S).repeat_interleave(T), thresholds=thr)
+    assert ref["n_sequences"] == S and len({m.spectral_decay(s, thr)["n_pcs_0.99"] for s in seen}) > 2  # varied
     for key in ("n_pcs_0.5", "n_pcs_0.9", "n_pcs_0.99", "n_sequences", "n_no_variance"):
         assert got[key] == pytest.approx(ref[key], abs=1e-12), key
     assert got["effective_rank"] == pytest.approx(ref["effective_rank"], rel=1e-9)
@@ -83,7 +84,7 @@ def test_streamed_per_sequence_equals_direct(T, D):
     cap = SequenceSpectra(thresholds=(0.9, 0.99), max_sequences=5)
     for lo, hi in ((0, 3), (3, 8), (8, 13)):
         cap.update(x[lo:hi])
-    first = sp.per_sequence_spectra(x[:5].reshape(-1, D), torch.arange(5).repeat_interleave(T))
+    first = m.per_sequence_spectra(x[:5].reshape(-1, D), torch.arange(5).repeat_interleave(T))
     assert cap.compute()["n_sequences"] == 5 and cap.compute()["n_pcs_0.99"] == pytest.approx(first["n_pcs_0.99"])
 
 
@@ -98,8 +99,8 @@ def test_gpt_within_window_spectra_and_headline_keys(tmp_path):
     seq = torch.arange(len(ds)).repeat_interleave(T)
     got = res["results"]["tokens"]["norm"]
     assert set(got) == {"anova", "lc", "spectral", "spectral_within", "spectral_per_seq"}
-    within = sp.spectral_decay(f, seq_ids=seq, center="sequence")
-    per_seq = sp.per_sequence_spectra(f, seq)
+    within = m.spectral_decay(f, seq_ids=seq, center="sequence")
+    per_seq = m.per_sequence_spectra(f, seq)
     assert got["spectral_within"]["n_pcs_0.99"] == within["n_pcs_0.99"]
     assert got["spectral_within"]["effective_rank"] == pytest.approx(within["effective_rank"], rel=1e-4)
     assert got["spectral_per_seq"]["n_sequences"] == 40
@@ -125,7 +126,7 @@ def test_gpt_within_window_spectra_and_headline_keys(tmp_path):
     # per_seq_max_sequences: the first windows only; 0 leaves the per-window spectra out
     few = analyze_model(model, ds, metrics=["spectral"], layers=[], batch_size=16, progress=False,
                         per_seq_max_sequences=20)["results"]["tokens"]["norm"]
-    first = sp.per_sequence_spectra(f[:20], seq[:20 * T])
+    first = m.per_sequence_spectra(f[:20], seq[:20 * T])
     assert few["spectral_per_seq"]["n_sequences"] == 20
     assert few["spectral_per_seq"]["n_pcs_0.99"] == pytest.approx(first["n_pcs_0.99"], rel=1e-4)
     none = analyze_model(model, ds, metrics=["spectral"], layers=[], progress=False, per_seq_max_sequences=0)

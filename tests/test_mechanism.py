@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 
 from analysis.__main__ import analysis_dir, run as analysis_run
 from analysis.geometry import eval_split, load_for_analysis
-from analysis.mechanism import (HeadAccumulator, head_mechanism, head_outputs, stream_frame, summary,
+from analysis.mechanism import (HeadAccumulator, head_outputs, mechanism_model, stream_frame, summary,
                                 sym_eigenvalues, to_markdown, weight_spectrum)
 from analysis.runs import metric_value, read_run
 from conftest import CONFIGS, ROOT, randomize_, train_tiny_vit
@@ -64,14 +64,13 @@ def test_head_outputs_sum_to_the_module_output(name, mode):
     x = torch.stack([d[0] for d in data])
     with torch.no_grad():
         before = laplace.features(model, x)["norm"]
-    accs = {}
-    heads = head_mechanism(model, data, batch_size=4, accumulators=accs)
+    res = mechanism_model(model, data, batch_size=4)
+    heads = res["heads"]
     with torch.no_grad():
         after = laplace.features(model, x)["norm"]
     torch.testing.assert_close(before, after, rtol=0, atol=0)  # the hooks are gone
     assert list(heads) == [f"blocks.{i}" for i in range(len(model.blocks))]
-    for acc in accs.values():
-        assert acc.sequences == 6 and 0 <= acc.recon_err < 1e-5
+    assert res["n_sequences"] == 6 and 0 <= res["recon_err"] < 1e-5  # the largest over the layers
     a = model.blocks[0].attn
     types = [h["type"] for h in heads["blocks.0"]]
     if mode == "fixed":
@@ -105,9 +104,9 @@ def test_head_outputs_sum_to_the_module_output(name, mode):
 def test_chunks_and_batches_do_not_change_the_numbers(monkeypatch):
     model = _model("gpt_d4_1L", "fixed")
     data = _data(model, 5)
-    whole = head_mechanism(model, data, batch_size=5)
+    whole = mechanism_model(model, data, batch_size=5)["heads"]
     monkeypatch.setattr(HeadAccumulator, "CHUNK_ELEMENTS", 1)  # one sequence per chunk
-    parts = head_mechanism(model, data, batch_size=2)
+    parts = mechanism_model(model, data, batch_size=2)["heads"]
     for layer, hs in whole.items():
         for a, b in zip(hs, parts[layer]):
             assert a.pop("type") == b.pop("type")
@@ -295,7 +294,7 @@ def test_cli_writes_the_mechanism(analysed):
     # the same numbers in-process on the same split
     model, _, data = load_for_analysis(analysed["ckpt"], device="cpu")
     ds, _ = eval_split(model, data, seed=0, max_tokens=1100)
-    again = head_mechanism(model, ds, batch_size=64)
+    again = mechanism_model(model, ds, batch_size=64)["heads"]
     for layer, hs in again.items():
         for got, want in zip(mech["heads"][layer], hs):
             for key in ("cos_smooth", "cos_token", "dvar", "dshare", "neg_mass", "trace_fro", "eig_min"):

@@ -330,7 +330,7 @@ def test_unknown_table_kind_is_refused():
     with pytest.raises(ConfigError, match=r"tables.x.kind=grid: unknown"):
         tables.load_specs(specs={"x": {"kind": "grid"}})
     with pytest.raises(ConfigError, match=r"tables.per_block.metrics: 'acc'"):
-        tables.build_per_block("per_block", {"metrics": ["acc"]}, [])
+        tables.per_block_table("per_block", {"metrics": ["acc"]}, [])
 
 
 def test_blocks_figure_with_missing_metrics(runs, tmp_path):
