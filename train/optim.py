@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +99,9 @@ class Schedule:
         warmup = parse_length(node["warmup"], f"{key}.warmup", steps_per_epoch, total_steps)
         if warmup and node["start"] is None:
             raise ConfigError(f"{key}.start is null but {key}.warmup={node['warmup']!r}: give the warm-up's first value")
-        if warmup and warmup >= total_steps:  # DINO asserts; tiny test runs go on, warned
-            warnings.warn(f"{key}.warmup={node['warmup']!r} is {warmup} steps, the run {total_steps}: "
-                          f"it never leaves the warm-up (DINO refuses this)", stacklevel=2)
+        if warmup and warmup >= total_steps:  # DINO asserts; tiny test runs go on, with one plain line
+            print(f"[laplace] warning: {key}.warmup={node['warmup']!r} is {warmup} steps, the run {total_steps}: "
+                  f"it never leaves the warm-up (DINO refuses this)", file=sys.stderr)
         warmdown = node["warmdown"]
         return cls(value=float(node["value"]), total_steps=total_steps, warmup=warmup, start=float(node["start"] or 0),
                    warmdown=None if warmdown is None else parse_length(warmdown, f"{key}.warmdown", steps_per_epoch,
