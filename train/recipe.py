@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
@@ -71,10 +70,6 @@ class Recipe:
         from train import get_trainer
 
         return get_trainer(self.cfg.trainer.name).offline(self.cfg)
-
-    @property
-    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return self.trainer.optimizers
 
     def params(self) -> int:
         """Parameters of the network a checkpoint holds (DINO: the teacher backbone)."""
@@ -130,27 +125,22 @@ class Recipe:
             return 1
         return self.steps_per_epoch()
 
-    def schedule(self, path: str):
-        from train.optim import Schedule
+    def sched(self, path: str, at: str) -> float:
+        """A schedule's value at a step: "<n>", "<n>ep", "<p>%" or "end" (the last step)."""
+        from train.optim import Schedule, parse_length
 
         node = OmegaConf.select(self.cfg, path)
         if node is None:
             raise ConfigError(f"{path}: no such schedule in the composed config")
-        node = OmegaConf.to_container(node, resolve=True)
-        epochs = any(str(v).strip().endswith("ep") for v in node.values())
-        return Schedule.from_config(node, path, self.total_steps(), self._spe(epochs))
-
-    def sched(self, path: str, at: str) -> float:
-        """A schedule's value at a step: "<n>", "<n>ep", "<p>%" or "end" (the last step)."""
-        from train.optim import parse_length
-
-        schedule, total = self.schedule(path), self.total_steps()
+        node, total = OmegaConf.to_container(node, resolve=True), self.total_steps()
+        epochs = any(str(v).strip().endswith("ep") for v in node.values())  # steps per epoch needed
+        schedule = Schedule.from_config(node, path, total, self._spe(epochs))
         return schedule(total - 1 if at == "end" else parse_length(at, at, self._spe(at.endswith("ep")), total))
 
     def group(self, opt: str, group: str, key: str):
         """A parameter group's hyper-parameter as the optimizer was built (before schedules);
         group "*": the first (an optimizer whose groups differ in weight decay only)."""
-        groups = self.optimizers[opt].param_groups
+        groups = self.trainer.optimizers[opt].param_groups
         found = groups[:1] if group == "*" else [g for g in groups if g.get("name") == group]
         if not found:
             raise ConfigError(f"optimizer {opt!r} has no group {group!r} (groups: {[g.get('name') for g in groups]})")
@@ -160,7 +150,7 @@ class Recipe:
         """Kinds of parameters the optimizers keep out of weight decay (a name's last part, or norm)."""
         names = {id(p): n for n, p in self.trainer.model.named_parameters()}
         kind = lambda n: "norm" if "norm" in n and n.endswith((".weight", ".bias")) else n.rsplit(".", 1)[-1]  # noqa: E731
-        return sorted({kind(names[id(p)]) for opt in self.optimizers.values() for g in opt.param_groups
+        return sorted({kind(names[id(p)]) for opt in self.trainer.optimizers.values() for g in opt.param_groups
                        if g.get("weight_decay", 0.0) == 0.0 for p in g["params"] if id(p) in names})
 
     def list(self, *keys: str) -> list:
