@@ -39,11 +39,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _status(returncode: int) -> int:
-    """Popen's -N for a rank killed by signal N as a shell reports it: 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def run_status(statuses: list[int]) -> int:
     """The launcher's exit status from the ranks' in the order they ended: the first failure's,
     else 75 if any rank stopped to be requeued, else 0."""
@@ -68,18 +63,17 @@ def launch(nproc: int, command: list[str], port: int | None = None) -> int:
         signal.signal(s, forward)
     statuses, deadline = [], None
     while len(statuses) < nproc:
-        for p in procs:
-            if p.returncode is None and p.poll() is not None:
-                statuses.append(_status(p.returncode))
-                if statuses[-1] not in (0, EXIT_REQUEUE) and deadline is None:
-                    deadline = time.monotonic() + GRACE_S
+        for p in (p for p in procs if p.returncode is None and p.poll() is not None):
+            statuses.append(128 - p.returncode if p.returncode < 0 else p.returncode)  # signal N: 128 + N, as shells
+            if statuses[-1] not in (0, EXIT_REQUEUE) and deadline is None:  # the first failure
+                deadline = time.monotonic() + GRACE_S
         if deadline is not None and time.monotonic() > deadline:
-            for p in procs:
+            for r, p in enumerate(procs):
                 if p.poll() is None:
-                    print(f"[launch] rank {procs.index(p)} still running {GRACE_S:.0f} s after a rank "
-                          f"failed: killed", file=sys.stderr, flush=True)
+                    print(f"[launch] rank {r} still running {GRACE_S:.0f} s after a rank failed: killed",
+                          file=sys.stderr, flush=True)
                     p.kill()
-            deadline = float("inf")
+            deadline = float("inf")  # killed once
         time.sleep(0.05)
     return run_status(statuses)
 

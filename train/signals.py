@@ -53,11 +53,10 @@ class StopRequest:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if not (exc_type is not None and issubclass(exc_type, Preempted)):
+        if not isinstance(exc, Preempted):  # leaving with Preempted: the handlers stay (see above)
             for s, handler in self._previous.items():
                 signal.signal(s, handler)
         self._previous = {}
-        return False
 
 
 def ignore_in_worker(worker_id: int):
