@@ -16,17 +16,10 @@ side by side, with the paper's token-geometry measurements of each.
    five of them Laplacian, as the paper's best DINO model), then DINO's weighted 20-NN
    classifier on the teacher's class tokens, `python -m eval.knn checkpoint=<run>/ckpt/last.pt`.
 
-Each run is the plain command; a pair's two trainings (and the two k-NN) run side by side with one
-torch thread each, which on 2 cores costs less than half the CPU time of one after the other with
-two threads. Running this again resumes (or, when finished, re-reads) the same run directories; the
-BPE and shards are made once under paths.data_dir. It ends with each stage's wall and CPU time. Then `python -m analysis checkpoint=[<both last.pt>]` per paradigm measures both
-checkpoints on the validation split. Overrides: `vit.` / `lm.` prefixed ones go to that
-paradigm's training runs (`dino.`: the DINO pair's; without the prefix), `analysis.` ones to the analyses, `paths.*` to
-every command, the rest to every training run. Figures land in <runs_dir>/quickstart/<paradigm>/analysis.
-The tables add, at the final-norm layer: the within-sequence (image / window) share of the token
-variance, NC1 of the class token (ViT) or the next-token CDNV (LM), and the number of principal
-components for 99% of the token variance (the paper: Laplacian heads lower the share and the
-collapse measures, and spectra decay faster).
+Each run is the plain command printed before it; running this again resumes (or, when finished,
+re-reads) the same run directories, and it ends with each stage's wall and CPU time. Overrides:
+`vit.` / `lm.` / `dino.` ones go to that paradigm's training runs, `analysis.` ones to the
+analyses, `paths.*` to every command, the rest to every training run.
 """
 from __future__ import annotations
 
@@ -141,7 +134,11 @@ def _geo(header: str, fmt: str, key: str):
     return header, fmt, lambda r, g: geometry(g).get(key, float("nan"))
 
 
-# (header, format, value of (results.json, analysis.json)) per column of a paradigm's table.
+# (header, format, value of (results.json, analysis.json)) per column of a paradigm's table. The
+# geometry is `python -m analysis` of both checkpoints at the final-norm layer, on the validation
+# split: the within-sequence (image / window) share of the token variance, NC1 of the class token
+# (ViT) or the next-token CDNV (LM), and the principal components for 99% of the token variance
+# (the paper: Laplacian heads lower the share and the collapse measures, and spectra decay faster).
 SHARE, NC1, PCS = (_geo("within-seq share", ".4f", "within_seq_share"), _geo("NC1 (cls)", ".3f", "nc1"),
                    _geo("n_pcs_0.99", ".0f", "n_pcs_0.99"))
 VIT_COLUMNS = [("val top-1 (%)", ".2f", lambda r, g: r["final"]["val_acc1"]),
@@ -163,6 +160,9 @@ def table(title: str, columns, models, run_dirs, geometries):
 
 
 def main(args: list[str]):
+    # A prefix sends an override to one paradigm's training runs (vit., lm., dino.) or to the
+    # analyses (analysis.); paths.* go to every command (one runs_dir / data_dir); the rest to
+    # every training run. The BPE and shards are made once under paths.data_dir.
     common = [a for a in args if not a.startswith(("analysis.", "vit.", "lm.", "dino."))]
     paths = [a for a in args if a.startswith("paths.")]  # same runs_dir / data_dir everywhere
     only = lambda prefix: [a[len(prefix):] for a in args if a.startswith(prefix)]  # noqa: E731
