@@ -4,18 +4,9 @@ a requeue needs (one node; several nodes: slurm/train.sbatch, srun starts the ra
     python -m train.launch --nproc_per_node=8 train.py experiment=deit3_in1k model=vitb_12L
     python -m train.launch --nproc_per_node=8 -m eval.knn checkpoint=...
 
-Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT). What differs from torchrun, for preemption (train/signals.py):
-  * the ranks stay in the launcher's process group, so a signal to the group (Slurm's, or
-    `kill -TERM -- -PGID`) reaches them and their data workers as under srun; torchrun starts each
-    rank in a session of its own, so there SIGUSR1 reaches torchrun alone, kills it (it handles
-    SIGTERM / SIGINT / SIGHUP / SIGQUIT only) and leaves the ranks training as orphans;
-  * SIGUSR1 / SIGTERM / SIGINT sent to the launcher alone are passed on to the ranks;
-  * the exit status is the ranks': 0, or 75 when they stopped on a signal with last.pt written
-    (slurm/requeue.sh requeues on it), or the first failure's. torchrun exits 1 whenever a rank
-    exits non-zero, 75 included, so a job around it would never be requeued.
-A rank that fails (not 0 or 75) ends the run: the others get GRACE_S seconds to end on their own
-(laplace.dist names the lost rank), then SIGKILL.
+Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT); what differs from torchrun is for preemption (train/signals.py): the process group,
+the signals and the exit status, said where they are made.
 """
 from __future__ import annotations
 
@@ -29,8 +20,8 @@ import time
 
 from .signals import EXIT_REQUEUE
 
-FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-GRACE_S = 30.0
+FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # sent to the launcher alone: passed on to the ranks
+GRACE_S = 30.0  # after a rank failed, the others' time to end on their own (laplace.dist names the lost one)
 
 
 def _free_port() -> int:
@@ -42,6 +33,8 @@ def _free_port() -> int:
 def run_status(statuses: list[int]) -> int:
     """The launcher's exit status from the ranks' in the order they ended: the first failure's,
     else 75 if any rank stopped to be requeued, else 0."""
+    # torchrun exits 1 whenever a rank exits non-zero, 75 included: a job around it would never be
+    # requeued (slurm/requeue.sh requeues on 75).
     failed = [s for s in statuses if s not in (0, EXIT_REQUEUE)]
     return failed[0] if failed else (EXIT_REQUEUE if EXIT_REQUEUE in statuses else 0)
 
@@ -51,6 +44,10 @@ def launch(nproc: int, command: list[str], port: int | None = None) -> int:
     returns the exit status (run_status)."""
     env = dict(os.environ, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port or _free_port()))
+    # The ranks stay in the launcher's process group, so a signal to the group (Slurm's, or
+    # `kill -TERM -- -PGID`) reaches them and their data workers as under srun. torchrun starts each
+    # rank in a session of its own: there SIGUSR1 reaches torchrun alone, kills it (it handles
+    # SIGTERM / SIGINT / SIGHUP / SIGQUIT only) and leaves the ranks training as orphans.
     procs = [subprocess.Popen([sys.executable, *command], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(nproc)]
 

@@ -98,7 +98,8 @@ class Schedule:
             raise ConfigError(f"{key}.shape={shape!r}: choose one of {', '.join(SHAPES)}")
         warmup = parse_length(node["warmup"], f"{key}.warmup", steps_per_epoch, total_steps)
         if warmup and node["start"] is None:
-            raise ConfigError(f"{key}.start is null but {key}.warmup={node['warmup']!r}: give the warm-up's first value")
+            raise ConfigError(f"{key}.start is null but {key}.warmup={node['warmup']!r}: "
+                              f"give the warm-up's first value")
         if warmup and warmup >= total_steps:  # DINO asserts; tiny test runs go on, with one plain line
             print(f"[laplace] warning: {key}.warmup={node['warmup']!r} is {warmup} steps, the run {total_steps}: "
                   f"it never leaves the warm-up (DINO refuses this)", file=sys.stderr)

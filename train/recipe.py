@@ -149,7 +149,10 @@ class Recipe:
     def no_decay(self) -> list[str]:
         """Kinds of parameters the optimizers keep out of weight decay (a name's last part, or norm)."""
         names = {id(p): n for n, p in self.trainer.model.named_parameters()}
-        kind = lambda n: "norm" if "norm" in n and n.endswith((".weight", ".bias")) else n.rsplit(".", 1)[-1]  # noqa: E731
+
+        def kind(name):  # a norm's weight and bias are "norm", any other parameter its name's last part
+            return "norm" if "norm" in name and name.endswith((".weight", ".bias")) else name.rsplit(".", 1)[-1]
+
         return sorted({kind(names[id(p)]) for opt in self.trainer.optimizers.values() for g in opt.param_groups
                        if g.get("weight_decay", 0.0) == 0.0 for p in g["params"] if id(p) in names})
 
@@ -206,7 +209,8 @@ def same(a, b) -> bool:
 
 # A row's status: its mark and its text in the card (a failing status is in bold).
 STATUS = {"equal": ("=", "equal"), "deliberate": ("≠", "deliberate: {}"), "unknown": ("?", "unknown: {}"),
-          "DIFFERS": ("✗", "**DIFFERS, no reason written**"), "STALE": ("✗", "**equal, but marked deliberate**: {}")}
+          "DIFFERS": ("✗", "**DIFFERS, no reason written**"),
+          "STALE": ("✗", "**equal, but marked deliberate**: {}")}  # a reason for a difference that is gone
 
 
 @dataclass
