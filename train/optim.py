@@ -96,17 +96,16 @@ class Schedule:
         shape = node["shape"] or ("cosine" if node["end"] is not None else "constant")
         if shape not in SHAPES:
             raise ConfigError(f"{key}.shape={shape!r}: choose one of {', '.join(SHAPES)}")
-        warmup = parse_length(node["warmup"], f"{key}.warmup", steps_per_epoch, total_steps)
+        length = lambda k: parse_length(node[k], f"{key}.{k}", steps_per_epoch, total_steps)  # noqa: E731
+        warmup = length("warmup")
         if warmup and node["start"] is None:
             raise ConfigError(f"{key}.start is null but {key}.warmup={node['warmup']!r}: "
                               f"give the warm-up's first value")
         if warmup and warmup >= total_steps:  # DINO asserts; tiny test runs go on, with one plain line
             print(f"[laplace] warning: {key}.warmup={node['warmup']!r} is {warmup} steps, the run {total_steps}: "
                   f"it never leaves the warm-up (DINO refuses this)", file=sys.stderr)
-        warmdown = node["warmdown"]
         return cls(value=float(node["value"]), total_steps=total_steps, warmup=warmup, start=float(node["start"] or 0),
-                   warmdown=None if warmdown is None else parse_length(warmdown, f"{key}.warmdown", steps_per_epoch,
-                                                                       total_steps),
+                   warmdown=None if node["warmdown"] is None else length("warmdown"),
                    end=None if node["end"] is None else float(node["end"]), shape=shape)
 
 
