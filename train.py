@@ -3,7 +3,11 @@
     python train.py                                          # tiny ViT on the built-in digits
     python train.py model=vits_5L data=cifar100 data.root=/data/cifar
     python train.py experiment=deit3_in1k model=vitb_12L     # a paper row
-    torchrun --nproc_per_node=8 train.py experiment=deit3_in1k model=vitb_12L
+    python -m train.launch --nproc_per_node=8 train.py experiment=deit3_in1k model=vitb_12L
+
+One node's GPUs through train.launch, not torchrun: torchrun exits 1 when the run stops on a
+preemption signal, so a Slurm job around it is never requeued (train/launch.py); several nodes:
+slurm/train.sbatch.
 
 The run directory is named from the command line (no timestamp): running the same command
 again resumes the run from runs/.../ckpt/last.pt. Exit status: 0 done (or stopped by

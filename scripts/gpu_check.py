@@ -82,13 +82,12 @@ class Check:
             proc.kill()
             raise RuntimeError(f"timed out after {timeout} s ({self.log})") from None
         if expect is not None and proc.returncode != expect:
+            # The log's last line: the error a command ended with, or pytest's summary.
             raise RuntimeError(f"exit status {proc.returncode}, expected {expect}: {self.tail()} ({self.log})")
         return proc
 
     def tail(self) -> str:
-        # The log's last line: the error a command ended with, or pytest's summary.
-        lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
-        return lines[-1][-300:] if lines else ""
+        return next((ln[-300:] for ln in reversed(self.log.read_text(errors="replace").splitlines()) if ln.strip()), "")
 
     def train(self, run: str, *overrides, **kw) -> subprocess.Popen:
         """train.py (through RUN) into <out>/runs/<run>."""
@@ -103,7 +102,8 @@ class Check:
         try:
             status, what = "PASS", fn(self)
             if what.startswith("SKIP: "):
-                status, what = "SKIP", what[6:]
+                print(f"SKIP {name:<14}{time.time() - t0:5.0f} s  {what[6:]}", flush=True)
+                return  # nothing measured, nothing recorded
         except Exception as e:  # a failed check is reported, the others still run
             status, what = "FAIL", f"{type(e).__name__}: {e}"
             with open(self.log, "a") as log:
@@ -113,16 +113,20 @@ class Check:
         peak = max(map(float, PEAK.findall(text)), default=None)
         breaks, recompiles = text.count("[__graph_breaks] Graph break"), text.count("[__recompiles] Recompiling")
         used = (f"peak {peak:.1f} GiB, " if peak else "") + f"{breaks} graph breaks, {recompiles} recompiles"
-        print(f"{status} {name:<14}{time.time() - t0:5.0f} s  {what}" + (f" [{used}]" if status != "SKIP" else ""),
-              flush=True)
-        if status != "SKIP":
-            self.results[name] = {"result": status, "measured": what, "used": used}
+        print(f"{status} {name:<14}{time.time() - t0:5.0f} s  {what} [{used}]", flush=True)
+        self.results[name] = {"result": status, "measured": what, "used": used}
 
 
 def metrics(run_dir: Path, split: str = "train") -> pd.DataFrame:
     """A run's metrics.jsonl records of one split."""
     df = pd.read_json(run_dir / "metrics.jsonl", lines=True)
     return df[df.split == split].reset_index(drop=True)
+
+
+def logged_once(run_dir: Path, steps: int):
+    """Raise unless the run logged steps 1..`steps` once each (a resume repeats none, skips none)."""
+    if (logged := metrics(run_dir).step.tolist()) != list(range(1, steps + 1)):
+        raise RuntimeError(f"expected steps 1..{steps} in {run_dir}/metrics.jsonl, got {logged}")
 
 
 def bpe(c: Check, source: str, vocab: int) -> Path:
@@ -140,8 +144,7 @@ def stop_and_resume(c: Check, run: str, overrides: list[str], steps: int, batch:
     c.train(run, *over)  # the same run folder: it resumes from last.pt
     if f"resumed at step {steps // 2}" not in c.log.read_text():
         raise RuntimeError(f"the second invocation did not resume at step {steps // 2}")
-    if (logged := metrics(c.runs / run).step.tolist()) != list(range(1, steps + 1)):
-        raise RuntimeError(f"expected steps 1..{steps} in metrics.jsonl, got {logged}")
+    logged_once(c.runs / run, steps)
     val = metrics(c.runs / run, "val").tail(1).filter(like="val_").dropna(axis=1)  # none: the run logs no eval
     got = "".join(f"{k}={v:.3f}, " for k, v in val.iloc[0].items()) if len(val) else ""
     # The median step time after compilation and warm-up (the first two steps).
@@ -239,8 +242,7 @@ def preemption(c: Check) -> str:
     c.wait(proc, expect=75)  # train.signals.EXIT_REQUEUE
     stopped = torch.load(c.ckpt("preempt"), map_location="cpu", weights_only=True)["loop"]["step"]
     c.train("preempt", *over)  # what a requeued job runs: the same command
-    if metrics(c.runs / "preempt").step.tolist() != list(range(1, 61)):
-        raise RuntimeError("the requeued run did not log steps 1..60 once each")
+    logged_once(c.runs / "preempt", 60)
     return f"signal at step ~3 -> saved step {stopped}, status 75; the same command finished 60 steps"
 
 
@@ -363,13 +365,11 @@ def record(c: Check, path: Path) -> None:
     # The commit, "-dirty" when tracked files differ from it (a run of edited code).
     rev = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
                          timeout=30).stdout.strip() or "unknown"
-    gpu = torch.cuda.get_device_name(c.args.device) if c.cuda else f"{c.args.device} (dry run)"
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])
+    run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "gpu": torch.cuda.get_device_name(c.args.device) if c.cuda else f"{c.args.device} (dry run)",
+           "commit": rev, "torch": torch.__version__, "command": " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])}
     with open(path, "a") as f:
-        for name, res in c.results.items():
-            f.write(json.dumps({"check": name, **res, "date": when, "gpu": gpu, "commit": rev,
-                                "torch": torch.__version__, "command": command}) + "\n")
+        f.writelines(json.dumps({"check": name, **res, **run}) + "\n" for name, res in c.results.items())
     rows = pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
     last = rows.groupby("check", sort=False).last().reset_index()
     last = last.apply(lambda col: col.astype(str).str.replace("|", "\\|"))  # a pipe would split its cell

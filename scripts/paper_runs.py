@@ -149,10 +149,7 @@ def select(df: pd.DataFrame, spec: str) -> pd.Series:
         if not sep or key not in KEYS:
             raise ConfigError(f"--only {spec}: '{word}' is no KEY=VALUE with KEY one of {', '.join(KEYS)}")
         want.setdefault(key, set()).add(value)
-    mask = pd.Series(True, index=df.index)
-    for key, values in want.items():
-        mask &= df[key].astype(str).isin(values)
-    return mask
+    return df[list(want)].astype(str).apply(lambda col: col.isin(want[col.name])).all(axis=1)
 
 
 def runs(only: list[str] = (), overrides: list[str] = (), seeds: dict | None = None) -> pd.DataFrame:

@@ -16,17 +16,10 @@ side by side, with the paper's token-geometry measurements of each.
    five of them Laplacian, as the paper's best DINO model), then DINO's weighted 20-NN
    classifier on the teacher's class tokens, `python -m eval.knn checkpoint=<run>/ckpt/last.pt`.
 
-Each run is the plain command; a pair's two trainings (and the two k-NN) run side by side with one
-torch thread each, which on 2 cores costs less than half the CPU time of one after the other with
-two threads. Running this again resumes (or, when finished, re-reads) the same run directories; the
-BPE and shards are made once under paths.data_dir. It ends with each stage's wall and CPU time. Then `python -m analysis checkpoint=[<both last.pt>]` per paradigm measures both
-checkpoints on the validation split. Overrides: `vit.` / `lm.` prefixed ones go to that
-paradigm's training runs (`dino.`: the DINO pair's; without the prefix), `analysis.` ones to the analyses, `paths.*` to
-every command, the rest to every training run. Figures land in <runs_dir>/quickstart/<paradigm>/analysis.
-The tables add, at the final-norm layer: the within-sequence (image / window) share of the token
-variance, NC1 of the class token (ViT) or the next-token CDNV (LM), and the number of principal
-components for 99% of the token variance (the paper: Laplacian heads lower the share and the
-collapse measures, and spectra decay faster).
+Each run is the plain command printed before it; running this again resumes (or, when finished,
+re-reads) the same run directories, and it ends with each stage's wall and CPU time. Overrides:
+`vit.` / `lm.` / `dino.` ones go to that paradigm's training runs, `analysis.` ones to the
+analyses, `paths.*` to every command, the rest to every training run.
 """
 from __future__ import annotations
 
@@ -57,29 +50,26 @@ def _run_side_by_side(jobs: list[tuple[list[str], str]]) -> list[str]:
     thread each: on 2 cores a pair side by side with 1 thread each took less than half the CPU
     time of one after the other with torch's 2 threads (docs/LOG.md)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if len(jobs) > 1 else None
-    running = {}
-    for i, (cmd, stage) in enumerate(jobs):
+    running, ended = {}, {}
+    for cmd, stage in jobs:
         print("$ python", " ".join(cmd[1:]), flush=True)
         out = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty run cannot block
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, text=True, env=env)
-        running[proc.pid] = (i, out, time.perf_counter())
-    done: dict[int, tuple[str, float, float, int]] = {}
-    while running:
+        running[proc.pid] = (cmd, stage, out, time.perf_counter())
+    while len(ended) < len(jobs):
         pid, status, ru = os.wait4(-1, 0)  # wait4: each child's own CPU time
-        if pid not in running:
-            continue
-        i, out, start = running.pop(pid)
+        if pid in running:
+            ended[pid] = (time.perf_counter(), ru.ru_utime + ru.ru_stime, os.waitstatus_to_exitcode(status))
+    outs = []
+    for pid, (cmd, stage, out, start) in running.items():  # in the jobs' order
+        end, cpu, rc = ended[pid]
+        STAGES.append((stage, end - start, cpu))
         out.seek(0)
-        done[i] = (out.read(), time.perf_counter() - start, ru.ru_utime + ru.ru_stime,
-                   os.waitstatus_to_exitcode(status))
-        out.close()
-    for i, (cmd, stage) in enumerate(jobs):
-        text, wall, cpu, rc = done[i]
-        STAGES.append((stage, wall, cpu))
-        print(text, end="")
+        outs.append(out.read())
+        print(outs[-1], end="")
         if rc != 0:
-            raise subprocess.CalledProcessError(rc, cmd, output=text)
-    return [done[i][0] for i in range(len(jobs))]
+            raise subprocess.CalledProcessError(rc, cmd, output=outs[-1])
+    return outs
 
 
 def _minsec(s: float) -> str:
@@ -133,33 +123,31 @@ def knn(run_dirs: list[Path], overrides: list[str]) -> None:
                          *overrides], f"k-NN {d.name}") for d in run_dirs])
 
 
-def _knn_top1(run_dir: Path) -> float:
+def _knn_top1(run_dir: Path) -> float:  # eval.knn's results.json in the run's folder
     return json.loads((run_dir / "eval" / "knn_digits" / "results.json").read_text())["knn"]["top1"]
 
 
-def _geo(res: dict, key: str) -> float:
-    """A headline geometry value at the final norm (analysis.runs.geometry); NaN if not measured."""
+def _geo(header: str, fmt: str, key: str):
+    """A column of a headline geometry value at the final norm (analysis.runs.geometry; NaN if not measured)."""
     from analysis.runs import geometry
 
-    return geometry(res).get(key, float("nan"))
+    return header, fmt, lambda r, g: geometry(g).get(key, float("nan"))
 
 
-# (header, format, value of (results.json, analysis.json)) per column of a paradigm's table.
+# (header, format, value of (results.json, analysis.json)) per column of a paradigm's table. The
+# geometry is `python -m analysis` of both checkpoints at the final-norm layer, on the validation
+# split: the within-sequence (image / window) share of the token variance, NC1 of the class token
+# (ViT) or the next-token CDNV (LM), and the principal components for 99% of the token variance
+# (the paper: Laplacian heads lower the share and the collapse measures, and spectra decay faster).
+SHARE, NC1, PCS = (_geo("within-seq share", ".4f", "within_seq_share"), _geo("NC1 (cls)", ".3f", "nc1"),
+                   _geo("n_pcs_0.99", ".0f", "n_pcs_0.99"))
 VIT_COLUMNS = [("val top-1 (%)", ".2f", lambda r, g: r["final"]["val_acc1"]),
-               ("best top-1 (%)", ".2f", lambda r, g: r["best"]["val_acc1"]),
-               ("within-seq share", ".4f", lambda r, g: _geo(g, "within_seq_share")),
-               ("NC1 (cls)", ".3f", lambda r, g: _geo(g, "nc1")),
-               ("n_pcs_0.99", ".0f", lambda r, g: _geo(g, "n_pcs_0.99"))]
+               ("best top-1 (%)", ".2f", lambda r, g: r["best"]["val_acc1"]), SHARE, NC1, PCS]
 LM_COLUMNS = [("val bpb", ".4f", lambda r, g: r["final"]["val_bpb"]),
               ("val loss", ".4f", lambda r, g: r["final"]["val_loss"]),
-              ("within-seq share", ".4f", lambda r, g: _geo(g, "within_seq_share")),
-              ("next-tok CDNV", ".3f", lambda r, g: _geo(g, "lc_cdnv_mean")),
-              ("n_pcs_0.99", ".0f", lambda r, g: _geo(g, "n_pcs_0.99"))]
+              SHARE, _geo("next-tok CDNV", ".3f", "lc_cdnv_mean"), PCS]
 DINO_COLUMNS = [("20-NN top-1 (%)", ".2f", lambda r, g: _knn_top1(Path(r["run_dir"]))),
-                ("final loss", ".3f", lambda r, g: r["final"]["train_loss"]),
-                ("within-seq share", ".4f", lambda r, g: _geo(g, "within_seq_share")),
-                ("NC1 (cls)", ".3f", lambda r, g: _geo(g, "nc1")),
-                ("n_pcs_0.99", ".0f", lambda r, g: _geo(g, "n_pcs_0.99"))]
+                ("final loss", ".3f", lambda r, g: r["final"]["train_loss"]), SHARE, NC1, PCS]
 
 
 def table(title: str, columns, models, run_dirs, geometries):
@@ -172,6 +160,9 @@ def table(title: str, columns, models, run_dirs, geometries):
 
 
 def main(args: list[str]):
+    # A prefix sends an override to one paradigm's training runs (vit., lm., dino.) or to the
+    # analyses (analysis.); paths.* go to every command (one runs_dir / data_dir); the rest to
+    # every training run. The BPE and shards are made once under paths.data_dir.
     common = [a for a in args if not a.startswith(("analysis.", "vit.", "lm.", "dino."))]
     paths = [a for a in args if a.startswith("paths.")]  # same runs_dir / data_dir everywhere
     only = lambda prefix: [a[len(prefix):] for a in args if a.startswith(prefix)]  # noqa: E731

@@ -39,6 +39,10 @@ if [ "${LAPLACE_DRY_RUN:-0}" = 1 ]; then
   printf '%q ' "${cmd[@]}" >&2; echo >&2
   echo "dry$$"
 else
+  if ! command -v sbatch > /dev/null; then  # not bash's "sbatch: command not found" (status 127)
+    echo "submit.sh: Slurm's sbatch is not on the PATH: submit from the cluster's login node (or load its" \
+      "Slurm module); LAPLACE_DRY_RUN=1 prints the sbatch command instead" >&2; exit 1
+  fi
   mkdir -p "$runs/slurm"  # sbatch does not create the log's folder: the log would be lost
   "${cmd[@]}" | cut -d';' -f1  # --parsable: "id" or "id;cluster"
 fi

@@ -285,6 +285,15 @@ def test_the_launcher_status_is_the_ranks():
     assert run_status([75, 137, 1]) == 137  # the first failure (here a rank killed by SIGKILL)
 
 
+def test_train_py_recommends_the_launcher_that_requeues():
+    """issue 47: train.py's help shows `python -m train.launch` for several GPUs, not torchrun, which
+    exits 1 when its ranks stop to be requeued (75), so a job around it would never be requeued."""
+    doc = (ROOT / "train.py").read_text().split('"""')[1]
+    commands = [ln.strip() for ln in doc.splitlines() if ln.startswith("    ")]
+    assert "python -m train.launch --nproc_per_node=8 train.py experiment=deit3_in1k model=vitb_12L" in commands
+    assert not any(c.startswith("torchrun") for c in commands), commands
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_lost_rank_is_one_line_naming_it(victim, tmp_path):

@@ -61,3 +61,25 @@ def test_short_name_keeps_short_names_and_bounds_long_ones_uniquely():
     a, b = short_name("x" * 300 + "a", 120), short_name("x" * 300 + "b", 120)
     assert len(a) == len(b) == 120 and a != b and a.startswith("x" * 109 + "~")
     assert short_name("x" * 300 + "a", 120) == a  # the same input names the same folder
+
+
+def test_a_fresh_run_refused_before_it_starts_leaves_no_folder(make_cfg, tmp_path):
+    """issue 47: a run refused in set-up (a bad value, a checkpoint that is not there) leaves no
+    folder it created (no .lock, no train.log); an existing run's folder keeps its lock and log."""
+    from laplace.checkpoint import CheckpointError
+    from laplace.errors import ConfigError
+    from conftest import TINY_VIT
+    from train import run
+
+    runs = tmp_path / "runs"
+    runs.mkdir()  # the user's folder: kept, even when empty
+    base = [*TINY_VIT, "model=vitt_0L", "model.depth=1", "trainer.max_steps=1"]
+    for bad, error in (("optim.schedules.lr.shape=step", ConfigError), ("trainer.init_from=/no/last.pt", CheckpointError)):
+        with pytest.raises(error):
+            run(make_cfg(*base, bad, run_dir=runs / "deit3" / "digits" / "vitt_0L_s0"))
+        assert list(runs.iterdir()) == [], bad
+    (runs / "mine").mkdir()
+    with pytest.raises(ConfigError):
+        run(make_cfg(*base, "optim.schedules.lr.shape=step", run_dir=runs / "mine"))
+    assert sorted(p.name for p in (runs / "mine").iterdir()) == [".lock", "train.log"]
+    assert "shape='step'" in (runs / "mine" / "train.log").read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -185,6 +186,22 @@ def test_submit_composes_site_flags_and_lets_the_command_line_win(tmp_path):
     assert f"afterok:{ids[1]}" in lines[2] and lines[2].endswith(f"checkpoint={tmp_path}/chains/c/2_train/ckpt/last.pt ")
     ids, cmd = dry("slurm/sweep.sh", "--heads", "0,12", "--seeds", "0,1", "--", "experiment=deit3_cifar100")
     assert len(ids) == 4 and cmd.count("--job-name=vitb_12L_s1 ") == 1 and "model=vitb_0L seed=1" in cmd
+
+
+def test_submit_without_sbatch_says_so_in_one_line(tmp_path):
+    """issue 47: off a Slurm machine, one line saying what is missing and what to do (status 1), not
+    bash's `sbatch: command not found` (127). The PATH holds the tools submit.sh uses, no sbatch."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("dirname", "sed", "cut", "mkdir"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    env = {**site_env(os.environ, tmp_path), "PATH": str(bin_dir)}
+    proc = subprocess.run([shutil.which("bash"), "slurm/submit.sh", "train.sbatch", "experiment=deit3_in1k"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == ["submit.sh: Slurm's sbatch is not on the PATH: submit from the cluster's "
+                                        "login node (or load its Slurm module); LAPLACE_DRY_RUN=1 prints the sbatch "
+                                        "command instead"]
 
 
 # ---------------------------------------------------------------- on the cluster

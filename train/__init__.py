@@ -1,16 +1,19 @@
-"""The trainers, selected by `trainer.name` (deit3 | gpt | module:Class), on one shared engine."""
+"""The trainers, selected by `trainer.name` (deit3 | gpt | dino | seg_linear | module:Class), on one
+shared engine (train/engine.py); `run(cfg)` trains with a composed config (train.py's entry)."""
 from __future__ import annotations
 
-import importlib
 import os
+import pkgutil
 import re
+import shutil
+from contextlib import suppress
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from laplace.config import check_required
 from laplace.schema import check_config
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, UserError
 from laplace import model_defaults, model_label
 from laplace.rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
 
@@ -31,10 +34,9 @@ def get_trainer(name: str):
     if target is None:
         raise ConfigError(f"trainer.name={name!r} is not a trainer; choose one of: {', '.join(TRAINERS)} "
                           f"(or give module:Class)")
-    module, cls = target.split(":", 1)
     try:
-        found = getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as e:
+        found = pkgutil.resolve_name(target)
+    except (ImportError, AttributeError, ValueError) as e:
         if name in TRAINERS:
             raise  # our own trainer failing to import is a bug: keep the traceback
         raise ConfigError(f"trainer.name={name!r}: cannot import it ({e})") from None
@@ -96,6 +98,16 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
     return str(Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name) / name)
 
 
+def _remove_fresh(run_dir: Path, created: Path):
+    """A fresh run refused before it started leaves no folder behind: its lock and log go, and the
+    folders it created (up to `created`) while they hold nothing else (a sweep's sibling run)."""
+    if {p.name for p in run_dir.iterdir()} <= {".lock", "train.log"}:
+        shutil.rmtree(run_dir)
+        with suppress(OSError):  # a folder not empty holds another run too: it stays
+            for folder in run_dir.parents[:len(run_dir.parents) - len(created.parents)]:
+                folder.rmdir()
+
+
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config (also the entry used by tests and sweeps)."""
     from laplace import dist
@@ -108,21 +120,27 @@ def run(cfg: DictConfig) -> dict:
     cls = get_trainer(cfg.trainer.name)
     check_engine_config(cls, cfg)  # before anything resolves: wrong combinations get one line
     # Rank 0 (torchrun's RANK, srun's SLURM_PROCID) copies its output into the run directory.
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)) or 0)
+    main = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)) or 0) == 0
+    run_dir = Path(cfg.run_dir)
+    created = next((p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None)  # its first new folder
+    if main:  # a read-only or full run directory: one line now, not after the first epoch
+        check_writable(run_dir, "run_dir")
     # One run per directory, for the run's life: before anything reads or writes in it.
-    if rank == 0:  # a read-only or full run directory: one line now, not after the first epoch
-        check_writable(cfg.run_dir, "run_dir")
-    lock = RunDirLock(cfg.run_dir).acquire() if rank == 0 else None
-    log = RunLog(cfg.run_dir) if rank == 0 else None
+    lock = RunDirLock(run_dir).acquire() if main else None
+    log = RunLog(run_dir) if main else None
+    started = refused = False
     try:
         # Signal handlers from the start: a preemption warning during set-up (data, compile)
         # is kept and honoured after the first step instead of killing the process.
         with StopRequest() as stop:
             trainer = cls(cfg).setup()  # before config.yaml: set-up completes the config (tokenizer)
+            started = True
             if trainer.dist.is_main:
-                atomic_write(Path(cfg.run_dir) / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+                atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
             metrics = trainer.fit(stop)
     except BaseException as e:
+        # Refused before it started: a bad value, data that is not there, a checkpoint that does not fit.
+        refused = isinstance(e, UserError) and not started
         if log is not None and not isinstance(e, Preempted):
             log.exception(e)  # the whole traceback, also when the terminal shows one line
         lost = dist.lost_peer(e) if isinstance(e, Exception) else None
@@ -134,6 +152,8 @@ def run(cfg: DictConfig) -> dict:
             log.close()
         if lock is not None:
             lock.release()
+        if refused and created is not None and lock is not None:
+            _remove_fresh(run_dir, created)
     # Only after success: after a failure a peer may be gone, and tearing the group down
     # could wait for it (the command line exits at once instead, see laplace.errors).
     dist.cleanup()

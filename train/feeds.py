@@ -1,32 +1,16 @@
 """Feeds: where a trainer's micro-batches come from, with a position that checkpoints keep.
 
-The engine asks a feed for micro-batches forever and saves `feed.state_dict()` with every
-checkpoint. Two kinds serve every trainer:
-
-    MapFeed       a map-style dataset (images) through an epoch-seeded sampler and a DataLoader
-    TokenStream   fixed-length token windows from memory-mapped shards (laplace.data.shards)
-
-What the engine asks of a feed is `Feed` below: `__iter__` (micro-batches, forever),
-`state_dict()` / `load_state_dict()` (plain ints), `epoch` and `micro_batches_per_epoch` (per
-process), and where a feed has them `set_step_windows`, `identity` and `close`. Positions are global, i.e.
-counted over all ranks, so a run resumed on another number of processes continues where the
-old one stopped instead of skipping part of the epoch.
-
-Exact resume of a map-style dataset needs two things the stock samplers do not give:
-starting an epoch part-way, and augmentation randomness that does not depend on the process,
-the data-loader worker or the interruption. `ResumableSampler` skips what was consumed and
-pairs each index with a seed fixed by (run seed, epoch, global position); `SeededDataset`
-seeds torch's, Python's and NumPy's generators with it around the dataset's __getitem__, so
-sample i of epoch e is augmented identically whatever the number of workers or processes.
-
-Both feeds end an epoch on an optimizer step (`step_size` samples, the global batch) rather
-than on a micro-batch: where the epoch ends, and so every later step, is then the same however
-the global batch is split into micro batch x world size x accumulation, and a run resumed with
-another split after an epoch end sees the samples of an uninterrupted one.
+The engine asks a feed (`Feed`) for micro-batches forever and saves `feed.state_dict()` with every
+checkpoint. Token shards are a feed themselves (laplace.data.shards.TokenStream); a map-style
+dataset is served by a `MapFeed`: an epoch-seeded sampler, resumable mid-epoch, and a DataLoader
+whose augmentations are seeded per sample, so that a resumed run sees what an uninterrupted one
+would, on any number of processes and data-loader workers.
 """
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Sized
 from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -41,7 +25,9 @@ from laplace.errors import ConfigError
 class Feed(Protocol):
     """The training data as the engine reads it (train/engine.py): a training set with these
     members (laplace.data.shards.TokenStream) is used as it is, any other is served by a MapFeed.
-    A feed's epochs end on a whole optimizer step (the global batch)."""
+    Positions count over all ranks (a run resumed on another number of processes continues where
+    the old one stopped) and an epoch ends on a whole optimizer step (the global batch), so where
+    it ends does not depend on how that batch is split into micro batch x world size x accumulation."""
 
     epoch: int  # the epoch of the next micro-batch (it moves on with an epoch's last one)
 
@@ -77,22 +63,23 @@ def split_batch(global_batch: int, micro_batch: int | None, world: int) -> tuple
     if micro_batch is not None and micro_batch < 1:
         raise ConfigError(f"trainer.micro_batch_size={micro_batch}: use a count >= 1 (null: the whole share)")
     share = global_batch // world
-    cap = min(micro_batch or share, share)
-    micro = next(d for d in range(cap, 0, -1) if share % d == 0)
+    micro = next(d for d in range(min(micro_batch or share, share), 0, -1) if share % d == 0)
     return micro, share // micro
 
 
 class ResumableSampler(Sampler):
     """Yield (index, seed) pairs from `inner`, starting `start` samples into this rank's share.
 
-    `inner` deals one global, world-size independent order to the ranks in turn (rank r takes
-    positions r, r + W, ...): torch's DistributedSampler and timm's RepeatAugSampler do.
-
     Args:
-        inner: a sampler with `set_epoch` whose order depends only on its seed and the epoch.
+        inner: a sampler with `set_epoch` whose order depends only on its seed and the epoch, dealt
+            to the ranks in turn (rank r takes positions r, r + W, ...): torch's DistributedSampler
+            and timm's RepeatAugSampler do.
         seed: base seed of the per-sample augmentation seeds.
         rank, world_size: this process's place, to turn its positions into global ones.
     """
+    # What the stock samplers lack for an exact resume: starting an epoch part-way, and a seed per
+    # sample fixed by (run seed, epoch, global position) rather than by the process, the worker or
+    # the interruption (SeededDataset draws the sample's augmentation with it).
 
     def __init__(self, inner: Sampler, seed: int = 0, rank: int = 0, world_size: int = 1):
         self.inner, self.seed, self.rank, self.world_size = inner, seed, rank, world_size
@@ -103,25 +90,16 @@ class ResumableSampler(Sampler):
         self.inner.set_epoch(epoch)
 
     def __iter__(self):
-        for pos, idx in enumerate(self.inner):
-            if pos < self.start:
-                continue
-            # A 63-bit seed fixed by the sample's global slot in the run, not by the rank.
-            g = pos * self.world_size + self.rank
-            yield int(idx), ((self.seed * 1_000_003 + self.epoch) * 1_000_003 + g) % (2**63 - 1)
-
-    def __len__(self):
-        return len(self.inner) - self.start
+        for pos, idx in itertools.islice(enumerate(self.inner), self.start, None):
+            g = pos * self.world_size + self.rank  # the sample's global slot in the run, not the rank
+            yield int(idx), ((self.seed * 1_000_003 + self.epoch) * 1_000_003 + g) % (2**63 - 1)  # 63 bits
 
 
 class SeededDataset(Dataset):
     """Wraps a dataset so that item (index, seed) is produced with torch's CPU generator,
     Python's `random` and NumPy's global generator all seeded by `seed` (torchvision's
-    RandomChoice draws from `random`, timm's RandAugment from `random` and NumPy).
-
-    The three states are restored afterwards, so loading in the main process leaves the
-    model's randomness (drop-path: torch; Mixup: NumPy) where it was.
-    """
+    RandomChoice draws from `random`, timm's RandAugment from `random` and NumPy): sample i of
+    epoch e is augmented identically whatever the number of workers or processes."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -131,6 +109,8 @@ class SeededDataset(Dataset):
 
     def __getitem__(self, key):
         idx, seed = key
+        # The states are restored afterwards, so loading in the main process leaves the model's
+        # randomness (drop-path: torch; Mixup: NumPy) where it was.
         py_state, np_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only: torch.manual_seed would also queue a lazy CUDA seeding,
@@ -154,10 +134,7 @@ def epoch_sampler(n_or_dataset, shuffle: bool, seed: int, rank: int, world_size:
 
 def describe_size(dataset) -> str:
     """A training set's size, for an error message."""
-    try:
-        return f"the training set has {len(dataset)} samples"
-    except TypeError:
-        return "a streamed training set"
+    return f"the training set has {len(dataset)} samples" if isinstance(dataset, Sized) else "a streamed training set"
 
 
 class MapFeed:
@@ -179,9 +156,7 @@ class MapFeed:
         self.sampler = ResumableSampler(sampler, seed, rank, world_size)
         self.micro_batch_size, self.world_size = micro_batch_size, world_size
         self.step_size = step_size or micro_batch_size * world_size
-        if self.step_size % (micro_batch_size * world_size):
-            raise ValueError(f"step_size={step_size} must be a multiple of micro batch "
-                             f"{micro_batch_size} x world size {world_size}")
+        assert self.step_size % (micro_batch_size * world_size) == 0, "a step is whole micro-batch rounds"
         self.loader = DataLoader(SeededDataset(dataset), batch_size=micro_batch_size,
                                  sampler=self.sampler, drop_last=True, **loader_kwargs)
         self.epoch, self.position = 0, 0  # position: samples consumed in the epoch, all ranks
@@ -204,33 +179,30 @@ class MapFeed:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def __iter__(self):
-        """The epoch counter moves on with the last batch of an epoch (not when the next one
-        is asked for), so a checkpoint taken right after it resumes at the next epoch's start."""
         W, B = self.world_size, self.micro_batch_size
         while True:
-            # Rank r took global positions r, r + W, ...: it skips position / W of its own.
-            skip = self.position // W
+            skip = self.position // W  # rank r took global positions r, r + W, ...: position / W of its own
             self.sampler.set_epoch(self.epoch, skip)
             left = (self._rank_samples - skip) // B
             if left <= 0:  # resumed exactly at an epoch's end
                 self.epoch, self.position = self.epoch + 1, 0
                 continue
             self._batches = iter(self.loader)
-            for i, batch in enumerate(self._batches):
+            # zip ends after the epoch's last whole step: the loader may hold the samples of a
+            # partial step, never used.
+            for i, batch in zip(range(left), self._batches):
+                # The epoch moves on with its last batch, not when the next one is asked for: a
+                # checkpoint taken right after it resumes at the next epoch's start.
                 last = i == left - 1
-                if last:
-                    self.epoch, self.position = self.epoch + 1, 0
-                else:
-                    self.position += B * W
+                self.epoch, self.position = (self.epoch + 1, 0) if last else (self.epoch, self.position + B * W)
                 yield batch
-                if last:  # the loader may hold the samples of a partial step: never used
-                    break
 
     def close(self):
-        """Stop the data-loader workers now and wait for them. The workers ignore SIGTERM
-        (train.signals.ignore_in_worker), so neither DataLoader's own shutdown, which falls back
-        to it, nor multiprocessing's exit handler, which SIGTERMs daemonic children and then
-        joins them without a timeout, may be left to do it: the process would hang at exit."""
+        """Stop the data-loader workers now and wait for them."""
+        # The workers ignore SIGTERM (train.signals.ignore_in_worker), so neither DataLoader's own
+        # shutdown, which falls back to it, nor multiprocessing's exit handler, which SIGTERMs
+        # daemonic children and then joins them without a timeout, may be left to do it: the
+        # process would hang at exit.
         it, self._batches = self._batches, None
         self.loader._iterator = None  # the persistent workers' iterator, kept by the DataLoader
         if it is None or not hasattr(it, "_shutdown_workers"):  # no workers (num_workers=0)

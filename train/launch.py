@@ -4,18 +4,9 @@ a requeue needs (one node; several nodes: slurm/train.sbatch, srun starts the ra
     python -m train.launch --nproc_per_node=8 train.py experiment=deit3_in1k model=vitb_12L
     python -m train.launch --nproc_per_node=8 -m eval.knn checkpoint=...
 
-Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT). What differs from torchrun, for preemption (train/signals.py):
-  * the ranks stay in the launcher's process group, so a signal to the group (Slurm's, or
-    `kill -TERM -- -PGID`) reaches them and their data workers as under srun; torchrun starts each
-    rank in a session of its own, so there SIGUSR1 reaches torchrun alone, kills it (it handles
-    SIGTERM / SIGINT / SIGHUP / SIGQUIT only) and leaves the ranks training as orphans;
-  * SIGUSR1 / SIGTERM / SIGINT sent to the launcher alone are passed on to the ranks;
-  * the exit status is the ranks': 0, or 75 when they stopped on a signal with last.pt written
-    (slurm/requeue.sh requeues on it), or the first failure's. torchrun exits 1 whenever a rank
-    exits non-zero, 75 included, so a job around it would never be requeued.
-A rank that fails (not 0 or 75) ends the run: the others get GRACE_S seconds to end on their own
-(laplace.dist names the lost rank), then SIGKILL.
+Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT); what differs from torchrun is for preemption (train/signals.py): the process group,
+the signals and the exit status, said where they are made.
 """
 from __future__ import annotations
 
@@ -29,8 +20,8 @@ import time
 
 from .signals import EXIT_REQUEUE
 
-FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-GRACE_S = 30.0
+FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # sent to the launcher alone: passed on to the ranks
+GRACE_S = 30.0  # after a rank failed, the others' time to end on their own (laplace.dist names the lost one)
 
 
 def _free_port() -> int:
@@ -39,14 +30,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _status(returncode: int) -> int:
-    """Popen's -N for a rank killed by signal N as a shell reports it: 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def run_status(statuses: list[int]) -> int:
     """The launcher's exit status from the ranks' in the order they ended: the first failure's,
     else 75 if any rank stopped to be requeued, else 0."""
+    # torchrun exits 1 whenever a rank exits non-zero, 75 included: a job around it would never be
+    # requeued (slurm/requeue.sh requeues on 75).
     failed = [s for s in statuses if s not in (0, EXIT_REQUEUE)]
     return failed[0] if failed else (EXIT_REQUEUE if EXIT_REQUEUE in statuses else 0)
 
@@ -56,6 +44,10 @@ def launch(nproc: int, command: list[str], port: int | None = None) -> int:
     returns the exit status (run_status)."""
     env = dict(os.environ, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port or _free_port()))
+    # The ranks stay in the launcher's process group, so a signal to the group (Slurm's, or
+    # `kill -TERM -- -PGID`) reaches them and their data workers as under srun. torchrun starts each
+    # rank in a session of its own: there SIGUSR1 reaches torchrun alone, kills it (it handles
+    # SIGTERM / SIGINT / SIGHUP / SIGQUIT only) and leaves the ranks training as orphans.
     procs = [subprocess.Popen([sys.executable, *command], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(nproc)]
 
@@ -68,18 +60,17 @@ def launch(nproc: int, command: list[str], port: int | None = None) -> int:
         signal.signal(s, forward)
     statuses, deadline = [], None
     while len(statuses) < nproc:
-        for p in procs:
-            if p.returncode is None and p.poll() is not None:
-                statuses.append(_status(p.returncode))
-                if statuses[-1] not in (0, EXIT_REQUEUE) and deadline is None:
-                    deadline = time.monotonic() + GRACE_S
+        for p in (p for p in procs if p.returncode is None and p.poll() is not None):
+            statuses.append(128 - p.returncode if p.returncode < 0 else p.returncode)  # signal N: 128 + N, as shells
+            if statuses[-1] not in (0, EXIT_REQUEUE) and deadline is None:  # the first failure
+                deadline = time.monotonic() + GRACE_S
         if deadline is not None and time.monotonic() > deadline:
-            for p in procs:
+            for r, p in enumerate(procs):
                 if p.poll() is None:
-                    print(f"[launch] rank {procs.index(p)} still running {GRACE_S:.0f} s after a rank "
-                          f"failed: killed", file=sys.stderr, flush=True)
+                    print(f"[launch] rank {r} still running {GRACE_S:.0f} s after a rank failed: killed",
+                          file=sys.stderr, flush=True)
                     p.kill()
-            deadline = float("inf")
+            deadline = float("inf")  # killed once
         time.sleep(0.05)
     return run_status(statuses)
 

@@ -1,7 +1,7 @@
 """Run logging: `metrics.jsonl` always (one JSON object a line, as DINO/DeiT's log.txt), wandb
-on rank 0 when `logger=wandb`; the progress bar every loop and evaluation shows (`progress_bar`),
-one plain line per evaluation (`print_line`), and the evaluations' results sent to the W&B run of
-the training run they evaluate (`log_to_training_run`)."""
+on rank 0 when `logger=wandb`, `train.log` (rank 0's output), the progress bar of every loop, one
+plain line per evaluation, and the evaluations' results sent to the W&B run of the training run
+they evaluate (`log_to_training_run`)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +11,6 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -37,38 +36,36 @@ def wandb_run_id(run_dir: str | os.PathLike) -> str:
 
 
 def run_group(run_dir) -> str:
-    """The experiment a run directory belongs to (`<runs>/<trainer>/<experiment or data>/<run>`):
-    the resolver `${run_group:${run_dir}}` of configs/logger/wandb.yaml."""
+    """The experiment of a run directory (`<runs>/<trainer>/<experiment or data>/<run>`), so that a
+    sweep's runs share it; an evaluation run `<run>/eval/<name>` belongs to its training run's."""
     p = Path(str(run_dir))
-    # The parent folder, so that a sweep's runs (one per k, seed, model) share it; an evaluation
-    # run `<run>/eval/<name>` (eval.segmentation) belongs to its training run's experiment.
     return p.parent.parent.parent.name if p.parent.name == "eval" else p.parent.name
 
 
+# Resolvers of the configs: `${run_group:${run_dir}}` (configs/logger/wandb.yaml) and
+# `${model_label:${model}}`, the model's name with the node's own k (laplace.model_label).
 OmegaConf.register_new_resolver("run_group", run_group, replace=True)
-# `${model_label:${model}}`: the model's name with the node's own k (laplace.model_label)
 OmegaConf.register_new_resolver("model_label", model_label, replace=True)
 
 
-def wandb_mode(configured: Optional[str]) -> tuple[str, str]:
-    """(the W&B mode, where it came from): logger.wandb.mode, else $WANDB_MODE, else wandb's own
-    default (online)."""
+def wandb_mode(configured: str | None) -> tuple[str, str]:
+    """(the W&B mode, where it came from): logger.wandb.mode, else $WANDB_MODE, else online."""
     env = os.environ.get("WANDB_MODE")
     # The config wins: a stray `export WANDB_MODE=online` on a login node must not send an
-    # offline recipe online.
-    if configured is not None:  # one of WANDB_MODES: laplace.schema checked logger.wandb.mode
+    # offline recipe online. laplace.schema checked logger.wandb.mode against WANDB_MODES.
+    if configured is not None:
         ignored = f"; WANDB_MODE={env} in the environment is ignored" if env and env != configured else ""
         return configured, f"logger.wandb.mode{ignored}"
-    if env:
-        mode = {"dryrun": "offline", "run": "online"}.get(env, env)  # wandb's older spellings
-        if mode not in WANDB_MODES:
-            raise ConfigError(f"WANDB_MODE={env} (logger.wandb.mode is null): set it to one of "
-                              f"{', '.join(WANDB_MODES)}, or set logger.wandb.mode")
-        return mode, "WANDB_MODE (logger.wandb.mode is null)"
-    return "online", "wandb's default (logger.wandb.mode is null and WANDB_MODE unset)"
+    if not env:
+        return "online", "wandb's default (logger.wandb.mode is null and WANDB_MODE unset)"
+    mode = {"dryrun": "offline", "run": "online"}.get(env, env)  # wandb's older spellings
+    if mode not in WANDB_MODES:
+        raise ConfigError(f"WANDB_MODE={env} (logger.wandb.mode is null): set it to one of "
+                          f"{', '.join(WANDB_MODES)}, or set logger.wandb.mode")
+    return mode, "WANDB_MODE (logger.wandb.mode is null)"
 
 
-def read_wandb_record(run_dir) -> Optional[dict]:
+def read_wandb_record(run_dir) -> dict | None:
     """<run_dir>/wandb.json (what `MetricsLogger` wrote when the run started W&B), or None."""
     path = Path(run_dir) / WANDB_RECORD
     try:
@@ -79,16 +76,15 @@ def read_wandb_record(run_dir) -> Optional[dict]:
         raise UserError(f"{path}: unreadable ({e}); remove it to start a new W&B run") from None
 
 
-def init_wandb(run_dir, cfg: dict, config: Optional[dict], source_hint: str = ""):
-    """wandb.init for the run in `run_dir`, with the mode `wandb_mode` chooses (one line saying
-    which and why); resume="allow" continues the run of the id."""
+def init_wandb(run_dir, cfg: dict, config: dict | None, source_hint: str = ""):
+    """(wandb.init for the run in `run_dir`, its mode), with one line saying which mode and why;
+    resume="allow" continues the run of the id."""
     import wandb  # only when asked: wandb's import is slow
 
     mode, source = wandb_mode(cfg.get("mode"))
     print(f"[laplace] wandb mode {mode} (from {source}{source_hint})", file=sys.stderr, flush=True)
-    rec = read_wandb_record(run_dir) or {}
     # The id given, else the one wandb.json recorded (a moved run directory keeps its W&B run).
-    run_id = cfg.get("id") or rec.get("id") or wandb_run_id(run_dir)
+    run_id = cfg.get("id") or (read_wandb_record(run_dir) or {}).get("id") or wandb_run_id(run_dir)
     tags = [str(t)[:64] for t in (cfg.get("tags") or [])]  # W&B refuses longer tags
     return wandb.init(project=cfg.get("project"), entity=cfg.get("entity"), id=run_id, resume="allow",
                       name=cfg.get("name") or Path(run_dir).name, group=cfg.get("group"), tags=tags or None,
@@ -107,10 +103,11 @@ class LogWindow:
         self.device = device
         self.reset()
 
-    def reset(self):
+    def reset(self, loss=None, steps: int = 0, units: int = 0, seconds: float = 0.0):
         # the sum stays on the device (no host sync per step) until a record reads it
-        self.loss, self.steps, self.units = torch.zeros((), device=self.device), 0, 0
-        self.saved_s, self.start = 0.0, time.perf_counter()
+        self.loss = torch.zeros((), device=self.device) if loss is None else loss.to(self.device)
+        self.steps, self.units, self.saved_s = steps, units, seconds
+        self.restart_clock()
 
     def add(self, loss: torch.Tensor, units: int):
         self.loss, self.steps, self.units = self.loss + loss, self.steps + 1, self.units + units
@@ -124,21 +121,17 @@ class LogWindow:
 
     def state_dict(self) -> dict:
         # float32 as summed: the resumed sum is then the same bits as the uninterrupted one
-        return {"loss": self.loss.detach().cpu(), "steps": self.steps, "units": self.units,
-                "seconds": self.seconds()}
+        return {"loss": self.loss.detach().cpu(), "steps": self.steps, "units": self.units, "seconds": self.seconds()}
 
-    def load_state_dict(self, states: Optional[list], rank: int, world_size: int):
+    def load_state_dict(self, states: list | None, rank: int, world_size: int):
         """This rank's window of a checkpoint's per-rank `states` (None: a checkpoint from before
         windows were saved: start empty). On another world size every rank takes the mean of the
         saved sums, which keeps the logged mean over ranks, though not to the last bit."""
-        self.reset()
         if not states:
-            return
-        same = len(states) == world_size
-        mine = states[rank] if same else states[0]  # steps, units, seconds: equal on every rank
-        loss = mine["loss"] if same else torch.stack([s["loss"] for s in states]).mean()
-        self.loss = loss.to(self.device)
-        self.steps, self.units, self.saved_s = mine["steps"], mine["units"], mine["seconds"]
+            return self.reset()
+        mine = states[rank] if len(states) == world_size else states[0]  # steps, units, seconds: equal on all
+        loss = mine["loss"] if len(states) == world_size else torch.stack([s["loss"] for s in states]).mean()
+        self.reset(loss, mine["steps"], mine["units"], mine["seconds"])
 
 
 class MetricsLogger:
@@ -153,12 +146,9 @@ class MetricsLogger:
             fresh start, which sets aside the logs of an earlier attempt (`set_aside_attempt`).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True,
-                 wandb_cfg: Optional[dict] = None, config: Optional[dict] = None,
-                 resume_step: Optional[int] = None):
-        self.enabled = enabled
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.wandb = None
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, wandb_cfg: dict | None = None,
+                 config: dict | None = None, resume_step: int | None = None):
+        self.enabled, self.path, self.wandb = enabled, Path(run_dir) / "metrics.jsonl", None
         self.wandb_has = -1  # the last step W&B has: on resume, nothing up to it is sent again
         if not enabled:
             return
@@ -180,14 +170,15 @@ class MetricsLogger:
         if wandb_cfg:
             self.wandb, mode = init_wandb(run_dir, wandb_cfg, config)
             # What an evaluation of this run's checkpoints needs to find its W&B run again.
-            write_json(Path(run_dir) / WANDB_RECORD, {
-                "id": self.wandb.id, "project": wandb_cfg.get("project"), "entity": wandb_cfg.get("entity"),
-                "group": wandb_cfg.get("group"), "tags": list(wandb_cfg.get("tags") or []), "mode": mode})
+            where = {k: wandb_cfg.get(k) for k in ("project", "entity", "group")}
+            write_json(Path(run_dir) / WANDB_RECORD, {"id": self.wandb.id, **where,
+                                                      "tags": list(wandb_cfg.get("tags") or []), "mode": mode})
 
     def log(self, step: int, metrics: dict, **tags):
         if not self.enabled:
             return
-        rec = {"step": step, **tags, **{k: _plain(v) for k, v in metrics.items()}}
+        # tensors and numpy scalars as plain numbers
+        rec = {"step": step, **tags, **{k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}}
         append_line(self.path, json.dumps(rec))
         if self.wandb is not None and step > self.wandb_has:
             self.wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
@@ -202,8 +193,7 @@ def cut_back(path: Path, step: int) -> list[dict]:
     if not path.exists():
         return []
     records = read_records(path)
-    kept = [json.dumps(r) for r in records if r.get("step", 0) <= step]
-    atomic_write(path, "".join(ln + "\n" for ln in kept).encode())
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step).encode())
     return records
 
 
@@ -227,31 +217,21 @@ def set_aside_attempt(run_dir: str | os.PathLike) -> int:
     return n
 
 
-def _plain(v):
-    if hasattr(v, "item"):
-        return v.item()
-    return v
-
-
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """All records of a run's metrics.jsonl (see read_records)."""
     return read_records(Path(run_dir) / "metrics.jsonl")
 
 
 def read_records(path: Path) -> list[dict]:
-    """All records of a JSON-lines log.
-
-    A torn last line (the process was killed mid-write) is skipped with a warning; a broken
-    line anywhere else means the file was damaged and raises, naming the file and line."""
-    lines = path.read_text().splitlines()
+    """All records of a JSON-lines log. A torn last line (the process was killed mid-write) is
+    skipped with a warning; a broken line anywhere else means the file was damaged and raises."""
+    lines = [(i, ln) for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
     records = []
-    for i, ln in enumerate(lines, 1):
-        if not ln.strip():
-            continue
+    for i, ln in lines:
         try:
             records.append(json.loads(ln))
         except json.JSONDecodeError:
-            if i < len(lines):
+            if i < lines[-1][0]:
                 raise UserError(f"{path}:{i} is not a JSON line; repair or remove that line") from None
             print(f"[laplace] {path}:{i}: skipped a torn last line (a kill during a write)", file=sys.stderr)
     return records
@@ -273,24 +253,22 @@ class _Tee:
         self.stream, self.log = stream, log
 
     def write(self, s: str) -> int:
-        if "\r" not in s and self.log is not None:
-            try:
-                self.log.write(s)
-            except OSError as e:  # a full disk: the copy stops, the run goes on (and its next
-                self._lost(e)     # checkpoint or metrics line says which file in one line)
+        if "\r" not in s:
+            self._copy(lambda: self.log.write(s))
         return self.stream.write(s)
 
     def flush(self):
-        if self.log is not None:
-            try:
-                self.log.flush()
-            except OSError as e:
-                self._lost(e)
+        self._copy(lambda: self.log.flush())
         self.stream.flush()
 
-    def _lost(self, e: OSError):
-        name, self.log = self.log.name, None
-        self.stream.write(f"[laplace] {name}: {e.strerror or e}; no longer copying the output there\n")
+    def _copy(self, fn):
+        try:
+            if self.log is not None:
+                fn()
+        except OSError as e:  # a full disk: the copy stops, the run goes on (and its next
+            # checkpoint or metrics line says which file in one line)
+            name, self.log = self.log.name, None
+            self.stream.write(f"[laplace] {name}: {e.strerror or e}; no longer copying the output there\n")
 
     def __getattr__(self, name):  # isatty, fileno, encoding, ... of the real stream
         return getattr(self.stream, name)
@@ -301,10 +279,10 @@ class RunLog:
     `exception` records a failure's traceback in the file."""
 
     def __init__(self, run_dir: str | os.PathLike):
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(run_dir) / "train.log"
         # Appending: a resumed or requeued run continues the same file. Line-buffered: a process
         # that ends in os._exit (laplace.errors.hard_exit) has written every complete line.
-        self.file = open(Path(run_dir) / "train.log", "a", buffering=1)
+        self.file = open(self.path, "a", buffering=1)
         self.saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(sys.stdout, self.file), _Tee(sys.stderr, self.file)
 
@@ -346,26 +324,24 @@ class _Lines:
         self.stream.flush()
 
 
-def progress_bar(total: Optional[int], enabled: bool = True, *, interval: float, desc: Optional[str] = None,
+def progress_bar(total: int | None, enabled: bool = True, *, interval: float, desc: str | None = None,
                  initial: int = 0, unit: str = "it", leave: bool = True, iterable=None):
-    """The progress bar of every loop (training, feature extraction, segmentation validation).
-
-    On a terminal: tqdm's bar. Where stderr is not a terminal (Slurm's log file): tqdm writing a
-    plain line (`desc n/total (p%) [elapsed<eta, rate]`) at most every `interval` seconds
-    (`logger.progress_interval`), through `_Lines`. tqdm rather than periodic prints of our own,
-    because it already times, rates and estimates; only the carriage returns had to go.
-    `enabled` False (another rank, `progress=false`): a bar that shows nothing. With `iterable`,
-    iterating the bar iterates it."""
+    """The progress bar of every loop (training, feature extraction, segmentation validation):
+    tqdm's on a terminal; elsewhere (Slurm's log file) a plain line `desc n/total (p%) [elapsed<eta,
+    rate]` at most every `interval` seconds (`logger.progress_interval`). `enabled` False (another
+    rank, `progress=false`): a bar that shows nothing. With `iterable`, iterating the bar iterates it."""
+    # tqdm rather than periodic prints of our own: it already times, rates and estimates; only
+    # the carriage returns had to go (_Lines).
     from tqdm import tqdm
 
+    kw = dict(total=total, initial=initial, unit=unit)
     if not enabled:
-        return tqdm(iterable, total=total, initial=initial, disable=True)
+        return tqdm(iterable, disable=True, **kw)
     if sys.stderr.isatty():
-        return tqdm(iterable, total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, leave=leave)
+        return tqdm(iterable, desc=desc, dynamic_ncols=True, leave=leave, **kw)
     fmt = "{desc}: {n_fmt}/{total_fmt} ({percentage:.0f}%) [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
-    return tqdm(iterable, total=total, initial=initial, desc=f"[laplace] {desc or 'progress'}", unit=unit,
-                file=_Lines(sys.stderr), mininterval=interval, maxinterval=interval,
-                bar_format=fmt if total else None, leave=True)
+    return tqdm(iterable, desc=f"[laplace] {desc or 'progress'}", file=_Lines(sys.stderr), mininterval=interval,
+                maxinterval=interval, bar_format=fmt if total else None, leave=True, **kw)
 
 
 def progress_interval(cfg) -> float:
@@ -381,15 +357,12 @@ def progress_interval(cfg) -> float:
 
 
 def print_line(text: str) -> None:
-    """One plain line on stdout, what every evaluation prints whatever the bar setting. On a
-    terminal through tqdm.write, which clears an open bar, prints and redraws it; off a terminal
-    the bars are lines themselves, and a redraw would only add one."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
+    """One plain line on stdout, what every evaluation prints whatever the bar setting."""
+    from tqdm import tqdm
 
-        tqdm.write(text, file=sys.stdout)
-    else:
-        print(text)
+    # On a terminal tqdm.write clears an open bar, prints and redraws it; off a terminal the bars
+    # write to _Lines, which tqdm.write leaves alone (a redraw would only add a line).
+    tqdm.write(text, file=sys.stdout)
     sys.stdout.flush()
 
 
@@ -401,28 +374,18 @@ def format_metrics(step: int, metrics: dict) -> str:
 
 # ---- evaluations and analyses into the training run's W&B run ------------------------------
 
-def _flat(d: dict, prefix: str) -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}/{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = v
-    return out
-
-
-def log_to_training_run(checkpoint, results: dict, prefix: str) -> Optional[str]:
+def log_to_training_run(checkpoint, results: dict, prefix: str) -> str | None:
     """Put an evaluation's numbers (`results`, nested dicts flattened to `<prefix>/a/b`) into the
     summary of the W&B run of the training run that wrote `checkpoint`, when that run used W&B
     (its <run>/wandb.json; otherwise nothing happens and wandb is not imported). A checkpoint
-    other than last.pt adds its name: `knn@step_1000/top1`.
+    other than last.pt adds its name: `knn@step_1000/top1`. Returns the W&B run id, or None."""
+    # The mode is the training run's (its logger.wandb.mode; WANDB_MODE only where that was null).
+    # Online, wandb.init(id=..., resume="allow") continues the run itself. Offline, wandb 0.31 does
+    # not resume: it writes another offline folder with the same id under <run>/wandb/, which
+    # `wandb sync <run>/wandb/offline-run-*` uploads into the same W&B run after the run's own
+    # (it syncs a run's folders in order of start time).
+    import pandas as pd
 
-    The mode is the training run's (its logger.wandb.mode; WANDB_MODE only where that was null).
-    Online, wandb.init(id=..., resume="allow") continues the run itself. Offline, wandb 0.31 does
-    not resume: it writes another offline folder with the same id under <run>/wandb/, which
-    `wandb sync <run>/wandb/offline-run-*` uploads into the same W&B run after the run's own
-    (it syncs a run's folders in order of start time). Returns the W&B run id, or None."""
     from laplace.checkpoint import run_dir_of
 
     run_dir = run_dir_of(checkpoint)
@@ -430,9 +393,11 @@ def log_to_training_run(checkpoint, results: dict, prefix: str) -> Optional[str]
     if rec is None or rec.get("mode") == "disabled":
         return None
     stem = Path(checkpoint).stem
-    flat = _flat(results, prefix if stem == "last" else f"{prefix}@{stem}")
-    run, _ = init_wandb(run_dir, {**rec, "mode": rec.get("mode")}, None,
-                        source_hint=f", the training run's, recorded in {run_dir / WANDB_RECORD}")
+    key = prefix if stem == "last" else f"{prefix}@{stem}"
+    # Nested keys joined by "/"; numbers only (W&B's summary takes no lists, and a bool is no metric).
+    flat = {f"{key}/{k}": v for k, v in pd.json_normalize(results, sep="/").to_dict("records")[0].items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    run, _ = init_wandb(run_dir, rec, None, source_hint=f", the training run's, recorded in {run_dir / WANDB_RECORD}")
     run.summary.update(flat)
     run.finish()
     print(f"[laplace] {len(flat)} result(s) {prefix}/... logged to W&B run {rec['id']} ({run_dir})", flush=True)

@@ -1,15 +1,14 @@
 """Optimizers, schedules and gradient clipping: what the engine does around `optimizer.step()`.
 
-timm's optimizers (`build_optimizer`), nanochat's Muon + AdamW (`build_muon_adamw`, `StackedMuon`),
-schedules of any group hyper-parameter or trainer value (`Schedule`, from the config's
-`optim.schedules` / `trainer.schedules`) and gradient clipping (`clip_gradients`). How a schedule
-node is written, why it states all six keys (Hydra's merge) and what it computes: docs/configs.md.
+timm's optimizers and nanochat's Muon + AdamW (`build_optimizers`), schedules of any group
+hyper-parameter or trainer value (`Schedule`, from `optim.schedules` / `trainer.schedules`; how a
+node is written and why it states all six keys: docs/configs.md) and `clip_gradients`.
 """
 from __future__ import annotations
 
 import math
 import re
-import warnings
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +22,8 @@ KEYS = ("value", "warmup", "start", "warmdown", "end", "shape")  # the order con
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
-    """The optimizer named by `cfg.name`, from timm's factory (adamw, lamb, sgd, ...).
-
-    timm's factory keeps biases, norms and the model's `no_weight_decay()` set (class token,
-    position embedding) out of weight decay, as DeiT does.
-    """
+    """The optimizer named by `cfg.name` from timm's factory (adamw, lamb, sgd, ...), which keeps
+    biases, norms and the model's `no_weight_decay()` set out of weight decay, as DeiT does."""
     kwargs = {}
     if cfg.betas is not None:  # null: timm's default for the optimizer
         kwargs["betas"] = tuple(cfg.betas)
@@ -41,29 +37,23 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
 
 
 def build_optimizers(model, cfg) -> dict[str, torch.optim.Optimizer]:
-    """The optimizers of the `optim` family: {"muon": ..., "adamw": ...} for optim=muon
-    (nanochat's routing of a GPT's parameters), else {optim.name: timm's optimizer}. `model` is a
-    module, or parameter groups of it (DINO's)."""
+    """{name: optimizer} of the `optim` family: nanochat's {"muon", "adamw"} for optim=muon, else
+    {optim.name: timm's}. `model` is a module, or parameter groups of it (DINO's)."""
     if cfg.name == "muon":
         return build_muon_adamw(model, cfg)
     return {cfg.name: build_optimizer(model, cfg)}
 
 
 def parse_length(value, key: str, steps_per_epoch: int, total_steps: int) -> int:
-    """Steps in a length: an int (steps), "<n>ep" (epochs) or "<p>%" (of the run)."""
+    """Steps in a length: steps (300), epochs ("5ep") or a share of the run ("20%")."""
     if value is None:
         return 0
-    if isinstance(value, int) and not isinstance(value, bool):
-        steps = value
-    else:
-        m = re.fullmatch(r"\s*([0-9.]+)\s*(ep|%)\s*", str(value))
-        if m is None:
-            raise ConfigError(f"{key}={value!r}: give steps (300), epochs (5ep) or a share of the run (20%)")
+    if m := re.fullmatch(r"\s*([0-9.]+)\s*(ep|%)\s*", str(value)):
         n = float(m[1])
-        steps = round(n * steps_per_epoch) if m[2] == "ep" else round(n / 100 * total_steps)
-    if steps < 0:
-        raise ConfigError(f"{key}={value!r} is negative")
-    return steps
+        return round(n * steps_per_epoch) if m[2] == "ep" else round(n / 100 * total_steps)
+    if not isinstance(value, (bool, float)) and str(value).isdigit():  # an int, or its string
+        return int(value)
+    raise ConfigError(f"{key}={value!r}: give steps (300), epochs (5ep) or a share of the run (20%)")
 
 
 @dataclass(frozen=True)
@@ -92,14 +82,13 @@ class Schedule:
         return end + 0.5 * (self.value - end) * (1.0 + math.cos(math.pi * p))
 
     @classmethod
-    def from_config(cls, node, key: str, total_steps: int, steps_per_epoch: int) -> "Schedule":
+    def from_config(cls, node, key: str, total_steps: int, steps_per_epoch: int) -> Schedule:
         """Build from a complete config node; `key` (e.g. "optim.schedules.lr") names it in errors."""
         node = dict(node)
-        unknown = sorted(set(node) - set(KEYS))
-        if unknown:
+        if unknown := sorted(set(node) - set(KEYS)):
             raise ConfigError(f"{key}.{unknown[0]}: unknown schedule key; use {list(KEYS)}")
-        missing = [k for k in KEYS if k not in node]
-        if missing:
+        # A missing key would be inherited from the node this one overrides (Hydra merges them).
+        if missing := [k for k in KEYS if k not in node]:
             raise ConfigError(f"{key}.{missing[0]} is missing: a schedule states all of {', '.join(KEYS)} "
                               f"(null where unused), so that it replaces the node it overrides")
         if node["value"] is None:
@@ -112,11 +101,10 @@ class Schedule:
         if warmup and node["start"] is None:
             raise ConfigError(f"{key}.start is null but {key}.warmup={node['warmup']!r}: "
                               f"give the warm-up's first value")
-        if warmup and warmup >= total_steps:
-            warnings.warn(f"{key}.warmup={node['warmup']!r} is {warmup} steps, the run {total_steps}: "
-                          f"it never leaves the warm-up (DINO refuses this)", stacklevel=2)
-        return cls(value=float(node["value"]), total_steps=total_steps, warmup=warmup,
-                   start=float(node["start"] or 0.0),
+        if warmup and warmup >= total_steps:  # DINO asserts; tiny test runs go on, with one plain line
+            print(f"[laplace] warning: {key}.warmup={node['warmup']!r} is {warmup} steps, the run {total_steps}: "
+                  f"it never leaves the warm-up (DINO refuses this)", file=sys.stderr)
+        return cls(value=float(node["value"]), total_steps=total_steps, warmup=warmup, start=float(node["start"] or 0),
                    warmdown=None if node["warmdown"] is None else length("warmdown"),
                    end=None if node["end"] is None else float(node["end"]), shape=shape)
 
@@ -144,14 +132,10 @@ def apply_group_schedules(optimizers: dict[str, torch.optim.Optimizer], schedule
                           step: int) -> dict[str, float]:
     """Set every scheduled hyper-parameter of every group for `step`; returns the values."""
     values = {name: s(step) for name, s in schedules.items()}
-    for opt in optimizers.values():
-        for g in opt.param_groups:
-            for name, v in values.items():
-                if name not in g:  # e.g. Muon's momentum is not a key of AdamW's groups
-                    continue
-                # 0 for a group built at 0: timm's biases and norms stay out of a weight-decay schedule.
-                scale = g.setdefault(f"{name}_scale", 0.0 if g[name] == 0 else 1.0)
-                g[name] = v * scale
+    for g in (g for opt in optimizers.values() for g in opt.param_groups):
+        for name in values.keys() & g.keys():  # e.g. Muon's momentum is not a key of AdamW's groups
+            # 0 for a group built at 0: timm's biases and norms stay out of a weight-decay schedule.
+            g[name] = values[name] * g.setdefault(f"{name}_scale", 0.0 if g[name] == 0 else 1.0)
     return values
 
 
@@ -161,33 +145,28 @@ def clip_gradients(optimizers: dict[str, torch.optim.Optimizer], max_norm: float
     """Clip gradients in place; returns the total gradient norm before clipping.
 
     mode: "global" (one norm over every parameter, torch's clip_grad_norm_), "group" (each
-    parameter group's norm separately, at the group's `grad_clip` if it has one, else
-    max_norm) or "param" (each tensor separately: DINO's clip_gradients).
+    parameter group's norm, at the group's `grad_clip` if it has one, else max_norm) or "param"
+    (each tensor on its own: DINO's clip_gradients).
     """
     groups = [g for opt in optimizers.values() for g in opt.param_groups]
-    grads_of = lambda g: [p.grad for p in g["params"] if p.grad is not None]  # noqa: E731
     if mode == "global":
-        if not max_norm:
-            return None
         params = [p for g in groups for p in g["params"] if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm else None
     if mode not in ("group", "param"):
         raise ConfigError(f"optim.grad_clip_mode={mode!r}: choose global, group or param")
+    # Written out rather than clip_grad_norm_ per group or tensor: one foreach kernel per group
+    # instead of a few per tensor (DINO clips ~150 tensors a step).
     sq = []
     for g in groups:
-        grads, limit = grads_of(g), g.get("grad_clip", max_norm)  # a group's own limit is optional
+        grads, limit = [p.grad for p in g["params"] if p.grad is not None], g.get("grad_clip", max_norm)
         if not grads:
             continue
-        norms = torch.stack(torch._foreach_norm(grads))  # one kernel for all tensors of the group
+        norms = torch.stack(torch._foreach_norm(grads))
         sq.append(norms.square().sum())
-        if not limit:
-            continue
-        if mode == "param":
-            coefs = (limit / (norms + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, list(coefs.unbind()))
-        else:
-            coef = (limit / (norms.square().sum().sqrt() + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coef)
+        if limit and mode == "param":
+            torch._foreach_mul_(grads, list((limit / (norms + 1e-6)).clamp(max=1.0).unbind()))
+        elif limit:  # torch's rule: limit / (norm + 1e-6), at most 1
+            torch._foreach_mul_(grads, (limit / (sq[-1].sqrt() + 1e-6)).clamp(max=1.0))
     return torch.stack(sq).sum().sqrt() if sq else None
 
 
@@ -203,17 +182,13 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 def zeropower_via_newtonschulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                                eps: float) -> torch.Tensor:
-    """Muon's orthogonalisation of a 2-D matrix: scaled to unit Frobenius norm, then `steps`
-    quintic Newton-Schulz iterations X <- aX + (bA + cA^2)X with A = XX^T, in bf16, on the wide
-    orientation (a tall matrix is transposed and back). The result is US'V^T with S' ~ 0.5..1.5
-    rather than UV^T (the coefficients maximise the slope at 0). Returns a bf16 tensor."""
+    """Muon's orthogonalisation of a 2-D matrix, in bf16: US'V^T with S' ~ 0.5..1.5 rather than UV^T
+    (the coefficients maximise the slope at 0)."""
     if grad.ndim != 2:
         raise ValueError(f"Newton-Schulz orthogonalises a 2-D matrix, not a tensor of shape {list(grad.shape)}")
     a, b, c = coefficients
-    x = grad.bfloat16()
     tall = grad.size(0) > grad.size(1)
-    if tall:
-        x = x.T
+    x = grad.bfloat16().T if tall else grad.bfloat16()  # the wide orientation: A = XX^T is the small one
     x.div_(x.norm().clamp(min=eps))  # spectral norm <= Frobenius norm = 1
     for _ in range(steps):
         gram = x @ x.T
@@ -223,48 +198,40 @@ def zeropower_via_newtonschulz(grad: torch.Tensor, coefficients: tuple[float, fl
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
-    """Muon's learning rate for a [rows, cols] matrix: "original" (None: the same; Keller Jordan's)
-    lr * sqrt(max(1, rows / cols)); "match_rms_adamw" (Moonshot's) lr * 0.2 * sqrt(max(rows, cols)),
-    an update of AdamW's RMS so that AdamW's lr and weight decay carry over."""
+    """Muon's learning rate for a [rows, cols] matrix."""
     rows, cols = shape[:2]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
+    if adjust_lr_fn in (None, "original"):  # Keller Jordan's
         return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
+    if adjust_lr_fn == "match_rms_adamw":  # Moonshot's: AdamW's RMS, so its lr and decay carry over
         return lr * 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
 
 
 class StackedMuon(torch.optim.Optimizer):
-    """Muon (torch.optim.Muon's update), where a group with `row_blocks: n` holds matrices that
-    are n matrices stacked by rows, each orthogonalised on its own with its own shape scale.
+    """torch.optim.Muon's update, where a group with `row_blocks: n` holds matrices that are n
+    matrices stacked by rows, each orthogonalised on its own with its own shape scale.
 
-    Why stacked: our attention keeps one fused `qkv` weight [3C, C] (timm's names and
-    checkpoints, one projection kernel) where nanochat has separate `c_q`, `c_k`, `c_v`
-    [C, C]. One Newton-Schulz of the stacked gradient orthogonalises the three together and
-    scales by sqrt(3), far from nanochat's separate updates (docs/LOG.md, "Muon on the fused
-    qkv"). Momentum and weight decay are elementwise, so only the orthogonalisation and the
-    shape scale are done per block; groups without `row_blocks` take torch's step as it is.
-
-    Why not a subclass of torch.optim.Muon: its step calls private functions of
-    torch.optim._muon. The hyper-parameters, group keys and state (`momentum_buffer`) are
-    torch's, so optimizer state saved by either loads into the other.
+    Hyper-parameters, group keys and state (`momentum_buffer`) are torch's, so optimizer state
+    saved by either loads into the other.
     """
+    # Why stacked: our attention keeps one fused `qkv` weight [3C, C] (timm's names and checkpoints,
+    # one projection kernel) where nanochat has separate c_q, c_k, c_v [C, C]; one Newton-Schulz of
+    # the stack orthogonalises the three together and scales by sqrt(3), far from nanochat's update
+    # (docs/LOG.md, "Muon on the fused qkv"). Momentum and weight decay are elementwise: only the
+    # orthogonalisation and the shape scale go block by block. Not a subclass of torch.optim.Muon:
+    # its step calls private functions of torch.optim._muon.
 
     def __init__(self, params, *, lr: float, momentum: float, nesterov: bool, ns_steps: int,
                  weight_decay: float, adjust_lr_fn: str | None,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS):
         if adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
-        if len(ns_coefficients) != 3:
-            raise ValueError(f"ns_coefficients={ns_coefficients!r}: the quintic's three (a, b, c)")
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon updates 2-D matrices; a parameter has shape {list(p.shape)}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                      ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                                      adjust_lr_fn=adjust_lr_fn))
+        for p in (p for group in self.param_groups for p in group["params"]):
+            if p.ndim != 2:
+                raise ValueError(f"Muon updates 2-D matrices; a parameter has shape {list(p.shape)}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -273,22 +240,17 @@ class StackedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            n = group.get("row_blocks", 1)  # a parameter group, not config: only stacked ones say
+            n = group.get("row_blocks", 1)  # a parameter group's key, not config: only stacked ones say
             lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse or torch.is_complex(p):
-                    raise RuntimeError("Muon updates dense real matrices")
+            for p in (p for p in group["params"] if p.grad is not None):
                 if p.shape[0] % n:
                     raise ValueError(f"a [{p.shape[0]}, {p.shape[1]}] matrix has no {n} equal row blocks")
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
-                buf.lerp_(g, 1 - m)
-                update = g.lerp(buf, m) if group["nesterov"] else buf
+                buf.lerp_(p.grad, 1 - m)
+                update = p.grad.lerp(buf, m) if group["nesterov"] else buf
                 p.mul_(1 - lr * wd)  # decoupled weight decay, at the group's lr (torch's)
                 # One block (n = 1) is the whole matrix; chunks are row views, updated in place.
                 for p_i, u_i in zip(p.chunk(n), update.chunk(n)):
@@ -298,47 +260,31 @@ class StackedMuon(torch.optim.Optimizer):
 
 
 def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optimizer]:
-    """nanochat's optimizers for a GPT: Muon for the blocks' matrices, AdamW for the rest.
+    """nanochat's optimizers for a GPT (the values: configs/optim/muon.yaml).
 
-    Routing: every 2-D parameter inside `model.blocks` (attention qkv / proj, MLP) -> Muon at
-    `matrix_lr`; the token embedding -> AdamW at `embedding_lr`; the output layer -> AdamW at
-    `unembedding_lr`; anything else (learned Laplacian gates) -> AdamW at `scalar_lr`, never
-    with weight decay. As in nanochat, the AdamW learning rates scale with (width / 768) ** -0.5
-    (`lr_width_scale`), and no parameter gets weight decay by default.
-
-    The Muon update is nanochat's (Keller Jordan's Muon) matrix by matrix: Nesterov momentum as
-    `buf.lerp_(g, 1 - m); g.lerp(buf, m)`, `ns_steps` quintic Newton-Schulz steps in bf16
-    (`NS_COEFFICIENTS`) after scaling to unit Frobenius norm, and the shape scale
-    sqrt(max(1, rows / cols)): 1 for the [C, C] and [C, 4C] matrices, 2 for the MLP's [4C, C].
-    The fused attention weight qkv [3C, C] is three matrices to Muon (`StackedMuon`,
-    `row_blocks: 3`): q, k and v are orthogonalised separately with scale 1, as nanochat's
-    separate c_q, c_k, c_v. Each group's base learning rate is its `lr_scale`:
-    `optim.schedules.lr` is a multiplier of it, and `optim.schedules.momentum` sets Muon's
-    momentum (the values: configs/optim/muon.yaml).
+    Muon at `matrix_lr` for every 2-D parameter of `model.blocks` (the fused qkv as three matrices,
+    `row_blocks: 3`, as nanochat's separate c_q, c_k, c_v); AdamW for the token embedding
+    (`embedding_lr`), the output layer (`unembedding_lr`), both scaled by (width / 768) ** -0.5 as
+    nanochat's, and anything else (learned Laplacian gates: `scalar_lr`, no weight decay). Each
+    group's base rate is its `lr_scale`: `optim.schedules.lr` is a multiplier of it.
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None or not hasattr(model, "wte") or not hasattr(model, "lm_head"):
         raise ConfigError(f"optim.name={cfg.name}: Muon + AdamW routes a GPT's parameters (blocks, wte, "
                           f"lm_head); this model is a {type(model).__name__}: use optim=adamw")
-    in_blocks = {id(p) for p in blocks.parameters()}
     qkv = [m.qkv.weight for m in blocks.modules() if isinstance(m, LaplacianAttention)]
-    matrices = [p for p in blocks.parameters() if p.ndim == 2 and id(p) not in {id(q) for q in qkv}]
-    scalars = [p for p in model.parameters()
-               if id(p) not in {id(q) for q in matrices + qkv} and p is not model.wte.weight
-               and p is not model.lm_head.weight]
-    assert all(id(p) in in_blocks for p in scalars), "unrouted parameter outside the blocks"
+    matrices = [p for p in blocks.parameters() if p.ndim == 2 and all(p is not q for q in qkv)]
+    routed = {id(p) for p in [*matrices, *qkv, model.wte.weight, model.lm_head.weight]}
+    scalars = [p for p in model.parameters() if id(p) not in routed]
+    assert {id(p) for p in scalars} <= {id(p) for p in blocks.parameters()}, "unrouted parameter outside the blocks"
     width_scale = (model.width / 768) ** -0.5 if cfg.lr_width_scale else 1.0
     adam_groups = [("embedding", [model.wte.weight], cfg.embedding_lr * width_scale, cfg.weight_decay),
                    ("unembedding", [model.lm_head.weight], cfg.unembedding_lr * width_scale, cfg.weight_decay),
                    ("scalars", scalars, cfg.scalar_lr, 0.0)]  # gates: decay would pull them to 0.5
-    adamw = torch.optim.AdamW(
-        [{"params": ps, "lr": lr, "lr_scale": lr, "weight_decay": wd, "name": name}
-         for name, ps, lr, wd in adam_groups if ps],
-        betas=tuple(cfg.betas), eps=cfg.eps, fused=None)
-    muon_groups = [("matrices", matrices, 1), ("qkv", qkv, 3)]
-    muon = StackedMuon(
-        [{"params": ps, "lr": cfg.matrix_lr, "lr_scale": cfg.matrix_lr, "name": name, "row_blocks": n}
-         for name, ps, n in muon_groups if ps],
-        lr=cfg.matrix_lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-        weight_decay=cfg.muon_weight_decay, adjust_lr_fn="original")
+    adamw = torch.optim.AdamW([{"params": ps, "lr": lr, "lr_scale": lr, "weight_decay": wd, "name": name}
+                               for name, ps, lr, wd in adam_groups if ps], betas=tuple(cfg.betas), eps=cfg.eps)
+    muon = StackedMuon([{"params": ps, "lr": cfg.matrix_lr, "lr_scale": cfg.matrix_lr, "name": name, "row_blocks": n}
+                        for name, ps, n in [("matrices", matrices, 1), ("qkv", qkv, 3)] if ps],
+                       lr=cfg.matrix_lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+                       weight_decay=cfg.muon_weight_decay, adjust_lr_fn="original")
     return {"muon": muon, "adamw": adamw}

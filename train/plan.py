@@ -67,13 +67,15 @@ def step_plan(cfg: DictConfig, world_size: int, micro_batches_per_epoch: int | N
     trainer.epochs epochs.
     """
     tc = cfg.trainer
+    # The global batch is the recipe's; its split adapts to the number of processes.
     micro, accum = split_batch(tc.global_batch_size, tc.micro_batch_size, int(world_size))
+    # A feed's epoch is whole steps (train/feeds.py): the division is exact but for tiny data (>= 1 step).
     spe = None if micro_batches_per_epoch is None else max(1, micro_batches_per_epoch // accum)
     budget = uses_token_budget(cfg)
-    if tc.max_steps:
+    if tc.max_steps:  # an explicit length wins (smoke runs, nanochat's --num_iterations)
         total = int(tc.max_steps)
     elif budget:
         total = token_budget_steps(cfg)
-    else:
+    else:  # epochs; of unknown size (a recipe card without data): no total
         total = None if spe is None else tc.epochs * spe
     return StepPlan(micro, accum, spe, total, budget)

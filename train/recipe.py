@@ -13,12 +13,9 @@ what of ours it is compared with:
     - {name: Muon on q, k, v, ours_is: separate, held_by: "tests/test_x.py::test_y", ...}
 
 `ours` is a dotted key of the composed config (`knn:crop_pct` for an evaluation's entry config)
-or `@<quantity>(args)` computed from it with the trainers' own code on the meta device (no data,
-no memory): parameter count, steps, schedules at a step, optimizer groups. A behaviour that no
-config value shows (`ours_is`) must name the test that holds it (`held_by`). A row whose values
-differ must say why: `deliberate: <reason>` (we differ on purpose) or `unknown: <reason>` (the
-reference is silent or cannot be known); a reason on an equal row is stale and flagged too.
-tests/test_recipes.py composes every experiment and fails on any such row.
+or `@<quantity>(args)`, a method of `Recipe` computed with the trainers' own code on the meta
+device (no data, no memory). A row whose values differ must say why: `deliberate: <reason>` or
+`unknown: <reason>`; tests/test_recipes.py composes every experiment and fails on any row without.
 """
 from __future__ import annotations
 
@@ -27,9 +24,9 @@ import math
 import re
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
-import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
@@ -42,24 +39,13 @@ CONFIGS = ROOT / "configs"
 REFERENCES = CONFIGS / "reference"
 OUT = ROOT / "docs" / "recipes"
 ROW_KEYS = {"name", "ours", "ours_is", "held_by", "ref", "src", "note", "deliberate", "unknown"}
+NEEDS_SIZE = "this card needs `assume.train_size` (training examples per epoch)"
 
 
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:
     """The config `python train.py <overrides>` (or another entry config) would run with."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name=config_name, overrides=list(overrides))
-
-
-def parse_step(at, steps_per_epoch: int, total: int) -> int:
-    """A step given as an int, "<n>ep", "<p>%" or "end" (the last step)."""
-    s = str(at).strip()
-    if s == "end":
-        return total - 1
-    if s.endswith("ep"):
-        return round(float(s[:-2]) * steps_per_epoch)
-    if s.endswith("%"):
-        return round(float(s[:-1]) / 100 * total)
-    return int(s)
 
 
 class Recipe:
@@ -76,26 +62,14 @@ class Recipe:
                  eval_overrides: dict[str, list[str]] | None = None):
         self.cfg, self.train_size = cfg, train_size
         self.eval_overrides = eval_overrides or {}
-        self._cache: dict = {}
+        self._plans, self._entries = {}, {}  # computed once: plans by world size, entry configs by name
 
-    def _once(self, key, fn):
-        if key not in self._cache:
-            self._cache[key] = fn()
-        return self._cache[key]
-
-    # ---- the trainer, built without data on the meta device ------------------------------
-    @property
+    @cached_property
     def trainer(self):
-        """The experiment's trainer with its model and optimizers only (Trainer.offline)."""
-        def build():
-            from train import get_trainer
+        """The experiment's trainer with its model and optimizers only, on the meta device."""
+        from train import get_trainer
 
-            return get_trainer(self.cfg.trainer.name).offline(self.cfg)
-        return self._once("trainer", build)
-
-    @property
-    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return self.trainer.optimizers
+        return get_trainer(self.cfg.trainer.name).offline(self.cfg)
 
     def params(self) -> int:
         """Parameters of the network a checkpoint holds (DINO: the teacher backbone)."""
@@ -103,25 +77,22 @@ class Recipe:
 
     def plan(self, world_size: int = 1):
         """The engine's step plan (train/plan.py) on `world_size` processes, an epoch being
-        `assume.train_size` examples: counted on one process by the engine's own feed over the
-        trainer's own sampler (DeiT-III's repeated augmentation keeps a multiple of 256 images; an
-        epoch ends on a whole step). Token shards have no such epoch: a token budget counts.
-        Without train_size, or on more processes (the split only), no epoch is counted (None)."""
+        `train_size` examples counted on one process (None on more: only the split is known)."""
+        from train.feeds import MapFeed
         from train.plan import step_plan, uses_token_budget
 
-        def build():
-            per_epoch = None
+        world_size = int(world_size)  # a card's argument is a string
+        if world_size not in self._plans:
+            per_epoch = None  # token shards have no epoch: their budget counts
             if world_size == 1 and self.train_size is not None and not uses_token_budget(self.cfg):
-                from train.feeds import MapFeed
-
+                # The engine's own feed over the trainer's own sampler: DeiT-III's repeated
+                # augmentation keeps a multiple of 256 images, and an epoch ends on a whole step.
                 examples = range(int(self.train_size))  # only its length is used
-                micro = step_plan(self.cfg, 1, None).micro_batch
-                feed = MapFeed(examples, self.trainer.sampler(examples), micro,
+                feed = MapFeed(examples, self.trainer.sampler(examples), step_plan(self.cfg, 1, None).micro_batch,
                                step_size=self.cfg.trainer.global_batch_size)
                 per_epoch = feed.micro_batches_per_epoch
-            return step_plan(self.cfg, world_size, per_epoch)
-        world_size = int(world_size)
-        return self._once(("plan", world_size), build)
+            self._plans[world_size] = step_plan(self.cfg, world_size, per_epoch)
+        return self._plans[world_size]
 
     def micro_batch(self, world_size: int = 1) -> int:
         """Examples per process per forward on `world_size` processes."""
@@ -131,65 +102,59 @@ class Recipe:
         return self.plan(world_size).accum
 
     def steps_per_epoch(self) -> int:
-        """Optimizer steps in an epoch of `assume.train_size` examples (a token budget: the run)."""
+        """Optimizer steps in an epoch of `train_size` examples (a token budget: the run)."""
         plan = self.plan()
-        if plan.steps_per_epoch is not None:
-            return plan.steps_per_epoch
-        if plan.token_budget:
-            return self.total_steps()  # a token budget, not epochs
-        raise ConfigError("this card needs `assume.train_size` (training examples per epoch)")
+        if plan.steps_per_epoch is None and plan.token_budget:
+            return self.total_steps()
+        if plan.steps_per_epoch is None:
+            raise ConfigError(NEEDS_SIZE)
+        return plan.steps_per_epoch
 
     def total_steps(self) -> int:
-        total = self.plan().total_steps
-        if total is None:  # epochs of unknown size
-            raise ConfigError("this card needs `assume.train_size` (training examples per epoch)")
-        return total
+        if self.plan().total_steps is None:  # epochs of unknown size
+            raise ConfigError(NEEDS_SIZE)
+        return self.plan().total_steps
 
     def tokens_per_step(self) -> int:
         return self.cfg.trainer.global_batch_size * self.cfg.data.seq_len
 
     def _spe(self, uses_epochs: bool) -> int:
-        """Steps per epoch for a schedule; only needed when it counts in epochs."""
+        """Steps per epoch for a schedule or step; only needed when it counts in epochs."""
         plan = self.plan()
         if plan.steps_per_epoch is None and (plan.token_budget or not uses_epochs):
             return 1
         return self.steps_per_epoch()
 
-    def schedule(self, path: str):
-        from train.optim import Schedule
+    def sched(self, path: str, at: str) -> float:
+        """A schedule's value at a step: "<n>", "<n>ep", "<p>%" or "end" (the last step)."""
+        from train.optim import Schedule, parse_length
 
         node = OmegaConf.select(self.cfg, path)
         if node is None:
             raise ConfigError(f"{path}: no such schedule in the composed config")
-        node = OmegaConf.to_container(node, resolve=True)
-        epochs = any(str(v).strip().endswith("ep") for v in node.values())
-        return Schedule.from_config(node, path, self.total_steps(), self._spe(epochs))
-
-    def sched(self, path: str, at) -> float:
-        return self.schedule(path)(parse_step(at, self._spe(str(at).endswith("ep")), self.total_steps()))
-
-    def _group(self, opt: str, group: str) -> dict:
-        groups = self.optimizers[opt].param_groups
-        if group == "*":  # an optimizer whose groups differ in weight decay only
-            return groups[0]
-        for g in groups:
-            if g.get("name") == group:
-                return g
-        raise ConfigError(f"optimizer {opt!r} has no group {group!r} (groups: {[g.get('name') for g in groups]})")
+        node, total = OmegaConf.to_container(node, resolve=True), self.total_steps()
+        epochs = any(str(v).strip().endswith("ep") for v in node.values())  # steps per epoch needed
+        schedule = Schedule.from_config(node, path, total, self._spe(epochs))
+        return schedule(total - 1 if at == "end" else parse_length(at, at, self._spe(at.endswith("ep")), total))
 
     def group(self, opt: str, group: str, key: str):
-        """A parameter group's hyper-parameter as the optimizer was built (before schedules)."""
-        return self._group(opt, group)[key]
+        """A parameter group's hyper-parameter as the optimizer was built (before schedules);
+        group "*": the first (an optimizer whose groups differ in weight decay only)."""
+        groups = self.trainer.optimizers[opt].param_groups
+        found = groups[:1] if group == "*" else [g for g in groups if g.get("name") == group]
+        if not found:
+            raise ConfigError(f"optimizer {opt!r} has no group {group!r} (groups: {[g.get('name') for g in groups]})")
+        return found[0][key]
 
     def no_decay(self) -> list[str]:
-        """Kinds of parameters the optimizers keep out of weight decay (a name's last part)."""
+        """Kinds of parameters the optimizers keep out of weight decay (a name's last part, or norm)."""
         names = {id(p): n for n, p in self.trainer.model.named_parameters()}
-        kinds = set()
-        for opt in self.optimizers.values():
-            for g in opt.param_groups:
-                if g.get("weight_decay", 0.0) == 0.0:
-                    kinds |= {_kind(names[id(p)]) for p in g["params"] if id(p) in names}
-        return sorted(kinds)
+
+        def kind(name):  # a norm's weight and bias are "norm", any other parameter its name's last part
+            return "norm" if "norm" in name and name.endswith((".weight", ".bias")) else name.rsplit(".", 1)[-1]
+
+        return sorted({kind(names[id(p)]) for opt in self.trainer.optimizers.values() for g in opt.param_groups
+                       if g.get("weight_decay", 0.0) == 0.0 for p in g["params"] if id(p) in names})
 
     def list(self, *keys: str) -> list:
         return [self.value(k) for k in keys]
@@ -201,41 +166,32 @@ class Recipe:
         """A chat mixture's sources, one "<task> [subset] <split> [(max examples)]" each."""
         out = []
         for src in OmegaConf.to_container(self.cfg.data[split], resolve=True):
-            words = [src["task"], src.get("subset"), src.get("split")]
-            n = src.get("max_examples")
+            words, n = [src["task"], src.get("subset"), src.get("split")], src.get("max_examples")
             out.append(" ".join(w for w in words if w) + (f" ({n})" if n else ""))
         return out
 
     def entry(self, name: str) -> DictConfig:
         """An evaluation's entry config (knn, linear, segmentation) with the card's overrides."""
-        return self._once(("entry", name), lambda: compose_config(self.eval_overrides.get(name, []), name))
+        if name not in self._entries:
+            self._entries[name] = compose_config(self.eval_overrides.get(name, []), name)
+        return self._entries[name]
 
-    # ---- a row's value --------------------------------------------------------------------
     def value(self, expr: str):
-        m = re.fullmatch(r"@(\w+)\((.*)\)", expr.strip())
-        if m:
+        """A row's `ours`: `@quantity(args)` (a method above), `entry:key` or a config key."""
+        if m := re.fullmatch(r"@(\w+)\((.*)\)", expr.strip()):
             fn = getattr(self, "not_" if m[1] == "not" else m[1], None)
             if m[1].startswith("_") or not callable(fn):
                 raise ConfigError(f"{expr}: unknown quantity @{m[1]}")
-            args = [a.strip() for a in m[2].split(",")] if m[2].strip() else []
-            return fn(*args)
-        cfg, key = self.cfg, expr
-        if ":" in expr:
-            entry, key = expr.split(":", 1)
-            cfg = self.entry(entry)
-        missing = object()
+            return fn(*[a.strip() for a in m[2].split(",")] if m[2].strip() else [])
+        entry, _, key = expr.rpartition(":")
+        cfg, missing = self.entry(entry) if entry else self.cfg, object()
         try:
             v = OmegaConf.select(cfg, key, default=missing, throw_on_missing=True)
         except MissingMandatoryValue:
             return "???"  # mandatory: the command line sets it (init=finetune's trainer.init_from)
         if v is missing:
             raise ConfigError(f"{expr}: no such key in the composed config")
-        return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) or OmegaConf.is_list(v) else v
-
-
-def _kind(name: str) -> str:
-    last = name.rsplit(".", 1)[-1]
-    return "norm" if ("norm" in name and last in ("weight", "bias")) else last
+        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
 
 def same(a, b) -> bool:
@@ -249,6 +205,12 @@ def same(a, b) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return a == b
+
+
+# A row's status: its mark and its text in the card (a failing status is in bold).
+STATUS = {"equal": ("=", "equal"), "deliberate": ("≠", "deliberate: {}"), "unknown": ("?", "unknown: {}"),
+          "DIFFERS": ("✗", "**DIFFERS, no reason written**"),
+          "STALE": ("✗", "**equal, but marked deliberate**: {}")}  # a reason for a difference that is gone
 
 
 @dataclass
@@ -269,22 +231,21 @@ class Row:
 def evaluate_rows(recipe: Recipe, rows: list[dict], where: str) -> list[Row]:
     out = []
     for i, r in enumerate(rows):
-        unknown_keys = set(r) - ROW_KEYS
-        if unknown_keys:
+        if unknown_keys := set(r) - ROW_KEYS:
             raise ConfigError(f"{where} row {i}: unknown key {sorted(unknown_keys)[0]!r}; use {sorted(ROW_KEYS)}")
         if ("ours" in r) == ("ours_is" in r):
             raise ConfigError(f"{where} row {i} ({r.get('name')}): give exactly one of ours / ours_is")
+        # A behaviour no config value shows is stated, and a test must hold it.
         if "ours_is" in r and not r.get("held_by"):
             raise ConfigError(f"{where} row {i} ({r.get('name')}): ours_is needs held_by (the test that holds it)")
         ours = r["ours_is"] if "ours_is" in r else recipe.value(str(r["ours"]))
-        reason = r.get("deliberate") or r.get("unknown") or ""
         kind = "deliberate" if r.get("deliberate") else "unknown" if r.get("unknown") else ""
-        if same(ours, r.get("ref")):
+        if same(ours, r.get("ref")):  # a reason for a difference that is gone is stale
             status = "STALE" if kind == "deliberate" else (kind or "equal")
         else:
             status = kind or "DIFFERS"
         note = r.get("note", "") + (f" (held by `{r['held_by']}`)" if r.get("held_by") else "")
-        out.append(Row(r["name"], ours, r.get("ref"), r.get("src", ""), status, reason, note.strip()))
+        out.append(Row(r["name"], ours, r.get("ref"), r.get("src", ""), status, r.get(kind, ""), note.strip()))
     return out
 
 
@@ -299,9 +260,8 @@ def load_reference(experiment: str) -> dict:
 def card(experiment: str, extra: list[str] = ()) -> tuple[dict, list[Row]]:
     """(reference file, rows) for an experiment composed with the card's overrides + `extra`."""
     ref = load_reference(experiment)
-    overrides = [f"experiment={experiment}", *ref.get("overrides", []), *extra]
-    assume = ref.get("assume", {})
-    recipe = Recipe(compose_config(overrides), assume.get("train_size"), ref.get("eval_overrides"))
+    cfg = compose_config([f"experiment={experiment}", *ref.get("overrides", []), *extra])
+    recipe = Recipe(cfg, ref.get("assume", {}).get("train_size"), ref.get("eval_overrides"))
     return ref, evaluate_rows(recipe, ref["rows"], f"configs/reference/{experiment}.yaml")
 
 
@@ -313,32 +273,49 @@ def _fmt(v) -> str:
     return "—" if v is None else str(v)
 
 
+def _counts(rows: list[Row]) -> list[int]:
+    return [sum(r.status == s for r in rows) for s in ("equal", "deliberate", "unknown")]
+
+
 def render(experiment: str, ref: dict, rows: list[Row], overrides: list[str] = ()) -> str:
     given = {o.split("=", 1)[0] for o in overrides}  # the command line's own replace the card's
     shown = [o for o in ref.get("overrides", []) if o.split("=", 1)[0] not in given] + list(overrides)
+    assume = ", ".join(f"{k} {v}" for k, v in ref.get("assume", {}).items())
     lines = [f"# Recipe card: `experiment={experiment}`", "", ref.get("title", "").strip(), "",
              f"Composed from `python train.py experiment={experiment} " + " ".join(shown) + "`"
-             + (f"; assumed: {', '.join(f'{k} {v}' for k, v in ref.get('assume', {}).items())}" if ref.get("assume") else "")
-             + ". Regenerate with `python -m train.recipe --all`.", "", "Sources:", ""]
-    lines += [f"- **{k}**: {v}" for k, v in ref.get("sources", {}).items()]
-    lines += ["", "| | hyper-parameter | ours | reference | source | status |", "|---|---|---|---|---|---|"]
-    mark = {"equal": "=", "deliberate": "≠", "unknown": "?", "DIFFERS": "✗", "STALE": "✗"}
+             + (f"; assumed: {assume}" if assume else "") + ". Regenerate with `python -m train.recipe --all`.",
+             "", "Sources:", "", *(f"- **{k}**: {v}" for k, v in ref.get("sources", {}).items()),
+             "", "| | hyper-parameter | ours | reference | source | status |", "|---|---|---|---|---|---|"]
     for r in rows:
-        status = {"equal": "equal", "deliberate": f"deliberate: {r.reason}", "unknown": f"unknown: {r.reason}",
-                  "DIFFERS": "**DIFFERS, no reason written**",
-                  "STALE": f"**equal, but marked deliberate**: {r.reason}"}[r.status]
-        if r.note:
-            status += f" — {r.note}"
-        lines.append(f"| {mark[r.status]} | {r.name} | {_fmt(r.ours)} | {_fmt(r.ref)} | {r.src} | {status} |")
-    counts = {s: sum(r.status == s for r in rows) for s in ("equal", "deliberate", "unknown")}
+        mark, text = STATUS[r.status]
+        status = text.format(r.reason) + (f" — {r.note}" if r.note else "")
+        lines.append(f"| {mark} | {r.name} | {_fmt(r.ours)} | {_fmt(r.ref)} | {r.src} | {status} |")
+    equal, deliberate, unknown = _counts(rows)
     bad = sum(not r.ok for r in rows)
-    lines += ["", f"{len(rows)} rows: {counts['equal']} equal, {counts['deliberate']} deliberate differences, "
-              f"{counts['unknown']} unknown" + (f", **{bad} unexplained**" if bad else "") + "."]
+    lines += ["", f"{len(rows)} rows: {equal} equal, {deliberate} deliberate differences, {unknown} unknown"
+              + (f", **{bad} unexplained**" if bad else "") + "."]
     return "\n".join(lines) + "\n"
 
 
 def experiments() -> list[str]:
     return sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+
+
+def write_all(out: Path) -> int:
+    """Every experiment's card and an index into `out`; returns the number of unexplained rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    index = ["# Recipe cards", "", "One card per experiment: our composed recipe beside the reference it claims "
+             "(`python -m train.recipe --all` writes them; tests/test_recipes.py holds them).", "",
+             "| experiment | rows | equal | deliberate | unknown |", "|---|---|---|---|---|"]
+    bad = 0
+    for exp in experiments():
+        ref, rows = card(exp)
+        (out / f"{exp}.md").write_text(render(exp, ref, rows))
+        bad += sum(not r.ok for r in rows)
+        index.append(f"| [{exp}]({exp}.md) | {len(rows)} | " + " | ".join(map(str, _counts(rows))) + " |")
+    (out / "README.md").write_text("\n".join(index) + "\n")
+    print(f"wrote {len(experiments())} cards to {out}" + (f"; {bad} unexplained rows" if bad else ""))
+    return bad
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,21 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(OUT), help="folder of the rendered cards (with --all)")
     args = p.parse_args(argv)
     if args.all:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        bad = 0
-        index = ["# Recipe cards", "", "One card per experiment: our composed recipe beside the reference it "
-                 "claims (`python -m train.recipe --all` writes them; tests/test_recipes.py holds them).", "",
-                 "| experiment | rows | equal | deliberate | unknown |", "|---|---|---|---|---|"]
-        for exp in experiments():
-            ref, rows = card(exp)
-            (out / f"{exp}.md").write_text(render(exp, ref, rows))
-            bad += sum(not r.ok for r in rows)
-            index.append(f"| [{exp}]({exp}.md) | {len(rows)} | " + " | ".join(
-                str(sum(r.status == s for r in rows)) for s in ("equal", "deliberate", "unknown")) + " |")
-        (out / "README.md").write_text("\n".join(index) + "\n")
-        print(f"wrote {len(experiments())} cards to {out}" + (f"; {bad} unexplained rows" if bad else ""))
-        return 1 if bad else 0
+        return 1 if write_all(Path(args.out)) else 0
     exps = [o.split("=", 1)[1] for o in args.overrides if o.startswith("experiment=")]
     if len(exps) != 1:
         raise ConfigError(f"give one experiment=NAME (one of: {', '.join(experiments())})")

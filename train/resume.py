@@ -43,14 +43,6 @@ ADDED_KEYS = {
 }
 
 
-def old_behaviour(key: str):
-    """ADDED_KEYS' value for `key` (ANY, or the value equal to the code before it), else KeyError."""
-    for pattern, value in ADDED_KEYS.items():
-        if fnmatchcase(key, pattern):
-            return value
-    raise KeyError(key)
-
-
 def find_checkpoint(ckpt_dir: Path, is_main: bool) -> tuple[Path, dict] | None:
     """The newest readable checkpoint of the run dir (last.pt, else the newest step_N.pt),
     or None for a fresh run. Corrupt or truncated files are skipped with a warning."""
@@ -109,16 +101,12 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     for k in sorted(set(a) | set(b)):
         if k.startswith(EXECUTION_KEYS + _FRESH_ONLY_KEYS):
             continue
-        was = a.get(k, "<unset>")
-        if k not in a and k in b:
-            try:
-                old = old_behaviour(k)
-            except KeyError:
-                pass
-            else:
-                if old is ANY or old == b[k]:
-                    continue
-                was = f"<unset: {old} before the key>"
-        if was != b.get(k, "<unset>"):
-            diffs.append(f"{k}: {was} -> {b.get(k, '<unset>')}")
+        was, now = a.get(k, "<unset>"), b.get(k, "<unset>")
+        declared = [v for pattern, v in ADDED_KEYS.items() if fnmatchcase(k, pattern)]
+        if k not in a and k in b and declared:  # a key added after the checkpoint was written
+            if declared[0] is ANY or declared[0] == now:
+                continue
+            was = f"<unset: {declared[0]} before the key>"
+        if was != now:
+            diffs.append(f"{k}: {was} -> {now}")
     return diffs

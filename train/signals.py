@@ -2,17 +2,10 @@
 
 On a cluster the scheduler warns a job before its time limit or preemption (Slurm:
 `#SBATCH --signal=USR1@120` for the warning, SIGTERM at the end, SIGKILL KillWait seconds later,
-30 by default). Slurm signals every process of the job step, torchrun-like launchers the whole
-process group: the data-loader workers get the signal too. So:
-  * the main process only records the request (`StopRequest`); the engine finishes the step in
-    flight, agrees with every rank on the step to stop at (one rank may get the signal first,
-    laplace.dist.StopVote), writes `last.pt`, shuts its workers down and exits with
-    `EXIT_REQUEUE`, which slurm/*.sbatch and train.launch turn into a requeue;
-  * a data-loader worker ignores both signals (`ignore_in_worker`, every loader's worker_init_fn):
-    torch's worker would die of SIGTERM and take the main process down with "DataLoader worker is
-    killed by signal" mid-checkpoint. The workers are then stopped by the engine's own shutdown
-    (train.feeds.MapFeed.close), since DataLoader's falls back to SIGTERM, which they now ignore.
-The requeued job runs the same command and resumes exactly.
+30 by default). The main process only records the request (`StopRequest`); the engine finishes
+the step in flight, agrees with every rank on the step to stop at (laplace.dist.StopVote), writes
+`last.pt`, shuts its workers down and exits with `EXIT_REQUEUE`, which slurm/*.sbatch and
+train.launch turn into a requeue. The requeued job runs the same command and resumes exactly.
 """
 from __future__ import annotations
 
@@ -53,15 +46,18 @@ class StopRequest:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if not (exc_type is not None and issubclass(exc_type, Preempted)):
+        if not isinstance(exc, Preempted):  # leaving with Preempted: the handlers stay (see above)
             for s, handler in self._previous.items():
                 signal.signal(s, handler)
         self._previous = {}
-        return False
 
 
 def ignore_in_worker(worker_id: int):
-    """worker_init_fn of the engine's data loaders: the stop signals are the main process's to
-    act on (torch installs a SIGTERM handler in each worker that dies loudly; this replaces it)."""
+    """worker_init_fn of the engine's data loaders: the stop signals are the main process's to act on."""
+    # Slurm signals every process of the job step, and launchers the whole process group: the
+    # data-loader workers get the signal too. torch's worker would die of SIGTERM and take the main
+    # process down with "DataLoader worker is killed by signal" mid-checkpoint. Ignoring it, the
+    # workers are stopped by the engine's own shutdown (train.feeds.MapFeed.close), since
+    # DataLoader's falls back to SIGTERM.
     for s in SIGNALS:
         signal.signal(s, signal.SIG_IGN)
