@@ -14,7 +14,6 @@ before anything is written; the folder is written aside and renamed into place (
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_VERSI
 from .cli import config_dir
 from .errors import ConfigError, UserError, cli_errors, one_line
 from .io import atomic_dir
+from .zoo import model_label
 
 CITATION = """@article{zhang2026laplacian,
   title   = {Laplacian Heads Improve Transformers by Smoothing Token Representations},
@@ -103,15 +103,19 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
 
 
 def _save(folder: Path, model: nn.Module, info: dict, node: dict, data: dict) -> None:
-    """model.safetensors and a config.json whose `architecture` (timm's key) is the zoo name."""
+    """model.safetensors and a config.json whose `architecture` (timm's key) is the zoo's label."""
     from safetensors.torch import save_model
 
     # save_model (not save_file): tensors the model shares are stored once, not refused.
     save_model(model, str(folder / EXPORT_WEIGHTS), metadata={"format": "pt"})
-    # timm's keys too: `timm.create_model("local-dir:...")` then names the zoo model it does not
-    # know (Unknown model (vitt_2L)) instead of failing on a missing key (KeyError: 'architecture'),
-    # and builds it wherever the zoo is registered with timm.
-    timm_keys = {"architecture": node["name"], "model_args": {k: v for k, v in node.items() if k != "name"},
+    # timm's keys too: `timm.create_model("local-dir:...")` builds the model wherever the zoo is
+    # registered with timm (`import laplace`), and elsewhere names it (Unknown model (vitt_3L)).
+    # The label, not the node's family ("vitt"): timm's registry holds "vitt_3L". A per-layer label
+    # (vitt_1-2L) is no registered name: the family's name with the most heads stands in, and
+    # model_args' per-layer num_laplacian_heads sets every layer.
+    label = model_label(node)
+    arch = label if "-" not in label else f"{label.rsplit('_', 1)[0]}_{max(node['num_laplacian_heads'])}L"
+    timm_keys = {"architecture": arch, "model_args": {k: v for k, v in node.items() if k != "name"},
                  "pretrained_cfg": _data_config(data)}
     (folder / EXPORT_CONFIG).write_text(json.dumps({**timm_keys, "laplace": info}, indent=2) + "\n")
 
@@ -149,36 +153,35 @@ def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, 
     embedding, LayerScale, QK-norm, class-token pooling), else (None, {}, why not)."""
     from .vit import VisionTransformer
 
+    label = model_label(node)
     if not isinstance(model, VisionTransformer):
-        return None, {}, f"{node['name']} is a language model (GPT); timm has no such architecture"
+        return None, {}, f"{label} is a language model (GPT); timm has no such architecture"
     if any(model.num_laplacian_heads):
-        return None, {}, (f"{node['name']} has Laplacian heads ({_k_text(model.num_laplacian_heads)} per layer); "
+        return None, {}, (f"{label} has Laplacian heads ({_k_text(model.num_laplacian_heads)} per layer); "
                           f"timm's VisionTransformer has none")
     if any(b.attn.laplacian_mode != "fixed" for b in model.blocks):
-        return None, {}, f"{node['name']} has learned Laplacian gates; timm's VisionTransformer has none"
+        return None, {}, f"{label} has learned Laplacian gates; timm's VisionTransformer has none"
     if model.global_pool != "token":  # timm's avg pool normalises after the mean (fc_norm), ours before
-        return None, {}, f"{node['name']} has a mean-pooled head; timm's normalises after pooling, this one before"
-    a = _constructor_args(node)
+        return None, {}, f"{label} has a mean-pooled head; timm's normalises after pooling, this one before"
     blk = model.blocks[0]
-    # Every shape argument explicitly: timm's name (vit_tiny_patch16_224) only picks defaults.
+    # Every shape argument explicitly: timm's name (vit_tiny_patch16_224) only picks defaults. The
+    # model itself says whether it has QK-norm and LayerScale; LayerScale's start is any value, as
+    # the weights replace it.
     args = dict(img_size=model.patch_embed.img_size[0], patch_size=model.patch_embed.patch_size[0],
                 in_chans=model.patch_embed.proj.in_channels, embed_dim=model.embed_dim,
                 depth=len(model.blocks), num_heads=blk.attn.num_heads,
                 mlp_ratio=blk.mlp.fc1.out_features / model.embed_dim, num_classes=model.num_classes,
-                qk_norm=bool(a["qk_norm"]), init_values=a["init_values"],
+                qk_norm=_has_qk_norm(model), init_values=1e-6 if _has_layer_scale(model) else None,
                 class_token=True, no_embed_class=True, global_pool="token", reg_tokens=0)
     return _TIMM_ARCHS[node["name"][:4]], args, None
 
 
-def _constructor_args(node: dict) -> dict:
-    """The zoo node with the constructor's defaults filled in (what create_model builds)."""
-    from .vit import vit
-    from .zoo import model_defaults
+def _has_qk_norm(model) -> bool:
+    return not isinstance(model.blocks[0].attn.q_norm, nn.Identity)
 
-    # the signature is the one source of the defaults a node leaves out (laplace.config states them)
-    sig = inspect.signature(vit).parameters
-    return {**{k: p.default for k, p in sig.items()}, **model_defaults(node["name"]),
-            **{k: v for k, v in node.items() if v is not None}}
+
+def _has_layer_scale(model) -> bool:
+    return not isinstance(model.blocks[0].ls1, nn.Identity)
 
 
 def _save_for_timm(folder: Path, model: nn.Module, info: dict, arch: str, args: dict, data: dict) -> None:
@@ -274,7 +277,8 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
 
     from .vit import VisionTransformer
 
-    name, src, vit = node["name"], info["source"], isinstance(model, VisionTransformer)
+    # the title is the model's label (vitt_3L), not the node's family (vitt)
+    name, src, vit = model_label(node), info["source"], isinstance(model, VisionTransformer)
     # a depth-0 model (tests, ablations) has no block to read heads or mode from
     ks, attn = model.num_laplacian_heads, (model.blocks[0].attn if len(model.blocks) else None)
     heads, mode = (attn.num_heads, attn.laplacian_mode) if attn is not None else (0, "fixed")
@@ -299,12 +303,12 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
              f"{f' ({url})' if url else ''}. License: MIT (the code's); the training data's terms apply too.",
              "", "## Model", ""]
     if vit:
-        a, pe = _constructor_args(node), model.patch_embed
-        scale = f"LayerScale (init {a['init_values']})" if a["init_values"] else "no LayerScale"
+        pe = model.patch_embed
+        scale = "LayerScale" if _has_layer_scale(model) else "no LayerScale"
         pool = "class-token" if model.global_pool == "token" else "mean (patch tokens)"
         lines.append(f"- Architecture: ViT (DeiT-III style), width {model.embed_dim}, depth {len(model.blocks)}, "
                      f"{heads} heads, patch {pe.patch_size[0]}, input {pe.img_size[0]} px, "
-                     f"{model.num_classes or 'no'} classes, {scale}, QK-norm {'on' if a['qk_norm'] else 'off'}, "
+                     f"{model.num_classes or 'no'} classes, {scale}, QK-norm {'on' if _has_qk_norm(model) else 'off'}, "
                      f"{pool} pooling")
     else:
         tok = info.get("tokenizer")

@@ -135,12 +135,33 @@ def test_laplacian_vit_round_trips_and_timm_is_refused(tmp_path):
     card = (out / "README.md").read_text()
     assert "k = [1, 2] of 3 heads per layer" in card and "## Metrics" not in card  # no results.json in the run
     assert "A Vision Transformer with Laplacian heads" in card
-    assert "timm builds it only where laplace's models are registered with timm: vitt_2L has Laplacian heads" in card
+    assert "timm builds it only where laplace's models are registered with timm: vitt_1-2L has Laplacian heads" in card
     meta = ModelCard.load(out / "README.md").data
     assert (meta.license, meta.library_name, meta.datasets) == ("mit", "laplace", ["uoft-cs/cifar100"])
-    with pytest.raises(CheckpointError, match=r"timm cannot build this export: vitt_2L has Laplacian heads .*"
+    with pytest.raises(CheckpointError, match=r"timm cannot build this export: vitt_1-2L has Laplacian heads .*"
                                               r"load it with laplace.load_model"):
         load_timm(out)
+
+
+@pytest.mark.parametrize("k,label,arch", [(3, "vitt_3L", "vitt_3L"), ([1, 2], "vitt_1-2L", "vitt_2L")])
+def test_a_family_node_exports_under_its_label_and_timm_builds_its_laplacian_heads(tmp_path, k, label, arch):
+    """A node as train.py writes it names the family ("vitt") and holds k: config.json's timm
+    `architecture` and the card's title are the label, so timm's local-dir load builds the model
+    with its Laplacian heads (a per-layer k: the registered name with the most heads, and model_args'
+    list sets each layer); it used to say "vitt", which timm does not know."""
+    node = dict(VIT2, name="vitt", num_laplacian_heads=k)
+    ckpt, model = _checkpoint(tmp_path, node, DATA)
+    out = export(ckpt, tmp_path / "export")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architecture"] == arch and cfg["laplace"]["model"] == node
+    card = (out / "README.md").read_text()
+    assert f"\n# {label}\n" in card and f"timm builds it only where laplace's models are registered with timm: " \
+                                        f"{label} has Laplacian heads" in card
+    x = _images()
+    with torch.no_grad():
+        t = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+        assert t.num_laplacian_heads == ([k, k] if isinstance(k, int) else k)
+        assert torch.equal(t(x), model(x)) and torch.equal(laplace.load_model(out)(x), model(x))
 
 
 def test_gpt_round_trips(tmp_path):

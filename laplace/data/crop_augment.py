@@ -1,6 +1,7 @@
 """Crops and their colour work cut, resized and augmented as whole batches on the training device:
 the opt-in device path (data.device_augment for 3-Augment, trainer.multicrop.device_augment for
-DINO's multi-crop), for when the data-loader workers cannot keep up (README "Image input paths").
+DINO's multi-crop), for when the data-loader workers cannot keep up (docs/performance.md,
+"Input pipelines").
 
 A worker draws every crop's box and parameters exactly as the PIL pipeline draws them (the same
 values for the same seed), decodes the image once (laplace.data.decode) and hands over the uint8

@@ -29,7 +29,7 @@ BICUBIC = T.InterpolationMode.BICUBIC
 class ToNormalizedTensor:
     """T.ToTensor + T.Normalize with their arithmetic, (x / 255 - mean) / std in float32: the same
     values bit for bit, with two float copies fewer (a measured few percent of a worker's time,
-    README "Image input paths"). v2's ToDtype scales by * (1 / 255): not the same bits.
+    docs/performance.md, "Input pipelines"). v2's ToDtype scales by * (1 / 255): not the same bits.
 
     Args:
         mean, std: per-channel normalisation constants.
