@@ -13,6 +13,7 @@ timm ViT: `timm.create_model("vit_small_patch16_224", attn_layer=laplace.attn_la
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -57,15 +58,9 @@ def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[in
     return counts
 
 
-class RMSNorm(nn.Module):
-    """nanochat's parameter-free RMSNorm, as a module so that the GPT's attention holds `q_norm` /
-    `k_norm` as timm's does (timm builds them as norm_layer(head_dim, device=..., dtype=...))."""
-
-    def __init__(self, dim: int, **_):
-        super().__init__()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.size(-1),))
+# nanochat's parameter-free RMSNorm as the GPT attention's `q_norm` / `k_norm` (timm builds them as
+# norm_layer(head_dim, device=..., dtype=...)): torch's own, without its affine weight.
+RMSNorm = functools.partial(nn.RMSNorm, elementwise_affine=False)
 
 
 class LaplacianAttention(Attention):

@@ -2,15 +2,16 @@
 
     python -m laplace.export checkpoint=runs/deit3/cifar100/vitb_12L_s0/ckpt/last.pt out=exports/vitb_12L
     model = laplace.load_model("exports/vitb_12L")         # or laplace.from_pretrained("org/name")
-    timm.create_model("local-dir:exports/vitb_0L", pretrained=True)   # a ViT without Laplacian heads
+    timm.create_model("local-dir:exports/vitb_0L", pretrained=True)   # plain timm: a ViT without Laplacian heads
 
 The folder holds model.safetensors (the state dict `load_model` loads), config.json (its "laplace"
 node: format, version, the zoo model node that rebuilds the network, the tokenizer), README.md (a
 model card, read by huggingface_hub's ModelCard) and, for a GPT with a trained BPE, tokenizer.json.
 A ViT without Laplacian heads is timm's VisionTransformer: timm's own `save_for_hf` writes it, so
-timm builds it; any other model names its zoo name as timm's `architecture`, which timm refuses
-in one line (or builds, where the zoo is registered with timm). Non-finite weights are refused
-before anything is written; the folder is written aside and renamed into place (laplace.io).
+plain timm builds it; any other model names its zoo label as timm's `architecture` (vitt_3L),
+which timm builds once `import laplace` has registered the zoo, and refuses in one line elsewhere
+(Unknown model). Non-finite weights are refused before anything is written; the folder is written
+aside and renamed into place (laplace.io).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_VERSION, EXPORT_WEIGHTS, CheckpointError,
-                         load_checkpoint, load_model, model_from_checkpoint, read_export_config, run_dir_of)
+                         load_checkpoint, load_model, model_from_checkpoint, run_dir_of)
 from .cli import config_dir
 from .errors import ConfigError, UserError, cli_errors, one_line
 from .io import atomic_dir
@@ -371,24 +372,6 @@ def from_pretrained(name_or_path: str | os.PathLike, revision: Optional[str] = N
     # constructor arguments, while an export names a zoo model (ViT or GPT, chosen by name) and a
     # k = 0 ViT's config.json must also be timm's; only the download is the library's here.
     return load_model(local_or_hub(name_or_path, revision, cache_dir), map_location, eval_mode, **overrides)
-
-
-def load_timm(name_or_path: str | os.PathLike, revision: Optional[str] = None, cache_dir=None,
-              **timm_kwargs) -> nn.Module:
-    """timm's VisionTransformer of an export without Laplacian heads (what
-    `timm.create_model("local-dir:DIR" / "hf-hub:ID", pretrained=True)` builds); an export timm
-    cannot build (Laplacian heads, a GPT) is refused with one line naming why."""
-    import timm
-
-    folder = local_or_hub(name_or_path, revision, cache_dir)
-    if not folder.is_dir():
-        raise CheckpointError(f"{name_or_path} is a file; timm loads an exported folder "
-                              f"(python -m laplace.export checkpoint={name_or_path} out=DIR)")
-    info = read_export_config(folder)
-    if not info.get("timm"):  # timm's own error would be "Unknown model": say why and what loads it
-        raise CheckpointError(f"{name_or_path}: timm cannot build this export: {info.get('timm_unsupported')}; "
-                              f"load it with laplace.load_model / laplace.from_pretrained")
-    return timm.create_model(f"local-dir:{folder}", pretrained=True, **timm_kwargs)
 
 
 _USAGE = "usage: python -m laplace.export checkpoint=PATH out=DIR [overwrite=true]"

@@ -36,7 +36,10 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
             stale.unlink(missing_ok=True)
     # A hidden temp file in the same folder (`.<name>.*.tmp`, which `list_shards` and readers skip;
     # the same file system, so the rename is atomic), written, fsynced, renamed over the target.
-    fd, tmp = _create_temp(path)
+    # Mode 0666 minus the umask, not mkstemp's private 0600: prepared data and results are shared
+    # on a cluster. O_EXCL: a name another writer holds (1 in 2**32) is an error, never overwritten.
+    tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -50,13 +53,13 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
         Path(tmp).unlink(missing_ok=True)
         name_storage_error(e, path)
         raise
-    # The folder fsynced too, so that the rename survives a crash (POSIX; Windows cannot open a folder).
-    if hasattr(os, "O_DIRECTORY"):
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    # The folder fsynced too, so that the rename survives a crash (POSIX: laplace runs on Linux and
+    # macOS only, laplace.rundir's lock is fcntl's).
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
     return path
 
 
@@ -148,18 +151,6 @@ def append_line(path: str | os.PathLike, line: str) -> None:
             raise
     finally:
         os.close(fd)
-
-
-def _create_temp(path: Path) -> tuple[int, str]:
-    """A new hidden temp file beside `path`, opened for writing with mode 0666 minus the umask."""
-    # Not mkstemp's private 0600: prepared data and results are shared on a cluster.
-    while True:
-        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
-                           0o666), tmp
-        except FileExistsError:
-            continue
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:

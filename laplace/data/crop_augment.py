@@ -23,6 +23,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torchvision import transforms as T
 from torchvision.transforms import v2
 from torchvision.transforms.functional import pil_to_tensor
+from torchvision.transforms.v2.functional._color import _hsv_to_rgb, _rgb_to_hsv  # adjust_hue's halves
 
 from .decode import DecodeCrop, draft, reduction, rgb, window
 from .resample import resize_crops
@@ -144,22 +145,10 @@ def _blend(x: torch.Tensor, y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 
 
 def _hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Rotate each image's hue by shift (a fraction of the circle): through HSV, as torchvision."""
-    r, g, b = x.unbind(1)
-    v, minc = x.max(1).values, x.min(1).values
-    cr = v - minc
-    s = cr / v.clamp_min(1e-12)
-    d = cr.clamp_min(1e-12)
-    rc, gc, bc = (v - r) / d, (v - g) / d, (v - b) / d
-    h = torch.where(v == r, bc - gc, torch.where(v == g, 2 + rc - bc, 4 + gc - rc))
-    h = (torch.fmod(h / 6 + 1, 1) + shift.view(-1, 1, 1)) % 1
-    i = torch.floor(h * 6)
-    f = h * 6 - i
-    i = (i.long() % 6).unsqueeze(1)
-    p, q, t = (v * (1 - s)).clamp(0, 1), (v * (1 - s * f)).clamp(0, 1), (v * (1 - s * (1 - f))).clamp(0, 1)
-    # The RGB of each of the six hue sectors, picked per pixel.
-    pick = [torch.stack(c, 1).gather(1, i) for c in ((v, q, p, p, t, v), (t, v, v, q, p, p), (p, p, t, v, v, q))]
-    return torch.cat(pick, 1)
+    """Rotate each image's hue by shift (a fraction of the circle): torchvision's own RGB <-> HSV
+    (its adjust_hue's), with a shift per image where adjust_hue takes one for the batch."""
+    h, s, v = _rgb_to_hsv(x).unbind(1)
+    return _hsv_to_rgb(torch.stack(((h + shift.view(-1, 1, 1)) % 1, s, v), 1))
 
 
 JITTER = (  # in ColorJitter's numbering: its fn_idx order names them
