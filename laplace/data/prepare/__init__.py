@@ -14,20 +14,13 @@ from laplace.errors import ConfigError
 from laplace.io import atomic_write
 from laplace.tokenizer import Tokenizer, _cores, capped_texts, load_tokenizer, train_bpe
 
-from .settings import TEXT_OUTPUTS, _positive, pin, remove_outputs, settings_of
+from .settings import TEXT_OUTPUTS, _positive, output_dir, pin, remove_outputs, settings_of
 from .sources import SourceError, open_source
 from .writer import Stats, write_train, write_val
 
 __all__ = ["SourceError", "make_tokenizer", "output_dir", "prepare"]
 
 META_VERSION = 1
-
-
-def output_dir(cfg, default_name: str) -> Path:
-    """out, or <data_dir>/<name> (default: a name of the source, so that a re-run finds its folder)."""
-    if cfg.out is not None:
-        return Path(str(cfg.out)).expanduser()
-    return Path(str(cfg.paths.data_dir)).expanduser() / (cfg.name or default_name)
 
 
 def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:

@@ -78,8 +78,7 @@ def prepare_images(cfg) -> dict:
 
     from laplace.tokenizer import _cores
 
-    from . import output_dir
-    from .settings import _positive, pin, remove_outputs
+    from .settings import _positive, output_dir, pin, remove_outputs
 
     if cfg["in"] is None:
         raise ConfigError("source=imagefolder needs in=<folder holding train/<wnid>/*.JPEG and "

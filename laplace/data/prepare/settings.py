@@ -12,6 +12,14 @@ from laplace.errors import ConfigError
 from laplace.io import atomic_write
 
 
+def output_dir(cfg, default_name: str) -> Path:
+    """out, or <data_dir>/<name> (default: a name of the source, so that a re-run finds its folder)."""
+    # Here, not in the package's __init__: prepare.images needs it, and the package imports that.
+    if cfg.out is not None:
+        return Path(str(cfg.out)).expanduser()
+    return Path(str(cfg.paths.data_dir)).expanduser() / (cfg.name or default_name)
+
+
 def settings_of(cfg) -> dict:
     """What decides the shards' content: a re-run into the same folder must match it."""
     keys = ["source", "source_config", "split", "val_split", "text_column", "tokenizer",
