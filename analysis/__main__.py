@@ -24,15 +24,14 @@ stdout: a line per checkpoint with its throughput and headline numbers, then `[a
 """
 from __future__ import annotations
 
-import glob
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from analysis.geometry import analysis_dir, analyze_checkpoint, check_metrics, layer_names, load_for_analysis
+from analysis.runs import expand
 from laplace.checkpoint import run_dir_of
 from laplace.cli import hydra_entry
-from laplace.config import required_list
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
@@ -51,22 +50,10 @@ def headline(res: dict) -> dict:
 
 
 def _checkpoints(cfg) -> list[Path]:
-    paths = []
-    for item in required_list(cfg, "checkpoint", "python -m analysis checkpoint=PATH (or checkpoint=[PATH1,PATH2] "
-                                                 "to compare, or a quoted glob 'runs/x/*/ckpt/last.pt')"):
-        # a quoted glob: a sweep's checkpoints in one call (sorted: the same order every time)
-        found = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
-        if not found:
-            raise ConfigError(f"checkpoint={item}: the pattern matches no file; check it (quoted, e.g. "
-                              f"checkpoint='runs/gpt/study_lm/*/ckpt/step_*.pt')")
-        paths += [Path(p) for p in found]
-    for p in paths:
-        if not p.exists():  # a file, or the folder of an export
-            raise ConfigError(f"checkpoint={p}: no such file; pass checkpoint=PATH to a laplace checkpoint, "
-                              f"e.g. runs/<trainer>/<data>/<run>/ckpt/last.pt, or an exported folder")
-    if not paths:
-        raise ConfigError("checkpoint=[]: give at least one checkpoint path")
-    return paths
+    return expand(cfg, "checkpoint", "python -m analysis checkpoint=PATH (or checkpoint=[PATH1,PATH2] to compare, "
+                  "or a quoted glob 'runs/x/*/ckpt/last.pt')", "file", "pass checkpoint=PATH to a laplace checkpoint, "
+                  "e.g. runs/<trainer>/<data>/<run>/ckpt/last.pt, or an exported folder",
+                  "runs/gpt/study_lm/*/ckpt/step_*.pt")
 
 
 def _out_dir(cfg, paths: list[Path]) -> Path:

@@ -26,26 +26,18 @@ from analysis.stats import summarize
 from laplace.io import atomic_write
 
 
-def checkpoint_gates(path) -> dict[str, list[float]]:
-    """{layer: [a per head]} of a checkpoint's model, read as the engine logs them."""
-    from laplace.attention import learned_gates
-    from laplace.checkpoint import load_model
-
-    # sigmoid of the logits, from the model the run saved: the end of the trajectory, exactly
-    return learned_gates(load_model(path))
-
-
 def _start(record: dict, depth: int, heads: int) -> tuple[list[list[float]], list[str]]:
     """Where a run's gates started ([block][head]), and a note when that is not known exactly."""
     import torch
 
-    from laplace.attention import gate_start_logits, laplacian_counts
+    from laplace.attention import gate_start_logits, laplacian_counts, learned_gates
+    from laplace.checkpoint import load_model
     from laplace.errors import UserError
 
     notes = []
     if record.get("init_from"):  # fine-tuning starts where the pre-training left its gates
         try:
-            loaded, why = checkpoint_gates(record["init_from"]), "it has no learned gates"
+            loaded, why = learned_gates(load_model(record["init_from"])), "it has no learned gates"
         except UserError as e:  # moved or deleted since, or timm weights (no gates): the init rule, said
             loaded, why = {}, str(e)
         if loaded:
@@ -65,12 +57,15 @@ def run_gates(record: dict) -> Optional[tuple[pd.DataFrame, list[str]]]:
     Args:
         record: a run from `analysis.runs.collect`.
     """
+    from laplace.attention import learned_gates
+    from laplace.checkpoint import load_model
     from train.logger import logged
 
     if not Path(record["checkpoint"]).is_file():
         return None
-    # the end from the checkpoint itself (the logged trajectory may stop short of the last step)
-    end = list(checkpoint_gates(record["checkpoint"]).values())
+    # the end from the checkpoint itself (the logged trajectory may stop short of the last step): {layer: [a
+    # per head]}, the sigmoid of the logits as the engine logs them
+    end = list(learned_gates(load_model(record["checkpoint"])).values())
     if not end:
         return None
     start, notes = _start(record, len(end), len(end[0]))
