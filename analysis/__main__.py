@@ -167,7 +167,8 @@ def run(cfg: DictConfig) -> list[dict]:
         if isinstance(model, VisionTransformer):  # what a PCA-map column's title needs
             k = list(model.num_laplacian_heads)
             vits[p] = {"model": model_label(ckpt["config"]["model"]), "checkpoint": str(p),
-                       "num_heads": model.blocks[0].attn.num_heads, "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
+                       "num_heads": model.blocks[0].attn.num_heads,
+                       "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
         elif cfg.pca_maps:
             print(f"[analysis] pca_maps: skipped for {p}, not a ViT", flush=True)
         if metrics:

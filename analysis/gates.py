@@ -116,12 +116,10 @@ def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dic
         wide = df[df["point"] != "logged"].pivot_table(index=["seed", "run_dir", "block", "head"], columns="point",
                                                        values="a").reset_index().sort_values(["block", "head", "seed"])
         wide["move"] = wide["end"] - wide["start"]
-        gates = None
         # start, end and move each pooled as every table pools: the mean and its 95% t interval
-        for what in ("start", "end", "move"):
-            s = summarize(wide, ["block", "head"], value=what)[["block", "head", "mean", "lo", "hi"]]
-            s = s.rename(columns={"mean": what, "lo": f"{what}_lo", "hi": f"{what}_hi"})
-            gates = s if gates is None else gates.merge(s, on=["block", "head"])
+        gates = pd.concat([summarize(wide, ["block", "head"], value=w).set_index(["block", "head"])[["mean", "lo", "hi"]]
+                           .rename(columns={"mean": w, "lo": f"{w}_lo", "hi": f"{w}_hi"})
+                           for w in ("start", "end", "move")], axis=1).reset_index()
         gates.insert(0, "layer", [f"blocks.{b}" for b in gates["block"]])
         # the trajectory at the steps every seed logged: a mean over seeds at each of them
         traj = df[df["point"] != "end"]
