@@ -174,15 +174,11 @@ def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
 def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> list[Path]:
     """The eigen-spectrum and the cumulative explained variance at `layer` (mean over seeds), and
     PCs for 99% of the variance vs layer (ViT: dashed, of the image-centred tokens)."""
-    from laplace.errors import ConfigError
-
     kind = "patch" if _kind(lines) == "vit" else "tokens"
     fig, (ax_s, ax_c, ax_l) = plt.subplots(1, 3, figsize=(11, 3))
     for c, (label, seeds) in enumerate(lines):
-        specs = [s["results"][kind].get(layer, {}).get("spectral") for s in seeds]
-        if None in specs and layer != "norm":
-            raise ConfigError(f"spectrum_layer={layer}: not among the measured layers {seeds[0]['layers']}")
-        specs = [s for s in specs if s]  # the seeds that measured the spectrum at this layer
+        # the seeds that measured the spectrum at this layer (python -m analysis checks spectrum_layer first)
+        specs = [s for s in (s["results"][kind].get(layer, {}).get("spectral") for s in seeds) if s]
         if not specs or len({len(s["spectrum"]) for s in specs}) > 1:  # not measured, or widths differ
             continue
         P = np.array([s["spectrum"] for s in specs])  # [seeds, components], each row sums to 1

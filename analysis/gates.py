@@ -117,9 +117,9 @@ def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dic
                                                        values="a").reset_index().sort_values(["block", "head", "seed"])
         wide["move"] = wide["end"] - wide["start"]
         # start, end and move each pooled as every table pools: the mean and its 95% t interval
-        gates = pd.concat([summarize(wide, ["block", "head"], value=w).set_index(["block", "head"])[["mean", "lo", "hi"]]
-                           .rename(columns={"mean": w, "lo": f"{w}_lo", "hi": f"{w}_hi"})
-                           for w in ("start", "end", "move")], axis=1).reset_index()
+        parts = [summarize(wide, ["block", "head"], value=w).set_index(["block", "head"])[["mean", "lo", "hi"]]
+                 .rename(columns={"mean": w, "lo": f"{w}_lo", "hi": f"{w}_hi"}) for w in ("start", "end", "move")]
+        gates = pd.concat(parts, axis=1).reset_index()
         gates.insert(0, "layer", [f"blocks.{b}" for b in gates["block"]])
         # the trajectory at the steps every seed logged: a mean over seeds at each of them
         traj = df[df["point"] != "end"]

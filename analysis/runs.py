@@ -428,7 +428,7 @@ def expand(cfg, key: str, usage: str, what: str, hint: str, example: str) -> lis
             raise ConfigError(f"{key}={item}: no such {what}; {hint}")
         paths += found
     if not paths:
-        raise ConfigError(f"{key}=[]: give at least one {what}")
+        raise ConfigError(f"{key}=[]: give at least one; {usage}")
     return paths
 
 
