@@ -50,10 +50,11 @@ def headline(res: dict) -> dict:
 
 
 def _checkpoints(cfg) -> list[Path]:
-    return expand(cfg, "checkpoint", "python -m analysis checkpoint=PATH (or checkpoint=[PATH1,PATH2] to compare, "
-                  "or a quoted glob 'runs/x/*/ckpt/last.pt')", "file", "pass checkpoint=PATH to a laplace checkpoint, "
-                  "e.g. runs/<trainer>/<data>/<run>/ckpt/last.pt, or an exported folder",
-                  "runs/gpt/study_lm/*/ckpt/step_*.pt")
+    return expand(cfg, "checkpoint", what="file", example="runs/gpt/study_lm/*/ckpt/step_*.pt",
+                  usage="python -m analysis checkpoint=PATH (or checkpoint=[PATH1,PATH2] to compare, or a quoted glob "
+                        "'runs/x/*/ckpt/last.pt')",
+                  hint="pass checkpoint=PATH to a laplace checkpoint, e.g. runs/<trainer>/<data>/<run>/ckpt/last.pt, "
+                       "or an exported folder")
 
 
 def _out_dir(cfg, paths: list[Path]) -> Path:

@@ -434,7 +434,8 @@ def expand(cfg, key: str, usage: str, what: str, hint: str, example: str) -> lis
 
 def runs_roots(cfg, command: str = "analysis.tables") -> list[Path]:
     """The folders of `runs=`: a path, a list, or quoted glob patterns, each checked to exist."""
-    return expand(cfg, "runs", f"python -m {command} runs=DIR (or runs=[DIR1,DIR2], or a quoted glob "
-                  f"runs='runs/deit3/digits/vitt_*'), folders holding run directories", "folder",
-                  "pass runs=DIR holding run directories (each with config.yaml / results.json), e.g. "
-                  "runs=runs/deit3/digits", "runs/deit3/digits/vitt_*")
+    return expand(cfg, "runs", what="folder", example="runs/deit3/digits/vitt_*",
+                  usage=f"python -m {command} runs=DIR (or runs=[DIR1,DIR2], or a quoted glob "
+                        f"runs='runs/deit3/digits/vitt_*'), folders holding run directories",
+                  hint="pass runs=DIR holding run directories (each with config.yaml / results.json), e.g. "
+                       "runs=runs/deit3/digits")
