@@ -24,15 +24,14 @@ stdout: a line per checkpoint with its throughput and headline numbers, then `[a
 """
 from __future__ import annotations
 
-import glob
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from analysis.geometry import analysis_dir, analyze_checkpoint, check_metrics, layer_names, load_for_analysis
+from analysis.runs import expand
 from laplace.checkpoint import run_dir_of
 from laplace.cli import hydra_entry
-from laplace.config import required_list
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
@@ -51,22 +50,11 @@ def headline(res: dict) -> dict:
 
 
 def _checkpoints(cfg) -> list[Path]:
-    paths = []
-    for item in required_list(cfg, "checkpoint", "python -m analysis checkpoint=PATH (or checkpoint=[PATH1,PATH2] "
-                                                 "to compare, or a quoted glob 'runs/x/*/ckpt/last.pt')"):
-        # a quoted glob: a sweep's checkpoints in one call (sorted: the same order every time)
-        found = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
-        if not found:
-            raise ConfigError(f"checkpoint={item}: the pattern matches no file; check it (quoted, e.g. "
-                              f"checkpoint='runs/gpt/study_lm/*/ckpt/step_*.pt')")
-        paths += [Path(p) for p in found]
-    for p in paths:
-        if not p.exists():  # a file, or the folder of an export
-            raise ConfigError(f"checkpoint={p}: no such file; pass checkpoint=PATH to a laplace checkpoint, "
-                              f"e.g. runs/<trainer>/<data>/<run>/ckpt/last.pt, or an exported folder")
-    if not paths:
-        raise ConfigError("checkpoint=[]: give at least one checkpoint path")
-    return paths
+    return expand(cfg, "checkpoint", what="file", example="runs/gpt/study_lm/*/ckpt/step_*.pt",
+                  usage="python -m analysis checkpoint=PATH (or checkpoint=[PATH1,PATH2] to compare, or a quoted glob "
+                        "'runs/x/*/ckpt/last.pt')",
+                  hint="pass checkpoint=PATH to a laplace checkpoint, e.g. runs/<trainer>/<data>/<run>/ckpt/last.pt, "
+                       "or an exported folder")
 
 
 def _out_dir(cfg, paths: list[Path]) -> Path:
@@ -180,7 +168,8 @@ def run(cfg: DictConfig) -> list[dict]:
         if isinstance(model, VisionTransformer):  # what a PCA-map column's title needs
             k = list(model.num_laplacian_heads)
             vits[p] = {"model": model_label(ckpt["config"]["model"]), "checkpoint": str(p),
-                       "num_heads": model.blocks[0].attn.num_heads, "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
+                       "num_heads": model.blocks[0].attn.num_heads,
+                       "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
         elif cfg.pca_maps:
             print(f"[analysis] pca_maps: skipped for {p}, not a ViT", flush=True)
         if metrics:

@@ -87,21 +87,16 @@ def attention_maps(model, image: torch.Tensor, blocks: Sequence[int], patch: tup
     # one forward of one image: P is [heads, N, N] per block, small even for ViT-B at 224 px
     P = capture_attention(model, image[None].to(next(model.parameters()).device), blocks)
     q = 1 + r * grid[1] + c  # the patch's token: row-major over the grid, after the class token
-    rows = {key: [] for key in ("cls", "cls_to_cls", "patch", "patch_to_cls", "weights", "labels")}
-    for i in blocks:
-        p = P[i][0].float().cpu()  # [heads, N, N]
-        attn = model.blocks[i].attn
-        # the class token's and the patch's rows over the patches; their weight on the class token apart
-        rows["cls"].append(p[:, 0, 1:].reshape(-1, *grid))
-        rows["cls_to_cls"].append(p[:, 0, 0])
-        rows["patch"].append(p[:, q, 1:].reshape(-1, *grid))
-        rows["patch_to_cls"].append(p[:, q, 0])
-        # the module's own gates: one definition of a head's kind for the figure and the mechanism
-        rows["weights"].append(attn.gates().detach().float().cpu().tolist())
-        rows["labels"].append([head_label(h, a, attn.laplacian_mode) for h, a in enumerate(rows["weights"][-1])])
-    out = {key: torch.stack(rows[key]).numpy() for key in ("cls", "cls_to_cls", "patch", "patch_to_cls")}
-    return {"grid": grid, "blocks": list(blocks), "patch_rc": (r, c), **out, "weights": np.array(rows["weights"]),
-            "labels": rows["labels"]}
+    p = torch.stack([P[i][0] for i in blocks]).float().cpu().numpy()  # [blocks, heads, N, N]
+    # the module's own gates: one definition of a head's kind for the figure and the mechanism
+    attns = [model.blocks[i].attn for i in blocks]
+    weights = np.array([a.gates().detach().float().cpu().tolist() for a in attns])
+    # the class token's and the patch's rows over the patches; their weight on the class token apart
+    return {"grid": grid, "blocks": list(blocks), "patch_rc": (r, c), "weights": weights,
+            "cls": p[:, :, 0, 1:].reshape(*p.shape[:2], *grid), "cls_to_cls": p[:, :, 0, 0],
+            "patch": p[:, :, q, 1:].reshape(*p.shape[:2], *grid), "patch_to_cls": p[:, :, q, 0],
+            "labels": [[head_label(h, a, attn.laplacian_mode) for h, a in enumerate(ws)]
+                       for attn, ws in zip(attns, weights.tolist())]}
 
 
 def mass_mask(m: np.ndarray, keep: float) -> np.ndarray:

@@ -174,15 +174,11 @@ def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
 def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> list[Path]:
     """The eigen-spectrum and the cumulative explained variance at `layer` (mean over seeds), and
     PCs for 99% of the variance vs layer (ViT: dashed, of the image-centred tokens)."""
-    from laplace.errors import ConfigError
-
     kind = "patch" if _kind(lines) == "vit" else "tokens"
     fig, (ax_s, ax_c, ax_l) = plt.subplots(1, 3, figsize=(11, 3))
     for c, (label, seeds) in enumerate(lines):
-        specs = [s["results"][kind].get(layer, {}).get("spectral") for s in seeds]
-        if None in specs and layer != "norm":
-            raise ConfigError(f"spectrum_layer={layer}: not among the measured layers {seeds[0]['layers']}")
-        specs = [s for s in specs if s]  # the seeds that measured the spectrum at this layer
+        # the seeds that measured the spectrum at this layer (python -m analysis checks spectrum_layer first)
+        specs = [s for s in (s["results"][kind].get(layer, {}).get("spectral") for s in seeds) if s]
         if not specs or len({len(s["spectrum"]) for s in specs}) > 1:  # not measured, or widths differ
             continue
         P = np.array([s["spectrum"] for s in specs])  # [seeds, components], each row sums to 1
@@ -290,18 +286,19 @@ def draw_gates(g: dict, stem: Path) -> list[Path]:
     nb, cols = len(g["layers"]), min(len(g["layers"]), 4)
     rows = 2 * -(-nb // cols)  # two rows per row of blocks: the gate, and its change from the start
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.3 * rows), squeeze=False)
+    # pair[b] = (block b's gate axes, its change's axes): blocks fill the grid row by row
+    pair = axes.reshape(rows // 2, 2, cols).transpose(0, 2, 1).reshape(-1, 2)
     start = g["gates"].set_index(["block", "head"])["start"]
     # the mean over seeds per head; below each block the same less its start
     for (b, h), line in g["traj"].groupby(["block", "head"]):
-        ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
+        ax_a, ax_d = pair[b]
         lap = start[b, h] > 0.5  # dashed: the heads that started Laplacian
         for ax, shift in ((ax_a, 0.0), (ax_d, start[b, h])):
             ax.plot(line["step"], line["mean"] - shift, "--" if lap else "-", color=color(h), lw=1.4,
                     label=f"h{h}" + (" (started Laplacian)" if lap else ""))
             if g["n"] > 1:  # the 95% interval of the mean over seeds
                 ax.fill_between(line["step"], line["lo"] - shift, line["hi"] - shift, color=color(h), alpha=0.2, lw=0)
-    for b, layer in enumerate(g["layers"]):
-        ax_a, ax_d = axes[2 * (b // cols), b % cols], axes[2 * (b // cols) + 1, b % cols]
+    for (ax_a, ax_d), layer in zip(pair, g["layers"]):
         ax_a.axhline(0.5, color="grey", ls=":", lw=1)
         ax_a.set_ylim(0, 1)
         ax_d.axhline(0.0, color="grey", ls=":", lw=1)
@@ -311,9 +308,8 @@ def draw_gates(g: dict, stem: Path) -> list[Path]:
         ax_d.set_xlabel("step", fontsize=8)
         for ax in (ax_a, ax_d):
             ax.grid(alpha=0.3)
-    for b in range(nb, (rows // 2) * cols):
-        axes[2 * (b // cols), b % cols].axis("off")
-        axes[2 * (b // cols) + 1, b % cols].axis("off")
+    for ax in pair[nb:].ravel():
+        ax.axis("off")
     fig.suptitle(f"{g['name']}: learned gates, mean over {g['n']} seed{'s' * (g['n'] > 1)}"
                  + (", 95% interval" if g["n"] > 1 else ""), fontsize=10)
     fig.tight_layout()

@@ -26,26 +26,18 @@ from analysis.stats import summarize
 from laplace.io import atomic_write
 
 
-def checkpoint_gates(path) -> dict[str, list[float]]:
-    """{layer: [a per head]} of a checkpoint's model, read as the engine logs them."""
-    from laplace.attention import learned_gates
-    from laplace.checkpoint import load_model
-
-    # sigmoid of the logits, from the model the run saved: the end of the trajectory, exactly
-    return learned_gates(load_model(path))
-
-
 def _start(record: dict, depth: int, heads: int) -> tuple[list[list[float]], list[str]]:
     """Where a run's gates started ([block][head]), and a note when that is not known exactly."""
     import torch
 
-    from laplace.attention import gate_start_logits, laplacian_counts
+    from laplace.attention import gate_start_logits, laplacian_counts, learned_gates
+    from laplace.checkpoint import load_model
     from laplace.errors import UserError
 
     notes = []
     if record.get("init_from"):  # fine-tuning starts where the pre-training left its gates
         try:
-            loaded, why = checkpoint_gates(record["init_from"]), "it has no learned gates"
+            loaded, why = learned_gates(load_model(record["init_from"])), "it has no learned gates"
         except UserError as e:  # moved or deleted since, or timm weights (no gates): the init rule, said
             loaded, why = {}, str(e)
         if loaded:
@@ -65,12 +57,15 @@ def run_gates(record: dict) -> Optional[tuple[pd.DataFrame, list[str]]]:
     Args:
         record: a run from `analysis.runs.collect`.
     """
+    from laplace.attention import learned_gates
+    from laplace.checkpoint import load_model
     from train.logger import logged
 
     if not Path(record["checkpoint"]).is_file():
         return None
-    # the end from the checkpoint itself (the logged trajectory may stop short of the last step)
-    end = list(checkpoint_gates(record["checkpoint"]).values())
+    # the end from the checkpoint itself (the logged trajectory may stop short of the last step): {layer: [a
+    # per head]}, the sigmoid of the logits as the engine logs them
+    end = list(learned_gates(load_model(record["checkpoint"])).values())
     if not end:
         return None
     start, notes = _start(record, len(end), len(end[0]))
@@ -121,12 +116,10 @@ def gate_groups(records: list[dict], skipped: Optional[list] = None) -> list[dic
         wide = df[df["point"] != "logged"].pivot_table(index=["seed", "run_dir", "block", "head"], columns="point",
                                                        values="a").reset_index().sort_values(["block", "head", "seed"])
         wide["move"] = wide["end"] - wide["start"]
-        gates = None
         # start, end and move each pooled as every table pools: the mean and its 95% t interval
-        for what in ("start", "end", "move"):
-            s = summarize(wide, ["block", "head"], value=what)[["block", "head", "mean", "lo", "hi"]]
-            s = s.rename(columns={"mean": what, "lo": f"{what}_lo", "hi": f"{what}_hi"})
-            gates = s if gates is None else gates.merge(s, on=["block", "head"])
+        parts = [summarize(wide, ["block", "head"], value=w).set_index(["block", "head"])[["mean", "lo", "hi"]]
+                 .rename(columns={"mean": w, "lo": f"{w}_lo", "hi": f"{w}_hi"}) for w in ("start", "end", "move")]
+        gates = pd.concat(parts, axis=1).reset_index()
         gates.insert(0, "layer", [f"blocks.{b}" for b in gates["block"]])
         # the trajectory at the steps every seed logged: a mean over seeds at each of them
         traj = df[df["point"] != "end"]

@@ -271,8 +271,7 @@ class SequenceSpectra:
         self.max_sequences = max_sequences
         self.seen = 0
         self.keys = [f"n_pcs_{t:g}" for t in self.thresholds] + ["effective_rank"]
-        self.sums = None
-        self.n = self.skipped = None
+        self.sums = None  # {key: its sum over the sequences that vary, "n": their count, "skipped": the others}
 
     @torch.no_grad()
     def update(self, features):
@@ -289,21 +288,16 @@ class SequenceSpectra:
         one = sequence_spectra(x, self.thresholds)
         # a sequence of identical tokens has no spectrum: counted apart, not averaged as one component
         v = one["varies"]
-        if self.sums is None:
-            # sums on the features' device: no host sync per batch
-            z = torch.zeros((), dtype=torch.float64, device=x.device)
-            self.sums, self.n, self.skipped = {k: z.clone() for k in self.keys}, z.clone(), z.clone()
-        for k in self.keys:
-            self.sums[k] += torch.where(v, one[k], torch.zeros_like(one[k])).sum()
-        self.n += v.sum()
-        self.skipped += (~v).sum()
+        add = {**{k: torch.where(v, one[k], 0.0).sum() for k in self.keys}, "n": v.sum(), "skipped": (~v).sum()}
+        # sums on the features' device: no host sync per batch
+        self.sums = add if self.sums is None else {k: self.sums[k] + a for k, a in add.items()}
 
     def compute(self) -> dict:
         if self.sums is None:
             raise ValueError("no data: call update() first")
-        n = float(self.n)
-        out = {k: float(s) / n if n else float("nan") for k, s in self.sums.items()}
-        return {**out, "n_sequences": n, "n_no_variance": float(self.skipped)}
+        n = float(self.sums["n"])
+        out = {k: float(self.sums[k]) / n if n else float("nan") for k in self.keys}
+        return {**out, "n_sequences": n, "n_no_variance": float(self.sums["skipped"])}
 
 
 # ----------------------------------------------------------------------------- in memory
@@ -401,8 +395,7 @@ def spectral_decay(features, thresholds: Sequence[float] = (0.9, 0.99), seq_ids=
     spectrum (eigenvalues / sum, descending; a list). center="global" subtracts the mean of all
     rows; "sequence" each sequence's own mean (`seq_ids` [N]): the spectrum of within-sequence
     variation, e.g. of the tokens of one image."""
-    if center not in ("global", "sequence"):
-        raise ValueError(f"center must be 'global' or 'sequence', not {center!r}")
+    # (another `center` is refused by GeometryAccumulator.spectral)
     acc, _ = one_pass(("spectral",), features, seq_ids if center == "sequence" else None)
     return acc.spectral(thresholds, center)
 

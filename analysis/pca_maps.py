@@ -80,19 +80,14 @@ def _minmax(proj: torch.Tensor, flat: float) -> torch.Tensor:
     return torch.where(hi > lo, (proj - lo) / (hi - lo).clamp_min(1e-30), torch.full_like(proj, flat))
 
 
-def _border(grid: tuple[int, int]) -> torch.Tensor:
-    """Row-major [P] bool: patches on the edge of the grid."""
-    m = torch.ones(grid, dtype=torch.bool)
-    m[1:-1, 1:-1] = False
-    return m.flatten()
-
-
 def foreground_mask(patches: torch.Tensor, grid: tuple[int, int], threshold: float | str = SIGN) -> torch.Tensor:
     """[gh, gw] bool: patches whose centred first-component score, oriented away from the
     border, is positive (threshold "sign"), or above `threshold` once min-max scaled to
     [0, 1]. patches: [P, D] row-major over the grid."""
     s = _pca(patches.double(), 1)[:, 0]
-    edge = s[_border(grid).to(s.device)].mean()
+    border = torch.ones(grid, dtype=torch.bool, device=s.device)  # the patches on the edge of the grid
+    border[1:-1, 1:-1] = False
+    edge = s[border.flatten()].mean()
     # the first component points away from the image border (its mean there negative): objects sit
     # inside the frame, as the "background prior" of saliency methods assumes
     if edge.abs() > 1e-9 * s.abs().max():  # else a tie: keep the largest-magnitude rule's sign

@@ -272,13 +272,13 @@ def metric_value(record: dict, metric: Metric) -> Optional[float]:
                                   f"metric {key!r}: write mechanism@blocks.<i>.<key>, "
                                   f"e.g. mechanism@blocks.0.cos_smooth.laplacian")
             v = (record.get("layer_geometry" if geo else "mechanism") or {}).get(at[1], {}).get(at[2])
-        elif key.startswith("mechanism."):
-            v = (record.get("mechanism") or {}).get(key[len("mechanism."):])
-            v = v if isinstance(v, float) else None  # "mechanism.blocks.1" is a layer, not a number
+        elif key.startswith(("mechanism.", "geometry.")):
+            group, _, name = key.partition(".")
+            v = (record.get(group) or {}).get(name)
         else:
-            v = (record["geometry"].get(key[len("geometry."):]) if key.startswith("geometry.")
-                 else record["metrics"].get(key))
-        if v is not None and math.isfinite(v):
+            v = record["metrics"].get(key)
+        # ("mechanism.blocks.1" is a layer, not a number)
+        if isinstance(v, (int, float)) and math.isfinite(v):
             return float(v)
     return None
 
@@ -414,21 +414,28 @@ def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> pd.D
     return summarize(f, [*by, "layer", "metric"])
 
 
+def expand(cfg, key: str, usage: str, what: str, hint: str, example: str) -> list[Path]:
+    """The paths of `key=`: one, a list, or quoted glob patterns (sorted: the same order every
+    time), each checked to exist; `what`: "folder", or "file" (an exported folder counts too)."""
+    exists = Path.is_dir if what == "folder" else Path.exists
+    paths = []
+    for item in required_list(cfg, key, usage):
+        # a quoted glob picks runs or checkpoints by name: a sweep's in one call
+        found = [Path(p) for p in sorted(glob.glob(item)) if exists(Path(p))] if glob.has_magic(item) else [Path(item)]
+        if not found:
+            raise ConfigError(f"{key}={item}: the pattern matches no {what}; check it (quoted, e.g. {key}='{example}')")
+        if not exists(found[0]):  # (a glob finds existing paths only: this is a plain one)
+            raise ConfigError(f"{key}={item}: no such {what}; {hint}")
+        paths += found
+    if not paths:
+        raise ConfigError(f"{key}=[]: give at least one; {usage}")
+    return paths
+
+
 def runs_roots(cfg, command: str = "analysis.tables") -> list[Path]:
     """The folders of `runs=`: a path, a list, or quoted glob patterns, each checked to exist."""
-    folders = []
-    for item in required_list(cfg, "runs", f"python -m {command} runs=DIR (or runs=[DIR1,DIR2], or a quoted "
-                                           f"glob runs='runs/deit3/digits/vitt_*'), folders holding run directories"):
-        # a quoted glob picks runs by name (runs='runs/deit3/digits/vitt_*'), sorted: the same order every time
-        found = sorted(Path(p) for p in glob.glob(item) if Path(p).is_dir()) if glob.has_magic(item) else [Path(item)]
-        if not found:
-            raise ConfigError(f"runs={item}: the pattern matches no folder; check it (quoted, e.g. "
-                              f"runs='runs/deit3/digits/vitt_*')")
-        for p in found:
-            if not p.is_dir():
-                raise ConfigError(f"runs={p}: no such folder; pass runs=DIR holding run directories "
-                                  f"(each with config.yaml / results.json), e.g. runs=runs/deit3/digits")
-        folders += found
-    if not folders:
-        raise ConfigError("runs=[]: give at least one folder of runs")
-    return folders
+    return expand(cfg, "runs", what="folder", example="runs/deit3/digits/vitt_*",
+                  usage=f"python -m {command} runs=DIR (or runs=[DIR1,DIR2], or a quoted glob "
+                        f"runs='runs/deit3/digits/vitt_*'), folders holding run directories",
+                  hint="pass runs=DIR holding run directories (each with config.yaml / results.json), e.g. "
+                       "runs=runs/deit3/digits")
