@@ -110,11 +110,8 @@ class LaplaceLM(LM):
         return torch.cat(out)
 
     def gather_object(self, obj, dst: int = 0):
-        if self._world_size <= 1:
-            return [obj]
-        result = [None] * self._world_size if self._rank == dst else None
-        torch.distributed.gather_object(obj, result, dst=dst)
-        return result
+        objs = dist.all_gather_object(obj)  # [obj] on one process
+        return objs if self._rank == dst else None
 
     barrier = staticmethod(dist.barrier)
 

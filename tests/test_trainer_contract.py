@@ -16,7 +16,7 @@ from laplace.checkpoint import CheckpointError, load_checkpoint, load_model
 from laplace.data.shards import write_shard
 from laplace.errors import ConfigError
 from train import run
-from train.feeds import Feed, MapFeed, epoch_sampler
+from train.feeds import Feed, MapFeed, train_sampler
 from train.logger import read_metrics
 from train.optim import (Schedule, apply_group_schedules, build_schedules, check_group_schedules,
                          clip_gradients, parse_length, schedule_node)
@@ -261,7 +261,7 @@ class _Draws(torch.utils.data.Dataset):
 @pytest.mark.parametrize("sampler", ["distributed", "repeat_aug"])
 def test_map_feed_resumes_on_another_world_size(sampler):
     def feed(rank, world, micro):
-        s = (epoch_sampler(_Draws(), True, 3, rank, world) if sampler == "distributed"
+        s = (train_sampler(_Draws(), 3, rank, world) if sampler == "distributed"
              else SeededRepeatAugSampler(_Draws(), world, rank, 3, seed=3))
         return MapFeed(_Draws(), s, micro, seed=3, rank=rank, world_size=world, num_workers=0)
 
@@ -290,8 +290,8 @@ def test_map_feed_epochs_end_on_a_step_whatever_the_split():
     and a resume after 4 steps with another split continues with the same samples. Before,
     micro batches of 4 also took samples 36-39 (a third of a step), micro batches of 12 none."""
     def feed(rank, world, micro):
-        return MapFeed(_Draws(), epoch_sampler(_Draws(), True, 3, rank, world), micro, seed=3,
-                       rank=rank, world_size=world, step_size=12, num_workers=0)
+        return MapFeed(_Draws(), train_sampler(_Draws(), 3, rank, world), micro, seed=3, rank=rank,
+                       world_size=world, step_size=12, num_workers=0)
 
     def steps(world, micro, n, state=None):
         feeds = [feed(r, world, micro) for r in range(world)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Sized
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,7 +45,7 @@ from laplace.data.images import report_skipped
 from laplace.errors import ConfigError
 from laplace.io import write_json
 
-from .feeds import Feed, MapFeed, describe_size, train_sampler
+from .feeds import Feed, MapFeed, train_sampler
 from .logger import LogWindow, MetricsLogger, format_metrics, logged, print_line, progress_bar
 from .plan import step_plan
 from .optim import apply_group_schedules, build_optimizers, build_schedules, check_group_schedules, clip_gradients
@@ -113,8 +114,10 @@ class Trainer:
         self.data = self.build_data()
         self.feed = self._feed(self.data)
         if self.feed.micro_batches_per_epoch < 1:  # else the loop would wait forever for a batch
+            n = len(self.data.train) if isinstance(self.data.train, Sized) else None
+            size = "a streamed training set" if n is None else f"the training set has {n} samples"
             raise ConfigError(f"data={cfg.data.name}: an epoch gives each of the {world} process(es) "
-                              f"fewer than one micro batch of {self.micro_bs} ({describe_size(self.data.train)}); "
+                              f"fewer than one micro batch of {self.micro_bs} ({size}); "
                               f"lower trainer.global_batch_size={tc.global_batch_size} or use more data")
         self.plan = step_plan(cfg, world, self.feed.micro_batches_per_epoch)
         self.steps_per_epoch, self.total_steps = self.plan.steps_per_epoch, self.plan.total_steps
@@ -132,8 +135,7 @@ class Trainer:
         check_group_schedules(self.optimizers, self.schedules)
         self.value_schedules = build_schedules(tc.schedules, "trainer.schedules", self.total_steps,
                                                self.steps_per_epoch)
-        missing = set(self.scheduled_values) ^ set(self.value_schedules)
-        if missing:
+        if missing := set(self.scheduled_values) ^ set(self.value_schedules):
             raise ConfigError(f"trainer.schedules.{sorted(missing)[0]}: trainer={tc.name} reads "
                               f"{sorted(self.scheduled_values) or 'no schedules'}; give exactly those")
         # 4. the checkpoint's state, then the wrappers around the restored model
@@ -325,8 +327,9 @@ class Trainer:
         eval_every = tc.eval_every or self.steps_per_epoch
         ckpt_every = tc.ckpt_every or self.steps_per_epoch
         stop_at = min(self.total_steps, self.step + tc.stop_after) if tc.stop_after else self.total_steps
-        bar = progress_bar(self.total_steps, interval=cfg.logger.progress_interval,
-                           desc="train", initial=self.step, unit="step") if main and tc.progress else None
+        # another rank, or progress=false: a bar that shows nothing (its calls are no-ops)
+        bar = progress_bar(self.total_steps, main and tc.progress, interval=cfg.logger.progress_interval,
+                           desc="train", initial=self.step, unit="step")
         batches = iter(self.feed)
         window = self.window  # the steps since the last record (saved in the checkpoint)
         window.restart_clock()
@@ -376,12 +379,10 @@ class Trainer:
                        "step_ms": 1000 * dt / window.steps, "epoch": self.epoch, **gate_metrics(self.exported),
                        **{k: float(v) for k, v in extras.items()}}
                 logger.log(step, rec, split="train")
-                if bar is not None:
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.data.unit}/s": f"{seen / dt:.0f}"},
-                                    refresh=False)  # shown at the next redraw: off a terminal, a line per interval
+                bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.data.unit}/s": f"{seen / dt:.0f}"},
+                                refresh=False)  # shown at the next redraw: off a terminal, a line per interval
                 window.reset()
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             if step % eval_every == 0 or step == self.total_steps:
                 metrics = self._evaluate(logger, step)
             saved = step % ckpt_every == 0 or step == stop_at
@@ -400,8 +401,7 @@ class Trainer:
                 self._shut_down(vote)
                 raise Preempted(step, stop.signum or 0)
         self._shut_down(vote)
-        if bar is not None:
-            bar.close()
+        bar.close()
         if self.step >= self.total_steps:
             if not metrics:  # resumed at the very end: evaluate the final weights once more
                 metrics = self._evaluate(logger, self.step)

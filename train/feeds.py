@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sized
 from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
@@ -125,18 +124,6 @@ class SeededDataset(Dataset):
                 np.random.set_state(np_state)
 
 
-def epoch_sampler(n_or_dataset, shuffle: bool, seed: int, rank: int, world_size: int,
-                  drop_last: bool = True) -> DistributedSampler:
-    """torch's DistributedSampler, used with world_size 1 too: one code path, seeded by epoch."""
-    return DistributedSampler(n_or_dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
-                              seed=seed, drop_last=drop_last)
-
-
-def describe_size(dataset) -> str:
-    """A training set's size, for an error message."""
-    return f"the training set has {len(dataset)} samples" if isinstance(dataset, Sized) else "a streamed training set"
-
-
 class MapFeed:
     """Micro-batches of a map-style dataset, epoch after epoch, resumable mid-epoch.
 
@@ -236,4 +223,4 @@ def train_sampler(dataset, seed: int, rank: int, world_size: int, repeated_aug: 
     process: one code path), or repeated augmentation (DeiT-III's trainer.repeated_aug: 3)."""
     if repeated_aug and repeated_aug > 1:
         return SeededRepeatAugSampler(dataset, world_size, rank, repeated_aug, seed)
-    return epoch_sampler(dataset, True, seed, rank, world_size)
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)

@@ -24,15 +24,10 @@ KEYS = ("value", "warmup", "start", "warmdown", "end", "shape")  # the order con
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     """The optimizer named by `cfg.name` from timm's factory (adamw, lamb, sgd, ...), which keeps
     biases, norms and the model's `no_weight_decay()` set out of weight decay, as DeiT does."""
-    kwargs = {}
-    if cfg.betas is not None:  # null: timm's default for the optimizer
-        kwargs["betas"] = tuple(cfg.betas)
-    if cfg.eps is not None:
-        kwargs["eps"] = cfg.eps
-    # Not a key of the adamw / lamb nodes (adding one would make every saved run's config differ
-    # from the composed one and refuse its resume): an SGD user adds +optim.momentum=0.9.
-    if cfg.get("momentum") is not None:
-        kwargs["momentum"] = cfg.momentum
+    # momentum is not a key of the adamw / lamb nodes (adding one would make every saved run's config
+    # differ from the composed one and refuse its resume): an SGD user adds +optim.momentum=0.9.
+    given = dict(betas=None if cfg.betas is None else tuple(cfg.betas), eps=cfg.eps, momentum=cfg.get("momentum"))
+    kwargs = {k: v for k, v in given.items() if v is not None}  # null: timm's default for the optimizer
     return create_optimizer_v2(model, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay, **kwargs)
 
 

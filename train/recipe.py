@@ -24,7 +24,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 import yaml
@@ -62,7 +62,6 @@ class Recipe:
                  eval_overrides: dict[str, list[str]] | None = None):
         self.cfg, self.train_size = cfg, train_size
         self.eval_overrides = eval_overrides or {}
-        self._plans, self._entries = {}, {}  # computed once: plans by world size, entry configs by name
 
     @cached_property
     def trainer(self):
@@ -75,24 +74,22 @@ class Recipe:
         """Parameters of the network a checkpoint holds (DINO: the teacher backbone)."""
         return sum(p.numel() for p in self.trainer.exported.parameters())
 
-    def plan(self, world_size: int = 1):
+    @cache  # computed once per world size (a card's argument is a string, "8")
+    def plan(self, world_size: int | str = 1):
         """The engine's step plan (train/plan.py) on `world_size` processes, an epoch being
         `train_size` examples counted on one process (None on more: only the split is known)."""
         from train.feeds import MapFeed
         from train.plan import step_plan, uses_token_budget
 
-        world_size = int(world_size)  # a card's argument is a string
-        if world_size not in self._plans:
-            per_epoch = None  # token shards have no epoch: their budget counts
-            if world_size == 1 and self.train_size is not None and not uses_token_budget(self.cfg):
-                # The engine's own feed over the trainer's own sampler: DeiT-III's repeated
-                # augmentation keeps a multiple of 256 images, and an epoch ends on a whole step.
-                examples = range(int(self.train_size))  # only its length is used
-                feed = MapFeed(examples, self.trainer.sampler(examples), step_plan(self.cfg, 1, None).micro_batch,
-                               step_size=self.cfg.trainer.global_batch_size)
-                per_epoch = feed.micro_batches_per_epoch
-            self._plans[world_size] = step_plan(self.cfg, world_size, per_epoch)
-        return self._plans[world_size]
+        per_epoch = None  # token shards have no epoch: their budget counts
+        if int(world_size) == 1 and self.train_size is not None and not uses_token_budget(self.cfg):
+            # The engine's own feed over the trainer's own sampler: DeiT-III's repeated
+            # augmentation keeps a multiple of 256 images, and an epoch ends on a whole step.
+            examples = range(int(self.train_size))  # only its length is used
+            feed = MapFeed(examples, self.trainer.sampler(examples), step_plan(self.cfg, 1, None).micro_batch,
+                           step_size=self.cfg.trainer.global_batch_size)
+            per_epoch = feed.micro_batches_per_epoch
+        return step_plan(self.cfg, int(world_size), per_epoch)
 
     def micro_batch(self, world_size: int = 1) -> int:
         """Examples per process per forward on `world_size` processes."""
@@ -170,11 +167,10 @@ class Recipe:
             out.append(" ".join(w for w in words if w) + (f" ({n})" if n else ""))
         return out
 
+    @cache
     def entry(self, name: str) -> DictConfig:
         """An evaluation's entry config (knn, linear, segmentation) with the card's overrides."""
-        if name not in self._entries:
-            self._entries[name] = compose_config(self.eval_overrides.get(name, []), name)
-        return self._entries[name]
+        return compose_config(self.eval_overrides.get(name, []), name)
 
     def value(self, expr: str):
         """A row's `ours`: `@quantity(args)` (a method above), `entry:key` or a config key."""

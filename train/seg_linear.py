@@ -7,6 +7,7 @@ its `train_model`. results.json: mIoU, aAcc, mAcc and the per-class IoU, as mmse
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
@@ -25,18 +26,13 @@ from .engine import Trainer
 from .logger import progress_bar
 
 
-class LinearSegHead(nn.Module):
+def linear_seg_head(in_dim: int, num_classes: int) -> nn.Sequential:
     """Batch norm + 1x1 convolution over patch features [B, C, h, w] (DINOv2's BNHead)."""
-
-    def __init__(self, in_dim: int, num_classes: int):
-        super().__init__()
-        self.bn = nn.BatchNorm2d(in_dim)
-        self.conv = nn.Conv2d(in_dim, num_classes, 1)
-        nn.init.normal_(self.conv.weight, std=0.01)  # mmseg's decode-head init
-        nn.init.zeros_(self.conv.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(self.bn(x))
+    # Named children: the state dict keys stay head.bn.* and head.conv.* (checkpoints resume)
+    head = nn.Sequential(OrderedDict(bn=nn.BatchNorm2d(in_dim), conv=nn.Conv2d(in_dim, num_classes, 1)))
+    nn.init.normal_(head.conv.weight, std=0.01)  # mmseg's decode-head init
+    nn.init.zeros_(head.conv.bias)
+    return head
 
 
 class FrozenBackboneSeg(nn.Module):
@@ -60,7 +56,7 @@ class FrozenBackboneSeg(nn.Module):
         self.backbone = backbone.requires_grad_(False).eval()
         self.layers, self.cls_token = list(range(depth - num_layers, depth)), cls_token  # block indices
         dim = backbone.norm.normalized_shape[0] * num_layers * (2 if cls_token else 1)
-        self.head = LinearSegHead(dim, num_classes)
+        self.head = linear_seg_head(dim, num_classes)
 
     def train(self, mode: bool = True):
         super().train(mode)
