@@ -33,7 +33,8 @@ def cpu_model() -> str:
 def machine(device: str) -> dict:
     # The kernel capability matters as much as the model name: one name covers AVX-512 and AVX2
     # machines, and ATEN_CPU_CAPABILITY=avx2 picks the slower kernels on purpose.
-    info = dict(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)), cpu_capability=torch.backends.cpu.get_cpu_capability(),
+    info = dict(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)),
+                cpu_capability=torch.backends.cpu.get_cpu_capability(),
                 platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
                 timm=timm.__version__)
     if torch.device(device).type == "cuda":

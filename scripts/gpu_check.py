@@ -184,10 +184,10 @@ def compiled(c: Check) -> str:
     if not c.args.compile:
         return "SKIP: --no-compile"
     # Side by side: compilation is mostly one core's work. trainer.compile=true is auto's choice on CUDA.
-    with ThreadPoolExecutor() as pool:  # threads that wait on processes
-        list(pool.map(lambda job: c.train(*job, timeout=900), [
-            (f"{name}_{mode}", *over, f"trainer.compile={str(mode == 'compiled').lower()}")
-            for name, over in tiny(c).items() for mode in ("eager", "compiled")]))
+    jobs = [(f"{name}_{mode}", *over, f"trainer.compile={str(mode == 'compiled').lower()}")
+            for name, over in tiny(c).items() for mode in ("eager", "compiled")]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # one thread per run, waiting on its process
+        list(pool.map(lambda job: c.train(*job, timeout=900), jobs))  # list(): the first failure raises
     if BREAK in c.text():
         raise RuntimeError(f"graph breaks in the compiled runs ({c.log})")
     pairs = {name: (c.runs / f"{name}_eager", c.runs / f"{name}_compiled") for name in tiny(c)}
@@ -368,7 +368,8 @@ def record(c: Check, path: Path) -> None:
     """Append this run's results to `path` (JSON lines); write the last run of each check to <path>.md."""
     run = {"date": pd.Timestamp.now("UTC").strftime("%Y-%m-%d %H:%M UTC"),
            "gpu": torch.cuda.get_device_name(c.args.device) if c.cuda else f"{c.args.device} (dry run)",
-           "commit": git_commit() or "unknown", "torch": torch.__version__, "command": " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])}
+           "commit": git_commit() or "unknown", "torch": torch.__version__,
+           "command": " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])}
     with open(path, "a") as f:
         f.writelines(json.dumps({"check": name, **res, **run}) + "\n" for name, res in c.results.items())
     rows = pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
