@@ -303,13 +303,6 @@ def throughput(c: Check, experiment: str, *extra: str) -> str:
             f"into a 1-block model ({'loader-bound' if loader < 1.1 * gpu else 'the step bounds it'})")
 
 
-def commands(c: Check, said: str, *cmds: list[str], **env) -> str:
-    """A check that runs `python -m <cmd>` for each of cmds and says `said`."""
-    for cmd in cmds:
-        c.sh(PY, "-m", *cmd, **env)
-    return said
-
-
 def deit3(c: Check) -> str:
     """DeiT-III on ImageNet's folder layout, then fine-tuning at another size from its checkpoint."""
     imagenet = [*c.vit, f"trainer.num_workers={c.workers}", f"data.root={c.data / 'imagenet'}", "trainer.eval_every=2"]
@@ -325,38 +318,45 @@ def gpt(c: Check) -> str:
                                            f"data.root={bpe(c, 'pydoc', 4096)}"], 6, 16)
     c.train("gpt_sft", "experiment=gpt_tiny_sft", f"model={c.gpt}", "trainer.max_steps=3",
             f"trainer.init_from={c.ckpt('gpt_tiny')}")
-    return commands(c, f"pre-training {line}; SFT 3 steps; eval.generate sampled a chat reply",
-                    ["eval.generate", f"checkpoint={c.ckpt('gpt_sft')}", f"device={c.args.device}", "chat=true",
-                     "prompt=What is a class", "max_new_tokens=16"])
+    c.sh(PY, "-m", "eval.generate", f"checkpoint={c.ckpt('gpt_sft')}", f"device={c.args.device}", "chat=true",
+         "prompt=What is a class", "max_new_tokens=16")
+    return f"pre-training {line}; SFT 3 steps; eval.generate sampled a chat reply"
 
 
 def evals(c: Check) -> str:
     """The DINO checkpoint's evaluations."""
     dino, dev = f"checkpoint={c.ckpt('dino_digits')}", f"device={c.args.device}"
-    return commands(c, "eval.knn, eval.linear, eval.segmentation (4 iterations) on the digits",
-                    ["eval.knn", dino, dev], ["eval.linear", dino, dev, "epochs=2", "lr_grid=[0.001,0.01]"],
-                    ["eval.segmentation", dino, "eval=seg_digits_linear", "iters=4", "trainer.eval_every=4",
-                     f"trainer.device={c.args.device}", "trainer.progress=false",
-                     f"trainer.compile={str(c.args.compile).lower()}", f"paths.data_dir={c.data}"])
+    c.sh(PY, "-m", "eval.knn", dino, dev)
+    c.sh(PY, "-m", "eval.linear", dino, dev, "epochs=2", "lr_grid=[0.001,0.01]")
+    c.sh(PY, "-m", "eval.segmentation", dino, "eval=seg_digits_linear", "iters=4", "trainer.eval_every=4",
+         f"trainer.device={c.args.device}", "trainer.progress=false", f"trainer.compile={str(c.args.compile).lower()}",
+         f"paths.data_dir={c.data}")
+    return "eval.knn, eval.linear, eval.segmentation (4 iterations) on the digits"
 
 
-# In this order: the evaluations and analysis read the checkpoints of the runs before them.
-CHECKS = {
-    # The `cuda`-marked tests (SDPA's flash kernel, forced, is one of them); pytest's summary line.
-    "tests": lambda c: commands(c, "pytest -m cuda: ", ["pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"],
-                                LAPLACE_TEST_DEVICE=c.args.device) + c.tail(),
-    "compile": compiled, "ranks": ranks, "deit3": deit3, "gpt": gpt,
-    "lm_eval": lambda c: commands(c, "eval.lm (lm-eval) of the SFT checkpoint on the laplace_pydoc tasks", [
-        "eval.lm", f"checkpoint={c.ckpt('gpt_sft')}", f"device={c.args.device}", "tasks=[laplace_pydoc]",
-        "limit=8", "batch_size=4", "bootstrap_iters=0"]),
-    "preempt": preemption,
-    "dino": lambda c: stop_and_resume(c, "dino_digits", ["experiment=dino_digits", "model=vits_5L",
-                                                         "trainer.num_workers=2"], 6, 64),
-    "evals": evals,
-    "analysis": lambda c: commands(c, "python -m analysis of the deit3_in1k and gpt_tiny checkpoints", *(
-        ["analysis", f"checkpoint={c.ckpt(run)}", f"device={c.args.device}", "max_tokens=20000", "progress=false",
-         *extra] for run, extra in (("deit3_in1k", ["pca_maps=4"]), ("gpt_tiny", [])))),
-    "d20": d20,
+def lm_eval(c: Check) -> str:
+    c.sh(PY, "-m", "eval.lm", f"checkpoint={c.ckpt('gpt_sft')}", f"device={c.args.device}", "tasks=[laplace_pydoc]",
+         "limit=8", "batch_size=4", "bootstrap_iters=0")
+    return "eval.lm (lm-eval) of the SFT checkpoint on the laplace_pydoc tasks"
+
+
+def analysis(c: Check) -> str:
+    for run, extra in (("deit3_in1k", ["pca_maps=4"]), ("gpt_tiny", [])):
+        c.sh(PY, "-m", "analysis", f"checkpoint={c.ckpt(run)}", f"device={c.args.device}", "max_tokens=20000",
+             "progress=false", *extra)
+    return "python -m analysis of the deit3_in1k and gpt_tiny checkpoints"
+
+
+def tests(c: Check) -> str:  # SDPA's flash kernel, forced, is one of them
+    c.sh(PY, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", LAPLACE_TEST_DEVICE=c.args.device)
+    return f"pytest -m cuda: {c.tail()}"
+
+
+CHECKS = {  # in this order: the evaluations and analysis read the checkpoints of the runs before them
+    "tests": tests, "compile": compiled, "ranks": ranks, "deit3": deit3, "gpt": gpt, "lm_eval": lm_eval,
+    "preempt": preemption, "dino": lambda c: stop_and_resume(c, "dino_digits", [
+        "experiment=dino_digits", "model=vits_5L", "trainer.num_workers=2"], 6, 64),
+    "evals": evals, "analysis": analysis, "d20": d20,
     "dino_in1k": lambda c: throughput(c, "dino_in1k"), "deit3_author": lambda c: throughput(c, "deit3_in1k_author"),
     # The crops and colour work on the GPU (opt-in): the step then includes their GPU time.
     "dino_gpu_crops": lambda c: throughput(c, "dino_in1k", "trainer.multicrop.device_augment=true"),
