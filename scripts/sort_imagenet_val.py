@@ -51,7 +51,10 @@ def solution_labels(path: Path) -> dict[str, str]:
     whose PredictionString starts with the wnid (then boxes: "<wnid> x0 y0 x1 y1 <wnid> ...")."""
     if not Path(path).is_file():
         raise UserError(f"--solution {path}: no such file")
-    raw = pd.read_csv(path, dtype=str)
+    try:
+        raw = pd.read_csv(path, dtype=str)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:  # not a CSV, or an empty file
+        raise UserError(f"--solution {path}: not Kaggle's LOC_val_solution.csv ({e})") from None
     rows = raw.reindex(columns=["ImageId", "PredictionString"]).astype("string")  # a column it lacks: NA
     # An image holds one class: every box repeats the same wnid, so the first token is it.
     wnid = rows.PredictionString.str.split().str[0]
