@@ -24,7 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     # One thread by default: on a shared host, idle OpenMP threads spin while they wait for a core
     # and the timings wander; a loader worker runs with one thread anyway.
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the timed code (Timer's; 1 on a shared host)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the timed code (Timer's; 1 on a shared host)")
     p.add_argument("--smoke", action="store_true", help="tiny models, few images, brief timings (tests)")
     p.add_argument("--min-time", type=float, default=None, help="seconds of each Timer measurement (1; smoke 0.01)")
     p.add_argument("--rounds", type=int, default=4, help="vit: measurements of each model, taken in turns")

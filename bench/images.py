@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
-from PIL import Image
+from PIL import Image, ImageOps
 from torch.utils import benchmark
 
 from train import get_trainer
@@ -50,28 +50,15 @@ def photos() -> list[tuple[str, Image.Image]]:
     found = [(Path(f).name, Image.fromarray(a)) for f, a in zip(s.filenames, s.images)]
     hopper = Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"
     found.append((hopper.name, Image.open(hopper).convert("RGB")))
-    out = []
-    for name, img in found:
-        w, h = PHOTO_SIZE if img.width >= img.height else PHOTO_SIZE[::-1]
-        scale = max(w / img.width, h / img.height)
-        cw, ch = w / scale, h / scale  # the largest centred box of the target's aspect
-        box = ((img.width - cw) / 2, (img.height - ch) / 2, (img.width + cw) / 2, (img.height + ch) / 2)
-        out.append((name, img.resize((w, h), Image.BICUBIC, box=box)))
-    return out
+    # ImageOps.fit: the largest centred box of the target's aspect, resized to it.
+    return [(name, ImageOps.fit(img, PHOTO_SIZE if img.width >= img.height else PHOTO_SIZE[::-1], Image.BICUBIC))
+            for name, img in found]
 
 
 def jpeg(img: Image.Image) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=QUALITY)
     return buf.getvalue()
-
-
-def data_node(img_size: int | None = None):
-    """The data node of experiment=deit3_in1k_author (tests/test_decode.py builds its transforms)."""
-    node = compose_config(["experiment=deit3_in1k_author", "data.root=unused"]).data
-    if img_size:
-        node.img_size = img_size
-    return node
 
 
 def tokens(img_size: int) -> int:

@@ -25,19 +25,16 @@ TITLES = {
 
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo, as lscpu prints it), else the platform's word for it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    info = Path("/proc/cpuinfo")
+    found = info.exists() and re.search(r"^model name\s*:\s*(.+)$", info.read_text(), re.M)
+    return found.group(1).strip() if found else platform.processor() or platform.machine()
 
 
 def machine(device: str) -> dict:
     # The kernel capability matters as much as the model name: one name covers AVX-512 and AVX2
     # machines, and ATEN_CPU_CAPABILITY=avx2 picks the slower kernels on purpose.
-    info = dict(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)), cpu_capability=torch.backends.cpu.get_cpu_capability(),
+    info = dict(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)),
+                cpu_capability=torch.backends.cpu.get_cpu_capability(),
                 platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
                 timm=timm.__version__)
     if torch.device(device).type == "cuda":
@@ -46,13 +43,13 @@ def machine(device: str) -> dict:
 
 
 def git_commit() -> str | None:
-    """HEAD's commit, None outside a checkout: a record names the code it measured."""
+    """HEAD's commit, "-dirty" when tracked files differ from it (a run of edited code); None outside a
+    checkout: a record names the code it measured (also scripts/gpu_check.py's)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        return None  # no git, or not a checkout
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):  # no git
+        return None
 
 
 def number(x: float) -> str:
@@ -70,7 +67,7 @@ def markdown(record: dict, tables: dict[str, pd.DataFrame]) -> str:
     if record["note"]:
         lines.append(f"- note: {record['note']}")
     for name, df in tables.items():
-        # to_string, not to_markdown: that needs `tabulate`, which the project does not install.
+        # to_string, not to_markdown: its float_format takes a function (number), tabulate's a format.
         table = df.to_string(index=False, na_rep="-", float_format=number)
         lines += ["", f"## {name}: {TITLES[name]}", "", "```", table, "```"]
     return "\n".join(lines) + "\n"

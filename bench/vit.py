@@ -29,7 +29,8 @@ def models(family: str, args) -> dict:
     size = dict(img_size=args.img_size, **(SMOKE[family] if args.smoke else {}))
     # The head count from timm's model of the family: k's range follows it (smoke keeps the zoo's).
     heads = timm.create_model(TIMM[family], **size).blocks[0].attn.num_heads
-    out = {f"{family}_{k}L": (k, laplace.create_model(f"{family}_{k}L", **size)) for k in sorted({0, heads // 2, heads})}
+    ks = sorted({0, heads // 2, heads})
+    out = {f"{family}_{k}L": (k, laplace.create_model(f"{family}_{k}L", **size)) for k in ks}
     out[f"timm {TIMM[family]}"] = (None, timm.create_model(TIMM[family], **size))
     return out
 

@@ -13,7 +13,6 @@ docs/gpu_runs.jsonl and rewrites docs/gpu_runs.md, the last run of each check (a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -23,14 +22,16 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout (bench) and tests/ (fakedata)
 import fakedata  # noqa: E402  (tests/: tiny datasets in the real on-disk formats)
+from bench.report import git_commit  # noqa: E402
 
 PY = sys.executable
 # train.py run in this process after an optional memory cap (an 80 GB card's on a bigger card);
@@ -45,6 +46,7 @@ atexit.register(lambda: torch.cuda.is_initialized() and print(
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")"""
 PEAK = re.compile(r"^CUDA peak ([\d.]+) GiB", re.M)
+BREAK, RECOMPILE = "[__graph_breaks] Graph break", "[__recompiles] Recompiling"  # torch's log lines
 
 
 class Check:
@@ -65,31 +67,30 @@ class Check:
         self.gpt, self.workers = ("gpt_d2_1L", 2) if args.tiny else ("gpt_d12_6L", 8)
         self.log, self.results = self.out / "none.log", {}
 
-    def sh(self, *cmd, expect: int | None = 0, timeout: int = 600, wait: bool = True, **env) -> subprocess.Popen:
-        """Run cmd, its output appended to the check's log; a status other than `expect` raises."""
-        # Popen, not run: a check may signal its command (preempt) or run several side by side (compile).
+    def sh(self, *cmd, expect: int | None = 0, timeout: int = 600, popen: bool = False, **env):
+        """Run cmd, its output appended to the check's log; a status other than `expect` raises.
+        popen: start it and return its Popen (a check that signals its command)."""
         with open(self.log, "a") as log:
-            log.write(f"$ {' '.join(map(str, cmd))}\n")
-            log.flush()  # before the command's own output
-            proc = subprocess.Popen(list(map(str, cmd)), cwd=ROOT, env={**self.env, **env}, stdout=log,
-                                    stderr=subprocess.STDOUT, text=True)
-        return self.wait(proc, expect, timeout) if wait else proc
-
-    def wait(self, proc, expect: int | None = 0, timeout: int = 600) -> subprocess.Popen:
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:  # a hung command fails its check, not the whole script
-            proc.kill()
-            raise RuntimeError(f"timed out after {timeout} s ({self.log})") from None
-        if expect is not None and proc.returncode != expect:
+            print("$", *cmd, file=log, flush=True)  # before the command's own output
+            kw = dict(cwd=ROOT, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT)
+            if popen:
+                return subprocess.Popen(list(map(str, cmd)), **kw)
+            try:  # run kills a command past its timeout: it fails its check, not the whole script
+                done = subprocess.run(list(map(str, cmd)), timeout=timeout, **kw)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"timed out after {timeout} s ({self.log})") from None
+        if expect is not None and done.returncode != expect:
             # The log's last line: the error a command ended with, or pytest's summary.
-            raise RuntimeError(f"exit status {proc.returncode}, expected {expect}: {self.tail()} ({self.log})")
-        return proc
+            raise RuntimeError(f"exit status {done.returncode}, expected {expect}: {self.tail()} ({self.log})")
+        return done
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def tail(self) -> str:
-        return next((ln[-300:] for ln in reversed(self.log.read_text(errors="replace").splitlines()) if ln.strip()), "")
+        return next((ln[-300:] for ln in reversed(self.text().splitlines()) if ln.strip()), "")
 
-    def train(self, run: str, *overrides, **kw) -> subprocess.Popen:
+    def train(self, run: str, *overrides, **kw):
         """train.py (through RUN) into <out>/runs/<run>."""
         return self.sh(PY, "-c", RUN, "train.py", *overrides, *self.common, f"run_dir={self.runs / run}", **kw)
 
@@ -101,18 +102,16 @@ class Check:
         t0, self.log = time.time(), self.out / f"{name}.log"
         try:
             status, what = "PASS", fn(self)
-            if what.startswith("SKIP: "):
-                print(f"SKIP {name:<14}{time.time() - t0:5.0f} s  {what[6:]}", flush=True)
-                return  # nothing measured, nothing recorded
         except Exception as e:  # a failed check is reported, the others still run
             status, what = "FAIL", f"{type(e).__name__}: {e}"
             with open(self.log, "a") as log:
                 traceback.print_exc(file=log)
+        if what.startswith("SKIP: "):  # nothing measured, nothing recorded
+            return print(f"SKIP {name:<14}{time.time() - t0:5.0f} s  {what[6:]}", flush=True)
         # What its commands used, over all of them: RUN's peak lines and torch's log lines.
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        peak = max(map(float, PEAK.findall(text)), default=None)
-        breaks, recompiles = text.count("[__graph_breaks] Graph break"), text.count("[__recompiles] Recompiling")
-        used = (f"peak {peak:.1f} GiB, " if peak else "") + f"{breaks} graph breaks, {recompiles} recompiles"
+        text, peak = self.text(), max(map(float, PEAK.findall(self.text())), default=None)
+        used = (f"peak {peak:.1f} GiB, " if peak else "") + f"{text.count(BREAK)} graph breaks, " \
+            f"{text.count(RECOMPILE)} recompiles"
         print(f"{status} {name:<14}{time.time() - t0:5.0f} s  {what} [{used}]", flush=True)
         self.results[name] = {"result": status, "measured": what, "used": used}
 
@@ -142,7 +141,7 @@ def stop_and_resume(c: Check, run: str, overrides: list[str], steps: int, batch:
     over = [*overrides, f"trainer.max_steps={steps}", f"trainer.global_batch_size={batch}"]
     c.train(run, *over, f"trainer.stop_after={steps // 2}")
     c.train(run, *over)  # the same run folder: it resumes from last.pt
-    if f"resumed at step {steps // 2}" not in c.log.read_text():
+    if f"resumed at step {steps // 2}" not in c.text():
         raise RuntimeError(f"the second invocation did not resume at step {steps // 2}")
     logged_once(c.runs / run, steps)
     val = metrics(c.runs / run, "val").tail(1).filter(like="val_").dropna(axis=1)  # none: the run logs no eval
@@ -185,11 +184,11 @@ def compiled(c: Check) -> str:
     if not c.args.compile:
         return "SKIP: --no-compile"
     # Side by side: compilation is mostly one core's work. trainer.compile=true is auto's choice on CUDA.
-    procs = [c.train(f"{name}_{mode}", *over, f"trainer.compile={str(mode == 'compiled').lower()}", wait=False)
-             for name, over in tiny(c).items() for mode in ("eager", "compiled")]
-    for proc in procs:
-        c.wait(proc, timeout=900)
-    if "[__graph_breaks] Graph break" in c.log.read_text():
+    jobs = [(f"{name}_{mode}", *over, f"trainer.compile={str(mode == 'compiled').lower()}")
+            for name, over in tiny(c).items() for mode in ("eager", "compiled")]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # one thread per run, waiting on its process
+        list(pool.map(lambda job: c.train(*job, timeout=900), jobs))  # list(): the first failure raises
+    if BREAK in c.text():
         raise RuntimeError(f"graph breaks in the compiled runs ({c.log})")
     pairs = {name: (c.runs / f"{name}_eager", c.runs / f"{name}_compiled") for name in tiny(c)}
     return "largest relative loss gap eager vs compiled: " + same_losses(c, pairs)
@@ -221,8 +220,9 @@ def differing(result: dict) -> list[str]:
     out = []
     for name, res in result.items():
         for phase, prints in res["phases"].items():
-            # A tensor only one rank holds differs too (get: None on the other).
-            if bad := sorted(k for k in set().union(*prints) if any(p.get(k) != prints[0].get(k) for p in prints)):
+            # One row per rank, one column per tensor: a tensor only one rank holds differs too (NaN).
+            df = pd.DataFrame(prints)
+            if bad := sorted(df.columns[df.ne(df.iloc[0]).any()]):
                 out.append(f"{name} {phase}: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
     return out
 
@@ -231,15 +231,18 @@ def preemption(c: Check) -> str:
     """SIGUSR1 part-way: last.pt and the requeue status 75, then the same command finishes the run."""
     over = ["experiment=gpt_pydoc", f"model={c.gpt}", "trainer.max_steps=60", "trainer.eval_every=1000",
             "trainer.ckpt_every=1000", "trainer.num_workers=2"]
-    proc, t0, log = c.train("preempt", *over, wait=False), time.time(), c.runs / "preempt/metrics.jsonl"
-    # Signalled once 3 steps are logged: inside the loop, past set-up and compilation.
-    while not log.exists() or log.read_text().count("\n") < 3:
-        if proc.poll() is not None or time.time() - t0 > 300:
-            proc.kill()
-            raise RuntimeError(f"no step 3 logged (status {proc.poll()})")
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)
-    c.wait(proc, expect=75)  # train.signals.EXIT_REQUEUE
+    proc, t0, log = c.train("preempt", *over, popen=True), time.time(), c.runs / "preempt/metrics.jsonl"
+    try:  # signalled once 3 steps are logged: inside the loop, past set-up and compilation
+        while not log.exists() or log.read_text().count("\n") < 3:
+            if proc.poll() is not None or time.time() - t0 > 300:
+                raise RuntimeError(f"no step 3 logged (status {proc.poll()})")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        proc.wait(timeout=600)
+    finally:
+        proc.kill()  # a no-op once it has ended
+    if proc.returncode != 75:  # train.signals.EXIT_REQUEUE
+        raise RuntimeError(f"exit status {proc.returncode} after SIGUSR1, expected 75: {c.tail()} ({c.log})")
     stopped = torch.load(c.ckpt("preempt"), map_location="cpu", weights_only=True)["loop"]["step"]
     c.train("preempt", *over)  # what a requeued job runs: the same command
     logged_once(c.runs / "preempt", 60)
@@ -255,15 +258,16 @@ def d20(c: Check) -> str:
     out = []
     for gc in ("false", "true"):
         # CAP_GIB: RUN caps the process at what an 80 GB card's allocator can hand out.
-        start = len(c.log.read_text()) if c.log.exists() else 0
-        proc = c.train(f"d20_gc_{gc}", "experiment=gpt_d20", *size, f"data.root={bpe(c, 'stdlib', vocab)}",
+        start = len(c.text())
+        done = c.train(f"d20_gc_{gc}", "experiment=gpt_d20", *size, f"data.root={bpe(c, 'stdlib', vocab)}",
                        f"data.vocab_size={vocab}", "data.val_tokens=524288", "trainer.max_steps=3",
                        f"model.grad_checkpointing={gc}", expect=None, timeout=1200, CAP_GIB="79.6")
-        text = c.log.read_text()[start:]  # this run's part of the log
+        text = c.text()[start:]  # this run's part of the log
         if "OutOfMemoryError" in text:
             out.append(f"grad_checkpointing={gc}: out of memory")
             continue
-        c.wait(proc)  # any other failure raises
+        if done.returncode:  # any other failure
+            raise RuntimeError(f"exit status {done.returncode}: {c.tail()} ({c.log})")
         m, peak = metrics(c.runs / f"d20_gc_{gc}").iloc[-1], PEAK.findall(text)  # the last step: warm
         out.append(f"grad_checkpointing={gc}: peak {peak[-1] + ' GiB' if peak else 'n/a (no CUDA)'}, "
                    f"{m.tok_per_s:,.0f} tokens/s, MFU {m.get('mfu', float('nan')):.1%}")
@@ -362,12 +366,10 @@ CHECKS = {  # in this order: the evaluations and analysis read the checkpoints o
 
 def record(c: Check, path: Path) -> None:
     """Append this run's results to `path` (JSON lines); write the last run of each check to <path>.md."""
-    # The commit, "-dirty" when tracked files differ from it (a run of edited code).
-    rev = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=30).stdout.strip() or "unknown"
-    run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    run = {"date": pd.Timestamp.now("UTC").strftime("%Y-%m-%d %H:%M UTC"),
            "gpu": torch.cuda.get_device_name(c.args.device) if c.cuda else f"{c.args.device} (dry run)",
-           "commit": rev, "torch": torch.__version__, "command": " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])}
+           "commit": git_commit() or "unknown", "torch": torch.__version__,
+           "command": " ".join(["bash scripts/gpu_check.sh", *sys.argv[1:]])}
     with open(path, "a") as f:
         f.writelines(json.dumps({"check": name, **res, **run}) + "\n" for name, res in c.results.items())
     rows = pd.DataFrame([json.loads(line) for line in path.read_text().splitlines() if line.strip()])

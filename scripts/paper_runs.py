@@ -6,12 +6,12 @@
     bash slurm/paper.sh --only sweep=deit3_vitb,k=0 --submit [--no-dry-run]  # sbatch lines (or submitted)
     bash slurm/paper.sh --only sweep=gpt_d20 -- trainer.max_steps=100        # overrides for every run
 
-The sweeps are README's "Paper experiments" (the values' sources: SWEEPS). A run's cost is its
-steps (train.recipe's arithmetic on the composed experiment) x its FLOPs per step (torch's
-FlopCounterMode over one forward and backward of the trainer's own model on fake tensors), or for
-an evaluation its images x the frozen backbone's forward, over the H200 FLOP/s of the one measured
-run of each family (VIT_RECORD, GPT_RECORD). Not counted: analysis and LM-benchmark jobs (minutes), a data loader
-slower than the GPU, restarts.
+The sweeps are README's "The paper's experiments" (docs/slurm.md "The paper's runs"; the values'
+sources: SWEEPS). A run's cost is its steps (train.recipe's arithmetic on the composed experiment)
+x its FLOPs per step (torch's FlopCounterMode over one forward and backward of the trainer's own
+model on fake tensors), or for an evaluation its images x the frozen backbone's forward, over the
+H200 FLOP/s of the one measured run of each family (VIT_RECORD, GPT_RECORD). Not counted: analysis
+and LM-benchmark jobs (minutes), a data loader slower than the GPU, restarts.
 """
 from __future__ import annotations
 
@@ -39,18 +39,18 @@ ADE_WINDOWS = 2  # sliding windows (512, stride 341) per ADE20K test image at a 
 VIT_RECORD = dict(experiment="deit3_in1k", model="vitb_0L", img_size=224, images_per_s=2285.0)
 GPT_RECORD = dict(experiment="gpt_d20", model="gpt_d20_0L", tokens_per_s=80_000.0)
 AUTHOR_GPUS = ("--ntasks-per-node=4", "--gpus-per-node=4", "--time=03:00:00")  # his sweeps' 4 GPUs
-# name: experiment, model prefix (+ "_<k>L"), ks, seeds, the chain's stages (1st trains), overrides,
-# sbatch flags, whose MFU applies. The paper names no seeds for the GPT and DINO: one each.
-SWEEPS = {
+# One row per sweep: its experiment, model prefix (+ "_<k>L"), ks, seeds, the chain's stages (the first
+# trains), overrides, sbatch flags, whose MFU applies. The paper names no seeds for the GPT and DINO: one each.
+SWEEPS = pd.DataFrame.from_records([
     # the first author's timm fork: imagenet_sweep_base_mixed.sh, imagenet_sweep_large_mixed.sh
-    "deit3_vitb": ("deit3_in1k_author", "vitb", (0, 1, 3, 6, 9, 11, 12), (0, 1, 2), ("train",), (), AUTHOR_GPUS, "vit"),
-    "deit3_vitl": ("deit3_in1k_author", "vitl", (0, 4, 8, 12, 16), (0, 1, 2), ("train",),
-                   ("model.drop_path_rate=0.45",), AUTHOR_GPUS, "vit"),
+    ("deit3_vitb", "deit3_in1k_author", "vitb", [0, 1, 3, 6, 9, 11, 12], [0, 1, 2], ["train"], [], AUTHOR_GPUS, "vit"),
+    ("deit3_vitl", "deit3_in1k_author", "vitl", [0, 4, 8, 12, 16], [0, 1, 2], ["train"],
+     ["model.drop_path_rate=0.45"], AUTHOR_GPUS, "vit"),
     # configs/experiment/gpt_d20.yaml: k = 0..10; slurm/chains/gpt_d20.sh
-    "gpt_d20": ("gpt_d20", "gpt_d20", tuple(range(11)), (0,), ("train", "gpt_d20_mid", "gpt_d20_sft"), (), (), "gpt"),
+    ("gpt_d20", "gpt_d20", "gpt_d20", list(range(11)), [0], ["train", "gpt_d20_mid", "gpt_d20_sft"], [], [], "gpt"),
     # configs/experiment/dino_in1k.yaml: k = 0..6; slurm/chains/dino.sh
-    "dino": ("dino_in1k", "vits", tuple(range(7)), (0,), ("train", "knn", "linear", "seg"), (), (), "vit"),
-}
+    ("dino", "dino_in1k", "vits", list(range(7)), [0], ["train", "knn", "linear", "seg"], [], [], "vit"),
+], columns=["sweep", "experiment", "arch", "k", "seed", "stage", "extra", "sbatch", "family"], index="sweep")
 KEYS = ("sweep", "experiment", "model", "k", "seed", "stage")  # what --only selects on
 EVALS = {"knn": "eval.knn", "linear": "eval.linear", "seg": "eval.segmentation"}
 
@@ -149,38 +149,44 @@ def select(df: pd.DataFrame, spec: str) -> pd.Series:
         if not sep or key not in KEYS:
             raise ConfigError(f"--only {spec}: '{word}' is no KEY=VALUE with KEY one of {', '.join(KEYS)}")
         want.setdefault(key, set()).add(value)
-    return df[list(want)].astype(str).apply(lambda col: col.isin(want[col.name])).all(axis=1)
+    return df[list(want)].astype(str).isin(want).all(axis=1)
+
+
+def stage_cost(name: str, stage: str, overrides: tuple[str, ...]) -> dict:
+    """The cost of one run of a sweep's stage. Counted at the sweep's first k: the Laplacian heads'
+    subtraction is no matmul, so every k costs the same FLOPs (tests/test_paper_runs.py)."""
+    sweep = SWEEPS.loc[name]
+    ov = (f"model={sweep.arch}_{sweep.k[0]}L", *sweep.extra, *overrides)
+    if stage == "train":
+        steps, flops = train_cost(sweep.experiment, ov)
+    elif stage in EVALS:
+        steps, flops = eval_cost(stage, sweep.experiment, ov)
+    else:  # a later stage of the chain (mid-training, SFT), initialised from the one before;
+        # data.root= is the pre-training's there (slurm/chains/gpt_d20.sh)
+        steps, flops = train_cost(stage, (ov[0], "trainer.init_from=x", *(o for o in ov[1:]
+                                                                       if not o.startswith("data.root="))))
+    return dict(unit="img" if stage in EVALS else "step", steps=steps, flops_per_step=flops,
+                gpu_hours=steps * flops / rates()[sweep.family] / 3600)
 
 
 def runs(only: list[str] = (), overrides: list[str] = (), seeds: dict | None = None) -> pd.DataFrame:
     """The paper's runs matching any --only spec (all without one), one row each with its cost
     under `overrides`; `seeds`: another seed list per sweep name."""
-    rows = [dict(sweep=name, experiment=EVALS.get(stage, exp if stage == "train" else stage), model=f"{arch}_{k}L",
-                 k=k, seed=seed, stage=stage)
-            for name, (exp, arch, ks, sweep_seeds, stages, *_) in SWEEPS.items()
-            for stage in stages for k in ks for seed in (seeds or {}).get(name, sweep_seeds)]
-    df = pd.DataFrame(rows)
+    sweeps = SWEEPS.assign(seed=[(seeds or {}).get(name, s) for name, s in SWEEPS.seed.items()])
+    # One row per sweep, stage, k and seed, in that order: the lists exploded into their product.
+    df = sweeps.explode("stage").explode("k").explode("seed").reset_index()
+    # A stage's experiment: the sweep's for training, the evaluation's module, else the stage's own.
+    experiment = df.stage.map(EVALS).fillna(df.experiment.where(df.stage == "train", df.stage))
+    df = df.assign(model=df.arch + "_" + df.k.astype(str) + "L", k=df.k.astype(int), seed=df.seed.astype(int),
+                   experiment=experiment)[list(KEYS)]
     if only:
         df = df[pd.concat([select(df, spec) for spec in only], axis=1).any(axis=1)].reset_index(drop=True)
     if df.empty:
         raise ConfigError(f"--only {' --only '.join(only)}: no run of the paper matches (bash slurm/paper.sh --runs)")
-    cost = {}
-    for name, stage in df[["sweep", "stage"]].drop_duplicates().itertuples(index=False):
-        # Counted once per sweep and stage: the Laplacian heads' subtraction is no matmul, so every
-        # k costs the same FLOPs (tests/test_paper_runs.py).
-        exp, arch, ks, _, _, extra, _, family = SWEEPS[name]
-        ov = (f"model={arch}_{ks[0]}L", *extra, *overrides)
-        if stage == "train":
-            steps, flops = train_cost(exp, ov)
-        elif stage in EVALS:
-            steps, flops = eval_cost(stage, exp, ov)
-        else:  # a later stage of the chain (mid-training, SFT), initialised from the one before;
-            # data.root= is the pre-training's there (slurm/chains/gpt_d20.sh)
-            steps, flops = train_cost(stage, (ov[0], "trainer.init_from=x", *(o for o in ov[1:]
-                                                                           if not o.startswith("data.root="))))
-        cost[name, stage] = dict(unit="img" if stage in EVALS else "step", steps=steps, flops_per_step=flops,
-                                 gpu_hours=steps * flops / rates()[family] / 3600)
-    return df.join(pd.DataFrame([cost[key] for key in zip(df.sweep, df.stage)], index=df.index))
+    # Each sweep's stage is costed once: its runs differ only in k and seed.
+    stages = df[["sweep", "stage"]].drop_duplicates()
+    cost = pd.DataFrame([stage_cost(*key, tuple(overrides)) for key in stages.itertuples(index=False)])
+    return df.merge(pd.concat([stages.reset_index(drop=True), cost], axis=1), on=["sweep", "stage"], how="left")
 
 
 def table(df: pd.DataFrame) -> str:
@@ -206,7 +212,7 @@ def submissions(df: pd.DataFrame, overrides: list[str], code_execution: bool) ->
     a chain script per GPT / DINO (model, seed), submitted whole when any of its stages is selected."""
     cmds = []
     for (name, model), runs_ in df.groupby(["sweep", "model"], sort=False):
-        exp, *_, extra, sbatch, _ = SWEEPS[name]
+        exp, extra, sbatch = SWEEPS.loc[name, ["experiment", "extra", "sbatch"]]
         if name.startswith("deit3"):
             seeds = ",".join(map(str, sorted(set(runs_.seed))))
             cmds.append(["bash", "slurm/sweep.sh", "--models", model, "--seeds", seeds, *sbatch, "--",
@@ -222,9 +228,6 @@ def submissions(df: pd.DataFrame, overrides: list[str], code_execution: bool) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # Hydra overrides after `--` go to every run (and its cost).
-    argv, overrides = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(prog="bash slurm/paper.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", action="append", default=[], metavar="KEY=V[,KEY=V...]",
                    help=f"the runs whose KEYs ({' '.join(KEYS)}) all match, a key given twice either value; "
@@ -235,13 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-dry-run", dest="dry_run", action="store_false", help="with --submit: really submit")
     p.add_argument("--allow-code-execution", action="store_true",
                    help="the GPT chains' benchmarks include HumanEval (runs model-written code)")
+    # After `--` (argparse: positional), Hydra overrides for every run and its cost.
+    p.add_argument("overrides", nargs="*", metavar="-- OVERRIDE", help="Hydra overrides of every run")
     a = p.parse_args(argv)
+    overrides = a.overrides
     seeds = {}
     for spec in a.seeds:
         name, _, values = spec.partition("=")
-        if name not in SWEEPS or not values:
-            raise ConfigError(f"--seeds {spec}: use SWEEP=0,1,... with SWEEP one of {', '.join(SWEEPS)}")
-        seeds[name] = tuple(int(v) for v in values.split(","))
+        if name not in SWEEPS.index or not values:
+            raise ConfigError(f"--seeds {spec}: use SWEEP=0,1,... with SWEEP one of {', '.join(SWEEPS.index)}")
+        seeds[name] = [int(v) for v in values.split(",")]
     df = runs(a.only, overrides, seeds)
     if a.runs:
         print(df.drop(columns="flops_per_step").to_markdown(index=False, intfmt=",", floatfmt=",.3g"))

@@ -152,7 +152,8 @@ DINO_COLUMNS = [("20-NN top-1 (%)", ".2f", lambda r, g: _knn_top1(Path(r["run_di
 
 def table(title: str, columns, models, run_dirs, geometries):
     print(f"\n{title}")
-    print(f"{'model':<10} {'Laplacian heads':>16} " + " ".join(f"{h:>{len(h) + 1}}" for h, _, _ in columns) + "  run dir")
+    header = " ".join(f"{h:>{len(h) + 1}}" for h, _, _ in columns)
+    print(f"{'model':<10} {'Laplacian heads':>16} {header}  run dir")
     for model, run_dir, geo in zip(models, run_dirs, geometries):
         res = {**json.loads((run_dir / "results.json").read_text()), "run_dir": str(run_dir)}
         cells = " ".join(f"{fn(res, geo):>{len(h) + 1}{fmt}}" for h, fmt, fn in columns)

@@ -19,12 +19,12 @@ A re-run, after a stopped one, sorts what is still flat.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
+
+import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout: python scripts/...
 
@@ -51,16 +51,18 @@ def solution_labels(path: Path) -> dict[str, str]:
     whose PredictionString starts with the wnid (then boxes: "<wnid> x0 y0 x1 y1 <wnid> ...")."""
     if not Path(path).is_file():
         raise UserError(f"--solution {path}: no such file")
-    labels = {}
-    with open(path, newline="") as f:
-        for k, row in enumerate(csv.DictReader(f), start=2):
-            # An image holds one class: every box repeats the same wnid, so the first token is it.
-            wnid = (row.get("PredictionString") or "").split()[:1]
-            if "ImageId" not in row or not wnid or not re.fullmatch(r"n\d{8}", wnid[0]):
-                raise UserError(f"--solution {path}: line {k} is no `ImageId,<wnid> boxes...` row of "
-                                f"Kaggle's LOC_val_solution.csv: {row}")
-            labels[f"{row['ImageId']}.JPEG"] = wnid[0]
-    return labels
+    try:
+        raw = pd.read_csv(path, dtype=str)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:  # not a CSV, or an empty file
+        raise UserError(f"--solution {path}: not Kaggle's LOC_val_solution.csv ({e})") from None
+    rows = raw.reindex(columns=["ImageId", "PredictionString"]).astype("string")  # a column it lacks: NA
+    # An image holds one class: every box repeats the same wnid, so the first token is it.
+    wnid = rows.PredictionString.str.split().str[0]
+    if (bad := rows.ImageId.isna() | ~wnid.str.fullmatch(r"n\d{8}", na=False)).any():
+        k = bad.idxmax()  # the first bad row; line k + 2 of the file (after the header)
+        raise UserError(f"--solution {path}: line {k + 2} is no `ImageId,<wnid> boxes...` row of "
+                        f"Kaggle's LOC_val_solution.csv: {raw.iloc[k].to_dict()}")
+    return dict(zip(rows.ImageId + ".JPEG", wnid))
 
 
 def sort_val(val: Path, labels: dict[str, str], out: Path | None = None, link: bool = False) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README command 2: set up .venv, then run the test suite.
+# README's second command: set up .venv, then run the test suite.
 #   bash scripts/test.sh          every test not marked slow (about 5 minutes on 2 cores)
 #   bash scripts/test.sh --all    every test: also the slow end-to-end ones (Slurm, preemption, the
 #                                 quick start, the miniature; 15-18 minutes), as CI (.ci/run) runs it

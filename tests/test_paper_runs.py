@@ -53,7 +53,7 @@ def test_every_run_listed_with_positive_hours_proportional_to_steps():
 def test_filters_select_unions_and_refuse_unknown_keys():
     from laplace.errors import ConfigError
 
-    assert paper_runs.SWEEPS["deit3_vitb"][3] == (0, 1, 2)  # seeds
+    assert paper_runs.SWEEPS.seed["deit3_vitb"] == [0, 1, 2]
     df = pd.DataFrame([dict(sweep="dino", experiment="eval.knn", model=f"vits_{k}L", k=k, seed=0, stage="knn")
                        for k in (4, 5)] + [dict(sweep="gpt_d20", experiment="gpt_d20", model="gpt_d20_5L", k=5,
                                                 seed=0, stage="train")])

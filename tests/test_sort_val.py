@@ -163,6 +163,9 @@ def test_bad_label_files_are_one_line(tmp_path):
         sv.solution_labels(bad)
     with pytest.raises(UserError, match="no such file"):
         sv.solution_labels(tmp_path / "absent.csv")
+    bad.write_text("")  # pandas' EmptyDataError, said in one line
+    with pytest.raises(UserError, match="not Kaggle's LOC_val_solution.csv"):
+        sv.solution_labels(bad)
 
 
 def test_command_line(archives, tmp_path, capsys):
