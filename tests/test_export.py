@@ -119,7 +119,7 @@ def test_a_headless_backbone_without_layerscale_loads_in_timm(tmp_path):
     assert "pipeline_tag: image-feature-extraction" in card and "no classes, no LayerScale, QK-norm on" in card
 
 
-def test_laplacian_vit_round_trips_and_timm_is_refused(tmp_path):
+def test_laplacian_vit_round_trips_and_loads_in_timm_once_laplace_is_imported(tmp_path):
     ckpt, model = _checkpoint(tmp_path, VIT2, DATA)
     out = export(ckpt, tmp_path / "export")
     x = _images()
