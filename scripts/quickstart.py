@@ -41,10 +41,6 @@ DINO_MODELS = ("vits_0L", "vits_5L")  # experiment=dino_digits: 6 heads of 16, 5
 STAGES: list[tuple[str, float, float]] = []
 
 
-def _run(cmd: list[str], stage: str) -> str:
-    return _run_side_by_side([(cmd, stage)])[0]
-
-
 def _run_side_by_side(jobs: list[tuple[list[str], str]]) -> list[str]:
     """Run the (command, stage) jobs at once and return their stdouts. Two or more get one torch
     thread each: on 2 cores a pair side by side with 1 thread each took less than half the CPU
@@ -86,7 +82,8 @@ def stage_table(elapsed: float) -> None:
     # Machines of one name differ (AVX-512 or AVX2 kernels, the VM's day): the times name both.
     print(f"\nStage times on {cpu_model()}, {len(os.sched_getaffinity(0))} cores, torch CPU kernels "
           f"{torch.backends.cpu.get_cpu_capability()} (wall m:s, CPU s = user + system of the stage's processes)")
-    print("  (a pair's two trainings run side by side, one thread each: their wall times overlap)")
+    print("  (a pair's two trainings, and the analyses with the k-NN, run side by side, one thread each: "
+          "their wall times overlap)")
     if install:
         print(f"  {'install (.venv; 0 when already there)':<40} {_minsec(float(install)):>8}")
     for stage, wall, cpu in STAGES:
@@ -106,21 +103,25 @@ def train(models: tuple[str, ...], overrides: list[str]) -> list[Path]:
     return [ROOT / ln.split("run_dir=", 1)[1].split()[0] for ln in lines]
 
 
-def analyse(run_dirs: list[Path], overrides: list[str], out_dir: Path) -> list[dict]:
-    """`python -m analysis` on both checkpoints; returns their analysis.json contents."""
+def analysis_job(run_dirs: list[Path], overrides: list[str], out_dir: Path) -> tuple[list[str], str]:
+    """`python -m analysis` on both checkpoints, as a (command, stage) job."""
     ckpts = [d / "ckpt" / "last.pt" for d in run_dirs]
-    out = _run([sys.executable, "-m", "analysis", f"checkpoint=[{','.join(map(str, ckpts))}]",
-                f"analysis_out={out_dir}", "progress=false", *overrides], f"analysis {out_dir.parent.name}")
-    # one "[analysis] wrote <dir>/analysis.json" line per checkpoint, in order
+    return ([sys.executable, "-m", "analysis", f"checkpoint=[{','.join(map(str, ckpts))}]",
+             f"analysis_out={out_dir}", "progress=false", *overrides], f"analysis {out_dir.parent.name}")
+
+
+def analysis_results(out: str) -> list[dict]:
+    """The analysis.json contents an analysis job wrote: one "[analysis] wrote <dir>/analysis.json"
+    line per checkpoint, in order."""
     wrote = [ln.split("wrote ", 1)[1] for ln in out.splitlines()
              if ln.startswith("[analysis] wrote ") and ln.endswith("analysis.json")]
     return [json.loads(Path(p).read_text()) for p in wrote]
 
 
-def knn(run_dirs: list[Path], overrides: list[str]) -> None:
-    """`python -m eval.knn` on each run's last checkpoint, side by side: <run>/eval/knn_<data>/results.json."""
-    _run_side_by_side([([sys.executable, "-m", "eval.knn", f"checkpoint={d / 'ckpt' / 'last.pt'}", "num_workers=1",
-                         *overrides], f"k-NN {d.name}") for d in run_dirs])
+def knn_jobs(run_dirs: list[Path], overrides: list[str]) -> list[tuple[list[str], str]]:
+    """`python -m eval.knn` on each run's last checkpoint: <run>/eval/knn_<data>/results.json."""
+    return [([sys.executable, "-m", "eval.knn", f"checkpoint={d / 'ckpt' / 'last.pt'}", "num_workers=1",
+              *overrides], f"k-NN {d.name}") for d in run_dirs]
 
 
 def _knn_top1(run_dir: Path) -> float:  # eval.knn's results.json in the run's folder
@@ -172,15 +173,19 @@ def main(args: list[str]):
     start = time.perf_counter()
     # the digits need no loader processes: workers only add processes to the 2 cores
     vit_dirs = train(VIT_MODELS, ["trainer.num_workers=0", *common, *only("vit.")])
-    vit_geo = analyse(vit_dirs, analysis_args, vit_dirs[0].parent / "vit" / "analysis")
-    _run([sys.executable, "prepare.py", "source=pydoc", "vocab_size=4096",
-          "progress=false", *paths], "prepare (BPE 4096, shards)")
+    _run_side_by_side([([sys.executable, "prepare.py", "source=pydoc", "vocab_size=4096", "progress=false", *paths],
+                        "prepare (BPE 4096, shards)")])
     lm_dirs = train(LM_MODELS, ["experiment=gpt_tiny", *common, *only("lm.")])
-    lm_geo = analyse(lm_dirs, analysis_args, lm_dirs[0].parent / "lm" / "analysis")
     dino_dirs = train(DINO_MODELS, ["experiment=dino_digits", *common, *only("dino.")])
-    knn(dino_dirs, paths)
-    # with DINOv2-style PCA maps of the patch tokens of 8 validation digits (pca_maps.png)
-    dino_geo = analyse(dino_dirs, ["pca_maps=8", *analysis_args], dino_dirs[0].parent / "dino" / "analysis")
+    # The analyses and DINO's k-NN only read finished checkpoints: run side by side, they keep both
+    # cores busy, where one analysis at a time (its figures single-threaded) left one half idle.
+    outs = _run_side_by_side([
+        analysis_job(vit_dirs, analysis_args, vit_dirs[0].parent / "vit" / "analysis"),
+        analysis_job(lm_dirs, analysis_args, lm_dirs[0].parent / "lm" / "analysis"),
+        # with DINOv2-style PCA maps of the patch tokens of 8 validation digits (pca_maps.png)
+        analysis_job(dino_dirs, ["pca_maps=8", *analysis_args], dino_dirs[0].parent / "dino" / "analysis"),
+        *knn_jobs(dino_dirs, paths)])
+    vit_geo, lm_geo, dino_geo = map(analysis_results, outs[:3])
 
     table("1. Supervised ViT-Tiny on the built-in digits (trainer=deit3)", VIT_COLUMNS, VIT_MODELS, vit_dirs, vit_geo)
     table("2. GPT language model on the built-in help text (trainer=gpt, BPE 4096, Muon)", LM_COLUMNS,

@@ -266,10 +266,10 @@ def test_quickstart_prints_geometry(tmp_path):
     assert "cores, torch CPU kernels" in lines[head]  # the machine the times are of
     stages = lines[head + 2:]
     names = [ln[:42].strip() for ln in stages]
-    assert names == ["install (.venv; 0 when already there)", "train vitt_0L", "train vitt_3L", "analysis vit",
-                     "prepare (BPE 4096, shards)", "train gpt_d2_0L", "train gpt_d2_1L", "analysis lm",
-                     "train vits_0L", "train vits_5L", "k-NN vits_0L", "k-NN vits_5L", "analysis dino",
-                     "total after the install", "total"]
+    assert names == ["install (.venv; 0 when already there)", "train vitt_0L", "train vitt_3L",
+                     "prepare (BPE 4096, shards)", "train gpt_d2_0L", "train gpt_d2_1L", "train vits_0L",
+                     "train vits_5L", "analysis vit", "analysis lm", "analysis dino", "k-NN vits_0L",
+                     "k-NN vits_5L", "total after the install", "total"]
     assert stages[0].split()[-1] == "0:07.0"
     walls = [60 * float(m) + float(s) for m, s in (ln.split()[-2].split(":") for ln in stages[1:-2])]
     cpus = [float(ln.split()[-1]) for ln in stages[1:-2]]
