@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import platform
 import re
-import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -13,6 +12,7 @@ import timm
 import torch
 
 from laplace.io import atomic_write, write_json
+from train.logger import git_commit  # noqa: F401  (bench.cli and scripts/gpu_check.py read it here)
 
 TITLES = {
     "vit": "Forward + backward of a ViT and of its first attention layer (ms: Timer's median); "
@@ -40,16 +40,6 @@ def machine(device: str) -> dict:
     if torch.device(device).type == "cuda":
         info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     return info
-
-
-def git_commit() -> str | None:
-    """HEAD's commit, "-dirty" when tracked files differ from it (a run of edited code); None outside a
-    checkout: a record names the code it measured (also scripts/gpu_check.py's)."""
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=30).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):  # no git
-        return None
 
 
 def number(x: float) -> str:

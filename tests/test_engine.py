@@ -16,7 +16,7 @@ from laplace.zoo import model_label
 import laplace
 from laplace.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from laplace.errors import ConfigError
-from train.logger import read_metrics
+from train.logger import git_commit, read_metrics
 from conftest import ROOT, TINY_VIT
 from train import run
 
@@ -68,9 +68,15 @@ def test_stops_between_log_steps_leave_the_records_of_an_uninterrupted_run(make_
         run(make_cfg(*common, *([f"trainer.stop_after={stop}"] if stop else []), run_dir=tmp_path / "resumed"))
         if stop == 13:
             assert load_checkpoint(tmp_path / "resumed/ckpt/last.pt")["loop"]["log_window"][0]["steps"] == 3
-    straight = untimed(tmp_path / "straight")
+    straight, resumed = untimed(tmp_path / "straight"), untimed(tmp_path / "resumed")
     assert [(r["step"], r["split"]) for r in straight] == [(s, split) for s in (10, 20, 25) for split in ("train", "val")]
-    assert untimed(tmp_path / "resumed") == straight  # the losses exactly, and every untimed field
+    # each resume is one record, its step and the commit that went on from it; nothing else differs
+    resumes = [r for r in resumed if r["split"] == "resume"]
+    assert [r["step"] for r in resumes] == [13, 22] and all(r["commit"] == git_commit() for r in resumes)
+    assert [r for r in resumed if r["split"] != "resume"] == straight  # the losses exactly, and every untimed field
+    results = [json.loads((tmp_path / d / "results.json").read_text()) for d in ("straight", "resumed")]
+    assert results[0]["resumes"] == [] and results[1]["resumes"] == [{"step": s, "commit": git_commit()} for s in (13, 22)]
+    assert results[0]["commit"] == results[1]["commit"] == git_commit() is not None  # the code that started it
 
 
 def test_the_log_window_restores_each_ranks_sum_and_averages_on_another_world_size():

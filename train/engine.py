@@ -46,7 +46,7 @@ from laplace.errors import ConfigError
 from laplace.io import write_json
 
 from .feeds import Feed, MapFeed, train_sampler
-from .logger import LogWindow, MetricsLogger, format_metrics, logged, print_line, progress_bar
+from .logger import LogWindow, MetricsLogger, format_metrics, git_commit, logged, print_line, progress_bar
 from .plan import step_plan
 from .optim import apply_group_schedules, build_optimizers, build_schedules, check_group_schedules, clip_gradients
 from .resume import check_resumable, find_checkpoint
@@ -143,6 +143,9 @@ class Trainer:
         self.step = 0
         self.window = LogWindow(self.device)  # the steps since the last train record (_restore fills it)
         self.resumed = resume is not None
+        # the code that started the run (git describe --dirty), kept in its checkpoints for results.json
+        # (a resume's own is MetricsLogger's "resume" record)
+        self.started_commit = git_commit() if self.dist.is_main else None
         if resume is not None:
             self._restore(*resume)
         # Rank 0's model is the run's (every rank built its own from its own seed): the whole trained
@@ -259,7 +262,8 @@ class Trainer:
             entries = dict(
                 optimizer=self.optimizers, rng=rngs,
                 loop={"step": self.step, "epoch": self.epoch, "feed": self.feed.state_dict(),
-                      "world_size": self.dist.world_size, "log_window": windows})
+                      "world_size": self.dist.world_size, "log_window": windows,
+                      "commit": self.started_commit})
             if exported is not self.model:  # the module trained, whole, for resume
                 entries["train_model"] = clean_state_dict(self.model.state_dict())
             if self.data.identity:
@@ -290,6 +294,7 @@ class Trainer:
                 raise CheckpointError(f"{path}: optimizer {name!r} does not fit this run: {e}") from None
         loop = ckpt["loop"]
         self.step = loop["step"]
+        self.started_commit = loop.get("commit")  # None: a checkpoint from before the record
         self.window.load_state_dict(loop.get("log_window"), self.dist.rank, self.dist.world_size)
         try:
             self.feed.load_state_dict(loop["feed"])
@@ -439,7 +444,9 @@ class Trainer:
         final = metrics or {"train_loss": next((r["loss"] for r in reversed(logged(self.run_dir, "train"))), None)}
         record = results_header(self.plain_config()["model"], d.name, self.ckpt_path, seed=self.cfg.seed,
                                 steps=self.step, epochs=self.epoch, global_batch_size=tc.global_batch_size,
-                                init_from=tc.init_from, final=final)
+                                init_from=tc.init_from, final=final, commit=self.started_commit,
+                                resumes=[{"step": r["step"], "commit": r.get("commit")}
+                                         for r in logged(self.run_dir, "resume")])
         if d.get("img_size"):
             record.update(img_size=d.img_size, patch_size=d.get("patch_size"))
         if self.best_metric and metrics:

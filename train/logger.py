@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,16 @@ WANDB_RECORD = "wandb.json"  # <run_dir>/wandb.json: the W&B run of a training r
 # The run's logs of one record per step (and split): cut back to the checkpoint's step on resume,
 # set aside on a fresh start (MetricsLogger). train/gpt.py appends samples.jsonl.
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
+
+
+def git_commit() -> str | None:
+    """HEAD's commit, "-dirty" when tracked files differ from it (a run of edited code); None outside a
+    checkout: a record names the code it measured (runs' results.json and resume records, benchmarks)."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):  # no git
+        return None
 
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:
@@ -142,8 +153,9 @@ class MetricsLogger:
         enabled: False on ranks other than 0: every call is then a no-op.
         wandb_cfg: None, or the `logger.wandb` config (project, entity, name, mode, group, tags, id).
         config: the resolved run config, sent to wandb.
-        resume_step: on resume, the checkpoint's step (the logs are cut back to it); None: a
-            fresh start, which sets aside the logs of an earlier attempt (`set_aside_attempt`).
+        resume_step: on resume, the checkpoint's step (the logs are cut back to it, then a record
+            {"step", "split": "resume", "commit"} added); None: a fresh start, which sets aside the
+            logs of an earlier attempt (`set_aside_attempt`).
     """
 
     def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, wandb_cfg: dict | None = None,
@@ -165,6 +177,9 @@ class MetricsLogger:
             # one run. W&B got those steps and keeps them (it drops a step lower than its last,
             # with a warning): steps up to the last one it was sent are not sent again.
             held = {name: cut_back(Path(run_dir) / name, resume_step) for name in STEP_LOGS}
+            # the resume point and the code that goes on from it: a run's records say which stretches
+            # ran on which commit (results.json's "resumes"); a fresh start adds no record
+            append_line(self.path, json.dumps({"step": resume_step, "split": "resume", "commit": git_commit()}))
             if sent_before:
                 self.wandb_has = max((r.get("step", 0) for r in held[self.path.name]), default=-1)
         if wandb_cfg:
