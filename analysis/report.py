@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from analysis.curves import draw_curves, points
 from analysis.runs import arm_key, arm_label, arms, collect, frame, layer_order, runs_roots
-from analysis.stats import describe, holm, interval_text, paired, verdict
+from analysis.stats import decisive_level, describe, holm, interval_text, paired, verdict
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
@@ -78,8 +78,9 @@ def _paradigm(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
 
 def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
     """Every claim of the plan tested: its fields, k, the arms' Summaries (base, arm), the Paired
-    test, family, Holm's p in it, the verdict; and under the sensitivity's other family choice its
-    Holm p and verdict (sens_p, sens_verdict)."""
+    test, family, Holm's p in it, the level of the interval that decides it, the verdict; and under
+    the sensitivity's other family choice its Holm p, level and verdict (sens_p, sens_level,
+    sens_verdict)."""
     rows = []
     for c in plan.claims:  # in the plan's order: the tables show them as declared
         p = plan.paradigms[c.paradigm]
@@ -101,8 +102,11 @@ def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
         keys = family[choice]
         out[col] = out[keys].astype(str).agg(" / ".join, axis=1) if keys else "all"
         out[f"{col}_p"] = out.groupby(col)["p"].transform(lambda ps: holm(list(ps)))
-        out[f"{col}_verdict"] = [verdict(t, s, hp) for t, s, hp in zip(out["test"], out["sign"], out[f"{col}_p"])]
-    return out.rename(columns={"family_p": "holm_p", "family_verdict": "verdict"})
+        # each verdict beside the interval at the level that decides it (stats.decisive_level)
+        out[f"{col}_level"] = [decisive_level(p, hp) for p, hp in zip(out["p"], out[f"{col}_p"])]
+        out[f"{col}_verdict"] = [verdict(t, s, hp, level=lv) for t, s, hp, lv in
+                                 zip(out["test"], out["sign"], out[f"{col}_p"], out[f"{col}_level"])]
+    return out.rename(columns={"family_p": "holm_p", "family_verdict": "verdict", "family_level": "level"})
 
 
 def _p(p: float) -> str:
@@ -115,8 +119,9 @@ def _mean(s) -> str:
 
 
 def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
-    """The claims as text: paradigm, claim, definition, layer, k, both arms, d [95% interval] (df),
-    p, Holm's p in its family, the verdict (or, with `sensitivity`, the other family choice)."""
+    """The claims as text: paradigm, claim, definition, layer, k, both arms, d [95% interval] (n, df),
+    p, Holm's p in its family, the verdict with the interval at its level (or, with `sensitivity`,
+    the other family choice's too)."""
     out = []
     for r in rows.to_dict("records"):  # text cells: the numbers at the precision a reader needs
         # "3 of 3": the arm beside the paper's (ViT-B-12L: all heads; its LM: 5 of 10)
@@ -125,7 +130,7 @@ def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
                # pandas' string columns hold a missing layer as NaN, not None
                "layer": r["layer"] if isinstance(r["layer"], str) else "model output", "k": k,
                "baseline": _mean(r["base"]), "arm": _mean(r["arm"]),
-               "d [95% CI] (n)": _d(t) + (f", df {t.df}" if t is not None and t.n > 1 else ""),
+               "d [95% CI] (n, df)": _d(t),
                "t": "" if t is None or t.n < 2 else f"{t.t:+.2f}", "p": _p(r["p"])}
         if sensitivity:
             row.update({"family (declared)": r["family"], "Holm p": _p(r["holm_p"]), "verdict": r["verdict"],
@@ -226,7 +231,7 @@ def equal_loss(f: pd.DataFrame, plan, name: str, claims) -> tuple[pd.DataFrame, 
     near = loss.assign(gap=(loss["value"] - target).abs()).sort_values("gap").drop_duplicates("run_dir")
     chosen = dict(zip(near["run_dir"], near["step"]))
     # the geometry of the chosen checkpoint of each run; the arms may sit at different steps
-    rows = [{"definition": c.definition, "d [95% CI] (n)": _d(_test(
+    rows = [{"definition": c.definition, "d [95% CI] (n, df)": _d(_test(
         g[(g["metric"] == c.metric) & (g["layer"] == c.layer) & (g["step"] == g["run_dir"].map(chosen))], p.arm))}
         for c in claims]
     how = f"L = {target:.4f} (val_loss); the nearest kept checkpoints: " + "; ".join(
@@ -311,8 +316,10 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               f"degrees of freedom; Holm's p is adjusted within the declared family ({plan.family}: "
               + {"paradigm": "per paradigm and role", "role": "per role, all paradigms together",
                  "all": "every row one family"}[plan.family]
-              + "). Verdict: agrees / disagrees with the paper when Holm's p < 0.05, else inconclusive with the "
-                "interval of the effects the seeds leave possible. Arms: mean ± sd (n).", "",
+              + "). Verdict: agrees / disagrees with the paper when Holm's p < 0.05, else inconclusive; beside it "
+                "the interval of d at the level that decides it, 1 - 0.05 p / Holm's p: Bonferroni's at Holm's "
+                "step (95% for a family of one, 97.5% for the first of two), so it excludes 0 exactly when the "
+                "verdict is not inconclusive. Arms: mean ± sd (n).", "",
               "### Primary", "", _md(claims_table(primary)), "",
               "### Secondary (other readings and layers, reported apart; Holm within their own family)", "",
               _md(claims_table(secondary)), "",
@@ -321,7 +328,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     if len(rows):
         # the claims as numbers (full precision) beside the Markdown: d, its interval and n per row
         sheet = rows.drop(columns=["test", "base", "arm"]).assign(
-            **{key: [getattr(t, key, None) for t in rows["test"]] for key in ("d", "lo", "hi", "n")})
+            **{key: [getattr(t, key, None) for t in rows["test"]] for key in ("d", "lo", "hi", "n", "df")})
         (out / "tables").mkdir(parents=True, exist_ok=True)
         atomic_write(out / "tables" / "claims.csv", sheet.to_csv(index=False, lineterminator="\n").encode())
     lines += ["## Learning curves", "", "Each arm's validation metric against the step: mean [95% interval] "

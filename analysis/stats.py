@@ -1,5 +1,6 @@
 """Statistics over seeds, in one place: a mean with its t-based 95% interval, the paired
-difference of two arms, Holm's correction and the verdict words. Every table, figure band and
+difference of two arms, Holm's correction, the interval at a Holm verdict's level and the verdict
+words. Every table, figure band and
 report of analysis/ takes its mean, spread and interval from here.
 
     from analysis.stats import describe, holm, paired, summarize, verdict
@@ -7,13 +8,15 @@ report of analysis/ takes its mean, spread and interval from here.
     t = paired({0: 94.1, 1: 95.0, 2: 93.8}, {0: 95.2, 1: 95.9, 2: 94.0})   # {seed: value} per arm
     t.d, t.lo, t.hi, t.df, t.t, t.p                    # arm - base, its 95% interval, ...
     holm([0.01, 0.04, 0.03])                           # adjusted p-values
-    verdict(t, sign=+1)                                # agrees / disagrees / inconclusive [lo, hi]
+    level = decisive_level(t.p, holm_p)                # the confidence whose interval decides as Holm does
+    t.at(level)                                        # (lo, hi) of the difference at that level
+    verdict(t, sign=+1, p=holm_p, level=level)         # "agrees [lo, hi] (97.5%)", disagrees, inconclusive
     summarize(frame, by=["k", "layer"])                # pandas: the same numbers per group
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -82,26 +85,36 @@ class Paired(Summary):
     def d(self) -> float:
         return self.mean
 
+    def at(self, level: float) -> tuple[float, float]:
+        """(lo, hi): the interval of d at confidence `level` (NaN for one seed; the point when
+        every seed moved by the same amount), scipy's, as `paired`'s at LEVEL."""
+        if self.n < 2 or self.se == 0:
+            return self.lo, self.hi
+        # the one-sample t of the differences is ttest_rel by definition: the same interval
+        ci = _stats.ttest_1samp(self.diffs, 0.0).confidence_interval(level)
+        return float(ci.low), float(ci.high)
+
 
 def paired(base: Mapping, arm: Mapping, level: float = LEVEL) -> Paired:
-    """The paired t of arm - base over the seeds (keys) both have; equal to scipy.stats.ttest_rel
-    (tests hold it)."""
+    """The paired t of arm - base over the seeds (keys) both have: scipy.stats.ttest_rel, its
+    statistic, p and confidence_interval(level)."""
     # paired: the arms of a seed share the data order and the initial weights (a Laplacian head adds
     # no parameter, so k changes no draw): the per-seed differences remove the spread both share.
     # Only the seeds both arms have: a pair is the unit, a seed without its partner says nothing.
     seeds = sorted(set(base) & set(arm), key=str)
-    diffs = tuple(float(arm[s]) - float(base[s]) for s in seeds)
+    a, b = [float(arm[s]) for s in seeds], [float(base[s]) for s in seeds]
+    diffs = tuple(x - y for x, y in zip(a, b))
     if not diffs:
         raise ValueError("paired: no seed is in both arms")
-    s = describe(diffs, level)
+    s = describe(diffs, level)  # mean, sd, se, n and df of the differences
     if s.n < 2:
         t, p = float("nan"), float("nan")
-    elif s.se == 0:  # every seed moved by exactly the same amount
+    elif s.se == 0:  # every seed moved by exactly the same amount (scipy gives NaN): the point
         t, p = (0.0, 1.0) if s.mean == 0 else (math.copysign(math.inf, s.mean), 0.0)
     else:
-        # Student's t on the differences; its p from scipy's t distribution (equal to ttest_rel's)
-        t = s.mean / s.se
-        p = float(2 * _stats.t.sf(abs(t), s.df))
+        r = _stats.ttest_rel(a, b)
+        t, p, ci = float(r.statistic), float(r.pvalue), r.confidence_interval(level)
+        s = replace(s, lo=float(ci.low), hi=float(ci.high))
     return Paired(**asdict(s), t=t, p=p, diffs=diffs)
 
 
@@ -117,25 +130,46 @@ def holm(pvalues: Sequence[float]) -> list[float]:
     return out
 
 
-def verdict(test: Optional[Paired], sign: int, p: Optional[float] = None, alpha: float = ALPHA) -> str:
+def decisive_level(p: float, adjusted: float, alpha: float = ALPHA) -> float:
+    """The confidence whose interval of d excludes 0 exactly when the Holm-adjusted p is below
+    alpha: 1 - alpha p / adjusted. Where Holm multiplied p by the m - i hypotheses left at its step,
+    this is the Bonferroni interval at that step's level, 1 - alpha / (m - i) (a family of one:
+    95%); where Holm's monotone step raised p further, the interval widens with it."""
+    # an interval excludes 0 at level 1 - g exactly when p < g, so g = alpha p / adjusted decides
+    # as adjusted < alpha does (simultaneous Bonferroni intervals at m would be wider than Holm
+    # needs, and could show an interval covering 0 beside a significant verdict)
+    if math.isnan(p) or math.isnan(adjusted) or adjusted <= 0:
+        return 1 - alpha
+    return 1 - alpha * p / adjusted
+
+
+def level_text(level: float) -> str:
+    return f"{100 * level:.3g}%"  # 95%, 97.5%, 98.3%
+
+
+def verdict(test: Optional[Paired], sign: int, p: Optional[float] = None, alpha: float = ALPHA,
+            level: float = LEVEL) -> str:
     """"agrees" / "disagrees" when p < alpha (the claim's direction `sign`: +1, the paper says it
-    grows; -1, it falls), else "inconclusive [lo, hi]" with the 95% interval of the difference.
-    `p` is the deciding p (Holm's, in a family); default the test's own. A non-significant test
-    rules nothing out by itself: the interval says which effects remain possible."""
+    grows; -1, it falls), else "inconclusive", each followed by the interval of the difference at
+    `level` ("[lo, hi] (97.5%)"). `p` is the deciding p (Holm's, in a family; default the test's
+    own) and `level` its `decisive_level`, so the interval excludes 0 exactly when the verdict is
+    not inconclusive. A non-significant test rules nothing out by itself: the interval says which
+    effects remain possible."""
     if test is None:
         return "not measured"
     p = test.p if p is None else p
     if math.isnan(p):
         return "one seed: no test"
+    lo, hi = test.at(level)
     # the direction of d, not its size, says agrees or disagrees: the interval gives the size
-    if p < alpha:
-        return "agrees" if test.d * sign > 0 else "disagrees"
-    return f"inconclusive [{test.lo:+.3g}, {test.hi:+.3g}]"
+    word = "inconclusive" if p >= alpha else "agrees" if test.d * sign > 0 else "disagrees"
+    return f"{word} [{lo:+.3g}, {hi:+.3g}] ({level_text(level)})"
 
 
 def interval_text(mean: float, lo: float, hi: float, n: Optional[int], fmt: str = ".3g", signed: bool = False) -> str:
-    """'mean [lo, hi] (n)', or 'mean (n)' without an interval (one seed)."""
+    """'mean [lo, hi] (n, df n - 1)', or 'mean (n)' without an interval (one seed): the df says
+    how wide a t interval of n values is (at n = 4, +-3.18 se)."""
     f = ("+" if signed else "") + fmt
     if not n or n < 2 or math.isnan(lo):
         return f"{mean:{f}} ({n})"
-    return f"{mean:{f}} [{lo:{f}}, {hi:{f}}] ({n})"
+    return f"{mean:{f}} [{lo:{f}}, {hi:{f}}] ({n}, df {n - 1})"

@@ -77,20 +77,27 @@ def test_claims_are_paired_with_intervals_and_holm_within_the_declared_families(
     assert acc["family"] == "a / primary" and share["family"] == "a / primary"
     # Holm within paradigm a's two rows: the adjusted p of each is Holm's over exactly those two
     assert [acc["holm_p"], share["holm_p"]] == pytest.approx(holm([acc["p"], share["p"]]))
-    assert acc["verdict"] == "agrees" and share["verdict"] == "disagrees"
+    assert acc["verdict"].startswith("agrees [") and share["verdict"].startswith("disagrees [")
+    # each verdict's interval is at the level that decides it: Bonferroni at Holm's step here
+    first = min(acc["p"], share["p"])
+    assert sorted([acc["level"], share["level"]]) == pytest.approx([0.95, 0.975])
+    assert (acc if acc["p"] == first else share)["level"] == pytest.approx(0.975)
+    lo, hi = acc["test"].at(acc["level"])
+    assert acc["verdict"] == f"agrees [{lo:+.3g}, {hi:+.3g}] ({100 * acc['level']:.3g}%)" and lo > 0
     # the sensitivity: one family of all twelve rows
     assert set(rows["sens"]) == {"primary"}
     pooled = holm(list(rows["p"]))
     assert list(rows["sens_p"]) == pytest.approx(pooled) and pooled[1] > share["holm_p"]
     noisy = rows.iloc[2]
-    assert noisy["verdict"].startswith("inconclusive [") and f"{noisy['test'].lo:+.3g}" in noisy["verdict"]
+    lo, hi = noisy["test"].at(noisy["level"])  # a family of ten: wider than its 95% interval
+    assert noisy["verdict"].startswith(f"inconclusive [{lo:+.3g}, {hi:+.3g}]") and lo < noisy["test"].lo
     table = report.claims_table(rows[rows["role"] == "primary"])
     assert list(table.columns) == ["paradigm", "claim", "definition", "layer", "k", "baseline", "arm",
-                                   "d [95% CI] (n)", "t", "p", "family", "Holm p", "verdict"]
+                                   "d [95% CI] (n, df)", "t", "p", "family", "Holm p", "verdict"]
     assert table.iloc[0]["layer"] == "model output" and table.iloc[1]["layer"] == "norm"
-    assert table.iloc[0]["k"] == "3 of 3" and table.iloc[0]["verdict"] == "**agrees**"
+    assert table.iloc[0]["k"] == "3 of 3" and table.iloc[0]["verdict"] == f"**{acc['verdict']}**"
     d = acc["test"]
-    assert table.iloc[0]["d [95% CI] (n)"] == f"{d.d:+.3g} [{d.lo:+.3g}, {d.hi:+.3g}] (4), df 3"
+    assert table.iloc[0]["d [95% CI] (n, df)"] == f"{d.d:+.3g} [{d.lo:+.3g}, {d.hi:+.3g}] (4, df 3)"
 
 
 def test_a_claim_reads_the_final_model_a_kept_step_or_a_logged_line():
@@ -109,8 +116,8 @@ def test_a_claim_reads_the_final_model_a_kept_step_or_a_logged_line():
                  claims=[{"paradigm": "a", "claim": "share", "metric": "geometry.within_seq_share", "layer": "norm",
                           "sign": -1, "definition": "share"}])
     grid = report.paired_grid(f, plan, plan.claims, [1000, 3000], lambda c, s: (c.layer, s))
-    assert grid.iloc[0]["1000"] == "-0.1 [-0.1, -0.1] (3)"  # the same -0.1 in every seed: no spread
-    assert grid.iloc[0]["3000"] == "-0.01 [-0.01, -0.01] (3)"
+    assert grid.iloc[0]["1000"] == "-0.1 [-0.1, -0.1] (3, df 2)"  # the same -0.1 in every seed: no spread
+    assert grid.iloc[0]["3000"] == "-0.01 [-0.01, -0.01] (3, df 2)"
 
 
 def test_curves_table_and_last_quarter():
@@ -119,7 +126,7 @@ def test_curves_table_and_last_quarter():
     table, lines = report.curves_table(points)
     assert list(table.columns) == ["step", "k=0", "k=2"] and list(table["step"]) == [50, 100, 150, 200]
     half = stats.t.ppf(0.975, 1) * 0.1  # two seeds 0.2 apart: sd 0.141, se 0.1
-    assert table.iloc[0]["k=0"] == f"3.1 [{3.1 - half:.4g}, {3.1 + half:.4g}] (2)" and table.iloc[0]["k=2"] == "3.1 (1)"
+    assert table.iloc[0]["k=0"] == f"3.1 [{3.1 - half:.4g}, {3.1 + half:.4g}] (2, df 1)" and table.iloc[0]["k=2"] == "3.1 (1)"
     assert table.iloc[1]["k=2"] == ""
     # 150 = the first step at or after 75% of 200, 100 the first at or after 50%
     assert lines == ["- k=0: -0.05 from step 150 to 200 (before: -0.1 from step 100 to 150)",
@@ -141,7 +148,7 @@ def test_equal_validation_loss_picks_each_runs_nearest_checkpoint():
     table, how = report.equal_loss(_frame(recs), plan, "a", plan.claims)
     # L = 2.501 (k = 1's final mean): k = 0 is nearest at step 2000 (2.5), k = 1 at 3000
     assert how.startswith("L = 2.5010") and "k=0: steps [2000, 2000, 2000]" in how and "k=1: steps [3000" in how
-    assert table.iloc[0]["d [95% CI] (n)"].startswith("+2 ")  # (3 + 1) - 2 at every seed
+    assert table.iloc[0]["d [95% CI] (n, df)"].startswith("+2 ")  # (3 + 1) - 2 at every seed
 
 
 @pytest.mark.parametrize("name", ["short", "long", "study", "study_lm"])

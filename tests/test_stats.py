@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from analysis.stats import describe, holm, interval_text, paired, summarize, verdict
+from analysis.stats import decisive_level, describe, holm, interval_text, paired, summarize, verdict
 
 
 def test_paired_t_is_scipys_ttest_rel_on_the_common_seeds():
@@ -35,7 +35,7 @@ def test_the_mean_interval_is_students_t():
     assert one.mean == 7.0 and one.n == 1 and math.isnan(one.lo) and math.isnan(one.sd)
     same = describe([2.0, 2.0])  # no spread: the interval is the point
     assert (same.lo, same.hi) == (2.0, 2.0)
-    assert interval_text(s.mean, s.lo, s.hi, s.n, ".2f") == f"3.80 [{lo:.2f}, {hi:.2f}] (5)"
+    assert interval_text(s.mean, s.lo, s.hi, s.n, ".2f") == f"3.80 [{lo:.2f}, {hi:.2f}] (5, df 4)"
     assert interval_text(-0.5, math.nan, math.nan, 1, ".2f", signed=True) == "-0.50 (1)"
 
 
@@ -66,13 +66,36 @@ def test_degenerate_pairs_and_verdicts():
     one = paired({0: 1.0}, {0: 2.0})
     assert one.n == 1 and math.isnan(one.p) and verdict(one, +1) == "one seed: no test"
     same = paired({0: 1.0, 1: 2.0}, {0: 2.0, 1: 3.0})  # every seed moved by exactly +1
-    assert same.p == 0.0 and same.t == math.inf and verdict(same, -1) == "disagrees"
+    assert same.p == 0.0 and same.t == math.inf and verdict(same, -1) == "disagrees [+1, +1] (95%)"
     assert (same.lo, same.hi) == (1.0, 1.0)
     r = paired({0: 0.0, 1: 0.0, 2: 0.0}, {0: 0.5, 1: -0.1, 2: 0.9})
-    assert verdict(r, +1) == f"inconclusive [{r.lo:+.3g}, {r.hi:+.3g}]" and r.lo < 0 < r.hi
+    assert verdict(r, +1) == f"inconclusive [{r.lo:+.3g}, {r.hi:+.3g}] (95%)" and r.lo < 0 < r.hi
     down = paired({s: 1.0 for s in range(4)}, {0: 0.5, 1: 0.45, 2: 0.52, 3: 0.48})
-    assert verdict(down, -1) == "agrees" and verdict(down, +1) == "disagrees"
+    assert verdict(down, -1).startswith("agrees [") and verdict(down, +1).startswith("disagrees [")
     assert verdict(down, -1, p=0.2).startswith("inconclusive [")  # Holm's p decides when given
     assert verdict(None, +1) == "not measured"
     with pytest.raises(ValueError, match="no seed is in both arms"):
         paired({0: 1.0}, {1: 1.0})
+
+
+def test_the_interval_at_the_verdicts_level_excludes_0_exactly_when_holm_decides():
+    """decisive_level: Bonferroni's level at Holm's step (a family of one: 95%; the smallest p of
+    three: 1 - 0.05 / 3), and over many random families the interval at it excludes 0 exactly when
+    Holm's p < 0.05; Paired.at(0.95) is paired()'s own interval, scipy's ttest_rel one."""
+    import numpy as np
+
+    assert decisive_level(0.01, 0.01) == pytest.approx(0.95)
+    assert decisive_level(0.01, 0.03) == pytest.approx(1 - 0.05 / 3)
+    rng = np.random.default_rng(0)
+    decided = 0
+    for _ in range(200):
+        tests = [paired(dict(enumerate(rng.normal(size=5))), dict(enumerate(rng.normal(2.5 * rng.random(), size=5))))
+                 for _ in range(4)]
+        for t, hp in zip(tests, holm([t.p for t in tests])):
+            lo, hi = t.at(decisive_level(t.p, hp))
+            assert (lo > 0 or hi < 0) == (hp < 0.05)
+            decided += hp < 0.05
+    assert 100 < decided < 700  # both kinds of verdict were tried
+    r = paired({0: 1.0, 1: 2.0, 2: 4.0}, {0: 1.5, 1: 2.1, 2: 5.0})
+    ci = stats.ttest_rel([1.5, 2.1, 5.0], [1.0, 2.0, 4.0]).confidence_interval(0.99)
+    assert r.at(0.95) == pytest.approx((r.lo, r.hi)) and r.at(0.99) == pytest.approx((ci.low, ci.high))
