@@ -16,6 +16,7 @@ analysis.stats.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 from pathlib import Path
 
@@ -265,6 +266,68 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
     return [sum(col) / len(col) for col in zip(*per_run)]
 
 
+# ----------------------------------------------------------------------------- per-seed values
+
+# The columns of <out>/per_seed.csv: the tidy table's (analysis.runs.frame) that the claims, the
+# per-seed tables and the curves read, the run's provenance (its commit, its resumes as
+# "step@commit") and `source` (empty for values read from runs; committed values say where from).
+PER_SEED = ["experiment", "run_dir", "k", "k_label", "mode", "seed", "steps", "metric", "layer", "step", "final",
+            "value", "commit", "resumes", "source"]
+
+
+def _provenance(run_dir: str) -> tuple:
+    """(commit, resumes) of a run's results.json (train/engine.py writes them; older runs: none)."""
+    path = Path(run_dir) / "results.json"
+    r = json.loads(path.read_text()) if path.is_file() else {}
+    return r.get("commit"), " ".join(f"{x['step']}@{x.get('commit')}" for x in r.get("resumes", []))
+
+
+def per_seed(f: pd.DataFrame, plan) -> pd.DataFrame:
+    """The per-seed values the report's claims, per-seed tables and curves are computed from (PER_SEED
+    columns): each claim's metric at its layer, of the final model and at the plan's kept steps, and
+    each paradigm's curve metric at every step."""
+    steps = list(plan.get("steps") or [])
+    keep = f["metric"].isin([p.curve for p in plan.paradigms.values()])
+    for c in plan.claims:
+        at = f["layer"].isna() if c.get("layer") is None else f["layer"] == c.layer
+        keep |= (f["metric"] == c.metric) & at & (f["final"] | (f["step"] == f["steps"]) | f["step"].isin(steps))
+    out = f[keep & f["experiment"].isin([p.experiment for p in plan.paradigms.values()])].copy()
+    prov = {d: _provenance(d) for d in out["run_dir"].unique()}
+    out["commit"], out["resumes"] = (out["run_dir"].map(lambda d, i=i: prov[d][i]) for i in (0, 1))
+    return out.assign(source="").reindex(columns=PER_SEED).sort_values(["experiment", "metric", "k", "seed", "step"])
+
+
+def read_per_seed(path: Path) -> pd.DataFrame:
+    """A per_seed.csv as the tidy table's columns (layer None where empty, final a bool)."""
+    out = pd.read_csv(path, dtype={"layer": object, "k_label": str, "commit": object, "resumes": object,
+                                   "source": object}, keep_default_na=False, na_values={"value": ["nan"]})
+    # empty cells: no layer (a result of the model output), no commit or resume recorded
+    out = out.replace({"layer": {"": None}, "commit": {"": None}})
+    return out.astype({"final": bool, "value": float})
+
+
+def per_seed_tables(ps: pd.DataFrame, plan) -> list[str]:
+    """Markdown: per claim with per-seed values, a row per seed (the baseline, the arm, d), and
+    the runs' resumes; every row from the per-seed values, nothing typed."""
+    lines = []
+    for c in plan.claims:
+        g = select(_paradigm(ps, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"))
+        k = c.get("arm", plan.paradigms[c.paradigm].arm)
+        base, arm = by_seed(g, 0), by_seed(g, k)
+        if not base and not arm:
+            continue
+        rows = [{"seed": s, "k=0": f"{base[s]:#.5g}" if s in base else "", f"k={k}": f"{arm[s]:#.5g}" if s in arm else "",
+                 "d": f"{arm[s] - base[s]:+.4f}" if s in base and s in arm else "",
+                 # where a run of this seed stopped and went on: a resume is part of what the value is
+                 "resumed (arm: step@commit)": "; ".join(f"k={r.k}: {r.resumes}" for r in g[g["seed"] == s].itertuples()
+                                                         if isinstance(r.resumes, str) and r.resumes)}
+                for s in sorted(set(base) | set(arm))]
+        lines += [f"**{c.claim}** ({c.definition}{', ' + c.layer if c.get('layer') else ''})", "",
+                  _md(pd.DataFrame(rows)), ""]
+    sources = sorted(set(ps["source"].dropna()) - {""})
+    return lines + [f"Source of the committed values: {s}" for s in sources] + ([""] if sources else [])
+
+
 # ----------------------------------------------------------------------------- the report
 
 def _md(df: pd.DataFrame) -> str:
@@ -296,8 +359,13 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     check_plan(plan)
     # every number below is a view of this one table (analysis.runs.frame)
     f = frame(records, logs=True)
+    # the per-seed values, committed beside the report and read back: the claims, the per-seed tables
+    # and the curves come from the file, so that it regenerates them when the runs are gone
+    atomic_write(out / "per_seed.csv", per_seed(f, plan).to_csv(index=False, lineterminator="\n").encode())
+    ps = read_per_seed(out / "per_seed.csv")
+    write_per_seed_report(ps, plan, out)
     # the claims first: the report's point; everything after describes
-    rows = claim_rows(f, plan)
+    rows = claim_rows(ps, plan)
     primary, secondary = (rows[rows["role"] == r] if len(rows) else rows for r in ("primary", "secondary"))
     unfinished = [r["run_dir"] for r in records if not r["finished"]]
     # the date: a report regenerated later (more runs, a fix) says when it was made
@@ -324,7 +392,8 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               "### Secondary (other readings and layers, reported apart; Holm within their own family)", "",
               _md(claims_table(secondary)), "",
               f"### Sensitivity: the other family choice ({plan.sensitivity})", "",
-              _md(claims_table(rows, sensitivity=True)), ""]
+              _md(claims_table(rows, sensitivity=True)), "",
+              "### Per seed (per_seed.csv; also per_seed.md)", "", *per_seed_tables(ps, plan)]
     if len(rows):
         # the claims as numbers (full precision) beside the Markdown: d, its interval and n per row
         sheet = rows.drop(columns=["test", "base", "arm"]).assign(
@@ -338,7 +407,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     # every kept checkpoint ("knn.top1")
     panels = {}
     for name, p in plan.paradigms.items():
-        g = _paradigm(f, plan, name)
+        g = _paradigm(ps, plan, name)
         panels[name] = (p.curve, points(g[g["metric"] == p.curve]))
         table, change = curves_table(panels[name][1])
         lines += [f"**{name}**: {p.curve}", "", _md(table), "", *change, ""]
@@ -398,11 +467,40 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     return out / "README.md"
 
 
+def write_per_seed_report(ps: pd.DataFrame, plan, out: Path) -> Path:
+    """per_seed.md in `out`: the claims, per-seed tables and learning curves of per-seed values `ps`
+    (read_per_seed) alone: what a report's committed data regenerates without its runs."""
+    check_plan(plan)
+    rows = claim_rows(ps, plan)
+    lines = [f"# {plan.title}: the per-seed values ({datetime.date.today().isoformat()})", "",
+             "Generated from per_seed.csv alone (`python -m analysis.report per_seed=<that file> plan="
+             f"{plan.name} out=<its folder>`): the claims as README.md decides them, each seed's values and "
+             "the learning curves. A claim whose values the file lacks is not measured, and Holm counts only "
+             "the measured rows of a family.", "",
+             "## Claims", "", _md(claims_table(rows)), "", "## Per seed", "",
+             *per_seed_tables(ps, plan)]
+    for name, p in plan.paradigms.items():
+        g = _paradigm(ps, plan, name)
+        table, change = curves_table(points(g[g["metric"] == p.curve]))
+        lines += [f"## Learning curve, {name}: {p.curve}", "", _md(table), "", *change, ""] if len(table) else []
+    atomic_write(out / "per_seed.md", ("\n".join(lines) + "\n").encode())
+    return out / "per_seed.md"
+
+
 def run(cfg: DictConfig) -> Path:
-    """Collect the runs of cfg.runs and write the report of cfg.plan to cfg.out."""
-    roots = runs_roots(cfg, "analysis.report")
+    """Collect the runs of cfg.runs and write the report of cfg.plan to cfg.out; with cfg.per_seed
+    (a per_seed.csv), its per_seed.md from that file alone."""
     # (before the work: a read-only docs/ would fail after every figure was drawn)
     out = check_writable(Path(cfg.out), "out")
+    if cfg.get("per_seed"):
+        path = Path(cfg.per_seed)
+        if not path.is_file():
+            raise ConfigError(f"per_seed={path}: no such file; give a report's per_seed.csv "
+                              "(e.g. per_seed=docs/study_lm/per_seed.csv)")
+        path = write_per_seed_report(read_per_seed(path), cfg.plan, out)
+        print(f"[report] wrote {path} from {cfg.per_seed}", flush=True)
+        return path
+    roots = runs_roots(cfg, "analysis.report")
     # a run still training would pass for a finished one: left out unless partial=true asks for a look
     records = [r for r in collect(roots) if r["finished"] or cfg.partial]
     if not records:

@@ -238,3 +238,24 @@ def test_unfinished_runs_are_left_out_unless_partial_and_then_said_first(tmp_pat
     text = report.run(cfg("partial=true")).read_text()
     assert "**Partial: 1 of 1 runs have not finished**" in text.split("## Claims")[0]
     assert re.search(r"\|\s*500\s*\|\s*1\.9 \(1\)\s*\|", text) and "**not measured**" in text  # its curve, no claim
+
+
+def test_per_seed_values_round_trip_a_csv_and_regenerate_the_claims_and_tables(tmp_path):
+    """per_seed(): the claims' per-seed values and the curve, written as per_seed.csv and read back,
+    give the same claims as the tidy table; per_seed.md (the claims, a row per seed, the curve) is
+    generated from the file alone, with each run's resumes."""
+    recs = [_record("exp_a", k, s, {"final.val_acc1": 50.0 + k + s + 0.3 * (s == 1) * k}, {"within_seq_share": 0.5},
+                    logs={("val_acc1", 50): 40.0 + k + s, ("val_acc1", 100): 50.0 + k + s})
+            for k in (0, 3) for s in range(3)]
+    f, plan = _frame(recs), _plan(paradigms={"a": {"experiment": "exp_a", "arm": 3, "curve": "log.val_acc1"}})
+    ps = report.per_seed(f, plan)
+    assert list(ps.columns) == report.PER_SEED and set(ps["metric"]) == {"final.val_acc1", "log.val_acc1",
+                                                                        "geometry.within_seq_share"}
+    ps.loc[(ps["k"] == 3) & (ps["seed"] == 2), "resumes"] = "60@abc1234"  # as a resumed run's results.json gives
+    ps.to_csv(tmp_path / "per_seed.csv", index=False)
+    back = report.read_per_seed(tmp_path / "per_seed.csv")
+    a, b = report.claim_rows(f, plan), report.claim_rows(back, plan)
+    assert [t.diffs for t in a["test"]] == [t.diffs for t in b["test"]] and list(a["verdict"]) == list(b["verdict"])
+    md = report.write_per_seed_report(back, plan, tmp_path).read_text()
+    assert "| 1      | 51.000 | 54.900 | +3.9000 |" in md  # seed 1: 51 and 54.9
+    assert "k=3: 60@abc1234" in md and "## Learning curve, a: log.val_acc1" in md
