@@ -19,9 +19,18 @@ the analysis' validation tokens (the ViT's patch tokens, the GPT's every positio
     dvar         first-order relative change of the within-sequence variance W if D_h alone were
                  added: 2 <x - mean_seq(x), D_h> / W; < 0: smooths
     dshare       first-order change of the within-sequence share W / T (T: about the mean of all tokens)
-    out_norm     |D_h| / |x|: the head's scale relative to the stream
-    neg_mass     sum |negative eigenvalues| / sum |eigenvalues| of sym(M_h); null 0.5 (a rank-d head
-                 has d positive and d negative ones unless it writes into the subspace it reads)
+    dvar_exact   the exact relative change, (W(x + D_h) - W) / W = dvar + |D_h - mean_seq(D_h)|^2 / W:
+                 the second-order term is never negative, and a head as large as the stream (out_norm
+                 near 1; blocks move the GPT's stream by factors of 0.6 to 86) can turn a first-order
+                 smoothing into an exact sharpening
+    dshare_exact W(x + D_h) / T(x + D_h) - W / T, exactly
+    out_norm     |D_h| / |x|: the head's scale relative to the stream, which says how far the first
+                 order can be trusted
+    neg_mass     sum |negative eigenvalues| / sum |eigenvalues| of sym(M_h); null 0.5: W_o -> -W_o
+                 maps sym(M_h) to -sym(M_h) and neg_mass m to 1 - m, so a head whose distribution that
+                 sign flip leaves unchanged (its random initialisation; a head training pushed neither
+                 way) has mean 0.5. Counting eigenvalues does not give it (Sylvester: d of each sign
+                 for a rank-d head, whatever their sizes): counts are not masses
     trace_fro    trace(M_h) / |M_h|_F; eig_min, eig_max; type, gate ("learned a=0.73", a)
 """
 from __future__ import annotations
@@ -41,8 +50,9 @@ from laplace.zoo import features
 
 TYPES = ("softmax", "laplacian", "learned")
 #: The per-head numbers pooled by `summary` (and read by analysis.runs as mechanism.<key>.<type>).
-SUMMARY_KEYS = ("cos_smooth", "cos_token", "dvar", "dshare", "neg_mass", "trace_fro")
-NULL_MASS = 0.5  # neg_mass of a head that neither smooths nor sharpens on balance (see above)
+SUMMARY_KEYS = ("cos_smooth", "cos_token", "dvar", "dshare", "neg_mass", "trace_fro", "dvar_exact", "dshare_exact",
+                "out_norm")
+NULL_MASS = 0.5  # neg_mass of a head that the sign flip W_o -> -W_o leaves as likely (see above)
 
 
 def head_type(a: float, mode: str) -> str:
@@ -159,6 +169,7 @@ class HeadAccumulator:
         H, D = attn.num_heads, attn.proj.weight.shape[0]
         self.os, self.oo, self.ss, self.cos_sum, self.cos_n, self.xc_o, self.x_o = (z(H) for _ in range(7))
         self.o_sum = z(H, D)  # sum over tokens of each head's D_h: its part of <mean(x), D_h>
+        self.oo_seq = z(H)  # sum over sequences of |sum_n D_h|^2 / N: |D_h|^2 less its within-sequence part
         self.x_sum, self.xx, self.wx, self._err = z(D), z(), z(), z()
         self.sequences = self.tokens = 0
 
@@ -210,6 +221,8 @@ class HeadAccumulator:
         self.x_o += torch.einsum("bnd,bhnd->h", s64, O)
         # (<x - mean, D> = <x, D> - mean . sum D: the mean over all tokens is known at the end only)
         self.o_sum += O.sum((0, 2))
+        # the exact terms' |D - mean_seq(D)|^2 = |D|^2 - N |mean_seq(D)|^2, summed: the second order
+        self.oo_seq += (O.sum(2) ** 2).sum((0, 2)) / O.shape[2]
         self.x_sum += s64.sum((0, 1))
         self.wx += (xc * xc).sum()
         self.xx += (s64 * s64).sum()
@@ -221,13 +234,18 @@ class HeadAccumulator:
         attn = self.attn
         gates = attn.gates().detach().float().cpu().tolist()
         nan = float("nan")
-        os, oo, ss, cos_sum, cos_n, xc_o = (t.tolist() for t in (self.os, self.oo, self.ss, self.cos_sum,
-                                                                 self.cos_n, self.xc_o))
+        os, oo, ss, cos_sum, cos_n, xc_o, oo_seq = (t.tolist() for t in (self.os, self.oo, self.ss, self.cos_sum,
+                                                                         self.cos_n, self.xc_o, self.oo_seq))
         mean = self.x_sum / max(self.tokens, 1)
         xm_o = (self.x_o - self.o_sum @ mean).tolist()  # <x - mean(x), D_h>
         W, X = self.wx.item(), self.xx.item()
         # share = W / T, so d share = share (dW / W - dT / T) to first order
         T = X - self.tokens * (mean @ mean).item()  # the total sum of squares about the mean
+        # exactly, with D_h added: W' = W + 2 <x_c, D> + |D_c|^2 (D_c: D less its sequence's mean) and
+        # T' = T + 2 <x - mean, D> + |D - mean(D)|^2 (the mean over all tokens)
+        W2 = [W + 2 * xc_o[h] + oo[h] - oo_seq[h] for h in range(attn.num_heads)]
+        o_mean = (self.o_sum ** 2).sum(1) / max(self.tokens, 1)
+        T2 = [T + 2 * xm_o[h] + oo[h] - o_mean[h].item() for h in range(attn.num_heads)]
         heads = []
         for h, spec in enumerate(weight_spectrum(attn, **self.frame)):
             den = math.sqrt(oo[h] * ss[h])
@@ -238,6 +256,8 @@ class HeadAccumulator:
                 "cos_token": cos_sum[h] / cos_n[h] if cos_n[h] > 0 else nan,
                 "dvar": dvar, "dshare": W / T * (dvar - 2 * xm_o[h] / T) if W > 0 and T > 0 else nan,
                 "out_norm": math.sqrt(oo[h] / X) if X > 0 else nan,
+                "dvar_exact": (W2[h] - W) / W if W > 0 else nan,
+                "dshare_exact": W2[h] / T2[h] - W / T if T > 0 and T2[h] > 0 else nan,
                 **spec})
         return heads
 
@@ -294,7 +314,8 @@ def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, 
 
 # Columns of the per-head table and their formats.
 _COLUMNS = {"cos_smooth": "+.3f", "cos_token": "+.3f", "dvar": "+.4f", "dshare": "+.4f", "neg_mass": ".3f",
-            "trace_fro": "+.3f", "eig_min": "+.3g", "eig_max": "+.3g", "out_norm": ".3g"}
+            "trace_fro": "+.3f", "eig_min": "+.3g", "eig_max": "+.3g", "out_norm": ".3g", "dvar_exact": "+.4f",
+            "dshare_exact": "+.4f"}
 
 
 def _heads_frame(heads: dict) -> pd.DataFrame:
@@ -320,9 +341,9 @@ def to_markdown(result: dict) -> str:
         "(a head's output after LayerScale; its matrix Pi diag(g) W_v W_o diag(lambda) with the norm's centring "
         "and gain). cos_smooth: Frobenius cosine of the head's part of the stream with P x - x (> 0: toward the "
         "attention-weighted mean); dvar / dshare: the first-order change of the within-sequence variance "
-        "(relative) / share if the head's part alone were added (< 0: smooths); neg_mass: the negative share "
-        f"of sym(M)'s eigen-mass, null {NULL_MASS} (a rank-d head has d positive and d negative eigenvalues); "
-        "trace_fro: trace(M) / |M|_F.", "",
+        "(relative) / share if the head's part alone were added (< 0: smooths), dvar_exact / dshare_exact the "
+        "exact ones (with the |D|^2 term), out_norm |D| / |x|; neg_mass: the negative share of sym(M)'s "
+        f"eigen-mass, null {NULL_MASS} (W_o -> -W_o maps it to 1 - neg_mass); trace_fro: trace(M) / |M|_F.", "",
         heads.to_markdown(index=False, disable_numparse=True), "",
         "Means over the heads of each type (all layers):", "",
         means.to_markdown(index=False, disable_numparse=True) if len(means) else "(no heads)", ""])

@@ -36,7 +36,9 @@ PLAN_KEYS = {"name", "title", "scope", "command", "family", "sensitivity", "para
              "equal_loss", "declared"}
 # The mechanism's per-head numbers the report pools (analysis/mechanism.py), their labels and formats.
 MECHANISM = (("cos_smooth", "cos(head's part, Px - x)", "+.3f"), ("dvar", "d within-seq. variance", "+.3g"),
-             ("dshare", "d within-seq. share", "+.3g"), ("neg_mass", "neg. eigen-mass (null 0.5)", ".3f"))
+             ("dvar_exact", "d variance, exact", "+.3g"), ("dshare", "d within-seq. share", "+.3g"),
+             ("dshare_exact", "d share, exact", "+.3g"), ("out_norm", "|D| / |x|", ".3g"),
+             ("neg_mass", "neg. eigen-mass (null 0.5)", ".3f"))
 
 
 # ----------------------------------------------------------------------------- selecting values
@@ -194,15 +196,15 @@ def curves_table(by_arm: dict) -> tuple[pd.DataFrame, list[str]]:
 
 
 def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
-    """Per arm and head type: each run's mean over the heads of all layers (one number per run, so
-    seeds are the unit), then the mean [95% interval] (n) over seeds; the eigen-mass beside its
-    0.5 null."""
+    """Per analysed step (every kept checkpoint and the final model), arm and head type: each run's
+    mean over the heads of all layers (one number per run, so seeds are the unit), then the mean
+    [95% interval] (n, df) over seeds; the eigen-mass beside its 0.5 null."""
     g = _paradigm(f, plan, name)
-    g = g[g["final"] & (g["layer"] == "all") & g["metric"].str.startswith("mechanism.")]
+    g = g[(g["layer"] == "all") & g["metric"].str.startswith("mechanism.")]
     rows = []
-    for label, arm in arms(g):
+    for step, label, arm in ((s, *a) for s, at in g.groupby("step") for a in arms(at)):
         for t in ("softmax", "laplacian", "learned"):
-            row = {"arm": label, "heads": t}
+            row = {"step": int(step), "arm": label, "heads": t}
             for key, col, fmt in MECHANISM:
                 v = arm[arm["metric"] == f"mechanism.{key}.{t}"]["value"]
                 if len(v):
@@ -210,7 +212,7 @@ def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
                     row[col] = interval_text(s.mean, s.lo, s.hi, s.n, fmt)
                     if key == "neg_mass" and s.n > 1:  # against the null: does the interval exclude 0.5?
                         row[col] += " > 0.5" if s.lo > 0.5 else " < 0.5" if s.hi < 0.5 else ""
-            if len(row) > 2:
+            if len(row) > 3:
                 rows.append(row)
     return pd.DataFrame(rows)
 
@@ -434,10 +436,12 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     lines += ["## Do the heads smooth the residual stream? (the mechanism, analysis/mechanism.py)", "",
               "Per head, in the stream's frame (its part after LayerScale; its matrix Pi diag(g) W_v W_o diag(lambda) "
               "with the norm's centring and gain): the cosine with Px - x (> 0: toward the attention-weighted mean), "
-              "the first-order change of the within-sequence variance (relative) and share (< 0: smooths), the "
-              "negative share of the eigen-mass of its symmetric part (null 0.5: a rank-d head has d eigenvalues "
-              "of each sign). Each run's mean over the heads of a type, then mean [95% interval] (n) over seeds. "
-              "Per head: each run's ckpt/<name>_analysis/mechanism.md.", ""]
+              "the change of the within-sequence variance (relative) and share (< 0: smooths), to first order and "
+              "exactly (the exact adds |D - mean_seq(D)|^2, never negative: it matters where the head's part |D| is "
+              "not small beside the stream |x|), and the negative share of the eigen-mass of its symmetric part "
+              "(null 0.5: W_o -> -W_o turns a mass m into 1 - m, so a head the training pushed neither way has "
+              "0.5). Each run's mean over the heads of a type, then mean [95% interval] (n, df) over seeds, at "
+              "every analysed checkpoint. Per head: each run's ckpt/<name>_analysis/mechanism.md.", ""]
     for name in plan.paradigms:
         table = mechanism_table(f, plan, name)
         lines += [f"**{name}**", "", _md(table), ""] if len(table) else []

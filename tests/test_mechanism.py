@@ -174,6 +174,18 @@ def test_dvar_and_dshare_are_the_first_order_changes():
     assert h["dvar"] == pytest.approx((dW / W(xs)).item(), rel=1e-6) and h["dvar"] < 0
     ds = (share(xs + e * D) - share(xs - e * D)) / (2 * e)
     assert h["dshare"] == pytest.approx(ds.item(), rel=1e-5)
+    # exactly, with D added whole: the first order plus |D - mean_seq(D)|^2 / W, which is positive
+    assert h["dvar_exact"] == pytest.approx(((W(xs + D) - W(xs)) / W(xs)).item(), rel=1e-6)
+    assert h["dvar_exact"] - h["dvar"] == pytest.approx((W(D) / W(xs)).item(), rel=1e-6) and W(D) > 0
+    assert h["dshare_exact"] == pytest.approx((share(xs + D) - share(xs)).item(), rel=1e-6)
+    assert h["out_norm"] == pytest.approx((D.norm() / xs.norm()).item(), rel=1e-6)
+
+
+def test_a_head_that_overshoots_smooths_to_first_order_and_sharpens_exactly():
+    """W_v W_o = -3 I: x + D = 3 P x - 2 x points toward the attention-weighted mean (first order:
+    smooths) but goes three times past it: the exact within-sequence variance grows."""
+    h, _ = _hand_set(-3.0)
+    assert h["cos_smooth"] == pytest.approx(1.0) and h["dvar"] < 0 < h["dvar_exact"] and h["out_norm"] > 1
 
 
 def test_sym_eigenvalues_are_those_of_the_full_matrix():
@@ -264,12 +276,12 @@ def test_summary_and_markdown():
     assert s["cos_smooth.softmax"] == pytest.approx(0.1) and s["cos_smooth.laplacian"] == 0.6
     assert s["cos_token.softmax"] == 0.1 and s["dvar.softmax"] == pytest.approx(0.02)
     assert s["blocks.1"] == {"cos_smooth.softmax": 0.0, "dvar.softmax": 0.03, "neg_mass.softmax": 0.6,
-                             "trace_fro.softmax": 0.1}
+                             "trace_fro.softmax": 0.1, "out_norm.softmax": 0.3}
     md = to_markdown({"model": "m", "heads": heads, "n_tokens": 10, "n_sequences": 2})
     rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in md.splitlines() if ln.startswith("|")]
     assert ["blocks.0", "1", "laplacian", "+0.600", "+0.500", "-0.0200", "nan", "0.900", "-1.000"] in \
         [r[:9] for r in rows]  # no dshare in these hand-written heads: nan
-    assert ["laplacian", "+0.6000", "+0.5000", "-0.0200", "nan", "+0.9000", "-1.0000"] in rows
+    assert ["laplacian", "+0.6000", "+0.5000", "-0.0200", "nan", "+0.9000", "-1.0000", "nan", "nan", "+0.2000"] in rows
 
 
 @pytest.fixture(scope="module")

@@ -259,3 +259,18 @@ def test_per_seed_values_round_trip_a_csv_and_regenerate_the_claims_and_tables(t
     md = report.write_per_seed_report(back, plan, tmp_path).read_text()
     assert "| 1      | 51.000 | 54.900 | +3.9000 |" in md  # seed 1: 51 and 54.9
     assert "k=3: 60@abc1234" in md and "## Learning curve, a: log.val_acc1" in md
+
+
+def test_the_mechanism_table_has_every_analysed_step_the_exact_changes_and_the_heads_scale():
+    recs = []
+    for k in (0, 1):
+        for s in range(3):
+            r = _record("exp_a", k, s, {}, {"within_seq_share": 0.5}, steps=3000)
+            at = {"dvar.softmax": 0.1 + 0.01 * s, "dvar_exact.softmax": 0.2 + 0.01 * s, "out_norm.softmax": 0.5}
+            r.update(mechanism=at, step_mechanism={1000: {**at, "dvar_exact.softmax": 0.3}})
+            recs.append(r)
+    plan = _plan(paradigms={"a": {"experiment": "exp_a", "arm": 1, "curve": "log.val_acc1"}})
+    t = report.mechanism_table(frame(recs), plan, "a")
+    assert list(t["step"]) == [1000, 1000, 3000, 3000] and list(t["arm"]) == ["k=0", "k=1"] * 2
+    assert t.iloc[0]["d variance, exact"] == "+0.3 [+0.3, +0.3] (3, df 2)" and t.iloc[2]["|D| / |x|"].startswith("0.5 ")
+    assert t.iloc[2]["d within-seq. variance"].startswith("+0.11 [")
