@@ -43,11 +43,14 @@ MECHANISM = (("cos_smooth", "cos(head's part, Px - x)", "+.3f"), ("dvar", "d wit
 
 # ----------------------------------------------------------------------------- selecting values
 
-def select(f: pd.DataFrame, metric: str, layer=None, step="final") -> pd.DataFrame:
+def select(f: pd.DataFrame, metric: str, layer=None, step="final", last: int = 0) -> pd.DataFrame:
     """One value per run: `metric` at `layer` (None: not a layer's), of the final model
     (step="final": its results, its last analysis, or a log line at its last step) or of the
-    checkpoint at `step`."""
+    checkpoint at `step`; with `last` > 0 (a claim's mean_last), the mean of its last `last` values."""
     g = f[(f["metric"] == metric) & (f["layer"].isna() if layer is None else f["layer"] == layer)]
+    if last:  # e.g. the mean val bpb of the last four evaluations: less of one evaluation's noise
+        tail = g.sort_values("step").groupby("run_dir").tail(last)
+        return tail.assign(value=tail.groupby("run_dir")["value"].transform("mean")).drop_duplicates("run_dir", keep="last")
     # a logged metric (e.g. the training loss) is never "final": its line at the run's last step is
     g = g[g["final"] | (g["step"] == g["steps"])] if step == "final" else g[g["step"] == step]
     # a final row wins over a kept checkpoint's of the same step (e.g. eval/ and ckpt/step_N_knn/)
@@ -88,7 +91,7 @@ def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
     for c in plan.claims:  # in the plan's order: the tables show them as declared
         p = plan.paradigms[c.paradigm]
         # the claim's one value per run: its metric at its primary layer, of the final model
-        g = select(_paradigm(f, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"))
+        g = select(_paradigm(f, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"), c.get("mean_last", 0))
         k = c.get("arm", p.arm)  # a claim may name its own arm (the LM's spectrum: all heads)
         base, arm, test = by_seed(g, 0), by_seed(g, k), _test(g, k)
         rows.append({**OmegaConf.to_container(c), "layer": c.get("layer"), "role": c.get("role", "primary"), "k": k,
@@ -292,7 +295,8 @@ def per_seed(f: pd.DataFrame, plan) -> pd.DataFrame:
     keep = f["metric"].isin([p.curve for p in plan.paradigms.values()])
     for c in plan.claims:
         at = f["layer"].isna() if c.get("layer") is None else f["layer"] == c.layer
-        keep |= (f["metric"] == c.metric) & at & (f["final"] | (f["step"] == f["steps"]) | f["step"].isin(steps))
+        when = f["final"] | (f["step"] == f["steps"]) | f["step"].isin(steps) | bool(c.get("mean_last"))
+        keep |= (f["metric"] == c.metric) & at & when
     out = f[keep & f["experiment"].isin([p.experiment for p in plan.paradigms.values()])].copy()
     prov = {d: _provenance(d) for d in out["run_dir"].unique()}
     out["commit"], out["resumes"] = (out["run_dir"].map(lambda d, i=i: prov[d][i]) for i in (0, 1))
@@ -313,7 +317,7 @@ def per_seed_tables(ps: pd.DataFrame, plan) -> list[str]:
     the runs' resumes; every row from the per-seed values, nothing typed."""
     lines = []
     for c in plan.claims:
-        g = select(_paradigm(ps, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"))
+        g = select(_paradigm(ps, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"), c.get("mean_last", 0))
         k = c.get("arm", plan.paradigms[c.paradigm].arm)
         base, arm = by_seed(g, 0), by_seed(g, k)
         if not base and not arm:

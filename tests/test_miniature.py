@@ -112,6 +112,8 @@ def test_a_claim_reads_the_final_model_a_kept_step_or_a_logged_line():
     assert report.by_seed(early, 1) == pytest.approx({0: 0.8, 1: 0.801, 2: 0.802})
     loss = report.select(f, "log.loss")  # a logged metric: its line at the run's last step
     assert report.by_seed(loss, 0) == pytest.approx({0: 4.0, 1: 4.01, 2: 4.02})
+    last2 = report.select(f, "log.loss", last=2)  # a claim's mean_last: the mean of its last two lines
+    assert report.by_seed(last2, 1) == pytest.approx({s: (9.0 + 3.9 + 0.01 * s) / 2 for s in range(3)})
     plan = _plan(steps=[1000, 3000], paradigms={"a": {"experiment": "exp_a", "arm": 1, "curve": "log.loss"}},
                  claims=[{"paradigm": "a", "claim": "share", "metric": "geometry.within_seq_share", "layer": "norm",
                           "sign": -1, "definition": "share"}])
