@@ -6,146 +6,41 @@ block and checkpoint, the mechanism and the learned gates beside, as description
     python -m analysis.report runs=runs/miniature_study plan=study out=docs/miniature/study
     python -m analysis.report runs=runs/gpt/study_lm plan=study_lm out=docs/study_lm
 
+    python -m analysis.report per_seed=docs/study_lm/per_seed.csv plan=study_lm out=docs/study_lm
+
 A plan is configs/plan/<name>.yaml: its paradigms (which runs: the experiment folder, the arm k
 compared with k = 0), its claims (metric, layer, direction, role: primary or secondary) and its
-Holm families. Written to `out`: README.md (the report), tables/ (`python -m analysis.tables`'s
-tables, claims.csv) and figures/ (`python -m analysis.figures`'s, curves.png). Every number is a
-view of the runs' tidy table (analysis.runs.frame); every mean, interval and test comes from
-analysis.stats.
+Holm families. Written to `out`: README.md (the report), per_seed.csv and per_seed.md (the per-seed
+values the claims and curves are computed from, and their tables), tables/ (`python -m
+analysis.tables`'s tables, claims.csv) and figures/ (`python -m analysis.figures`'s, curves.png).
+Every number is a view of the runs' tidy table (analysis.runs.frame); the claims are decided in
+analysis/claims.py; every mean, interval and test comes from analysis.stats. With per_seed= alone,
+per_seed.md is written from that file (the runs gone).
 """
 from __future__ import annotations
 
 import datetime
-import json
 import math
 from pathlib import Path
 
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from analysis.claims import (_d, _md, _mean, _paradigm, _test, check_plan, claim_rows, claims_table, per_seed,
+                             per_seed_tables, read_per_seed, select)
 from analysis.curves import draw_curves, points
 from analysis.runs import arm_key, arm_label, arms, collect, frame, layer_order, runs_roots
-from analysis.stats import decisive_level, describe, holm, interval_text, paired, verdict
+from analysis.stats import describe, interval_text
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from laplace.rundir import check_writable
 
-# A plan's keys: a misspelt one (famly: role) would otherwise change nothing and pass unseen
-PLAN_KEYS = {"name", "title", "scope", "command", "family", "sensitivity", "paradigms", "claims", "steps",
-             "equal_loss", "declared"}
 # The mechanism's per-head numbers the report pools (analysis/mechanism.py), their labels and formats.
 MECHANISM = (("cos_smooth", "cos(head's part, Px - x)", "+.3f"), ("dvar", "d within-seq. variance", "+.3g"),
              ("dvar_exact", "d variance, exact", "+.3g"), ("dshare", "d within-seq. share", "+.3g"),
              ("dshare_exact", "d share, exact", "+.3g"), ("out_norm", "|D| / |x|", ".3g"),
              ("neg_mass", "neg. eigen-mass (null 0.5)", ".3f"))
-
-
-# ----------------------------------------------------------------------------- selecting values
-
-def select(f: pd.DataFrame, metric: str, layer=None, step="final", last: int = 0) -> pd.DataFrame:
-    """One value per run: `metric` at `layer` (None: not a layer's), of the final model
-    (step="final": its results, its last analysis, or a log line at its last step) or of the
-    checkpoint at `step`; with `last` > 0 (a claim's mean_last), the mean of its last `last` values."""
-    g = f[(f["metric"] == metric) & (f["layer"].isna() if layer is None else f["layer"] == layer)]
-    if last:  # e.g. the mean val bpb of the last four evaluations: less of one evaluation's noise
-        tail = g.sort_values("step").groupby("run_dir").tail(last)
-        return tail.assign(value=tail.groupby("run_dir")["value"].transform("mean")).drop_duplicates("run_dir", keep="last")
-    # a logged metric (e.g. the training loss) is never "final": its line at the run's last step is
-    g = g[g["final"] | (g["step"] == g["steps"])] if step == "final" else g[g["step"] == step]
-    # a final row wins over a kept checkpoint's of the same step (e.g. eval/ and ckpt/step_N_knn/)
-    return g.sort_values("final", kind="stable").drop_duplicates("run_dir", keep="last")
-
-
-def by_seed(g: pd.DataFrame, k) -> dict:
-    """{seed: value} of the fixed-mode runs with k Laplacian heads (learned gates are their own arm:
-    a claim compares fixed k with k = 0)."""
-    arm = g[(g["k"] == k) & (g["mode"] == "fixed")]
-    return dict(zip(arm["seed"], arm["value"]))
-
-
-def _test(g: pd.DataFrame, k):
-    """The paired test of arm k against k = 0 over one value per run, None without a common seed
-    (a claim not measured is said so, never read as inconclusive)."""
-    base, arm = by_seed(g, 0), by_seed(g, k)
-    return paired(base, arm) if set(base) & set(arm) else None
-
-
-def _d(t) -> str:
-    return "" if t is None else interval_text(t.d, t.lo, t.hi, t.n, signed=True)
-
-
-def _paradigm(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
-    # a paradigm's runs: the folder its experiment config names (runs/<trainer>/<experiment>/...)
-    return f[f["experiment"] == plan.paradigms[name].experiment]
-
-
-# ----------------------------------------------------------------------------- the claims
-
-def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
-    """Every claim of the plan tested: its fields, k, the arms' Summaries (base, arm), the Paired
-    test, family, Holm's p in it, the level of the interval that decides it, the verdict; and under
-    the sensitivity's other family choice its Holm p, level and verdict (sens_p, sens_level,
-    sens_verdict)."""
-    rows = []
-    for c in plan.claims:  # in the plan's order: the tables show them as declared
-        p = plan.paradigms[c.paradigm]
-        # the claim's one value per run: its metric at its primary layer, of the final model
-        g = select(_paradigm(f, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"), c.get("mean_last", 0))
-        k = c.get("arm", p.arm)  # a claim may name its own arm (the LM's spectrum: all heads)
-        base, arm, test = by_seed(g, 0), by_seed(g, k), _test(g, k)
-        rows.append({**OmegaConf.to_container(c), "layer": c.get("layer"), "role": c.get("role", "primary"), "k": k,
-                     "heads": p.get("heads"), "base": describe(base.values()) if base else None,
-                     "arm": describe(arm.values()) if arm else None, "test": test,
-                     "p": test.p if test else math.nan})
-    out = pd.DataFrame(rows)
-    if out.empty:  # a plan without claims still gets its descriptions
-        return out
-    # a family is the rows sharing these fields; Holm adjusts within it only: the declared choice,
-    # and the other as the sensitivity (configs/plan/*.yaml)
-    family = {"paradigm": ["paradigm", "role"], "role": ["role"], "all": []}
-    for col, choice in (("family", plan.family), ("sens", plan.sensitivity)):
-        keys = family[choice]
-        out[col] = out[keys].astype(str).agg(" / ".join, axis=1) if keys else "all"
-        out[f"{col}_p"] = out.groupby(col)["p"].transform(lambda ps: holm(list(ps)))
-        # each verdict beside the interval at the level that decides it (stats.decisive_level)
-        out[f"{col}_level"] = [decisive_level(p, hp) for p, hp in zip(out["p"], out[f"{col}_p"])]
-        out[f"{col}_verdict"] = [verdict(t, s, hp, level=lv) for t, s, hp, lv in
-                                 zip(out["test"], out["sign"], out[f"{col}_p"], out[f"{col}_level"])]
-    return out.rename(columns={"family_p": "holm_p", "family_verdict": "verdict", "family_level": "level"})
-
-
-def _p(p: float) -> str:
-    return "" if math.isnan(p) else f"{p:.2g}" if p >= 1e-4 else "<1e-4"
-
-
-def _mean(s) -> str:
-    """An arm's 'mean ± sd (n)'."""
-    return "" if s is None else f"{s.mean:.4g}" + ("" if s.n < 2 else f" ± {s.sd:.2g}") + f" ({s.n})"
-
-
-def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
-    """The claims as text: paradigm, claim, definition, layer, k, both arms, d [95% interval] (n, df),
-    p, Holm's p in its family, the verdict with the interval at its level (or, with `sensitivity`,
-    the other family choice's too)."""
-    out = []
-    for r in rows.to_dict("records"):  # text cells: the numbers at the precision a reader needs
-        # "3 of 3": the arm beside the paper's (ViT-B-12L: all heads; its LM: 5 of 10)
-        t, k = r["test"], f"{r['k']}" + (f" of {r['heads']}" if r.get("heads") else "")
-        row = {"paradigm": r["paradigm"], "claim": r["claim"], "definition": r["definition"],
-               # pandas' string columns hold a missing layer as NaN, not None
-               "layer": r["layer"] if isinstance(r["layer"], str) else "model output", "k": k,
-               "baseline": _mean(r["base"]), "arm": _mean(r["arm"]),
-               "d [95% CI] (n, df)": _d(t),
-               "t": "" if t is None or t.n < 2 else f"{t.t:+.2f}", "p": _p(r["p"])}
-        if sensitivity:
-            row.update({"family (declared)": r["family"], "Holm p": _p(r["holm_p"]), "verdict": r["verdict"],
-                        "family (other choice)": r["sens"], "Holm p, other": _p(r["sens_p"]),
-                        "verdict, other": r["sens_verdict"]})
-        else:
-            row.update({"family": r["family"], "Holm p": _p(r["holm_p"]), "verdict": f"**{r['verdict']}**"})
-        out.append(row)
-    return pd.DataFrame(out)
 
 
 # ----------------------------------------------------------------------------- descriptions
@@ -271,90 +166,7 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
     return [sum(col) / len(col) for col in zip(*per_run)]
 
 
-# ----------------------------------------------------------------------------- per-seed values
-
-# The columns of <out>/per_seed.csv: the tidy table's (analysis.runs.frame) that the claims, the
-# per-seed tables and the curves read, the run's provenance (its commit, its resumes as
-# "step@commit") and `source` (empty for values read from runs; committed values say where from).
-PER_SEED = ["experiment", "run_dir", "k", "k_label", "mode", "seed", "steps", "metric", "layer", "step", "final",
-            "value", "commit", "resumes", "source"]
-
-
-def _provenance(run_dir: str) -> tuple:
-    """(commit, resumes) of a run's results.json (train/engine.py writes them; older runs: none)."""
-    path = Path(run_dir) / "results.json"
-    r = json.loads(path.read_text()) if path.is_file() else {}
-    return r.get("commit"), " ".join(f"{x['step']}@{x.get('commit')}" for x in r.get("resumes", []))
-
-
-def per_seed(f: pd.DataFrame, plan) -> pd.DataFrame:
-    """The per-seed values the report's claims, per-seed tables and curves are computed from (PER_SEED
-    columns): each claim's metric at its layer, of the final model and at the plan's kept steps, and
-    each paradigm's curve metric at every step."""
-    steps = list(plan.get("steps") or [])
-    keep = f["metric"].isin([p.curve for p in plan.paradigms.values()])
-    for c in plan.claims:
-        at = f["layer"].isna() if c.get("layer") is None else f["layer"] == c.layer
-        when = f["final"] | (f["step"] == f["steps"]) | f["step"].isin(steps) | bool(c.get("mean_last"))
-        keep |= (f["metric"] == c.metric) & at & when
-    out = f[keep & f["experiment"].isin([p.experiment for p in plan.paradigms.values()])].copy()
-    prov = {d: _provenance(d) for d in out["run_dir"].unique()}
-    out["commit"], out["resumes"] = (out["run_dir"].map(lambda d, i=i: prov[d][i]) for i in (0, 1))
-    return out.assign(source="").reindex(columns=PER_SEED).sort_values(["experiment", "metric", "k", "seed", "step"])
-
-
-def read_per_seed(path: Path) -> pd.DataFrame:
-    """A per_seed.csv as the tidy table's columns (layer None where empty, final a bool)."""
-    out = pd.read_csv(path, dtype={"layer": object, "k_label": str, "commit": object, "resumes": object,
-                                   "source": object}, keep_default_na=False, na_values={"value": ["nan"]})
-    # empty cells: no layer (a result of the model output), no commit or resume recorded
-    out = out.replace({"layer": {"": None}, "commit": {"": None}})
-    return out.astype({"final": bool, "value": float})
-
-
-def per_seed_tables(ps: pd.DataFrame, plan) -> list[str]:
-    """Markdown: per claim with per-seed values, a row per seed (the baseline, the arm, d), and
-    the runs' resumes; every row from the per-seed values, nothing typed."""
-    lines = []
-    for c in plan.claims:
-        g = select(_paradigm(ps, plan, c.paradigm), c.metric, c.get("layer"), c.get("step", "final"), c.get("mean_last", 0))
-        k = c.get("arm", plan.paradigms[c.paradigm].arm)
-        base, arm = by_seed(g, 0), by_seed(g, k)
-        if not base and not arm:
-            continue
-        rows = [{"seed": s, "k=0": f"{base[s]:#.5g}" if s in base else "", f"k={k}": f"{arm[s]:#.5g}" if s in arm else "",
-                 "d": f"{arm[s] - base[s]:+.4f}" if s in base and s in arm else "",
-                 # where a run of this seed stopped and went on: a resume is part of what the value is
-                 "resumed (arm: step@commit)": "; ".join(f"k={r.k}: {r.resumes}" for r in g[g["seed"] == s].itertuples()
-                                                         if isinstance(r.resumes, str) and r.resumes)}
-                for s in sorted(set(base) | set(arm))]
-        lines += [f"**{c.claim}** ({c.definition}{', ' + c.layer if c.get('layer') else ''})", "",
-                  _md(pd.DataFrame(rows)), ""]
-    sources = sorted(set(ps["source"].dropna()) - {""})
-    return lines + [f"Source of the committed values: {s}" for s in sources] + ([""] if sources else [])
-
-
 # ----------------------------------------------------------------------------- the report
-
-def _md(df: pd.DataFrame) -> str:
-    # (text cells as they are: tabulate would re-read "0.50" as a number and reformat it)
-    return df.to_markdown(index=False, disable_numparse=True) if len(df) else "(no runs)"
-
-
-def check_plan(plan) -> None:
-    """Refuse a plan whose claims name an undeclared paradigm or family rule, in one line."""
-    # checked before any number is read: a bad plan is one line, not a traceback halfway
-    bad = set(plan) - PLAN_KEYS
-    if bad:
-        raise ConfigError(f"plan.{sorted(bad)[0]}: not a plan key; keys: {', '.join(sorted(PLAN_KEYS))}")
-    for key in ("family", "sensitivity"):
-        if plan[key] not in ("paradigm", "role", "all"):
-            raise ConfigError(f"plan.{key}={plan[key]}: choose paradigm, role or all (the Holm families)")
-    for i, c in enumerate(plan.claims):
-        if c.paradigm not in plan.paradigms:
-            raise ConfigError(f"plan.claims[{i}].paradigm={c.paradigm}: not in plan.paradigms "
-                              f"({', '.join(plan.paradigms)})")
-
 
 def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Path:
     """README.md, tables/ and figures/ of `plan` over `records` (finished runs) in `out`."""

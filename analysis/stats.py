@@ -86,13 +86,12 @@ class Paired(Summary):
         return self.mean
 
     def at(self, level: float) -> tuple[float, float]:
-        """(lo, hi): the interval of d at confidence `level` (NaN for one seed; the point when
-        every seed moved by the same amount), scipy's, as `paired`'s at LEVEL."""
-        if self.n < 2 or self.se == 0:
+        """(lo, hi): the interval of d at confidence `level`, scipy's, as `paired`'s at LEVEL (the
+        point when every seed moved by the same amount)."""
+        if self.n < 2:  # one seed: no interval (scipy would warn of df 0)
             return self.lo, self.hi
         # the one-sample t of the differences is ttest_rel by definition: the same interval
-        ci = _stats.ttest_1samp(self.diffs, 0.0).confidence_interval(level)
-        return float(ci.low), float(ci.high)
+        return tuple(float(v) for v in _stats.ttest_1samp(self.diffs, 0.0).confidence_interval(level))
 
 
 def paired(base: Mapping, arm: Mapping, level: float = LEVEL) -> Paired:

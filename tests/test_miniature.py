@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from scipy import stats
 
-from analysis import report
+from analysis import claims, report
 from analysis.runs import frame
 from analysis.stats import holm
 from conftest import CONFIGS, ROOT
@@ -68,7 +68,7 @@ def test_claims_are_paired_with_intervals_and_holm_within_the_declared_families(
                     for i in range(10)]
     plan = _plan()
     plan.claims = list(plan.claims) + noise_claims
-    rows = report.claim_rows(_frame(recs), plan)
+    rows = claims.claim_rows(_frame(recs), plan)
     acc, share = rows.iloc[0], rows.iloc[1]
     base, arm = [90.0 + s for s in range(4)], [91.0 + s + 0.1 * (s == 2) for s in range(4)]
     ref = stats.ttest_rel(arm, base)
@@ -91,7 +91,7 @@ def test_claims_are_paired_with_intervals_and_holm_within_the_declared_families(
     noisy = rows.iloc[2]
     lo, hi = noisy["test"].at(noisy["level"])  # a family of ten: wider than its 95% interval
     assert noisy["verdict"].startswith(f"inconclusive [{lo:+.3g}, {hi:+.3g}]") and lo < noisy["test"].lo
-    table = report.claims_table(rows[rows["role"] == "primary"])
+    table = claims.claims_table(rows[rows["role"] == "primary"])
     assert list(table.columns) == ["paradigm", "claim", "definition", "layer", "k", "baseline", "arm",
                                    "d [95% CI] (n, df)", "t", "p", "family", "Holm p", "verdict"]
     assert table.iloc[0]["layer"] == "model output" and table.iloc[1]["layer"] == "norm"
@@ -106,14 +106,14 @@ def test_a_claim_reads_the_final_model_a_kept_step_or_a_logged_line():
                     logs={("loss", 2975): 9.0, ("loss", 3000): 4.0 - 0.1 * k + 0.01 * s})
             for k in (0, 1) for s in range(3)]
     f = _frame(recs)
-    final = report.select(f, "geometry.within_seq_share", "norm")
+    final = claims.select(f, "geometry.within_seq_share", "norm")
     assert sorted(final["value"]) == pytest.approx([0.49] * 3 + [0.5] * 3)
-    early = report.select(f, "geometry.within_seq_share", "norm", 1000)
-    assert report.by_seed(early, 1) == pytest.approx({0: 0.8, 1: 0.801, 2: 0.802})
-    loss = report.select(f, "log.loss")  # a logged metric: its line at the run's last step
-    assert report.by_seed(loss, 0) == pytest.approx({0: 4.0, 1: 4.01, 2: 4.02})
-    last2 = report.select(f, "log.loss", last=2)  # a claim's mean_last: the mean of its last two lines
-    assert report.by_seed(last2, 1) == pytest.approx({s: (9.0 + 3.9 + 0.01 * s) / 2 for s in range(3)})
+    early = claims.select(f, "geometry.within_seq_share", "norm", 1000)
+    assert claims.by_seed(early, 1) == pytest.approx({0: 0.8, 1: 0.801, 2: 0.802})
+    loss = claims.select(f, "log.loss")  # a logged metric: its line at the run's last step
+    assert claims.by_seed(loss, 0) == pytest.approx({0: 4.0, 1: 4.01, 2: 4.02})
+    last2 = claims.select(f, "log.loss", last=2)  # a claim's mean_last: the mean of its last two lines
+    assert claims.by_seed(last2, 1) == pytest.approx({s: (9.0 + 3.9 + 0.01 * s) / 2 for s in range(3)})
     plan = _plan(steps=[1000, 3000], paradigms={"a": {"experiment": "exp_a", "arm": 1, "curve": "log.loss"}},
                  claims=[{"paradigm": "a", "claim": "share", "metric": "geometry.within_seq_share", "layer": "norm",
                           "sign": -1, "definition": "share"}])
@@ -250,13 +250,13 @@ def test_per_seed_values_round_trip_a_csv_and_regenerate_the_claims_and_tables(t
                     logs={("val_acc1", 50): 40.0 + k + s, ("val_acc1", 100): 50.0 + k + s})
             for k in (0, 3) for s in range(3)]
     f, plan = _frame(recs), _plan(paradigms={"a": {"experiment": "exp_a", "arm": 3, "curve": "log.val_acc1"}})
-    ps = report.per_seed(f, plan)
-    assert list(ps.columns) == report.PER_SEED and set(ps["metric"]) == {"final.val_acc1", "log.val_acc1",
+    ps = claims.per_seed(f, plan)
+    assert list(ps.columns) == claims.PER_SEED and set(ps["metric"]) == {"final.val_acc1", "log.val_acc1",
                                                                         "geometry.within_seq_share"}
     ps.loc[(ps["k"] == 3) & (ps["seed"] == 2), "resumes"] = "60@abc1234"  # as a resumed run's results.json gives
     ps.to_csv(tmp_path / "per_seed.csv", index=False)
-    back = report.read_per_seed(tmp_path / "per_seed.csv")
-    a, b = report.claim_rows(f, plan), report.claim_rows(back, plan)
+    back = claims.read_per_seed(tmp_path / "per_seed.csv")
+    a, b = claims.claim_rows(f, plan), claims.claim_rows(back, plan)
     assert [t.diffs for t in a["test"]] == [t.diffs for t in b["test"]] and list(a["verdict"]) == list(b["verdict"])
     md = report.write_per_seed_report(back, plan, tmp_path).read_text()
     assert "| 1      | 51.000 | 54.900 | +3.9000 |" in md  # seed 1: 51 and 54.9

@@ -143,9 +143,7 @@ class Trainer:
         self.step = 0
         self.window = LogWindow(self.device)  # the steps since the last train record (_restore fills it)
         self.resumed = resume is not None
-        # the code that started the run (git describe --dirty), kept in its checkpoints for results.json
-        # (a resume's own is MetricsLogger's "resume" record)
-        self.started_commit = git_commit() if self.dist.is_main else None
+        self.started_commit = git_commit() if self.dist.is_main else None  # the run's code (_restore: saved)
         if resume is not None:
             self._restore(*resume)
         # Rank 0's model is the run's (every rank built its own from its own seed): the whole trained
@@ -262,8 +260,7 @@ class Trainer:
             entries = dict(
                 optimizer=self.optimizers, rng=rngs,
                 loop={"step": self.step, "epoch": self.epoch, "feed": self.feed.state_dict(),
-                      "world_size": self.dist.world_size, "log_window": windows,
-                      "commit": self.started_commit})
+                      "world_size": self.dist.world_size, "log_window": windows, "commit": self.started_commit})
             if exported is not self.model:  # the module trained, whole, for resume
                 entries["train_model"] = clean_state_dict(self.model.state_dict())
             if self.data.identity:
@@ -293,8 +290,7 @@ class Trainer:
             except ValueError as e:  # another grouping of the parameters (a forced resume)
                 raise CheckpointError(f"{path}: optimizer {name!r} does not fit this run: {e}") from None
         loop = ckpt["loop"]
-        self.step = loop["step"]
-        self.started_commit = loop.get("commit")  # None: a checkpoint from before the record
+        self.step, self.started_commit = loop["step"], loop.get("commit")  # (no commit before 2026-12-06)
         self.window.load_state_dict(loop.get("log_window"), self.dist.rank, self.dist.world_size)
         try:
             self.feed.load_state_dict(loop["feed"])
@@ -442,11 +438,10 @@ class Trainer:
             return
         tc, d = self.cfg.trainer, self.cfg.data
         final = metrics or {"train_loss": next((r["loss"] for r in reversed(logged(self.run_dir, "train"))), None)}
+        resumes = [{k: r.get(k) for k in ("step", "commit")} for r in logged(self.run_dir, "resume")]  # each stop
         record = results_header(self.plain_config()["model"], d.name, self.ckpt_path, seed=self.cfg.seed,
                                 steps=self.step, epochs=self.epoch, global_batch_size=tc.global_batch_size,
-                                init_from=tc.init_from, final=final, commit=self.started_commit,
-                                resumes=[{"step": r["step"], "commit": r.get("commit")}
-                                         for r in logged(self.run_dir, "resume")])
+                                init_from=tc.init_from, final=final, commit=self.started_commit, resumes=resumes)
         if d.get("img_size"):
             record.update(img_size=d.img_size, patch_size=d.get("patch_size"))
         if self.best_metric and metrics:
