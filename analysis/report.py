@@ -115,15 +115,16 @@ def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def equal_loss(f: pd.DataFrame, plan, name: str, claims) -> tuple[pd.DataFrame, str]:
+def equal_loss(f: pd.DataFrame, plan, name: str, claims, at="final") -> tuple[pd.DataFrame, str]:
     """The geometry compared at equal validation loss: a common value L (the larger of the two
-    arms' mean final val_loss, which both reach), each run's kept checkpoint whose logged val_loss
-    is nearest L, and the paired d [95% interval] of each claim's metric there."""
+    arms' mean val_loss at step `at`, by default the final one, which both reach), each run's
+    analysed checkpoint whose logged val_loss is nearest L, and the paired d [95% interval] of
+    each claim's metric there."""
     p = plan.paradigms[name]
     g = _paradigm(f, plan, name)
-    # the validation loss logged at each kept checkpoint's step (evaluations every 250 steps)
-    loss = g[(g["metric"] == "log.val_loss") & g["step"].isin(list(plan.steps))]
-    finals = select(g, "log.val_loss")
+    # the validation loss logged at each analysed checkpoint's step (a plan may keep one per evaluation)
+    loss = g[(g["metric"] == "log.val_loss") & g["step"].isin(g.loc[g["metric"].str.startswith("geometry."), "step"])]
+    finals = select(g, "log.val_loss", step=at)
     means = [finals[finals["k"] == k]["value"].mean() for k in (0, p.arm)]
     if any(math.isnan(m) for m in means) or loss.empty:
         return pd.DataFrame(), "not measured: both arms need a final val_loss and val_loss at the kept checkpoints"
@@ -246,9 +247,12 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
         lines += ["## At every kept checkpoint (equal step, descriptive)", "",
                   "Each geometry claim at the final norm of the checkpoints of the same step: d [95% interval] (n).",
                   "", _md(paired_grid(f, plan, geo, list(plan.steps), lambda c, s: (c.layer, s))), ""]
-    for name in plan.paradigms if plan.get("equal_loss") else ():
-        table, how = equal_loss(f, plan, name, [c for c in geo if c.paradigm == name])
-        lines += ["## At equal validation loss (descriptive)", "", how + ".", "", _md(table), ""]
+    # equal_loss: true (the final loss's level) or a list of steps (the level of each: study_lm26's three)
+    levels = plan.equal_loss if OmegaConf.is_list(plan.get("equal_loss")) else ["final"] * bool(plan.get("equal_loss"))
+    for name, at in ((n, at) for n in plan.paradigms for at in levels):
+        table, how = equal_loss(f, plan, name, [c for c in geo if c.paradigm == name], at)
+        lines += [f"## At equal validation loss (descriptive{'' if at == 'final' else f', the level of step {at}'})",
+                  "", how + ".", "", _md(table), ""]
     lines += ["## Do the heads smooth the residual stream? (the mechanism, analysis/mechanism.py)", "",
               "Per head, in the stream's frame (its part after LayerScale; its matrix Pi diag(g) W_v W_o diag(lambda) "
               "with the norm's centring and gain): the cosine with Px - x (> 0: toward the attention-weighted mean), "

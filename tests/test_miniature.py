@@ -151,9 +151,13 @@ def test_equal_validation_loss_picks_each_runs_nearest_checkpoint():
     # L = 2.501 (k = 1's final mean): k = 0 is nearest at step 2000 (2.5), k = 1 at 3000
     assert how.startswith("L = 2.5010") and "k=0: steps [2000, 2000, 2000]" in how and "k=1: steps [3000" in how
     assert table.iloc[0]["d [95% CI] (n, df)"].startswith("+2 ")  # (3 + 1) - 2 at every seed
+    # a plan's equal_loss may name steps: the level of each (L = k = 1's mean at step 2,000, 2.801)
+    table, how = report.equal_loss(_frame(recs), plan, "a", plan.claims, at=2000)
+    assert how.startswith("L = 2.8010") and "k=0: steps [1000, 1000, 1000]" in how and "k=1: steps [2000" in how
+    assert table.iloc[0]["d [95% CI] (n, df)"].startswith("+2 ")  # k = 1 at step 2000, k = 0 at 1000: (2 + 1) - 1
 
 
-@pytest.mark.parametrize("name", ["short", "long", "study", "study_lm"])
+@pytest.mark.parametrize("name", ["short", "long", "study", "study_lm"])  # study_lm26: once its experiment exists
 def test_every_plan_composes_and_names_its_paradigms(name):
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("report", overrides=[f"plan={name}", "runs=x", "out=y"])
