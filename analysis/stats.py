@@ -1,7 +1,7 @@
 """Statistics over seeds, in one place: a mean with its t-based 95% interval, the paired
 difference of two arms, Holm's correction, the interval at a Holm verdict's level and the verdict
-words. Every table, figure band and
-report of analysis/ takes its mean, spread and interval from here.
+words. Every table, figure band and report of analysis/ takes its mean, spread and interval from
+here.
 
     from analysis.stats import describe, holm, paired, summarize, verdict
     describe([94.1, 95.0, 93.8])                       # Summary(mean, sd, se, n, df, lo, hi)
@@ -108,7 +108,7 @@ def paired(base: Mapping, arm: Mapping, level: float = LEVEL) -> Paired:
     s = describe(diffs, level)  # mean, sd, se, n and df of the differences
     if s.n < 2:
         t, p = float("nan"), float("nan")
-    elif s.se == 0:  # every seed moved by exactly the same amount (scipy gives NaN): the point
+    elif s.se == 0:  # every seed moved by exactly the same amount: the point (all 0: scipy's t is NaN)
         t, p = (0.0, 1.0) if s.mean == 0 else (math.copysign(math.inf, s.mean), 0.0)
     else:
         r = _stats.ttest_rel(a, b)
