@@ -324,6 +324,9 @@ def run(cfg: DictConfig) -> Path:
         path = write_per_seed_report(read_per_seed(path), cfg.plan, out)
         print(f"[report] wrote {path} from {cfg.per_seed}", flush=True)
         return path
+    if cfg.get("runs") is None:  # (optional in report.yaml, beside per_seed=)
+        raise ConfigError("runs is required: add runs=DIR (the folder of the plan's runs) or per_seed=FILE "
+                          "(a report's per_seed.csv) to the command")
     roots = runs_roots(cfg, "analysis.report")
     # a run still training would pass for a finished one: left out unless partial=true asks for a look
     records = [r for r in collect(roots) if r["finished"] or cfg.partial]

@@ -280,3 +280,18 @@ def test_the_mechanism_table_has_every_analysed_step_the_exact_changes_and_the_h
     assert list(t["step"]) == [1000, 1000, 3000, 3000] and list(t["arm"]) == ["k=0", "k=1"] * 2
     assert t.iloc[0]["d variance, exact"] == "+0.3 [+0.3, +0.3] (3, df 2)" and t.iloc[2]["|D| / |x|"].startswith("0.5 ")
     assert t.iloc[2]["d within-seq. variance"].startswith("+0.11 [")
+
+
+def test_the_report_from_a_committed_per_seed_file_alone(tmp_path):
+    """per_seed=docs/study_lm/per_seed.csv (the finished LM experiment's committed values, its runs
+    gone): per_seed.md with the primary claim recomputed from the file and a row per seed; without
+    runs= or per_seed=, one line naming both."""
+    def cfg(*extra):
+        with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+            return compose("report", overrides=["plan=study_lm", f"out={tmp_path}", *extra])
+
+    md = report.run(cfg(f"per_seed={ROOT / 'docs/study_lm/per_seed.csv'}")).read_text()
+    assert "+0.0523 [+0.00603, +0.0986] (8, df 7)" in md and "disagrees [+0.00603, +0.0986] (95%)" in md
+    assert "| 6      | 1.2756 | 1.4345 | +0.1589 | k=0: 1250@unrecorded" in md
+    with pytest.raises(ConfigError, match="runs is required: add runs=DIR .* or per_seed=FILE"):
+        report.run(cfg())
