@@ -188,12 +188,9 @@ def per_seed(f: pd.DataFrame, plan) -> pd.DataFrame:
 
 
 def read_per_seed(path: Path) -> pd.DataFrame:
-    """A per_seed.csv as the tidy table's columns (layer None where empty, final a bool)."""
-    out = pd.read_csv(path, dtype={"layer": object, "k_label": str, "commit": object, "resumes": object,
-                                   "source": object}, keep_default_na=False, na_values={"value": ["nan"]})
-    # empty cells: no layer (a result of the model output), no commit or resume recorded
-    out = out.replace({"layer": {"": None}, "commit": {"": None}})
-    return out.astype({"final": bool, "value": float})
+    """A per_seed.csv as the tidy table's columns: an empty cell is NaN (no layer: a result of the
+    model output; no commit or resume recorded)."""
+    return pd.read_csv(path, dtype={"k_label": str, "layer": object})
 
 
 def per_seed_tables(ps: pd.DataFrame, plan) -> list[str]:

@@ -142,10 +142,6 @@ def decisive_level(p: float, adjusted: float, alpha: float = ALPHA) -> float:
     return 1 - alpha * p / adjusted
 
 
-def level_text(level: float) -> str:
-    return f"{100 * level:.3g}%"  # 95%, 97.5%, 98.3%
-
-
 def verdict(test: Optional[Paired], sign: int, p: Optional[float] = None, alpha: float = ALPHA,
             level: float = LEVEL) -> str:
     """"agrees" / "disagrees" when p < alpha (the claim's direction `sign`: +1, the paper says it
@@ -162,7 +158,7 @@ def verdict(test: Optional[Paired], sign: int, p: Optional[float] = None, alpha:
     lo, hi = test.at(level)
     # the direction of d, not its size, says agrees or disagrees: the interval gives the size
     word = "inconclusive" if p >= alpha else "agrees" if test.d * sign > 0 else "disagrees"
-    return f"{word} [{lo:+.3g}, {hi:+.3g}] ({level_text(level)})"
+    return f"{word} [{lo:+.3g}, {hi:+.3g}] ({100 * level:.3g}%)"  # 95%, 97.5%, 98.3%
 
 
 def interval_text(mean: float, lo: float, hi: float, n: Optional[int], fmt: str = ".3g", signed: bool = False) -> str:
