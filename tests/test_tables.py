@@ -321,7 +321,7 @@ def test_per_block_table(runs):
     nc1 = [_from_json(r, "blocks.0", "nc1") for r in recs if r["k"] == 0 and r["arch"] == "vit"]
     half = scipy_stats.t.ppf(0.975, 1) * statistics.stdev(nc1) / math.sqrt(2)  # the 95% t interval, 1 df
     m = statistics.fmean(nc1)
-    assert grid[2][:2] == ["blocks.0", f"{m:.4g} [{m - half:.4g}, {m + half:.4g}] (2)"]
+    assert grid[2][:2] == ["blocks.0", f"{m:.4g} [{m - half:.4g}, {m + half:.4g}] (2, df 1)"]
     assert "NC1 (class token)" not in md.split("pydoc_text_gpt_d2")[1]  # a GPT has no class token
     assert "\\begin{tabular}" in (runs["out"] / "per_block.tex").read_text()
 
