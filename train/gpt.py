@@ -26,10 +26,20 @@ from laplace.dist import all_reduce_sum
 from laplace.io import append_line
 
 from .engine import Trainer
+from .logger import logged
+from .optim import build_muon26, muon26_groups
+from .plan import nanochat_scaling, resolve_batch
 
 class GPTTrainer(Trainer):
     archs, modality = ("gpt",), "text"
     example = "python train.py experiment=gpt_tiny model=gpt_d4_2L"
+
+    def __init__(self, cfg):
+        super().__init__(resolve_batch(cfg))  # optim=muon26 without a batch: nanochat's rule sets it
+
+    @classmethod
+    def offline(cls, cfg, device: str = "meta"):
+        return super().offline(resolve_batch(cfg), device)
 
     def build_data(self):
         from laplace.data.kinds import build_text_data
@@ -47,6 +57,12 @@ class GPTTrainer(Trainer):
             print(f"[laplace] {model_label(self.cfg.model)}: {sum(p.numel() for p in model.parameters()):,} parameters",
                   flush=True)
         return model
+
+    def configure_optimizers(self):
+        if self.cfg.optim.name != "muon26":
+            return super().configure_optimizers()
+        s = nanochat_scaling(self.cfg)  # the rates and Muon's decay for this batch and horizon
+        return build_muon26(self.model, self.cfg.optim, s.lr_scale, s.muon_weight_decay)
 
     # ---- steps and evaluation ------------------------------------------------------------
     def train_step(self, batch):
@@ -101,4 +117,11 @@ class GPTTrainer(Trainer):
                 print(f"[sample] {p!r} -> {t!r}", flush=True)
 
     def results(self, metrics: dict) -> dict:
-        return {"tokenizer": self.data.tokenizer.spec}
+        own = {"tokenizer": self.data.tokenizer.spec}
+        if self.cfg.optim.name == "muon26":  # the fork's sweep columns (runs/laplacian_sweep.sh results.csv)
+            own["params"] = {g: sum(p.numel() for _, p in ps) for g, ps in muon26_groups(self.model).items() if ps}
+            own["tokens"] = self.step * self.cfg.trainer.global_batch_size * self.cfg.data.seq_len
+            # the training steps' time (each record's mean step time over the steps since the last)
+            recs = logged(self.run_dir, "train")
+            own["train_time_s"] = sum(r["step_ms"] * (r["step"] - q["step"]) for q, r in zip([{"step": 0}, *recs], recs)) / 1e3
+        return own
