@@ -119,7 +119,11 @@ class GPTTrainer(Trainer):
     def results(self, metrics: dict) -> dict:
         own = {"tokenizer": self.data.tokenizer.spec}
         if self.cfg.optim.name == "muon26":  # the fork's sweep columns (runs/laplacian_sweep.sh results.csv)
-            own["params"] = {g: sum(p.numel() for _, p in ps) for g, ps in muon26_groups(self.model).items() if ps}
+            n = {g: sum(p.numel() for _, p in ps) for g, ps in muon26_groups(self.model).items()}
+            own["params"] = dict(  # nanochat's num_scaling_params: the blocks' parameters are its transformer_matrices
+                wte=n["embedding"], value_embeds=n["value_embeds"], lm_head=n["unembedding"],
+                transformer_matrices=n["qkv"] + n["matrices"] + n["laplacian_gates"],
+                scalars=n["resid_lambdas"] + n["x0_lambdas"] + n["smear"], total=sum(n.values()))
             own["tokens"] = self.step * self.cfg.trainer.global_batch_size * self.cfg.data.seq_len
             # the training steps' time (each record's mean step time over the steps since the last)
             recs = logged(self.run_dir, "train")
