@@ -3,6 +3,8 @@ schedules and scaling rules against hand-computed values, and (with LAPLACE_NANO
 nanochat checkout) one optimizer step and the first steps' lr, momentum and decay against its code."""
 from __future__ import annotations
 
+import csv
+import json
 import math
 import os
 import sys
@@ -14,6 +16,7 @@ from omegaconf import OmegaConf
 from laplace import create_model
 from laplace.errors import ConfigError
 from train.optim import apply_group_schedules, build_muon26, build_schedules, muon26_groups
+from train import run
 from train.plan import nanochat_scaling, resolve_batch
 
 CFG = OmegaConf.load("configs/optim/muon26.yaml")
@@ -129,6 +132,36 @@ def test_batch_lr_and_decay_scaling_by_hand():
     s = nanochat_scaling(cfg)
     assert (cfg.trainer.global_batch_size, s.batch_tokens, s.steps, s.lr_scale) == (4, 1024, 7, pytest.approx(1 / math.sqrt(512)))
     assert resolve_batch(config()).trainer.global_batch_size == 256  # 524,288 / 2,048
+
+
+SWEEP = ["experiment=gpt26_sweep", "data=pydoc_text", "data.vocab_size=257", "data.seq_len=32", "data.val_tokens=256",
+         "model.depth=2", "trainer.global_batch_size=4", "trainer.max_steps=3", "trainer.eval_every=3",
+         "trainer.log_every=1", "trainer.progress=false", "trainer.num_workers=0"]
+
+
+def test_the_sweep_runs_cell_by_cell_and_its_table_renders(make_cfg, tmp_path):
+    """Two cells of the grid (k = 0, 1) at toy size, one re-run (it resumes at its end), and the
+    gpt26_sweep table of `python -m analysis.tables` over them: one row per cell."""
+    from analysis.runs import collect
+    from analysis.tables import render_tables
+
+    cells = {k: tmp_path / "runs" / "gpt26_sweep" / f"gpt_d2_{k}L_s1" for k in (0, 1)}
+    for k, d in cells.items():
+        run(make_cfg(*SWEEP, f"model.num_laplacian_heads={k}", "seed=1", run_dir=d))
+    first = json.loads((cells[1] / "results.json").read_text())
+    run(make_cfg(*SWEEP, "model.num_laplacian_heads=1", "seed=1", run_dir=cells[1]))  # resumed: no step trained
+    again = json.loads((cells[1] / "results.json").read_text())
+    assert again["final"] == first["final"] and again["steps"] == 3
+    params = first["params"]
+    assert params["total"] == sum(p.numel() for p in create_model("gpt_d2_1L", vocab_size=257).parameters())
+    assert params["transformer_matrices"] == 2 * 12 * 128 ** 2 and params["lm_head"] == 257 * 128
+    assert first["tokens"] == 3 * 4 * 32 and first["train_time_s"] > 0
+    render_tables(collect(tmp_path / "runs"), tmp_path / "tables", only=["gpt26_sweep"], echo=False)
+    with open(tmp_path / "tables" / "gpt26_sweep.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["column"] == "val_bpb"]
+    assert sorted((r["model"], r["k"], r["seed"]) for r in rows) == [("gpt_d2", "0", "1"), ("gpt_d2", "1", "1")]
+    assert {float(r["mean"]) for r in rows} == {json.loads((d / "results.json").read_text())["final"]["val_bpb"]
+                                                 for d in cells.values()}
 
 
 # ---- against nanochat's own code (skipped without a checkout) ---------------------------------------------
