@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -34,7 +35,8 @@ class Tiny26(torch.nn.Module):
         self.wte, self.lm_head = torch.nn.Embedding(V, C), L(C, V, bias=False)
         self.value_embeds = torch.nn.ModuleDict({"1": torch.nn.Embedding(V, kv)})
         self.resid_lambdas, self.x0_lambdas = P(torch.ones(2)), P(torch.zeros(2))
-        self.smear_gate, self.smear_lambda, self.backout_lambda = L(24, 1, bias=False), P(torch.zeros(1)), P(torch.ones(1))
+        self.smear_gate, self.smear_lambda = L(24, 1, bias=False), P(torch.zeros(1))
+        self.backout_lambda = P(torch.ones(1))
         self.blocks = torch.nn.ModuleList()
         for i in range(2):
             b = torch.nn.Module()
@@ -125,12 +127,14 @@ def test_batch_lr_and_decay_scaling_by_hand():
     f = nanochat_scaling(config(model=dict(depth=20, num_laplacian_heads=2), optim=dict(horizon=dict(flops=1e18))))
     assert f.batch_tokens == d20.batch_tokens and f.reference_params == d12.params
     with torch.device("meta"):
-        fpt = create_model("gpt", depth=20, num_laplacian_heads=2, vocab_size=32768, max_seq_len=2048).flops_per_token(2048)
+        model = create_model("gpt", depth=20, num_laplacian_heads=2, vocab_size=32768, max_seq_len=2048)
+    fpt = model.flops_per_token(2048)
     assert f.steps == round(1e18 / (fpt * 1_048_576))
     # an explicit batch and max_steps win
     cfg = resolve_batch(config(trainer=dict(global_batch_size=4, max_steps=7), data=dict(seq_len=256)))
     s = nanochat_scaling(cfg)
-    assert (cfg.trainer.global_batch_size, s.batch_tokens, s.steps, s.lr_scale) == (4, 1024, 7, pytest.approx(1 / math.sqrt(512)))
+    assert (cfg.trainer.global_batch_size, s.batch_tokens, s.steps) == (4, 1024, 7)
+    assert s.lr_scale == pytest.approx(1 / math.sqrt(512))
     assert resolve_batch(config()).trainer.global_batch_size == 256  # 524,288 / 2,048
 
 
@@ -173,9 +177,10 @@ def nanochat_optim():
     os.environ.setdefault("NANOCHAT_DTYPE", "bfloat16")  # its Muon in bf16, as ours (on CUDA: its default)
     sys.path.insert(0, NANOCHAT)
     try:
-        from nanochat import optim
+        from nanochat import gpt, optim
     finally:
         sys.path.remove(NANOCHAT)
+    optim.GPT, optim.GPTConfig = gpt.GPT, gpt.GPTConfig  # for the group test
     # its fused steps run eagerly (the same operations; torch.compile takes minutes on a CPU)
     optim.muon_step_fused = optim.muon_step_fused._torchdynamo_orig_callable
     optim.adamw_step_fused = optim.adamw_step_fused._torchdynamo_orig_callable
@@ -244,3 +249,43 @@ def test_first_steps_lr_momentum_and_decay_equal_base_train():
             assert s["weight_decay"](i) == pytest.approx(ns["get_weight_decay"](i), abs=1e-12), (n, i)
             if n > 800 or i < 400:  # short runs: see the recipe card's momentum row
                 assert s["momentum"](i) == pytest.approx(ns["get_muon_momentum"](i), abs=1e-12), (n, i)
+
+
+@needs_nanochat
+def test_groups_equal_setup_optimizers(nanochat_optim):
+    """nanochat's own GPT (GQA, value embeddings, every 2026 parameter) through its setup_optimizer,
+    and the same parameters under our names through build_muon26: every group's hyper-parameters."""
+    config = nanochat_optim.GPTConfig(sequence_len=64, vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, n_embd=256)
+    with torch.device("meta"):
+        ref = nanochat_optim.GPT(config)
+    s, wd = 1.3, 0.2  # a batch's lr scale and a scaled Muon decay, as base_train passes them
+    theirs = ref.setup_optimizer(unembedding_lr=0.008 * s, embedding_lr=0.3 * s, scalar_lr=0.5 * s,
+                                 matrix_lr=0.02 * s, weight_decay=wd)
+    ours, names = torch.nn.Module(), {}  # theirs renamed ours (q, k, v fused as our qkv), sharing the tensors
+    for name, p in ref.named_parameters():
+        new = name.replace("transformer.h.", "blocks.").replace("transformer.", "").replace("attn.c_proj", "attn.proj")
+        new = re.sub(r"attn\.c_[qkv]\.", "attn.qkv.", new)
+        *path, leaf = new.split(".")
+        m = ours
+        for part in path:
+            if part not in m._modules:
+                m.add_module(part, torch.nn.Module())
+            m = m._modules[part]
+        old = m._parameters.get(leaf)  # c_q's, when c_k and c_v join it as its rows
+        m.register_parameter(leaf, torch.nn.Parameter(p if old is None else torch.cat([old, p])))
+        names[id(p)] = new
+    ours.width = 256
+    opts = build_muon26(ours, CFG, lr_scale=s, muon_weight_decay=wd)
+    by_name = {n: g for o in opts.values() for g in o.param_groups for n, q in ours.named_parameters()
+               if any(q is x for x in g["params"])}
+    for g in theirs.param_groups:
+        for p in g["params"]:
+            mine = by_name[names[id(p)]]
+            if g["kind"] == "adamw":
+                assert (mine["lr"], mine["betas"], mine["weight_decay"]) == \
+                    (pytest.approx(g["lr"]), tuple(g["betas"]), g["weight_decay"]), names[id(p)]
+                assert mine["eps"] == g["eps"]
+            else:
+                assert (mine["lr"], mine["momentum"], mine["beta2"], mine["ns_steps"], mine["weight_decay"]) == \
+                    (pytest.approx(g["lr"]), g["momentum"], g["beta2"], g["ns_steps"], g["weight_decay"]), names[id(p)]
+    assert by_name["blocks.0.attn.qkv.weight"]["row_splits"] == [256, 128, 128]

@@ -28,18 +28,11 @@ from laplace.io import append_line
 from .engine import Trainer
 from .logger import logged
 from .optim import build_muon26, muon26_groups
-from .plan import nanochat_scaling, resolve_batch
+from .plan import nanochat_scaling
 
 class GPTTrainer(Trainer):
     archs, modality = ("gpt",), "text"
     example = "python train.py experiment=gpt_tiny model=gpt_d4_2L"
-
-    def __init__(self, cfg):
-        super().__init__(resolve_batch(cfg))  # optim=muon26 without a batch: nanochat's rule sets it
-
-    @classmethod
-    def offline(cls, cfg, device: str = "meta"):
-        return super().offline(resolve_batch(cfg), device)
 
     def build_data(self):
         from laplace.data.kinds import build_text_data
@@ -127,5 +120,6 @@ class GPTTrainer(Trainer):
             own["tokens"] = self.step * self.cfg.trainer.global_batch_size * self.cfg.data.seq_len
             # the training steps' time (each record's mean step time over the steps since the last)
             recs = logged(self.run_dir, "train")
-            own["train_time_s"] = sum(r["step_ms"] * (r["step"] - q["step"]) for q, r in zip([{"step": 0}, *recs], recs)) / 1e3
+            steps = [r["step"] - q["step"] for q, r in zip([{"step": 0}, *recs], recs)]
+            own["train_time_s"] = sum(r["step_ms"] * n for r, n in zip(recs, steps)) / 1e3
         return own

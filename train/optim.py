@@ -36,8 +36,6 @@ def build_optimizers(model, cfg) -> dict[str, torch.optim.Optimizer]:
     {optim.name: timm's}. `model` is a module, or parameter groups of it (DINO's)."""
     if cfg.name == "muon":
         return build_muon_adamw(model, cfg)
-    if cfg.name == "muon26":  # the GPT trainer passes the horizon's scales (train/plan.py nanochat_scaling)
-        return build_muon26(model, cfg)
     return {cfg.name: build_optimizer(model, cfg)}
 
 
@@ -292,9 +290,10 @@ def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optim
 
 # ---- optim=muon26: nanochat 92d63d4's MuonAdamW (the first author's fork trains with it) ----------
 # torch.optim.AdamW is nanochat's AdamW (decoupled decay, bias-corrected moments; per-group betas).
-# Its Muon differs from torch.optim.Muon (2.14) in four steps torch lacks, so `NorMuon` writes them:
-# MuonEq row equilibration, Polar Express coefficients per iteration, Muon+ renormalisation, NorMuon
-# variance reduction, and cautious weight decay. Each step is nanochat's muon_step_fused, in its order.
+# Its Muon adds to torch.optim.Muon's (2.14: Nesterov, one fixed Newton-Schulz polynomial) five steps
+# torch lacks, so `NorMuon` writes it: MuonEq row equilibration, Polar Express coefficients per
+# iteration, Muon+ renormalisation, NorMuon variance reduction and cautious weight decay, each as
+# nanochat's muon_step_fused does it, in its order (tests/test_muon26.py runs its code beside ours).
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),  # arXiv:2505.16932,
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),  # 5 iterations
                  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),

@@ -138,6 +138,9 @@ def nanochat_scaling(cfg: DictConfig) -> Scaling:
 def resolve_batch(cfg: DictConfig) -> DictConfig:
     """trainer.global_batch_size of optim=muon26 when null: nanochat's batch rule, in rows of
     data.seq_len (written into `cfg`, so the run's saved config holds it)."""
-    if cfg.optim.get("horizon") is not None and cfg.trainer.global_batch_size is None:
+    if cfg.trainer.global_batch_size is None:
+        if cfg.optim.get("horizon") is None:
+            raise ConfigError(f"trainer.global_batch_size=null: only optim=muon26 derives the batch "
+                              f"(optim={cfg.optim.name}); give the sequences per step")
         cfg.trainer.global_batch_size = max(1, nanochat_scaling(cfg).batch_tokens // cfg.data.seq_len)
     return cfg
