@@ -90,8 +90,8 @@ def step_plan(cfg: DictConfig, world_size: int, micro_batches_per_epoch: int | N
 class Scaling:
     """nanochat 92d63d4's horizon, batch and scales of a run (base_train.py, "Scaling laws and muP
     extrapolations"): params = its blocks' + lm_head's parameters (nanochat's transformer matrices +
-    lm_head), reference_params the same of the reference model (d12), tokens its horizon in tokens
-    (ratio x params), batch_tokens the tokens per step, steps the run's length (max_steps wins),
+    lm_head), reference_params the same of the reference model (d12), tokens nanochat's target tokens
+    (ratio x params; params under a FLOPs budget, where only tokens / reference tokens counts), batch_tokens the tokens per step, steps the run's length (max_steps wins),
     lr_scale every rate's factor, muon_weight_decay Muon's scaled decay."""
 
     params: int
