@@ -59,7 +59,7 @@ class Trainer(Node):
     device: allowed(str, "auto, cpu, cuda or cuda:<index>", pattern=r"^(auto|cpu|cuda(:\d+)?)$") = None
     amp: Switch = None
     compile: Switch = None
-    global_batch_size: Count = None
+    global_batch_size: allowed_or_null(int, "a whole number >= 1, or null for optim=muon26's rule", ge=1) = None
     micro_batch_size: allowed_or_null(int, "a whole number >= 1, or null for the whole share", ge=1) = None
     num_workers: Size = None
     epochs: Steps = None

@@ -193,7 +193,7 @@ def test_knn_and_linear_check_where_results_go_before_the_features(tmp_path):
 # naming the key, the value and what is allowed (laplace.schema), before anything is built.
 BAD_VALUES = [
     (["optim.lr=-0.1"], "optim.lr=-0.1: give a number > 0"),
-    (["trainer.global_batch_size=ten"], "trainer.global_batch_size=ten: give a whole number >= 1"),
+    (["trainer.global_batch_size=ten"], "trainer.global_batch_size=ten: give a whole number >= 1, or null for optim=muon26's rule"),
     (["model.depth=two"], "model.depth=two: give a whole number >= 1"),
     (["trainer.num_workers=-1"], "trainer.num_workers=-1: give a whole number >= 0"),
     (["data.img_size=30"], "data.img_size=30: give a multiple of patch_size=8"),

@@ -47,7 +47,7 @@ from laplace.io import write_json
 
 from .feeds import Feed, MapFeed, train_sampler
 from .logger import LogWindow, MetricsLogger, format_metrics, git_commit, logged, print_line, progress_bar
-from .plan import step_plan
+from .plan import resolve_batch, step_plan
 from .optim import apply_group_schedules, build_optimizers, build_schedules, check_group_schedules, clip_gradients
 from .resume import check_resumable, find_checkpoint
 from .finite import FiniteGuard
@@ -72,7 +72,7 @@ class Trainer:
     flops_per_unit: float | None = None  # set by a trainer that counts FLOPs: the MFU is logged
 
     def __init__(self, cfg: DictConfig):
-        self.cfg, tc = cfg, cfg.trainer
+        self.cfg, tc = resolve_batch(cfg), cfg.trainer  # optim=muon26 without a batch: nanochat's rule sets it
         self.dist = dist.setup(tc.device)
         self.device = self.dist.device
         self.run_dir = Path(cfg.run_dir)

@@ -26,6 +26,9 @@ from laplace.dist import all_reduce_sum
 from laplace.io import append_line
 
 from .engine import Trainer
+from .logger import logged
+from .optim import build_muon26, muon26_groups
+from .plan import nanochat_scaling
 
 class GPTTrainer(Trainer):
     archs, modality = ("gpt",), "text"
@@ -47,6 +50,12 @@ class GPTTrainer(Trainer):
             print(f"[laplace] {model_label(self.cfg.model)}: {sum(p.numel() for p in model.parameters()):,} parameters",
                   flush=True)
         return model
+
+    def configure_optimizers(self):
+        if self.cfg.optim.name != "muon26":
+            return super().configure_optimizers()
+        s = nanochat_scaling(self.cfg)  # the rates and Muon's decay for this batch and horizon
+        return build_muon26(self.model, self.cfg.optim, s.lr_scale, s.muon_weight_decay)
 
     # ---- steps and evaluation ------------------------------------------------------------
     def train_step(self, batch):
@@ -101,4 +110,16 @@ class GPTTrainer(Trainer):
                 print(f"[sample] {p!r} -> {t!r}", flush=True)
 
     def results(self, metrics: dict) -> dict:
-        return {"tokenizer": self.data.tokenizer.spec}
+        own = {"tokenizer": self.data.tokenizer.spec}
+        if self.cfg.optim.name == "muon26":  # the fork's sweep columns (runs/laplacian_sweep.sh results.csv)
+            n = {g: sum(p.numel() for _, p in ps) for g, ps in muon26_groups(self.model).items()}
+            own["params"] = dict(  # nanochat's num_scaling_params: the blocks' parameters are its transformer_matrices
+                wte=n["embedding"], value_embeds=n["value_embeds"], lm_head=n["unembedding"],
+                transformer_matrices=n["qkv"] + n["matrices"] + n["laplacian_gates"],
+                scalars=n["resid_lambdas"] + n["x0_lambdas"] + n["smear"], total=sum(n.values()))
+            own["tokens"] = self.step * self.cfg.trainer.global_batch_size * self.cfg.data.seq_len
+            # the training steps' time (each record's mean step time over the steps since the last)
+            recs = logged(self.run_dir, "train")
+            steps = [r["step"] - q["step"] for q, r in zip([{"step": 0}, *recs], recs)]
+            own["train_time_s"] = sum(r["step_ms"] * n for r, n in zip(recs, steps)) / 1e3
+        return own

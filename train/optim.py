@@ -129,8 +129,11 @@ def apply_group_schedules(optimizers: dict[str, torch.optim.Optimizer], schedule
     values = {name: s(step) for name, s in schedules.items()}
     for g in (g for opt in optimizers.values() for g in opt.param_groups):
         for name in values.keys() & g.keys():  # e.g. Muon's momentum is not a key of AdamW's groups
-            # 0 for a group built at 0: timm's biases and norms stay out of a weight-decay schedule.
-            g[name] = values[name] * g.setdefault(f"{name}_scale", 0.0 if g[name] == 0 else 1.0)
+            # 0 for a group built at 0: timm's biases and norms stay out of a weight-decay schedule;
+            # None: a group that keeps its value (optim=muon26's AdamW weight decays, nanochat's).
+            scale = g.setdefault(f"{name}_scale", 0.0 if g[name] == 0 else 1.0)
+            if scale is not None:
+                g[name] = values[name] * scale
     return values
 
 
@@ -283,3 +286,149 @@ def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optim
                        lr=cfg.matrix_lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
                        weight_decay=cfg.muon_weight_decay, adjust_lr_fn="original")
     return {"muon": muon, "adamw": adamw}
+
+
+# ---- optim=muon26: nanochat 92d63d4's MuonAdamW (the first author's fork trains with it) ----------
+# torch.optim.AdamW is nanochat's AdamW (decoupled decay, bias-corrected moments; per-group betas).
+# Its Muon adds to torch.optim.Muon's (2.14: Nesterov, one fixed Newton-Schulz polynomial) five steps
+# torch lacks, so `NorMuon` writes it: MuonEq row equilibration, Polar Express coefficients per
+# iteration, Muon+ renormalisation, NorMuon variance reduction and cautious weight decay, each as
+# nanochat's muon_step_fused does it, in its order (tests/test_muon26.py runs its code beside ours).
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),  # arXiv:2505.16932,
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),  # 5 iterations
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+
+
+def polar_express(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """MuonEq + Polar Express + Muon+ of one matrix: ~ its orthogonal factor, Frobenius norm sqrt(min(m, n))."""
+    x = g.to(dtype)
+    # MuonEq: every row to the mean row norm, so the spectrum is better conditioned (arXiv:2603.28254)
+    target = x.float().norm(dim=(-2, -1), keepdim=True) / x.size(-2) ** 0.5
+    x = x * (target / x.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)).to(dtype)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.01 + 1e-6)
+    tall = g.size(-2) > g.size(-1)
+    for a, b, c in POLAR_EXPRESS[:steps]:
+        gram = x.mT @ x if tall else x @ x.mT  # the small side
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + (x @ poly if tall else poly @ x)
+    x = x.to(g.dtype)
+    # Muon+: the norm of an exactly semi-orthogonal matrix, whatever the iteration left (arXiv:2602.21545)
+    return x * (min(g.shape[-2:]) ** 0.5 / x.float().norm(dim=(-2, -1), keepdim=True).clamp_min(1e-6)).to(x.dtype)
+
+
+class NorMuon(torch.optim.Optimizer):
+    """nanochat 92d63d4's Muon: Nesterov momentum, `polar_express`, NorMuon's per-row (tall) or
+    per-column (wide) second moment (arXiv:2510.05491), and cautious weight decay (only where the
+    update and the weight agree in sign), at lr x sqrt(max(1, rows / cols)).
+
+    A group with `row_splits: [q, k, v]` holds fused matrices whose row blocks are updated as separate
+    matrices (nanochat's c_q, c_k, c_v; the k and v blocks are smaller under GQA). State per parameter:
+    `momentum_buffer` (its shape) and `second_momentum_buffer` (a list, one per block).
+    """
+    # Per matrix, not nanochat's stacks of same-shape matrices: the stack's operations are per
+    # matrix (norms over the last two dims), so the values are the same; its stacking serves ZeRO.
+
+    def __init__(self, params, *, lr: float, momentum: float, beta2: float, ns_steps: int, weight_decay: float,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, ns_steps=ns_steps,
+                                      weight_decay=weight_decay, dtype=dtype))
+        for p in (p for group in self.param_groups for p in group["params"]):
+            if p.ndim != 2:
+                raise ValueError(f"Muon updates 2-D matrices; a parameter has shape {list(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            m, wd = group["momentum"], group["weight_decay"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                splits = list(group.get("row_splits") or [p.shape[0]])
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    # a tall (or square) block's rows each get a second moment, a wide one's columns
+                    state["second_momentum_buffer"] = [p.new_zeros((r, 1) if r >= p.shape[1] else (1, p.shape[1]))
+                                                       for r in splits]
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - m)
+                update = p.grad.lerp(buf, m)  # Nesterov
+                for p_i, u_i, v_i in zip(p.split(splits), update.split(splits), state["second_momentum_buffer"]):
+                    g = polar_express(u_i, group["ns_steps"], group["dtype"])
+                    # NorMuon: divide by the running RMS per row / column, then restore the update's norm
+                    dim, n = (-1, g.size(-1)) if v_i.size(-1) == 1 else (-2, g.size(-2))
+                    v_mean = g.float().square().mean(dim=dim, keepdim=True)
+                    v_norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
+                    v_i.lerp_(v_mean.to(v_i.dtype), 1 - group["beta2"])
+                    step_size = v_i.clamp_min(1e-10).rsqrt()
+                    v_norm_new = ((v_mean * n) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+                    g = g * (step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype)
+                    lr = group["lr"] * max(1.0, p_i.shape[0] / p_i.shape[1]) ** 0.5
+                    # cautious decay: only the coordinates the update moves towards zero anyway
+                    p_i.sub_(lr * g + lr * wd * p_i * ((g * p_i) >= 0))
+        return loss
+
+
+# nanochat's parameter groups (gpt.py setup_optimizer) by our parameter names; a name matching none
+# is an error, never a silent default group. Muon: every matrix of the blocks (upstream: all of
+# transformer.h); AdamW: the rest, each at its own lr, betas and (constant) weight decay.
+MUON26_GROUPS = {
+    "unembedding": r"lm_head\.weight", "embedding": r"wte\.weight", "value_embeds": r"value_embeds\.\d+\.weight",
+    "resid_lambdas": r"resid_lambdas", "x0_lambdas": r"x0_lambdas",
+    "smear": r"smear_gate\.weight|smear_lambda|backout_lambda",
+    "laplacian_gates": r"blocks\.\d+\.attn\.laplacian_gate",  # ours (laplacian_mode=learned); nanochat has none
+    "qkv": r"blocks\.\d+\.attn\.qkv\.weight",
+    "matrices": r"blocks\.\d+\.(attn\.(proj|ve_gate)|mlp\.c_fc|mlp\.c_proj)\.weight",
+}
+WIDTH_SCALED = ("unembedding", "embedding", "value_embeds")  # x (width / width_ref) ** -0.5, nanochat's
+NOT_BATCH_SCALED = ("smear",)  # nanochat passes its 0.2 past the batch's lr scale
+
+
+def muon26_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+    """{group: [(name, parameter)]} of MUON26_GROUPS; raises on a parameter no pattern names."""
+    groups = {g: [] for g in MUON26_GROUPS}
+    for name, p in model.named_parameters():
+        group = next((g for g, pattern in MUON26_GROUPS.items() if re.fullmatch(pattern, name)), None)
+        if group is None:
+            raise ConfigError(f"optim=muon26: parameter {name!r} of {type(model).__name__} is in no group of "
+                              f"nanochat's (train/optim.py MUON26_GROUPS); name it there before training it")
+        groups[group].append((name, p))
+    return groups
+
+
+def build_muon26(model: torch.nn.Module, cfg, lr_scale: float = 1.0, muon_weight_decay: float | None = None):
+    """{"muon": NorMuon, "adamw": torch AdamW} of nanochat 92d63d4 (values: configs/optim/muon26.yaml).
+
+    lr_scale: every group's lr factor but the smear's (nanochat: sqrt(batch / reference batch));
+    muon_weight_decay: Muon's decay after the horizon's scaling (None: optim.muon.weight_decay).
+    Each group's base rate and Muon's decay are its `lr_scale` / `weight_decay_scale`:
+    optim.schedules.lr and .weight_decay are multipliers (the AdamW groups' decay stays constant).
+    """
+    groups = muon26_groups(model)
+    width_scale = (model.width / cfg.width_ref) ** -0.5
+    adam = []
+    for name, params in groups.items():
+        if name in ("qkv", "matrices") or not params:
+            continue
+        g = cfg.adamw[name]
+        lr = g.lr * (width_scale if name in WIDTH_SCALED else 1.0) * (1.0 if name in NOT_BATCH_SCALED else lr_scale)
+        adam.append(dict(params=[p for _, p in params], name=name, lr=lr, lr_scale=lr, betas=tuple(g.betas),
+                         weight_decay=g.weight_decay, weight_decay_scale=None))
+    m = cfg.muon
+    wd = m.weight_decay if muon_weight_decay is None else muon_weight_decay
+    lr = m.lr * lr_scale
+    # q, k, v apart: rows [q (width), k, v (equal; smaller under GQA)] of every layer's fused qkv
+    qkv = [p for _, p in groups["qkv"]]
+    if len({p.shape for p in qkv}) > 1:
+        raise ConfigError("optim=muon26: the layers' qkv weights differ in shape; one row split serves them all")
+    splits = [qkv[0].shape[1]] + [(qkv[0].shape[0] - qkv[0].shape[1]) // 2] * 2 if qkv else None
+    muon = [dict(params=qkv, name="qkv", row_splits=splits),
+            dict(params=[p for _, p in groups["matrices"]], name="matrices")]
+    muon = [dict(g, lr=lr, lr_scale=lr, weight_decay=wd, weight_decay_scale=wd) for g in muon if g["params"]]
+    return {"muon": NorMuon(muon, lr=lr, momentum=m.momentum, beta2=m.beta2, ns_steps=m.ns_steps, weight_decay=wd,
+                            dtype=getattr(torch, m.dtype)),
+            "adamw": torch.optim.AdamW(adam, lr=adam[0]["lr"], eps=cfg.eps)}

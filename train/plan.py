@@ -8,10 +8,13 @@ the steps a run takes. The global batch is a property of the recipe, not of the 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
+
+from laplace.errors import ConfigError
 
 from .feeds import split_batch
 
@@ -44,6 +47,8 @@ def token_budget_steps(cfg: DictConfig) -> int:
     (data.train_tokens, else trainer.tokens_per_param x parameters, nanochat's Chinchilla ratio)
     over the tokens of one step (global_batch_size x data.seq_len)."""
     tc, d = cfg.trainer, cfg.data
+    if cfg.optim.get("horizon") is not None:  # optim=muon26: nanochat 92d63d4's horizon
+        return nanochat_scaling(cfg).steps
     budget = d.train_tokens
     if budget is None:
         from laplace import create_model
@@ -79,3 +84,63 @@ def step_plan(cfg: DictConfig, world_size: int, micro_batches_per_epoch: int | N
     else:  # epochs; of unknown size (a recipe card without data): no total
         total = None if spe is None else tc.epochs * spe
     return StepPlan(micro, accum, spe, total, budget)
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """nanochat 92d63d4's horizon, batch and scales of a run (base_train.py, "Scaling laws and muP
+    extrapolations"): params = its blocks' + lm_head's parameters (nanochat's transformer matrices +
+    lm_head), reference_params the same of the reference model (d12), tokens nanochat's target tokens
+    (ratio x params; params under a FLOPs budget, where only tokens / reference tokens counts), batch_tokens the tokens per step, steps the run's length (max_steps wins),
+    lr_scale every rate's factor, muon_weight_decay Muon's scaled decay."""
+
+    params: int
+    reference_params: int
+    tokens: int
+    batch_tokens: int
+    steps: int
+    lr_scale: float
+    muon_weight_decay: float
+
+
+def scaling_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith(("blocks.", "lm_head.")))
+
+
+def nanochat_scaling(cfg: DictConfig) -> Scaling:
+    """The Scaling of a config with optim=muon26 (its `horizon`, `reference`, batch_ref_tokens,
+    batch_exponent; trainer.global_batch_size x data.seq_len, when set, is the batch)."""
+    from laplace import create_model
+
+    o, tc, seq_len = cfg.optim, cfg.trainer, cfg.data.seq_len
+    with torch.device("meta"):  # shapes only; the reference derives its width and heads from its depth
+        model = create_model(**cfg.model)
+        n_ref = scaling_params(create_model(**{**cfg.model, "width": None, "num_heads": None, **o.reference}))
+    n, ratio, flops = scaling_params(model), o.horizon.param_data_ratio, o.horizon.flops
+    if not (ratio or flops or tc.max_steps):
+        raise ConfigError("optim.horizon: give param_data_ratio (e.g. 12) or flops (e.g. 1e18), or trainer.max_steps")
+    # nanochat's D / D_ref; with a FLOPs budget its ratio is -1 in both, so it is n / n_ref
+    r = ratio or 1
+    tokens, ref_tokens = int(r * n), r * n_ref
+    batch = tc.global_batch_size * seq_len if tc.global_batch_size else \
+        2 ** round(math.log2(o.batch_ref_tokens * (tokens / ref_tokens) ** o.batch_exponent))
+    if tc.max_steps:
+        steps = int(tc.max_steps)
+    elif flops:
+        steps = round(flops / (model.flops_per_token(seq_len) * batch))
+    else:
+        steps = tokens // batch
+    lr_scale = (batch / o.batch_ref_tokens) ** 0.5
+    return Scaling(n, n_ref, tokens, batch, max(1, steps), lr_scale,
+                   o.muon.weight_decay * lr_scale * ref_tokens / tokens)
+
+
+def resolve_batch(cfg: DictConfig) -> DictConfig:
+    """trainer.global_batch_size of optim=muon26 when null: nanochat's batch rule, in rows of
+    data.seq_len (written into `cfg`, so the run's saved config holds it)."""
+    if cfg.trainer.global_batch_size is None:
+        if cfg.optim.get("horizon") is None:
+            raise ConfigError(f"trainer.global_batch_size=null: only optim=muon26 derives the batch "
+                              f"(optim={cfg.optim.name}); give the sequences per step")
+        cfg.trainer.global_batch_size = max(1, nanochat_scaling(cfg).batch_tokens // cfg.data.seq_len)
+    return cfg

@@ -60,7 +60,9 @@ class Recipe:
 
     def __init__(self, cfg: DictConfig, train_size: int | None = None,
                  eval_overrides: dict[str, list[str]] | None = None):
-        self.cfg, self.train_size = cfg, train_size
+        from train.plan import resolve_batch
+
+        self.cfg, self.train_size = resolve_batch(cfg), train_size  # optim=muon26: its batch rule
         self.eval_overrides = eval_overrides or {}
 
     @cached_property
@@ -114,6 +116,12 @@ class Recipe:
 
     def tokens_per_step(self) -> int:
         return self.cfg.trainer.global_batch_size * self.cfg.data.seq_len
+
+    def scaling(self, field: str):
+        """A field of optim=muon26's horizon and scales (train/plan.py Scaling)."""
+        from train.plan import nanochat_scaling
+
+        return getattr(nanochat_scaling(self.cfg), field)
 
     def _spe(self, uses_epochs: bool) -> int:
         """Steps per epoch for a schedule or step; only needed when it counts in epochs."""
