@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import ROOT, save_tiny_gpt
+from conftest import CONFIGS, save_tiny_gpt
 
-from eval.core import evaluate, render
+from laplace.core_eval import evaluate, render
 from laplace.checkpoint import load_model
 from laplace.tokenizer import load_tokenizer
 
@@ -75,21 +74,26 @@ def test_render():
                   [{"context": "c  ", "continuation": "d"}]) == ["c: d\n\na:", "c: d\n\na: b"]
 
 
-def test_command(tmp_path):
+def test_command(tmp_path, monkeypatch, capsys):
+    from hydra import compose, initialize_config_dir
+
+    from eval.core import evaluate_core
+    from laplace.errors import UserError
+
     ckpt = save_tiny_gpt(tmp_path / "run" / "ckpt" / "last.pt")
-    cmd = [sys.executable, "-m", "eval.core", f"checkpoint={ckpt}", "max_per_task=2"]
-    run = subprocess.run([*cmd, f"bundle={make_bundle(tmp_path / 'b', TASKS)}"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, check=False)
-    assert run.returncode == 0, run.stderr
-    assert "| CORE" in run.stdout
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose("core", overrides=[f"checkpoint={ckpt}", "max_per_task=2", f"bundle={tmp_path / 'none'}"])
+    # offline without a bundle: one line naming the key, before the model is read
+    monkeypatch.setattr(torch.hub, "download_url_to_file", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    with pytest.raises(UserError, match=f"^bundle={tmp_path / 'none'}: no CORE eval bundle there") as e:
+        evaluate_core(cfg)
+    assert "\n" not in str(e.value)
+    cfg.bundle = str(make_bundle(tmp_path / "b", TASKS))
+    res = evaluate_core(cfg)
+    assert "| CORE" in capsys.readouterr().out
     saved = json.loads((tmp_path / "run" / "eval" / "core_max2" / "results.json").read_text())
-    assert set(saved["results"]) == set(TASKS) and saved["max_per_task"] == 2
-    # offline without a bundle: one line naming the key
-    env = {**os.environ, "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
-    run = subprocess.run([*cmd, f"bundle={tmp_path / 'none'}"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=False, env=env)
-    assert run.returncode != 0 and f"bundle={tmp_path / 'none'}: no CORE eval bundle" in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1
+    assert saved["results"] == res["results"] and set(res["results"]) == set(TASKS) and saved["max_per_task"] == 2
+    assert (tmp_path / "run" / "eval" / "core_max2" / "core.md").read_text().startswith("| task")
 
 
 def _random_tasks(seed: int = 0) -> dict:
@@ -133,3 +137,20 @@ def test_equals_nanochat(tmp_path, max_seq_len):
         theirs = evaluate_task(model, NanochatTokenizer(), data[:20], torch.device("cpu"), meta)
         print(f"[nanochat] {label} max_seq_len={max_seq_len}: ours {ours['results'][label]:.4f}, nanochat {theirs:.4f}")
         assert ours["results"][label] == theirs
+
+
+def test_training_reports_core(make_cfg, tmp_path):
+    """trainer.core_metric_every: CORE at the final evaluation, in the val record and results.json."""
+    from train import run as train_run
+
+    bundle = make_bundle(tmp_path / "bundle", TASKS)
+    cfg = make_cfg("experiment=gpt_pydoc", "model=gpt_d2_1L", "data.seq_len=32", "trainer.global_batch_size=8",
+                   "trainer.num_workers=0", "trainer.progress=false", "trainer.max_steps=2", "trainer.eval_every=1",
+                   "trainer.sample_prompts=[]", "trainer.core_metric_every=5", f"trainer.core_bundle={bundle}")
+    train_run(cfg)
+    run = Path(cfg.run_dir)
+    vals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in vals if "val_loss" in r]
+    assert ["core_metric" in r for r in vals] == [False, True]  # step 1: not a multiple of 5; step 2: the last
+    expected = evaluate(load_model(run / "ckpt" / "last.pt"), load_tokenizer("bytes"), bundle)["core_metric"]
+    assert json.loads((run / "results.json").read_text())["final"]["core_metric"] == pytest.approx(expected)
