@@ -154,3 +154,6 @@ def test_training_reports_core(make_cfg, tmp_path):
     assert ["core_metric" in r for r in vals] == [False, True]  # step 1: not a multiple of 5; step 2: the last
     expected = evaluate(load_model(run / "ckpt" / "last.pt"), load_tokenizer("bytes"), bundle)["core_metric"]
     assert json.loads((run / "results.json").read_text())["final"]["core_metric"] == pytest.approx(expected)
+    from analysis.runs import read_run  # the lm table's CORE column (configs/tables.yaml) reads it
+
+    assert read_run(run)["metrics"]["final.core_metric"] == pytest.approx(expected)
