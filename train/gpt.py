@@ -36,7 +36,9 @@ class GPTTrainer(Trainer):
 
         return build_text_data(self.cfg.data, seed=self.cfg.seed, micro_batch_size=self.micro_bs,
                                rank=self.dist.rank, world_size=self.dist.world_size,
-                               init_from=self.cfg.trainer.init_from, step_windows=self.cfg.trainer.global_batch_size)
+                               # a LoRA run's tokenizer is its base's (train/lora.py)
+                               init_from=self.cfg.trainer.init_from or self.cfg.trainer.get("base"),
+                               step_windows=self.cfg.trainer.global_batch_size)
 
     def build_model(self):
         model = super().build_model()
