@@ -1,6 +1,6 @@
 """The shared training engine: every trainer (deit3, gpt, dino, seg_linear) is a `Trainer`.
 
-A trainer is six methods, all it may override (the loop, its devices, DDP, accumulation,
+A trainer is these methods, all it may override (the loop, its devices, DDP, accumulation,
 schedules, clipping, bf16, compile, cadences, resume, preemption, logging and results.json are
 the engine's):
 
@@ -11,6 +11,9 @@ the engine's):
     train_step(batch)       -> loss, or (loss, {extra: value}) of one micro-batch      required
     evaluate()              -> {metric: value} (default: none)
     results(metrics)        -> the trainer's own fields of results.json (default: none)
+    train_state() / load_train_state(state)
+                            -> what a checkpoint keeps of the module trained beside the exported
+                               one, for resume (default: all of it; LoRA: its adapters)
 
 and declares, as class attributes: `archs` / `modality` / `example` (what it trains, checked
 before anything is built), `export` (the submodule a checkpoint's "model" holds, "" the whole:
