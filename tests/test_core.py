@@ -157,3 +157,19 @@ def test_training_reports_core(make_cfg, tmp_path):
     from analysis.runs import read_run  # the lm table's CORE column (configs/tables.yaml) reads it
 
     assert read_run(run)["metrics"]["final.core_metric"] == pytest.approx(expected)
+
+
+@pytest.mark.slow  # a torchrun of two processes
+def test_two_ranks_share_the_examples(tmp_path):
+    import subprocess
+
+    from conftest import ROOT
+
+    ckpt = save_tiny_gpt(tmp_path / "run" / "ckpt" / "last.pt")
+    bundle = make_bundle(tmp_path / "b", _random_tasks())
+    one = evaluate(load_model(ckpt).eval(), load_tokenizer("bytes"), bundle)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "eval.core",
+                          f"checkpoint={ckpt}", f"bundle={bundle}", "device=cpu", f"out={tmp_path / 'out'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["results"] == one["results"]
