@@ -29,9 +29,9 @@ BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip
 
 
 def ensure_bundle(path) -> Path:
-    """The bundle folder at `path`, downloaded there from nanochat's URL (rank 0) if it is missing."""
-    path = Path(path).expanduser()
-    if not (path / "core.yaml").is_file() and _ranks()[0] == 0:
+    """The bundle folder at `path`; where nothing is there, downloaded from nanochat's URL (rank 0)."""
+    path, why = Path(path).expanduser(), ""
+    if not path.exists() and _ranks()[0] == 0:
         try:
             with tempfile.TemporaryDirectory(dir=path.parent if path.parent.is_dir() else None) as tmp:
                 torch.hub.download_url_to_file(BUNDLE_URL, f"{tmp}/bundle.zip")
@@ -39,11 +39,12 @@ def ensure_bundle(path) -> Path:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(f"{tmp}/eval_bundle", path)  # the zip's one folder
         except OSError as e:  # no network (URLError is an OSError), or a read-only place
-            raise UserError(f"bundle={path}: no CORE eval bundle there and it could not be downloaded "
-                            f"({type(e).__name__}: {str(e)[:80]}); fetch {BUNDLE_URL} where there is a network, "
-                            f"unzip it and pass bundle=<its eval_bundle folder>") from None
+            why = f" and it could not be downloaded ({type(e).__name__}: {str(e)[:80]})"
     if torch.distributed.is_initialized():  # the others wait for rank 0's download
         torch.distributed.barrier()
+    if not (path / "core.yaml").is_file():  # every rank says so, none waits for another
+        raise UserError(f"bundle={path}: no CORE eval bundle (core.yaml) there{why}; fetch {BUNDLE_URL} "
+                        f"where there is a network, unzip it and pass bundle=<its eval_bundle folder>")
     return path
 
 

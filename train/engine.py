@@ -1,6 +1,6 @@
 """The shared training engine: every trainer (deit3, gpt, dino, seg_linear) is a `Trainer`.
 
-A trainer is these methods, all it may override (the loop, its devices, DDP, accumulation,
+A trainer is six methods, all it may override (the loop, its devices, DDP, accumulation,
 schedules, clipping, bf16, compile, cadences, resume, preemption, logging and results.json are
 the engine's):
 
@@ -11,9 +11,6 @@ the engine's):
     train_step(batch)       -> loss, or (loss, {extra: value}) of one micro-batch      required
     evaluate()              -> {metric: value} (default: none)
     results(metrics)        -> the trainer's own fields of results.json (default: none)
-    train_state() / load_train_state(state)
-                            -> what a checkpoint keeps of the module trained beside the exported
-                               one, for resume (default: all of it; LoRA: its adapters)
 
 and declares, as class attributes: `archs` / `modality` / `example` (what it trains, checked
 before anything is built), `export` (the submodule a checkpoint's "model" holds, "" the whole:
@@ -201,14 +198,6 @@ class Trainer:
     def epoch(self) -> int:
         return self.feed.epoch
 
-    def train_state(self) -> dict:
-        """What a checkpoint keeps of the module trained when it is not the exported one: all of it
-        (DINO's student and teacher); a LoRA run, its adapters only (train/lora.py)."""
-        return clean_state_dict(self.model.state_dict())
-
-    def load_train_state(self, state: dict):
-        self.model.load_state_dict(state, strict=True)
-
     # ---- the engine's own ------------------------------------------------------------------
     def _feed(self, data: Data) -> Feed:
         """Micro-batches of the training set (a MapFeed unless the set is a feed already)."""
@@ -271,8 +260,8 @@ class Trainer:
                 optimizer=self.optimizers, rng=rngs,
                 loop={"step": self.step, "epoch": self.epoch, "feed": self.feed.state_dict(),
                       "world_size": self.dist.world_size, "log_window": windows})
-            if exported is not self.model:  # what resume needs of the module trained (train_state)
-                entries["train_model"] = self.train_state()
+            if exported is not self.model:  # the module trained, whole, for resume
+                entries["train_model"] = clean_state_dict(self.model.state_dict())
             if self.data.identity:
                 entries["data_identity"] = self.data.identity
             save_checkpoint(self.ckpt_path, model=exported, config=self.plain_config(), **entries)
@@ -286,7 +275,7 @@ class Trainer:
         check_resumable(path, ckpt, self.plain_config(), self.data.identity, self.cfg.data.get("root"),
                         self.cfg.trainer.resume == "force", self.dist.is_main)
         try:
-            self.load_train_state(ckpt.get("train_model", ckpt["model"]))
+            self.model.load_state_dict(ckpt.get("train_model", ckpt["model"]), strict=True)
         except RuntimeError as e:
             raise CheckpointError(f"{path} does not fit model {model_label(self.cfg.model)}: "
                                   f"{' '.join(str(e).split())[:300]}") from None

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 
-from omegaconf import OmegaConf
-
 from laplace.checkpoint import load_pretrained
 
 from .gpt import GPTTrainer
@@ -30,8 +28,13 @@ class LoRATrainer(GPTTrainer):
             load_pretrained(model, tc.base, self.cfg.model, "auto")
         lo = tc.lora
         # peft freezes everything but the adapters (A random, B zero: the first step starts from the base)
-        return get_peft_model(model, LoraConfig(r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
-                                                target_modules=list(lo.target_modules)))
+        model = get_peft_model(model, LoraConfig(r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
+                                                 target_modules=list(lo.target_modules)))
+        # The module trained is stored as the adapters alone (the engine's "train_model", what resume
+        # loads, strictly): its base is trainer.base, read again by every run.
+        model.register_state_dict_post_hook(_adapters_only)
+        model.register_load_state_dict_post_hook(_base_not_missing)
+        return model
 
     @property
     def exported(self):
@@ -40,16 +43,11 @@ class LoRATrainer(GPTTrainer):
             self._merged = (getattr(self, "step", None), copy.deepcopy(self.model).merge_and_unload())
         return self._merged[1]
 
-    def train_state(self) -> dict:
-        from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.model)
+def _adapters_only(module, state, prefix, local_metadata):
+    for k in [k for k in state if "lora_" not in k]:
+        del state[k]
 
-    def load_train_state(self, state: dict):
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-        want = set(get_peft_model_state_dict(self.model))
-        if set(state) != want:  # strict, as the engine's load of a whole model
-            raise RuntimeError(f"adapters {sorted(set(state) ^ want)[:3]} differ from this run's LoRA "
-                               f"(trainer.lora: {OmegaConf.to_container(self.cfg.trainer.lora)})")
-        set_peft_model_state_dict(self.model, state)
+def _base_not_missing(module, incompatible):
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if "lora_" in k]
