@@ -12,6 +12,7 @@ baselines, in %) and eval_data/*.jsonl.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 import yaml
+from torch.nn.utils.rnn import pad_sequence
 
 from .errors import UserError
 
@@ -70,16 +72,6 @@ def render(item: dict, kind: str, delim: str, shots: list[dict]) -> list[str]:
     raise UserError(f"core.yaml: icl_task_type {kind!r} is not one of multiple_choice, schema, language_modeling")
 
 
-def _common(seqs: list[list[int]], reverse: bool = False) -> int:
-    """The length of the token prefix (or suffix) all sequences share."""
-    n = 0
-    for col in zip(*(s[::-1] if reverse else s for s in seqs)):
-        if len(set(col)) > 1:
-            break
-        n += 1
-    return n
-
-
 @torch.no_grad()
 def score_example(model, tokenizer, data: list[dict], idx: int, meta: dict) -> bool:
     """Whether the model gets example `idx` right (nanochat's evaluate_example)."""
@@ -88,9 +80,10 @@ def score_example(model, tokenizer, data: list[dict], idx: int, meta: dict) -> b
     shots = [data[i] for i in random.Random(1234 + idx).sample([i for i in range(len(data)) if i != idx], k)] if k else []
     seqs = [tokenizer.encode(p, prepend_bos=True) for p in render(item, kind, meta["continuation_delimiter"], shots)]
     if kind == "multiple_choice":  # the choices follow a shared context
-        spans = [(_common(seqs), len(s)) for s in seqs]
+        spans = [(len(os.path.commonprefix(seqs)), len(s)) for s in seqs]  # (commonprefix takes lists too)
     elif kind == "schema":  # the contexts precede a shared continuation
-        spans = [(len(s) - _common(seqs, reverse=True), len(s)) for s in seqs]
+        suffix = len(os.path.commonprefix([s[::-1] for s in seqs]))
+        spans = [(len(s) - suffix, len(s)) for s in seqs]
     else:  # one sequence: the prompt with its continuation
         assert seqs[1][:len(seqs[0])] == seqs[0], "the prompt without the continuation must prefix the one with it"
         seqs, spans = seqs[1:], [(len(seqs[0]), len(seqs[1]))]
@@ -98,11 +91,8 @@ def score_example(model, tokenizer, data: list[dict], idx: int, meta: dict) -> b
     if limit:
         spans = [(a - max(0, len(s) - limit), b - max(0, len(s) - limit)) for s, (a, b) in zip(seqs, spans)]
         seqs = [s[-limit:] for s in seqs]
-    device = next(model.parameters()).device
-    ids = torch.full((len(seqs), max(map(len, seqs))), tokenizer.bos_id, dtype=torch.long)  # BOS pads on the right
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-    ids = ids.to(device)
+    ids = pad_sequence([torch.tensor(s) for s in seqs], batch_first=True,  # BOS pads on the right
+                       padding_value=tokenizer.bos_id).to(next(model.parameters()).device)
     logits = model(ids)
     # every position's loss against the next token, as nanochat computes it (same reductions, same ties)
     losses = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, dims=1).flatten(), reduction="none").view(ids.shape)
