@@ -77,7 +77,8 @@ def score_example(model, tokenizer, data: list[dict], idx: int, meta: dict) -> b
     """Whether the model gets example `idx` right (nanochat's evaluate_example)."""
     item, kind, k = data[idx], meta["task_type"], meta["num_fewshot"]
     # nanochat's few-shot draw: seeded by the example's position, never the example itself
-    shots = [data[i] for i in random.Random(1234 + idx).sample([i for i in range(len(data)) if i != idx], k)] if k else []
+    others = [i for i in range(len(data)) if i != idx]
+    shots = [data[i] for i in random.Random(1234 + idx).sample(others, k)] if k else []
     seqs = [tokenizer.encode(p, prepend_bos=True) for p in render(item, kind, meta["continuation_delimiter"], shots)]
     if kind == "multiple_choice":  # the choices follow a shared context
         spans = [(len(os.path.commonprefix(seqs)), len(s)) for s in seqs]  # (commonprefix takes lists too)
