@@ -40,6 +40,10 @@ from .generate import gpt_source
 TASKS_DIR = Path(__file__).resolve().with_name("tasks")
 STANDARD_TASKS = ("arc_easy", "arc_challenge", "mmlu", "gsm8k", "humaneval")
 CODE_ENV = ("LAPLACE_ALLOW_CODE_EXECUTION", "HF_ALLOW_CODE_EVAL")  # ours (eval/tasks), HF evaluate's
+# ChatCORE (nanochat's scripts/chat_eval.py): laplace_chat's accuracies centred by these chance levels, then
+# averaged. The fork's lora_eval adds SpellingBee (chance 0), which we do not have.
+CHATCORE_BASELINES = {"laplace_chat_arc_easy": 0.25, "laplace_chat_arc_challenge": 0.25, "laplace_chat_mmlu": 0.25,
+                      "laplace_chat_gsm8k": 0.0, "laplace_chat_humaneval": 0.0}
 
 
 # ------------------------------------------------------------------------------------- tasks
@@ -194,6 +198,14 @@ def summarize(res: dict) -> tuple[dict, dict]:
     return tasks, flat
 
 
+def chatcore(flat: dict) -> dict:
+    """{"laplace_chat/chatcore": ChatCORE} when all five laplace_chat tasks were scored, else {}."""
+    if not all(f"{t}/acc" in flat for t in CHATCORE_BASELINES):
+        return {}
+    centred = [(flat[f"{t}/acc"] - b) / (1 - b) for t, b in CHATCORE_BASELINES.items()]
+    return {"laplace_chat/chatcore": sum(centred) / len(centred)}
+
+
 def _quiet(record: logging.LogRecord) -> bool:
     # lm-eval warns, once per task with a custom_dataset (ours), about passing --metadata
     return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
@@ -251,6 +263,7 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
                               f"fill the HF cache first (HF_DATASETS_OFFLINE=1 then reads it), or use the "
                               f"laplace_chat tasks with data_root=DIR") from None
         tasks, flat = summarize(res)
+        flat |= chatcore(flat)
         record = {**results_header(src["node"], src["dataset"], src["path"], step=src["step"]),
                   "evaluation": "lm_eval", "lm_eval_version": res.get("lm_eval_version"),
                   "tasks_requested": list(names), "num_fewshot": cfg.num_fewshot, "limit": cfg.limit,
@@ -260,6 +273,8 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
         write_json(d / "results.json", record)
         # lm-eval's table (its groups with their aggregate are rows of it too)
         out.write(f"[lm_eval] {src['path']} (step {src['step']})\n{make_table(res)}\n")
+        if "laplace_chat/chatcore" in flat:
+            out.write(f"[lm_eval] ChatCORE {flat['laplace_chat/chatcore']:.4f}\n")
         out.write(f"[lm_eval] wrote {d / 'results.json'}\n")
         out.flush()
         if src["path"].is_file():  # "lm/<task>/<metric>" in the W&B run of the GPT's training, if any

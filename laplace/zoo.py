@@ -34,8 +34,9 @@ VIT_ARCHS = {
     "vitl": dict(embed_dim=1024, depth=24, num_heads=16),
 }
 BUILDERS = {"vit": vit, "gpt": GPT}
-# Listed by list_models() (4: experiment=gpt_tiny's; 3: the study's); `model=` takes any depth >= 1.
-GPT_LISTED_DEPTHS = (2, 3, 4, 12, 20, 26)
+# Listed by list_models() (4: experiment=gpt_tiny's; 3: the study's; 30: the authors' LoRA runs);
+# `model=` takes any depth >= 1.
+GPT_LISTED_DEPTHS = (2, 3, 4, 12, 20, 26, 30)
 # The one parser of names: a zoo name ("vitb_12L", "gpt_d20_5L") or a node's family ("vitb", "gpt").
 _NAME = re.compile(r"^(?:(?P<vit>vit[tsbl])|gpt_d(?P<depth>\d+)|(?P<gpt>gpt))(?:_(?P<k>\d+)L)?$")
 

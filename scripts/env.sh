@@ -14,7 +14,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; 
   _t0=$SECONDS
   "${PYTHON:-python3}" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,lm]" -c "$ROOT/constraints.txt" >&2
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test,lm,lora]" -c "$ROOT/constraints.txt" >&2
   echo "$WANT" > "$STAMP"
   LAPLACE_INSTALL_SECONDS=$((SECONDS - _t0))
 fi

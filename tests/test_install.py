@@ -26,7 +26,7 @@ PINS = {canonicalize_name(name): Version(v) for name, v in
          if line and not line.startswith("#"))}
 # The [seg] extra keeps mmsegmentation's exact releases (eval/mmseg/shim.py stubs their ops).
 REQS = [Requirement(r) for r in PROJECT["dependencies"] + PROJECT["optional-dependencies"]["test"]
-        + PROJECT["optional-dependencies"]["lm"]]
+        + PROJECT["optional-dependencies"]["lm"] + PROJECT["optional-dependencies"]["lora"]]
 
 
 def test_every_dependency_is_a_range_that_holds_the_constraints():

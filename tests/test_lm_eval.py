@@ -124,6 +124,10 @@ def test_laplace_chat_group_cli_writes_results_the_tables_read(ckpt, hf_root, ca
     assert saved["tasks"]["laplace_chat"]["n"] == sum(ns.values())
     assert saved["laplace_chat/acc"] == pytest.approx(statistics.fmean(saved[f"{t}/acc"] for t in CHAT))
     assert saved["laplace_chat_humaneval/pass@1"] == saved["laplace_chat_humaneval/acc"]
+    # ChatCORE: ARC and MMLU centred by chance 1/4, GSM8K and HumanEval by 0, then averaged
+    centred = [(saved[f"{t}/acc"] - 0.25) / 0.75 for t in CHAT[:3]] + [saved[f"{t}/acc"] for t in CHAT[3:]]
+    assert saved["laplace_chat/chatcore"] == pytest.approx(statistics.fmean(centred))
+    assert f"ChatCORE {saved['laplace_chat/chatcore']:.4f}" in out
     # what analysis.tables reads: the run's record holds the flat keys
     metrics = read_run(ckpt.parent.parent)["metrics"]
     assert metrics["laplace_chat/acc"] == saved["laplace_chat/acc"]
@@ -435,3 +439,11 @@ def test_an_exported_folder_scores_as_its_checkpoint(ckpt, tmp_path, capsys):
     assert saved["dataset"] == want["dataset"] and saved["tasks"] == want["tasks"]
     assert saved["laplace_pydoc_text/bits_per_byte"] == want["laplace_pydoc_text/bits_per_byte"]
     assert f"[lm_eval] {out} (step 3)" in capsys.readouterr().out
+
+
+def test_chatcore_known_values():
+    from eval.lm import chatcore
+
+    accs = dict(zip(CHAT, [1.0, 0.25, 0.4, 0.5, 0.0]))
+    assert chatcore({f"{t}/acc": a for t, a in accs.items()}) == {"laplace_chat/chatcore": pytest.approx(0.34)}
+    assert chatcore({f"{CHAT[0]}/acc": 1.0}) == {}  # not all five: no ChatCORE

@@ -24,7 +24,7 @@ from . import logger  # noqa: F401  (registers ${run_group:...} before Hydra res
 # Only the loop's own trainers: a floor above (eval) builds on the engine but is not named here.
 TRAINERS = {"deit3": "train.deit3:DeiT3Trainer", "gpt": "train.gpt:GPTTrainer",
             "seg_linear": "train.seg_linear:SegLinearTrainer",
-            "dino": "train.dino:DINOTrainer"}
+            "dino": "train.dino:DINOTrainer", "lora": "train.lora:LoRATrainer"}
 ARCH_NAMES = {"vit": "ViT", "gpt": "GPT"}
 
 

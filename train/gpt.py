@@ -39,7 +39,9 @@ class GPTTrainer(Trainer):
 
         return build_text_data(self.cfg.data, seed=self.cfg.seed, micro_batch_size=self.micro_bs,
                                rank=self.dist.rank, world_size=self.dist.world_size,
-                               init_from=self.cfg.trainer.init_from, step_windows=self.cfg.trainer.global_batch_size)
+                               # a LoRA run's tokenizer is its base's (train/lora.py)
+                               init_from=self.cfg.trainer.init_from or self.cfg.trainer.get("base"),
+                               step_windows=self.cfg.trainer.global_batch_size)
 
     def build_model(self):
         model = super().build_model()
@@ -91,7 +93,18 @@ class GPTTrainer(Trainer):
         if nbytes > 0:  # targets that are all special tokens have no bytes: no bits per byte (0/0)
             metrics["val_bpb"] = byte_nats / nbytes / math.log(2)
         self._write_samples()
-        return metrics
+        return metrics | self._core()
+
+    def _core(self) -> dict:
+        """{"core_metric": CORE} at the steps trainer.core_metric_every asks for (eval/core.py)."""
+        every = self.cfg.trainer.get("core_metric_every")
+        if not every or (self.step % every and self.step != self.total_steps):
+            return {}
+        from laplace.core_eval import ensure_bundle, evaluate
+
+        res = evaluate(self.model, self.data.tokenizer, ensure_bundle(self.cfg.trainer.core_bundle),
+                       int(self.cfg.trainer.core_max_per_task))
+        return {"core_metric": res["core_metric"]}
 
     def _write_samples(self):
         """Greedy completions of trainer.sample_prompts (rank 0), printed and appended to
