@@ -113,6 +113,8 @@ def test_any_timm_vit_takes_every_arm(arm):
 def test_gpt_under_each_arm_is_causal_and_its_cache_is_exact(arm):
     torch.manual_seed(0)
     gpt = randomize_(create_model("gpt_d2_0L", attention=arm, vocab_size=50, width=64, num_heads=2)).eval()
+    for blk in gpt.blocks:  # DIFF's lambda at timm's start, not randomize_'s
+        blk.attn.reset_laplacian()
     x = torch.randint(0, 50, (1, 12))
     y = x.clone()
     y[0, 8:] = (y[0, 8:] + 1) % 50  # change the future only
@@ -196,3 +198,31 @@ def test_exports_of_arms_load_in_laplace_and_diff_in_plain_timm(arm, tmp_path):
     if arm == "diff":
         with torch.no_grad():
             torch.testing.assert_close(timm.create_model(f"local-dir:{out}", pretrained=True).eval()(x), model(x))
+
+
+@pytest.mark.parametrize("name,arm", [("vitt_0L", "xsa"), ("vitt_1L", "gated"), ("vitt_0L", "diff"),
+                                      ("gpt_d2_0L", "xsa"), ("gpt_d2_1L", "gated"), ("gpt_d2_0L", "diff")])
+def test_the_mechanism_and_the_geometry_run_on_every_arm(name, arm):
+    """Each head's term as the diagnostic writes it (XSA's projection, the gate, DIFF's signed map and
+    head norm) sums to the attention's own output; the heads are typed by their arm."""
+    from analysis.geometry import analyze_model
+    from analysis.mechanism import mechanism_model
+
+    vit = name.startswith("vit")
+    kw = dict(depth=2, embed_dim=48, patch_size=8, img_size=32, num_classes=10) if vit else dict(vocab_size=97, num_heads=2)
+    torch.manual_seed(0)
+    model = randomize_(create_model(name, attention=arm, **kw)).eval()
+    for blk in model.blocks:  # DIFF's lambda back to timm's start (randomize_'s 1 + noise: lambda = -e^64)
+        blk.attn.reset_laplacian()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(3, 32, 32, generator=g), i % 2) if vit else
+            (torch.randint(0, 97, (16,), generator=g), torch.randint(0, 97, (16,), generator=g)) for i in range(4)]
+    res = mechanism_model(model, data, batch_size=2)
+    assert res["recon_err"] < 1e-5
+    k = model.blocks[0].attn.num_laplacian_heads
+    heads = model.blocks[0].attn.num_heads
+    assert [h["type"] for h in res["heads"]["blocks.0"]] == [arm] * (heads - k) + ["laplacian"] * k
+    assert math.isfinite(res["summary"][f"dshare.{arm}"])
+    geo = analyze_model(model, data, metrics=["anova"], layers="all", batch_size=2, progress=False)
+    part = geo["results"]["patch" if vit else "tokens"]["norm"]["anova"]
+    assert 0 < part["within_seq_share"] < 1  # the geometry reads features only: any arm
