@@ -146,10 +146,9 @@ def head_outputs(attn, x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     if attn.attention == "xsa":
         y = xsa(y, v)
     elif attn.attention == "diff":  # P: DIFF's signed map; then its head norm and scale (timm's DiffAttention)
-        w = attn.sub_norm.weight.detach().double()
-        y = F.rms_norm(pv, (dh,), w, eps=attn.sub_norm.eps) * (1 - attn.lambda_init)
+        y = F.rms_norm(pv, (dh,), attn.sub_norm.weight.double(), eps=attn.sub_norm.eps) * (1 - attn.lambda_init)
     if getattr(attn, "gate", None) is not None:  # the gated arm: sigmoid(x W_g + b_g) per head channel
-        g = F.linear(x.double(), attn.gate.weight.double(), None if attn.gate.bias is None else attn.gate.bias.double())
+        g = F.linear(x.double(), *(None if t is None else t.detach().double() for t in (attn.gate.weight, attn.gate.bias)))
         y = y * g.sigmoid().view(B, N, H, dh).transpose(1, 2)
     return torch.einsum("bhnd,ehd->bhne", y, Wo.view(D, H, dh))
 

@@ -205,9 +205,9 @@ def reference_attention(q, k, v, mask, is_causal: bool, drop: float):
 class DiffAttention(TimmDiffAttention):
     """timm's DIFF attention (arXiv:2410.05258): each head splits its query and key in two halves of
     `head_dim`, mixes its values by P1 - lambda P2, then a per-head RMSNorm (timm's `sub_norm`). Our
-    additions take its forward only where timm's has no such argument: the GPT's rotary embeddings
-    (per half-head) and KV cache, and `return_attn` (the signed map P1 - lambda P2, for the analysis).
-    No Laplacian heads (check_arm)."""
+    forward adds what timm's has no argument for: the GPT's rotary embeddings
+    (per half-head) and KV cache, and `return_attn` (the signed map P1 - lambda P2, for the analysis);
+    without them it equals timm's (tests/test_arms.py). No Laplacian heads (check_arm)."""
 
     num_laplacian_heads, laplacian_mode, attention = 0, "fixed", "diff"
 
@@ -227,8 +227,6 @@ class DiffAttention(TimmDiffAttention):
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, kv_cache=None, layer_idx: int = 0,
                 return_attn: bool = False):
-        if rope is None and kv_cache is None and not return_attn:
-            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, C = x.shape
         H, d = self.num_heads, self.head_dim  # d: half a head (a head's value is 2d wide)
         q, k, v = self.qkv(x).split(C, dim=-1)
