@@ -132,8 +132,7 @@ def head_outputs(attn, x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     """O [B, H, N, D] in float64: every head's term of attn(x) given its P [B, H, N, N]
     (sum over heads + attn.proj.bias = the module's output)."""
     B, N, D = x.shape
-    H = attn.num_heads
-    dh = D // H
+    H, dh = attn.num_heads, D // attn.num_heads  # a head's value width (DIFF's head_dim is half of it)
     Wv, bv, Wo = _weights(attn)
     v = x.double() @ Wv.T
     if bv is not None:

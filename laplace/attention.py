@@ -205,9 +205,9 @@ def reference_attention(q, k, v, mask, is_causal: bool, drop: float):
 class DiffAttention(TimmDiffAttention):
     """timm's DIFF attention (arXiv:2410.05258): each head splits its query and key in two halves of
     `head_dim`, mixes its values by P1 - lambda P2, then a per-head RMSNorm (timm's `sub_norm`). Our
-    forward adds what timm's has no argument for: the GPT's rotary embeddings
-    (per half-head) and KV cache, and `return_attn` (the signed map P1 - lambda P2, for the analysis);
-    without them it equals timm's (tests/test_arms.py). No Laplacian heads (check_arm)."""
+    forward adds what timm's has no argument for: the GPT's rotary embeddings (per half-head) and KV
+    cache, and `return_attn` (the signed map P1 - lambda P2, for the analysis); without them it
+    equals timm's (tests/test_arms.py). No Laplacian heads (check_arm)."""
 
     num_laplacian_heads, laplacian_mode, attention = 0, "fixed", "diff"
 

@@ -226,3 +226,17 @@ def test_the_mechanism_and_the_geometry_run_on_every_arm(name, arm):
     geo = analyze_model(model, data, metrics=["anova"], layers="all", batch_size=2, progress=False)
     part = geo["results"]["patch" if vit else "tokens"]["norm"]["anova"]
     assert 0 < part["within_seq_share"] < 1  # the geometry reads features only: any arm
+
+
+def test_arms_without_parameters_start_from_the_softmax_weights():
+    """The arms study's pairing (docs/arms.md): under one seed, XSA and Laplacian heads start exactly
+    where softmax does; gated and DIFF draw their own parameters in between."""
+    def weights(name, **kw):
+        torch.manual_seed(0)
+        return create_model(name, depth=2, **kw).state_dict()
+
+    base = weights("vitt_0L")
+    for other in (weights("vitt_3L"), weights("vitt_0L", attention="xsa")):
+        assert other.keys() == base.keys() and all(torch.equal(other[k], base[k]) for k in base)
+    gated = weights("vitt_0L", attention="gated")
+    assert not torch.equal(gated["blocks.1.attn.qkv.weight"], base["blocks.1.attn.qkv.weight"])
