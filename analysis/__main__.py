@@ -91,7 +91,7 @@ def _mechanism(model, data_node, cfg, batch_size: int, out: Path, res: dict) -> 
     """The per-head diagnostic on the geometry's sequences (the same seed and max_tokens cut): into
     res["mechanism"], mechanism.md and (with figures) mechanism.{png,pdf} in `out`."""
     from analysis.geometry import eval_split
-    from analysis.mechanism import draw_mechanism, mechanism_model, to_markdown
+    from analysis.mechanism import TYPES, draw_mechanism, mechanism_model, to_markdown
 
     dataset, _ = eval_split(model, data_node, cfg.seed, cfg.max_tokens)
     # it reruns the model with return_attn=True (every layer's P): in the residual stream's frame,
@@ -103,7 +103,7 @@ def _mechanism(model, data_node, cfg, batch_size: int, out: Path, res: dict) -> 
     s = mech["summary"]
     # the line a reader checks first: do the Laplacian heads smooth (cos > 0, dshare < 0)?
     means = ", ".join(f"{k}.{t}={s[f'{k}.{t}']:+.3f}" for k in ("cos_smooth", "dshare")
-                      for t in ("softmax", "laplacian", "learned") if f"{k}.{t}" in s)
+                      for t in TYPES if f"{k}.{t}" in s)
     print(f"[analysis] mechanism: {mech['n_tokens']:,} tokens in {mech['seconds']:.1f} s; {means}", flush=True)
 
 

@@ -32,6 +32,12 @@ the analysis' validation tokens (the ViT's patch tokens, the GPT's every positio
                  way) has mean 0.5. Counting eigenvalues does not give it (Sylvester: d of each sign
                  for a rank-d head, whatever their sizes): counts are not masses
     trace_fro    trace(M_h) / |M_h|_F; eig_min, eig_max; type, gate ("learned a=0.73", a)
+
+The arms (laplace.attention.ARMS) are measured alike, O_h their head's exact term: XSA's P V less its
+part along v, the gated arm's gate (the weight spectrum leaves it out: it is the input's). DIFF has no
+single row-stochastic P: P_h is its signed map P1 - lambda P2 (rows sum to 1 - lambda) and O_h
+includes its head norm, so its cosines measure the alignment with P_h x - x, not a move toward a
+weighted mean; its dvar, dshare and out_norm are the head's own, as for any arm.
 """
 from __future__ import annotations
 
@@ -43,23 +49,25 @@ from typing import Optional
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from laplace.attention import xsa
 from laplace.zoo import features
 
-TYPES = ("softmax", "laplacian", "learned")
+TYPES = ("softmax", "laplacian", "learned", "xsa", "gated", "diff")  # a head's kind: its arm unless Laplacian
 #: The per-head numbers pooled by `summary` (and read by analysis.runs as mechanism.<key>.<type>).
 SUMMARY_KEYS = ("cos_smooth", "cos_token", "dvar", "dshare", "neg_mass", "trace_fro", "dvar_exact", "dshare_exact",
                 "out_norm")
 NULL_MASS = 0.5  # neg_mass of a head that the sign flip W_o -> -W_o leaves as likely (see above)
 
 
-def head_type(a: float, mode: str) -> str:
-    """ "softmax" / "laplacian" (fixed mode, a = 0 / 1), "learned a=0.xx"."""
+def head_type(a: float, mode: str, arm: str = "softmax") -> str:
+    """ "laplacian" (fixed mode, a = 1) or the arm ("softmax", "xsa", ...; a = 0), "learned a=0.xx"."""
     if mode == "learned":
         return f"learned a={a:.2f}"
-    return "laplacian" if a == 1.0 else "softmax"
+    return "laplacian" if a == 1.0 else arm
 
 
 def type_group(t: str) -> str:
@@ -109,7 +117,7 @@ def sym_eigenvalues(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 def weight_spectrum(attn, gain=None, center: bool = False, scale=None) -> list[dict]:
     """Per head: neg_mass, trace_fro, eig_min, eig_max of the stream-frame M_h (module docstring)."""
     Wv, _, Wo = _weights(attn)
-    D, dh = Wo.shape[0], attn.head_dim
+    D, dh = Wo.shape[0], Wo.shape[0] // attn.num_heads  # a head's value width (DIFF's head_dim is half)
     read = torch.eye(D, dtype=Wv.dtype, device=Wv.device)
     if center:  # LayerNorm subtracts each token's feature mean: Pi = I - 1 1^T / D
         read = read - 1.0 / D
@@ -134,7 +142,7 @@ def head_outputs(attn, x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     """O [B, H, N, D] in float64: every head's term of attn(x) given its P [B, H, N, N]
     (sum over heads + attn.proj.bias = the module's output)."""
     B, N, D = x.shape
-    H, dh = attn.num_heads, attn.head_dim
+    H, dh = attn.num_heads, D // attn.num_heads  # a head's value width (DIFF's head_dim is half of it)
     Wv, bv, Wo = _weights(attn)
     v = x.double() @ Wv.T
     if bv is not None:
@@ -144,6 +152,13 @@ def head_outputs(attn, x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     a = attn.gates().detach().double().view(1, H, 1, 1)
     # the gate a mixes the two kinds of head: a = 0 a softmax head (PV), a = 1 a Laplacian one (V - PV)
     y = a * v + (1 - 2 * a) * pv  # (1 - a) PV + a (V - PV)
+    if attn.attention == "xsa":
+        y = xsa(y, v)
+    elif attn.attention == "diff":  # P: DIFF's signed map; then its head norm and scale (timm's DiffAttention)
+        y = F.rms_norm(pv, (dh,), attn.sub_norm.weight.double(), eps=attn.sub_norm.eps) * (1 - attn.lambda_init)
+    if getattr(attn, "gate", None) is not None:  # the gated arm: sigmoid(x W_g + b_g) per head channel
+        g = F.linear(x.double(), *(None if t is None else t.detach().double() for t in (attn.gate.weight, attn.gate.bias)))
+        y = y * g.sigmoid().view(B, N, H, dh).transpose(1, 2)
     return torch.einsum("bhnd,ehd->bhne", y, Wo.view(D, H, dh))
 
 
@@ -251,7 +266,7 @@ class HeadAccumulator:
             den = math.sqrt(oo[h] * ss[h])
             dvar = 2 * xc_o[h] / W if W > 0 else nan
             heads.append({
-                "head": h, "type": head_type(gates[h], attn.laplacian_mode), "gate": gates[h],
+                "head": h, "type": head_type(gates[h], attn.laplacian_mode, attn.attention), "gate": gates[h],
                 "cos_smooth": os[h] / den if den > 0 else nan,
                 "cos_token": cos_sum[h] / cos_n[h] if cos_n[h] > 0 else nan,
                 "dvar": dvar, "dshare": W / T * (dvar - 2 * xm_o[h] / T) if W > 0 and T > 0 else nan,

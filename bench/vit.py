@@ -1,10 +1,11 @@
-"""What Laplacian heads cost, and our ViT against timm's (`python -m bench vit`).
+"""What Laplacian heads and their relatives cost, and our ViT against timm's (`python -m bench vit`).
 
 Forward + backward of a whole ViT and of its first attention layer alone, for each family of
---families at k = 0, half and all heads Laplacian (`laplace.create_model("vits_{k}L")`) and for
-timm's DeiT-III of the same shape (`timm.create_model("deit3_small_patch16_224")`). Time: the
-median and IQR of torch.utils.benchmark.Timer; memory: the bytes autograd saves for backward.
-Each is divided by the k = 0 row and by timm's row of its family and part.
+--families at k = 0, half and all heads Laplacian (`laplace.create_model("vits_{k}L")`), the other
+arms at k = 0 (`attention=` xsa, gated, diff: laplace.attention.ARMS) and timm's DeiT-III of the same
+shape (`timm.create_model("deit3_small_patch16_224")`). Time: the median and IQR of
+torch.utils.benchmark.Timer; memory: the bytes autograd saves for backward. Each is divided by the
+softmax k = 0 row and by timm's row of its family and part.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from torch.utils import benchmark
 
 import laplace
+from laplace.attention import ARMS
 
 from .gpt_memory import SavedBytes
 
@@ -25,13 +27,16 @@ SMOKE = {"vits": dict(depth=1, embed_dim=48), "vitb": dict(depth=1, embed_dim=96
 
 
 def models(family: str, args) -> dict:
-    """{name: (k, model)}: ours at k = 0, half and all heads, then timm's (k None)."""
+    """{name: (k, attention, model)}: ours at k = 0, half and all heads, the other arms at k = 0, then
+    timm's (k and attention None)."""
     size = dict(img_size=args.img_size, **(SMOKE[family] if args.smoke else {}))
     # The head count from timm's model of the family: k's range follows it (smoke keeps the zoo's).
     heads = timm.create_model(TIMM[family], **size).blocks[0].attn.num_heads
     ks = sorted({0, heads // 2, heads})
-    out = {f"{family}_{k}L": (k, laplace.create_model(f"{family}_{k}L", **size)) for k in ks}
-    out[f"timm {TIMM[family]}"] = (None, timm.create_model(TIMM[family], **size))
+    out = {f"{family}_{k}L": (k, "softmax", laplace.create_model(f"{family}_{k}L", **size)) for k in ks}
+    out.update({f"{family}_0L {arm}": (0, arm, laplace.create_model(f"{family}_0L", attention=arm, **size))
+                for arm in ARMS[1:]})
+    out[f"timm {TIMM[family]}"] = (None, None, timm.create_model(TIMM[family], **size))
     return out
 
 
@@ -49,7 +54,7 @@ def step(module, x, device: str):
 def run(args) -> pd.DataFrame:
     cases = []  # (row, timer, saved-bytes probe)
     for family in args.families:
-        for name, (k, model) in models(family, args).items():
+        for name, (k, arm, model) in models(family, args).items():
             model = model.to(args.device).train()
             # Through the public builders only: a block's `.attn` is the layer in ours and timm's.
             attn = model.blocks[0].attn
@@ -63,7 +68,7 @@ def run(args) -> pd.DataFrame:
                 clock = time.process_time if args.clock == "cpu" else timeit.default_timer  # Timer syncs CUDA
                 timer = benchmark.Timer("fn()", globals=dict(fn=step(net, x, args.device)), timer=clock,
                                         num_threads=args.threads, label=part, sub_label=name)
-                cases.append((dict(family=family, part=part, model=name, k=k), timer, (module, fn)))
+                cases.append((dict(family=family, part=part, model=name, k=k, attention=arm), timer, (module, fn)))
     # Every case in turn, several rounds, the order rotated: a drift in the machine's load
     # (other jobs on a shared host) reaches every model alike.
     measured = {i: [] for i in range(len(cases))}
@@ -82,8 +87,9 @@ def run(args) -> pd.DataFrame:
                          saved_mib=saved.bytes / 2**20))
         print(f"[vit] {row['part']:9s} {row['model']:28s} {1e3 * m.median:9.2f} ms", flush=True)
     df = pd.DataFrame(rows)
-    # Each row over its family and part's reference row: k = 0 (the overhead) and timm's (ours vs timm).
-    for label, ref in (("k=0", df.k == 0), ("timm", df.k.isna())):
+    # Each row over its family and part's reference row: softmax k = 0 (the overhead of Laplacian heads
+    # and of each arm) and timm's (ours vs timm).
+    for label, ref in (("k=0", (df.k == 0) & (df.attention == "softmax")), ("timm", df.k.isna())):
         base = df.loc[ref, ["family", "part", "ms", "saved_mib"]]
         both = df.merge(base, on=["family", "part"], how="left", suffixes=("", "_ref"))
         df[f"time / {label}"] = both.ms / both.ms_ref

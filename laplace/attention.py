@@ -10,6 +10,11 @@ No N x N matrix, no new parameter; with a causal mask (I - P) V stays causal. `L
 is timm's `Attention` (same arguments, same parameter names) with that line, so it drops into any
 timm ViT: `timm.create_model("vit_small_patch16_224", attn_layer=laplace.attn_layer(3))`. The GPT
 (laplace/gpt.py) uses the same class with rotary embeddings and a KV cache.
+
+Its relatives, the arms of `attn_layer(attention=...)` and of a model node's `attention` key
+(docs/arms.md): "xsa" (arXiv:2603.09078, every head's P V less its part along the token's own
+value: `xsa` below), "gated" (timm's `gated=True`: an elementwise sigmoid gate of the input on the
+heads' output), "diff" (timm's DiffAttention: P1 V - lambda P2 V and a per-head RMSNorm).
 """
 from __future__ import annotations
 
@@ -20,10 +25,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Attention
+from timm.layers import DiffAttention as TimmDiffAttention
 
 from .errors import ConfigError
 
 LAPLACIAN_MODES = ("fixed", "learned")
+# The attention of every head that is not Laplacian. Laplacian heads combine with "gated": the gate
+# scales whatever a head outputs, (I - P) V as well as P V. Not with "xsa" or "diff": each rewrites
+# the head's P V itself (XSA takes out the token's own value, which a Laplacian head adds back), and
+# neither paper defines the mix.
+ARMS = ("softmax", "xsa", "gated", "diff")
 # Learned gates start at logit +1 on the last k heads (a = 0.73) and -1 on the others (0.27).
 # Not nearer 0 / 1: Adam moves a logit by about lr per step, so a gate moves by sigmoid'(logit) x lr,
 # and at +-4 (0.98 / 0.02) that slope is 0.018 against 0.20 at +-1 (docs/LOG.md, "Learned gates that
@@ -58,6 +69,22 @@ def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[in
     return counts
 
 
+def check_arm(attention: str, num_laplacian_heads: int = 0, mode: str = "fixed") -> None:
+    """The one check of an arm against a layer's Laplacian heads (ARMS says which combine)."""
+    if attention not in ARMS:
+        raise ConfigError(f"attention={attention!r}: choose one of {', '.join(ARMS)}")
+    if attention in ("xsa", "diff") and (num_laplacian_heads or mode != "fixed"):
+        raise ConfigError(f"attention={attention} takes no Laplacian heads: set num_laplacian_heads=0 (and "
+                          f"laplacian_mode=fixed), or use attention=softmax or gated with them")
+
+
+def xsa(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Exclusive self attention (arXiv:2603.09078): y_i - (y_i . v_i) v_i / |v_i|^2 per head and token,
+    y = P V. F.normalize's eps keeps a zero value's row as it is."""
+    v = F.normalize(v, dim=-1)
+    return y - (y * v).sum(-1, keepdim=True) * v
+
+
 # nanochat's parameter-free RMSNorm as the GPT attention's `q_norm` / `k_norm` (timm builds them as
 # norm_layer(head_dim, device=..., dtype=...)): torch's own, without its affine weight.
 RMSNorm = functools.partial(nn.RMSNorm, elementwise_affine=False)
@@ -72,16 +99,21 @@ class LaplacianAttention(Attention):
         num_laplacian_heads: k; None: the class's (`attn_layer(k)` makes a class with its own k).
         laplacian_mode: "fixed" (the paper: a head is P or I - P) or "learned" (each head outputs
             (1 - a) P V + a (V - P V), a = sigmoid of the parameter `laplacian_gate`; k sets the start).
+        attention: the other heads' arm, "softmax", "xsa" or "gated" (ARMS; "diff" is DiffAttention).
+        depth: the block's index, which timm gives DIFF alone; taken so a block builds every arm alike.
     The fused path (timm's `fused_attn`, on by default) never forms P; `fused_attn = False`, or
     `return_attn=True` in the forward, takes the reference path that forms P explicitly.
     """
 
     num_laplacian_heads: int = 0
     laplacian_mode: str = "fixed"
+    attention: str = "softmax"
 
     def __init__(self, dim: int, num_heads: int = 8, num_laplacian_heads: int | None = None,
-                 laplacian_mode: str | None = None, **timm_kwargs):
-        super().__init__(dim, num_heads, **timm_kwargs)
+                 laplacian_mode: str | None = None, attention: str | None = None, depth: int = 0, **timm_kwargs):
+        self.attention = attention or self.attention
+        # timm's own gate (an nn.Linear `gate`, None otherwise): its parameter names, its checkpoints
+        super().__init__(dim, num_heads, gated=self.attention == "gated", **timm_kwargs)
         self.laplacian_mode = laplacian_mode or self.laplacian_mode
         if self.laplacian_mode not in LAPLACIAN_MODES:
             raise ConfigError(f"laplacian_mode={self.laplacian_mode!r}: choose one of {LAPLACIAN_MODES}")
@@ -92,6 +124,7 @@ class LaplacianAttention(Attention):
     def set_laplacian_heads(self, k: int):
         """Make the last k heads Laplacian (a learned gate restarts from k's start)."""
         self.num_laplacian_heads, = laplacian_counts(k, 1, self.num_heads)
+        check_arm(self.attention, self.num_laplacian_heads, self.laplacian_mode)
         self.reset_laplacian()
 
     @torch.no_grad()
@@ -136,47 +169,116 @@ class LaplacianAttention(Attention):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=drop,
                                                  is_causal=is_causal)
         else:
-            out, attn = self._reference(q, keys, values, attn_mask, is_causal, drop)
+            out, attn = reference_attention(q, keys, values, attn_mask, is_causal, drop)
 
         # `v` is each query's own value, the identity term of (I - P) V (also under a KV cache).
         H, kl = self.num_heads, self.num_laplacian_heads
-        if self.laplacian_mode == "learned":  # (1 - a) P V + a (V - P V), a per head in (0, 1)
+        if self.attention == "xsa":  # every head (no Laplacian one: check_arm)
+            out = xsa(out, v)
+        elif self.laplacian_mode == "learned":  # (1 - a) P V + a (V - P V), a per head in (0, 1)
             out = torch.lerp(out, v - out, self.gates().view(-1, 1, 1).to(out.dtype))
         elif kl:  # the last k heads: (I - P) V
             out = torch.cat((out[:, :H - kl], v[:, H - kl:] - out[:, H - kl:]), dim=1)
+        out = self.norm(out.transpose(1, 2).reshape(B, N, C))
+        if self.gate is not None:  # timm's gated attention: sigmoid(x W_g + b_g), elementwise, after its norm
+            out = out * self.gate(x).sigmoid()
+        out = self.proj_drop(self.proj(out))
+        return (out, attn) if return_attn else out
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, laplacian_heads={self.num_laplacian_heads}, mode={self.laplacian_mode}, "
+                f"attention={self.attention}")
+
+
+def reference_attention(q, k, v, mask, is_causal: bool, drop: float):
+    """Softmax attention with P formed explicitly, (dropout(P) V, P): the ground truth for the fused
+    path. The scale is SDPA's default, 1 / sqrt(q's last dim)."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # [B, H, N, N_keys]
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    attn = scores.softmax(dim=-1)
+    return (F.dropout(attn, drop) if drop else attn) @ v, attn
+
+
+class DiffAttention(TimmDiffAttention):
+    """timm's DIFF attention (arXiv:2410.05258): each head splits its query and key in two halves of
+    `head_dim`, mixes its values by P1 - lambda P2, then a per-head RMSNorm (timm's `sub_norm`). Our
+    forward adds what timm's has no argument for: the GPT's rotary embeddings (per half-head) and KV
+    cache, and `return_attn` (the signed map P1 - lambda P2, for the analysis); without them it
+    equals timm's (tests/test_arms.py). No Laplacian heads (check_arm)."""
+
+    num_laplacian_heads, laplacian_mode, attention = 0, "fixed", "diff"
+
+    def set_laplacian_heads(self, k: int):
+        check_arm(self.attention, k)
+
+    def reset_laplacian(self):
+        """timm's start of lambda and of the head norm, e.g. after `to_empty` (the GPT's init_weights)."""
+        if not self.sub_norm.weight.is_meta:
+            self.reset_parameters()
+            self.sub_norm.reset_parameters()
+
+    def gates(self) -> torch.Tensor:
+        """[H] zeros: no head is Laplacian (the mechanism diagnostic reads every attention's gates)."""
+        return self.qkv.weight.new_zeros(self.num_heads)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None, kv_cache=None, layer_idx: int = 0,
+                return_attn: bool = False):
+        B, N, C = x.shape
+        H, d = self.num_heads, self.head_dim  # d: half a head (a head's value is 2d wide)
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        q, k = (t.view(B, N, 2 * H, d) for t in (q, k))  # timm's order: head h's halves are 2h and 2h + 1
+        if rope is not None:  # nanochat's rotary, then QK-norm; a table for d is every other frequency of 2d's
+            cos, sin = (t[..., ::2].unsqueeze(-2) for t in rope)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = (norm(t).transpose(1, 2).unflatten(1, (H, 2)) for norm, t in ((self.q_norm, q), (self.k_norm, k)))
+        v = v.view(B, N, H, 2 * d).transpose(1, 2)  # [B, H, N, 2d]; q and k [B, H, 2, N, d]
+        if kv_cache is not None:  # the cache holds a head's two key halves side by side, [B, H, T, 2d]
+            keys, v, attn_mask, is_causal = kv_cache.attend(layer_idx, k.transpose(2, 3).flatten(3), v, is_causal)
+            k = keys.unflatten(3, (2, d)).transpose(2, 3)
+        lam, drop = self._compute_lambda().type_as(q), self.attn_drop_p if self.training else 0.0
+        pairs = [(q[:, :, i], k[:, :, i]) for i in range(2)]
+        if self.fused_attn and not return_attn:
+            o1, o2 = (F.scaled_dot_product_attention(a, b, v, attn_mask=attn_mask, dropout_p=drop, is_causal=is_causal)
+                      for a, b in pairs)
+            out, attn = o1 - lam * o2, None
+        else:
+            (o1, p1), (o2, p2) = (reference_attention(a, b, v, attn_mask, is_causal, drop) for a, b in pairs)
+            out, attn = o1 - lam * o2, p1 - lam * p2
+        out = self.sub_norm(out) * (1 - self.lambda_init)
         out = self.proj_drop(self.proj(self.norm(out.transpose(1, 2).reshape(B, N, C))))
         return (out, attn) if return_attn else out
 
-    def _reference(self, q, k, v, mask, is_causal, drop):
-        """Softmax attention with P formed explicitly: the ground truth for the fused path."""
-        scores = (q @ k.transpose(-2, -1)) * self.scale  # [B, H, N, N_keys]
-        if is_causal:
-            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        attn = scores.softmax(dim=-1)
-        return (F.dropout(attn, drop) if drop else attn) @ v, attn
 
-    def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, laplacian_heads={self.num_laplacian_heads}, mode={self.laplacian_mode}"
+ATTENTIONS = (LaplacianAttention, DiffAttention)  # every arm's class
 
 
-def attn_layer(num_laplacian_heads: int = 0, mode: str = "fixed") -> type[LaplacianAttention]:
-    """The attention class to give a timm ViT, its last k heads Laplacian in every layer:
+def attn_layer(num_laplacian_heads: int = 0, mode: str = "fixed", attention: str = "softmax") -> type[nn.Module]:
+    """The attention class to give a timm ViT, its last k heads Laplacian in every layer, the others
+    of the arm `attention` (ARMS):
 
         timm.create_model("vit_small_patch16_224", attn_layer=laplace.attn_layer(3))
+        timm.create_model("vit_small_patch16_224", attn_layer=laplace.attn_layer(attention="xsa"))
 
-    A class, not a functools.partial: timm asks `issubclass(attn_layer, DiffAttention)`. Counts that
-    differ per layer: `set_laplacian_heads(model, [0, 0, 3, ...])` after construction."""
+    A class, not a functools.partial: timm asks `issubclass(attn_layer, DiffAttention)` (and gives
+    only DIFF the block's depth). Counts that differ per layer: `set_laplacian_heads(model, [0, 0,
+    3, ...])` after construction."""
     if mode not in LAPLACIAN_MODES:
         raise ConfigError(f"laplacian_mode={mode!r}: choose one of {LAPLACIAN_MODES}")
-    return type(f"LaplacianAttention{num_laplacian_heads}{mode.capitalize()}", (LaplacianAttention,),
-                {"num_laplacian_heads": num_laplacian_heads, "laplacian_mode": mode})
+    check_arm(attention, num_laplacian_heads, mode)
+    if attention == "diff":
+        return DiffAttention
+    arm = "" if attention == "softmax" else attention.capitalize()
+    return type(f"LaplacianAttention{num_laplacian_heads}{mode.capitalize()}{arm}", (LaplacianAttention,),
+                {"num_laplacian_heads": num_laplacian_heads, "laplacian_mode": mode, "attention": attention})
 
 
 def set_laplacian_heads(model: nn.Module, counts) -> list[int]:
-    """Give the Laplacian attentions of `model`, in order, k heads each (an int or one per layer)."""
-    layers = [m for m in model.modules() if isinstance(m, LaplacianAttention)]
+    """Give the attentions of `model`, in order, k Laplacian heads each (an int or one per layer)."""
+    layers = [m for m in model.modules() if isinstance(m, ATTENTIONS)]
     counts = laplacian_counts(counts, len(layers), layers[0].num_heads if layers else 0)
     for attn, k in zip(layers, counts):
         attn.set_laplacian_heads(k)

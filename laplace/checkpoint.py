@@ -331,13 +331,14 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: 
         raise CheckpointError(f"trainer.init_from: {e}") from None
     src_cfg = None if ckpt is None else _model_node(ckpt, path)
     if src_cfg is not None:
-        got = (src_cfg.get("num_laplacian_heads"), src_cfg.get("laplacian_mode", "fixed"))
+        # (a checkpoint from before the arms was softmax)
+        got = (src_cfg.get("num_laplacian_heads"), src_cfg.get("laplacian_mode", "fixed"), src_cfg.get("attention", "softmax"))
         k = model_cfg.num_laplacian_heads
-        want = (k if isinstance(k, int) else list(k), model_cfg.laplacian_mode)
-        if got != want:  # Laplacian heads add no parameters: a mismatch would load silently
+        want = (k if isinstance(k, int) else list(k), model_cfg.laplacian_mode, model_cfg.get("attention", "softmax"))
+        if got != want:  # Laplacian heads and XSA add no parameters: a mismatch would load silently
             raise CheckpointError(f"{path} was trained as {model_label(src_cfg)} ({got[0]} {got[1]} "
-                                  f"Laplacian heads) but the model is {model_label(model_cfg)} ({want[0]} "
-                                  f"{want[1]}); fine-tune each model from its own pre-training")
+                                  f"Laplacian heads, {got[2]} attention) but the model is {model_label(model_cfg)} "
+                                  f"({want[0]} {want[1]}, {want[2]}); fine-tune each model from its own pre-training")
     # A head of another shape (ImageNet's 1000 classes into CIFAR's 100) cannot load; one of the
     # same shape loads unless asked not to (a new task with as many classes is still a new head).
     own = model.state_dict()
@@ -441,5 +442,6 @@ def results_header(model: dict, dataset: Optional[str], checkpoint, **fields) ->
     k = model["num_laplacian_heads"]
     # checkpoints from before learned modes have no laplacian_mode: theirs was fixed
     return {"model": model_label(model), "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
-            "laplacian_mode": model.get("laplacian_mode", "fixed"), "dataset": dataset,
+            "laplacian_mode": model.get("laplacian_mode", "fixed"), "attention": model.get("attention", "softmax"),
+            "dataset": dataset,
             "checkpoint": str(checkpoint), **fields}

@@ -21,8 +21,9 @@ FROM_DATA = {"vit": {"num_classes": "${data.num_classes}", "img_size": "${data.i
              "gpt": {"vocab_size": "${data.vocab_size}", "max_seq_len": "${data.seq_len}"}}
 # Arguments every node states (so `model.qk_norm=true` overrides a key that is there), valued by
 # the builder's own defaults: its signature is their one source.
-STATED = {"vit": ("laplacian_mode", "drop_path_rate", "drop_path_schedule", "init_values", "qk_norm", "global_pool"),
-          "gpt": ("laplacian_mode", "grad_checkpointing")}
+STATED = {"vit": ("laplacian_mode", "attention", "drop_path_rate", "drop_path_schedule", "init_values", "qk_norm",
+                  "global_pool"),
+          "gpt": ("laplacian_mode", "attention", "grad_checkpointing")}
 
 
 def model_node(name: str) -> dict:

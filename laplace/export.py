@@ -47,7 +47,7 @@ _TIMM_ARCHS = {"vitt": "vit_tiny_patch16_224", "vits": "vit_small_patch16_224",
 # The Hub's ids of the data nodes that have one (the card's `datasets`, which the Hub links).
 HUB_DATASETS = {"imagenet": "ILSVRC/imagenet-1k", "cifar10": "uoft-cs/cifar10", "cifar100": "uoft-cs/cifar100",
                 "fineweb_edu": "HuggingFaceFW/fineweb-edu"}
-_HEADER_KEYS = {"model", "num_laplacian_heads", "laplacian_mode", "dataset", "checkpoint"}
+_HEADER_KEYS = {"model", "num_laplacian_heads", "laplacian_mode", "attention", "dataset", "checkpoint"}
 # How each kind of number in a results.json was measured (the card's protocol column): the first
 # part of a `metrics_of` key, or the key itself; anything else is lm-eval's task/metric.
 PROTOCOLS = {"final": "validation after the last training step", "best": "best validation during training",
@@ -150,7 +150,7 @@ def _data_config(data: dict) -> dict:
 
 def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, Optional[str]]:
     """(timm architecture, its model_args, None) when timm's VisionTransformer is this model
-    (a ViT without Laplacian heads: same parameter names, class token without a position
+    (a ViT without Laplacian heads, softmax or DIFF attention: same parameter names, class token without a position
     embedding, LayerScale, QK-norm, class-token pooling), else (None, {}, why not)."""
     from .vit import VisionTransformer
 
@@ -162,6 +162,9 @@ def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, 
                           f"timm's VisionTransformer has none")
     if any(b.attn.laplacian_mode != "fixed" for b in model.blocks):
         return None, {}, f"{label} has learned Laplacian gates; timm's VisionTransformer has none"
+    arm = node.get("attention", "softmax")
+    if arm in ("xsa", "gated"):  # timm's ViT has neither (DIFF: its attn_layer="diff", the same class)
+        return None, {}, f"{label} has {arm} attention; timm's VisionTransformer has no such layer"
     if model.global_pool != "token":  # timm's avg pool normalises after the mean (fc_norm), ours before
         return None, {}, f"{label} has a mean-pooled head; timm's normalises after pooling, this one before"
     blk = model.blocks[0]
@@ -173,7 +176,8 @@ def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, 
                 depth=len(model.blocks), num_heads=blk.attn.num_heads,
                 mlp_ratio=blk.mlp.fc1.out_features / model.embed_dim, num_classes=model.num_classes,
                 qk_norm=_has_qk_norm(model), init_values=1e-6 if _has_layer_scale(model) else None,
-                class_token=True, no_embed_class=True, global_pool="token", reg_tokens=0)
+                class_token=True, no_embed_class=True, global_pool="token", reg_tokens=0,
+                **({"attn_layer": "diff"} if arm == "diff" else {}))
     return _TIMM_ARCHS[node["name"][:4]], args, None
 
 

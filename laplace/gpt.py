@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import LaplacianAttention, RMSNorm, laplacian_counts
+from .attention import RMSNorm, attn_layer, laplacian_counts
 from .sampling import sample_next  # the one token-picking rule (also the streaming sampler's)
 
 
@@ -82,11 +82,12 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, num_laplacian_heads: int, laplacian_mode: str,
-                 fused_attn: bool):
+                 fused_attn: bool, attention: str = "softmax", depth: int = 0):
         super().__init__()
-        # nanochat's attention: no biases, QK-norm by a parameter-free RMSNorm (after rotary)
-        self.attn = LaplacianAttention(dim, num_heads, num_laplacian_heads, laplacian_mode, qkv_bias=False,
-                                       proj_bias=False, qk_norm=True, norm_layer=RMSNorm)
+        # nanochat's attention: no biases, QK-norm by a parameter-free RMSNorm (after rotary); the arm's
+        # class (laplace.attention.ARMS), depth: this block's index (DIFF's lambda starts by it)
+        self.attn = attn_layer(num_laplacian_heads, laplacian_mode, attention)(
+            dim, num_heads, qkv_bias=False, proj_bias=False, qk_norm=True, norm_layer=RMSNorm, depth=depth)
         self.attn.fused_attn = fused_attn
         self.mlp = MLP(dim)
 
@@ -120,6 +121,7 @@ class GPT(nn.Module):
         depth: layers; width = 64 x depth and heads = ceil(width / 128) unless given.
         num_laplacian_heads: int (every layer) or a per-layer list.
         laplacian_mode: "fixed" (the paper) or "learned" (a sigmoid gate per head).
+        attention: the other heads' arm: "softmax", "xsa", "gated" or "diff" (laplace.attention.ARMS).
         max_seq_len: longest sequence for the precomputed rotary table (nanochat: 2048);
             the table is sized 10x larger so generation can run past it.
         softcap: logit soft-cap (15); 0 disables it.
@@ -130,7 +132,7 @@ class GPT(nn.Module):
     """
 
     def __init__(self, vocab_size: int = 65536, depth: int = 20,
-                 num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed",
+                 num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed", attention: str = "softmax",
                  max_seq_len: int = 2048, softcap: float = 15.0, width: Optional[int] = None,
                  num_heads: Optional[int] = None, rope_base: float = 10000.0,
                  fused_attn: bool = True, grad_checkpointing: bool = False):
@@ -143,8 +145,8 @@ class GPT(nn.Module):
         self.grad_checkpointing = grad_checkpointing
         self.num_laplacian_heads = laplacian_counts(num_laplacian_heads, depth, num_heads)
         self.wte = nn.Embedding(vocab_size, width)
-        self.blocks = nn.ModuleList([Block(width, num_heads, k, laplacian_mode, fused_attn)
-                                     for k in self.num_laplacian_heads])
+        self.blocks = nn.ModuleList([Block(width, num_heads, k, laplacian_mode, fused_attn, attention, i)
+                                     for i, k in enumerate(self.num_laplacian_heads)])
         self.lm_head = nn.Linear(width, vocab_size, bias=False)  # untied from wte (nanochat)
         # Rotary table (base 10,000; no learned positions): non-persistent, so neither a parameter
         # nor in the state dict; 10x the context, so generation can run past it.

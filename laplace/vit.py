@@ -52,7 +52,7 @@ class VisionTransformer(timm_vit.VisionTransformer):
 
 def vit(img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 1000,
         embed_dim: int = 768, depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
-        num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed",
+        num_laplacian_heads: int | Sequence[int] = 0, laplacian_mode: str = "fixed", attention: str = "softmax",
         init_values: Optional[float] = 1e-6, drop_path_rate: float = 0.0, drop_path_schedule: str = "uniform",
         qk_norm: bool = False, global_pool: str = "token", fused_attn: bool = True,
         pos_embed_resample: str = "plain") -> VisionTransformer:
@@ -63,6 +63,7 @@ def vit(img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classe
             mlp_ratio: timm's.
         num_laplacian_heads: k in every layer, or a list with one count per layer.
         laplacian_mode: "fixed" (the paper) or "learned" (a sigmoid gate per head).
+        attention: the other heads' arm: "softmax", "xsa", "gated" or "diff" (laplace.attention.ARMS).
         init_values: LayerScale's start (DeiT-III 1e-6; None: no LayerScale).
         drop_path_rate, drop_path_schedule: the rate of every block ("uniform", DeiT-III) or rising
             linearly from 0 in the first block to the rate in the last ("linear", timm).
@@ -82,7 +83,7 @@ def vit(img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classe
         img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
         embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=True,
         qk_norm=qk_norm, init_values=init_values, no_embed_class=True, global_pool=global_pool,
-        fc_norm=False, drop_path_rate=drop_path_rate, attn_layer=attn_layer(0, laplacian_mode),
+        fc_norm=False, drop_path_rate=drop_path_rate, attn_layer=attn_layer(0, laplacian_mode, attention),
         pos_embed_resample=pos_embed_resample)
     set_laplacian_heads(model, num_laplacian_heads)  # one count per layer: set after construction
     for blk in model.blocks:

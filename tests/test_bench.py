@@ -18,9 +18,11 @@ from bench import main
 from bench.gpt_memory import SavedBytes
 from bench.images import GPU_RECORD, RUNS, WORKERS_PER_GPU
 
-# --smoke: the zoo's names at their head counts (one block each), then timm's DeiT-III.
-VITS = {"vits": ["vits_0L", "vits_3L", "vits_6L", "timm deit3_small_patch16_224"],
-        "vitb": ["vitb_0L", "vitb_6L", "vitb_12L", "timm deit3_base_patch16_224"]}
+# --smoke: the zoo's names at their head counts (one block each), the other arms, then timm's DeiT-III.
+VITS = {"vits": ["vits_0L", "vits_3L", "vits_6L", "vits_0L xsa", "vits_0L gated", "vits_0L diff",
+                 "timm deit3_small_patch16_224"],
+        "vitb": ["vitb_0L", "vitb_6L", "vitb_12L", "vitb_0L xsa", "vitb_0L gated", "vitb_0L diff",
+                 "timm deit3_base_patch16_224"]}
 
 
 def positive(x) -> bool:
@@ -60,12 +62,13 @@ def test_vit_rows_and_their_ratios(smoke):
             got = [r for r in rows if r["family"] == family and r["part"] == part]
             assert [r["model"] for r in got] == names
             k0, timm = got[0], got[-1]
-            assert k0["k"] == 0 and timm["k"] is None
+            assert k0["k"] == 0 and k0["attention"] == "softmax" and timm["k"] is None
             for r in got:
                 assert positive(r["ms"]) and positive(r["saved_mib"]) and r["runs"] >= 2  # --rounds 2
                 assert r["time / k=0"] == pytest.approx(r["ms"] / k0["ms"])
                 assert r["saved / timm"] == pytest.approx(r["saved_mib"] / timm["saved_mib"])
-    assert len(rows) == 16
+    assert [r["attention"] for r in got] == ["softmax"] * 3 + ["xsa", "gated", "diff", None]
+    assert len(rows) == 28
 
 
 def test_gpt_memory_section_without_nanochat(smoke):

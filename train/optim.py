@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from timm.optim import create_optimizer_v2
 
-from laplace.attention import LaplacianAttention
+from laplace.attention import ATTENTIONS
 from laplace.errors import ConfigError
 
 SHAPES = ("cosine", "linear", "constant")
@@ -263,14 +263,15 @@ def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optim
     Muon at `matrix_lr` for every 2-D parameter of `model.blocks` (the fused qkv as three matrices,
     `row_blocks: 3`, as nanochat's separate c_q, c_k, c_v); AdamW for the token embedding
     (`embedding_lr`), the output layer (`unembedding_lr`), both scaled by (width / 768) ** -0.5 as
-    nanochat's, and anything else (learned Laplacian gates: `scalar_lr`, no weight decay). Each
+    nanochat's, and anything else (learned Laplacian gates, DIFF's lambdas and head norm: `scalar_lr`, no
+    weight decay; the gated arm's gate is a matrix: Muon). Each
     group's base rate is its `lr_scale`: `optim.schedules.lr` is a multiplier of it.
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None or not hasattr(model, "wte") or not hasattr(model, "lm_head"):
         raise ConfigError(f"optim.name={cfg.name}: Muon + AdamW routes a GPT's parameters (blocks, wte, "
                           f"lm_head); this model is a {type(model).__name__}: use optim=adamw")
-    qkv = [m.qkv.weight for m in blocks.modules() if isinstance(m, LaplacianAttention)]
+    qkv = [m.qkv.weight for m in blocks.modules() if isinstance(m, ATTENTIONS)]
     matrices = [p for p in blocks.parameters() if p.ndim == 2 and all(p is not q for q in qkv)]
     routed = {id(p) for p in [*matrices, *qkv, model.wte.weight, model.lm_head.weight]}
     scalars = [p for p in model.parameters() if id(p) not in routed]

@@ -40,6 +40,7 @@ ADDED_KEYS = {
     "data.device_augment": False,         # 2026-12-02 issue 33: 3-Augment's colour work in the workers
     "trainer.multicrop.device_augment": False,  # 2026-12-02 issue 33: DINO's crops augmented in the workers
     "model.global_pool": "token",         # 2026-12-02 issue 34: the head read the class token
+    "model.attention": "softmax",         # 2026-12-06 issue 57: every head softmax (or Laplacian)
 }
 
 
