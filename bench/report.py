@@ -17,7 +17,7 @@ from laplace.io import atomic_write, write_json
 TITLES = {
     "vit": "Forward + backward of a ViT and of its first attention layer (ms: Timer's median); "
            "saved_mib: what autograd keeps for backward",
-    "gpt_memory": "GPT: saved-for-backward bytes per token, bf16 autocast (two sequences minus one)",
+    "gpt_memory": "GPT: saved-for-backward bytes per token, bf16 autocast (two sequences minus one); a step's time",
     "loader": "One data-loader worker (one thread): images/s of each training set; demand: "
               "the one GPU record scaled to the row's model, over 8 workers",
 }

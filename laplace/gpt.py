@@ -319,10 +319,8 @@ class GPT(nn.Module):
             if self.x0_lambdas is not None:
                 x = x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](idx).to(x.dtype) if str(i) in self.value_embeds else None
-            if recompute:
-                x = checkpoint(blk, x, rope, None, i, ve, masks[i], use_reentrant=False)
-            else:
-                x = blk(x, rope, kv_cache, i, ve, masks[i])
+            args = (x, rope, None if recompute else kv_cache, i, ve, masks[i])
+            x = checkpoint(blk, *args, use_reentrant=False) if recompute else blk(*args)
             if collect is not None and i in collect:
                 feats[f"blocks.{i}"] = x
             if i == self.depth // 2 and self.backout_lambda is not None:

@@ -21,10 +21,8 @@ from .errors import UserError
 from .gpt import GPT
 from .zoo import GPT26, create_model
 
-# What a checkpoint older than a switch was trained with (the fork's checkpoint_manager patches)
+# The fork's ablation switches (on in upstream's and the fork's default model)
 SWITCHES = ("use_ve", "use_resid_lambdas", "use_x0", "use_smear", "use_backout")
-MISSING = {"resid_lambdas": 1.0, "x0_lambdas": 0.0, "smear_lambda": 0.0, "smear_gate.weight": 0.0,
-           "backout_lambda": 0.2}
 
 
 def model_node(model_config: dict) -> dict:
@@ -52,17 +50,16 @@ def load(folder: str | Path, map_location: Any = "cpu", step: Optional[int] = No
     step = steps[-1] if step is None else step
     meta = json.loads((folder / f"meta_{step:06d}.json").read_text())
     sd = torch.load(folder / f"model_{step:06d}.pt", map_location=map_location, weights_only=True)
-    ours = {}
-    for key, t in sd.items():  # float32 master weights (nanochat stores its embeddings in bf16 on GPUs)
-        ours[our_name(key)] = t.float() if t.is_floating_point() else t
+    ours = {our_name(k): t.float() for k, t in sd.items()}  # float32 master weights (nanochat's GPUs keep bf16 embeddings)
     for i in range(meta["model_config"]["n_layer"]):  # fused qkv: rows [q (H D), k (Hkv D), v (Hkv D)]
         ours[f"blocks.{i}.attn.qkv.weight"] = torch.cat([ours.pop(f"blocks.{i}.attn.c_{n}.weight") for n in "qkv"])
     with torch.device("meta"):  # no init: every tensor comes from the file
         model = create_model(**model_node(meta["model_config"]))
-    for key, value in MISSING.items():  # enabled, but older than the checkpoint
-        if key not in ours and key in model.state_dict():
-            ours[key] = torch.full(model.state_dict()[key].shape, value, device=map_location)
-    model.load_state_dict(ours, strict=True, assign=True)
+    try:
+        model.load_state_dict(ours, strict=True, assign=True)
+    except RuntimeError as e:  # e.g. a checkpoint from before 92d63d4's architecture (no smear, ...)
+        raise UserError(f"{folder}: weights do not match the model of its meta_{step:06d}.json "
+                        f"({str(e).splitlines()[1].strip()}); nanochat 92d63d4's architecture loads") from None
     return model.eval()
 
 

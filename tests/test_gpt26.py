@@ -157,20 +157,17 @@ def test_nanochat_folder_round_trip(tmp_path, lap):
         assert torch.equal(load_model(ckpt)(idx), m(idx))
 
 
-def test_older_checkpoint_gets_the_forks_defaults(tmp_path):
-    """Scalars a checkpoint predates take the values it was trained with (the fork's patches)."""
-    m = gpt26()
-    cfg = dict(sequence_len=SEQ, vocab_size=V, n_layer=4, n_head=4, n_kv_head=4, n_embd=128)
-    folder = nanochat_folder(tmp_path, m, cfg)
-    sd = torch.load(folder / "model_000020.pt")
-    for key in ("smear_lambda", "smear_gate.weight", "backout_lambda"):
-        del sd[key]
-    torch.save(sd, folder / "model_000020.pt")
-    loaded = nanochat.load(folder)
-    assert loaded.windows == [None] * 4 and loaded.backout_lambda.item() == pytest.approx(0.2)
-    assert loaded.smear_lambda.item() == 0
+def test_missing_step_is_one_line(tmp_path):
+    folder = nanochat_folder(tmp_path, gpt26(), dict(sequence_len=SEQ, vocab_size=V, n_layer=4, n_head=4,
+                                                     n_kv_head=4, n_embd=128))
+    assert nanochat.load(folder).windows == [None] * 4  # a checkpoint from before windows: full context
     with pytest.raises(laplace.errors.UserError, match="model_000007.pt"):
         nanochat.load(folder, step=7)
+    sd = torch.load(folder / "model_000020.pt")
+    del sd["smear_lambda"]  # e.g. from before the smear
+    torch.save(sd, folder / "model_000020.pt")
+    with pytest.raises(laplace.errors.UserError, match='do not match .*"smear_lambda"'):
+        nanochat.load(folder)
 
 
 def test_tokenizer_pickle_is_read_without_running_it(tmp_path):
