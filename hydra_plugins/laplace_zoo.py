@@ -53,7 +53,7 @@ class LaplaceZooConfigSource(ConfigSource):
             return [GROUP]
         if path == GROUP and results_filter in (None, ObjectType.CONFIG):
             # What --help shows: the names' forms, not ~80 names in text order (any zoo name composes)
-            return [f"{a}_{{0..{c['num_heads']}}}L" for a, c in VIT_ARCHS.items()] + ["gpt_d{depth}_{k}L", "gpt26_d{depth}_{k}L"]
+            return [f"{a}_{{0..{c['num_heads']}}}L" for a, c in VIT_ARCHS.items()] + ["gpt_d{depth}_{k}L"]
         return []
 
 

@@ -39,7 +39,8 @@ BUILDERS = {"vit": vit, "gpt": GPT}
 GPT_LISTED_DEPTHS = (2, 3, 4, 12, 20, 26)
 # nanochat 92d63d4's GPT as our GPT's options (its base_train defaults: SSSL windows, GQA off)
 GPT26 = dict(round_width=True, window_pattern="SSSL", qk_scale=1.2, rope_base=100000.0, use_ve=True,
-             use_resid_lambdas=True, use_x0=True, use_smear=True, use_backout=True, pad_vocab_to=64, init="2026")
+             use_resid_lambdas=True, use_x0=True, use_smear=True, use_backout=True, pad_vocab_to=64, init="2026",
+             num_kv_heads=None)  # None: one kv head per head (stated, so `model.num_kv_heads=2` overrides it)
 # The one parser of names: a zoo name ("vitb_12L", "gpt_d20_5L") or a node's family ("vitb", "gpt", "gpt26").
 _NAME = re.compile(r"^(?:(?P<vit>vit[tsbl])|(?P<gpt>gpt(?:26)?)(?:_d(?P<depth>\d+))?)(?:_(?P<k>\d+)L)?$")
 
