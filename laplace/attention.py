@@ -86,8 +86,9 @@ class LaplacianAttention(Attention):
         self.num_kv_heads = num_kv_heads or num_heads
         if num_heads % self.num_kv_heads:
             raise ConfigError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
-        if self.num_kv_heads != num_heads:  # GQA (the GPT's rotary path): qkv's rows are [q (H D), k (Hkv D), v (Hkv D)]
-            self.qkv = nn.Linear(dim, (num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=self.qkv.bias is not None)
+        if self.num_kv_heads != num_heads:  # GQA (the GPT's rotary path): qkv's rows [q (H D), k (Hkv D), v (Hkv D)]
+            rows = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+            self.qkv = nn.Linear(dim, rows, bias=self.qkv.bias is not None)
         # nanochat 2026's value embedding: a gate per kv head in (0, 3), read from the first 12 channels
         self.ve_gate = nn.Linear(12, self.num_kv_heads, bias=False) if value_embed else None
         self.laplacian_mode = laplacian_mode or self.laplacian_mode

@@ -50,7 +50,7 @@ def load(folder: str | Path, map_location: Any = "cpu", step: Optional[int] = No
     step = steps[-1] if step is None else step
     meta = json.loads((folder / f"meta_{step:06d}.json").read_text())
     sd = torch.load(folder / f"model_{step:06d}.pt", map_location=map_location, weights_only=True)
-    ours = {our_name(k): t.float() for k, t in sd.items()}  # float32 master weights (nanochat's GPUs keep bf16 embeddings)
+    ours = {our_name(k): t.float() for k, t in sd.items()}  # float32 master weights (nanochat's GPUs: bf16 embeddings)
     for i in range(meta["model_config"]["n_layer"]):  # fused qkv: rows [q (H D), k (Hkv D), v (Hkv D)]
         ours[f"blocks.{i}.attn.qkv.weight"] = torch.cat([ours.pop(f"blocks.{i}.attn.c_{n}.weight") for n in "qkv"])
     with torch.device("meta"):  # no init: every tensor comes from the file

@@ -3,7 +3,7 @@
     vitt_{k}L   ViT-Tiny/16 (192 wide, 3 heads), k = 0..3 Laplacian heads in every layer
     vits_{k}L   ViT-S/16 (384, 6 heads), vitb_{k}L ViT-B/16 (768, 12 heads), vitl_{k}L ViT-L/16 (1024, 24 deep, 16 heads)
     gpt_d{depth}_{k}L   nanochat's GPT, 64 x depth wide, heads of 128 (d20: the paper's 561M LM, 10 heads)
-    gpt26_d{depth}_{k}L nanochat's 2026 GPT (92d63d4, the first author's fork): the same class with GPT26's options
+    gpt26_d{depth}_{k}L nanochat's 2026 GPT (92d63d4, the first author's fork): GPT with GPT26's options
 
 A model node (configs, checkpoints) names the family alone ("vitb", "gpt") and holds k in
 `num_laplacian_heads` (an int or one count per layer): the one source of k. `model_label` derives
@@ -55,7 +55,8 @@ def model_defaults(name: str) -> dict:
     if m is None or (m["depth"] and m["k"] is None):  # gpt_d20 needs its k ("gpt" alone is a family)
         vits = ", ".join(f"{a}_{{0..{c['num_heads']}}}L" for a, c in VIT_ARCHS.items())
         raise UnknownModelError(f"unknown model {name!r}; valid names: {vits}, "
-                                f"gpt_d{{depth}}_{{k}}L or gpt26_d{{depth}}_{{k}}L with k <= heads (e.g. gpt_d20_{{0..10}}L)")
+                                f"gpt_d{{depth}}_{{k}}L or gpt26_d{{depth}}_{{k}}L with k <= heads "
+                                f"(e.g. gpt_d20_{{0..10}}L)")
     if m["vit"]:
         cfg = dict(arch="vit", name=m["vit"], **VIT_ARCHS[m["vit"]])
         heads = cfg["num_heads"]
