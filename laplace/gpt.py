@@ -193,8 +193,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(width, num_heads, k, laplacian_mode, fused_attn, num_kv_heads, ve,
                                            qk_scale) for k, ve in zip(self.num_laplacian_heads, has_ve)])
         self.lm_head = nn.Linear(width, padded, bias=False)  # untied from wte (nanochat)
-        kv_dim = self.num_kv_heads * self.head_dim
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(padded, kv_dim) for i in range(depth) if has_ve[i]})
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(padded, self.num_kv_heads * self.head_dim)
+                                           for i in range(depth) if has_ve[i]})
         # 2026's scalars (x = r_i x + a_i x0 before block i; smear; backout), None when switched off so
         # that they leave the state dict (the fork's switches); values from init_weights.
         self.register_parameter("resid_lambdas", nn.Parameter(torch.ones(depth)) if use_resid_lambdas else None)
@@ -250,15 +250,15 @@ class GPT(nn.Module):
         for ve in self.value_embeds.values():
             nn.init.uniform_(ve.weight, -s, s)
         i = torch.arange(self.depth, dtype=torch.float32, device=self.wte.weight.device)
-        if self.resid_lambdas is not None:  # stronger residual early, weaker late
-            self.resid_lambdas.copy_(1.15 - 0.10 * i / n)
-        if self.x0_lambdas is not None:  # more of the input embedding early
-            self.x0_lambdas.copy_(0.20 - 0.15 * i / n)
+        # residual scale stronger early, weaker late; more of the input embedding early; smear off; backout 0.2
+        scalars = {"resid_lambdas": 1.15 - 0.10 * i / n, "x0_lambdas": 0.20 - 0.15 * i / n, "smear_lambda": 0.0,
+                   "backout_lambda": 0.2}
+        for name, value in scalars.items():
+            p = getattr(self, name)
+            if p is not None:  # switched on
+                p.copy_(torch.as_tensor(value).expand(p.shape))
         if self.smear_gate is not None:
             nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)
-            nn.init.zeros_(self.smear_lambda)
-        if self.backout_lambda is not None:
-            nn.init.constant_(self.backout_lambda, 0.2)
         self._build_rope(self.wte.weight.device)
 
     def _build_rope(self, device):
