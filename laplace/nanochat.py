@@ -40,8 +40,9 @@ def our_name(key: str) -> str:
     return key.replace(".attn.c_proj", ".attn.proj")
 
 
-def load(folder: str | Path, map_location: Any = "cpu", step: Optional[int] = None) -> GPT:
-    """Our GPT with the weights of the nanochat checkpoint in `folder` (evaluation mode, float32)."""
+def load(folder: str | Path, map_location: Any = "cpu", step: Optional[int] = None, **overrides) -> GPT:
+    """Our GPT with the weights of the nanochat checkpoint in `folder` (evaluation mode, float32);
+    `overrides`: constructor arguments that keep the shapes (e.g. fused_attn=False)."""
     folder = Path(folder)
     steps = sorted(int(m[1]) for p in folder.glob("model_*.pt") if (m := re.fullmatch(r"model_(\d+)\.pt", p.name)))
     if not steps or (step is not None and step not in steps):
@@ -54,7 +55,7 @@ def load(folder: str | Path, map_location: Any = "cpu", step: Optional[int] = No
     for i in range(meta["model_config"]["n_layer"]):  # fused qkv: rows [q (H D), k (Hkv D), v (Hkv D)]
         ours[f"blocks.{i}.attn.qkv.weight"] = torch.cat([ours.pop(f"blocks.{i}.attn.c_{n}.weight") for n in "qkv"])
     with torch.device("meta"):  # no init: every tensor comes from the file
-        model = create_model(**model_node(meta["model_config"]))
+        model = create_model(**{**model_node(meta["model_config"]), **overrides})
     try:
         model.load_state_dict(ours, strict=True, assign=True)
     except RuntimeError as e:  # e.g. a checkpoint from before 92d63d4's architecture (no smear, ...)

@@ -162,6 +162,7 @@ def test_missing_step_is_one_line(tmp_path):
     folder = nanochat_folder(tmp_path, gpt26(), dict(sequence_len=SEQ, vocab_size=V, n_layer=4, n_head=4,
                                                      n_kv_head=4, n_embd=128))
     assert nanochat.load(folder).windows == [None] * 4  # a checkpoint from before windows: full context
+    assert not nanochat.load(folder, fused_attn=False).blocks[0].attn.fused_attn
     with pytest.raises(laplace.errors.UserError, match="model_000007.pt"):
         nanochat.load(folder, step=7)
     sd = torch.load(folder / "model_000020.pt")
