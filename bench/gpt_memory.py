@@ -5,14 +5,20 @@ autocast, at two sequences minus at one, per token. At each of --depths (nanocha
 64 x depth, heads of 128): ours at k = 0 and at half the heads Laplacian, and nanochat's own GPT when
 DIR holds its `nanochat/` package (karpathy/nanochat at eec0c79: gpt.py, common.py, muon.py, adamw.py;
 a copy outside this repository, never vendored). Issue 42's target: ours within 1.02x of nanochat's.
+`--gpt-families gpt26` adds nanochat's 2026 GPT (gpt26_d{depth}); every row also has its training
+step's time (forward + backward of the loss, float32 on CPU), measured in --rounds turns; issue 54's
+target: k > 0 within 1.02x of k = 0 in time and bytes.
 """
 from __future__ import annotations
 
 import sys
+import time
+import timeit
 from pathlib import Path
 
 import pandas as pd
 import torch
+from torch.utils import benchmark
 
 import laplace
 from laplace.gpt import gpt_dims
@@ -84,13 +90,24 @@ def saved_per_token(model, seq_len: int, vocab: int, device) -> float:
     return (saved_bytes(model, 2, seq_len, vocab, device) - saved_bytes(model, 1, seq_len, vocab, device)) / seq_len
 
 
+def step_timer(model, args) -> benchmark.Timer:
+    """A Timer of one training step's forward + backward (float32; the loss over the vocabulary)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, args.vocab_size, (2, 2, args.seq_len), generator=g).to(args.device)
+
+    def fn():
+        model(x, targets=y).backward()  # gradients accumulate between runs: one add per parameter, alike
+    clock = time.process_time if args.clock == "cpu" else timeit.default_timer  # Timer syncs CUDA
+    return benchmark.Timer("fn()", globals=dict(fn=fn), timer=clock, num_threads=args.threads)
+
+
 def run(args) -> pd.DataFrame:
     """One row per depth and model: saved bytes per token, and the ratio to nanochat's."""
-    rows = []
-    for depth in args.depths:
-        width, heads = gpt_dims(depth)
-        models = {f"gpt_d{depth}_{k}L": k for k in sorted({0, heads // 2})}
-        if args.nanochat:
+    rows, timers = [], []
+    for depth, family in ((d, f) for d in args.depths for f in args.gpt_families):
+        width, heads = gpt_dims(depth, round_width=family == "gpt26")
+        models = {f"{family}_d{depth}_{k}L": k for k in sorted({0, heads // 2})}
+        if args.nanochat and family == "gpt":
             models["nanochat eec0c79"] = None
         # k = 0 and half the heads: what the Laplacian step keeps shows at any k > 0.
         for name, k in models.items():
@@ -101,9 +118,22 @@ def run(args) -> pd.DataFrame:
                 model = laplace.create_model(name, vocab_size=args.vocab_size, max_seq_len=args.seq_len)
             model = model.to(args.device).train()
             per_token = saved_per_token(model, args.seq_len, args.vocab_size, args.device)
-            rows.append(dict(depth=depth, width=width, heads=heads, model=name, k=k, saved_bytes_per_token=per_token))
+            rows.append(dict(depth=depth, family=family, width=width, heads=heads, model=name, k=k,
+                             saved_bytes_per_token=per_token))
+            timers.append(step_timer(model, args) if k is not None else None)  # nanochat's: bytes only
             print(f"[gpt_memory] {name}: {per_token:,.0f} saved bytes per token", flush=True)
+    # Every model in turn, the order rotated each round (as bench.vit): a drift in load reaches all alike.
+    measured = [[] for _ in timers]
+    for r in range(args.rounds):
+        for i in [*range(r % len(timers), len(timers)), *range(r % len(timers))]:
+            measured[i] += [timers[i].blocked_autorange(min_run_time=args.min_time)] if timers[i] else []
+    for row, m in zip(rows, measured):
+        row["ms"] = 1e3 * benchmark.Measurement.merge(m)[0].median if m else float("nan")
     df = pd.DataFrame(rows)
+    k0 = df[df.k == 0].set_index(["depth", "family"])  # each row over k = 0 of its depth and family
+    key = pd.MultiIndex.from_frame(df[["depth", "family"]])
+    df["time / k=0"] = df.ms.values / k0.ms.reindex(key).values
+    df["saved / k=0"] = df.saved_bytes_per_token.values / k0.saved_bytes_per_token.reindex(key).values
     if args.nanochat:
         # Per depth: ours over nanochat's at the same shapes.
         ref = df[df.model == "nanochat eec0c79"].set_index("depth").saved_bytes_per_token

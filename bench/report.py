@@ -17,7 +17,7 @@ from train.logger import git_commit  # noqa: F401  (bench.cli and scripts/gpu_ch
 TITLES = {
     "vit": "Forward + backward of a ViT and of its first attention layer (ms: Timer's median), k Laplacian "
            "heads or another arm (attention); saved_mib: what autograd keeps for backward",
-    "gpt_memory": "GPT: saved-for-backward bytes per token, bf16 autocast (two sequences minus one)",
+    "gpt_memory": "GPT: saved-for-backward bytes per token, bf16 autocast (two sequences minus one); a step's time",
     "loader": "One data-loader worker (one thread): images/s of each training set; demand: "
               "the one GPU record scaled to the row's model, over 8 workers",
 }

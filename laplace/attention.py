@@ -101,6 +101,8 @@ class LaplacianAttention(Attention):
             (1 - a) P V + a (V - P V), a = sigmoid of the parameter `laplacian_gate`; k sets the start).
         attention: the other heads' arm, "softmax", "xsa" or "gated" (ARMS; "diff" is DiffAttention).
         depth: the block's index, which timm gives DIFF alone; taken so a block builds every arm alike.
+        num_kv_heads: key/value heads (GQA; None: one per head); value_embed: nanochat 2026's gated
+            value embedding (the GPT passes `ve` to the forward).
     The fused path (timm's `fused_attn`, on by default) never forms P; `fused_attn = False`, or
     `return_attn=True` in the forward, takes the reference path that forms P explicitly.
     """
@@ -110,10 +112,19 @@ class LaplacianAttention(Attention):
     attention: str = "softmax"
 
     def __init__(self, dim: int, num_heads: int = 8, num_laplacian_heads: int | None = None,
-                 laplacian_mode: str | None = None, attention: str | None = None, depth: int = 0, **timm_kwargs):
+                 laplacian_mode: str | None = None, attention: str | None = None, depth: int = 0,
+                 num_kv_heads: int | None = None, value_embed: bool = False, **timm_kwargs):
         self.attention = attention or self.attention
         # timm's own gate (an nn.Linear `gate`, None otherwise): its parameter names, its checkpoints
         super().__init__(dim, num_heads, gated=self.attention == "gated", **timm_kwargs)
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+        if self.num_kv_heads != num_heads:  # GQA (the GPT's rotary path): qkv's rows [q (H D), k (Hkv D), v (Hkv D)]
+            rows = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+            self.qkv = nn.Linear(dim, rows, bias=self.qkv.bias is not None)
+        # nanochat 2026's value embedding: a gate per kv head in (0, 3), read from the first 12 channels
+        self.ve_gate = nn.Linear(12, self.num_kv_heads, bias=False) if value_embed else None
         self.laplacian_mode = laplacian_mode or self.laplacian_mode
         if self.laplacian_mode not in LAPLACIAN_MODES:
             raise ConfigError(f"laplacian_mode={self.laplacian_mode!r}: choose one of {LAPLACIAN_MODES}")
@@ -143,36 +154,46 @@ class LaplacianAttention(Attention):
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, kv_cache=None, layer_idx: int = 0,
-                return_attn: bool = False):
+                return_attn: bool = False, ve: torch.Tensor | None = None):
         """x [B, N, C] -> [B, N, C] (and P [B, H, N, N_keys] with return_attn). The GPT passes
-        `rope` (cos, sin of these positions) and, when generating, `kv_cache` (x: the new tokens)."""
+        `rope` (cos, sin of these positions), its value embedding `ve` [B, N, Hkv D] and, when
+        generating, `kv_cache` (x: the new tokens)."""
         B, N, C = x.shape
-        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim)
+        H, Hkv = self.num_heads, self.num_kv_heads
         if rope is None:
+            qkv = self.qkv(x).view(B, N, 3, H, self.head_dim)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, N, D]
             q, k = self.q_norm(q), self.k_norm(k)
         else:  # nanochat: rotary, then QK-norm, on [B, N, H, D]; v its own copy
             # In this layout SDPA's output is token-major, so at k = 0 the head merge below is a view
             # and the projection keeps nothing SDPA does not keep already. v's copy frees the qkv
             # output, which a view would keep whole (3x v) for SDPA's backward.
+            qkv = self.qkv(x).view(B, N, H + 2 * Hkv, self.head_dim)
             cos, sin = (t.unsqueeze(-2) for t in rope)  # [N, 1, D/2]: every head
-            q = self.q_norm(apply_rotary(qkv[:, :, 0], cos, sin))
-            k = self.k_norm(apply_rotary(qkv[:, :, 1], cos, sin))
-            q, k, v = (t.transpose(1, 2) for t in (q, k, qkv[:, :, 2].contiguous()))
+            q = self.q_norm(apply_rotary(qkv[:, :, :H], cos, sin))
+            k = self.k_norm(apply_rotary(qkv[:, :, H:H + Hkv], cos, sin))
+            v = qkv[:, :, H + Hkv:]
+            if ve is not None:  # v + gate x value embedding, per kv head (the identity term below sees it too)
+                v = v + 3 * torch.sigmoid(self.ve_gate(x[..., :12])).unsqueeze(-1) * ve.view(B, N, Hkv, -1)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v.contiguous()))
 
         keys, values = k, v
-        if kv_cache is not None:
-            keys, values, attn_mask, is_causal = kv_cache.attend(layer_idx, k, v, is_causal)
+        if kv_cache is not None:  # a window's mask (the caller's) wins over the cache's causal one
+            keys, values, cache_mask, is_causal = kv_cache.attend(layer_idx, k, v, is_causal)
+            attn_mask = cache_mask if attn_mask is None else attn_mask
         drop = self.attn_drop.p if self.training else 0.0
         attn = None
         if self.fused_attn and not return_attn:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=drop,
-                                                 is_causal=is_causal)
+                                                 is_causal=is_causal, enable_gqa=Hkv != H)
         else:
             out, attn = reference_attention(q, keys, values, attn_mask, is_causal, drop)
 
-        # `v` is each query's own value, the identity term of (I - P) V (also under a KV cache).
-        H, kl = self.num_heads, self.num_laplacian_heads
+        # `v` is each query's own value, the identity term of (I - P) V and of XSA (also under a KV
+        # cache); under GQA its kv head repeated over the group, as the fork does.
+        kl = self.num_laplacian_heads
+        if Hkv != H and (kl or self.laplacian_mode == "learned" or self.attention == "xsa"):
+            v = v.repeat_interleave(H // Hkv, dim=1)
         if self.attention == "xsa":  # every head (no Laplacian one: check_arm)
             out = xsa(out, v)
         elif self.laplacian_mode == "learned":  # (1 - a) P V + a (V - P V), a per head in (0, 1)
@@ -193,6 +214,8 @@ class LaplacianAttention(Attention):
 def reference_attention(q, k, v, mask, is_causal: bool, drop: float):
     """Softmax attention with P formed explicitly, (dropout(P) V, P): the ground truth for the fused
     path. The scale is SDPA's default, 1 / sqrt(q's last dim)."""
+    if k.shape[1] != q.shape[1]:  # GQA: each kv head serves a group of query heads
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # [B, H, N, N_keys]
     if is_causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
@@ -226,7 +249,7 @@ class DiffAttention(TimmDiffAttention):
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, kv_cache=None, layer_idx: int = 0,
-                return_attn: bool = False):
+                return_attn: bool = False, ve=None):  # ve: never given (the GPT's Block refuses DIFF with it)
         B, N, C = x.shape
         H, d = self.num_heads, self.head_dim  # d: half a head (a head's value is 2d wide)
         q, k, v = self.qkv(x).split(C, dim=-1)

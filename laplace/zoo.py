@@ -3,6 +3,7 @@
     vitt_{k}L   ViT-Tiny/16 (192 wide, 3 heads), k = 0..3 Laplacian heads in every layer
     vits_{k}L   ViT-S/16 (384, 6 heads), vitb_{k}L ViT-B/16 (768, 12 heads), vitl_{k}L ViT-L/16 (1024, 24 deep, 16 heads)
     gpt_d{depth}_{k}L   nanochat's GPT, 64 x depth wide, heads of 128 (d20: the paper's 561M LM, 10 heads)
+    gpt26_d{depth}_{k}L nanochat's 2026 GPT (92d63d4, the first author's fork): GPT with GPT26's options
 
 A model node (configs, checkpoints) names the family alone ("vitb", "gpt") and holds k in
 `num_laplacian_heads` (an int or one count per layer): the one source of k. `model_label` derives
@@ -37,8 +38,12 @@ BUILDERS = {"vit": vit, "gpt": GPT}
 # Listed by list_models() (4: experiment=gpt_tiny's; 3: the study's; 30: the authors' LoRA runs);
 # `model=` takes any depth >= 1.
 GPT_LISTED_DEPTHS = (2, 3, 4, 12, 20, 26, 30)
-# The one parser of names: a zoo name ("vitb_12L", "gpt_d20_5L") or a node's family ("vitb", "gpt").
-_NAME = re.compile(r"^(?:(?P<vit>vit[tsbl])|gpt_d(?P<depth>\d+)|(?P<gpt>gpt))(?:_(?P<k>\d+)L)?$")
+# nanochat 92d63d4's GPT as our GPT's options (its base_train defaults: SSSL windows, GQA off)
+GPT26 = dict(round_width=True, window_pattern="SSSL", qk_scale=1.2, rope_base=100000.0, use_ve=True,
+             use_resid_lambdas=True, use_x0=True, use_smear=True, use_backout=True, pad_vocab_to=64, init="2026",
+             num_kv_heads=None)  # None: one kv head per head (stated, so `model.num_kv_heads=2` overrides it)
+# The one parser of names: a zoo name ("vitb_12L", "gpt_d20_5L") or a node's family ("vitb", "gpt", "gpt26").
+_NAME = re.compile(r"^(?:(?P<vit>vit[tsbl])|(?P<gpt>gpt(?:26)?)(?:_d(?P<depth>\d+))?)(?:_(?P<k>\d+)L)?$")
 
 
 class UnknownModelError(ConfigError):
@@ -51,17 +56,18 @@ def model_defaults(name: str) -> dict:
     if m is None or (m["depth"] and m["k"] is None):  # gpt_d20 needs its k ("gpt" alone is a family)
         vits = ", ".join(f"{a}_{{0..{c['num_heads']}}}L" for a, c in VIT_ARCHS.items())
         raise UnknownModelError(f"unknown model {name!r}; valid names: {vits}, "
-                                f"gpt_d{{depth}}_{{k}}L with k <= heads (e.g. gpt_d20_{{0..10}}L)")
+                                f"gpt_d{{depth}}_{{k}}L or gpt26_d{{depth}}_{{k}}L with k <= heads "
+                                f"(e.g. gpt_d20_{{0..10}}L)")
     if m["vit"]:
         cfg = dict(arch="vit", name=m["vit"], **VIT_ARCHS[m["vit"]])
         heads = cfg["num_heads"]
     else:
-        cfg = dict(arch="gpt", name="gpt")
+        cfg = dict(arch="gpt", name=m["gpt"], **(GPT26 if m["gpt"] == "gpt26" else {}))
         if m["depth"]:
             cfg["depth"] = int(m["depth"])
             if cfg["depth"] < 1:
                 raise UnknownModelError(f"model {name!r}: depth must be >= 1")
-        heads = gpt_dims(cfg.get("depth", 20))[1]
+        heads = gpt_dims(cfg.get("depth", 20), round_width=cfg.get("round_width", False))[1]
     if m["k"] is not None:
         cfg["num_laplacian_heads"] = k = int(m["k"])
         if k > heads:  # the models check k too (laplacian_counts); this names the name
@@ -79,7 +85,7 @@ def model_label(node) -> str:
         d = model_defaults(node["name"])
     except UnknownModelError:
         return str(node["name"])
-    family = d["name"] if d["arch"] == "vit" else f"gpt_d{node.get('depth', d.get('depth', 20))}"
+    family = d["name"] if d["arch"] == "vit" else f"{d['name']}_d{node.get('depth', d.get('depth', 20))}"
     k = node.get("num_laplacian_heads", d.get("num_laplacian_heads", 0))
     if not isinstance(k, numbers.Integral):  # a per-layer list (ListConfig or list)
         ks = [int(x) for x in k]
