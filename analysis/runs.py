@@ -78,23 +78,17 @@ def find_runs(roots: Iterable) -> list[tuple[Path, Optional[str]]]:
     return sorted(runs.items())
 
 
-def flat_metrics(obj: dict, prefix: str = "") -> dict:
-    """Numeric leaves of a results.json: flat fields as they are, nested blocks dotted
-    ("final.val_acc1"), a list of {"task", "metric", "value"} records as "task/metric"."""
+def flat_metrics(obj: dict) -> dict:
+    """Numeric leaves of a results.json: nested blocks dotted ("final.val_acc1") by pandas'
+    json_normalize (top-level fields first), a list of {"task", "metric", "value"} records as "task/metric"."""
     out = {}
-    for key, v in obj.items():
-        if isinstance(v, bool) or v is None:  # a bool is an int to Python, not a metric
-            continue
-        if isinstance(v, (int, float)):
-            if math.isfinite(v):
-                out[f"{prefix}{key}"] = float(v)
-        elif isinstance(v, dict):
-            out.update(flat_metrics(v, f"{prefix}{key}."))
-        elif isinstance(v, list):
-            for item in v:
-                if isinstance(item, dict) and "task" in item and isinstance(item.get("value"), (int, float)):
-                    name = f"{item['task']}/{item['metric']}" if item.get("metric") else str(item["task"])
-                    out[name] = float(item["value"])
+    for key, v in pd.json_normalize(obj).to_dict("records")[0].items():
+        # a bool is an int to Python, not a metric; NaN and inf are "not measured"
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[key] = float(v)
+        elif isinstance(v, list):  # task records (lm-eval's, nanochat's CORE)
+            out.update({f"{i['task']}/{i['metric']}" if i.get("metric") else str(i["task"]): float(i["value"])
+                        for i in v if isinstance(i, dict) and "task" in i and isinstance(i.get("value"), (int, float))})
     return out
 
 
@@ -357,7 +351,7 @@ def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
 def aggregate(records: list[dict], metric: Metric, by: tuple = GROUP_KEYS) -> pd.DataFrame:
     """Pool the runs that share `by` (by default all but the seed) over their seeds: a row per
     group, sorted, with the `by` fields, analysis.stats.summarize's (mean, sd, se, n, df, lo, hi,
-    values, seeds, run_dirs), runs (the records), and recipe, k_label, arch of its first run.
+    values, seeds, run_dirs), runs (the records), and the recipe of its first run.
     Runs without `metric` (as in `metric_value`) are left out."""
     rows = [{**{f: r.get(f) for f in by}, "seed": r.get("seed"), "run_dir": r["run_dir"], "value": v, "run": r}
             for r in records for v in [metric_value(r, metric)] if v is not None]
@@ -368,8 +362,7 @@ def aggregate(records: list[dict], metric: Metric, by: tuple = GROUP_KEYS) -> pd
     flat = pd.DataFrame(rows)
     out = summarize(flat, by)
     out["runs"] = [list(g["run"]) for _, g in flat.groupby(list(by), dropna=False, sort=False)]
-    for f in ("recipe", "k_label", "arch"):  # each group's facts, for a table's labels and marks
-        out[f] = [runs[0].get(f) for runs in out["runs"]]
+    out["recipe"] = [runs[0].get("recipe") for runs in out["runs"]]  # each group's, for a table's marks
     return out
 
 

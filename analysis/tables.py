@@ -28,8 +28,8 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.gates import write_gate_tables
-from analysis.runs import (BLOCK_METRICS, aggregate, arm_key, arm_label, collect, experiments, layer_order,
-                           metric_value, per_block, runs_roots, sort_key)
+from analysis.runs import (BLOCK_METRICS, GROUP_KEYS, aggregate, arm_key, arm_label, collect, experiments,
+                           layer_order, metric_value, per_block, runs_roots, sort_key)
 from analysis.stats import interval_text
 from laplace.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
@@ -161,9 +161,11 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
     # a table row is (rows_by fields, family, mode, k); seeds of one recipe pool into a cell, another
     # recipe of the same row is footnoted beside it, never pooled
     groups: dict = {}  # (row key, column) -> aggregate rows
+    # a rows_by field splits the pooled runs too (rows_by [seed]: a row per seed, never pooled)
+    by = tuple(dict.fromkeys((*GROUP_KEYS, *rows_by)))
     for col in columns:
         col_recs = [r for r in recs if _matches(r, col.get("where"))]
-        for g in aggregate(col_recs, _column_value(col, by_name)).to_dict("records"):
+        for g in aggregate(col_recs, _column_value(col, by_name), by).to_dict("records"):
             key = (*[g["runs"][0].get(f) for f in rows_by], g["family"], g["mode"], g["k"])
             groups.setdefault((key, col["name"]), []).append(g)
     keys = {key for key, _ in groups}
@@ -351,9 +353,8 @@ def per_block_table(name: str, spec: dict, records: list[dict]) -> tuple[str, st
         raise ConfigError(f"tables.{name}.metrics: {bad[0]!r} is not a per-block metric; choose from {list(labels)}")
     fmt, md, tex, parts = spec.get("fmt", ".4g"), [f"### {name}: {spec.get('title', name)}", ""], [], []
     for exp, recs in experiments([r for r in records if r.get("layer_geometry")]).items():
-        k_labels = {(r["k"], r["mode"]): r["k_label"] for r in recs}
-        f = per_block(recs, metrics)
-        f = f.assign(experiment=exp, recipe=recs[0]["recipe"], k_label=[k_labels[km] for km in zip(f["k"], f["mode"])],
+        f = per_block(recs, metrics, (*GROUP_KEYS, "k_label"))  # (k_label: a function of k, a label only)
+        f = f.assign(experiment=exp, recipe=recs[0]["recipe"],
                      text=[interval_text(*v, fmt) for v in zip(f["mean"], f["lo"], f["hi"], f["n"])])
         f["arm"] = [arm_label(kl, m) for kl, m in zip(f["k_label"], f["mode"])]
         parts.append(f)

@@ -402,3 +402,19 @@ def test_the_papers_number_sits_only_beside_the_papers_model():
     assert paper["paper"] == 547.7 and paper["n"] is None
     text = tables.grid(table).to_string()
     assert "Δ" not in text and "paper 547.7" in text
+
+
+def test_rows_by_seed_gives_a_row_per_seed():
+    """rows_by: [seed] (the gpt26_sweep table of the 2026 GPT's sweep) splits the seeds of one recipe
+    into rows of their own instead of pooling them into a row named by the first seed."""
+    recs = [{"run_dir": f"/x/gpt_d2_1L_s{s}", "experiment": "gpt26_sweep", "trainer": "gpt", "dataset": "d",
+             "family": "gpt_d2", "model": "gpt_d2_1L", "arch": "gpt", "k": 1, "k_label": "1", "mode": "fixed",
+             "seed": s, "recipe_id": "r", "recipe": "gpt, 3 steps", "finished": True, "steps": 3,
+             "metrics": {"final.val_bpb": bpb, **({"core.core_metric": 0.12} if s == 0 else {})}}
+            for s, bpb in ((0, 1.23), (1, 1.25))]
+    spec = {"where": {"experiment": "gpt26_sweep"}, "rows_by": ["seed"], "fmt": ".0f",
+            "columns": [{"name": "val_bpb", "metric": "final.val_bpb", "fmt": ".4f"},
+                        {"name": "core", "metric": ["core/core_metric", "core.core_metric"], "optional": True}]}
+    cells = tables.build_table("gpt26_sweep", spec, recs, {})["cells"].set_index(["seed", "column"])
+    assert [(cells.loc[(s, "val_bpb"), "mean"], cells.loc[(s, "val_bpb"), "n"]) for s in (0, 1)] == [(1.23, 1), (1.25, 1)]
+    assert cells.loc[(0, "core"), "mean"] == 0.12 and cells.loc[(1, "core"), "n"] is None
