@@ -102,7 +102,7 @@ def model_family(name: str, model_cfg: dict) -> str:
     except ConfigError:  # not a zoo name (an outside trainer's model): the name less a _{k}L suffix
         return re.sub(r"_\d+L$", "", name)
     if zoo["arch"] == "gpt":  # the depth sets the width: it is the family
-        return f"gpt_d{model_cfg.get('depth', zoo.get('depth'))}"
+        return f"{zoo['name']}_d{model_cfg.get('depth', zoo.get('depth'))}"  # gpt_d20, gpt26_d12
     tags = [f"_{t}{model_cfg[key]}" for key, t in (("depth", "d"), ("embed_dim", "w"), ("num_heads", "h"))
             if key in model_cfg and model_cfg[key] != zoo[key]]
     return zoo["name"] + "".join(tags)

@@ -149,7 +149,7 @@ def test_the_sweep_runs_cell_by_cell_and_its_table_renders(make_cfg, tmp_path):
     from analysis.runs import collect
     from analysis.tables import render_tables
 
-    cells = {k: tmp_path / "runs" / "gpt26_sweep" / f"gpt_d2_{k}L_s1" for k in (0, 1)}
+    cells = {k: tmp_path / "runs" / "gpt26_sweep" / f"gpt26_d2_{k}L_s1" for k in (0, 1)}
     for k, d in cells.items():
         run(make_cfg(*SWEEP, f"model.num_laplacian_heads={k}", "seed=1", run_dir=d))
     first = json.loads((cells[1] / "results.json").read_text())
@@ -157,13 +157,16 @@ def test_the_sweep_runs_cell_by_cell_and_its_table_renders(make_cfg, tmp_path):
     again = json.loads((cells[1] / "results.json").read_text())
     assert again["final"] == first["final"] and again["steps"] == 3
     params = first["params"]
-    assert params["total"] == sum(p.numel() for p in create_model("gpt_d2_1L", vocab_size=257).parameters())
-    assert params["transformer_matrices"] == 2 * 12 * 128 ** 2 and params["lm_head"] == 257 * 128
+    model = create_model("gpt26_d2_1L", vocab_size=257)  # the sweep's model: nanochat's 2026 GPT
+    assert params["total"] == sum(p.numel() for p in model.parameters())
+    # the blocks' matrices (value-embedding gate included, as nanochat counts them); lm_head padded to 320 rows
+    assert params["transformer_matrices"] == sum(p.numel() for p in model.blocks.parameters()) == 2 * 12 * 128 ** 2 + 12
+    assert params["lm_head"] == 320 * 128
     assert first["tokens"] == 3 * 4 * 32 and first["train_time_s"] > 0
     render_tables(collect(tmp_path / "runs"), tmp_path / "tables", only=["gpt26_sweep"], echo=False)
     with open(tmp_path / "tables" / "gpt26_sweep.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["column"] == "val_bpb"]
-    assert sorted((r["model"], r["k"], r["seed"]) for r in rows) == [("gpt_d2", "0", "1"), ("gpt_d2", "1", "1")]
+    assert sorted((r["model"], r["k"], r["seed"]) for r in rows) == [("gpt26_d2", "0", "1"), ("gpt26_d2", "1", "1")]
     assert {float(r["mean"]) for r in rows} == {json.loads((d / "results.json").read_text())["final"]["val_bpb"]
                                                  for d in cells.values()}
 
