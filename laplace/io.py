@@ -105,14 +105,11 @@ def atomic_dir(path: str | os.PathLike, replaceable: Callable[[Path], bool] | No
 
 def _abandoned(folder: Path) -> bool:
     """Whether no living atomic_dir holds `folder`'s lock (an `.old` folder has none: a moment's)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return False
+    fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except OSError:
+    except OSError:  # EWOULDBLOCK: its writer is at work
         return False
     finally:
         os.close(fd)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from .checkpoint import CheckpointError, checkpoint_file, load_model, model_node_of, model_source, read_weights
+from .checkpoint import EXPORT_WEIGHTS, CheckpointError, checkpoint_file, load_model, model_node_of, model_source, read_weights
 from .errors import ConfigError
 from .zoo import model_label
 
@@ -82,7 +82,7 @@ def _load_into(model: nn.Module, sd: dict, source: str, name: str) -> None:
 
 def backbone_node(checkpoint, model_node=None, img_size: Optional[int] = None, head: bool = False) -> dict:
     """The model node `load_backbone` builds (what a run that trains on the backbone records)."""
-    return _backbone_source(Path(str(checkpoint)), model_node, img_size, head)[0]
+    return _backbone_source(checkpoint_file(str(checkpoint)), model_node, img_size, head)[0]
 
 
 def load_backbone(checkpoint, model_node=None, img_size: Optional[int] = None, head: bool = False,
@@ -91,8 +91,8 @@ def load_backbone(checkpoint, model_node=None, img_size: Optional[int] = None, h
     of the frozen-feature evaluations (k-NN, linear probe, segmentation).
 
     Args:
-        checkpoint: a laplace checkpoint (its own model node is used; `model_node` is ignored),
-            or a timm / DeiT-III state dict file (.pth / .bin / .safetensors).
+        checkpoint: a laplace checkpoint, run or export (its own model node is used; `model_node`
+            is ignored), or a timm / DeiT-III state dict file (.pth / .bin / .safetensors).
         model_node: the architecture of a state dict file (the `model=` group's node).
         img_size: the input size (the position embedding is resampled); None keeps the checkpoint's.
         head: keep the classifier (num_classes as trained); False builds the ViT without it.
@@ -102,17 +102,18 @@ def load_backbone(checkpoint, model_node=None, img_size: Optional[int] = None, h
     """
     from .zoo import create_model
 
-    path = Path(str(checkpoint))
+    path = checkpoint_file(str(checkpoint))  # a run folder: its checkpoint
     node, sd, step, source = _backbone_source(path, model_node, img_size, head)
     model = create_model(**node)
     _load_into(model, sd, f"checkpoint={path}", node["name"])
     model.requires_grad_(False).eval().to(device)
+    # an export's weights file is what the feature cache's key stats; evaluations write beside it
+    path = path / EXPORT_WEIGHTS if path.is_dir() else path
     return model, {"node": node, "model": model_label(node), "checkpoint": str(path), "step": step, "source": source}
 
 
 def _backbone_source(path: Path, model_node, img_size, head: bool) -> tuple[dict, dict, Optional[int], str]:
     """(model node to build, state dict, step, source) of a backbone file (see load_backbone)."""
-    path = checkpoint_file(path)  # a run folder: its checkpoint
     if path.is_dir():  # an export, built by the one loader
         src = model_source(path)
         node, step, source = dict(src["node"]), src["ckpt"]["loop"]["step"], "laplace"

@@ -183,9 +183,9 @@ def test_frozen_feature_evaluations_take_an_export_or_run_folder(tmp_path):
     x = _images()
     with torch.no_grad():
         want = load_backbone(ckpt)[0](x)
-        for folder in (out, ckpt.parent.parent):
+        for folder, file in ((out, out / "model.safetensors"), (ckpt.parent.parent, ckpt)):
             got, info = load_backbone(folder)
-            assert torch.equal(got(x), want) and info["step"] == 40
+            assert torch.equal(got(x), want) and (info["step"], info["checkpoint"]) == (40, str(file))
 
 
 # Issue 52: one loader for every kind of source.
