@@ -216,26 +216,6 @@ def read_weights(path: Path) -> tuple[dict, Optional[dict]]:
             for k, v in clean_state_dict(sd).items()}, None
 
 
-def model_from_checkpoint(ckpt: dict, device: Any = "cpu", eval_mode: bool = True,
-                          **overrides) -> nn.Module:
-    """Build the model recorded in a loaded checkpoint and load its weights strictly.
-
-    `overrides` change constructor arguments that do not alter the weights' shapes
-    (e.g. fused_attn=False for attention maps, drop_path_rate=0.0).
-    """
-    from .zoo import create_model  # late import: zoo imports models, models need no checkpoint
-
-    kwargs = {**model_node_of(ckpt, ckpt.get("path", "the checkpoint")), **overrides}
-    model = create_model(**kwargs)
-    try:
-        model.load_state_dict(ckpt["model"], strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"weights do not match model {kwargs['name']!r}: "
-                              f"{str(e).splitlines()[0]}") from None
-    model.to(device)
-    return model.eval() if eval_mode else model
-
-
 # An exported folder (laplace/export.py): Hugging Face's file names, so the Hub and timm find
 # the files; config.json's "laplace" node says what it is and rebuilds the model.
 EXPORT_FORMAT, EXPORT_VERSION = "laplace-export", 1
@@ -264,8 +244,10 @@ def model_source(path_or_id: str | os.PathLike, revision: Optional[str] = None, 
     Hugging Face Hub id ("org/name", downloaded with huggingface_hub; `revision`, `cache_dir`)."""
     path = Path(path_or_id).expanduser()
     if not path.exists():
-        # only what reads as org/name asks the Hub: a missing runs/.../last.pt is no id to look up
-        if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(path_or_id)) or path.suffix in (".pt", ".pth", ".safetensors"):
+        if path.suffix in (".pt", ".pth", ".safetensors"):
+            raise CheckpointError(f"no checkpoint at {path}")
+        # only what reads as org/name asks the Hub: a missing runs/x is no id to look up
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(path_or_id)):
             raise CheckpointError(f"{path_or_id}: no such file or folder, and not a Hugging Face Hub id (org/name)")
         path = _from_hub(path_or_id, revision, cache_dir)
     if path.is_dir() and any(path.glob("model_*.pt")) and any(path.glob("meta_*.json")):
@@ -285,14 +267,24 @@ def load_model(path_or_id: str | os.PathLike | dict, map_location: Any = "cpu", 
     """The one loader: rebuild the model of a checkpoint, a run, an export, a nanochat checkpoint
     folder or a Hub id (see model_source; or what model_source returned) from it alone, in eval
     mode on `map_location`. `overrides` change constructor arguments that keep the weights' shapes
-    (e.g. fused_attn=False for attention maps)."""
+    (e.g. fused_attn=False for attention maps, drop_path_rate=0.0)."""
+    from .zoo import create_model  # late import: zoo imports models, models need no checkpoint
+
     src = path_or_id if isinstance(path_or_id, dict) else model_source(path_or_id, revision, cache_dir)
+    kwargs = {**src.get("node", {}), **overrides}
     if src["kind"] == "nanochat":  # the 2026 GPT's own format (laplace/nanochat.py), imported when one is loaded
         model = importlib.import_module(f"{__package__}.nanochat").load(src["path"], map_location)
-        return model.eval() if eval_mode else model
-    if src["kind"] == "export":
-        return _load_export(src["path"], src["export"], map_location, eval_mode, **overrides)
-    return model_from_checkpoint(src["ckpt"], map_location, eval_mode, **overrides)
+    elif src["kind"] == "export":
+        model = _load_export(src["path"], kwargs)
+    else:
+        model = create_model(**kwargs)
+        try:
+            model.load_state_dict(src["ckpt"]["model"], strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"weights do not match model {kwargs['name']!r}: "
+                                  f"{str(e).splitlines()[0]}") from None
+    model.to(map_location)
+    return model.eval() if eval_mode else model
 
 
 def _from_hub(name: str | os.PathLike, revision: Optional[str], cache_dir) -> Path:
@@ -342,7 +334,8 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     return node
 
 
-def _load_export(folder: Path, node: dict, map_location: Any, eval_mode: bool, **overrides) -> nn.Module:
+def _load_export(folder: Path, kwargs: dict) -> nn.Module:
+    """The model of an export, its weights checked against the model's name and depth first."""
     from safetensors import safe_open
     from safetensors.torch import load_model as load_safetensors
 
@@ -351,7 +344,6 @@ def _load_export(folder: Path, node: dict, map_location: Any, eval_mode: bool, *
     weights = folder / EXPORT_WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{folder} has {EXPORT_CONFIG} but no {EXPORT_WEIGHTS}; copy the whole exported folder")
-    kwargs = {**node["model"], **overrides}
     try:
         with safe_open(str(weights), "pt") as f:  # the header only: names, dtypes, shapes
             dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
@@ -379,8 +371,7 @@ def _load_export(folder: Path, node: dict, map_location: Any, eval_mode: bool, *
         raise CheckpointError(f"{weights} does not match model {kwargs['name']!r} of its {EXPORT_CONFIG}: "
                               f"{' '.join(str(e).split())[:300]}") from None
     check_finite(model.state_dict(), str(weights), "export a finite checkpoint again")  # refused at export too
-    model.to(map_location)
-    return model.eval() if eval_mode else model
+    return model
 
 
 def check_finite(state_dict: dict, where: str, fix: str) -> None:

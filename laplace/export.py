@@ -27,8 +27,7 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_TOKENIZER, EXPORT_VERSION, EXPORT_WEIGHTS,
-                         CheckpointError, check_finite, checkpoint_file, load_checkpoint,
-                         model_from_checkpoint, run_dir_of)
+                         CheckpointError, check_finite, checkpoint_file, load_model, model_source, run_dir_of)
 from .cli import config_dir
 from .errors import ConfigError, UserError, cli_errors
 from .io import atomic_dir
@@ -79,8 +78,10 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
             raise ConfigError(f"out={out} is not a folder python -m laplace.export wrote (it holds "
                               f"{', '.join(sorted(p.name for p in out.iterdir())[:4])}); overwrite=true replaces "
                               f"only an export: choose another folder")
-    ckpt = load_checkpoint(src)  # a foreign or torn file: one line, before anything is written
-    model = model_from_checkpoint(ckpt)
+    source = model_source(src)  # a foreign or torn file: one line, before anything is written
+    if source["kind"] != "checkpoint":
+        raise ConfigError(f"checkpoint={checkpoint} is an {source['kind']} folder; pass a laplace checkpoint")
+    ckpt, model = source["ckpt"], load_model(source)
     # A diverged run's weights must not be published (timm's logits check would blame timm for them).
     check_finite(model.state_dict(), f"checkpoint={src}", "nothing exported: export a finite checkpoint (an "
                  "earlier ckpt/step_<N>.pt, or retrain with a lower optim.lr)")

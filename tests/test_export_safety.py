@@ -216,6 +216,7 @@ def test_one_loader_takes_a_run_folder_a_hub_id_and_hands_nanochat_folders_on(tm
     monkeypatch.setitem(sys.modules, "laplace.nanochat",
                         types.SimpleNamespace(load=lambda folder, map_location: model.train()))
     assert laplace.load_model(nano) is model and not model.training
-    with pytest.raises(CheckpointError, match=r"^runs/x/ckpt/last.pt: no such file or folder, and not a Hugging "
-                                              r"Face Hub id \(org/name\)$"):
+    with pytest.raises(CheckpointError, match=r"^no checkpoint at runs/x/ckpt/last.pt$"):
         laplace.load_model("runs/x/ckpt/last.pt")
+    with pytest.raises(CheckpointError, match=r"^runs/x/y: no such file or folder, and not a Hugging Face Hub id"):
+        laplace.load_model("runs/x/y")  # never asked of the Hub
