@@ -38,21 +38,16 @@ def gpt_source(path) -> dict:
         raise ConfigError(f"checkpoint={path}: no such file or folder; pass checkpoint=PATH to a GPT's laplace "
                           f"checkpoint (runs/gpt/<data>/<run>/ckpt/last.pt) or exported folder")
     src = model_source(path)  # the one loader's description, read without building the model
-    ckpt, node = src["ckpt"], src.get("export")
+    # An export's config.json holds the model node, the tokenizer and the source; a checkpoint its config.
+    ckpt, export = src["ckpt"], src.get("export") or {}
     data = ckpt["config"].get("data") or {}
-    if node is not None:
-        # An export: config.json's "laplace" node holds the model node, the tokenizer and the source.
-        spec = node.get("tokenizer", "bytes")
-        info = dict(node=src["node"], dataset=(node.get("source") or {}).get("data"), step=ckpt["loop"]["step"],
-                    git_rev=(node.get("source") or {}).get("git_rev"), seq_len=None, fingerprint=None,
-                    # a trained BPE travels as tokenizer.json in the folder; bytes / gpt2 are built in
-                    tokenizer=str(src["path"] / spec) if spec == EXPORT_TOKENIZER else spec)
-    else:
-        info = dict(node=src["node"], dataset=data.get("name"), step=(ckpt.get("loop") or {}).get("step"),
-                    git_rev=ckpt.get("git_rev"), seq_len=data.get("seq_len"),
-                    tokenizer=data.get("tokenizer") or "bytes",  # runs before data.tokenizer were byte-level
-                    # the tokenizer the run trained with (train/gpt.py): its file may have changed since
-                    fingerprint=(ckpt.get("data_identity") or {}).get("tokenizer"))
+    spec = export.get("tokenizer") or data.get("tokenizer") or "bytes"  # runs before data.tokenizer were byte-level
+    info = dict(node=src["node"], dataset=data.get("name") or (export.get("source") or {}).get("data"),
+                step=(ckpt.get("loop") or {}).get("step"), git_rev=ckpt.get("git_rev"), seq_len=data.get("seq_len"),
+                # the tokenizer the run trained with (train/gpt.py): its file may have changed since
+                fingerprint=(ckpt.get("data_identity") or {}).get("tokenizer"),
+                # a trained BPE travels as tokenizer.json in an export's folder; bytes / gpt2 are built in
+                tokenizer=str(src["path"] / spec) if export and spec == EXPORT_TOKENIZER else spec)
     if not str(info["node"].get("name", "")).startswith("gpt"):
         raise ConfigError(f"checkpoint={path} holds {model_label(info['node'])}, not a GPT: generation and "
                           f"lm-eval need a language model")

@@ -236,7 +236,7 @@ def checkpoint_file(path: str | os.PathLike) -> Path:
 
 def model_source(path_or_id: str | os.PathLike, revision: Optional[str] = None, cache_dir=None) -> dict:
     """What `load_model` builds, read without building it: {kind, path, node (the zoo model node),
-    ckpt (a checkpoint's dict; an export's {config: {model, data}, loop: {step}}), export (an
+    ckpt (a checkpoint's dict; an export's {config: {model, data}, git_rev, loop: {step}}), export (an
     export's "laplace" node)}; kind is "checkpoint", "export" or "nanochat".
 
     `path_or_id`: a laplace checkpoint, a run folder (its ckpt/last.pt), a folder `python -m
@@ -255,8 +255,9 @@ def model_source(path_or_id: str | os.PathLike, revision: Optional[str] = None, 
     path = checkpoint_file(path)
     if path.is_dir():
         node = read_export_config(path)
-        ckpt = {"config": {"model": node["model"], "data": node.get("data")},
-                "loop": {"step": (node.get("source") or {}).get("step")}}
+        source = node.get("source") or {}
+        ckpt = {"config": {"model": node["model"], "data": node.get("data")}, "git_rev": source.get("git_rev"),
+                "loop": {"step": source.get("step")}}
         return {"kind": "export", "path": path, "node": node["model"], "ckpt": ckpt, "export": node}
     ckpt = load_checkpoint(path, mmap=True)  # mapped: the weights are read only when the model is built
     return {"kind": "checkpoint", "path": path, "node": model_node_of(ckpt, path), "ckpt": ckpt}
