@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 
 from analysis.metrics import GeometryAccumulator, SequenceSpectra, cdnv, neural_collapse, spectral_decay
-from laplace.checkpoint import load_checkpoint, load_model, model_from_checkpoint, read_export_config, run_dir_of
+from laplace.checkpoint import load_model, model_source, run_dir_of
 from laplace.dist import resolve_device
 from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
@@ -64,24 +64,18 @@ def load_for_analysis(path, data=None, device: str = "auto"):
     `python -m laplace.export` wrote; the data node is `data` (a Hydra node or dict) if given,
     else the one the checkpoint (or the export) recorded."""
     path = Path(path)
-    if path.is_dir():
-        # an export holds the model node (and, where the export recorded it, the data node) in its
-        # config.json; the checkpoint's other parts (optimizer, loop) are not there
-        node = read_export_config(path)
-        ckpt = {"config": {"model": node["model"], "data": node.get("data")},
-                "loop": {"step": (node.get("source") or {}).get("step")}}
-    else:
-        ckpt = load_checkpoint(path)  # read once: the model is built from the same dict
+    # the one loader's description: a checkpoint's dict, or an export's model, data and step
+    src = model_source(path)
+    ckpt = src["ckpt"]
     if data is not None:  # an explicit data node wins: e.g. a model trained on one split, measured on another
         data = OmegaConf.to_container(data, resolve=True) if OmegaConf.is_config(data) else dict(data)
     elif ckpt["config"].get("data"):
         data = dict(ckpt["config"]["data"])
     else:
-        trained_on = (node.get("source") or {}).get("data") if path.is_dir() else None
+        trained_on = (src.get("export", {}).get("source") or {}).get("data")
         raise ConfigError(f"checkpoint={path}: it records no data node; pass data=<name> "
                           f"(e.g. data={trained_on or 'digits'}) to say which validation split to measure")
-    model = load_model(path, resolve_device(device)) if path.is_dir() else \
-        model_from_checkpoint(ckpt, resolve_device(device))
+    model = load_model(src, resolve_device(device))
     return model, ckpt, data
 
 

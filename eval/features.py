@@ -6,7 +6,7 @@ Two kinds, DINO's (facebookresearch/dino eval_knn.py / eval_linear.py):
     last<n>   the class tokens of the last n blocks after the final norm, concatenated; `avgpool`
               appends the last block's mean normed patch token: the linear probe's feature
 
-The backbone is `laplace.checkpoint.load_backbone`'s (any laplace ViT checkpoint, or timm weights
+The backbone is `laplace.pretrained.load_backbone`'s (any laplace ViT checkpoint, or timm weights
 with `model=`), frozen at the data's size. Features are cached beside the run
 (`<run>/eval/features_<data>_<split>_<kind>.pt`); under torchrun every rank gets all of them.
 """
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
 
-from laplace.checkpoint import load_backbone, results_header, run_dir_of
+from laplace.checkpoint import results_header, run_dir_of
+from laplace.pretrained import load_backbone
 from laplace.dist import DistInfo, all_gather_object, barrier, cleanup, setup
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json

@@ -21,13 +21,12 @@ from omegaconf import DictConfig
 
 from laplace import load_model, model_label
 from laplace.chat_format import render_for_completion
-from laplace.checkpoint import load_checkpoint, read_export_config
+from laplace.checkpoint import EXPORT_TOKENIZER, model_source
 from laplace.cli import hydra_entry
 from laplace.config import required
 from laplace.data import DatasetNotFoundError
 from laplace.dist import resolve_device
 from laplace.errors import ConfigError
-from laplace.export import EXPORT_TOKENIZER
 from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
 from laplace.tokenizer import load_tokenizer
 
@@ -35,29 +34,24 @@ def gpt_source(path) -> dict:
     """What the GPT at `path` (a laplace checkpoint or a folder of `python -m laplace.export`) is,
     read without building it: {path, node, dataset, step, git_rev, seq_len, tokenizer, fingerprint}."""
     path = Path(str(path)).expanduser()
-    if path.is_dir():
-        # An export: config.json's "laplace" node holds the model node, the tokenizer and the source.
-        node = read_export_config(path)
-        src, spec = node.get("source") or {}, node.get("tokenizer", "bytes")
-        info = dict(node=node["model"], dataset=src.get("data"), step=src.get("step"), git_rev=src.get("git_rev"),
-                    seq_len=None, fingerprint=None,
-                    # a trained BPE travels as tokenizer.json in the folder; bytes / gpt2 are built in
-                    tokenizer=str(path / spec) if spec == EXPORT_TOKENIZER else spec)
-    elif path.is_file():
-        ckpt = load_checkpoint(path, mmap=True)  # mmap: the weights are read only when the model is built
-        data = ckpt["config"].get("data") or {}
-        info = dict(node=ckpt["config"]["model"], dataset=data.get("name"), step=(ckpt.get("loop") or {}).get("step"),
-                    git_rev=ckpt.get("git_rev"), seq_len=data.get("seq_len"),
-                    tokenizer=data.get("tokenizer") or "bytes",  # runs before data.tokenizer were byte-level
-                    # the tokenizer the run trained with (train/gpt.py): its file may have changed since
-                    fingerprint=(ckpt.get("data_identity") or {}).get("tokenizer"))
-    else:
+    if not path.exists():
         raise ConfigError(f"checkpoint={path}: no such file or folder; pass checkpoint=PATH to a GPT's laplace "
                           f"checkpoint (runs/gpt/<data>/<run>/ckpt/last.pt) or exported folder")
+    src = model_source(path)  # the one loader's description, read without building the model
+    # An export's config.json holds the model node, the tokenizer and the source; a checkpoint its config.
+    ckpt, export = src["ckpt"], src.get("export") or {}
+    data = ckpt["config"].get("data") or {}
+    spec = export.get("tokenizer") or data.get("tokenizer") or "bytes"  # runs before data.tokenizer were byte-level
+    info = dict(node=src["node"], dataset=data.get("name") or (export.get("source") or {}).get("data"),
+                step=(ckpt.get("loop") or {}).get("step"), git_rev=ckpt.get("git_rev"), seq_len=data.get("seq_len"),
+                # the tokenizer the run trained with (train/gpt.py): its file may have changed since
+                fingerprint=(ckpt.get("data_identity") or {}).get("tokenizer"),
+                # a trained BPE travels as tokenizer.json in an export's folder; bytes / gpt2 are built in
+                tokenizer=str(src["path"] / spec) if export and spec == EXPORT_TOKENIZER else spec)
     if not str(info["node"].get("name", "")).startswith("gpt"):
         raise ConfigError(f"checkpoint={path} holds {model_label(info['node'])}, not a GPT: generation and "
                           f"lm-eval need a language model")
-    return {"path": path, **info}
+    return {"path": path, "source": src, **info}
 
 
 def gpt_tokenizer(info: dict, override: str | None = None):
@@ -83,7 +77,7 @@ def load_gpt(path, device="cpu", tokenizer: str | None = None):
     """(GPT in eval mode on `device`, its tokenizer, gpt_source's info) of a checkpoint or export."""
     info = gpt_source(path)
     tok = gpt_tokenizer(info, tokenizer)  # a missing tokenizer fails before the weights are read
-    return load_model(info["path"], device), tok, info
+    return load_model(info["source"], device), tok, info
 
 
 def _stream_print(tokens, tok, out: TextIO, before: str = "") -> str:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, open_dict
 
-from laplace.checkpoint import backbone_node, run_dir_of
+from laplace.checkpoint import run_dir_of
+from laplace.pretrained import backbone_node
 from laplace.cli import hydra_entry
 
 

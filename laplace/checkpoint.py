@@ -18,15 +18,18 @@ A checkpoint is plain data, loadable with `torch.load(weights_only=True)`:
 Writes go through `laplace.io.atomic_write` (temp file in the same folder, fsync, rename, folder
 fsync), so a kill during a save never leaves a broken `last.pt`; the temp file of a killed
 writer is removed by the next save. A resume reads memory-mapped (`load_checkpoint(mmap=True)`).
-`load_model(path)` rebuilds the model from the checkpoint alone, or from a folder that
-`python -m laplace.export` wrote (config.json + model.safetensors); `load_pretrained` loads a
-checkpoint or a timm / DeiT state dict into a model for fine-tuning.
+`load_model(path_or_id)` is the one loader: it rebuilds the model from a checkpoint, a run folder,
+a folder `python -m laplace.export` wrote (config.json + model.safetensors), a nanochat checkpoint
+folder or a Hugging Face Hub id alone. laplace.pretrained loads weights into a model built
+otherwise (fine-tuning's init_from, the evaluations' frozen backbones).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import random
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
@@ -35,9 +38,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 from timm.models import clean_state_dict  # strips DDP's `module.` and torch.compile's `_orig_mod.`
+from timm.utils import unwrap_model  # DDP's and torch.compile's wrappers
 
-from .dist import unwrap
-from .errors import ConfigError, UserError, one_line
+from .errors import UserError, one_line
 from .io import atomic_write
 from .zoo import model_label
 
@@ -112,7 +115,7 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
             is stored as state dicts; loop, rng, trainer, ...).
     """
     payload = {"format": FORMAT, "version": VERSION,
-               "model": clean_state_dict(unwrap(model).state_dict()), "config": config,
+               "model": clean_state_dict(unwrap_model(model).state_dict()), "config": config,
                "git_rev": git_revision(), **{k: _plain_state(v) for k, v in entries.items()}}
     # One writer per run directory: a temp file beside `path` is a killed writer's (SIGKILL, node
     # failure), full size, and goes first.
@@ -170,7 +173,7 @@ def _incomplete(path, part: str):
                           f"laplace.checkpoint.save_checkpoint(path, model=..., config=<the run's config>))")
 
 
-def _model_node(ckpt: dict, path) -> dict:
+def model_node_of(ckpt: dict, path) -> dict:
     node = ckpt["config"].get("model")
     if not (isinstance(node, dict) and node.get("name")):
         _incomplete(path, "config.model (the model's name and shape)")
@@ -193,7 +196,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     return _validate(ckpt, path)
 
 
-def _weights(path: Path) -> tuple[dict, Optional[dict]]:
+def read_weights(path: Path) -> tuple[dict, Optional[dict]]:
     """(state dict, the validated checkpoint) of a laplace checkpoint, or (state dict, None) of a
     timm / DeiT weights file (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1` /
     `gamma_2` LayerScale names; timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar):
@@ -213,39 +216,89 @@ def _weights(path: Path) -> tuple[dict, Optional[dict]]:
             for k, v in clean_state_dict(sd).items()}, None
 
 
-def model_from_checkpoint(ckpt: dict, device: Any = "cpu", eval_mode: bool = True,
-                          **overrides) -> nn.Module:
-    """Build the model recorded in a loaded checkpoint and load its weights strictly.
-
-    `overrides` change constructor arguments that do not alter the weights' shapes
-    (e.g. fused_attn=False for attention maps, drop_path_rate=0.0).
-    """
-    from .zoo import create_model  # late import: zoo imports models, models need no checkpoint
-
-    kwargs = {**_model_node(ckpt, ckpt.get("path", "the checkpoint")), **overrides}
-    model = create_model(**kwargs)
-    try:
-        model.load_state_dict(ckpt["model"], strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"weights do not match model {kwargs['name']!r}: "
-                              f"{str(e).splitlines()[0]}") from None
-    model.to(device)
-    return model.eval() if eval_mode else model
-
-
-def load_model(path: str | os.PathLike, map_location: Any = "cpu", eval_mode: bool = True,
-               **overrides) -> nn.Module:
-    """Rebuild the model of a checkpoint, or of a folder `python -m laplace.export` wrote, from
-    it alone (see model_from_checkpoint)."""
-    if Path(path).is_dir():
-        return _load_export(Path(path), map_location, eval_mode, **overrides)
-    return model_from_checkpoint(load_checkpoint(path), map_location, eval_mode, **overrides)
-
-
 # An exported folder (laplace/export.py): Hugging Face's file names, so the Hub and timm find
 # the files; config.json's "laplace" node says what it is and rebuilds the model.
 EXPORT_FORMAT, EXPORT_VERSION = "laplace-export", 1
 EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_CARD = "config.json", "model.safetensors", "README.md"
+EXPORT_TOKENIZER = "tokenizer.json"  # a trained BPE, copied beside the weights (bytes / gpt2 need no file)
+
+
+def checkpoint_file(path: str | os.PathLike) -> Path:
+    """`path` itself, or a run folder's checkpoint: its ckpt/last.pt, else its newest ckpt/step_<N>.pt."""
+    path = Path(path)
+    if path.is_dir() and (path / "ckpt").is_dir():
+        found = resume_candidates(path / "ckpt")
+        if not found:
+            raise CheckpointError(f"{path} is a run folder without a checkpoint (ckpt/last.pt or ckpt/step_<N>.pt)")
+        return found[0]
+    return path
+
+
+def model_source(path_or_id: str | os.PathLike, revision: Optional[str] = None, cache_dir=None) -> dict:
+    """What `load_model` builds, read without building it: {kind, path, node (the zoo model node),
+    ckpt (a checkpoint's dict; an export's {config: {model, data}, git_rev, loop: {step}}), export (an
+    export's "laplace" node)}; kind is "checkpoint", "export" or "nanochat".
+
+    `path_or_id`: a laplace checkpoint, a run folder (its ckpt/last.pt), a folder `python -m
+    laplace.export` wrote, a nanochat checkpoint folder (model_<step>.pt + meta_<step>.json), or a
+    Hugging Face Hub id ("org/name", downloaded with huggingface_hub; `revision`, `cache_dir`)."""
+    path = Path(path_or_id).expanduser()
+    if not path.exists():
+        if path.suffix in (".pt", ".pth", ".safetensors"):
+            raise CheckpointError(f"no checkpoint at {path}")
+        # only what reads as org/name asks the Hub: a missing runs/x is no id to look up
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(path_or_id)):
+            raise CheckpointError(f"{path_or_id}: no such file or folder, and not a Hugging Face Hub id (org/name)")
+        path = _from_hub(path_or_id, revision, cache_dir)
+    if path.is_dir() and any(path.glob("model_*.pt")) and any(path.glob("meta_*.json")):
+        return {"kind": "nanochat", "path": path}  # built by laplace.nanochat.load
+    path = checkpoint_file(path)
+    if path.is_dir():
+        node = read_export_config(path)
+        source = node.get("source") or {}
+        ckpt = {"config": {"model": node["model"], "data": node.get("data")}, "git_rev": source.get("git_rev"),
+                "loop": {"step": source.get("step")}}
+        return {"kind": "export", "path": path, "node": node["model"], "ckpt": ckpt, "export": node}
+    ckpt = load_checkpoint(path, mmap=True)  # mapped: the weights are read only when the model is built
+    return {"kind": "checkpoint", "path": path, "node": model_node_of(ckpt, path), "ckpt": ckpt}
+
+
+def load_model(path_or_id: str | os.PathLike | dict, map_location: Any = "cpu", eval_mode: bool = True, *,
+               revision: Optional[str] = None, cache_dir=None, **overrides) -> nn.Module:
+    """The one loader: rebuild the model of a checkpoint, a run, an export, a nanochat checkpoint
+    folder or a Hub id (see model_source; or what model_source returned) from it alone, in eval
+    mode on `map_location`. `overrides` change constructor arguments that keep the weights' shapes
+    (e.g. fused_attn=False for attention maps, drop_path_rate=0.0)."""
+    from .zoo import create_model  # late import: zoo imports models, models need no checkpoint
+
+    src = path_or_id if isinstance(path_or_id, dict) else model_source(path_or_id, revision, cache_dir)
+    kwargs = {**src.get("node", {}), **overrides}
+    if src["kind"] == "nanochat":  # the 2026 GPT's own format (laplace/nanochat.py), imported when one is loaded
+        model = importlib.import_module(f"{__package__}.nanochat").load(src["path"], map_location)
+    elif src["kind"] == "export":
+        model = _load_export(src["path"], kwargs)
+    else:
+        model = create_model(**kwargs)
+        try:
+            model.load_state_dict(src["ckpt"]["model"], strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"weights do not match model {kwargs['name']!r}: "
+                                  f"{str(e).splitlines()[0]}") from None
+    model.to(map_location)
+    return model.eval() if eval_mode else model
+
+
+def _from_hub(name: str | os.PathLike, revision: Optional[str], cache_dir) -> Path:
+    """The local copy of a Hugging Face Hub id (downloaded, or found in huggingface_hub's cache)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        # only an export's own files: a Hub repository may hold more (other formats, logs)
+        return Path(snapshot_download(str(name), revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=[EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_CARD, EXPORT_TOKENIZER]))
+    except (OSError, ValueError) as e:  # offline and not cached, not found, no access
+        raise CheckpointError(f"{name}: no such local folder, and the Hugging Face Hub did not give "
+                              f"it: {one_line(e)[:200]}") from None
 
 
 def read_export_config(folder: str | os.PathLike) -> dict:
@@ -259,7 +312,7 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     cfg_path = folder / EXPORT_CONFIG
     if not cfg_path.is_file():
         raise CheckpointError(f"{folder} is a folder without {EXPORT_CONFIG}, not an exported laplace model; "
-                              f"write one with `python -m laplace.export checkpoint=<run>/ckpt/last.pt out={folder}`")
+                              f"write one with `python -m laplace.export checkpoint=<run>/ckpt/last.pt out=<new folder>`")
     try:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -274,20 +327,42 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     if not (isinstance(node.get("model"), dict) and node["model"].get("name")):
         raise CheckpointError(f"{cfg_path} has no laplace.model node (the model's name and shape), so its "
                               f"model cannot be rebuilt; export the checkpoint again")
+    # The tokenizer is the folder's own file or a built-in one: a path would read any file anywhere.
+    if node.get("tokenizer", "bytes") not in ("bytes", "gpt2", EXPORT_TOKENIZER):
+        raise CheckpointError(f"{cfg_path}: laplace.tokenizer={node['tokenizer']!r}; an export's tokenizer is "
+                              f"bytes, gpt2 or {EXPORT_TOKENIZER} (the file in the folder)")
     check_model(node["model"], f"{cfg_path}: laplace.model")  # reliability: a hand-edited value is one line
     return node
 
 
-def _load_export(folder: Path, map_location: Any, eval_mode: bool, **overrides) -> nn.Module:
+def _load_export(folder: Path, kwargs: dict) -> nn.Module:
+    """The model of an export, its weights checked against the model's name and depth first."""
+    from safetensors import safe_open
     from safetensors.torch import load_model as load_safetensors
 
-    from .zoo import create_model
+    from .zoo import create_model, model_defaults
 
-    node = read_export_config(folder)
     weights = folder / EXPORT_WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{folder} has {EXPORT_CONFIG} but no {EXPORT_WEIGHTS}; copy the whole exported folder")
-    kwargs = {**node["model"], **overrides}
+    try:
+        with safe_open(str(weights), "pt") as f:  # the header only: names, dtypes, shapes
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    except Exception as e:  # safetensors' own error for a corrupt or truncated file
+        raise CheckpointError(f"{weights} is not a readable safetensors file (corrupt or truncated): "
+                              f"{one_line(e)[:200]}") from None
+    # The depth against the file before building: a hand-edited depth 4096 would allocate for minutes.
+    depth = {**model_defaults(kwargs["name"]), **kwargs}.get("depth")
+    layers = len({k.split(".")[1] for k in dtypes if k.startswith("blocks.")})
+    if depth != layers:
+        raise CheckpointError(f"{folder / EXPORT_CONFIG}: laplace.model.depth={depth} but {EXPORT_WEIGHTS} holds "
+                              f"{layers} layers; copy the whole exported folder, or export the checkpoint again")
+    # An export is written in float32: another dtype is a converted file, cast silently by loading.
+    other = {k: v for k, v in dtypes.items() if v != "F32"}
+    if other:
+        k = next(iter(other))
+        raise CheckpointError(f"{weights}: {k} is {other[k]} (and {len(other) - 1} more tensors not F32); "
+                              f"laplace exports are float32: export the checkpoint again")
     model = create_model(**kwargs)
     try:
         # safetensors' load_model, not load_file + load_state_dict: it restores tensors that the
@@ -296,143 +371,24 @@ def _load_export(folder: Path, map_location: Any, eval_mode: bool, **overrides) 
     except RuntimeError as e:  # missing / unexpected keys or shapes (torch's load_state_dict message)
         raise CheckpointError(f"{weights} does not match model {kwargs['name']!r} of its {EXPORT_CONFIG}: "
                               f"{' '.join(str(e).split())[:300]}") from None
-    except Exception as e:  # safetensors' own error for a corrupt or truncated file
-        raise CheckpointError(f"{weights} is not a readable safetensors file (corrupt or truncated): "
-                              f"{one_line(e)[:200]}") from None
-    model.to(map_location)
-    return model.eval() if eval_mode else model
+    check_finite(model.state_dict(), str(weights), "export a finite checkpoint again")  # refused at export too
+    return model
 
 
-_HEADS = ("head.", "lm_head.")  # the classifier of a ViT, the output layer of a GPT
-
-
-def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: str = "auto") -> str:
-    """Load pre-trained weights into a freshly built zoo model (fine-tuning, `trainer.init_from`);
-    returns a one-line summary.
-
-    All tensors load strictly except two: a ViT's position embedding is resampled (bicubic)
-    when the patch grid differs, and the head (`head.` / `lm_head.`) is kept only when its
-    shape fits the model and `head="auto"`; otherwise it keeps its fresh initialisation.
-
-    Args:
-        model: the freshly built model.
-        path: a laplace checkpoint, or (ViT) a timm / DeiT-III state dict file.
-        model_cfg: the run's `model` node (its Laplacian heads must match a laplace checkpoint's).
-        head: "auto" keeps the loaded head when its shape fits the model, "reset" never does.
-    """
-    if head not in ("auto", "reset"):
-        raise ConfigError(f"trainer.init_head={head!r}: choose auto or reset")
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"trainer.init_from: no file at {path}")
-    try:
-        sd, ckpt = _weights(path)
-    except CheckpointError as e:  # name the config key that pointed at the file
-        raise CheckpointError(f"trainer.init_from: {e}") from None
-    src_cfg = None if ckpt is None else _model_node(ckpt, path)
-    if src_cfg is not None:
-        # (a checkpoint from before the arms was softmax)
-        got = (src_cfg.get("num_laplacian_heads"), src_cfg.get("laplacian_mode", "fixed"), src_cfg.get("attention", "softmax"))
-        k = model_cfg.num_laplacian_heads
-        want = (k if isinstance(k, int) else list(k), model_cfg.laplacian_mode, model_cfg.get("attention", "softmax"))
-        if got != want:  # Laplacian heads and XSA add no parameters: a mismatch would load silently
-            raise CheckpointError(f"{path} was trained as {model_label(src_cfg)} ({got[0]} {got[1]} "
-                                  f"Laplacian heads, {got[2]} attention) but the model is {model_label(model_cfg)} "
-                                  f"({want[0]} {want[1]}, {want[2]}); fine-tune each model from its own pre-training")
-    # A head of another shape (ImageNet's 1000 classes into CIFAR's 100) cannot load; one of the
-    # same shape loads unless asked not to (a new task with as many classes is still a new head).
-    own = model.state_dict()
-    head_keys = [k for k in own if k.startswith(_HEADS)]
-    fits = all(k in sd and sd[k].shape == own[k].shape for k in head_keys)
-    reset = bool(head_keys) and (head == "reset" or not fits)
-    if reset:
-        sd.update({k: own[k] for k in head_keys})  # keep the fresh initialisation
-    _load_into(model, sd, f"trainer.init_from={path}", model_cfg.name)
-    kind = "laplace checkpoint" if src_cfg is not None else "timm/DeiT state dict"
-    return f"initialised from {kind} {path}" + ("; head re-initialised" if reset else "; head loaded")
-
-
-def _load_into(model: nn.Module, sd: dict, source: str, name: str) -> None:
-    """Load `sd` strictly into `model`, but for head weights the model lacks (num_classes=0) and
-    a ViT's position embedding, resampled (bicubic) to the model's patch grid. `source` names
-    the setting and file ("checkpoint=PATH") in the one-line error."""
-    from .vit import VisionTransformer, load_timm_state_dict
-
-    own = model.state_dict()
-    # a head the model does not have (num_classes=0: a backbone) is left out, every other key strict
-    sd = {k: v for k, v in sd.items() if k in own or not k.startswith(_HEADS)}
-    try:
-        if isinstance(model, VisionTransformer):
-            load_timm_state_dict(model, sd)
-        else:
-            model.load_state_dict(sd, strict=True)
-    except (RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{source} does not fit model {name}: {' '.join(str(e).split())[:300]}") from None
-
-
-def backbone_node(checkpoint, model_node=None, img_size: Optional[int] = None, head: bool = False) -> dict:
-    """The model node `load_backbone` builds (what a run that trains on the backbone records)."""
-    return _backbone_source(Path(str(checkpoint)), model_node, img_size, head)[0]
-
-
-def load_backbone(checkpoint, model_node=None, img_size: Optional[int] = None, head: bool = False,
-                  device: Any = "cpu") -> tuple[nn.Module, dict]:
-    """(frozen ViT in eval mode at `img_size`, info): the one way from a checkpoint to the backbone
-    of the frozen-feature evaluations (k-NN, linear probe, segmentation).
-
-    Args:
-        checkpoint: a laplace checkpoint (its own model node is used; `model_node` is ignored),
-            or a timm / DeiT-III state dict file (.pth / .bin / .safetensors).
-        model_node: the architecture of a state dict file (the `model=` group's node).
-        img_size: the input size (the position embedding is resampled); None keeps the checkpoint's.
-        head: keep the classifier (num_classes as trained); False builds the ViT without it.
-        device: where the model goes.
-    Returns info = {node: the node it was built from, model, checkpoint, step, source}; source
-    is "laplace" or "timm", step None for a state dict.
-    """
-    from .zoo import create_model
-
-    path = Path(str(checkpoint))
-    node, sd, step, source = _backbone_source(path, model_node, img_size, head)
-    model = create_model(**node)
-    _load_into(model, sd, f"checkpoint={path}", node["name"])
-    model.requires_grad_(False).eval().to(device)
-    return model, {"node": node, "model": model_label(node), "checkpoint": str(path), "step": step, "source": source}
-
-
-def _backbone_source(path: Path, model_node, img_size, head: bool) -> tuple[dict, dict, Optional[int], str]:
-    """(model node to build, state dict, step, source) of a backbone file (see load_backbone)."""
-    if not path.is_file():
-        raise ConfigError(f"checkpoint={path}: no such file; pass a laplace checkpoint (runs/.../ckpt/last.pt), "
-                          f"or to eval.knn / eval.linear a timm state dict with model=<zoo name>")
-    try:
-        sd, ckpt = _weights(path)
-    except CheckpointError as e:  # name the setting that pointed at the file
-        raise CheckpointError(f"checkpoint: {e}") from None
-    if ckpt is not None:
-        node, step, source = dict(_model_node(ckpt, path)), (ckpt.get("loop") or {}).get("step"), "laplace"
-    elif model_node is None:
-        raise ConfigError(f"checkpoint={path} is a state dict, not a laplace checkpoint: name its "
-                          f"architecture, e.g. model=vits_0L (eval.knn / eval.linear), or pass a laplace checkpoint")
-    else:
-        from omegaconf import OmegaConf
-
-        node = OmegaConf.to_container(model_node, resolve=True) if OmegaConf.is_config(model_node) else dict(model_node)
-        step, source = None, "timm"
-    if "embed_dim" not in node:
-        raise ConfigError(f"checkpoint={path} holds a {node.get('name')} model: a frozen-backbone evaluation "
-                          f"needs a ViT")
-    # frozen features: no stochastic depth; another input size resamples the position embedding
-    node.update(drop_path_rate=0.0, **({"img_size": int(img_size)} if img_size else {}))
-    if not head:
-        node["num_classes"] = 0
-    return node, sd, step, source
+def check_finite(state_dict: dict, where: str, fix: str) -> None:
+    """Refuse a state dict with NaN / inf in a floating tensor, in one line naming it."""
+    for name, t in state_dict.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(f"{where}: {name} holds {int((~torch.isfinite(t)).sum())} NaN / inf value(s) "
+                                  f"of {t.numel()}; {fix}")
 
 
 def run_dir_of(checkpoint: str | os.PathLike) -> Path:
     """The run directory a checkpoint belongs to (`<run>/ckpt/last.pt` -> `<run>`; a loose
     weights file -> its folder): where evaluations of it write, beside the run."""
     p = Path(checkpoint)
+    if p.is_dir():  # a run folder, or an export: evaluations of it write into it
+        return p
     return p.parent.parent if p.parent.name == "ckpt" else p.parent
 
 

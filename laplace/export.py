@@ -21,15 +21,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_VERSION, EXPORT_WEIGHTS, CheckpointError,
-                         load_checkpoint, load_model, model_from_checkpoint, run_dir_of)
+from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_TOKENIZER, EXPORT_VERSION, EXPORT_WEIGHTS,
+                         CheckpointError, check_finite, checkpoint_file, load_model, model_source, run_dir_of)
 from .cli import config_dir
-from .errors import ConfigError, UserError, cli_errors, one_line
+from .errors import ConfigError, UserError, cli_errors
 from .io import atomic_dir
 from .zoo import model_label
 
@@ -39,7 +39,6 @@ CITATION = """@article{zhang2026laplacian,
   journal = {arXiv preprint arXiv:2602.09297},
   year    = {2026}
 }"""
-EXPORT_TOKENIZER = "tokenizer.json"  # a trained BPE, copied beside the weights (bytes / gpt2 need no file)
 # timm's VisionTransformer that the zoo's widths are (every shape argument is given explicitly
 # in config.json's model_args; the name only picks timm's defaults for the rest).
 _TIMM_ARCHS = {"vitt": "vit_tiny_patch16_224", "vits": "vit_small_patch16_224",
@@ -60,26 +59,32 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
     """Write the exported folder `out` of a laplace checkpoint; returns it.
 
     Args:
-        checkpoint: a laplace checkpoint (`<run>/ckpt/last.pt`).
-        out: the folder to write; an existing non-empty one is refused unless `overwrite`.
-        overwrite: replace what `out` holds.
+        checkpoint: a laplace checkpoint (`<run>/ckpt/last.pt`) or its run folder.
+        out: a new (or empty) folder, the export's own: never one above the checkpoint.
+        overwrite: replace `out` where it is an export already (only that: never a run's folder).
     """
     # Every check comes before the first byte is written: a refused export leaves nothing behind.
-    src, out = Path(checkpoint), Path(out)
-    if src.is_dir():
-        raise ConfigError(f"checkpoint={src} is a folder; pass the checkpoint file, e.g. {src}/ckpt/last.pt")
+    # The checkpoint's real path: a symlink's own folder is not the run its results are in.
+    src, out = checkpoint_file(checkpoint).resolve(), Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; give a folder to write the export into")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"out={out} exists and is not empty; choose another folder or pass overwrite=true")
-    ckpt = load_checkpoint(src)  # a foreign or torn file: one line, before anything is written
-    model = model_from_checkpoint(ckpt)
+    if out.resolve() in src.parents:  # replacing it would delete the run (issue 53)
+        raise ConfigError(f"out={out} holds the checkpoint it would export ({src}); write the export into a "
+                          f"folder of its own, e.g. out=exports/{src.parent.parent.name}")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"out={out} exists and is not empty; choose another folder or pass overwrite=true")
+        if not _replaceable(out):
+            raise ConfigError(f"out={out} is not a folder python -m laplace.export wrote (it holds "
+                              f"{', '.join(sorted(p.name for p in out.iterdir())[:4])}); overwrite=true replaces "
+                              f"only an export: choose another folder")
+    source = model_source(src)  # a foreign or torn file: one line, before anything is written
+    if source["kind"] != "checkpoint":
+        raise ConfigError(f"checkpoint={checkpoint} is an {source['kind']} folder; pass a laplace checkpoint")
+    ckpt, model = source["ckpt"], load_model(source)
     # A diverged run's weights must not be published (timm's logits check would blame timm for them).
-    for name, t in model.state_dict().items():
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise CheckpointError(f"checkpoint={src}: {name} holds {int((~torch.isfinite(t)).sum())} NaN / inf "
-                                  f"value(s) of {t.numel()}; nothing exported: export a finite checkpoint (an "
-                                  f"earlier ckpt/step_<N>.pt, or retrain with a lower optim.lr)")
+    check_finite(model.state_dict(), f"checkpoint={src}", "nothing exported: export a finite checkpoint (an "
+                 "earlier ckpt/step_<N>.pt, or retrain with a lower optim.lr)")
     node, data = dict(ckpt["config"]["model"]), ckpt["config"].get("data") or {}
     # A GPT carries its tokenizer: sampling from the folder alone needs it (eval.generate, users).
     tokenizer, tokenizer_file = _tokenizer(src, ckpt) if hasattr(model, "vocab_size") else (None, None)
@@ -90,17 +95,35 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
             "timm": timm_arch is not None, **({"timm_unsupported": why_not} if why_not else {}),
             **({"tokenizer": tokenizer} if tokenizer else {}), "source": _source(src, ckpt)}
     card = model_card(model, node, info, _results(src), timm_arch, data)
-    # Written aside and renamed into place; a signal or error removes the half-written folder and
-    # the next export removes what a SIGKILL left (laplace.io.atomic_dir).
-    with atomic_dir(out) as tmp:
-        if timm_arch is None:
-            _save(tmp, model, info, node, data)
-        else:  # timm's own writer where timm builds the model, so that config.json is timm's
-            _save_for_timm(tmp, model, info, timm_arch, timm_args, data)
-        if tokenizer_file is not None:  # the file itself: the training machine's path means nothing elsewhere
-            shutil.copyfile(tokenizer_file, tmp / EXPORT_TOKENIZER)
-        (tmp / EXPORT_CARD).write_text(card, encoding="utf-8")
+    if info["source"].get("stopped_early"):  # the card says it too
+        print(f"[laplace] warning: {src} is step {info['source']['step']} of the {info['source']['stopped_early']} "
+              f"its run planned: the run stopped early, and the export is of unfinished weights", file=sys.stderr)
+    # Written aside and renamed into place, exclusively: a signal or error removes the half-written
+    # folder, the next export removes what a SIGKILL left, and of two exports to one `out` the
+    # second to finish is refused (laplace.io.atomic_dir).
+    try:
+        with atomic_dir(out, _replaceable if overwrite else None) as tmp:
+            if timm_arch is None:
+                _save(tmp, model, info, node, data)
+            else:  # timm's own writer where timm builds the model, so that config.json is timm's
+                _save_for_timm(tmp, model, info, timm_arch, timm_args, data)
+            if tokenizer_file is not None:  # the file itself: the training machine's path means nothing elsewhere
+                shutil.copyfile(tokenizer_file, tmp / EXPORT_TOKENIZER)
+            (tmp / EXPORT_CARD).write_text(card, encoding="utf-8")
+    except FileExistsError:
+        raise ConfigError(f"out={out} was written by another export or program meanwhile; nothing replaced: "
+                          f"choose another folder, or pass overwrite=true to replace an export") from None
     return out
+
+
+def _replaceable(folder: Path) -> bool:
+    """Whether `folder` is an export and holds nothing else: the one kind overwrite=true replaces."""
+    try:
+        node = json.loads((folder / EXPORT_CONFIG).read_text()).get("laplace")
+    except (OSError, ValueError, AttributeError):  # no config.json, not JSON, not a JSON object
+        return False
+    return (isinstance(node, dict) and node.get("format") == EXPORT_FORMAT
+            and {p.name for p in folder.iterdir()} <= {EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_CARD, EXPORT_TOKENIZER})
 
 
 def _save(folder: Path, model: nn.Module, info: dict, node: dict, data: dict) -> None:
@@ -117,7 +140,7 @@ def _save(folder: Path, model: nn.Module, info: dict, node: dict, data: dict) ->
     label = model_label(node)
     arch = label if "-" not in label else f"{label.rsplit('_', 1)[0]}_{max(node['num_laplacian_heads'])}L"
     timm_keys = {"architecture": arch, "model_args": {k: v for k, v in node.items() if k != "name"},
-                 "pretrained_cfg": _data_config(data)}
+                 "pretrained_cfg": {**_data_config(data), **_input_config(model)}}
     (folder / EXPORT_CONFIG).write_text(json.dumps({**timm_keys, "laplace": info}, indent=2) + "\n")
 
 
@@ -140,6 +163,17 @@ def _tokenizer(src: Path, ckpt: dict) -> tuple[Optional[str], Optional[Path]]:
         raise CheckpointError(f"checkpoint={src}: {spec} is not the tokenizer the run trained with (its fingerprint "
                               f"differs); put the run's tokenizer file back there")
     return EXPORT_TOKENIZER, Path(spec)
+
+
+def _input_config(model: nn.Module) -> dict:
+    """A ViT's input size and classes, as timm's pretrained_cfg says them (timm's data config would
+    otherwise feed 224 px to a 32 px model)."""
+    from .vit import VisionTransformer
+
+    if not isinstance(model, VisionTransformer):
+        return {}
+    pe = model.patch_embed
+    return {"input_size": [pe.proj.in_channels, *pe.img_size], "num_classes": model.num_classes}
 
 
 def _data_config(data: dict) -> dict:
@@ -221,9 +255,12 @@ def _source(path: Path, ckpt: dict) -> dict:
         exp = exp if exp and exp != data and (config_dir() / "experiment" / f"{exp}.yaml").is_file() else None
     except UserError:  # no configs/ (an installed package): the run dir alone does not tell
         exp = None
+    loop = ckpt.get("loop") or {}
+    # the planned length, where the checkpoint records it (the engine's, since 2026-12-06)
+    early = {"stopped_early": loop["total_steps"]} if (loop.get("step") or 0) < (loop.get("total_steps") or 0) else {}
     return {"run": run.name, "checkpoint": str(path.resolve().relative_to(run)),
-            "step": (ckpt.get("loop") or {}).get("step"), "git_rev": ckpt.get("git_rev"),
-            "trainer": (config.get("trainer") or {}).get("name"), "data": data, "experiment": exp}
+            "step": loop.get("step"), "git_rev": ckpt.get("git_rev"),
+            "trainer": (config.get("trainer") or {}).get("name"), "data": data, "experiment": exp, **early}
 
 
 def code_url() -> Optional[str]:
@@ -327,6 +364,9 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
     if src.get("experiment"):
         exp = src["experiment"]
         lines.append(f"- Recipe: `experiment={exp}` (its recipe card: docs/recipes/{exp}.md in the laplace repository)")
+    if src.get("stopped_early"):
+        lines.append(f"- Stopped early: these weights are step {src['step']} of the {src['stopped_early']} the run "
+                     f"planned, not its finished model")
     lines += [f"- {label}: {src[key]}" for key, label in (("trainer", "Trainer"), ("data", "Data"), ("step", "Steps"),
                                                           ("git_rev", "Code revision")) if src.get(key) is not None]
     # One row per measured number, with how it was measured (PROTOCOLS; anything else is lm-eval's).
@@ -341,41 +381,11 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
         lines += ["Without Laplacian heads this is timm's VisionTransformer, so timm loads it too:", "",
                   "```python", "import timm", "model = timm.create_model(\"local-dir:<this folder>\", pretrained=True)"
                   "  # or \"hf-hub:<Hub id>\"", "```"]
-    else:
-        why = info["timm_unsupported"]
-        lines.append(f"timm builds it only where laplace's models are registered with timm: {why}.")
+    elif vit:
+        lines.append(f"timm builds it only where laplace's models are registered with timm: {info['timm_unsupported']}.")
+    else:  # a GPT: timm has no language models, registered or not
+        lines.append(f"timm does not load it: {info['timm_unsupported']}.")
     return "\n".join([*lines, "", "## Citation", "", "```bibtex", CITATION, "```", ""])
-
-
-def local_or_hub(name_or_path: str | os.PathLike, revision: Optional[str], cache_dir) -> Path:
-    """A local folder as it is; anything else a Hugging Face Hub id, downloaded (or found in
-    the cache) with huggingface_hub."""
-    path = Path(name_or_path)
-    if path.exists():
-        return path
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        # only an export's own files: a Hub repository may hold more (other formats, logs)
-        return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir,
-                                      allow_patterns=[EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_CARD, EXPORT_TOKENIZER]))
-    except HFValidationError:
-        raise CheckpointError(f"{name_or_path}: no such file or folder, and not a Hugging Face Hub id "
-                              f"(org/name)") from None
-    except (OSError, ValueError) as e:  # offline and not cached, not found, no access
-        raise CheckpointError(f"{name_or_path}: no such local folder, and the Hugging Face Hub did not give "
-                              f"it: {one_line(e)[:200]}") from None
-
-
-def from_pretrained(name_or_path: str | os.PathLike, revision: Optional[str] = None, cache_dir=None,
-                    map_location: Any = "cpu", eval_mode: bool = True, **overrides) -> nn.Module:
-    """The model of an exported folder, a Hugging Face Hub id ("org/name", downloaded with
-    huggingface_hub) or a laplace checkpoint file, rebuilt by `laplace.load_model`."""
-    # Not huggingface_hub's PyTorchModelHubMixin: the mixin ties config.json to one class's
-    # constructor arguments, while an export names a zoo model (ViT or GPT, chosen by name) and a
-    # k = 0 ViT's config.json must also be timm's; only the download is the library's here.
-    return load_model(local_or_hub(name_or_path, revision, cache_dir), map_location, eval_mode, **overrides)
 
 
 _USAGE = "usage: python -m laplace.export checkpoint=PATH out=DIR [overwrite=true]"

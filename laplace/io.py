@@ -7,6 +7,8 @@ Readers see the old file or the new one, never a truncated one.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import math
 import os
@@ -64,22 +66,28 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, replaceable: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """`with atomic_dir(out) as tmp:` the files written into `tmp` become the folder `out` when the
     block ends, with an ordinary file's modes; an error or a signal (SIGTERM, SIGHUP, Ctrl-C) leaves
-    nothing. One writer per `out` at a time, as for a checkpoint."""
+    nothing. Exclusive: an `out` that is not empty by then (another writer's, finished first) raises
+    FileExistsError, unless `replaceable(out)` says it may be replaced."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A SIGKILL cannot be caught: what one left (a temp folder, an old one moved aside) is removed
-    # by the next call for the same folder (a ViT-B export's leftover was 343 MB).
+    # by the next call for the same folder (a ViT-B export's leftover was 343 MB); a temp folder
+    # whose writer lives holds its lock and stays (two exports to one folder at once).
     for stale in [*path.parent.glob(f".{path.name}.*.tmp"), *path.parent.glob(f".{path.name}.*.old")]:
-        shutil.rmtree(stale, ignore_errors=True)
+        if _abandoned(stale):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    lock = None
     try:
         # Slurm's scancel and a closed terminal: their default action ends the process at once,
         # skipping every `finally`; as SystemExit they run the clean-up below.
         with _signals_as_exit(signal.SIGTERM, signal.SIGHUP):
             tmp.mkdir()
+            lock = os.open(tmp, os.O_RDONLY)
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel however this process ends
             yield tmp
             # An ordinary file's modes (0644 under umask 022): safetensors writes 0600, which a group
             # on a shared file system cannot read. The umask is read by setting it (and back).
@@ -88,25 +96,46 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             for f in tmp.rglob("*"):
                 if f.is_file():
                     f.chmod(0o666 & ~umask)
-            _swap_in(tmp, path)
+            _swap_in(tmp, path, replaceable)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failure's leftovers
+        if lock is not None:
+            os.close(lock)
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
-    """Rename the finished folder `tmp` to `out`, moving a non-empty `out` aside first."""
-    # Two renames and no copy: `out` is at every moment the old folder or the new one (only the
-    # instant between them has neither; a kill there leaves both, for the next call to remove).
+def _abandoned(folder: Path) -> bool:
+    """Whether no living atomic_dir holds `folder`'s lock (an `.old` folder has none: a moment's)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # EWOULDBLOCK: its writer is at work
+        return False
+    finally:
+        os.close(fd)
+
+
+def _swap_in(tmp: Path, out: Path, replaceable: Callable[[Path], bool] | None) -> None:
+    """Rename the finished folder `tmp` to `out`; a non-empty `out` is moved aside first where
+    `replaceable(out)`, else FileExistsError."""
+    # rename(2) replaces an empty folder and refuses a non-empty one (ENOTEMPTY / EEXIST): the
+    # kernel decides between two writers that both found `out` free, so neither is lost.
     old = None
-    if out.is_dir():
-        if any(out.iterdir()):
-            old = out.parent / f".{out.name}.{secrets.token_hex(4)}.old"
-            os.rename(out, old)
-        else:
-            out.rmdir()
-    os.rename(tmp, out)
+    if replaceable is not None and out.is_dir() and any(out.iterdir()):
+        if not replaceable(out):
+            raise FileExistsError(errno.ENOTEMPTY, "not a folder to replace", str(out))
+        # Two renames and no copy: `out` is at every moment the old folder or the new one (only
+        # the instant between them has neither; a kill there leaves both, for the next call).
+        old = out.parent / f".{out.name}.{secrets.token_hex(4)}.old"
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise FileExistsError(e.errno, "written by another writer meanwhile", str(out)) from None
     if old is not None:
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

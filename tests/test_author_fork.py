@@ -266,7 +266,7 @@ def build(cfg):
 
 def init_from(model, path: Path, cfg) -> str:
     """What trainer.init_from does with a file: strict but for the head rules and a resampled grid."""
-    from laplace.checkpoint import load_pretrained
+    from laplace.pretrained import load_pretrained
 
     return load_pretrained(model, path, cfg.model)
 

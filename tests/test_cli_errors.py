@@ -103,7 +103,8 @@ def test_bench_on_cuda_without_cuda_is_one_line():
 
 
 def test_a_checkpoint_without_its_config_is_one_line(tmp_path):
-    from laplace.checkpoint import CheckpointError, load_checkpoint, load_pretrained, save_checkpoint
+    from laplace.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from laplace.pretrained import load_pretrained
     from laplace.zoo import create_model
 
     model = create_model("vitt_0L", depth=1, embed_dim=48)

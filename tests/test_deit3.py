@@ -24,7 +24,8 @@ from timm.loss import SoftTargetCrossEntropy
 
 from conftest import CONFIGS, ROOT
 from laplace import create_model
-from laplace.checkpoint import CheckpointError, load_checkpoint, load_pretrained, save_checkpoint
+from laplace.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from laplace.pretrained import load_pretrained
 from laplace.config import model_node
 from laplace.data.vision import build_transform
 from laplace.errors import ConfigError

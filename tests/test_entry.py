@@ -59,8 +59,8 @@ def test_configs_found_without_a_checkout_beside_the_code(tmp_path):
     for cwd, env in ((elsewhere, {"LAPLACE_CONFIG_DIR": str(ROOT / "configs")}), (ROOT, {})):
         found = _run(args, cwd, PYTHONPATH=str(site), **env)
         assert found.returncode == 1 and found.stderr.strip().splitlines() == [
-            f"error: checkpoint={tmp_path / 'none.pt'}: no such file; pass a laplace checkpoint "
-            f"(runs/.../ckpt/last.pt), or to eval.knn / eval.linear a timm state dict with model=<zoo name>"]
+            f"error: checkpoint={tmp_path / 'none.pt'}: no such file or folder; pass a laplace checkpoint (runs/.../"
+            f"ckpt/last.pt), a run or export folder, or to eval.knn / eval.linear a timm state dict with model=<zoo name>"]
     job = _run(["-m", "eval.knn", "--cfg", "hydra"], elsewhere, PYTHONPATH=str(site),
                LAPLACE_CONFIG_DIR=str(ROOT / "configs"))
     assert job.returncode == 0 and re.search(r"^\s+name: knn$", job.stdout, re.M), job.stdout[-2000:] + job.stderr

@@ -266,10 +266,10 @@ def test_a_corrupt_or_foreign_folder_is_one_line(tmp_path):
     refused(truncated, r"truncated/model.safetensors is not a readable safetensors file \(corrupt or truncated\)")
     other = tmp_path / "other"  # weights of another shape than its config.json's model
     other.mkdir()
-    (other / "config.json").write_text((good / "config.json").read_text().replace('"depth": 2,\n      "embed',
-                                                                                    '"depth": 3,\n      "embed'))
+    (other / "config.json").write_text((good / "config.json").read_text().replace('"num_classes": 10',
+                                                                                    '"num_classes": 11'))
     (other / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
-    refused(other, r"other/model.safetensors does not match model 'vitt_0L' of its config.json: .*blocks.2")
+    refused(other, r"other/model.safetensors does not match model 'vitt_0L' of its config.json: .*head")
 
 
 def test_a_hub_id_offline_or_malformed_is_one_line(tmp_path):
@@ -422,3 +422,4 @@ def test_the_card_links_the_code_it_was_trained_with(tmp_path, monkeypatch):
     out = export(_checkpoint(tmp_path, VIT2, DATA)[0], tmp_path / "export")
     assert ModelCard.load(out / "README.md").data.repository == "https://github.com/org/laplace"
     assert "trained with laplace (https://github.com/org/laplace)" in (out / "README.md").read_text()
+

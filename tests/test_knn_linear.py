@@ -22,7 +22,8 @@ from eval.features import batch_features, cache_key, extract_features, probe_dat
 from eval.knn import knn_classify
 from eval.linear import accuracy, evaluate_linear, linear_probe
 from laplace import create_model
-from laplace.checkpoint import backbone_node, load_backbone, results_header, save_checkpoint
+from laplace.checkpoint import results_header, save_checkpoint
+from laplace.pretrained import backbone_node, load_backbone
 from laplace.config import model_node
 
 NODE = dict(model_node("vitt_0L"), depth=3, embed_dim=48, num_heads=3, img_size=16, patch_size=8, num_classes=10)
@@ -185,7 +186,7 @@ def test_gather_rows_restores_dataset_order(monkeypatch):
 
 
 def test_one_backbone_loader_for_probes_and_segmentation(tmp_path):
-    """laplace.checkpoint.load_backbone serves k-NN / linear (no head) and segmentation (head kept,
+    """laplace.pretrained.load_backbone serves k-NN / linear (no head) and segmentation (head kept,
     so its construction draws the random numbers it always drew): frozen, eval mode, at the
     asked size, the node it reports (and `backbone_node`) the one it built."""
     vit = randomize_(create_model(**NODE))

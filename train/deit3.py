@@ -15,7 +15,7 @@ are plain cross-entropy, so the digits quick start stays a quick start.
 Fine-tuning (`trainer.init_from=PATH`, an engine option, fresh runs only) takes a laplace
 checkpoint or a timm / DeiT-III state dict (.pth, .bin, .safetensors; the original DeiT
 `{"model": ...}` files with `gamma_1`/`gamma_2` LayerScale names too): see
-`laplace.checkpoint.load_pretrained` (position embeddings resampled, head kept when it fits).
+`laplace.pretrained.load_pretrained` (position embeddings resampled, head kept when it fits).
 """
 from __future__ import annotations
 

@@ -38,12 +38,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from laplace import create_model, dist, model_label
 from laplace.attention import gate_metrics
-from laplace.checkpoint import (CheckpointError, clean_state_dict, load_pretrained, results_header, rng_state,
-                                save_checkpoint, set_rng_state)
+from laplace.checkpoint import (CheckpointError, clean_state_dict, results_header, rng_state, save_checkpoint,
+                                set_rng_state)
 from laplace.data import Data
 from laplace.data.images import report_skipped
 from laplace.errors import ConfigError
 from laplace.io import write_json
+from laplace.pretrained import load_pretrained
 
 from .feeds import Feed, MapFeed, train_sampler
 from .logger import LogWindow, MetricsLogger, format_metrics, git_commit, logged, print_line, progress_bar
@@ -259,7 +260,8 @@ class Trainer:
             exported = self.exported
             entries = dict(
                 optimizer=self.optimizers, rng=rngs,
-                loop={"step": self.step, "epoch": self.epoch, "feed": self.feed.state_dict(),
+                # total_steps: an export of a run stopped early says so (laplace.export)
+                loop={"step": self.step, "total_steps": self.total_steps, "epoch": self.epoch, "feed": self.feed.state_dict(),
                       "world_size": self.dist.world_size, "log_window": windows, "commit": self.started_commit})
             if exported is not self.model:  # the module trained, whole, for resume
                 entries["train_model"] = clean_state_dict(self.model.state_dict())

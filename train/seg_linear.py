@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassConfusionMatrix, MulticlassJaccardIndex
 
-from laplace.checkpoint import load_backbone
+from laplace.pretrained import load_backbone
 from laplace.data import Data
 from laplace.data.ade20k import IGNORE
 from laplace.errors import ConfigError

@@ -18,7 +18,7 @@ from mmengine.model import BaseModule
 from mmseg.registry import MODELS
 
 from laplace.gpt import block_indices
-from laplace.checkpoint import load_backbone
+from laplace.pretrained import load_backbone
 from laplace.zoo import create_model, features
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from mmengine.config import Config, DictAction
 
-from laplace.checkpoint import backbone_node, run_dir_of
+from laplace.checkpoint import run_dir_of
+from laplace.pretrained import backbone_node
 from laplace.data import DatasetNotFoundError
 from laplace.data.ade20k import FOLDER
 from laplace.errors import ConfigError
