@@ -184,6 +184,8 @@ def nanochat_optim():
     finally:
         sys.path.remove(NANOCHAT)
     optim.GPT, optim.GPTConfig = gpt.GPT, gpt.GPTConfig  # for the group test
+    # its Muon in bf16 also when another test imported nanochat first (its dtype is read at import)
+    optim.COMPUTE_DTYPE = torch.bfloat16
     # its fused steps run eagerly (the same operations; torch.compile takes minutes on a CPU)
     optim.muon_step_fused = optim.muon_step_fused._torchdynamo_orig_callable
     optim.adamw_step_fused = optim.adamw_step_fused._torchdynamo_orig_callable
