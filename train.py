@@ -19,7 +19,7 @@ from __future__ import annotations
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from laplace.cli import hydra_entry
+from train.cli import hydra_entry
 from train import run, run_dir_from_overrides
 
 

@@ -25,10 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 from analysis.curves import draw_curves, points
 from analysis.runs import arm_key, arm_label, arms, collect, frame, layer_order, runs_roots
 from analysis.stats import describe, holm, interval_text, paired, verdict
-from laplace.cli import config_dir, hydra_entry
+from train.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
-from laplace.rundir import check_writable
+from train.rundir import check_writable
 
 # A plan's keys: a misspelt one (famly: role) would otherwise change nothing and pass unseen
 PLAN_KEYS = {"name", "title", "scope", "command", "family", "sensitivity", "paradigms", "claims", "steps",

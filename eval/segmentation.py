@@ -13,7 +13,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, open_dict
 
 from laplace.checkpoint import backbone_node, run_dir_of
-from laplace.cli import hydra_entry
+from train.cli import hydra_entry
 
 
 def prepare(cfg: DictConfig) -> DictConfig:

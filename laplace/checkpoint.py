@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 from timm.models import clean_state_dict  # strips DDP's `module.` and torch.compile's `_orig_mod.`
+from timm.utils import unwrap_model as unwrap  # the plain module under DDP and torch.compile, in any order
 
-from .dist import unwrap
 from .errors import ConfigError, UserError, one_line
 from .io import atomic_write
 from .zoo import model_label

@@ -28,7 +28,6 @@ import torch.nn as nn
 
 from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_VERSION, EXPORT_WEIGHTS, CheckpointError,
                          load_checkpoint, load_model, model_from_checkpoint, run_dir_of)
-from .cli import config_dir
 from .errors import ConfigError, UserError, cli_errors, one_line
 from .io import atomic_dir
 from .zoo import model_label
@@ -211,15 +210,14 @@ def _source(path: Path, ckpt: dict) -> dict:
     config, run = ckpt["config"], run_dir_of(path).resolve()
     data = (config.get("data") or {}).get("name")
     # train.py names run dirs <runs>/<trainer>/<experiment or data>/<model>_s<seed>: the middle
-    # part is an experiment where this checkout has configs/experiment/<it>.yaml.
-    exp = Path(str(config["run_dir"])).parent.name if config.get("run_dir") else None
-    try:
-        exp = exp if exp and exp != data and (config_dir() / "experiment" / f"{exp}.yaml").is_file() else None
-    except UserError:  # no configs/ (an installed package): the run dir alone does not tell
-        exp = None
+    # part is an experiment where it is not the data's name, in that layout (not a run_dir= of the user's).
+    trainer = (config.get("trainer") or {}).get("name")
+    folder = Path(str(config["run_dir"])) if config.get("run_dir") else None
+    exp = folder.parent.name if folder is not None and folder.parent.parent.name == trainer else None
+    exp = exp if exp != data else None
     return {"run": run.name, "checkpoint": str(path.resolve().relative_to(run)),
             "step": (ckpt.get("loop") or {}).get("step"), "git_rev": ckpt.get("git_rev"),
-            "trainer": (config.get("trainer") or {}).get("name"), "data": data, "experiment": exp}
+            "trainer": trainer, "data": data, "experiment": exp}
 
 
 def code_url() -> Optional[str]:

@@ -43,8 +43,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from laplace.data import DatasetNotFoundError
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, DatasetNotFoundError
 from laplace.io import atomic_write
 
 # nanochat's special tokens: documents start with <|bos|>; the rest delimit chat turns and tool

@@ -190,7 +190,7 @@ def test_knn_and_linear_check_where_results_go_before_the_features(tmp_path):
 
 # Issue 45's bad values (7 were tracebacks; optim.weight_decay=-1, trainer.amp=maybe, trainer.compile=sometimes
 # and optim.grad_clip=-1 trained with rc 0), the one-line ones kept one line, and more: each refused in one line
-# naming the key, the value and what is allowed (laplace.schema), before anything is built.
+# naming the key, the value and what is allowed (train/config.py), before anything is built.
 BAD_VALUES = [
     (["optim.lr=-0.1"], "optim.lr=-0.1: give a number > 0"),
     (["trainer.global_batch_size=ten"], "trainer.global_batch_size=ten: give a whole number >= 1"),
@@ -267,7 +267,7 @@ def test_a_bad_value_on_the_command_line_is_one_error_line(tmp_path, overrides, 
 
 def test_every_experiment_passes_the_schema(make_cfg):
     """No false alarm: every experiment (and the default config) as composed is valid."""
-    from laplace.schema import check_config
+    from train.config import check_config
 
     for exp in [None, *sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))]:
         extra = [f"experiment={exp}", "trainer.init_from=/x.pt"] if exp else []
@@ -275,7 +275,7 @@ def test_every_experiment_passes_the_schema(make_cfg):
 
 
 def test_a_lock_that_is_a_folder_is_one_line(tmp_path):
-    from laplace.rundir import RunDirLock
+    from train.rundir import RunDirLock
 
     (tmp_path / "run" / ".lock").mkdir(parents=True)
     with pytest.raises(UserError, match=rf"^run_dir: cannot take the lock file {tmp_path / 'run' / '.lock'} \(Is a "

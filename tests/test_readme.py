@@ -177,7 +177,7 @@ def check_python(argv: list[str], ctx) -> None:
     # a Hydra entry names its config in its decorator: the source says which one, without importing it
     entry = re.search(r'hydra_entry\("(\w+)"\)', path.read_text())
     if entry:
-        from laplace.config import check_required
+        from train.config import check_required
 
         for run in expand_sweeps(args):
             check_required(compose(entry[1], run))

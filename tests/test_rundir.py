@@ -1,4 +1,4 @@
-"""laplace/rundir.py: one run per run directory (a second is refused, a killed one's lock is taken
+"""train/rundir.py: one run per run directory (a second is refused, a killed one's lock is taken
 over) and bounded folder names."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from laplace.rundir import RunDirInUse, RunDirLock, short_name
+from train.rundir import RunDirInUse, RunDirLock, short_name
 
 ROOT = Path(__file__).resolve().parent.parent
-HOLD = "import sys, time; from laplace.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); time.sleep(60)"
+HOLD = "import sys, time; from train.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); time.sleep(60)"
 
 
 def hold(run_dir: Path) -> subprocess.Popen:

@@ -11,13 +11,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from laplace.config import check_required
-from laplace.schema import check_config
-from laplace.errors import ConfigError, UserError
 from laplace import model_defaults, model_label
-from laplace.rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
+from laplace.errors import ConfigError, UserError
 
 from . import logger  # noqa: F401  (registers ${run_group:...} before Hydra resolves the config)
+from .config import check_config, check_required
+from .rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
 
 # name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
 # outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
@@ -51,7 +50,7 @@ def get_trainer(name: str):
 def check_engine_config(cls, cfg: DictConfig):
     """One-line errors for a model or data the trainer does not take (before anything resolves,
     so an interpolation the wrong data node lacks is never reached), for engine settings no
-    trainer can run with, then for any value of the schema's (laplace.schema) out of its range."""
+    trainer can run with, then for any value of the schema's (train/config.py) out of its range."""
     arch = model_defaults(cfg.model.name)["arch"]  # the zoo's one-line error if unknown
     modality, name = cfg.data.get("modality"), cfg.trainer.name
     if cls.modality and modality and modality != cls.modality:  # a node without one: trusted
@@ -110,7 +109,7 @@ def _remove_fresh(run_dir: Path, created: Path):
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config (also the entry used by tests and sweeps)."""
-    from laplace import dist
+    from . import dist
     from laplace.io import atomic_write
 
     from .logger import RunLog

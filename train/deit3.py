@@ -28,7 +28,7 @@ from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
 from laplace.data import Data
 from laplace.data.crop_augment import crop_and_augment, decoded_collate
 from laplace.data.vision import build_vision_dataset
-from laplace.dist import all_reduce_sum
+from .dist import all_reduce_sum
 from laplace.errors import ConfigError
 
 from .engine import Trainer

@@ -36,7 +36,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from laplace import create_model, dist, model_label
+from laplace import create_model, model_label
 from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_pretrained, results_header, rng_state,
                                 save_checkpoint, set_rng_state)
@@ -45,6 +45,7 @@ from laplace.data.images import report_skipped
 from laplace.errors import ConfigError
 from laplace.io import write_json
 
+from . import dist
 from .feeds import Feed, MapFeed, train_sampler
 from .logger import LogWindow, MetricsLogger, format_metrics, logged, print_line, progress_bar
 from .plan import step_plan
