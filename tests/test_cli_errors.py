@@ -303,3 +303,19 @@ def test_an_export_with_a_bad_value_in_its_config_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{out / 'config.json'}: laplace.model.depth=one: give a whole number "
                                           rf">= 1$"):
         laplace.load_model(out)
+
+
+def test_a_run_folder_given_as_a_model_says_which_file_and_exports_elsewhere(tmp_path):
+    """checkpoint=<run folder> (analysis, eval.*): the line names the run's last.pt and an export into
+    a folder of its own, never the run folder itself (which export refuses)."""
+    import laplace
+    from laplace.checkpoint import CheckpointError
+
+    run = tmp_path / "runs" / "deit3" / "digits" / "vitt_1L_s0"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "ckpt" / "last.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError) as e:
+        laplace.load_model(run)
+    assert str(e.value) == (f"{run} is a run folder, not an exported laplace model; pass checkpoint={run}/ckpt/last.pt "
+                            f"or export it with `python -m laplace.export checkpoint={run}/ckpt/last.pt "
+                            f"out=exports/vitt_1L_s0`")

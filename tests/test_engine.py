@@ -269,7 +269,7 @@ def test_cli_trains_and_resumes_same_run_dir(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     run_dir = tmp_path / "deit3/digits"
     (name,) = os.listdir(run_dir)  # named from the overrides, no timestamp
-    assert name.startswith("vitt_0L_s0_") and "trainer.max_steps=2" in name
+    assert name.startswith("vitt_0L_s0_") and "trainer.max_steps-2" in name
     again = _cli(*args, "trainer.num_workers=1")  # workers do not change the run's identity
     assert again.returncode == 0 and "resumed at step 2" in again.stdout
     assert os.listdir(run_dir) == [name]
@@ -349,7 +349,7 @@ def test_run_dir_names_stay_short_stable_and_distinct(make_cfg):
     name = os.path.basename(a)
     assert len(name) <= MAX_NAME and name.startswith("vitb_12L_s0_") and a == run_dir_from_overrides(cfg, many)
     assert a != b
-    assert os.path.basename(run_dir_from_overrides(cfg, ["optim.lr=1e-4"])) == "vitb_12L_s0_optim.lr=1e-4"
+    assert os.path.basename(run_dir_from_overrides(cfg, ["optim.lr=1e-4"])) == "vitb_12L_s0_optim.lr-1e-4"
 
 
 def test_the_label_follows_the_model_node_not_the_name(make_cfg):

@@ -76,7 +76,9 @@ def _fitting(arch: str | None = None, modality: str | None = None) -> str:
 
 
 def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
-    """<runs_dir>/<trainer>/<experiment or data>/<model label>_s<seed>[_<other overrides>].
+    """<runs_dir>/<trainer>/<experiment or data>/<model label>_s<seed>[_<other overrides>], each
+    override's `=` (and any character but letters, digits and _ . + -) a `-`: a path that every
+    command line takes unquoted (Hydra's grammar refuses `=`, `,` and `~` in a value).
 
     A name longer than MAX_NAME keeps its readable start and ends in a hash of the whole,
     so it stays unique and the same command finds the same directory again."""
@@ -89,12 +91,17 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
         if key in ("model", "data", "trainer", "seed", "experiment", "model.num_laplacian_heads") or \
                 key.startswith(EXECUTION_KEYS):
             continue  # the label says k
-        keep.append(re.sub(r"[^A-Za-z0-9_.,=+-]", "-", o))
+        keep.append(o)
     exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
-    name = f"{model_label(cfg.model)}_s{cfg.seed}" + ("_" + ",".join(sorted(keep)) if keep else "")
-    name = short_name(name, MAX_NAME)
+    base = f"{model_label(cfg.model)}_s{cfg.seed}"
+    name = short_name("_".join([base, *sorted(re.sub(r"[^A-Za-z0-9_.+-]", "-", o) for o in keep)]), MAX_NAME, "-")
     trainer = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.trainer.name)
-    return str(Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name) / name)
+    folder = Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name)
+    # Until this rule, names kept `=` and `,` (and `~` before the hash): the same command still
+    # finds, and so resumes, a run it named so.
+    old = short_name(base + ("_" + ",".join(sorted(re.sub(r"[^A-Za-z0-9_.,=+-]", "-", o) for o in keep)) if keep
+                             else ""), MAX_NAME)
+    return str(folder / (old if (folder / old).is_dir() and not (folder / name).exists() else name))
 
 
 def _remove_fresh(run_dir: Path, created: Path):
