@@ -238,12 +238,12 @@ BAD_VALUES = [
 @pytest.mark.parametrize("overrides,message", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
 def test_a_bad_value_is_one_line_before_anything_is_built(make_cfg, tmp_path, overrides, message):
     from laplace.errors import one_line
-    from train import run, run_dir_from_overrides
+    from train import check_engine_config, get_trainer, run
 
     gpt = any(o.startswith("experiment=gpt") for o in overrides)  # TINY_VIT's model keys are a ViT's
     cfg = make_cfg(*overrides, "trainer.num_workers=0") if gpt else make_cfg("model=vitt_0L", *TINY_VIT, *overrides)
-    # train.py names the run folder from the values first (the label reads k), then runs
-    for step in (lambda: run_dir_from_overrides(cfg, overrides), lambda: run(cfg)):
+    # what train.py checks before it names the run folder (the label reads k), and the run itself
+    for step in (lambda: check_engine_config(get_trainer(cfg.trainer.name), cfg), lambda: run(cfg, overrides)):
         with pytest.raises(UserError) as e:
             step()
         assert str(e.value) == one_line(e.value) == message or str(e.value).startswith(message), str(e.value)

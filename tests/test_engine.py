@@ -114,7 +114,7 @@ def test_checkpoint_contents_and_load_model(make_cfg, tmp_path):
 
 def test_construction_reads_the_config_and_setup_builds_in_a_visible_order(make_cfg, tmp_path):
     """Constructing a trainer builds nothing; setup() builds data, model, optimizers, then the
-    wrappers, once (train.run calls it before writing config.yaml, fit() when nobody did)."""
+    wrappers (train.run calls it before writing config.yaml, then fit())."""
     from train.deit3 import DeiT3Trainer
 
     calls = []
@@ -139,7 +139,7 @@ def test_construction_reads_the_config_and_setup_builds_in_a_visible_order(make_
     (tmp_path / "run").mkdir()
     t = Recording(make_cfg(*TINY_VIT, "model=vitt_1L", "model.depth=1", "trainer.max_steps=1"))
     assert calls == [] and not hasattr(t, "model") and t.micro_bs == 32
-    assert t.setup() is t and t.setup() is t
+    assert t.setup() is t
     assert calls == ["data", "model", "optimizers", "wrap"]
 
 

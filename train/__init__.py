@@ -9,7 +9,7 @@ import shutil
 from contextlib import suppress
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from laplace import model_defaults, model_label
 from laplace.errors import ConfigError, UserError
@@ -48,9 +48,11 @@ def get_trainer(name: str):
 
 
 def check_engine_config(cls, cfg: DictConfig):
-    """One-line errors for a model or data the trainer does not take (before anything resolves,
-    so an interpolation the wrong data node lacks is never reached), for engine settings no
-    trainer can run with, then for any value of the schema's (train/config.py) out of its range."""
+    """Every check a run makes before anything is built, one line for the first that fails: a
+    mandatory value left unset, a model or data the trainer does not take (before anything
+    resolves, so an interpolation the wrong data node lacks is never reached), engine settings no
+    trainer can run with, then any value of the schema's (train/config.py) out of its range."""
+    check_required(cfg)  # a `???` left unset: one line now, not a traceback after the data is built
     arch = model_defaults(cfg.model.name)["arch"]  # the zoo's one-line error if unknown
     modality, name = cfg.data.get("modality"), cfg.trainer.name
     if cls.modality and modality and modality != cls.modality:  # a node without one: trusted
@@ -81,10 +83,8 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
     command line takes unquoted (Hydra's grammar refuses `=`, `,` and `~` in a value).
 
     A name longer than MAX_NAME keeps its readable start and ends in a hash of the whole,
-    so it stays unique and the same command finds the same directory again."""
-    # reliability: the name is made of the values (the label reads k): bad ones are named first
-    check_required(cfg)
-    check_engine_config(get_trainer(cfg.trainer.name), cfg)
+    so it stays unique and the same command finds the same directory again. The name is made of
+    the values (the label reads k): `run` checks them first."""
     keep = []
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
@@ -114,17 +114,20 @@ def _remove_fresh(run_dir: Path, created: Path):
                 folder.rmdir()
 
 
-def run(cfg: DictConfig) -> dict:
-    """Train with a composed config (also the entry used by tests and sweeps)."""
+def run(cfg: DictConfig, overrides: list[str] = ()) -> dict:
+    """Train with a composed config (train.py's entry, also tests' and sweeps'); a null `run_dir` is
+    named from the command line's `overrides`."""
     from . import dist
     from laplace.io import atomic_write
 
     from .logger import RunLog
     from .signals import Preempted, StopRequest
 
-    check_required(cfg)  # a `???` left unset: one line now, not a traceback after the data is built
     cls = get_trainer(cfg.trainer.name)
-    check_engine_config(cls, cfg)  # before anything resolves: wrong combinations get one line
+    check_engine_config(cls, cfg)  # before anything resolves: bad values get one line
+    if cfg.run_dir is None:
+        with open_dict(cfg):
+            cfg.run_dir = run_dir_from_overrides(cfg, list(overrides))
     # Rank 0 (torchrun's RANK, srun's SLURM_PROCID) copies its output into the run directory.
     main = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)) or 0) == 0
     run_dir = Path(cfg.run_dir)

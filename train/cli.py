@@ -13,6 +13,7 @@ The console scripts (`laplace-train`, ...) run these command lines from the chec
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -40,13 +41,9 @@ def hydra_entry(config_name: str):
     failure exits at once), inside Hydra's task function so that no error reaches Hydra's own handler."""
 
     def decorate(fn):
-        user = {}  # the user's HYDRA_FULL_ERROR, read when the command starts
-
-        @functools.wraps(fn)  # fn's name, module and file: Hydra names the job after them
-        def task(cfg):
+        def named(cfg):
             from omegaconf.errors import MissingMandatoryValue
 
-            _set_env("HYDRA_FULL_ERROR", user["value"])  # the task's own processes inherit the user's
             try:
                 return fn(cfg)
             except MissingMandatoryValue as e:  # a `???` left unset: one line naming the key
@@ -59,23 +56,33 @@ def hydra_entry(config_name: str):
             import hydra
 
             path = cli_errors(config_dir)(config_name)
-            # Hydra prints its own errors (an unknown key, a bad override, a model the zoo cannot
-            # build) in several lines; with HYDRA_FULL_ERROR set it raises them, and they become one.
-            user["value"] = os.environ.get("HYDRA_FULL_ERROR")
-            os.environ["HYDRA_FULL_ERROR"] = "1"
-            run = hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(cli_errors(task))
-            return cli_errors(_hydra_errors(run, user["value"]))()
+            user = os.environ.get("HYDRA_FULL_ERROR")
+
+            @functools.wraps(fn)  # fn's name, module and file: Hydra names the job after them
+            def task(cfg):
+                with _env("HYDRA_FULL_ERROR", user):  # the task and its own processes see the user's setting
+                    return cli_errors(named)(cfg)
+
+            run = hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(task)
+            return cli_errors(_hydra_errors(run, user))()
 
         return main
 
     return decorate
 
 
-def _set_env(key: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(key, None)
-    else:
+@contextlib.contextmanager
+def _env(key: str, value: str | None):
+    """os.environ[key] = value (None: unset) inside the block; as it was after it."""
+    before = os.environ.pop(key, None)
+    if value is not None:
         os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
+        if before is not None:
+            os.environ[key] = before
 
 
 def _hydra_errors(run, user_setting):
@@ -84,9 +91,11 @@ def _hydra_errors(run, user_setting):
 
     def wrapped():
         try:
-            return run()
+            # Hydra prints its own errors (an unknown key, a bad override, a model the zoo cannot
+            # build) in several lines; with HYDRA_FULL_ERROR set it raises them, and they become one.
+            with _env("HYDRA_FULL_ERROR", "1"):
+                return run()
         except HydraException as e:
-            _set_env("HYDRA_FULL_ERROR", user_setting)
             if user_setting == "1":  # the user asked for Hydra's own report
                 raise
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -95,8 +104,5 @@ def _hydra_errors(run, user_setting):
                 options = [ln for ln in lines[starts[0] + 1:] if not ln.startswith(("Config search path", "provider="))]
                 raise UserError(f"{lines[0]}; choose one of: {', '.join(options)}") from None
             raise UserError(" ".join(lines[:2]) or type(e).__name__) from None
-        finally:
-            _set_env("HYDRA_FULL_ERROR", user_setting)
 
     return wrapped
-

@@ -90,7 +90,6 @@ class Trainer:
         if OmegaConf.is_missing(tc, "init_from"):  # a trainer built without train.run's check_required
             raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
                               "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
-        self.is_set_up = False
 
     @classmethod
     def offline(cls, cfg: DictConfig, device: str = "meta") -> Trainer:
@@ -106,9 +105,7 @@ class Trainer:
         return t
 
     def setup(self) -> Trainer:
-        """Build data, model and optimizers and restore the run's checkpoint (once; returns self)."""
-        if self.is_set_up:
-            return self
+        """Build data, model and optimizers and restore the run's checkpoint (returns self)."""
         cfg, tc, world = self.cfg, self.cfg.trainer, self.dist.world_size
         dist.seed_everything(cfg.seed + self.dist.rank)
         # 1. data: a feed of micro-batches (a map-style set is served by a MapFeed), the run's length
@@ -152,7 +149,6 @@ class Trainer:
         self.net = self._wrap(self.model)
         # Batch norms that no collective keeps equal (gloo has no SyncBatchNorm): averaged each step.
         self.unsynced_stats = dist.unsynced_running_stats(self.model) if self.dist.distributed else []
-        self.is_set_up = True
         return self
 
     # ---- the contract: what a trainer overrides (see the module docstring) ------------------
@@ -309,10 +305,10 @@ class Trainer:
                         **{k: s(step) for k, s in self.value_schedules.items()}}
 
     def fit(self, stop: StopRequest | None = None) -> dict:
-        """Train to total_steps (or trainer.stop_after more steps); returns the last metrics.
-        `stop`: the signal flag train.run installs before set-up (None: fit's own)."""
+        """After setup(): train to total_steps (or trainer.stop_after more steps); returns the last
+        metrics. `stop`: the signal flag train.run installs before set-up (None: fit's own)."""
         with contextlib.nullcontext(stop) if stop is not None else StopRequest() as stop:
-            return self.setup()._fit(stop)
+            return self._fit(stop)
 
     def _fit(self, stop: StopRequest) -> dict:
         cfg, tc, optim = self.cfg, self.cfg.trainer, self.cfg.optim
