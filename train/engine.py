@@ -41,7 +41,6 @@ from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, load_pretrained, results_header, rng_state,
                                 save_checkpoint, set_rng_state)
 from laplace.data import Data
-from laplace.data.images import report_skipped
 from laplace.errors import ConfigError
 from laplace.io import write_json
 
@@ -412,6 +411,8 @@ class Trainer:
         first task end, finds the others ending too rather than killing one mid-exit."""
         self.feed.close()
         vote.close()
+        from laplace.data.images import report_skipped  # (image sets only; a lazy import keeps text runs off it)
+
         report_skipped({"train": self.data.train, "val": self.data.val}, self.device, self.dist.is_main)
         dist.barrier()
 
