@@ -8,7 +8,7 @@ outputs, resuming): docs/text_data.md. A step of the pipeline beside train.py (a
 """
 from __future__ import annotations
 
-from laplace.cli import hydra_entry
+from train.cli import hydra_entry
 from laplace.data.prepare import prepare
 
 main = hydra_entry("prepare")(prepare)

@@ -17,18 +17,15 @@ by SIGUSR1 / SIGTERM after writing last.pt, to be requeued (train/signals.py).
 from __future__ import annotations
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-from laplace.cli import hydra_entry
-from train import run, run_dir_from_overrides
+from train import run
+from train.cli import hydra_entry
 
 
 @hydra_entry("config")
 def main(cfg: DictConfig) -> dict:
-    if cfg.run_dir is None:
-        with open_dict(cfg):
-            cfg.run_dir = run_dir_from_overrides(cfg, list(HydraConfig.get().overrides.task))
-    return run(cfg)
+    return run(cfg, HydraConfig.get().overrides.task)  # the overrides name the run directory
 
 
 if __name__ == "__main__":

@@ -31,10 +31,10 @@ from omegaconf import DictConfig
 from analysis.geometry import analysis_dir, analyze_checkpoint, check_metrics, layer_names, load_for_analysis
 from analysis.runs import expand
 from laplace.checkpoint import run_dir_of
-from laplace.cli import hydra_entry
+from train.cli import hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
-from laplace.rundir import check_writable
+from train.rundir import check_writable
 from laplace.zoo import model_label
 from train.logger import log_to_training_run
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from laplace.cli import hydra_entry
+from train.cli import hydra_entry
 from laplace.errors import ConfigError
 from laplace.zoo import model_label
 
@@ -176,7 +176,7 @@ def run(cfg: DictConfig) -> dict:
     from analysis.geometry import analysis_dir, layer_names, load_for_analysis
     from analysis.pca_maps import denormalize
     from laplace.data.vision import build_transform
-    from laplace.rundir import check_writable
+    from train.rundir import check_writable
     from laplace.vit import VisionTransformer
 
     ckpt_path, image_path, th = Path(str(cfg.checkpoint)), Path(str(cfg.image)), cfg.threshold

@@ -24,10 +24,10 @@ from omegaconf import DictConfig
 
 from analysis.runs import arm_key, arms, experiments, find_runs, frame, read_run, runs_roots, sort_key
 from analysis.stats import describe
-from laplace.cli import hydra_entry
+from train.cli import hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import write_json
-from laplace.rundir import check_writable
+from train.rundir import check_writable
 
 BANDS = {"sd": "band: +-1 sample sd over seeds", "minmax": "band: min-max over seeds",
          "ci": "band: the 95% t interval of the mean over seeds"}

@@ -36,7 +36,7 @@ from analysis.runs import (BLOCK_METRICS, aggregate, arm_key, arm_label, collect
                            layer_geometry, per_block, runs_roots, sort_key)
 from analysis.gates import gate_groups  # noqa: E402
 from analysis.stats import summarize  # noqa: E402
-from laplace.cli import hydra_entry  # noqa: E402
+from train.cli import hydra_entry  # noqa: E402
 
 FIGURES = ("anova", "collapse", "spectrum")
 # The per-layer panels of each figure and architecture: (key of analysis.runs.geometry, title, log

@@ -34,7 +34,7 @@ def as_index(x, device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int64).reshape(-1)
 
 
-def _sq(x: torch.Tensor) -> torch.Tensor:
+def sq_norms(x: torch.Tensor) -> torch.Tensor:
     return (x * x).sum(-1)
 
 
@@ -127,7 +127,7 @@ def class_mean_geometry(means: torch.Tensor, mu: torch.Tensor, weight=None) -> d
     if weight is not None:
         W = weight.to(means)
         out["nc2_equinorm_w"] = _cov(W.norm(dim=1))
-        out["nc3"] = float(_sq((W / W.norm() - M / M.norm()).reshape(-1)))
+        out["nc3"] = float(sq_norms((W / W.norm() - M / M.norm()).reshape(-1)))
     return out
 
 
@@ -136,7 +136,7 @@ def ncc_mismatch(x: torch.Tensor, means: torch.Tensor, weight: torch.Tensor, bia
     """Number of rows where argmax_c (W x + b)_c != argmin_c ||x - mu_c|| (the NC4 count)."""
     W = weight.to(x)
     b = bias.to(x) if bias is not None else None
-    m_sq = _sq(means)
+    m_sq = sq_norms(means)
     wrong = 0
     for i in range(0, x.shape[0], chunk):
         xb = x[i:i + chunk]
@@ -151,7 +151,7 @@ def cdnv_from_class_stats(means: torch.Tensor, var: torch.Tensor) -> dict:
     """Mean and std over class pairs of (var_c + var_c') / (2 ||mu_c - mu_c'||^2)."""
     # ||mu_c - mu_c'||^2 = |mu_c|^2 + |mu_c'|^2 - 2 <mu_c, mu_c'> per block of rows: no C x C x D tensor
     m = means - means.mean(0)  # centring first keeps the Gram-form distances accurate
-    m_sq = _sq(m)
+    m_sq = sq_norms(m)
 
     def fn(i0, i1):
         d2 = (m_sq[i0:i1, None] + m_sq[None] - 2 * m[i0:i1] @ m.T).clamp_min(0)
@@ -248,7 +248,7 @@ def sequence_spectra(x: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99),
     lam = torch.linalg.eigvalsh(gram / T).flip(-1).clamp_min(0)
     total = lam.sum(-1)
     # the same no-variance rule as spectrum_metrics, on each sequence's own mean square
-    varies = total > _NO_VARIANCE * _sq(x).mean(1)
+    varies = total > _NO_VARIANCE * sq_norms(x).mean(1)
     p = lam / torch.where(varies, total, torch.ones_like(total))[:, None]
     counts, erank = spectrum_counts(p, thresholds, tol)
     nan = torch.full_like(total, float("nan"))

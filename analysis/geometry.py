@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, Subset
 
 from analysis.metrics import GeometryAccumulator, SequenceSpectra, cdnv, neural_collapse, spectral_decay
 from laplace.checkpoint import load_model, model_source, run_dir_of
-from laplace.dist import resolve_device
+from train.dist import resolve_device
 from laplace.errors import ConfigError
 from laplace.vit import VisionTransformer
 from laplace.zoo import features, model_label

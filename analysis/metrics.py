@@ -30,9 +30,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from analysis.formulas import (_sq, add_shares, as_float64, as_index, cdnv_from_class_stats,
+from analysis.formulas import (add_shares, as_float64, as_index, cdnv_from_class_stats,
                                class_mean_geometry, lc_from_class_stats, nc1_from_scatter, ncc_mismatch,
-                               sequence_spectra, spectrum_metrics)
+                               sequence_spectra, spectrum_metrics, sq_norms)
 
 METRICS = ("anova", "anova_seq", "nc", "cdnv", "lc", "spectral")
 
@@ -110,7 +110,7 @@ class GeometryAccumulator:
             self.device = x.device
             self._allocate(x)
         x = x - self.shift  # the shift leaves every variance unchanged; the means get it back
-        sq = _sq(x)
+        sq = sq_norms(x)
         self.n += x.shape[0]
         self.sum += x.sum(0)
         self.sq += sq.sum()
@@ -145,7 +145,7 @@ class GeometryAccumulator:
         T, n_c = self.cls_sum[classes], self.cls_n[classes]
         means = T / n_c[:, None]
         # E|x|^2 - |E x|^2 may round below 0 for a class of identical rows
-        var = (self.cls_sq[classes] / n_c - _sq(means)).clamp_min(0)
+        var = (self.cls_sq[classes] / n_c - sq_norms(means)).clamp_min(0)
         return classes, means, n_c, var
 
     def class_means(self, min_count: int = 1):
@@ -184,12 +184,12 @@ class GeometryAccumulator:
         if self.n == 0:
             raise ValueError("no data: call update() first")
         N, mu = self.n, self.sum / self.n
-        Q, mu2 = float(self.sq), float(_sq(mu))
+        Q, mu2 = float(self.sq), float(sq_norms(mu))
         present = self.seq_n > 0
         ns, S, n_s = int(present.sum()), self.seq_sum[present], self.seq_n[present]
         # The ANOVA from sums alone (all about the shifted origin): N total = Q - N |mu|^2,
         # N within_seq = Q - A, N between_seq = A - N |mu|^2
-        A = float((_sq(S) / n_s).sum()) if ns else float("nan")  # sum_s ||S_s||^2 / n_s
+        A = float((sq_norms(S) / n_s).sum()) if ns else float("nan")  # sum_s ||S_s||^2 / n_s
         out = {}
         if self.metrics & {"anova", "anova_seq"}:
             # max(.., 0): a sequence of identical tokens makes Q - A a rounding-level difference
@@ -199,7 +199,7 @@ class GeometryAccumulator:
             classes, means, n_c, var = self._classes()
         if "anova" in self.metrics:
             # the class parts nest the sequence parts: one label per sequence, so within_class = (A - B) / N
-            B = float((_sq(means) * n_c).sum())  # sum_c ||T_c||^2 / n_c
+            B = float((sq_norms(means) * n_c).sum())  # sum_c ||T_c||^2 / n_c
             out.update(within_class=max(A - B, 0.0) / N, between_class=B / N - mu2)
         if "total" in out:
             add_shares(out, Q / N)

@@ -31,10 +31,10 @@ from analysis.claims import (_d, _md, _mean, _paradigm, _test, check_plan, claim
 from analysis.curves import draw_curves, points
 from analysis.runs import arm_key, arm_label, arms, collect, frame, layer_order, runs_roots
 from analysis.stats import describe, interval_text
-from laplace.cli import config_dir, hydra_entry
+from train.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
-from laplace.rundir import check_writable
+from train.rundir import check_writable
 
 # The mechanism's per-head numbers the report pools (analysis/mechanism.py), their labels and formats.
 MECHANISM = (("cos_smooth", "cos(head's part, Px - x)", "+.3f"), ("dvar", "d within-seq. variance", "+.3g"),

@@ -29,9 +29,9 @@ from omegaconf import OmegaConf
 
 from analysis.geometry import geometry, layer_geometry, mechanism_summary  # noqa: F401 (analysis.runs.geometry)
 from analysis.stats import summarize
-from laplace.config import flatten, required_list
+from train.config import flatten, required_list
 from laplace.errors import ConfigError
-from laplace.rundir import EXECUTION_KEYS
+from train.rundir import EXECUTION_KEYS
 
 # Runs sharing all of these are seeds of one experiment (recipe_id: the config without seeds).
 GROUP_KEYS = ("trainer", "dataset", "family", "k", "mode", "recipe_id")

@@ -31,10 +31,10 @@ from analysis.gates import write_gate_tables
 from analysis.runs import (BLOCK_METRICS, GROUP_KEYS, aggregate, arm_key, arm_label, collect, experiments,
                            layer_order, metric_value, per_block, runs_roots, sort_key)
 from analysis.stats import interval_text
-from laplace.cli import config_dir, hydra_entry
+from train.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
-from laplace.rundir import check_writable
+from train.rundir import check_writable
 
 PAPER = Path(__file__).with_name("paper.yaml")
 

@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from laplace.checkpoint import results_header, run_dir_of
 from laplace.pretrained import load_backbone
-from laplace.dist import DistInfo, all_gather_object, barrier, cleanup, setup
+from train.dist import DistInfo, all_gather_object, barrier, cleanup, setup
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
-from laplace.rundir import check_writable
+from train.rundir import check_writable
 from laplace.zoo import features
 from train.logger import log_to_training_run, progress_bar, progress_interval
 
@@ -87,7 +87,7 @@ def extract_features(model, dataset, *, kind: str = "cls", n_last_blocks: int = 
         model: the frozen backbone (on `device`).
         dataset: yields (image tensor, int label).
         kind, n_last_blocks, avgpool: the feature (see `batch_features`).
-        dist_info: the launch (laplace.dist.setup); None = one process.
+        dist_info: the launch (train.dist.setup); None = one process.
         cache, key: a file holding this key is read instead of running the model; otherwise the
             features are computed and written there (rank 0).
         progress: None, no bar; else rank 0's bar (train.logger.progress_bar) at this interval.

@@ -22,10 +22,10 @@ from omegaconf import DictConfig
 from laplace import load_model, model_label
 from laplace.chat_format import render_for_completion
 from laplace.checkpoint import EXPORT_TOKENIZER, model_source
-from laplace.cli import hydra_entry
-from laplace.config import required
+from train.cli import hydra_entry
+from train.config import required
 from laplace.data import DatasetNotFoundError
-from laplace.dist import resolve_device
+from train.dist import resolve_device
 from laplace.errors import ConfigError
 from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
 from laplace.tokenizer import load_tokenizer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from laplace.cli import hydra_entry
+from train.cli import hydra_entry
 from laplace.errors import ConfigError
 
 from .features import eval_features, run_and_clean_up, write_results

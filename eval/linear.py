@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from laplace.cli import hydra_entry
+from train.cli import hydra_entry
 from laplace.errors import ConfigError
 
 from .features import eval_features, run_and_clean_up, write_results

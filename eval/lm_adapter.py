@@ -22,7 +22,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
-from laplace import dist
+from train import dist
 from laplace.chat_format import render_conversation, render_for_completion
 from laplace.errors import ConfigError
 from laplace.sampling import Calculator, stream_tokens

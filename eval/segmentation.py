@@ -14,7 +14,7 @@ from omegaconf import DictConfig, open_dict
 
 from laplace.checkpoint import run_dir_of
 from laplace.pretrained import backbone_node
-from laplace.cli import hydra_entry
+from train.cli import hydra_entry
 
 
 def prepare(cfg: DictConfig) -> DictConfig:

@@ -311,8 +311,13 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     folder = Path(folder)
     cfg_path = folder / EXPORT_CONFIG
     if not cfg_path.is_file():
-        raise CheckpointError(f"{folder} is a folder without {EXPORT_CONFIG}, not an exported laplace model; "
-                              f"write one with `python -m laplace.export checkpoint=<run>/ckpt/last.pt out=<new folder>`")
+        # export writes only into a folder of its own: the way out names a new one, never this one
+        run = folder / "ckpt" / "last.pt"
+        source = f"pass checkpoint={run} or export it" if run.is_file() else "write one"
+        what = "a run folder" if run.is_file() else f"a folder without {EXPORT_CONFIG}"
+        raise CheckpointError(f"{folder} is {what}, not an exported laplace model; {source} with `python -m "
+                              f"laplace.export checkpoint={run if run.is_file() else '<run>/ckpt/last.pt'} "
+                              f"out=exports/{folder.resolve().name}`")
     try:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:

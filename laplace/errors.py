@@ -21,6 +21,11 @@ class UserError(Exception):
     """Bad input: a config value, a path, a file. The message is one line."""
 
 
+class DatasetNotFoundError(UserError, FileNotFoundError):
+    """A dataset is not where the config says. The message is one line: what was looked for,
+    where, and how to get it (which config key to set)."""
+
+
 class ConfigError(UserError, ValueError):
     """A config value (or a combination of values) that cannot work; names the key."""
 

@@ -28,7 +28,6 @@ import torch.nn as nn
 
 from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_TOKENIZER, EXPORT_VERSION, EXPORT_WEIGHTS,
                          CheckpointError, check_finite, checkpoint_file, load_model, model_source, run_dir_of)
-from .cli import config_dir
 from .errors import ConfigError, UserError, cli_errors
 from .io import atomic_dir
 from .zoo import model_label
@@ -249,18 +248,17 @@ def _source(path: Path, ckpt: dict) -> dict:
     config, run = ckpt["config"], run_dir_of(path).resolve()
     data = (config.get("data") or {}).get("name")
     # train.py names run dirs <runs>/<trainer>/<experiment or data>/<model>_s<seed>: the middle
-    # part is an experiment where this checkout has configs/experiment/<it>.yaml.
-    exp = Path(str(config["run_dir"])).parent.name if config.get("run_dir") else None
-    try:
-        exp = exp if exp and exp != data and (config_dir() / "experiment" / f"{exp}.yaml").is_file() else None
-    except UserError:  # no configs/ (an installed package): the run dir alone does not tell
-        exp = None
+    # part is an experiment where it is not the data's name, in that layout (not a run_dir= of the user's).
+    trainer = (config.get("trainer") or {}).get("name")
+    folder = Path(str(config["run_dir"])) if config.get("run_dir") else None
+    exp = folder.parent.name if folder is not None and folder.parent.parent.name == trainer else None
+    exp = exp if exp != data else None
     loop = ckpt.get("loop") or {}
     # the planned length, where the checkpoint records it (the engine's, since 2026-12-06)
     early = {"stopped_early": loop["total_steps"]} if (loop.get("step") or 0) < (loop.get("total_steps") or 0) else {}
     return {"run": run.name, "checkpoint": str(path.resolve().relative_to(run)),
             "step": loop.get("step"), "git_rev": ckpt.get("git_rev"),
-            "trainer": (config.get("trainer") or {}).get("name"), "data": data, "experiment": exp, **early}
+            "trainer": trainer, "data": data, "experiment": exp, **early}
 
 
 def code_url() -> Optional[str]:

@@ -56,7 +56,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[IO[bytes]], No
         name_storage_error(e, path)
         raise
     # The folder fsynced too, so that the rename survives a crash (POSIX: laplace runs on Linux and
-    # macOS only, laplace.rundir's lock is fcntl's).
+    # macOS only, train.rundir's lock is fcntl's).
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)

@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
+from timm.utils import unwrap_model as unwrap  # the plain module under DDP and torch.compile
 from torch import nn
 
-from .dist import unwrap
 from .errors import ConfigError
 
 

@@ -1,12 +1,13 @@
-"""The values users set most, declared once: types, ranges and choices of the train config.
+"""Values declared once: types, ranges and choices, checked with pydantic, each refusal one line.
 
-    check_config(cfg)                      # train.py, before anything is built
-    check_model(node, "<file>: laplace.model")   # a model node read from a file (an export)
+    check_model(node, "<file>: laplace.model")   # a model node read from a file (a checkpoint, an export)
+    check_config(cfg, schema)                    # any config against a schema (train.config: train.py's)
 
 A bad value is one line naming the key, the value and what is allowed
 (`error: optim.lr=-0.1: give a number > 0`), where it used to be a traceback from deep inside
 torch or timm, or a run that trained with it (optim.weight_decay=-1, trainer.amp=maybe). Keys not
-declared here pass, checked where they are read (a trainer's own keys, laplace.zoo's k range).
+declared pass, checked where they are read (a trainer's own keys, laplace.zoo's k range). The model
+node is declared here, beside the models; the train config's other nodes in train/config.py.
 """
 from __future__ import annotations
 
@@ -54,63 +55,12 @@ class Node(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class Trainer(Node):
-    # torch.device would take any of its 20 device types; the engine runs on these
-    device: allowed(str, "auto, cpu, cuda or cuda:<index>", pattern=r"^(auto|cpu|cuda(:\d+)?)$") = None
-    amp: Switch = None
-    compile: Switch = None
-    global_batch_size: allowed_or_null(int, "a whole number >= 1, or null for optim=muon26's rule", ge=1) = None
-    micro_batch_size: allowed_or_null(int, "a whole number >= 1, or null for the whole share", ge=1) = None
-    num_workers: Size = None
-    epochs: Steps = None
-    max_steps: Steps = None
-    log_every: Count = None
-    eval_every: Steps = None
-    ckpt_every: Steps = None
-    keep_every: Steps = None
-    stop_after: Steps = None
-    progress: bool = None  # (init_head is checked where it is read, laplace.checkpoint.load_pretrained)
-    resume: allowed(Literal["auto", "force"], "auto (refuse another configuration's checkpoint) or force") = None
-
-
-class Optim(Node):
-    # torch's AdamW refuses a negative lr only at construction, after the data; it takes a
-    # negative weight decay silently (it trains, towards larger weights)
-    lr: Rate = None
-    weight_decay: NonNegative = None
-    betas: allowed(list[Fraction], "two numbers in [0, 1), e.g. [0.9, 0.999]", min_length=2, max_length=2) = None
-    eps: Rate = None
-    grad_clip: allowed_or_null(float, "a number > 0, or null for no clipping", gt=0) = None
-    grad_clip_mode: Literal["global", "group", "param"] = None
-    # Muon + AdamW (optim=muon): a rate per parameter kind instead of lr
-    matrix_lr: Rate = None
-    embedding_lr: Rate = None
-    unembedding_lr: Rate = None
-    scalar_lr: Rate = None
-    muon_weight_decay: NonNegative = None
-    momentum: Fraction = None
-    ns_steps: Count = None
-
-
-def _multiple(node: BaseModel, key: str, of: str) -> None:
+def multiple(node: BaseModel, key: str, of: str) -> None:
     """`key` must be a multiple of `of` (both set): the one cross-key rule, stated once."""
     a, b = getattr(node, key, None), getattr(node, of, None)
     if isinstance(a, int) and isinstance(b, int) and b > 0 and a % b:  # b <= 0: its own field's error
         # (key, words): pydantic keeps the exception, and `_one_line` names the key from it
         raise ValueError(key, f"a multiple of {of}={b}")
-
-
-class Data(Node):
-    # the patch grid must tile the image (timm's PatchEmbed asserted it, at the first forward)
-    img_size: Count = None
-    patch_size: Count = None
-    seq_len: Count = None
-    num_classes: Count = None
-
-    @model_validator(mode="after")
-    def _patches_tile_the_image(self):
-        _multiple(self, "img_size", "patch_size")
-        return self
 
 
 class Model(Node):
@@ -134,33 +84,12 @@ class Model(Node):
 
     @model_validator(mode="after")
     def _shapes_divide(self):
-        _multiple(self, "img_size", "patch_size")
-        _multiple(self, "embed_dim", "num_heads")
+        multiple(self, "img_size", "patch_size")
+        multiple(self, "embed_dim", "num_heads")
         return self
 
 
-class Wandb(Node):
-    mode: allowed_or_null(Literal["online", "offline", "disabled"],
-                          "online, offline or disabled (or null: WANDB_MODE decides)") = None
-
-
-class Logger(Node):
-    wandb: Optional[Wandb] = None
-    progress_interval: NonNegative = None  # seconds between progress lines off a terminal (0: every redraw)
-
-
-class TrainConfig(Node):
-    """train.py's config (configs/config.yaml and its groups). Data comes before the model: a
-    model node's sizes interpolate the data node's, and the key to name is the one the user set."""
-    seed: Size = None
-    trainer: Trainer = None
-    optim: Optim = None
-    data: Data = None
-    model: Model = None
-    logger: Logger = None
-
-
-def check_config(cfg: DictConfig | dict, schema: type[BaseModel] = TrainConfig, prefix: str = "") -> None:
+def check_config(cfg: DictConfig | dict, schema: type[BaseModel], prefix: str = "") -> None:
     """Raise ConfigError, one line, for the first value of `cfg` (resolved) that `schema` refuses;
     `prefix` goes before the key (where the config came from)."""
     # Resolved: model sizes interpolate the data node's (${data.img_size}); a `???` left is

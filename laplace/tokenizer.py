@@ -43,8 +43,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from laplace.data import DatasetNotFoundError
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, DatasetNotFoundError
 from laplace.io import atomic_write
 
 # nanochat's special tokens: documents start with <|bos|>; the rest delimit chat turns and tool
@@ -63,7 +62,7 @@ FORMAT_VERSION = 1
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # a BPE vocabulary must exceed this (>= 1 merge)
 
 
-def _cores() -> int:
+def cpu_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -119,7 +118,7 @@ class Tokenizer:
                      num_threads: int | None = None) -> list[list[int]]:
         """`encode` of each text, in parallel threads over the texts (None: one per core)."""
         # tiktoken encodes in Rust and releases the GIL: threads scale with cores (prepare, packed chat)
-        batch = self.enc.encode_ordinary_batch(list(texts), num_threads=num_threads or _cores())
+        batch = self.enc.encode_ordinary_batch(list(texts), num_threads=num_threads or cpu_cores())
         if prepend_bos:
             for ids in batch:
                 ids.insert(0, self.bos_id)

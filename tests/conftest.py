@@ -99,7 +99,7 @@ def save_tiny_gpt(path, seq_len: int = 64) -> str:
     """An untrained tiny GPT checkpoint (gpt_d2_1L, bytes) on pydoc_text; out-projections and
     lm_head made non-zero so tokens mix and the unembedding is defined (nanochat's init zeroes them)."""
     from laplace.checkpoint import save_checkpoint
-    from laplace.config import model_node
+    from train.config import model_node
     from laplace.zoo import create_model
 
     node = model_node("gpt_d2_1L")

@@ -57,7 +57,7 @@ def main(out: str, runs: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from laplace import dist
+    from train import dist
     from train import run
 
     real_init, real_new_group = tdist.init_process_group, tdist.new_group

@@ -36,7 +36,7 @@ def main(out: str, runs: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from laplace import dist
+    from train import dist
     from train import check_engine_config, get_trainer
 
     results = {}

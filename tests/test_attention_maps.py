@@ -18,7 +18,7 @@ from PIL import Image
 from analysis.attention import capture_attention, mass_mask, run
 from conftest import CONFIGS, ROOT, randomize_, train_tiny_vit
 from laplace.checkpoint import load_model, save_checkpoint
-from laplace.config import model_node
+from train.config import model_node
 from laplace.zoo import create_model
 
 

@@ -191,7 +191,7 @@ def test_knn_and_linear_check_where_results_go_before_the_features(tmp_path):
 
 # Issue 45's bad values (7 were tracebacks; optim.weight_decay=-1, trainer.amp=maybe, trainer.compile=sometimes
 # and optim.grad_clip=-1 trained with rc 0), the one-line ones kept one line, and more: each refused in one line
-# naming the key, the value and what is allowed (laplace.schema), before anything is built.
+# naming the key, the value and what is allowed (train/config.py), before anything is built.
 BAD_VALUES = [
     (["optim.lr=-0.1"], "optim.lr=-0.1: give a number > 0"),
     (["trainer.global_batch_size=ten"], "trainer.global_batch_size=ten: give a whole number >= 1, or null for optim=muon26's rule"),
@@ -239,12 +239,12 @@ BAD_VALUES = [
 @pytest.mark.parametrize("overrides,message", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
 def test_a_bad_value_is_one_line_before_anything_is_built(make_cfg, tmp_path, overrides, message):
     from laplace.errors import one_line
-    from train import run, run_dir_from_overrides
+    from train import check_engine_config, get_trainer, run
 
     gpt = any(o.startswith("experiment=gpt") for o in overrides)  # TINY_VIT's model keys are a ViT's
     cfg = make_cfg(*overrides, "trainer.num_workers=0") if gpt else make_cfg("model=vitt_0L", *TINY_VIT, *overrides)
-    # train.py names the run folder from the values first (the label reads k), then runs
-    for step in (lambda: run_dir_from_overrides(cfg, overrides), lambda: run(cfg)):
+    # what train.py checks before it names the run folder (the label reads k), and the run itself
+    for step in (lambda: check_engine_config(get_trainer(cfg.trainer.name), cfg), lambda: run(cfg, overrides)):
         with pytest.raises(UserError) as e:
             step()
         assert str(e.value) == one_line(e.value) == message or str(e.value).startswith(message), str(e.value)
@@ -268,7 +268,7 @@ def test_a_bad_value_on_the_command_line_is_one_error_line(tmp_path, overrides, 
 
 def test_every_experiment_passes_the_schema(make_cfg):
     """No false alarm: every experiment (and the default config) as composed is valid."""
-    from laplace.schema import check_config
+    from train.config import check_config
 
     for exp in [None, *sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))]:
         extra = [f"experiment={exp}", "trainer.init_from=/x.pt"] if exp else []
@@ -276,7 +276,7 @@ def test_every_experiment_passes_the_schema(make_cfg):
 
 
 def test_a_lock_that_is_a_folder_is_one_line(tmp_path):
-    from laplace.rundir import RunDirLock
+    from train.rundir import RunDirLock
 
     (tmp_path / "run" / ".lock").mkdir(parents=True)
     with pytest.raises(UserError, match=rf"^run_dir: cannot take the lock file {tmp_path / 'run' / '.lock'} \(Is a "
@@ -304,3 +304,19 @@ def test_an_export_with_a_bad_value_in_its_config_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{out / 'config.json'}: laplace.model.depth=one: give a whole number "
                                           rf">= 1$"):
         laplace.load_model(out)
+
+
+def test_a_run_folder_given_as_a_model_says_which_file_and_exports_elsewhere(tmp_path):
+    """checkpoint=<run folder> (analysis, eval.*): the line names the run's last.pt and an export into
+    a folder of its own, never the run folder itself (which export refuses)."""
+    import laplace
+    from laplace.checkpoint import CheckpointError
+
+    run = tmp_path / "runs" / "deit3" / "digits" / "vitt_1L_s0"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "ckpt" / "last.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError) as e:
+        laplace.load_model(run)
+    assert str(e.value) == (f"{run} is a run folder, not an exported laplace model; pass checkpoint={run}/ckpt/last.pt "
+                            f"or export it with `python -m laplace.export checkpoint={run}/ckpt/last.pt "
+                            f"out=exports/vitt_1L_s0`")

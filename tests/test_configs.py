@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import ROOT
-from laplace.config import check_required
+from train.config import check_required
 from laplace.errors import ConfigError
 from train import TRAINERS
 from train.recipe import CONFIGS, compose_config, experiments

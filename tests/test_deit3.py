@@ -26,7 +26,7 @@ from conftest import CONFIGS, ROOT
 from laplace import create_model
 from laplace.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from laplace.pretrained import load_pretrained
-from laplace.config import model_node
+from train.config import model_node
 from laplace.data.vision import build_transform
 from laplace.errors import ConfigError
 from train.logger import read_metrics

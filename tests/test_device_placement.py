@@ -68,7 +68,7 @@ def float32_matmuls():
 
 
 def test_a_cuda_device_turns_tf32_on_the_cpu_does_not():
-    from laplace.dist import resolve_device
+    from train.dist import resolve_device
 
     assert resolve_device("cpu").type == "cpu" and torch.get_float32_matmul_precision() == "highest"
     with fake_cuda():

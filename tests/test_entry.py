@@ -1,4 +1,4 @@
-"""One Hydra entry decorator (laplace.cli.hydra_entry) for every command line: configs/ found in
+"""One Hydra entry decorator (train.cli.hydra_entry) for every command line: configs/ found in
 one place (also after a non-editable install, where no configs/ sits beside the code), model
 nodes registered, a `???` left unset or any bad input as one `error:` line."""
 from __future__ import annotations
@@ -29,10 +29,10 @@ def test_every_entry_point_uses_the_one_decorator():
     for path in sorted(ROOT.glob("*.py")) + sorted(p for d in ("laplace", "train", "eval", "analysis")
                                                    for p in (ROOT / d).rglob("*.py")):
         rel = str(path.relative_to(ROOT))
-        if rel == "laplace/cli.py":
+        if rel == "train/cli.py":
             continue
-        assert "hydra.main(" not in path.read_text(), f"{rel}: use laplace.cli.hydra_entry"
-    for path in ENTRIES:  # configs/ by a path of their own (read a config file: laplace.cli.config_dir)
+        assert "hydra.main(" not in path.read_text(), f"{rel}: use train.cli.hydra_entry"
+    for path in ENTRIES:  # configs/ by a path of their own (read a config file: train.cli.config_dir)
         assert not re.search(r"""["']configs["']""", (ROOT / path).read_text()), path
 
 

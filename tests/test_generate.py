@@ -220,7 +220,7 @@ def test_an_exported_folder_generates_as_its_checkpoint(ckpts, tmp_path):
     and chat, the tokenizer read from the folder (a trained BPE travels as tokenizer.json, so the run's
     own file may be gone)."""
     from laplace.checkpoint import save_checkpoint
-    from laplace.config import model_node
+    from train.config import model_node
     from laplace.export import export
     from laplace.tokenizer import train_bpe
     from laplace.zoo import create_model

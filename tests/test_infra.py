@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from laplace import dist
+from train import dist
 from train.logger import MetricsLogger, read_metrics
 from conftest import TINY_VIT
 from train import run

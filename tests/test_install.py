@@ -1,6 +1,6 @@
 """What `pip install` gets: pyproject's ranges hold constraints.txt's exact set and this venv, only
 `laplace` is a package of the wheel (the editable install puts the checkout on sys.path), and
-every console script runs the checkout's command line of the same name (laplace/cli.py)."""
+every console script runs the checkout's command line of the same name (laplace/console.py)."""
 from __future__ import annotations
 
 import os
@@ -18,7 +18,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from conftest import ROOT
-from laplace.cli import COMMANDS
+from laplace.console import COMMANDS
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 PINS = {canonicalize_name(name): Version(v) for name, v in
@@ -66,16 +66,16 @@ def test_console_scripts_are_the_commands():
     scripts = PROJECT["scripts"]
     assert scripts.pop("laplace-export") == "laplace.export:main"
     assert set(scripts) == set(COMMANDS)
-    import laplace.cli
+    import laplace.console
 
     for name, target in scripts.items():
         module, fn = target.split(":")
-        assert module == "laplace.cli" and callable(getattr(laplace.cli, fn)), name
+        assert module == "laplace.console" and callable(getattr(laplace.console, fn)), name
 
 
 def test_the_console_function_refuses_another_name(tmp_path):
     p = _run(_script("laplace-train", "--help")[:2] + [
-        "import sys; sys.argv[0] = '/bin/laplace-nope.exe'; from laplace.cli import main; main()"], tmp_path)
+        "import sys; sys.argv[0] = '/bin/laplace-nope.exe'; from laplace.console import main; main()"], tmp_path)
     assert p.returncode == 1 and p.stderr.startswith("error: laplace-nope is not a laplace console script (laplace-train,")
 
 
@@ -87,7 +87,7 @@ def _run(args, cwd, timeout=120):
 def _script(name, *args):
     """Run console script `name` as pip's launcher runs it: argv[0] its name, then its function."""
     fn = PROJECT["scripts"][name].split(":")[1]
-    return [sys.executable, "-c", f"import sys; sys.argv[0] = {name!r}; from laplace.cli import {fn}; {fn}()", *args]
+    return [sys.executable, "-c", f"import sys; sys.argv[0] = {name!r}; from laplace.console import {fn}; {fn}()", *args]
 
 
 @pytest.mark.parametrize("name, reference", [("laplace-train", ["train.py"]), ("laplace-knn", ["-m", "eval.knn"])])

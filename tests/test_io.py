@@ -10,7 +10,7 @@ import stat
 import torch
 
 from laplace.checkpoint import load_checkpoint, save_checkpoint
-from laplace.config import flatten
+from train.config import flatten
 from laplace.io import write_json
 from train.logger import MetricsLogger, logged
 

@@ -24,7 +24,7 @@ from eval.linear import accuracy, evaluate_linear, linear_probe
 from laplace import create_model
 from laplace.checkpoint import results_header, save_checkpoint
 from laplace.pretrained import backbone_node, load_backbone
-from laplace.config import model_node
+from train.config import model_node
 
 NODE = dict(model_node("vitt_0L"), depth=3, embed_dim=48, num_heads=3, img_size=16, patch_size=8, num_classes=10)
 
@@ -169,7 +169,7 @@ def test_gather_rows_restores_dataset_order(monkeypatch):
     """Each rank extracts what DistributedSampler gives it (3 ranks, 10 samples: r, r + 3, ...,
     wrapping round to 4 each); the all-gathered rows come back in dataset order (all_gather simulated)."""
     import eval.features as ef
-    from laplace.dist import DistInfo
+    from train.dist import DistInfo
     from torch.utils.data import DistributedSampler
 
     rows = torch.arange(10.0)[:, None].repeat(1, 2)

@@ -99,7 +99,7 @@ def test_laplace_chat_group_cli_writes_results_the_tables_read(ckpt, hf_root, ca
     import yaml
 
     from analysis.runs import collect, metric_value, read_run
-    from laplace.cli import config_dir
+    from train.cli import config_dir
     from eval.lm import evaluate_lm
 
     cfg = _lm_cfg(f"checkpoint={ckpt}", "tasks=[laplace_chat]", f"data_root={hf_root}", "allow_code_execution=true",

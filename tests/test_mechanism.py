@@ -26,7 +26,7 @@ from analysis.mechanism import (HeadAccumulator, head_outputs, mechanism_model, 
 from analysis.runs import metric_value, read_run
 from conftest import CONFIGS, ROOT, randomize_, train_tiny_vit
 from laplace.attention import LaplacianAttention
-from laplace.config import model_node
+from train.config import model_node
 from laplace.zoo import create_model
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("mmseg", reason="the [seg] extra is not installed (pip insta
 from conftest import ROOT, randomize_  # noqa: E402
 from eval.mmseg import LaplaceViT  # noqa: E402  (first: the mmcv-lite shim, before mmseg's models)
 from laplace.checkpoint import load_model, save_checkpoint  # noqa: E402
-from laplace.config import model_node  # noqa: E402
+from train.config import model_node  # noqa: E402
 from laplace.data.ade20k import write_digits_ade20k  # noqa: E402
 from laplace.zoo import create_model  # noqa: E402
 

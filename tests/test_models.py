@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import laplace
 from laplace.gpt import rms_norm
-from laplace.config import model_node
+from train.config import model_node
 from laplace.errors import ConfigError
 from laplace.gpt import GPT, gpt_dims
 from laplace.vit import load_timm_state_dict

@@ -252,7 +252,7 @@ def test_the_multi_gpu_launcher_exits_75_on_a_signal_and_resumes(tmp_path):
 
 VOTE = """
 import sys, time
-from laplace import dist
+from train import dist
 dist.setup("cpu")
 rank = dist.dist.get_rank()
 vote, stop = dist.StopVote(every_s=0.2), None
@@ -270,7 +270,7 @@ sys.stdout.flush()
 def test_the_stop_vote_agrees_on_one_step_without_waiting_every_step(tmp_path):
     """2 gloo ranks whose steps differ 30x in length, the signal on one: both stop at the same step,
     within two votes (a vote at least every STOP_VOTE_MAX_STEPS steps)."""
-    from laplace.dist import STOP_VOTE_MAX_STEPS
+    from train.dist import STOP_VOTE_MAX_STEPS
 
     proc = subprocess.run([sys.executable, "-m", "train.launch", "--nproc_per_node=2", "-c", VOTE], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=120)

@@ -105,7 +105,7 @@ def expand_sweeps(overrides: list[str]) -> list[list[str]]:
 
 
 def check_train(overrides: list[str]) -> None:
-    from train import run_dir_from_overrides
+    from train import check_engine_config, get_trainer, run_dir_from_overrides
 
     overrides = [o for o in overrides if o not in ("-m", "--multirun")]
     if "--cfg" in overrides:  # --cfg job|hydra|all: Hydra prints the config instead of running
@@ -113,8 +113,9 @@ def check_train(overrides: list[str]) -> None:
         overrides = overrides[:i] + overrides[i + 2:]
     for run in expand_sweeps(overrides):
         cfg = compose("config", run)
-        # train.py names the run folder from its task overrides (hydra/launcher=... is Hydra's own),
-        # and naming it runs the checks a run makes first: mandatory values, fit, the schema
+        # the checks a run makes first (mandatory values, fit, the schema), then the folder train.py
+        # names from its task overrides (hydra/launcher=... is Hydra's own)
+        check_engine_config(get_trainer(cfg.trainer.name), cfg)
         run_dir_from_overrides(cfg, [o for o in run if not o.startswith("hydra/")])
 
 
@@ -177,7 +178,7 @@ def check_python(argv: list[str], ctx) -> None:
     # a Hydra entry names its config in its decorator: the source says which one, without importing it
     entry = re.search(r'hydra_entry\("(\w+)"\)', path.read_text())
     if entry:
-        from laplace.config import check_required
+        from train.config import check_required
 
         for run in expand_sweeps(args):
             check_required(compose(entry[1], run))

@@ -1,4 +1,4 @@
-"""laplace/rundir.py: one run per run directory (a second is refused, a killed one's lock is taken
+"""train/rundir.py: one run per run directory (a second is refused, a killed one's lock is taken
 over) and bounded folder names."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from laplace.rundir import RunDirInUse, RunDirLock, short_name
+from train.rundir import RunDirInUse, RunDirLock, short_name
 
 ROOT = Path(__file__).resolve().parent.parent
-HOLD = "import sys, time; from laplace.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); time.sleep(60)"
+HOLD = "import sys, time; from train.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); time.sleep(60)"
 
 
 def hold(run_dir: Path) -> subprocess.Popen:
@@ -83,3 +83,31 @@ def test_a_fresh_run_refused_before_it_starts_leaves_no_folder(make_cfg, tmp_pat
         run(make_cfg(*base, "optim.schedules.lr.shape=step", run_dir=runs / "mine"))
     assert sorted(p.name for p in (runs / "mine").iterdir()) == [".lock", "train.log"]
     assert "shape='step'" in (runs / "mine" / "train.log").read_text()
+
+
+def test_a_run_folder_is_a_path_every_command_line_takes_unquoted(make_cfg):
+    """`checkpoint=<run>/ckpt/last.pt` after any overrides, a long name's hash too: no `=`, `,` or
+    `~`, which Hydra's grammar refuses unquoted (analysis, eval.*: "mismatched input '='")."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from train import run_dir_from_overrides
+
+    cfg = make_cfg("model=vitt_1L")
+    parse = OverridesParser.create().parse_overrides
+    for overrides in (["optim.lr=1e-4", "trainer.max_steps=10", "model.num_laplacian_heads=[0,1]"],
+                      ["optim.lr=1e-4", f"trainer.init_from=/a/{'x' * 200}/last.pt"]):
+        path = f"{run_dir_from_overrides(cfg, overrides)}/ckpt/last.pt"
+        (override,) = parse([f"checkpoint={path}"])
+        assert override.value() == path, path
+
+
+def test_the_same_command_finds_a_run_named_by_the_old_rule(make_cfg, tmp_path):
+    """Runs named before the rule above (`optim.lr=1e-4,trainer.max_steps=10`) resume by the same command."""
+    from train import run_dir_from_overrides
+
+    cfg = make_cfg("model=vitt_1L")
+    over = ["trainer.max_steps=10", "optim.lr=1e-4"]
+    old = tmp_path / "runs" / "deit3" / "digits" / "vitt_1L_s0_optim.lr=1e-4,trainer.max_steps=10"
+    assert run_dir_from_overrides(cfg, over).endswith("vitt_1L_s0_optim.lr-1e-4_trainer.max_steps-10")
+    (old / "ckpt").mkdir(parents=True)
+    assert run_dir_from_overrides(cfg, over) == str(old)

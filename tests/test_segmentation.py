@@ -215,7 +215,7 @@ def test_linear_protocol_end_to_end_on_digits(make_cfg, tmp_path):
 def test_segmentation_cli_errors_are_one_line(tmp_path):
     gpt = tmp_path / "gpt.pt"
     from laplace.checkpoint import save_checkpoint
-    from laplace.config import model_node
+    from train.config import model_node
 
     node = dict(model_node("gpt_d2_0L"), vocab_size=32, max_seq_len=16)
     save_checkpoint(gpt, model=create_model(**node), config={"model": node})
@@ -270,7 +270,7 @@ def test_training_survives_a_batch_without_labelled_pixels(tmp_path):
     """The issue's run: every training annotation is "other" (0, ignored), so each batch of
     crops holds ignored pixels only; 4 iterations train with loss 0 instead of stopping on NaN."""
     from laplace.checkpoint import save_checkpoint
-    from laplace.config import model_node
+    from train.config import model_node
 
     base = tmp_path / "ade" / "ADEChallengeData2016"
     for split in ("training", "validation"):

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from laplace import dist
+from train import dist
 
 # `env | grep ^SLURM` in the batch script of an `sbatch --ntasks=2` job (trimmed): SLURM_NTASKS=2
 # and SLURM_PROCID=0 although this is one process, and no SLURM_STEP_* at all.

@@ -137,7 +137,7 @@ def test_wandb_mode_config_wins_over_the_environment(monkeypatch):
     monkeypatch.delenv("WANDB_MODE")
     assert wandb_mode(None)[0] == "online"
     from laplace.errors import ConfigError
-    from laplace.schema import check_config
+    from train.config import check_config
 
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=onlin: give online, offline or disabled \(or null: "
                                           r"WANDB_MODE decides\)$"):

@@ -9,15 +9,14 @@ import shutil
 from contextlib import suppress
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from laplace.config import check_required
-from laplace.schema import check_config
-from laplace.errors import ConfigError, UserError
 from laplace import model_defaults, model_label
-from laplace.rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
+from laplace.errors import ConfigError, UserError
 
 from . import logger  # noqa: F401  (registers ${run_group:...} before Hydra resolves the config)
+from .config import check_config, check_required
+from .rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
 
 # name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
 # outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
@@ -49,9 +48,11 @@ def get_trainer(name: str):
 
 
 def check_engine_config(cls, cfg: DictConfig):
-    """One-line errors for a model or data the trainer does not take (before anything resolves,
-    so an interpolation the wrong data node lacks is never reached), for engine settings no
-    trainer can run with, then for any value of the schema's (laplace.schema) out of its range."""
+    """Every check a run makes before anything is built, one line for the first that fails: a
+    mandatory value left unset, a model or data the trainer does not take (before anything
+    resolves, so an interpolation the wrong data node lacks is never reached), engine settings no
+    trainer can run with, then any value of the schema's (train/config.py) out of its range."""
+    check_required(cfg)  # a `???` left unset: one line now, not a traceback after the data is built
     arch = model_defaults(cfg.model.name)["arch"]  # the zoo's one-line error if unknown
     modality, name = cfg.data.get("modality"), cfg.trainer.name
     if cls.modality and modality and modality != cls.modality:  # a node without one: trusted
@@ -77,25 +78,30 @@ def _fitting(arch: str | None = None, modality: str | None = None) -> str:
 
 
 def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
-    """<runs_dir>/<trainer>/<experiment or data>/<model label>_s<seed>[_<other overrides>].
+    """<runs_dir>/<trainer>/<experiment or data>/<model label>_s<seed>[_<other overrides>], each
+    override's `=` (and any character but letters, digits and _ . + -) a `-`: a path that every
+    command line takes unquoted (Hydra's grammar refuses `=`, `,` and `~` in a value).
 
     A name longer than MAX_NAME keeps its readable start and ends in a hash of the whole,
-    so it stays unique and the same command finds the same directory again."""
-    # reliability: the name is made of the values (the label reads k): bad ones are named first
-    check_required(cfg)
-    check_engine_config(get_trainer(cfg.trainer.name), cfg)
+    so it stays unique and the same command finds the same directory again. The name is made of
+    the values (the label reads k): `run` checks them first."""
     keep = []
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if key in ("model", "data", "trainer", "seed", "experiment", "model.num_laplacian_heads") or \
                 key.startswith(EXECUTION_KEYS):
             continue  # the label says k
-        keep.append(re.sub(r"[^A-Za-z0-9_.,=+-]", "-", o))
+        keep.append(o)
     exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
-    name = f"{model_label(cfg.model)}_s{cfg.seed}" + ("_" + ",".join(sorted(keep)) if keep else "")
-    name = short_name(name, MAX_NAME)
+    base = f"{model_label(cfg.model)}_s{cfg.seed}"
+    name = short_name("_".join([base, *sorted(re.sub(r"[^A-Za-z0-9_.+-]", "-", o) for o in keep)]), MAX_NAME, "-")
     trainer = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.trainer.name)
-    return str(Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name) / name)
+    folder = Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name)
+    # Until this rule, names kept `=` and `,` (and `~` before the hash): the same command still
+    # finds, and so resumes, a run it named so.
+    old = short_name(base + ("_" + ",".join(sorted(re.sub(r"[^A-Za-z0-9_.,=+-]", "-", o) for o in keep)) if keep
+                             else ""), MAX_NAME)
+    return str(folder / (old if (folder / old).is_dir() and not (folder / name).exists() else name))
 
 
 def _remove_fresh(run_dir: Path, created: Path):
@@ -108,17 +114,20 @@ def _remove_fresh(run_dir: Path, created: Path):
                 folder.rmdir()
 
 
-def run(cfg: DictConfig) -> dict:
-    """Train with a composed config (also the entry used by tests and sweeps)."""
-    from laplace import dist
+def run(cfg: DictConfig, overrides: list[str] = ()) -> dict:
+    """Train with a composed config (train.py's entry, also tests' and sweeps'); a null `run_dir` is
+    named from the command line's `overrides`."""
+    from . import dist
     from laplace.io import atomic_write
 
     from .logger import RunLog
     from .signals import Preempted, StopRequest
 
-    check_required(cfg)  # a `???` left unset: one line now, not a traceback after the data is built
     cls = get_trainer(cfg.trainer.name)
-    check_engine_config(cls, cfg)  # before anything resolves: wrong combinations get one line
+    check_engine_config(cls, cfg)  # before anything resolves: bad values get one line
+    if cfg.run_dir is None:
+        with open_dict(cfg):
+            cfg.run_dir = run_dir_from_overrides(cfg, list(overrides))
     # Rank 0 (torchrun's RANK, srun's SLURM_PROCID) copies its output into the run directory.
     main = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)) or 0) == 0
     run_dir = Path(cfg.run_dir)

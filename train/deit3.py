@@ -26,9 +26,8 @@ from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
 
 from laplace.data import Data
-from laplace.data.crop_augment import crop_and_augment, decoded_collate
 from laplace.data.vision import build_vision_dataset
-from laplace.dist import all_reduce_sum
+from .dist import all_reduce_sum
 from laplace.errors import ConfigError
 
 from .engine import Trainer
@@ -85,6 +84,8 @@ class DeiT3Trainer(Trainer):
         x, y = batch
         d = self.cfg.data
         if d.get("device_augment"):  # decoded images, their crops' boxes and parameters: cut and augmented here
+            from laplace.data.crop_augment import crop_and_augment  # (imported by the runs that use it)
+
             x = crop_and_augment(x, [d.img_size], tuple(d.mean), tuple(d.std), jitter_last=True)[0]
         if self.mixup is not None:
             x, y = self.mixup(x, y)  # numpy RNG: per rank, saved in checkpoints
@@ -111,4 +112,6 @@ class DeiT3Trainer(Trainer):
 
 def device_collate(items):
     """Batches of (decoded image with its crops' parameters, label), images padded (data.device_augment)."""
+    from laplace.data.crop_augment import decoded_collate
+
     return decoded_collate([x for x, _ in items]), torch.utils.data.default_collate([y for _, y in items])

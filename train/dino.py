@@ -65,15 +65,10 @@ class DINOTrainer(Trainer):
         if "root" in d and (OmegaConf.is_missing(d, "root") or d.root is None):  # experiment=dino_in1k
             raise ConfigError(f"data={d.name} needs its location: set data.root=PATH")
         self.multicrop = MultiCrop.from_config(mc, d.mean, d.std)
-        # The real on-disk loader of data=<name> (laplace.data.vision), its transform swapped for
-        # the multi-crop one (every loader there applies `.transform` to a PIL image). A plain,
-        # resolved copy of the node: its interpolations (paths.data_dir) need the whole config.
-        plain = OmegaConf.to_container(d, resolve=True)
-        train_set = build_vision_dataset(OmegaConf.create({**plain, "augment": "none"}), True)
-        if not hasattr(train_set, "transform"):
-            raise ConfigError(f"data={d.name}: its training set takes no transform; trainer=dino "
-                              f"needs one of digits, cifar10, cifar100, imagenet")
-        train_set.transform = self.multicrop
+        # The real on-disk loader of data=<name> (laplace.data.vision) with the multi-crop transform.
+        # A plain, resolved copy of the node: its interpolations (paths.data_dir) need the whole config.
+        train_set = build_vision_dataset(OmegaConf.create(OmegaConf.to_container(d, resolve=True)), True,
+                                         self.multicrop)
         self.multicrop.reduce = bool(d.get("reduced_decode", False))
         return Data(train_set, None, multicrop_collate, unit="img")
 

@@ -36,16 +36,16 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
-from laplace import create_model, dist, model_label
+from laplace import create_model, model_label
 from laplace.attention import gate_metrics
 from laplace.checkpoint import (CheckpointError, clean_state_dict, results_header, rng_state, save_checkpoint,
                                 set_rng_state)
 from laplace.data import Data
-from laplace.data.images import report_skipped
 from laplace.errors import ConfigError
 from laplace.io import write_json
 from laplace.pretrained import load_pretrained
 
+from . import dist
 from .feeds import Feed, MapFeed, train_sampler
 from .logger import LogWindow, MetricsLogger, format_metrics, git_commit, logged, print_line, progress_bar
 from .plan import resolve_batch, step_plan
@@ -90,7 +90,6 @@ class Trainer:
         if OmegaConf.is_missing(tc, "init_from"):  # a trainer built without train.run's check_required
             raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
                               "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
-        self.is_set_up = False
 
     @classmethod
     def offline(cls, cfg: DictConfig, device: str = "meta") -> Trainer:
@@ -106,9 +105,7 @@ class Trainer:
         return t
 
     def setup(self) -> Trainer:
-        """Build data, model and optimizers and restore the run's checkpoint (once; returns self)."""
-        if self.is_set_up:
-            return self
+        """Build data, model and optimizers and restore the run's checkpoint (returns self)."""
         cfg, tc, world = self.cfg, self.cfg.trainer, self.dist.world_size
         dist.seed_everything(cfg.seed + self.dist.rank)
         # 1. data: a feed of micro-batches (a map-style set is served by a MapFeed), the run's length
@@ -153,7 +150,6 @@ class Trainer:
         self.net = self._wrap(self.model)
         # Batch norms that no collective keeps equal (gloo has no SyncBatchNorm): averaged each step.
         self.unsynced_stats = dist.unsynced_running_stats(self.model) if self.dist.distributed else []
-        self.is_set_up = True
         return self
 
     # ---- the contract: what a trainer overrides (see the module docstring) ------------------
@@ -311,10 +307,10 @@ class Trainer:
                         **{k: s(step) for k, s in self.value_schedules.items()}}
 
     def fit(self, stop: StopRequest | None = None) -> dict:
-        """Train to total_steps (or trainer.stop_after more steps); returns the last metrics.
-        `stop`: the signal flag train.run installs before set-up (None: fit's own)."""
+        """After setup(): train to total_steps (or trainer.stop_after more steps); returns the last
+        metrics. `stop`: the signal flag train.run installs before set-up (None: fit's own)."""
         with contextlib.nullcontext(stop) if stop is not None else StopRequest() as stop:
-            return self.setup()._fit(stop)
+            return self._fit(stop)
 
     def _fit(self, stop: StopRequest) -> dict:
         cfg, tc, optim = self.cfg, self.cfg.trainer, self.cfg.optim
@@ -418,6 +414,8 @@ class Trainer:
         first task end, finds the others ending too rather than killing one mid-exit."""
         self.feed.close()
         vote.close()
+        from laplace.data.images import report_skipped  # (image sets only; a lazy import keeps text runs off it)
+
         report_skipped({"train": self.data.train, "val": self.data.val}, self.device, self.dist.is_main)
         dist.barrier()
 

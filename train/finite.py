@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from laplace import dist
+from . import dist
 from laplace.errors import UserError
 
 NEVER = 2**62  # "no non-finite step yet": larger than any step

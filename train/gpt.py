@@ -22,7 +22,7 @@ import math
 import torch
 
 from laplace import model_label
-from laplace.dist import all_reduce_sum
+from .dist import all_reduce_sum
 from laplace.io import append_line
 
 from .engine import Trainer

@@ -21,7 +21,7 @@ import time
 from .signals import EXIT_REQUEUE
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # sent to the launcher alone: passed on to the ranks
-GRACE_S = 30.0  # after a rank failed, the others' time to end on their own (laplace.dist names the lost one)
+GRACE_S = 30.0  # after a rank failed, the others' time to end on their own (train.dist names the lost one)
 
 
 def _free_port() -> int:

@@ -63,7 +63,7 @@ def wandb_mode(configured: str | None) -> tuple[str, str]:
     """(the W&B mode, where it came from): logger.wandb.mode, else $WANDB_MODE, else online."""
     env = os.environ.get("WANDB_MODE")
     # The config wins: a stray `export WANDB_MODE=online` on a login node must not send an
-    # offline recipe online. laplace.schema checked logger.wandb.mode against WANDB_MODES.
+    # offline recipe online. train.config's schema checked logger.wandb.mode against WANDB_MODES.
     if configured is not None:
         ignored = f"; WANDB_MODE={env} in the environment is ignored" if env and env != configured else ""
         return configured, f"logger.wandb.mode{ignored}"
@@ -366,7 +366,7 @@ def progress_interval(cfg) -> float:
     node = cfg.get("logger") if hasattr(cfg, "get") else None
     if node is not None and node.get("progress_interval") is not None:
         return float(node.progress_interval)
-    from laplace.cli import config_dir
+    from .cli import config_dir
 
     return float(OmegaConf.load(config_dir() / "logger" / "jsonl.yaml").progress_interval)
 

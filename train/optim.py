@@ -16,6 +16,7 @@ from timm.optim import create_optimizer_v2
 
 from laplace.attention import ATTENTIONS
 from laplace.errors import ConfigError
+from laplace.gpt import GPT
 
 SHAPES = ("cosine", "linear", "constant")
 KEYS = ("value", "warmup", "start", "warmdown", "end", "shape")  # the order configs write them
@@ -267,10 +268,10 @@ def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optim
     weight decay; the gated arm's gate is a matrix: Muon). Each
     group's base rate is its `lr_scale`: `optim.schedules.lr` is a multiplier of it.
     """
-    blocks = getattr(model, "blocks", None)
-    if blocks is None or not hasattr(model, "wte") or not hasattr(model, "lm_head"):
+    if not isinstance(model, GPT):
         raise ConfigError(f"optim.name={cfg.name}: Muon + AdamW routes a GPT's parameters (blocks, wte, "
                           f"lm_head); this model is a {type(model).__name__}: use optim=adamw")
+    blocks = model.blocks
     qkv = [m.qkv.weight for m in blocks.modules() if isinstance(m, ATTENTIONS)]
     matrices = [p for p in blocks.parameters() if p.ndim == 2 and all(p is not q for q in qkv)]
     routed = {id(p) for p in [*matrices, *qkv, model.wte.weight, model.lm_head.weight]}

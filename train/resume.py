@@ -14,8 +14,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from laplace.checkpoint import CheckpointError, load_checkpoint, resume_candidates
-from laplace.config import flatten
-from laplace.rundir import EXECUTION_KEYS
+from .config import flatten
+from .rundir import EXECUTION_KEYS
 from laplace.zoo import upgrade_node
 
 # Resume does not compare these either: they only act on a fresh run.

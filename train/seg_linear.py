@@ -143,6 +143,7 @@ class SegLinearTrainer(Trainer):
     archs, modality = ("vit",), "segmentation"
     example = "python -m eval.segmentation checkpoint=PATH eval=seg_ade20k_linear"
     export = "backbone"  # the frozen backbone: what load_model returns; the head is in train_model
+    per_class: dict = {}  # the last evaluation's per-class scores, for results.json (replaced, never mutated)
 
     def build_data(self) -> Data:
         # mmseg's ADE20K pipeline (laplace/data/ade20k.py): random rescale, crop, flip, colours;
@@ -186,12 +187,12 @@ class SegLinearTrainer(Trainer):
             logits = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
             metric.update(logits.argmax(1), y)
         out = seg_scores(metric)
-        self._per_class = out
+        self.per_class = out
         return {"val_mIoU": out["mIoU"], "val_aAcc": out["aAcc"], "val_mAcc": out["mAcc"]}
 
     def results(self, final_metrics: dict) -> dict:
         # results.json in <backbone run>/eval/seg_<data>_l<layers>/, where analysis.tables reads it
-        tc, pc = self.cfg.trainer, getattr(self, "_per_class", {})
+        tc, pc = self.cfg.trainer, self.per_class
         return {
             "protocol": f"linear{'_ms' if tc.layers > 1 else ''}", "backbone_checkpoint": str(self.cfg.checkpoint),
             "layers": tc.layers, "cls_token": tc.cls_token, "crop_size": tc.crop_size, "iters": self.total_steps,

@@ -3,7 +3,7 @@
 On a cluster the scheduler warns a job before its time limit or preemption (Slurm:
 `#SBATCH --signal=USR1@120` for the warning, SIGTERM at the end, SIGKILL KillWait seconds later,
 30 by default). The main process only records the request (`StopRequest`); the engine finishes
-the step in flight, agrees with every rank on the step to stop at (laplace.dist.StopVote), writes
+the step in flight, agrees with every rank on the step to stop at (train.dist.StopVote), writes
 `last.pt`, shuts its workers down and exits with `EXIT_REQUEUE`, which slurm/*.sbatch and
 train.launch turn into a requeue. The requeued job runs the same command and resumes exactly.
 """

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from laplace.errors import UserError
+from laplace.errors import DatasetNotFoundError  # noqa: F401  (data sets raise it; tokenizers too)
 
 
 @dataclass
@@ -30,8 +30,3 @@ class Data:
     unit: str = "samples"
     units_per_sample: int = 1
     identity: dict | None = None
-
-
-class DatasetNotFoundError(UserError, FileNotFoundError):
-    """A dataset is not where the config says. The message is one line: what was looked for,
-    where, and how to get it (which config key to set)."""

@@ -14,7 +14,6 @@ import sys
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from laplace import dist
 from laplace.errors import UserError
 
 MAX_IN_A_ROW = 32  # more unreadable samples in a row than this: the data is wrong, not a few files
@@ -102,7 +101,10 @@ def report_skipped(datasets: dict, device, is_main: bool):
     sets = {k: d for k, d in datasets.items() if hasattr(d, "skipped_corrupt")}
     if not sets:
         return
-    n = dist.all_reduce_sum(torch.tensor([d.skipped_corrupt for d in sets.values()], device=device)).tolist()
+    n = torch.tensor([d.skipped_corrupt for d in sets.values()], device=device)
+    if torch.distributed.is_initialized():  # every rank's skips, counted once
+        torch.distributed.all_reduce(n)
+    n = n.tolist()
     if is_main and any(n):
         counts = ", ".join(f"{k} {c}" for k, c in zip(sets, n))
         print(f"[laplace] data.skip_corrupt: {sum(n)} reads of an unreadable image served the next sample "

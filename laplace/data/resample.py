@@ -74,7 +74,7 @@ def resize_crops(images: torch.Tensor, windows: torch.Tensor, boxes: torch.Tenso
 
 @contextlib.contextmanager
 def _ieee_float32():
-    """Full float32 matmuls inside: TF32 (the training's "high" precision on CUDA, laplace.dist)
+    """Full float32 matmuls inside: TF32 (the training's "high" precision on CUDA, train.dist)
     keeps 10 bits of mantissa, too few to round sums of 0-255 values to the right integer."""
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")

@@ -55,9 +55,10 @@ def build_transform(cfg, train: bool):
     return timm_transform(size, cfg.get("auto_augment"), interpolation, jitter, mean, std, reduce)
 
 
-def build_vision_dataset(cfg, train: bool):
-    """The training (True) or validation split of `cfg.name`, with build_transform's transform."""
-    tf = build_transform(cfg, train)
+def build_vision_dataset(cfg, train: bool, transform=None):
+    """The training (True) or validation split of `cfg.name`, with `transform` (None:
+    build_transform's) applied to each opened image."""
+    tf = build_transform(cfg, train) if transform is None else transform
     if cfg.name == "digits":
         from .digits import Digits
 

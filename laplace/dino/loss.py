@@ -15,10 +15,9 @@ Computed in float32 whatever the autocast.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-from laplace.dist import all_reduce_sum
 
 
 class DINOLoss(nn.Module):
@@ -66,7 +65,9 @@ class DINOLoss(nn.Module):
         """Once per optimizer step, on every rank: one all-reduce of the step's sum and rows."""
         if not self._fed:
             raise RuntimeError("DINOLoss.update_center: no teacher output since the last update")
-        stats = all_reduce_sum(self._pending)
+        stats = self._pending.clone()
+        if dist.is_initialized():  # the centre is every rank's: one sum over all of them
+            dist.all_reduce(stats)
         batch_center = stats[:, :-1] / stats[:, -1:]
         self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)
         self._pending.zero_()

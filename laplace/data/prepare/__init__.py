@@ -12,9 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 from laplace.data.shards import shard_dtype
 from laplace.errors import ConfigError
 from laplace.io import atomic_write
-from laplace.tokenizer import Tokenizer, _cores, capped_texts, load_tokenizer, train_bpe
+from laplace.tokenizer import Tokenizer, capped_texts, cpu_cores, load_tokenizer, train_bpe
 
-from .settings import TEXT_OUTPUTS, _positive, output_dir, pin, remove_outputs, settings_of
+from .settings import TEXT_OUTPUTS, output_dir, pin, positive_int, remove_outputs, settings_of
 from .sources import SourceError, open_source
 from .writer import Stats, write_train, write_val
 
@@ -30,15 +30,15 @@ def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
     path = out / "tokenizer.json"
     if spec != "bpe":  # bytes, gpt2, or a file (copied into out by prepare, once the settings are checked)
         return load_tokenizer(spec)
-    vocab = _positive(cfg, "vocab_size")  # (train_bpe says what a too small one must exceed)
+    vocab = positive_int(cfg, "vocab_size")  # (train_bpe says what a too small one must exceed)
     if path.is_file():  # a resumed run keeps its tokenizer: its shards' ids depend on it
         tok = load_tokenizer(path)
         if tok.vocab_size != vocab:
             raise ConfigError(f"vocab_size={vocab} but {path} (from an earlier run) has "
                               f"{tok.vocab_size}; set vocab_size={tok.vocab_size} or another out")
         return tok
-    chars = _positive(cfg, "tokenizer_train_chars")
-    doc_chars = _positive(cfg, "tokenizer_doc_chars")
+    chars = positive_int(cfg, "tokenizer_train_chars")
+    doc_chars = positive_int(cfg, "tokenizer_doc_chars")
     print(f"[prepare] training a BPE tokenizer (vocab {vocab:,}) on up to {chars:,} characters",
           flush=True)
     t = time.perf_counter()
@@ -60,12 +60,12 @@ def prepare(cfg: DictConfig) -> dict:
         from .images import prepare_images
 
         return prepare_images(cfg)
-    docs_per_shard = _positive(cfg, "docs_per_shard")
-    val_docs = _positive(cfg, "val_docs", allow_zero=True)
-    max_docs = _positive(cfg, "max_docs", allow_null=True)
-    batch_docs = _positive(cfg, "batch_docs")
-    threads = _positive(cfg, "num_workers", allow_null=True) or _cores()
-    cores = min(threads, _cores())
+    docs_per_shard = positive_int(cfg, "docs_per_shard")
+    val_docs = positive_int(cfg, "val_docs", allow_zero=True)
+    max_docs = positive_int(cfg, "max_docs", allow_null=True)
+    batch_docs = positive_int(cfg, "batch_docs")
+    threads = positive_int(cfg, "num_workers", allow_null=True) or cpu_cores()
+    cores = min(threads, cpu_cores())
     t0 = time.perf_counter()
 
     src = open_source(cfg)

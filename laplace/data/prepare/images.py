@@ -76,17 +76,17 @@ def prepare_images(cfg) -> dict:
     """Convert cfg.in's train/ and val/ folders into parquet shards in out (configs/prepare.yaml)."""
     from datasets import ClassLabel, Dataset, Features, Image, disable_progress_bars
 
-    from laplace.tokenizer import _cores
+    from laplace.tokenizer import cpu_cores
 
-    from .settings import _positive, output_dir, pin, remove_outputs
+    from .settings import output_dir, pin, positive_int, remove_outputs
 
     if cfg["in"] is None:
         raise ConfigError("source=imagefolder needs in=<folder holding train/<wnid>/*.JPEG and "
                           "val/<wnid>/*.JPEG>, e.g. in=/data/imagenet")
     src = Path(str(cfg["in"])).expanduser().absolute()
-    per_shard = _positive(cfg, "images_per_shard")
-    seed = _positive(cfg, "shuffle_seed", allow_null=True, allow_zero=True)
-    threads = _positive(cfg, "num_workers", allow_null=True) or _cores()
+    per_shard = positive_int(cfg, "images_per_shard")
+    seed = positive_int(cfg, "shuffle_seed", allow_null=True, allow_zero=True)
+    threads = positive_int(cfg, "num_workers", allow_null=True) or cpu_cores()
     out = output_dir(cfg, f"{src.name}_parquet")
     if out.absolute() == src:
         raise ConfigError(f"out={out} is in=: write the shards to another folder")

@@ -80,7 +80,7 @@ def remove_outputs(out: Path, patterns: tuple[str, ...], everything: bool) -> No
                 p.unlink(missing_ok=True)
 
 
-def _positive(cfg, key: str, allow_null: bool = False, allow_zero: bool = False) -> int | None:
+def positive_int(cfg, key: str, allow_null: bool = False, allow_zero: bool = False) -> int | None:
     """cfg[key] as a positive (`allow_zero`: non-negative) integer, or None where `allow_null`;
     anything else is one line naming the key."""
     v = cfg[key]

@@ -36,11 +36,11 @@ EXECUTION_KEYS = ("run_dir", "paths.", "logger", "hydra.",
                   "model.grad_checkpointing")
 
 
-def short_name(name: str, limit: int) -> str:
-    """`name` if it has at most `limit` characters, else its start + '~' + 10 hex of its SHA-1."""
+def short_name(name: str, limit: int, sep: str = "~") -> str:
+    """`name` if it has at most `limit` characters, else its start + `sep` + 10 hex of its SHA-1."""
     if len(name) <= limit:
         return name
-    return f"{name[:limit - 11]}~{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+    return f"{name[:limit - 11]}{sep}{hashlib.sha1(name.encode()).hexdigest()[:10]}"
 
 
 class RunDirInUse(UserError):

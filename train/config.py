@@ -1,4 +1,5 @@
-"""Hydra glue: the `model` node of a zoo name, mandatory values as one line, the config flattener.
+"""train.py's config: the `model` node of a zoo name, mandatory values as one line, every value's
+rule (the schema, pydantic), the config flattener.
 
 `model=<zoo name>` works for every name, including `gpt_d{depth}_{k}L` at any depth, which no folder
 of YAML files covers: Hydra's `model` group is served by the config source in
@@ -9,11 +10,16 @@ architecture; its `name` is the family ("vitb", "gpt") and k lives in `num_lapla
 from __future__ import annotations
 
 import inspect
+from typing import Literal, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from pydantic import model_validator
 
-from .errors import ConfigError
-from .zoo import BUILDERS, model_defaults
+from laplace import schema
+from laplace.errors import ConfigError
+from laplace.schema import (Count, Fraction, Model, Node, NonNegative, Rate, Size, Steps, Switch, allowed,
+                            allowed_or_null)
+from laplace.zoo import BUILDERS, model_defaults
 
 # Keys a data node provides to the model (interpolations resolved when the config is used).
 FROM_DATA = {"vit": {"num_classes": "${data.num_classes}", "img_size": "${data.img_size}",
@@ -55,7 +61,7 @@ def check_required(cfg: DictConfig) -> None:
 
 
 def required_error(key: str) -> ConfigError:
-    """The one line for a mandatory value left unset (eagerly here, or lazily by laplace.cli)."""
+    """The one line for a mandatory value left unset (eagerly here, or lazily by train.cli)."""
     return ConfigError(f"{key} is required: {REQUIRED_HINTS.get(key, f'add {key}=<value> to the command')}")
 
 
@@ -86,6 +92,83 @@ def _missing(node, key: str = ""):
     elif isinstance(node, list):
         for i, v in enumerate(node):
             yield from _missing(v, f"{key}[{i}]")
+
+
+class Trainer(Node):
+    # torch.device would take any of its 20 device types; the engine runs on these
+    device: allowed(str, "auto, cpu, cuda or cuda:<index>", pattern=r"^(auto|cpu|cuda(:\d+)?)$") = None
+    amp: Switch = None
+    compile: Switch = None
+    global_batch_size: allowed_or_null(int, "a whole number >= 1, or null for optim=muon26's rule", ge=1) = None
+    micro_batch_size: allowed_or_null(int, "a whole number >= 1, or null for the whole share", ge=1) = None
+    num_workers: Size = None
+    epochs: Steps = None
+    max_steps: Steps = None
+    log_every: Count = None
+    eval_every: Steps = None
+    ckpt_every: Steps = None
+    keep_every: Steps = None
+    stop_after: Steps = None
+    progress: bool = None  # (init_head is checked where it is read, laplace.checkpoint.load_pretrained)
+    resume: allowed(Literal["auto", "force"], "auto (refuse another configuration's checkpoint) or force") = None
+
+
+class Optim(Node):
+    # torch's AdamW refuses a negative lr only at construction, after the data; it takes a
+    # negative weight decay silently (it trains, towards larger weights)
+    lr: Rate = None
+    weight_decay: NonNegative = None
+    betas: allowed(list[Fraction], "two numbers in [0, 1), e.g. [0.9, 0.999]", min_length=2, max_length=2) = None
+    eps: Rate = None
+    grad_clip: allowed_or_null(float, "a number > 0, or null for no clipping", gt=0) = None
+    grad_clip_mode: Literal["global", "group", "param"] = None
+    # Muon + AdamW (optim=muon): a rate per parameter kind instead of lr
+    matrix_lr: Rate = None
+    embedding_lr: Rate = None
+    unembedding_lr: Rate = None
+    scalar_lr: Rate = None
+    muon_weight_decay: NonNegative = None
+    momentum: Fraction = None
+    ns_steps: Count = None
+
+
+class Data(Node):
+    # the patch grid must tile the image (timm's PatchEmbed asserted it, at the first forward)
+    img_size: Count = None
+    patch_size: Count = None
+    seq_len: Count = None
+    num_classes: Count = None
+
+    @model_validator(mode="after")
+    def _patches_tile_the_image(self):
+        schema.multiple(self, "img_size", "patch_size")
+        return self
+
+
+class Wandb(Node):
+    mode: allowed_or_null(Literal["online", "offline", "disabled"],
+                          "online, offline or disabled (or null: WANDB_MODE decides)") = None
+
+
+class Logger(Node):
+    wandb: Optional[Wandb] = None
+    progress_interval: NonNegative = None  # seconds between progress lines off a terminal (0: every redraw)
+
+
+class TrainConfig(Node):
+    """train.py's config (configs/config.yaml and its groups). Data comes before the model: a
+    model node's sizes interpolate the data node's, and the key to name is the one the user set."""
+    seed: Size = None
+    trainer: Trainer = None
+    optim: Optim = None
+    data: Data = None
+    model: Model = None
+    logger: Logger = None
+
+
+def check_config(cfg: DictConfig | dict) -> None:
+    """train.py's config against its schema: one line for the first value out of its range."""
+    schema.check_config(cfg, TrainConfig)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

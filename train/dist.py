@@ -23,7 +23,6 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from timm.utils import unwrap_model as unwrap  # the plain module under DDP and torch.compile, in any order
 
 from laplace.errors import ConfigError, UserError, causes
 
