@@ -145,7 +145,7 @@ def test_cache_reused_and_invalidated(tmp_path):
     data = TensorDataset(torch.randn(11, 3, 16, 16), torch.arange(11) % 3)
     dcfg = OmegaConf.create({"name": "toy", "img_size": 16, "mean": [0.5] * 3, "std": [0.5] * 3})
     cache = tmp_path / "run/eval/features_toy_train_cls.pt"
-    kw = dict(kind="cls", batch_size=4, cache=cache, key=cache_key(info, dcfg, "train", "cls", 11, 1.0))
+    kw = dict(kind="cls", batch_size=4, cache=cache, key=cache_key(info, dcfg, "train", "cls", data, 1.0))
     f1, y1 = extract_features(counting, data, **kw)
     assert counting.calls == 3 and f1.shape == (11, 48) and cache.is_file()
     torch.testing.assert_close(f1, batch_features(model, data.tensors[0], "cls"))
@@ -155,11 +155,11 @@ def test_cache_reused_and_invalidated(tmp_path):
     # Another checkpoint at the same path (a new step): the key differs, the features are recomputed.
     save_checkpoint(ckpt, model=vit, config={"model": NODE}, loop={"step": 8})
     _, info2 = load_backbone(ckpt, img_size=16)
-    kw["key"] = cache_key(info2, dcfg, "train", "cls", 11, 1.0)
+    kw["key"] = cache_key(info2, dcfg, "train", "cls", data, 1.0)
     extract_features(counting, data, **kw)
     assert counting.calls == 6
     # So does another transform setting.
-    kw["key"] = cache_key(info2, dcfg, "train", "cls", 11, 0.875)
+    kw["key"] = cache_key(info2, dcfg, "train", "cls", data, 0.875)
     extract_features(counting, data, **kw)
     assert counting.calls == 9
 
