@@ -167,7 +167,9 @@ def attn_layer(num_laplacian_heads: int = 0, mode: str = "fixed") -> type[Laplac
         timm.create_model("vit_small_patch16_224", attn_layer=laplace.attn_layer(3))
 
     A class, not a functools.partial: timm asks `issubclass(attn_layer, DiffAttention)`. Counts that
-    differ per layer: `set_laplacian_heads(model, [0, 0, 3, ...])` after construction."""
+    differ per layer: `set_laplacian_heads(model, [0, 0, 3, ...])` after construction. timm 1.0's
+    VisionTransformer (vit_*, deit*, flexivit_*, vitamin_*, hybrids) and NaFlexVit take it; its other
+    ViTs (Eva, BEiT, Swin, CaiT, XCiT, LeViT, ...) build their own attention and refuse the argument."""
     if mode not in LAPLACIAN_MODES:
         raise ConfigError(f"laplacian_mode={mode!r}: choose one of {LAPLACIAN_MODES}")
     return type(f"LaplacianAttention{num_laplacian_heads}{mode.capitalize()}", (LaplacianAttention,),
@@ -177,6 +179,9 @@ def attn_layer(num_laplacian_heads: int = 0, mode: str = "fixed") -> type[Laplac
 def set_laplacian_heads(model: nn.Module, counts) -> list[int]:
     """Give the Laplacian attentions of `model`, in order, k heads each (an int or one per layer)."""
     layers = [m for m in model.modules() if isinstance(m, LaplacianAttention)]
+    if not layers:  # else nothing would change, silently
+        raise ConfigError(f"{type(model).__name__} has no Laplacian attention: build it with attn_layer="
+                          f"laplace.attn_layer(k), which timm's VisionTransformer and NaFlexVit take (see attn_layer)")
     counts = laplacian_counts(counts, len(layers), layers[0].num_heads if layers else 0)
     for attn, k in zip(layers, counts):
         attn.set_laplacian_heads(k)
