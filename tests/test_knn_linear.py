@@ -135,7 +135,7 @@ def test_cache_reused_and_invalidated(tmp_path):
     vit = randomize_(create_model(**NODE)).eval()
     ckpt = save_checkpoint(tmp_path / "run/ckpt/last.pt", model=vit, config={"model": NODE}, loop={"step": 7})
     model, info = load_backbone(ckpt, img_size=16)
-    assert info["step"] == 7 and info["model"] == "vitt_0L" and model.num_classes == 0
+    assert info["step"] == 7 and info["model"] == "vitt_d3_w48_0L" and model.num_classes == 0
     # A DINO checkpoint's model is a backbone without head (num_classes=0): the same path.
     bare = randomize_(create_model(**{**NODE, "num_classes": 0}))
     save_checkpoint(tmp_path / "dino/ckpt/last.pt", model=bare, config={"model": {**NODE, "num_classes": 0}})
@@ -267,7 +267,7 @@ def test_knn_and_linear_end_to_end_on_digits(make_cfg, tmp_path):
     k = json.loads((tmp_path / "bb/eval/knn_digits/results.json").read_text())
     li = json.loads((tmp_path / "bb/eval/linear_digits/results.json").read_text())
     print(knn.stdout)
-    assert k["protocol"] == "knn" and k["model"] == "vitt_0L" and k["step"] == 2 and k["k"] == 20
+    assert k["protocol"] == "knn" and k["model"] == "vitt_d1_w48_0L" and k["step"] == 2 and k["k"] == 20
     assert 0 <= k["knn"]["top1"] <= 100 and set(k["knn"]["per_k"]) == {"10", "20", "100", "200"}
     assert li["protocol"] == "linear" and 0 <= li["linear"]["top1"] <= 100 and len(li["grid"]) == 3
     assert li["linear"]["base_lr"] != 0.0 and li["n_heldout"] == round(0.1 * li["n_train"])

@@ -92,7 +92,8 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
             continue  # the label says k
         keep.append(re.sub(r"[^A-Za-z0-9_.,=+-]", "-", o))
     exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
-    name = f"{model_label(cfg.model)}_s{cfg.seed}" + ("_" + ",".join(sorted(keep)) if keep else "")
+    # shape=False: the folder named as before the label said a ViT's shape, so old runs resume
+    name = f"{model_label(cfg.model, shape=False)}_s{cfg.seed}" + ("_" + ",".join(sorted(keep)) if keep else "")
     name = short_name(name, MAX_NAME)
     trainer = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.trainer.name)
     return str(Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name) / name)
