@@ -127,6 +127,26 @@ def test_runs_of_different_trainers_share_only_what_they_logged(runs, tmp_path):
     assert len(lines["loss"]) == 3 and len(lines["val_acc1"]) == 2 and len(lines["val_bpb"]) == 1
     assert lines["val_bpb"][0].endswith("k=0 (1 seed)") and not any("pydoc" in x for x in lines["val_acc1"])
     assert got["data"]["val_bpb"][lines["val_bpb"][0]]["mean"] == [2.5]
+    # one model, one colour in every panel (the GPT line was C2 in loss's panel, C0 alone in val_bpb's)
+    colours = {}
+    for ax in got["axes"]:
+        for ln in ax.get_lines():
+            assert colours.setdefault(ln.get_label(), ln.get_color()) == ln.get_color(), ln.get_label()
+    assert len(set(colours.values())) == 3
+    # the y-axis says the unit and which way is better
+    assert [ax.get_ylabel() for ax in got["axes"]][2:] == ["val_acc1 (%, higher is better)", "val_acc5 (%, higher "
+                                                           "is better)", "val_bpb (bits per byte, lower is better)"]
+
+
+def test_curves_go_to_reports_not_into_runs(runs, tmp_path, monkeypatch):
+    """out= unset wrote <runs folder>/curves.*: a file among the runs; now reports/curves.* of the cwd."""
+    root, _ = runs
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in root.iterdir())
+    got = _curves(f"runs={root}", "metrics=[loss]")
+    assert [str(p) for p in got["paths"]] == ["reports/curves.png", "reports/curves.pdf", "reports/curves.json"]
+    assert (tmp_path / "reports" / "curves.png").is_file()
+    assert sorted(p.name for p in root.iterdir()) == before
 
 
 def test_glob_epoch_and_errors(runs, tmp_path):
