@@ -6,7 +6,7 @@ checkpoints of `python -m analysis`, and per experiment from a folder of runs:
 
 Runs are found and pooled over seeds as by `python -m analysis.tables` (analysis/runs.py); the
 per-layer figures read each run's ckpt/last_analysis/analysis.json (run `python -m analysis
-checkpoint=<run>/ckpt/last.pt` first). Written to `out` (default <first runs folder>/figures), an
+checkpoint=<run>/ckpt/last.pt` first). Written to `out` (default reports/figures), an
 experiment (trainer x dataset x model family x recipe) named <dataset>_<family>:
 
     vs_k            accuracy (GPT: val bits per byte) vs k, a panel per experiment: seeds as dots, mean +- sd
