@@ -16,7 +16,6 @@ import torch.nn as nn
 
 import laplace
 from laplace.attention import LaplacianAttention, RMSNorm
-from laplace.errors import ConfigError
 from laplace.gpt import GPT, KVCache
 from laplace.vit import vit
 from conftest import randomize_
@@ -433,23 +432,3 @@ def test_compiled_attention_matches_eager():
         grads.append((out.detach(), xi.grad, *[p.grad for p in m.parameters()]))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-TAKE_ATTN_LAYER = ["vit_tiny_patch16_224", "deit_tiny_distilled_patch16_224", "flexivit_small", "vit_base_r26_s32_224",
-                   "naflexvit_base_patch16_gap"]
-REFUSE_ATTN_LAYER = ["eva02_tiny_patch14_224", "vit_small_patch16_rope_224", "beit_base_patch16_224",
-                     "swin_tiny_patch4_window7_224", "cait_xxs24_224", "xcit_nano_12_p16_224", "levit_128s",
-                     "vit_relpos_small_patch16_224", "samvit_base_patch16", "mvitv2_tiny", "davit_tiny"]
-
-
-def test_the_timm_families_docs_library_names_take_attn_layer_or_refuse_it():
-    """docs/library.md names which of timm's ViTs take attn_layer: 'any timm ViT' was untrue (issue 53)."""
-    for name in TAKE_ATTN_LAYER:
-        model = timm.create_model(name, pretrained=False, depth=2, attn_layer=laplace.attn_layer(1))
-        assert sum(isinstance(m, LaplacianAttention) for m in model.modules()) == 2, name
-    for name in REFUSE_ATTN_LAYER:
-        with pytest.raises(TypeError, match="attn_layer"):
-            timm.create_model(name, pretrained=False, attn_layer=laplace.attn_layer(1))
-    eva = timm.create_model("eva02_tiny_patch14_224", pretrained=False, depth=2)
-    with pytest.raises(ConfigError, match=r"^Eva has no Laplacian attention: build it with attn_layer="):
-        laplace.set_laplacian_heads(eva, 1)  # it changed nothing, silently
