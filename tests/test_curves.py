@@ -8,6 +8,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +174,18 @@ def test_command_line(runs, tmp_path):
                          capture_output=True, text=True, timeout=120)
     err = bad.stderr.strip().splitlines()
     assert bad.returncode == 1 and len(err) == 1 and err[0].startswith(f"error: runs={tmp_path / 'none'}: no such folder")
+
+
+def test_layer_panels_say_their_unit_or_direction(monkeypatch):
+    """The per-layer figures' panels had no y label: which way NC1 or CDNV means collapse was unsaid."""
+    import pandas as pd
+
+    import analysis.figures as figures
+
+    monkeypatch.setattr(figures, "save", lambda fig, stem: fig)  # the figure itself, not files
+    stats = pd.DataFrame([{"line": "k=0", "metric": m, "layer": layer, "mean": 1.0, "sd": 0.1, "lo": 0.9,
+                           "hi": 1.1, "n": 2} for m in ("nc1", "total_var") for layer in ("blocks.0", "norm")])
+    fig = figures.layer_figure(stats, [("nc1", "NC1", True), ("total_var", "total variance", True)],
+                               ["blocks.0", "norm"], "t", Path("unused"), ylabel=figures.YLABELS["collapse"])
+    assert [ax.get_ylabel() for ax in fig.axes[:2]] == ["lower = more collapse", "variance (trace of the covariance)"]
+    assert fig.axes[0].get_xlabel() == "block (norm = the final norm)"
