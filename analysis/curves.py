@@ -12,7 +12,7 @@ experiment and arm (k, mode): the mean over its seeds with a band (`band`): sd =
 mean; a run that never logged a metric (another trainer's) is left out of that metric's panel.
 
 Written: <out>.png, <out>.pdf and <out>.json (the numbers drawn: per metric and line, x, mean,
-lo, hi, n and every seed's values); out defaults to <first runs folder>/curves. stdout: a line
+lo, hi, n and every seed's values); out defaults to reports/curves. stdout: a line
 per run left out, then `[curves] wrote <path>`.
 """
 from __future__ import annotations
@@ -32,6 +32,9 @@ from train.rundir import check_writable
 BANDS = {"sd": "band: +-1 sample sd over seeds", "minmax": "band: min-max over seeds",
          "ci": "band: the 95% t interval of the mean over seeds"}
 X_KEYS = ("step", "epoch")
+# The y-axis of the metrics the trainers log: unit and which way is better (loss: nats per target).
+UNITS = {"loss": "nats, lower is better", "val_loss": "nats, lower is better", "val_bpb": "bits per byte, lower "
+         "is better", **{f"val_{m}": "%, higher is better" for m in ("acc1", "acc5", "mIoU", "aAcc", "mAcc")}}
 
 
 def band_of(xs: list[float], band: str) -> tuple[float, float, float]:
@@ -58,17 +61,20 @@ def line_stats(points: dict[float, list[float]], band: str) -> dict:
 
 def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title: Optional[str] = None):
     """A panel per entry of `panels` {title: (ylabel, {label: {x: [value per seed]}})}, a line per
-    label with its band, at most 3 panels a row (5 metrics stay readable on a page); writes
-    stem.{png,pdf}. Returns (the axes, the paths)."""
-    from analysis.figures import panels as grid, save
+    label with its band, one colour per label (its text before " (") in every panel, at most 3
+    panels a row (5 metrics stay readable on a page); writes stem.{png,pdf}. Returns (the axes, the paths)."""
+    from analysis.figures import color, panels as grid, save
 
+    # a line's colour by its label, not its place in a panel: a panel without some line (a metric
+    # one arm never logged) shifted matplotlib's cycle, and one model read in two colours
+    arms = list(dict.fromkeys(label.split(" (")[0] for _, lines in panels.values() for label in lines))
     fig, axes = grid(len(panels), min(len(panels), 3), 4.6, 3.6)
     for ax, (name, (ylabel, lines)) in zip(axes, panels.items()):
         for label, points in lines.items():
-            s = line_stats(points, band)
-            # the line is the mean; its band shares its colour (matplotlib's cycle picks it)
-            line, = ax.plot(s["x"], s["mean"], marker="o", ms=3, label=label)
-            ax.fill_between(s["x"], s["lo"], s["hi"], color=line.get_color(), alpha=0.15)
+            s, c = line_stats(points, band), color(arms.index(label.split(" (")[0]))
+            # the line is the mean; its band shares its colour
+            ax.plot(s["x"], s["mean"], marker="o", ms=3, label=label, color=c)
+            ax.fill_between(s["x"], s["lo"], s["hi"], color=c, alpha=0.15)
         ax.set(title=name, xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -128,7 +134,7 @@ def run(cfg: DictConfig) -> dict:
     metrics = list(cfg.metrics) if cfg.metrics is not None else [k for k in ("loss", "val_loss") if k in keys] + val
     if not metrics:
         raise ConfigError(f"runs={cfg.runs}: the runs logged no loss or val_* metric; name some with metrics=[...]")
-    stem = Path(cfg.out) if cfg.out else roots[0] / "curves"
+    stem = Path(cfg.out)
     check_writable(stem.parent, "out")
     data, notes = collect_curves(records, metrics, cfg.x, logged)
     for note in notes:
@@ -139,7 +145,7 @@ def run(cfg: DictConfig) -> dict:
         if m not in data:  # a metric nobody logged: a note, not an empty panel
             print(f"[curves] {m}: logged by none of the runs; no panel", flush=True)
     # each label with its seeds: the most at any x (a seed that did not log a step is left out there only)
-    panels = {m: (m, {f"{label} ({n} seed{'s' if n > 1 else ''})": points
+    panels = {m: (f"{m} ({UNITS[m]})" if m in UNITS else m, {f"{label} ({n} seed{'s' if n > 1 else ''})": points
                       for label, points in lines.items() for n in [max(map(len, points.values()))]})
               for m, lines in data.items()}
     n = len(records) - len(notes)  # the runs drawn, for the title

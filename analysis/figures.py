@@ -6,7 +6,7 @@ checkpoints of `python -m analysis`, and per experiment from a folder of runs:
 
 Runs are found and pooled over seeds as by `python -m analysis.tables` (analysis/runs.py); the
 per-layer figures read each run's ckpt/last_analysis/analysis.json (run `python -m analysis
-checkpoint=<run>/ckpt/last.pt` first). Written to `out` (default <first runs folder>/figures), an
+checkpoint=<run>/ckpt/last.pt` first). Written to `out` (default reports/figures), an
 experiment (trainer x dataset x model family x recipe) named <dataset>_<family>:
 
     vs_k            accuracy (GPT: val bits per byte) vs k, a panel per experiment: seeds as dots, mean +- sd
@@ -57,6 +57,12 @@ PANELS = {
                           ("lc_abs_coherence_mean", "mean |cos| of class means", False),
                           ("lc_self_duality", "self-duality 1 - cos(mu_c, w_c)", False),
                           ("lc_uniform_duality", "uniform duality (std cos)", False)]}
+# The panels' y-axis: a figure's unit, or its direction (every collapse metric is 0 at full collapse),
+# and a metric's own where it differs from its figure's (the per-block figure mixes them).
+SHARE, COLLAPSE, COUNT = "share of the token variance", "lower = more collapse", "principal components"
+YLABELS = {"anova": SHARE, "collapse": COLLAPSE, "total_var": "variance (trace of the covariance)",
+           "within_seq_share": SHARE, "between_class_share": SHARE, "nc1": COLLAPSE, "patch_nc1": COLLAPSE,
+           "lc_cdnv_mean": COLLAPSE, "n_pcs_0.99": COUNT, "per_seq_n_pcs_0.99": COUNT}
 TITLES = {("anova", "vit"): "ANOVA of token representations vs layer", ("anova", "gpt"): "ANOVA of token "
           "representations vs layer", ("collapse", "vit"): "Neural Collapse vs layer (classes = image classes)",
           ("collapse", "gpt"): "linguistic collapse vs layer (classes = next-token ids)"}
@@ -137,8 +143,9 @@ def draw_layers(ax, stats: pd.DataFrame, metric: str, layers, band: str = "sd", 
 
 
 def layer_figure(stats: pd.DataFrame, specs, layers, title: str, stem: Path, band: str = "sd",
-                 cols: int = 3) -> list[Path]:
-    """A panel per (key, title, log) of `specs`, drawn by `draw_layers`; the legend once, below."""
+                 cols: int = 3, ylabel: str = "") -> list[Path]:
+    """A panel per (key, title, log) of `specs`, drawn by `draw_layers` (y-axis: `ylabel`, or
+    YLABELS[key]); the legend once, below."""
     fig, axes = panels(len(specs), cols, 3.4, 2.7)
     for ax, (key, sub, log) in zip(axes, specs):
         draw_layers(ax, stats, key, layers, band)
@@ -147,7 +154,8 @@ def layer_figure(stats: pd.DataFrame, specs, layers, title: str, stem: Path, ban
         if log and len(ys) and ys.min() > 0 and ys.max() / ys.min() > 10:
             ax.set_yscale("log")
         ax.set_title(sub, fontsize=9)
-        ax.set_xlabel("layer", fontsize=8)
+        ax.set(xlabel="block (norm = the final norm)", ylabel=YLABELS.get(key, ylabel))
+        ax.xaxis.label.set_fontsize(8), ax.yaxis.label.set_fontsize(8)
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -168,7 +176,7 @@ def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
     stats = layer_stats(lines, {k for k, *_ in specs})
     cols = len(specs) if figure == "anova" else 4 if _kind(lines) == "vit" else 3
     return layer_figure(stats, specs, lines[0][1][0]["layers"], f"{name}: {TITLES[figure, _kind(lines)]}"
-                        .lstrip(": "), stem, cols=cols)
+                        .lstrip(": "), stem, cols=cols, ylabel=YLABELS[figure])
 
 
 def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> list[Path]:
@@ -376,7 +384,7 @@ def run(cfg: DictConfig) -> list[Path]:
     roots = runs_roots(cfg, "analysis.figures")
     records = [r for r in collect(roots) if r["finished"]]  # a run still training would pass for a finished one
     print(f"[figures] {len(records)} finished runs under {', '.join(map(str, roots))}", flush=True)
-    paths = draw_figures(records, Path(cfg.out) if cfg.out else roots[0] / "figures",
+    paths = draw_figures(records, Path(cfg.out),
                          OmegaConf.to_container(cfg.vs_k, resolve=True), int(cfg.pca_maps), cfg.pca_layer, cfg.device,
                          int(cfg.seed))
     for p in paths:

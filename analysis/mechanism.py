@@ -389,7 +389,7 @@ def draw_mechanism(result: dict, stem: Path) -> list[Path]:
     for ax, (key, title, cmap, lo, hi) in zip(axes[0], panels):
         fig.colorbar(ax.imshow(grid[key], cmap=cmap, vmin=lo, vmax=hi, aspect="auto"), ax=ax, shrink=0.8)
         for (i, h), v in np.ndenumerate(grid[key]):
-            ax.text(h, i, f"{v:.2f}", ha="center", va="center", fontsize=6)  # NaN prints as nan
+            ax.text(h, i, f"{v:.2g}", ha="center", va="center", fontsize=6)  # by magnitude: -3e-05, not -0.00
         for layer, h in zip(outlined["layer"], outlined["head"]):
             ax.add_patch(Rectangle((h - 0.5, layers.index(layer) - 0.5), 1, 1, fill=False, ec="k", lw=1.8))
         ax.set_xticks(range(H))

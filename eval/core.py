@@ -15,8 +15,8 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from laplace.checkpoint import results_header, run_dir_of
-from laplace.cli import hydra_entry
-from laplace.config import required
+from train.cli import hydra_entry
+from train.config import required
 from laplace.core_eval import ensure_bundle, evaluate
 from laplace.io import atomic_write, write_json
 
@@ -32,7 +32,7 @@ def table(res: dict) -> pd.DataFrame:
 
 def evaluate_core(cfg: DictConfig) -> dict:
     """Run the command: print the per-task table, write results.json and core.md beside the run."""
-    from laplace import dist
+    from train import dist
 
     from .generate import load_gpt
 

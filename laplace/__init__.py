@@ -2,7 +2,7 @@
 
     import laplace
     model = laplace.create_model("vitb_12L", num_classes=100)       # timm's VisionTransformer
-    vit = timm.create_model("vit_small_patch16_224", attn_layer=laplace.attn_layer(3))  # any timm ViT
+    vit = timm.create_model("vit_small_patch16_224", attn_layer=laplace.attn_layer(3))  # timm's VisionTransformer
     feats = laplace.features(model, images)                          # {"blocks.0": ..., "norm": ...}
     laplace.list_models("vits_*")
     model = laplace.load_model("runs/.../ckpt/last.pt")  # a checkpoint, a run, an export, a nanochat folder

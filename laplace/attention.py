@@ -288,7 +288,9 @@ def attn_layer(num_laplacian_heads: int = 0, mode: str = "fixed", attention: str
 
     A class, not a functools.partial: timm asks `issubclass(attn_layer, DiffAttention)` (and gives
     only DIFF the block's depth). Counts that differ per layer: `set_laplacian_heads(model, [0, 0,
-    3, ...])` after construction."""
+    3, ...])` after construction. timm 1.0's VisionTransformer (vit_*, deit*, flexivit_*, vitamin_*,
+    hybrids) and NaFlexVit take it; its other ViTs (Eva, BEiT, Swin, CaiT, XCiT, LeViT, ...) build
+    their own attention and refuse the argument."""
     if mode not in LAPLACIAN_MODES:
         raise ConfigError(f"laplacian_mode={mode!r}: choose one of {LAPLACIAN_MODES}")
     check_arm(attention, num_laplacian_heads, mode)
@@ -302,6 +304,9 @@ def attn_layer(num_laplacian_heads: int = 0, mode: str = "fixed", attention: str
 def set_laplacian_heads(model: nn.Module, counts) -> list[int]:
     """Give the attentions of `model`, in order, k Laplacian heads each (an int or one per layer)."""
     layers = [m for m in model.modules() if isinstance(m, ATTENTIONS)]
+    if not layers:  # else nothing would change, silently
+        raise ConfigError(f"{type(model).__name__} has no Laplacian attention: build it with attn_layer="
+                          f"laplace.attn_layer(k), which timm's VisionTransformer and NaFlexVit take (see attn_layer)")
     counts = laplacian_counts(counts, len(layers), layers[0].num_heads if layers else 0)
     for attn, k in zip(layers, counts):
         attn.set_laplacian_heads(k)

@@ -136,7 +136,7 @@ def _save(folder: Path, model: nn.Module, info: dict, node: dict, data: dict) ->
     # The label, not the node's family ("vitt"): timm's registry holds "vitt_3L". A per-layer label
     # (vitt_1-2L) is no registered name: the family's name with the most heads stands in, and
     # model_args' per-layer num_laplacian_heads sets every layer.
-    label = model_label(node)
+    label = model_label(node, shape=False)  # a name timm's registry holds; model_args give the shape
     arch = label if "-" not in label else f"{label.rsplit('_', 1)[0]}_{max(node['num_laplacian_heads'])}L"
     timm_keys = {"architecture": arch, "model_args": {k: v for k, v in node.items() if k != "name"},
                  "pretrained_cfg": {**_data_config(data), **_input_config(model)}}

@@ -76,16 +76,20 @@ def model_defaults(name: str) -> dict:
     return cfg
 
 
-def model_label(node) -> str:
+def model_label(node, shape: bool = True) -> str:
     """A model node's name in run folders, logs and results: the family with the node's own k
-    ("vitb_3L"; the GPT's family carries its depth, "gpt_d20_5L"). Per-layer counts join with "-"
-    ("gpt_d12_0-0-6-6L") unless all equal. A node written before k moved out of the name
+    ("vitb_3L"; the GPT's family carries its depth, "gpt_d20_5L"; a ViT of another depth or width
+    than its family's says so, "vitt_d2_w48_1L", unless `shape` is False). Per-layer counts join
+    with "-" ("gpt_d12_0-0-6-6L") unless all equal. A node written before k moved out of the name
     ("name: vitb_12L") is read the same way; a name outside the zoo is returned as it is."""
     try:
         d = model_defaults(node["name"])
     except UnknownModelError:
         return str(node["name"])
     family = d["name"] if d["arch"] == "vit" else f"{d['name']}_d{node.get('depth', d.get('depth', 20))}"
+    if d["arch"] == "vit" and shape:  # a 2-block, 48-wide net is no ViT-Tiny: results and legends say so
+        family += "".join(f"_{c}{node[key]}" for key, c in (("depth", "d"), ("embed_dim", "w"), ("num_heads", "h"))
+                          if node.get(key, d[key]) != d[key])  # analysis.runs.model_family's tags
     k = node.get("num_laplacian_heads", d.get("num_laplacian_heads", 0))
     if not isinstance(k, numbers.Integral):  # a per-layer list (ListConfig or list)
         ks = [int(x) for x in k]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from functools import lru_cache
@@ -30,7 +31,7 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from laplace.errors import ConfigError, cli_errors  # noqa: E402
+from laplace.errors import ConfigError, UserError, cli_errors  # noqa: E402
 
 IMAGENET_VAL, ADE_VAL = 50_000, 2_000  # validation images (ImageNet-1k; ADE20K's SceneParse150)
 ADE_WINDOWS = 2  # sliding windows (512, stride 341) per ADE20K test image at a 512 short side, 4:3
@@ -241,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     # After `--` (argparse: positional), Hydra overrides for every run and its cost.
     p.add_argument("overrides", nargs="*", metavar="-- OVERRIDE", help="Hydra overrides of every run")
     a = p.parse_args(argv)
+    if a.submit and not a.dry_run and shutil.which("sbatch") is None:  # before the costs and the first job
+        raise UserError("--no-dry-run: Slurm's sbatch is not on the PATH; submit from the cluster's login "
+                        "node (or load its Slurm module), or leave out --no-dry-run to print the sbatch lines")
     overrides = a.overrides
     seeds = {}
     for spec in a.seeds:
@@ -259,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, **({"LAPLACE_DRY_RUN": "1"} if a.dry_run else {})}
         for cmd in submissions(df, overrides, a.allow_code_execution):
             print("$ " + shlex.join(cmd), file=sys.stderr, flush=True)
-            subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=300)
+            if rc := subprocess.run(cmd, cwd=ROOT, env=env, timeout=300).returncode:
+                return rc  # the script said why, above: no traceback under it
     return 0
 
 

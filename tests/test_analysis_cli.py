@@ -55,7 +55,7 @@ def _approx(a, b, rel=1e-4):
 
 def test_vit_analysis_json_layout(vit):
     r0, r3 = vit["results"]
-    assert (r0["model"], r0["num_laplacian_heads"], r3["num_laplacian_heads"]) == ("vitt_0L", 0, 3)
+    assert (r0["model"], r0["num_laplacian_heads"], r3["num_laplacian_heads"]) == ("vitt_d2_w48_0L", 0, 3)
     assert r0["arch"] == "vit" and r0["layers"] == ["blocks.0", "blocks.1", "norm"]
     assert r0["n_sequences"] == 64 and r0["n_tokens"] == 64 * 17 == r0["throughput"]["tokens"]
     assert r0["throughput"]["tokens_per_s"] > 0 and r0["throughput"]["peak_rss_mib"] > 0
@@ -115,7 +115,7 @@ def test_vit_figures(vit):
                 assert (folder / f"{name}.{ext}").stat().st_size > 5000, folder / f"{name}.{ext}"
     assert (vit["compare"] / "pca_maps.png").stat().st_size > 5000
     summary = json.loads((vit["compare"] / "summary.json").read_text())
-    assert [r["model"] for r in summary["runs"]] == ["vitt_0L", "vitt_3L"]
+    assert [r["model"] for r in summary["runs"]] == ["vitt_d2_w48_0L", "vitt_d2_w48_3L"]
     assert all(r["nc1"] > 0 and 0 < r["within_seq_share"] < 1 for r in summary["runs"])
 
 

@@ -69,7 +69,7 @@ def test_a_read_only_run_dir_is_one_line(tmp_path):
     (["trainer.log_every=0"], "trainer.log_every=0: give a whole number >= 1"),
     (["trainer.max_steps=-1"], r"trainer.max_steps=-1: give a whole number >= 1, or null for the default"),
     (["trainer.eval_every=-5"], "trainer.eval_every=-5"),
-    (["optim=muon"], "optim=muon splits a GPT's parameters .* model=vitt_0L is a ViT: use optim=adamw"),
+    (["optim=muon"], "optim=muon splits a GPT's parameters .* model=vitt_d2_w48_0L is a ViT: use optim=adamw"),
     (["experiment=deit3_cifar10", "data=digits", "optim=muon"], "use optim=adamw"),
     (["trainer.name=os:system"], "trainer.name='os:system' is builtin_function_or_method .* not a subclass of "
                                  "train.engine.Trainer"),

@@ -8,6 +8,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +128,26 @@ def test_runs_of_different_trainers_share_only_what_they_logged(runs, tmp_path):
     assert len(lines["loss"]) == 3 and len(lines["val_acc1"]) == 2 and len(lines["val_bpb"]) == 1
     assert lines["val_bpb"][0].endswith("k=0 (1 seed)") and not any("pydoc" in x for x in lines["val_acc1"])
     assert got["data"]["val_bpb"][lines["val_bpb"][0]]["mean"] == [2.5]
+    # one model, one colour in every panel (the GPT line was C2 in loss's panel, C0 alone in val_bpb's)
+    colours = {}
+    for ax in got["axes"]:
+        for ln in ax.get_lines():
+            assert colours.setdefault(ln.get_label(), ln.get_color()) == ln.get_color(), ln.get_label()
+    assert len(set(colours.values())) == 3
+    # the y-axis says the unit and which way is better
+    assert [ax.get_ylabel() for ax in got["axes"]][2:] == ["val_acc1 (%, higher is better)", "val_acc5 (%, higher "
+                                                           "is better)", "val_bpb (bits per byte, lower is better)"]
+
+
+def test_curves_go_to_reports_not_into_runs(runs, tmp_path, monkeypatch):
+    """out= unset wrote <runs folder>/curves.*: a file among the runs; now reports/curves.* of the cwd."""
+    root, _ = runs
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in root.iterdir())
+    got = _curves(f"runs={root}", "metrics=[loss]")
+    assert [str(p) for p in got["paths"]] == ["reports/curves.png", "reports/curves.pdf", "reports/curves.json"]
+    assert (tmp_path / "reports" / "curves.png").is_file()
+    assert sorted(p.name for p in root.iterdir()) == before
 
 
 def test_glob_epoch_and_errors(runs, tmp_path):
@@ -153,3 +174,18 @@ def test_command_line(runs, tmp_path):
                          capture_output=True, text=True, timeout=120)
     err = bad.stderr.strip().splitlines()
     assert bad.returncode == 1 and len(err) == 1 and err[0].startswith(f"error: runs={tmp_path / 'none'}: no such folder")
+
+
+def test_layer_panels_say_their_unit_or_direction(monkeypatch):
+    """The per-layer figures' panels had no y label: which way NC1 or CDNV means collapse was unsaid."""
+    import pandas as pd
+
+    import analysis.figures as figures
+
+    monkeypatch.setattr(figures, "save", lambda fig, stem: fig)  # the figure itself, not files
+    stats = pd.DataFrame([{"line": "k=0", "metric": m, "layer": layer, "mean": 1.0, "sd": 0.1, "lo": 0.9,
+                           "hi": 1.1, "n": 2} for m in ("nc1", "total_var") for layer in ("blocks.0", "norm")])
+    fig = figures.layer_figure(stats, [("nc1", "NC1", True), ("total_var", "total variance", True)],
+                               ["blocks.0", "norm"], "t", Path("unused"), ylabel=figures.YLABELS["collapse"])
+    assert [ax.get_ylabel() for ax in fig.axes[:2]] == ["lower = more collapse", "variance (trace of the covariance)"]
+    assert fig.axes[0].get_xlabel() == "block (norm = the final norm)"

@@ -212,7 +212,7 @@ def test_experiment_trains_two_steps(experiment, tiny_data, make_cfg, tmp_path):
     extra = [f"trainer.init_from={ckpt}"] if experiment.endswith(("_ft", "_ft224")) else []
     cfg = make_cfg(f"experiment={experiment}", *TINY, f"data.root={root / data}",
                    "trainer.max_steps=2", *extra)
-    assert model_label(cfg.model) == "vitb_0L" and cfg.trainer.name == "deit3"
+    assert model_label(cfg.model) == "vitb_d2_w48_0L" and cfg.trainer.name == "deit3"
     metrics = run(cfg)
     assert math.isfinite(metrics["val_loss"]) and 0 <= metrics["val_acc1"] <= 100
     res = json.loads((tmp_path / "run/results.json").read_text())

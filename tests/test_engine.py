@@ -106,7 +106,7 @@ def test_checkpoint_contents_and_load_model(make_cfg, tmp_path):
     run(cfg)
     ckpt = load_checkpoint(tmp_path / "run/ckpt/last.pt")
     assert ckpt["loop"]["step"] == 2 and ckpt["optimizer"] is not None
-    assert model_label(ckpt["config"]["model"]) == "vitt_2L" and ckpt["config"]["model"]["name"] == "vitt"
+    assert model_label(ckpt["config"]["model"]) == "vitt_d2_w48_2L" and ckpt["config"]["model"]["name"] == "vitt"
     assert ckpt["config"]["model"]["num_classes"] == 10  # interpolations resolved
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
     assert (tmp_path / "run/config.yaml").exists() and (tmp_path / "run/results.json").exists()
@@ -306,7 +306,7 @@ def test_resume_refuses_a_checkpoint_of_another_configuration(make_cfg, tmp_path
     assert "model.num_laplacian_heads: 0 -> 3" in msg and "trainer.resume=force" in msg and "\n" not in msg
     # Execution settings (workers, cadences, micro batch) are not part of the recipe.
     run(make_cfg(*base, "model=vitt_0L", "trainer.num_workers=1", "trainer.eval_every=7", "trainer.stop_after=1"))
-    with pytest.raises(CheckpointError, match="does not fit model vitt_0L"):  # forced, but other shapes
+    with pytest.raises(CheckpointError, match="does not fit model vitt_d2_w48_0L"):  # forced, but other shapes
         run(make_cfg(*base, "model=vitt_0L", "model.depth=2", "trainer.resume=force"))
     run(make_cfg(*base, "model=vitt_3L", "trainer.resume=force"))  # the user said so
     assert load_checkpoint(tmp_path / "run/ckpt/last.pt")["loop"]["step"] == 2

@@ -77,3 +77,18 @@ def test_any_zoo_name_composes_from_the_zoo_config_source(tmp_path):
     bad = _run(["train.py", "model=vitb_13L"], ROOT, PYTHONPATH=str(ROOT))
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[0] == (
         "error: model 'vitb_13L' asks for 13 Laplacian heads but has only 12 heads per layer; use k in 0..12")
+
+
+def test_help_opens_with_the_entry_and_an_example():
+    """`--help` opened with Hydra's generic "X is powered by Hydra." and no example (issue 53)."""
+    import yaml
+
+    for path, name in {**ENTRIES, "analysis/report.py": "report"}.items():
+        header = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["hydra"]["help"]["header"]
+        command = "python " + (path if path.count("/") == 0 else "-m " + path[:-3].replace("/", ".")
+                               .removesuffix(".__main__"))
+        lines = header.splitlines()
+        assert lines[0].startswith(f"{command}: ") and lines[1].startswith(f"  {command} "), (name, header)
+    r = _run(["-m", "analysis.curves", "--help"], ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("python -m analysis.curves: learning curves") and \
+        "powered by Hydra" not in r.stdout and "\n  python -m analysis.curves runs=" in r.stdout

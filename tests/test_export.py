@@ -134,13 +134,13 @@ def test_laplacian_vit_round_trips_and_loads_in_timm_once_laplace_is_imported(tm
     card = (out / "README.md").read_text()
     assert "k = [1, 2] of 3 heads per layer" in card and "## Metrics" not in card  # no results.json in the run
     assert "A Vision Transformer with Laplacian heads" in card
-    assert "timm builds it only where laplace's models are registered with timm: vitt_1-2L has Laplacian heads" in card
+    assert "timm builds it only where laplace's models are registered with timm: vitt_d2_w48_1-2L has Laplacian heads" in card
     meta = ModelCard.load(out / "README.md").data
     assert (meta.license, meta.library_name, meta.datasets) == ("mit", "laplace", ["uoft-cs/cifar100"])
-    assert cfg["laplace"]["timm_unsupported"].startswith("vitt_1-2L has Laplacian heads ([1, 2] per layer)")
+    assert cfg["laplace"]["timm_unsupported"].startswith("vitt_d2_w48_1-2L has Laplacian heads ([1, 2] per layer)")
 
 
-@pytest.mark.parametrize("k,label,arch", [(3, "vitt_3L", "vitt_3L"), ([1, 2], "vitt_1-2L", "vitt_2L")])
+@pytest.mark.parametrize("k,label,arch", [(3, "vitt_d2_w48_3L", "vitt_3L"), ([1, 2], "vitt_d2_w48_1-2L", "vitt_2L")])
 def test_a_family_node_exports_under_its_label_and_timm_builds_its_laplacian_heads(tmp_path, k, label, arch):
     """A node as train.py writes it names the family ("vitt") and holds k: config.json's timm
     `architecture` and the card's title are the label, so timm's local-dir load builds the model

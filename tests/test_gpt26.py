@@ -17,7 +17,7 @@ import torch
 import laplace
 from laplace import nanochat
 from laplace.checkpoint import load_model, save_checkpoint
-from laplace.config import model_node
+from train.config import model_node
 from conftest import randomize_
 
 V, SEQ = 300, 512  # windows: a quarter of 512 rounded up to 128 -> short windows of 128 keys back

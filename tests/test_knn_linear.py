@@ -136,7 +136,7 @@ def test_cache_reused_and_invalidated(tmp_path):
     vit = randomize_(create_model(**NODE)).eval()
     ckpt = save_checkpoint(tmp_path / "run/ckpt/last.pt", model=vit, config={"model": NODE}, loop={"step": 7})
     model, info = load_backbone(ckpt, img_size=16)
-    assert info["step"] == 7 and info["model"] == "vitt_0L" and model.num_classes == 0
+    assert info["step"] == 7 and info["model"] == "vitt_d3_w48_0L" and model.num_classes == 0
     # A DINO checkpoint's model is a backbone without head (num_classes=0): the same path.
     bare = randomize_(create_model(**{**NODE, "num_classes": 0}))
     save_checkpoint(tmp_path / "dino/ckpt/last.pt", model=bare, config={"model": {**NODE, "num_classes": 0}})
@@ -146,7 +146,7 @@ def test_cache_reused_and_invalidated(tmp_path):
     data = TensorDataset(torch.randn(11, 3, 16, 16), torch.arange(11) % 3)
     dcfg = OmegaConf.create({"name": "toy", "img_size": 16, "mean": [0.5] * 3, "std": [0.5] * 3})
     cache = tmp_path / "run/eval/features_toy_train_cls.pt"
-    kw = dict(kind="cls", batch_size=4, cache=cache, key=cache_key(info, dcfg, "train", "cls", 11, 1.0))
+    kw = dict(kind="cls", batch_size=4, cache=cache, key=cache_key(info, dcfg, "train", "cls", data, 1.0))
     f1, y1 = extract_features(counting, data, **kw)
     assert counting.calls == 3 and f1.shape == (11, 48) and cache.is_file()
     torch.testing.assert_close(f1, batch_features(model, data.tensors[0], "cls"))
@@ -156,11 +156,11 @@ def test_cache_reused_and_invalidated(tmp_path):
     # Another checkpoint at the same path (a new step): the key differs, the features are recomputed.
     save_checkpoint(ckpt, model=vit, config={"model": NODE}, loop={"step": 8})
     _, info2 = load_backbone(ckpt, img_size=16)
-    kw["key"] = cache_key(info2, dcfg, "train", "cls", 11, 1.0)
+    kw["key"] = cache_key(info2, dcfg, "train", "cls", data, 1.0)
     extract_features(counting, data, **kw)
     assert counting.calls == 6
     # So does another transform setting.
-    kw["key"] = cache_key(info2, dcfg, "train", "cls", 11, 0.875)
+    kw["key"] = cache_key(info2, dcfg, "train", "cls", data, 0.875)
     extract_features(counting, data, **kw)
     assert counting.calls == 9
 
@@ -204,7 +204,7 @@ def test_one_backbone_loader_for_probes_and_segmentation(tmp_path):
     probe, pinfo = load_backbone(ckpt)
     assert pinfo["node"]["num_classes"] == 0 and "head.weight" not in probe.state_dict()
     assert results_header(pinfo["node"], "digits", ckpt, step=3) == {
-        "model": "vitt_0L", "num_laplacian_heads": 0, "laplacian_mode": "fixed", "dataset": "digits",
+        "model": "vitt_d3_w48_0L", "num_laplacian_heads": 0, "laplacian_mode": "fixed", "dataset": "digits",
         "checkpoint": str(ckpt), "step": 3}
 
 
@@ -268,7 +268,7 @@ def test_knn_and_linear_end_to_end_on_digits(make_cfg, tmp_path):
     k = json.loads((tmp_path / "bb/eval/knn_digits/results.json").read_text())
     li = json.loads((tmp_path / "bb/eval/linear_digits/results.json").read_text())
     print(knn.stdout)
-    assert k["protocol"] == "knn" and k["model"] == "vitt_0L" and k["step"] == 2 and k["k"] == 20
+    assert k["protocol"] == "knn" and k["model"] == "vitt_d1_w48_0L" and k["step"] == 2 and k["k"] == 20
     assert 0 <= k["knn"]["top1"] <= 100 and set(k["knn"]["per_k"]) == {"10", "20", "100", "200"}
     assert li["protocol"] == "linear" and 0 <= li["linear"]["top1"] <= 100 and len(li["grid"]) == 3
     assert li["linear"]["base_lr"] != 0.0 and li["n_heldout"] == round(0.1 * li["n_train"])

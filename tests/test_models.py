@@ -322,6 +322,10 @@ def test_model_defaults_and_the_node_hold_k_once():
     assert laplace.model_label({**node, "num_laplacian_heads": [0] * 6 + [6] * 6}) == "gpt_d12_0-0-0-0-0-0-6-6-6-6-6-6L"
     assert laplace.model_label({**model_node("vitb_12L"), "num_laplacian_heads": 3}) == "vitb_3L"
     assert laplace.model_label({"name": "vitb_12L", "num_laplacian_heads": 3}) == "vitb_3L"  # a node of b601d55
+    # a cut or widened ViT is not the zoo's (issue 53: a 2-block, 48-wide net read "vitt_1L" in results and legends)
+    tiny = {**model_node("vitt_1L"), "depth": 2, "embed_dim": 48}
+    assert laplace.model_label(tiny) == "vitt_d2_w48_1L" and laplace.model_label(tiny, shape=False) == "vitt_1L"
+    assert laplace.model_label({**model_node("vits_5L"), "depth": 4}) == "vits_d4_5L"
     assert laplace.model_defaults("vitb") == dict(arch="vit", name="vitb", embed_dim=768, depth=12, num_heads=12)
     assert laplace.create_model("gpt", depth=2, num_laplacian_heads=1, vocab_size=8).num_laplacian_heads == [1, 1]
 

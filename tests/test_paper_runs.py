@@ -91,3 +91,13 @@ def test_dry_run_submits_a_subset_through_sweep_and_chain_scripts(tmp_path):
     assert stages[3][1][2:] == ["eval.knn", f"checkpoint={tmp_path}/chains/dino_in1k_vits_5L_s0_data.root--d/"
                                 "1_dino_in1k/ckpt/last.pt", "data=imagenet", "data.root=/d"]
     assert not (tmp_path / "slurm").exists()  # a dry run: nothing submitted, no log folder made
+
+
+def test_submit_without_sbatch_is_one_line(tmp_path):
+    """--submit --no-dry-run off a cluster: submit.sh's line, then a 14-line traceback; now one line, nothing run."""
+    env = {**site_env(os.environ, tmp_path), "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "scripts/paper_runs.py", "--only", "sweep=deit3_vitb,k=0,seed=0",
+                           "--submit", "--no-dry-run"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "error: --no-dry-run: Slurm's sbatch is not on the PATH; submit from the cluster's login node (or load its "
+        "Slurm module), or leave out --no-dry-run to print the sbatch lines"], proc.stderr[-2000:]

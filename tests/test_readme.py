@@ -274,15 +274,28 @@ def test_every_command_of_the_manual_runs(page, ctx):
     assert not failed, "\n".join(failed)
 
 
-def test_the_readme_python_block_runs(tiny_run, tmp_path, monkeypatch):
-    """The library block as a user pastes it; its load_model path is the tiny run's checkpoint."""
+def test_the_readme_python_block_runs_after_its_training_command(tmp_path, monkeypatch):
+    """The library block as a user pastes it, after the README command that makes the run it loads
+    (trained here at tiny size into the folder that command names)."""
+    from train import run, run_dir_from_overrides
+
+    from conftest import TINY_VIT
+
     (block,) = [b for b in code_blocks(README.read_text(), "python") if "import laplace" in b]
-    # the block names the checkpoint `python train.py model=vitt_3L` would write; ours is the tiny one
-    block = re.sub(r'load_model\("[^"]+"\)', f'load_model("{tiny_run / "ckpt" / "last.pt"}")', block)
+    loads = Path(re.search(r'load_model\("([^"]+)"\)', block)[1]).parent.parent
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LAPLACE_RUNS", raising=False)  # runs/ as a user's checkout has it
+    trains = [argv[2:] for argv in shell_commands(README.read_text()) if argv[:2] == ["python", "train.py"]]
+    made = [o for o in trains if Path(run_dir_from_overrides(compose("config", o), o)) == loads]
+    assert made, f"no `python train.py` command of README.md makes {loads}, which its Python block loads"
+    cfg = compose("config", [*made[0], *TINY_VIT, "trainer.max_steps=2"])
+    cfg.run_dir = str(loads)
+    with warnings.catch_warnings():  # 2 steps never leave the warm-up: the schedule says so
+        warnings.simplefilter("ignore", UserWarning)
+        run(cfg)
     scope: dict = {}
     exec(compile(block, "README.md", "exec"), scope)
-    assert {"blocks.0", "norm"} <= set(scope["feats"])
+    assert {"blocks.0", "norm"} <= set(scope["feats"]) and scope["model"].num_classes == 10
 
 
 def anchors(page: Path) -> set[str]:

@@ -198,7 +198,7 @@ def test_linear_protocol_end_to_end_on_digits(make_cfg, tmp_path):
     out = tmp_path / "bb/eval/seg_digits_ade20k_l1"
     res = json.loads((out / "results.json").read_text())
     assert res["protocol"] == "linear" and 0 <= res["mIoU"] <= 100 and len(res["per_class_IoU"]) == 10
-    assert res["model"] == "vitt_3L" and res["num_laplacian_heads"] == 3 and res["iters"] == 24
+    assert res["model"] == "vitt_d2_w48_3L" and res["num_laplacian_heads"] == 3 and res["iters"] == 24
     losses = [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()
               if '"split": "train"' in ln]
     # The head learns: 0.533 -> 0.465 seen (mmseg's loss: ignored pixels count in the mean).

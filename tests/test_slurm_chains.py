@@ -83,8 +83,8 @@ def test_dino_chain_runs_its_stages_in_order(cluster, tmp_path):
     assert json.loads((stage1 / "results.json").read_text())["steps"] == 3
     res = {name: json.loads((stage1 / "eval" / sub / "results.json").read_text())
            for name, sub in [("knn", "knn_digits"), ("linear", "linear_digits"), ("seg", "seg_digits_ade20k_l1")]}
-    assert all(r["model"] == "vits_3L" and r["num_laplacian_heads"] == 3 for r in res.values())
+    assert all(r["model"] == "vits_d4_w96_3L" and r["num_laplacian_heads"] == 3 for r in res.values())
     assert 0 < res["knn"]["knn"]["top1"] <= 100 and res["seg"]["iters"] == 4 and 0 <= res["seg"]["mIoU"] <= 100
     assert 0 < res["linear"]["linear"]["top1"] <= 100 and res["linear"]["epochs"] == 2
     analysis = json.loads((stage1 / "ckpt/last_analysis/analysis.json").read_text())
-    assert analysis["model"] == "vits_3L"
+    assert analysis["model"] == "vits_d4_w96_3L"

@@ -285,7 +285,7 @@ def test_chain_runs_its_stages_in_order(cluster, chain, runs):
         assert after["StartTime"] >= before["EndTime"], (before, after)
     assert f"initialised from laplace checkpoint {dirs[0]}/ckpt/last.pt" in log(runs, "run", ids[1])
     analysis = json.loads((dirs[1] / "ckpt/last_analysis/analysis.json").read_text())
-    assert analysis["model"] == "vitt_1L" and "[analysis] wrote" in log(runs, "analysis", ids[2])
+    assert analysis["model"] == "vitt_d2_w48_1L" and "[analysis] wrote" in log(runs, "analysis", ids[2])
 
 
 @pytest.mark.slow

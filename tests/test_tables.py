@@ -124,12 +124,12 @@ def test_collect_finds_the_runs(runs):
     recs = runs_mod.collect(runs["root"] / "real")
     assert len(recs) == 5 and all(r["finished"] for r in recs)
     vit = sorted((r["model"], r["k"], r["seed"], r["family"]) for r in recs if r["trainer"] == "deit3")
-    assert vit == [("vitt_0L", 0, 0, VIT_FAMILY), ("vitt_0L", 0, 1, VIT_FAMILY),
-                   ("vitt_3L", 3, 0, VIT_FAMILY), ("vitt_3L", 3, 1, VIT_FAMILY)]
+    assert vit == [("vitt_d2_w48_0L", 0, 0, VIT_FAMILY), ("vitt_d2_w48_0L", 0, 1, VIT_FAMILY),
+                   ("vitt_d2_w48_3L", 3, 0, VIT_FAMILY), ("vitt_d2_w48_3L", 3, 1, VIT_FAMILY)]
     gpt = next(r for r in recs if r["trainer"] == "gpt")
     assert (gpt["family"], gpt["k"], gpt["arch"], gpt["dataset"]) == ("gpt_d2", 1, "gpt", "pydoc_text")
     assert gpt["metrics"]["final.val_bpb"] > 0 and gpt["geometry"]["lc_cdnv_mean"] > 0
-    r = next(r for r in recs if r["model"] == "vitt_3L")
+    r = next(r for r in recs if r["model"] == "vitt_d2_w48_3L")
     assert r["metrics"]["final.val_acc1"] == _results(r["run_dir"])["final"]["val_acc1"]
     assert set(r["geometry"]) >= {"within_seq_share", "between_class_share", "nc1", "n_pcs_0.99"}
     assert len({r["recipe_id"] for r in recs if r["trainer"] == "deit3"}) == 1  # seeds and k pool

@@ -160,7 +160,7 @@ def test_wandb_group_tags_mode_and_eval_and_analysis_results_in_the_training_run
     assert record["mode"] == "offline" and record["group"] == "toy_sweep"
     (train_run,) = offline_runs(run_dir)
     assert train_run["id"] == record["id"] and train_run["group"] == "toy_sweep"
-    assert train_run["tags"] == ["k=1", "toy_sweep", "seed=3", "vitt_1L"]  # the label follows the node (k = 1)
+    assert train_run["tags"] == ["k=1", "toy_sweep", "seed=3", "vitt_d1_w48_1L"]  # the label follows the node (k = 1)
     assert train_run["steps"] == [1, 2] and "val_acc1" in train_run["history"][-1]
 
     # `python -m eval.knn` on the run's checkpoint: its numbers reach the same W&B run id.

@@ -93,7 +93,8 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
             continue  # the label says k
         keep.append(o)
     exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
-    base = f"{model_label(cfg.model)}_s{cfg.seed}"
+    # shape=False: the folder named as before the label said a ViT's shape, so old runs resume
+    base = f"{model_label(cfg.model, shape=False)}_s{cfg.seed}"
     name = short_name("_".join([base, *sorted(re.sub(r"[^A-Za-z0-9_.+-]", "-", o) for o in keep)]), MAX_NAME, "-")
     trainer = re.sub(r"[^A-Za-z0-9_.-]", "-", cfg.trainer.name)
     folder = Path(cfg.paths.runs_dir) / trainer / (exp or cfg.data.name)

@@ -26,7 +26,7 @@ from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
 
 from laplace.data import Data
-from laplace.data.vision import build_vision_dataset
+from laplace.data.vision import build_vision_dataset, image_identity
 from .dist import all_reduce_sum
 from laplace.errors import ConfigError
 
@@ -77,8 +77,9 @@ class DeiT3Trainer(Trainer):
         # data.device_augment: the workers send decoded images of different sizes (padded) with
         # their crops' boxes and parameters; the step cuts and augments them on the device.
         collate = device_collate if d.get("device_augment") else torch.utils.data.default_collate
-        return Data(build_vision_dataset(d, True), build_vision_dataset(d, False), collate,
-                    val_collate=torch.utils.data.default_collate, unit="img")
+        train, val = build_vision_dataset(d, True), build_vision_dataset(d, False)
+        return Data(train, val, collate, val_collate=torch.utils.data.default_collate, unit="img",
+                    identity=image_identity(train, val))
 
     def train_step(self, batch):
         x, y = batch

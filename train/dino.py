@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from laplace import create_model
 from laplace.data import Data
 from laplace.data.multicrop import MultiCrop, multicrop_collate
-from laplace.data.vision import build_vision_dataset
+from laplace.data.vision import build_vision_dataset, image_identity
 from laplace.dino import DINO, DINOHead
 from laplace.errors import ConfigError
 
@@ -70,7 +70,7 @@ class DINOTrainer(Trainer):
         train_set = build_vision_dataset(OmegaConf.create(OmegaConf.to_container(d, resolve=True)), True,
                                          self.multicrop)
         self.multicrop.reduce = bool(d.get("reduced_decode", False))
-        return Data(train_set, None, multicrop_collate, unit="img")
+        return Data(train_set, None, multicrop_collate, unit="img", identity=image_identity(train_set))
 
     def build_model(self):
         tc = self.cfg.trainer

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 from PIL import Image
 from timm.data.transforms import RandomResizedCropAndInterpolation
 from torchvision import transforms as T
@@ -55,7 +56,9 @@ def window(box: tuple, s: int, size: tuple[int, int]) -> tuple[tuple[int, int, i
 
 
 def rgb(img: Image.Image) -> Image.Image:
-    """img in RGB (any mode: L, P, RGBA, CMYK ...); a lazy image decodes when its pixels are read."""
+    """img in RGB (any mode: L, P, RGBA, CMYK, 16-bit grey ...); a lazy image decodes when its pixels are read."""
+    if img.mode.startswith("I;16"):  # a 16-bit grey PNG: convert("RGB") clips every value above 255
+        img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))  # its top 8 bits, as L
     return img if img.mode == "RGB" else img.convert("RGB")
 
 

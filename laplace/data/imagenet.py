@@ -25,9 +25,10 @@ from collections.abc import Callable
 
 import torch
 from torchvision import datasets as tv_datasets
+from torchvision.datasets.folder import find_classes
 
 from laplace.data import DatasetNotFoundError
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, one_line
 
 from .images import CorruptImages, load
 
@@ -42,7 +43,11 @@ class ImageFolder(CorruptImages, tv_datasets.ImageFolder):
     __getitem__ is CorruptImages', data.skip_corrupt's policy)."""
 
     def __init__(self, root: str, transform: Callable | None = None, skip_corrupt: bool = False):
-        super().__init__(root, transform=transform)
+        try:
+            super().__init__(root, transform=transform)
+        except FileNotFoundError as e:  # torchvision's: a class folder without images, or no class folder
+            raise DatasetNotFoundError(f"{root}: {one_line(e)}; add its images or remove the empty "
+                                       f"class folder") from None
         self.init_corrupt(skip_corrupt)
 
     def _load(self, index: int) -> tuple:
@@ -123,7 +128,15 @@ def build_imagenet(root: str, train: bool, transform: Callable | None = None, fm
     folder = os.path.join(root, _FOLDER_SPLIT[train])
     # data.format=auto: the folder layout when it is there (both in one root: the folder one wins).
     if fmt in ("auto", "folder") and os.path.isdir(folder):
-        return ImageFolder(folder, transform=transform, skip_corrupt=skip_corrupt)
+        ds = ImageFolder(folder, transform=transform, skip_corrupt=skip_corrupt)
+        train_dir = os.path.join(root, _FOLDER_SPLIT[True])
+        # A label is its class folder's sorted position: a class missing from val/ shifts every later one.
+        classes = find_classes(train_dir)[0] if not train and os.path.isdir(train_dir) else ds.classes
+        if classes != ds.classes:
+            lacks, extra = sorted(set(classes) - set(ds.classes)), sorted(set(ds.classes) - set(classes))
+            raise ConfigError(f"{folder} and {train_dir} hold other class folders (val/ lacks {lacks[:3]}, has "
+                              f"{extra[:3]} more): labels are sorted class positions, make both hold the same")
+        return ds
     files = _parquet_files(root, train) if fmt in ("auto", "parquet") else []
     if files:
         return ParquetImageNet(files, transform=transform, cache_dir=cache_dir, skip_corrupt=skip_corrupt)

@@ -16,6 +16,8 @@ from PIL import Image, UnidentifiedImageError
 
 from laplace.errors import UserError
 
+from .decode import rgb
+
 MAX_IN_A_ROW = 32  # more unreadable samples in a row than this: the data is wrong, not a few files
 # What PIL raises for a file it cannot decode: truncated, broken, not an image, too large.
 UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
@@ -56,7 +58,7 @@ def load(src, name: str, transform=None):
     with img:  # the file stays open while the transform decodes it
         # PIL decodes in `load`, which every pixel access calls first: name the file there.
         img.load = functools.partial(_named_load, img.load, name)
-        return transform(img) if transform is not None else img.convert("RGB")
+        return transform(img) if transform is not None else rgb(img).copy()  # copy: decoded while open
 
 
 class CorruptImages:

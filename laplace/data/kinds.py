@@ -12,8 +12,10 @@ the trainer asks for one object instead of switching on the kind.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,23 +90,33 @@ def _windows(d, *, init_from, **_) -> TextData:
 
 
 def _shards(d, *, init_from, micro_batch_size, rank, world_size, step_windows, **_) -> TextData:
-    import numpy as np
-
-    from .shards import TokenStream, list_shards, validation_pass
+    from .shards import TokenStream, list_shards, open_shard, validation_pass
 
     tok = resolve_tokenizer(d, init_from)
+    # prepare's meta.json pins the tokenizer that wrote the ids: another one with as many ids
+    # trains without an error on ids that mean other tokens (a fresh run as much as a resume).
+    meta = Path(d.root, "meta.json")
+    wrote = json.loads(meta.read_text()).get("settings", {}) if meta.is_file() else {}
+    if wrote.get("tokenizer_fingerprint", tok.fingerprint()) != tok.fingerprint():
+        raise ConfigError(f"data.tokenizer={tok.spec} is not the tokenizer that wrote the shards of data.root="
+                          f"{d.root} (its meta.json's fingerprint differs): set data.tokenizer={d.root}/tokenizer.json")
     # A feed, not a dataset: it streams its own ranks' windows and resumes from its state_dict.
-    train = TokenStream(list_shards(d.root, "train"), d.seq_len, micro_batch_size,
-                        rank=rank, world_size=world_size, step_windows=step_windows)
+    train = TokenStream(list_shards(d.root, "train"), d.seq_len, micro_batch_size, rank=rank,
+                        world_size=world_size, step_windows=step_windows, vocab_size=tok.vocab_size)
     # Validation streams once over <root>/val. Every rank makes the same number of batches
     # (collectives stay in step): counted from the shards' headers, capped at data.val_tokens.
     files = list_shards(d.root, "val")
-    windows = (sum(len(np.load(f, mmap_mode="r")) for f in files) - 1) // d.seq_len
+    tokens = sum(len(open_shard(f)) for f in files)
+    windows = (tokens - 1) // d.seq_len
     if d.val_tokens:
         windows = min(windows, d.val_tokens // d.seq_len)
+    if windows < 1:  # said now, not at the first evaluation
+        raise ConfigError(f"the validation shards {files[0].parent} hold {tokens} tokens, less than one window "
+                          f"of data.seq_len={d.seq_len} (data.val_tokens={d.val_tokens}): prepare more val_docs")
     # A small validation shard still gives every rank one batch (of fewer rows).
     rows = max(1, min(micro_batch_size, windows // world_size))
-    val = functools.partial(validation_pass, files, d.seq_len, rows, rank, world_size, max_windows=windows)
+    val = functools.partial(validation_pass, files, d.seq_len, rows, rank, world_size, max_windows=windows,
+                            vocab_size=tok.vocab_size)
     return TextData(train, None, tokenizer=tok, units_per_sample=d.seq_len, token_budget=True,
                     identity=train.identity(), val_pass=val)
 

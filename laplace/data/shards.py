@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from laplace.data import DatasetNotFoundError
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, one_line
 from laplace.io import atomic_write
 
 
@@ -94,6 +94,20 @@ def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) ->
     return files
 
 
+def open_shard(path: Path) -> np.ndarray:
+    """The shard at `path`, memory-mapped (reads the header only); a file that is not a token shard
+    (empty, cut short, pickled objects, floats, not 1-D) is one ConfigError naming it."""
+    try:
+        a = np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:  # zero bytes: EOFError; cut short: "mmap length"
+        raise ConfigError(f"{path} is not a readable token shard ({one_line(e)}): write it again "
+                          f"(python prepare.py) or remove it from data.root") from None
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise ConfigError(f"{path} is not a token shard (1-D integer array), got shape {a.shape} and "
+                          f"dtype {a.dtype}: write it again (python prepare.py) or remove it from data.root")
+    return a
+
+
 class TokenStream:
     """Fixed-length windows of a concatenated token stream, split over ranks, resumable.
 
@@ -114,11 +128,13 @@ class TokenStream:
         max_windows: use at most the first this many windows (e.g. a validation budget).
         step_windows: end each epoch at a multiple of this many windows (one optimizer step: the
             global batch), see set_step_windows.
+        vocab_size: ids read must be below it (one line naming the shard, not an embedding's error).
     """
 
     def __init__(self, files: Sequence[str | os.PathLike], seq_len: int, micro_batch_size: int,
                  rank: int = 0, world_size: int = 1, loop: bool = True,
-                 max_windows: int | None = None, step_windows: int | None = None):
+                 max_windows: int | None = None, step_windows: int | None = None,
+                 vocab_size: int | None = None):
         if isinstance(files, (str, os.PathLike)):
             files = [files]
         self.files = [Path(f) for f in files]
@@ -128,14 +144,11 @@ class TokenStream:
             raise ValueError(f"bad TokenStream arguments: seq_len={seq_len}, micro_batch_size="
                              f"{micro_batch_size}, rank={rank}, world_size={world_size}")
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
-        self.rank, self.world_size, self.loop = rank, world_size, loop
+        self.rank, self.world_size, self.loop, self.vocab_size = rank, world_size, loop, vocab_size
         # Shard lengths from the .npy headers (mapping reads no data); cum[i] = first token of i.
         self._cum = [0]
         for f in self.files:
-            a = np.load(f, mmap_mode="r")  # reads the header: a check of every shard before step 1
-            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-                raise ValueError(f"{f} is not a token shard (1-D integer array), "
-                                 f"got shape {a.shape} and dtype {a.dtype}")
+            a = open_shard(f)  # reads the header: a check of every shard before step 1
             self._cum.append(self._cum[-1] + len(a))
             del a
         self.num_tokens = self._cum[-1]
@@ -223,7 +236,12 @@ class TokenStream:
         while done < len(out):
             lo = start + done - self._cum[i]
             n = min(len(out) - done, self._cum[i + 1] - self._cum[i] - lo)
-            out[done:done + n] = self._map(i)[lo:lo + n]
+            out[done:done + n] = part = self._map(i)[lo:lo + n]
+            # Checked as read (a max over one window): a whole-shard scan at start costs minutes.
+            if self.vocab_size and n and part.max() >= self.vocab_size:
+                raise ConfigError(f"{self.files[i]} holds token id {part.max()} (near its token {lo}), but "
+                                  f"data.vocab_size={self.vocab_size}: written with another tokenizer; "
+                                  f"point data.root at shards of this one")
             done, i = done + n, i + 1
 
     def _batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,12 +292,12 @@ class ShardWindows(torch.utils.data.Dataset):
 
 
 def validation_pass(files: Sequence[str | os.PathLike], seq_len: int, micro_batch_size: int,
-                    rank: int = 0, world_size: int = 1,
-                    max_windows: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                    rank: int = 0, world_size: int = 1, max_windows: int | None = None,
+                    vocab_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One pass over the windows, split over ranks as in training, from window 0.
 
     Every rank yields the same number of batches (collectives stay in step); the last fewer
     than world_size * micro_batch_size windows are skipped.
     """
     return iter(TokenStream(files, seq_len, micro_batch_size, rank=rank, world_size=world_size,
-                            loop=False, max_windows=max_windows))
+                            loop=False, max_windows=max_windows, vocab_size=vocab_size))

@@ -9,6 +9,9 @@ transform. `data.augment` picks the training transform (laplace.data.transforms)
 """
 from __future__ import annotations
 
+import hashlib
+import os
+
 from laplace.errors import ConfigError
 
 from .transforms import eval_transform, three_augment, timm_transform
@@ -55,6 +58,18 @@ def build_transform(cfg, train: bool):
     return timm_transform(size, cfg.get("auto_augment"), interpolation, jitter, mean, std, reduce)
 
 
+def image_identity(*splits) -> dict:
+    """What image splits are, wherever they lie (a resume compares it, train/resume.py): their
+    sizes and a digest of their class names and file names (relative to the split's folder)."""
+    h = hashlib.sha256()
+    for ds in splits:
+        root = str(getattr(ds, "root", ""))
+        names = [*getattr(ds, "classes", []), *(os.path.relpath(p, root) for p, _ in getattr(ds, "samples", [])),
+                 *(os.path.basename(f) for f in getattr(ds, "files", []))]  # ImageFolder's files, or parquet's
+        h.update("\n".join(map(str, [len(ds), *names, ""])).encode())
+    return {"images": [len(ds) for ds in splits], "images_digest": h.hexdigest()[:16]}
+
+
 def build_vision_dataset(cfg, train: bool, transform=None):
     """The training (True) or validation split of `cfg.name`, with `transform` (None:
     build_transform's) applied to each opened image."""
@@ -71,6 +86,10 @@ def build_vision_dataset(cfg, train: bool, transform=None):
         from .imagenet import build_imagenet
 
         # data.format=auto: the folder layout if there, else the HF parquet files (laplace.data.imagenet)
-        return build_imagenet(cfg.root, train, tf, fmt=cfg.format, cache_dir=cfg.cache_dir,
-                              skip_corrupt=bool(cfg.get("skip_corrupt", False)))
+        ds = build_imagenet(cfg.root, train, tf, fmt=cfg.format, cache_dir=cfg.cache_dir,
+                            skip_corrupt=bool(cfg.get("skip_corrupt", False)))
+        if len(getattr(ds, "classes", ())) > cfg.num_classes:  # else an index error at step 1
+            raise ConfigError(f"data.root={cfg.root} holds {len(ds.classes)} class folders, more than "
+                              f"data.num_classes={cfg.num_classes}: set data.num_classes={len(ds.classes)}")
+        return ds
     raise ConfigError(f"data={cfg.name!r} is not an image dataset; choose one of {NAMES}")

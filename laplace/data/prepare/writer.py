@@ -115,4 +115,7 @@ def write_val(src, tok: Tokenizer, folder: Path, val_docs: int, batch_docs: int,
     if not docs:
         raise ConfigError(f"source={src.describe()} has no validation documents; give it a "
                           f"validation split (val_split) or set val_docs=0")
+    if sum(len(p) for p in parts) <= docs:  # <|bos|> alone per document: the text column is empty
+        raise ConfigError(f"source={src.describe()}: the {docs} validation documents are empty (no text in "
+                          f"text_column); check val_split / text_column, or set val_docs=0")
     return [_flush(folder, 0, parts, docs, tok.vocab_size)]
