@@ -161,8 +161,7 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
     # a table row is (rows_by fields, family, mode, k); seeds of one recipe pool into a cell, another
     # recipe of the same row is footnoted beside it, never pooled
     groups: dict = {}  # (row key, column) -> aggregate rows
-    # a rows_by field splits the pooled runs too (rows_by [seed]: a row per seed, never pooled)
-    by = tuple(dict.fromkeys((*GROUP_KEYS, *rows_by)))
+    by = tuple(dict.fromkeys((*GROUP_KEYS, *rows_by)))  # rows_by splits the pool too ([seed]: a row per seed)
     for col in columns:
         col_recs = [r for r in recs if _matches(r, col.get("where"))]
         for g in aggregate(col_recs, _column_value(col, by_name), by).to_dict("records"):
