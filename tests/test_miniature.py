@@ -157,7 +157,7 @@ def test_equal_validation_loss_picks_each_runs_nearest_checkpoint():
     assert table.iloc[0]["d [95% CI] (n, df)"].startswith("+2 ")  # k = 1 at step 2000, k = 0 at 1000: (2 + 1) - 1
 
 
-@pytest.mark.parametrize("name", ["short", "long", "study", "study_lm"])  # study_lm26: once its experiment exists
+@pytest.mark.parametrize("name", ["short", "long", "study", "study_lm", "study_lm26"])
 def test_every_plan_composes_and_names_its_paradigms(name):
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("report", overrides=[f"plan={name}", "runs=x", "out=y"])

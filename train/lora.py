@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 
-from laplace.checkpoint import load_pretrained
+from laplace.pretrained import load_pretrained
 
 from .gpt import GPTTrainer
 

@@ -406,23 +406,25 @@ def build_muon26(model: torch.nn.Module, cfg, lr_scale: float = 1.0, muon_weight
     """{"muon": NorMuon, "adamw": torch AdamW} of nanochat 92d63d4 (values: configs/optim/muon26.yaml).
 
     lr_scale: every group's lr factor but the smear's (nanochat: sqrt(batch / reference batch));
+    optim.lr_factor (default 1) multiplies every group's rate, the smear's too (issue 55's lr grid);
     muon_weight_decay: Muon's decay after the horizon's scaling (None: optim.muon.weight_decay).
     Each group's base rate and Muon's decay are its `lr_scale` / `weight_decay_scale`:
     optim.schedules.lr and .weight_decay are multipliers (the AdamW groups' decay stays constant).
     """
     groups = muon26_groups(model)
     width_scale = (model.width / cfg.width_ref) ** -0.5
+    f = cfg.get("lr_factor", 1.0)  # a tuning factor, not nanochat's; Muon's decay coefficient stays
     adam = []
     for name, params in groups.items():
         if name in ("qkv", "matrices") or not params:
             continue
         g = cfg.adamw[name]
-        lr = g.lr * (width_scale if name in WIDTH_SCALED else 1.0) * (1.0 if name in NOT_BATCH_SCALED else lr_scale)
+        lr = f * g.lr * (width_scale if name in WIDTH_SCALED else 1.0) * (1.0 if name in NOT_BATCH_SCALED else lr_scale)
         adam.append(dict(params=[p for _, p in params], name=name, lr=lr, lr_scale=lr, betas=tuple(g.betas),
                          weight_decay=g.weight_decay, weight_decay_scale=None))
     m = cfg.muon
     wd = m.weight_decay if muon_weight_decay is None else muon_weight_decay
-    lr = m.lr * lr_scale
+    lr = f * m.lr * lr_scale
     # q, k, v apart: rows [q (width), k, v (equal; smaller under GQA)] of every layer's fused qkv
     qkv = [p for _, p in groups["qkv"]]
     if len({p.shape for p in qkv}) > 1:

@@ -113,9 +113,10 @@ def nanochat_scaling(cfg: DictConfig) -> Scaling:
     from laplace import create_model
 
     o, tc, seq_len = cfg.optim, cfg.trainer, cfg.data.seq_len
-    with torch.device("meta"):  # shapes only; the reference derives its width and heads from its depth
+    with torch.device("meta"):  # shapes only; the reference derives its width and heads (kv too) from its depth
         model = create_model(**cfg.model)
-        n_ref = scaling_params(create_model(**{**cfg.model, "width": None, "num_heads": None, **o.reference}))
+        ref = {**cfg.model, "width": None, "num_heads": None, "num_kv_heads": None, **o.reference}
+        n_ref = scaling_params(create_model(**ref))
     n, ratio, flops = scaling_params(model), o.horizon.param_data_ratio, o.horizon.flops
     if not (ratio or flops or tc.max_steps):
         raise ConfigError("optim.horizon: give param_data_ratio (e.g. 12) or flops (e.g. 1e18), or trainer.max_steps")
