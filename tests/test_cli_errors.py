@@ -310,13 +310,16 @@ def test_a_run_folder_given_as_a_model_says_which_file_and_exports_elsewhere(tmp
     """checkpoint=<run folder> (analysis, eval.*): the line names the run's last.pt and an export into
     a folder of its own, never the run folder itself (which export refuses)."""
     import laplace
-    from laplace.checkpoint import CheckpointError
+    from laplace.checkpoint import CheckpointError, read_export_config
 
     run = tmp_path / "runs" / "deit3" / "digits" / "vitt_1L_s0"
     (run / "ckpt").mkdir(parents=True)
     (run / "ckpt" / "last.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:  # the one loader reads a run folder's last.pt
         laplace.load_model(run)
+    assert str(e.value).startswith(f"{run}/ckpt/last.pt is not a readable checkpoint")
+    with pytest.raises(CheckpointError) as e:  # where an export folder is what is read
+        read_export_config(run)
     assert str(e.value) == (f"{run} is a run folder, not an exported laplace model; pass checkpoint={run}/ckpt/last.pt "
                             f"or export it with `python -m laplace.export checkpoint={run}/ckpt/last.pt "
                             f"out=exports/vitt_1L_s0`")
