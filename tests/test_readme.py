@@ -285,8 +285,9 @@ def test_the_readme_python_block_runs_after_its_training_command(tmp_path, monke
     loads = Path(re.search(r'load_model\("([^"]+)"\)', block)[1]).parent.parent
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LAPLACE_RUNS", raising=False)  # runs/ as a user's checkout has it
-    trains = [argv[2:] for argv in shell_commands(README.read_text())  # (a multirun makes no one folder,
-              if argv[:2] == ["python", "train.py"] and "-m" not in argv and "<" not in " ".join(argv)]  # nor a <run>)
+    # the single trainings (a multirun makes no one folder; a <run> placeholder is the user's to fill)
+    trains = [argv[2:] for argv in shell_commands(README.read_text())
+              if argv[:2] == ["python", "train.py"] and "-m" not in argv and "<" not in " ".join(argv)]
     made = [o for o in trains if Path(run_dir_from_overrides(compose("config", o), o)) == loads]
     assert made, f"no `python train.py` command of README.md makes {loads}, which its Python block loads"
     cfg = compose("config", [*made[0], *TINY_VIT, "trainer.max_steps=2"])
