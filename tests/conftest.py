@@ -95,14 +95,14 @@ def train_tiny_vit(tmp: Path, name: str = "vitt_1L") -> Path:
     return tmp / name / "ckpt" / "last.pt"
 
 
-def save_tiny_gpt(path, seq_len: int = 64) -> str:
-    """An untrained tiny GPT checkpoint (gpt_d2_1L, bytes) on pydoc_text; out-projections and
+def save_tiny_gpt(path, seq_len: int = 64, name: str = "gpt_d2_1L") -> str:
+    """An untrained tiny GPT checkpoint (`name`, bytes) on pydoc_text; out-projections and
     lm_head made non-zero so tokens mix and the unembedding is defined (nanochat's init zeroes them)."""
     from laplace.checkpoint import save_checkpoint
     from train.config import model_node
     from laplace.zoo import create_model
 
-    node = model_node("gpt_d2_1L")
+    node = model_node(name)
     node.update(vocab_size=257, max_seq_len=seq_len)
     torch.manual_seed(0)
     model = create_model(**node)

@@ -17,9 +17,10 @@ TINY = ["experiment=gpt_pydoc", "model=gpt_d2_1L", "trainer=lora", "optim=adamw"
         "trainer.sample_prompts=[]", "trainer.ckpt_every=1"]
 
 
-def test_lora_trains_adapters_resumes_and_merges(make_cfg, tmp_path):
-    base = save_tiny_gpt(tmp_path / "base.pt", seq_len=32)
-    args = [*TINY, f"trainer.base={base}"]
+@pytest.mark.parametrize("name", ["gpt_d2_1L", "gpt26_d2_1L"])  # the 2025 GPT and the authors' 2026 one
+def test_lora_trains_adapters_resumes_and_merges(make_cfg, tmp_path, name):
+    base = save_tiny_gpt(tmp_path / "base.pt", seq_len=32, name=name)
+    args = [*TINY, f"model={name}", f"trainer.base={base}"]
     train_run(make_cfg(*args, run_dir=tmp_path / "straight"))
     train_run(make_cfg(*args, "trainer.stop_after=2", run_dir=tmp_path / "resumed"))
     train_run(make_cfg(*args, run_dir=tmp_path / "resumed"))
