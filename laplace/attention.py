@@ -233,6 +233,7 @@ class DiffAttention(TimmDiffAttention):
     equals timm's (tests/test_arms.py). No Laplacian heads (check_arm)."""
 
     num_laplacian_heads, laplacian_mode, attention = 0, "fixed", "diff"
+    ve_gate = None  # no value embedding (the GPT's Block refuses one for DIFF)
 
     def set_laplacian_heads(self, k: int):
         check_arm(self.attention, k)
@@ -260,7 +261,8 @@ class DiffAttention(TimmDiffAttention):
         q, k = (norm(t).transpose(1, 2).unflatten(1, (H, 2)) for norm, t in ((self.q_norm, q), (self.k_norm, k)))
         v = v.view(B, N, H, 2 * d).transpose(1, 2)  # [B, H, N, 2d]; q and k [B, H, 2, N, d]
         if kv_cache is not None:  # the cache holds a head's two key halves side by side, [B, H, T, 2d]
-            keys, v, attn_mask, is_causal = kv_cache.attend(layer_idx, k.transpose(2, 3).flatten(3), v, is_causal)
+            keys, v, cache_mask, is_causal = kv_cache.attend(layer_idx, k.transpose(2, 3).flatten(3), v, is_causal)
+            attn_mask = cache_mask if attn_mask is None else attn_mask  # a window's mask (the caller's) wins
             k = keys.unflatten(3, (2, d)).transpose(2, 3)
         lam, drop = self._compute_lambda().type_as(q), self.attn_drop_p if self.training else 0.0
         pairs = [(q[:, :, i], k[:, :, i]) for i in range(2)]
