@@ -340,7 +340,7 @@ def test_init_from_wrong_files_are_one_line_errors(tmp_path):
     cases = [("missing.pt", node, "no file at"), ("notes.txt", node, "not a readable weights file"),
              ("nodict.pth", node, "holds no state dict"), ("wide.pth", node, "does not fit model"),
              # Laplacian heads add no parameters: a baseline checkpoint would load silently.
-             ("baseline.pt", _node("vitb_12L", img_size=32, num_classes=10), "trained as vitb_0L")]
+             ("baseline.pt", _node("vitb_12L", img_size=32, num_classes=10), "trained as vitb_d2_w48_0L")]
     for fname, n, expect in cases:
         with pytest.raises(CheckpointError) as e:
             load_pretrained(create_model(**n), tmp_path / fname, n)

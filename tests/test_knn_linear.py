@@ -204,8 +204,8 @@ def test_one_backbone_loader_for_probes_and_segmentation(tmp_path):
     probe, pinfo = load_backbone(ckpt)
     assert pinfo["node"]["num_classes"] == 0 and "head.weight" not in probe.state_dict()
     assert results_header(pinfo["node"], "digits", ckpt, step=3) == {
-        "model": "vitt_d3_w48_0L", "num_laplacian_heads": 0, "laplacian_mode": "fixed", "dataset": "digits",
-        "checkpoint": str(ckpt), "step": 3}
+        "model": "vitt_d3_w48_0L", "num_laplacian_heads": 0, "laplacian_mode": "fixed", "attention": "softmax",
+        "dataset": "digits", "checkpoint": str(ckpt), "step": 3}
 
 
 def test_timm_state_dict_needs_a_model_node(tmp_path):

@@ -95,7 +95,8 @@ def test_dry_run_submits_a_subset_through_sweep_and_chain_scripts(tmp_path):
 
 def test_submit_without_sbatch_is_one_line(tmp_path):
     """--submit --no-dry-run off a cluster: submit.sh's line, then a 14-line traceback; now one line, nothing run."""
-    env = {**site_env(os.environ, tmp_path), "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin"}
+    # the venv's bin only: no sbatch, also where the machine has Slurm (CI installs it for other tests)
+    env = {**site_env(os.environ, tmp_path), "PATH": os.path.dirname(sys.executable)}
     proc = subprocess.run([sys.executable, "scripts/paper_runs.py", "--only", "sweep=deit3_vitb,k=0,seed=0",
                            "--submit", "--no-dry-run"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [

@@ -130,7 +130,11 @@ def test_cli_writes_grid_and_files(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "pca_maps.png").stat().st_size > 5000 and (out / "pca_maps.pdf").is_file()
-    for name in ("image", "vitt_0L", "vitt_3L"):
+    from laplace.checkpoint import load_checkpoint
+    from laplace.zoo import model_label
+
+    labels = [model_label(load_checkpoint(c)["config"]["model"]) for c in ckpts]  # with the tiny shape's tags
+    for name in ("image", *labels):
         for i in range(2):
             assert Image.open(out / "pca_maps" / f"{name}_{i}.png").size == (32, 32)  # digits: 32 px
     bad = subprocess.run([sys.executable, "-m", "analysis", f"checkpoint={ckpts[0]}", "pca_maps=2", "metrics=[]",
