@@ -1,7 +1,7 @@
 """`trainer=lora`: LoRA fine-tuning of a GPT through peft, the authors' protocol (their nanochat fork,
 scripts/lora_sft.py at 2dcfe0d): a frozen pre-trained base, adapters on every block's matrices.
 
-    python train.py experiment=gpt26_d30_lora_sft model=gpt_d30_3L trainer.base=<pretrain_run>/ckpt/last.pt
+    python train.py experiment=gpt26_d30_lora_sft model=gpt26_d30_3L trainer.base=<pretrain_run>/ckpt/last.pt
 
 The model trained is peft's wrapper of the GPT; a checkpoint's "model" is the merged GPT
 (`merge_and_unload`: what load_model, the evaluations and exports read) and its "train_model" holds
