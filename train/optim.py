@@ -206,7 +206,28 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
     raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
 
 
-class StackedMuon(torch.optim.Optimizer):
+class _Muon(torch.optim.Optimizer):
+    """What both Muons share: 2-D parameters only, and a step that updates each group's parameters
+    that have a gradient (`_update`)."""
+
+    def __init__(self, params, defaults: dict):
+        super().__init__(params, defaults)
+        for p in (p for group in self.param_groups for p in group["params"]):
+            if p.ndim != 2:
+                raise ValueError(f"Muon updates 2-D matrices; a parameter has shape {list(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._update(group, [p for p in group["params"] if p.grad is not None])
+        return loss
+
+
+class StackedMuon(_Muon):
     """torch.optim.Muon's update, where a group with `row_blocks: n` holds matrices that are n
     matrices stacked by rows, each orthogonalised on its own with its own shape scale.
 
@@ -228,34 +249,24 @@ class StackedMuon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                       ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                                       adjust_lr_fn=adjust_lr_fn))
-        for p in (p for group in self.param_groups for p in group["params"]):
-            if p.ndim != 2:
-                raise ValueError(f"Muon updates 2-D matrices; a parameter has shape {list(p.shape)}")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            n = group.get("row_blocks", 1)  # a parameter group's key, not config: only stacked ones say
-            lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
-            for p in (p for p in group["params"] if p.grad is not None):
-                if p.shape[0] % n:
-                    raise ValueError(f"a [{p.shape[0]}, {p.shape[1]}] matrix has no {n} equal row blocks")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - m)
-                update = p.grad.lerp(buf, m) if group["nesterov"] else buf
-                p.mul_(1 - lr * wd)  # decoupled weight decay, at the group's lr (torch's)
-                # One block (n = 1) is the whole matrix; chunks are row views, updated in place.
-                for p_i, u_i in zip(p.chunk(n), update.chunk(n)):
-                    o = zeropower_via_newtonschulz(u_i, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                    p_i.add_(o, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p_i.shape))
-        return loss
+    def _update(self, group: dict, params: list):
+        n = group.get("row_blocks", 1)  # a parameter group's key, not config: only stacked ones say
+        lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
+        for p in params:
+            if p.shape[0] % n:
+                raise ValueError(f"a [{p.shape[0]}, {p.shape[1]}] matrix has no {n} equal row blocks")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - m)
+            update = p.grad.lerp(buf, m) if group["nesterov"] else buf
+            p.mul_(1 - lr * wd)  # decoupled weight decay, at the group's lr (torch's)
+            # One block (n = 1) is the whole matrix; chunks are row views, updated in place.
+            for p_i, u_i in zip(p.chunk(n), update.chunk(n)):
+                o = zeropower_via_newtonschulz(u_i, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p_i.add_(o, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p_i.shape))
 
 
 def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optimizer]:
@@ -320,7 +331,7 @@ def polar_express(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
     return x * (min(g.shape[-2:]) ** 0.5 / x.float().norm(dim=(-2, -1), keepdim=True).clamp_min(1e-6)).to(x.dtype)
 
 
-class NorMuon(torch.optim.Optimizer):
+class NorMuon(_Muon):
     """nanochat 92d63d4's Muon: Nesterov momentum, `polar_express`, NorMuon's per-row (tall) or
     per-column (wide) second moment (arXiv:2510.05491), and cautious weight decay (only where the
     update and the weight agree in sign), at lr x sqrt(max(1, rows / cols)).
@@ -336,43 +347,33 @@ class NorMuon(torch.optim.Optimizer):
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, ns_steps=ns_steps,
                                       weight_decay=weight_decay, dtype=dtype))
-        for p in (p for group in self.param_groups for p in group["params"]):
-            if p.ndim != 2:
-                raise ValueError(f"Muon updates 2-D matrices; a parameter has shape {list(p.shape)}")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            m, wd = group["momentum"], group["weight_decay"]
-            for p in (p for p in group["params"] if p.grad is not None):
-                splits = list(group.get("row_splits") or [p.shape[0]])
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                    # a tall (or square) block's rows each get a second moment, a wide one's columns
-                    state["second_momentum_buffer"] = [p.new_zeros((r, 1) if r >= p.shape[1] else (1, p.shape[1]))
-                                                       for r in splits]
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - m)
-                update = p.grad.lerp(buf, m)  # Nesterov
-                for p_i, u_i, v_i in zip(p.split(splits), update.split(splits), state["second_momentum_buffer"]):
-                    g = polar_express(u_i, group["ns_steps"], group["dtype"])
-                    # NorMuon: divide by the running RMS per row / column, then restore the update's norm
-                    dim, n = (-1, g.size(-1)) if v_i.size(-1) == 1 else (-2, g.size(-2))
-                    v_mean = g.float().square().mean(dim=dim, keepdim=True)
-                    v_norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
-                    v_i.lerp_(v_mean.to(v_i.dtype), 1 - group["beta2"])
-                    step_size = v_i.clamp_min(1e-10).rsqrt()
-                    v_norm_new = ((v_mean * n) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt()
-                    g = g * (step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype)
-                    lr = group["lr"] * max(1.0, p_i.shape[0] / p_i.shape[1]) ** 0.5
-                    # cautious decay: only the coordinates the update moves towards zero anyway
-                    p_i.sub_(lr * g + lr * wd * p_i * ((g * p_i) >= 0))
-        return loss
+    def _update(self, group: dict, params: list):
+        m, wd = group["momentum"], group["weight_decay"]
+        for p in params:
+            splits = list(group.get("row_splits") or [p.shape[0]])
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+                # a tall (or square) block's rows each get a second moment, a wide one's columns
+                state["second_momentum_buffer"] = [p.new_zeros((r, 1) if r >= p.shape[1] else (1, p.shape[1]))
+                                                   for r in splits]
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - m)
+            update = p.grad.lerp(buf, m)  # Nesterov
+            for p_i, u_i, v_i in zip(p.split(splits), update.split(splits), state["second_momentum_buffer"]):
+                g = polar_express(u_i, group["ns_steps"], group["dtype"])
+                # NorMuon: divide by the running RMS per row / column, then restore the update's norm
+                dim, n = (-1, g.size(-1)) if v_i.size(-1) == 1 else (-2, g.size(-2))
+                v_mean = g.float().square().mean(dim=dim, keepdim=True)
+                v_norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
+                v_i.lerp_(v_mean.to(v_i.dtype), 1 - group["beta2"])
+                step_size = v_i.clamp_min(1e-10).rsqrt()
+                v_norm_new = ((v_mean * n) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+                g = g * (step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype)
+                lr = group["lr"] * max(1.0, p_i.shape[0] / p_i.shape[1]) ** 0.5
+                # cautious decay: only the coordinates the update moves towards zero anyway
+                p_i.sub_(lr * g + lr * wd * p_i * ((g * p_i) >= 0))
 
 
 # nanochat's parameter groups (gpt.py setup_optimizer) by our parameter names; a name matching none
