@@ -12,6 +12,7 @@ tokenizer from a checkpoint or an exported folder alone.
 """
 from __future__ import annotations
 
+import codecs
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -27,7 +28,7 @@ from train.config import required
 from laplace.data import DatasetNotFoundError
 from train.dist import resolve_device
 from laplace.errors import ConfigError
-from laplace.sampling import Calculator, IncrementalDecoder, stream_tokens
+from laplace.sampling import Calculator, stream_tokens
 from laplace.tokenizer import load_tokenizer
 
 def gpt_source(path) -> dict:
@@ -81,13 +82,18 @@ def load_gpt(path, device="cpu", tokenizer: str | None = None):
 
 
 def _stream_print(tokens, tok, out: TextIO, before: str = "") -> str:
-    """Print `before`, then a token stream as text as it arrives, then a newline; return the text."""
-    dec = IncrementalDecoder(tok)  # holds back a half-received multi-byte character
+    """Print `before`, then a token stream as text as it arrives, then a newline; return the text.
+    Python's incremental UTF-8 decoder holds back a character until its last byte has come, so é,
+    emoji and CJK characters (or a BPE token cut inside one) print whole; one that never completes
+    prints as U+FFFD at the end."""
+    utf8, pieces = codecs.getincrementaldecoder("utf-8")(errors="replace"), []
     print(before, end="", file=out)
     for t in tokens:
-        print(dec.push(t), end="", file=out, flush=True)
-    print(dec.flush(), file=out, flush=True)
-    return dec.printed
+        pieces.append(utf8.decode(tok.enc.decode_single_token_bytes(int(t))))  # "" until a character is whole
+        print(pieces[-1], end="", file=out, flush=True)
+    pieces.append(utf8.decode(b"", final=True))
+    print(pieces[-1], file=out, flush=True)
+    return "".join(pieces)
 
 
 def _turns(stdin: TextIO, out: TextIO):

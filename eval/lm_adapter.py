@@ -229,17 +229,15 @@ class LaplaceLM(LM):
         # training context): unlike lm-eval's HF model, generated tokens may run past max_length
         # (at least one token: stream_tokens refuses a max_gen_toks that leaves no room, in one line)
         room = max(1, min(self.max_length, self.model.rope_len - max_gen))
-        new, text = [], ""
-        longest = max((len(s) for s in until), default=0)
+        new = []
         with self._amp():
             for t in stream_tokens(self.model, self.tok_encode(context)[-room:], max_gen, temperature,
                                    kwargs.get("top_k") or None, self.stop_ids, gen,
                                    Calculator(self.tok) if tool else None):
                 new.append(t)
-                if until:  # stop once a stop string appears in the newly decoded tail
-                    before, text = len(text), self.tok.decode(new)
-                    if any(s and s in text[max(0, before - longest):] for s in until):
-                        break
+                # stop once a stop string appears (in the decoded text: one may span tokens)
+                if until and any(s and s in self.tok.decode(new) for s in until):
+                    break
         return postprocess_generated_text(self.tok.decode(new), until, None)
 
     # ---- chat ---------------------------------------------------------------------------------------

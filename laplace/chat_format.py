@@ -37,7 +37,6 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from .errors import UserError
 
-ROLES = ("system", "user", "assistant")
 PART_TYPES = ("text", "python", "python_output")
 _CHAT_SPECIALS = ("<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
                   "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>")

@@ -4,13 +4,11 @@ few greedy samples the trainer logs at each evaluation.
 `stream_tokens` is `GPT.generate` (batch 1) as a Python generator: each step picks the token exactly
 as `GPT.generate` does (argmax at temperature 0; else logits / temperature, the top-k filter, then
 `torch.multinomial` with the caller's generator, which must live on the model's device), so with
-the same seed both return the same ids. `IncrementalDecoder` prints a stream as it comes, each
-character once it is whole.
+the same seed both return the same ids.
 """
 from __future__ import annotations
 
 import ast
-import codecs
 import operator
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -20,26 +18,6 @@ from timm.utils import unwrap_model as unwrap  # the plain module under DDP and 
 from torch import nn
 
 from .errors import ConfigError
-
-
-def _check(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float,
-           top_k: int | None) -> None:
-    if temperature is None or temperature < 0:
-        raise ConfigError(f"temperature={temperature}: use 0 (greedy) or a positive value")
-    if top_k is not None and top_k < 0:
-        raise ConfigError(f"top_k={top_k}: use a positive count, or 0 / null for no top-k")
-    if max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens={max_new_tokens}: use a count >= 0")
-    if len(prompt_ids) == 0:
-        raise ConfigError("the prompt is empty: give at least one token (e.g. <|bos|>)")
-    top = max(int(i) for i in prompt_ids)
-    if top >= model.vocab_size or min(int(i) for i in prompt_ids) < 0:
-        raise ConfigError(f"prompt token id {top} is outside the model's vocabulary "
-                          f"(vocab_size={model.vocab_size}): the tokenizer does not match the model")
-    rope_len = getattr(model, "rope_len", None)
-    if rope_len is not None and len(prompt_ids) + max_new_tokens > rope_len:
-        raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens={max_new_tokens} exceeds "
-                          f"the model's longest sequence ({rope_len}); lower max_new_tokens")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -147,7 +125,21 @@ def stream_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: i
     Arguments are checked when this is called, not at the first step.
     """
     model = unwrap(model)  # a compiled model would recompile at every new length
-    _check(model, prompt_ids, max_new_tokens, temperature, top_k)
+    if temperature is None or temperature < 0:
+        raise ConfigError(f"temperature={temperature}: use 0 (greedy) or a positive value")
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"top_k={top_k}: use a positive count, or 0 / null for no top-k")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens}: use a count >= 0")
+    if len(prompt_ids) == 0:
+        raise ConfigError("the prompt is empty: give at least one token (e.g. <|bos|>)")
+    top = max(int(i) for i in prompt_ids)
+    if top >= model.vocab_size or min(int(i) for i in prompt_ids) < 0:
+        raise ConfigError(f"prompt token id {top} is outside the model's vocabulary "
+                          f"(vocab_size={model.vocab_size}): the tokenizer does not match the model")
+    if len(prompt_ids) + max_new_tokens > model.rope_len:
+        raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens={max_new_tokens} exceeds "
+                          f"the model's longest sequence ({model.rope_len}); lower max_new_tokens")
     return _stream(model, prompt_ids, max_new_tokens, temperature, top_k,
                    frozenset(int(i) for i in stop_ids), generator, tools)
 
@@ -163,22 +155,3 @@ def sample_texts(model: nn.Module, tok, prompts: Sequence[str], max_new_tokens: 
                                  stop_ids=(tok.bos_id,)))
         outs.append(tok.decode(ids))
     return outs
-
-
-class IncrementalDecoder:
-    """Text of a token stream as it grows: `push(id)` returns the text to print now, `printed` is
-    all of it so far. Python's incremental UTF-8 decoder holds back a character until its last
-    byte has come, so é, emoji and CJK characters (or a BPE token cut inside one) print whole."""
-
-    def __init__(self, tok):
-        self.tok, self.utf8, self.printed = tok, codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
-
-    def push(self, token: int, final: bool = False) -> str:
-        data = b"" if token is None else self.tok.enc.decode_single_token_bytes(int(token))
-        new = self.utf8.decode(data, final=final)
-        self.printed += new
-        return new
-
-    def flush(self) -> str:
-        """What is left at the end (a character that never completed prints as U+FFFD)."""
-        return self.push(None, final=True)

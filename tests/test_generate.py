@@ -15,7 +15,7 @@ from eval.generate import generate
 from laplace.chat_format import render_for_completion
 from laplace.checkpoint import load_model
 from laplace.errors import ConfigError
-from laplace.sampling import IncrementalDecoder, sample_texts, stream_tokens
+from laplace.sampling import sample_texts, stream_tokens
 from laplace.tokenizer import load_tokenizer
 from train import run as train_run
 
@@ -89,14 +89,25 @@ def test_sample_texts_is_greedy_generate_decoded(ckpts):
         assert text == tok.decode(out)
 
 
-def test_incremental_decoder_prints_multibyte_characters_whole():
+def test_stream_print_prints_multibyte_characters_whole():
+    from eval.generate import _stream_print
+
+    class Writes(io.StringIO):  # each write, as the terminal would get it
+        def __init__(self):
+            super().__init__()
+            self.pieces = []
+
+        def write(self, s):
+            self.pieces.append(s)
+            return super().write(s)
+
     tok = load_tokenizer("bytes")
     text = "naïve café → 日本 🙂!"
-    dec = IncrementalDecoder(tok)
-    pieces = [dec.push(b) for b in text.encode("utf-8")]
-    assert "".join(pieces) + dec.flush() == text == dec.printed
-    assert not any("\ufffd" in p for p in pieces)
-    assert "🙂" in pieces  # printed once its 4th byte arrived
+    out = Writes()
+    assert _stream_print(text.encode("utf-8"), tok, out, "> ") == text
+    assert out.getvalue() == f"> {text}\n"
+    assert not any("\ufffd" in p for p in out.pieces)
+    assert "🙂" in out.pieces  # printed once its 4th byte arrived
 
 
 def test_cli_plain_prints_the_continuation(ckpts):
