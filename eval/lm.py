@@ -108,12 +108,6 @@ def unsafe_tasks(tm, names) -> list[str]:
     return sorted(found)
 
 
-def code_execution(allowed: bool):
-    """The environment flags that let HumanEval run code, set ("1") or cleared ("") for this run only."""
-    # patch.dict restores the environment as it was when the block ends, whatever happens
-    return mock.patch.dict(os.environ, dict.fromkeys(CODE_ENV, "1" if allowed else ""))
-
-
 def check_code_eval_metric(tasks: list[str]) -> None:
     """lm-eval's own humaneval scores with `evaluate`'s code_eval metric, a script fetched from
     the hub on first use: offline without it cached, say so in one line before any model work."""
@@ -249,7 +243,9 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
     for src, d in zip(sources, dirs):
         t0 = time.time()
         try:
-            with code_execution(bool(cfg.allow_code_execution)):
+            # the flags that let HumanEval run code, set ("1") or cleared ("") for this run only:
+            # patch.dict restores the environment as it was when the block ends, whatever happens
+            with mock.patch.dict(os.environ, dict.fromkeys(CODE_ENV, "1" if cfg.allow_code_execution else "")):
                 res = lm_eval.simple_evaluate(
                     model="laplace", model_args={"checkpoint": str(src["path"]), "dtype": str(cfg.dtype)},
                     tasks=list(names), num_fewshot=cfg.num_fewshot, batch_size=int(cfg.batch_size),

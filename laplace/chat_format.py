@@ -32,7 +32,6 @@ them, GPT-2's does not: its `special_id` raises a one-line ConfigError, which pr
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Mapping, Sequence
 
 from .errors import UserError
@@ -177,13 +176,11 @@ def render_for_completion(tok, conversation) -> list[int]:
     """The prompt that makes the model answer the conversation's last user turn: a trailing
     assistant message (the reference answer of a task) is dropped and `<|assistant_start|>`
     appended. Never truncated: cutting the prompt's end would cut the question."""
-    conversation = copy.copy(conversation)
     messages = list(conversation.get("messages", ())) if isinstance(conversation, Mapping) else []
     if messages and messages[-1].get("role") == "assistant":  # a task's reference answer
         messages = messages[:-1]
     if not messages or messages[-1].get("role") != "user":
         raise ConversationError(f"{_describe(conversation)}: a completion needs a conversation that "
                                 f"ends with a user message")
-    conversation["messages"] = messages
-    ids, _ = render_conversation(tok, conversation, max_tokens=None)
+    ids, _ = render_conversation(tok, {**conversation, "messages": messages}, max_tokens=None)
     return ids + [tok.special_id("<|assistant_start|>")]
