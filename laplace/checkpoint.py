@@ -95,10 +95,8 @@ def set_rng_state(state: dict):
 
 
 def _plain_state(obj):
-    """Optimizers (one, or a {name: optimizer} dict) as state dicts; anything else as it is."""
+    """A {name: optimizer} dict as state dicts; anything else as it is."""
     # state dicts, not the objects: a pickled optimizer class would need weights_only=False
-    if isinstance(obj, torch.optim.Optimizer):
-        return obj.state_dict()
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.optim.Optimizer) for v in obj.values()):
         return {k: v.state_dict() for k, v in obj.items()}
     return obj
@@ -111,8 +109,8 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
         path: the file to (over)write.
         model: the network `load_model` must rebuild (wrappers are removed).
         config: the resolved run config as a plain dict (with the `model` node).
-        **entries: plain data stored beside it (optimizer: an optimizer or {name: optimizer}
-            is stored as state dicts; loop, rng, trainer, ...).
+        **entries: plain data stored beside it (optimizer: {name: optimizer} is stored as
+            state dicts; loop, rng, trainer, ...).
     """
     payload = {"format": FORMAT, "version": VERSION,
                "model": clean_state_dict(unwrap_model(model).state_dict()), "config": config,
