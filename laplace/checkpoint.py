@@ -52,14 +52,13 @@ class CheckpointError(UserError, ValueError):
     """A file that is not a laplace checkpoint, or is truncated / corrupt."""
 
 
-def git_revision() -> str:
-    # The code that wrote a checkpoint, so that a result can be traced to it ("unknown" outside git)
+def git(*args: str) -> Optional[str]:
+    """The output of `git args` in this checkout; None outside one (or without git)."""
     try:
-        root = Path(__file__).resolve().parent.parent
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def rng_state() -> dict:
@@ -114,7 +113,8 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
     """
     payload = {"format": FORMAT, "version": VERSION,
                "model": clean_state_dict(unwrap_model(model).state_dict()), "config": config,
-               "git_rev": git_revision(), **{k: _plain_state(v) for k, v in entries.items()}}
+               # the code that wrote it, so that a result can be traced to it
+               "git_rev": git("rev-parse", "HEAD") or "unknown", **{k: _plain_state(v) for k, v in entries.items()}}
     # One writer per run directory: a temp file beside `path` is a killed writer's (SIGKILL, node
     # failure), full size, and goes first.
     return atomic_write(path, lambda f: torch.save(payload, f), sole_writer=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -27,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_TOKENIZER, EXPORT_VERSION, EXPORT_WEIGHTS,
-                         CheckpointError, check_finite, checkpoint_file, load_model, model_source, run_dir_of)
+                         CheckpointError, check_finite, checkpoint_file, git, load_model, model_source, run_dir_of)
 from .errors import ConfigError, UserError, cli_errors
 from .io import atomic_dir
 from .vit import VisionTransformer
@@ -248,11 +247,7 @@ def _source(path: Path, ckpt: dict) -> dict:
 def code_url() -> Optional[str]:
     """The checkout's git remote (a clone's origin), when it is a plain https address: the card's
     link to the code. None elsewhere (no remote; an ssh or credential-bearing address)."""
-    try:
-        url = subprocess.run(["git", "remote", "get-url", "origin"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
+    url = git("remote", "get-url", "origin") or ""
     return url.removesuffix(".git") if url.startswith("https://") and "@" not in url else None
 
 
