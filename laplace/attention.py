@@ -70,7 +70,9 @@ def laplacian_counts(num_laplacian_heads, depth: int, num_heads: int) -> list[in
 
 
 def check_arm(attention: str, num_laplacian_heads: int = 0, mode: str = "fixed") -> None:
-    """The one check of an arm against a layer's Laplacian heads (ARMS says which combine)."""
+    """The one check of a mode and an arm against a layer's Laplacian heads (ARMS says which combine)."""
+    if mode not in LAPLACIAN_MODES:
+        raise ConfigError(f"laplacian_mode={mode!r}: choose one of {LAPLACIAN_MODES}")
     if attention not in ARMS:
         raise ConfigError(f"attention={attention!r}: choose one of {', '.join(ARMS)}")
     if attention in ("xsa", "diff") and (num_laplacian_heads or mode != "fixed"):
@@ -125,9 +127,7 @@ class LaplacianAttention(Attention):
             self.qkv = nn.Linear(dim, rows, bias=self.qkv.bias is not None)
         # nanochat 2026's value embedding: a gate per kv head in (0, 3), read from the first 12 channels
         self.ve_gate = nn.Linear(12, self.num_kv_heads, bias=False) if value_embed else None
-        self.laplacian_mode = laplacian_mode or self.laplacian_mode
-        if self.laplacian_mode not in LAPLACIAN_MODES:
-            raise ConfigError(f"laplacian_mode={self.laplacian_mode!r}: choose one of {LAPLACIAN_MODES}")
+        self.laplacian_mode = laplacian_mode or self.laplacian_mode  # checked by set_laplacian_heads
         if self.laplacian_mode == "learned":  # the paper's fixed heads add no parameter
             self.laplacian_gate = nn.Parameter(torch.empty(num_heads))  # the gates' logits
         self.set_laplacian_heads(self.num_laplacian_heads if num_laplacian_heads is None else num_laplacian_heads)
@@ -293,8 +293,6 @@ def attn_layer(num_laplacian_heads: int = 0, mode: str = "fixed", attention: str
     3, ...])` after construction. timm 1.0's VisionTransformer (vit_*, deit*, flexivit_*, vitamin_*,
     hybrids) and NaFlexVit take it; its other ViTs (Eva, BEiT, Swin, CaiT, XCiT, LeViT, ...) build
     their own attention and refuse the argument."""
-    if mode not in LAPLACIAN_MODES:
-        raise ConfigError(f"laplacian_mode={mode!r}: choose one of {LAPLACIAN_MODES}")
     check_arm(attention, num_laplacian_heads, mode)
     if attention == "diff":
         return DiffAttention

@@ -52,14 +52,13 @@ class CheckpointError(UserError, ValueError):
     """A file that is not a laplace checkpoint, or is truncated / corrupt."""
 
 
-def git_revision() -> str:
-    # The code that wrote a checkpoint, so that a result can be traced to it ("unknown" outside git)
+def git(*args: str) -> Optional[str]:
+    """The output of `git args` in this checkout; None outside one (or without git)."""
     try:
-        root = Path(__file__).resolve().parent.parent
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root,
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def rng_state() -> dict:
@@ -95,10 +94,8 @@ def set_rng_state(state: dict):
 
 
 def _plain_state(obj):
-    """Optimizers (one, or a {name: optimizer} dict) as state dicts; anything else as it is."""
+    """A {name: optimizer} dict as state dicts; anything else as it is."""
     # state dicts, not the objects: a pickled optimizer class would need weights_only=False
-    if isinstance(obj, torch.optim.Optimizer):
-        return obj.state_dict()
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.optim.Optimizer) for v in obj.values()):
         return {k: v.state_dict() for k, v in obj.items()}
     return obj
@@ -111,12 +108,13 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
         path: the file to (over)write.
         model: the network `load_model` must rebuild (wrappers are removed).
         config: the resolved run config as a plain dict (with the `model` node).
-        **entries: plain data stored beside it (optimizer: an optimizer or {name: optimizer}
-            is stored as state dicts; loop, rng, trainer, ...).
+        **entries: plain data stored beside it (optimizer: {name: optimizer} is stored as
+            state dicts; loop, rng, trainer, ...).
     """
     payload = {"format": FORMAT, "version": VERSION,
                "model": clean_state_dict(unwrap_model(model).state_dict()), "config": config,
-               "git_rev": git_revision(), **{k: _plain_state(v) for k, v in entries.items()}}
+               # the code that wrote it, so that a result can be traced to it
+               "git_rev": git("rev-parse", "HEAD") or "unknown", **{k: _plain_state(v) for k, v in entries.items()}}
     # One writer per run directory: a temp file beside `path` is a killed writer's (SIGKILL, node
     # failure), full size, and goes first.
     return atomic_write(path, lambda f: torch.save(payload, f), sole_writer=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -27,9 +26,10 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import (EXPORT_CARD, EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_TOKENIZER, EXPORT_VERSION, EXPORT_WEIGHTS,
-                         CheckpointError, check_finite, checkpoint_file, load_model, model_source, run_dir_of)
+                         CheckpointError, check_finite, checkpoint_file, git, load_model, model_source, run_dir_of)
 from .errors import ConfigError, UserError, cli_errors
 from .io import atomic_dir
+from .vit import VisionTransformer
 from .zoo import model_label
 
 CITATION = """@article{zhang2026laplacian,
@@ -86,7 +86,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: boo
                  "earlier ckpt/step_<N>.pt, or retrain with a lower optim.lr)")
     node, data = dict(ckpt["config"]["model"]), ckpt["config"].get("data") or {}
     # A GPT carries its tokenizer: sampling from the folder alone needs it (eval.generate, users).
-    tokenizer, tokenizer_file = _tokenizer(src, ckpt) if hasattr(model, "vocab_size") else (None, None)
+    tokenizer, tokenizer_file = (None, None) if isinstance(model, VisionTransformer) else _tokenizer(src, ckpt)
     # A k = 0 ViT is timm's own VisionTransformer: published as timm's, plain timm loads it.
     timm_arch, timm_args, why_not = timm_equivalent(model, node)
     # config.json's "laplace" node: what load_model rebuilds, and where the weights come from.
@@ -138,8 +138,12 @@ def _save(folder: Path, model: nn.Module, info: dict, node: dict, data: dict) ->
     # model_args' per-layer num_laplacian_heads sets every layer.
     label = model_label(node, shape=False)  # a name timm's registry holds; model_args give the shape
     arch = label if "-" not in label else f"{label.rsplit('_', 1)[0]}_{max(node['num_laplacian_heads'])}L"
+    # A ViT's input size and classes too, as timm's pretrained_cfg says them (timm's data config
+    # would otherwise feed 224 px to a 32 px model).
+    pe = model.patch_embed if isinstance(model, VisionTransformer) else None
+    shape = {"input_size": [pe.proj.in_channels, *pe.img_size], "num_classes": model.num_classes} if pe else {}
     timm_keys = {"architecture": arch, "model_args": {k: v for k, v in node.items() if k != "name"},
-                 "pretrained_cfg": {**_data_config(data), **_input_config(model)}}
+                 "pretrained_cfg": {**_data_config(data), **shape}}
     (folder / EXPORT_CONFIG).write_text(json.dumps({**timm_keys, "laplace": info}, indent=2) + "\n")
 
 
@@ -164,17 +168,6 @@ def _tokenizer(src: Path, ckpt: dict) -> tuple[Optional[str], Optional[Path]]:
     return EXPORT_TOKENIZER, Path(spec)
 
 
-def _input_config(model: nn.Module) -> dict:
-    """A ViT's input size and classes, as timm's pretrained_cfg says them (timm's data config would
-    otherwise feed 224 px to a 32 px model)."""
-    from .vit import VisionTransformer
-
-    if not isinstance(model, VisionTransformer):
-        return {}
-    pe = model.patch_embed
-    return {"input_size": [pe.proj.in_channels, *pe.img_size], "num_classes": model.num_classes}
-
-
 def _data_config(data: dict) -> dict:
     """The preprocessing the model was trained with (timm's data config), where the run says it."""
     return {k: v for k, v in (("mean", data.get("mean")), ("std", data.get("std")),
@@ -185,8 +178,6 @@ def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, 
     """(timm architecture, its model_args, None) when timm's VisionTransformer is this model
     (a ViT without Laplacian heads, softmax or DIFF attention: same parameter names, class token without a position
     embedding, LayerScale, QK-norm, class-token pooling), else (None, {}, why not)."""
-    from .vit import VisionTransformer
-
     label = model_label(node)
     if not isinstance(model, VisionTransformer):
         return None, {}, f"{label} is a language model (GPT); timm has no such architecture"
@@ -208,18 +199,10 @@ def timm_equivalent(model: nn.Module, node: dict) -> tuple[Optional[str], dict, 
                 in_chans=model.patch_embed.proj.in_channels, embed_dim=model.embed_dim,
                 depth=len(model.blocks), num_heads=blk.attn.num_heads,
                 mlp_ratio=blk.mlp.fc1.out_features / model.embed_dim, num_classes=model.num_classes,
-                qk_norm=_has_qk_norm(model), init_values=1e-6 if _has_layer_scale(model) else None,
+                qk_norm=model.qk_norm, init_values=1e-6 if model.layer_scale else None,
                 class_token=True, no_embed_class=True, global_pool="token", reg_tokens=0,
                 **({"attn_layer": "diff"} if arm == "diff" else {}))
     return _TIMM_ARCHS[node["name"][:4]], args, None
-
-
-def _has_qk_norm(model) -> bool:
-    return not isinstance(model.blocks[0].attn.q_norm, nn.Identity)
-
-
-def _has_layer_scale(model) -> bool:
-    return not isinstance(model.blocks[0].ls1, nn.Identity)
 
 
 def _save_for_timm(folder: Path, model: nn.Module, info: dict, arch: str, args: dict, data: dict) -> None:
@@ -264,11 +247,7 @@ def _source(path: Path, ckpt: dict) -> dict:
 def code_url() -> Optional[str]:
     """The checkout's git remote (a clone's origin), when it is a plain https address: the card's
     link to the code. None elsewhere (no remote; an ssh or credential-bearing address)."""
-    try:
-        url = subprocess.run(["git", "remote", "get-url", "origin"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
+    url = git("remote", "get-url", "origin") or ""
     return url.removesuffix(".git") if url.startswith("https://") and "@" not in url else None
 
 
@@ -315,8 +294,6 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
     the model is, how it was trained and measured, how to load it."""
     from huggingface_hub import ModelCardData
 
-    from .vit import VisionTransformer
-
     # the title is the model's label (vitt_3L), not the node's family (vitt)
     name, src, vit = model_label(node), info["source"], isinstance(model, VisionTransformer)
     # a depth-0 model (tests, ablations) has no block to read heads or mode from
@@ -344,11 +321,11 @@ def model_card(model: nn.Module, node: dict, info: dict, results: list[tuple[str
              "", "## Model", ""]
     if vit:
         pe = model.patch_embed
-        scale = "LayerScale" if _has_layer_scale(model) else "no LayerScale"
+        scale = "LayerScale" if model.layer_scale else "no LayerScale"
         pool = "class-token" if model.global_pool == "token" else "mean (patch tokens)"
         lines.append(f"- Architecture: ViT (DeiT-III style), width {model.embed_dim}, depth {len(model.blocks)}, "
                      f"{heads} heads, patch {pe.patch_size[0]}, input {pe.img_size[0]} px, "
-                     f"{model.num_classes or 'no'} classes, {scale}, QK-norm {'on' if _has_qk_norm(model) else 'off'}, "
+                     f"{model.num_classes or 'no'} classes, {scale}, QK-norm {'on' if model.qk_norm else 'off'}, "
                      f"{pool} pooling")
     else:
         tok = info.get("tokenizer")

@@ -214,8 +214,10 @@ class GPT(nn.Module):
         # nor in the state dict; 10x the context, so generation can run past it.
         self.rope_base = rope_base
         self.rope_len = 10 * max_seq_len
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        # Empty until built (init_weights, or _rope on first use); on the CPU also when the model is
+        # built on the meta device (laplace.nanochat), so that moving it has nothing to copy off it.
+        self.register_buffer("rope_cos", torch.empty(0, device="cpu"), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0, device="cpu"), persistent=False)
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 

@@ -61,7 +61,6 @@ def load(folder: str | Path, map_location: Any = "cpu", step: Optional[int] = No
     except RuntimeError as e:  # e.g. a checkpoint from before 92d63d4's architecture (no smear, ...)
         raise UserError(f"{folder}: weights do not match the model of its meta_{step:06d}.json "
                         f"({str(e).splitlines()[1].strip()}); nanochat 92d63d4's architecture loads") from None
-    model._build_rope(model.wte.weight.device)  # the rotary table is no weight: still on the meta device
     return model.eval()
 
 

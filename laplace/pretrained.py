@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch.nn as nn
+from omegaconf import OmegaConf
 
 from .checkpoint import EXPORT_WEIGHTS, CheckpointError, checkpoint_file, load_model, model_node_of, model_source, read_weights
 from .errors import ConfigError
@@ -124,7 +125,17 @@ def _backbone_source(path: Path, model_node, img_size, head: bool) -> tuple[dict
                           f"last.pt), a run or export folder, or to eval.knn / eval.linear a timm state dict with "
                           f"model=<zoo name>")
     else:
-        node, sd, step, source = _file_source(path, model_node)
+        try:
+            sd, ckpt = read_weights(path)
+        except CheckpointError as e:  # name the setting that pointed at the file
+            raise CheckpointError(f"checkpoint: {e}") from None
+        if ckpt is None and model_node is None:
+            raise ConfigError(f"checkpoint={path} is a state dict, not a laplace checkpoint: name its architecture, "
+                              f"e.g. model=vits_0L (eval.knn / eval.linear), or pass a laplace checkpoint")
+        # a state dict's architecture is the `model=` group's node (resolved within its config)
+        node = dict(model_node_of(ckpt, path) if ckpt is not None else OmegaConf.to_container(model_node, resolve=True)
+                    if OmegaConf.is_config(model_node) else model_node)
+        step, source = ((ckpt.get("loop") or {}).get("step"), "laplace") if ckpt is not None else (None, "timm")
     if "embed_dim" not in node:
         raise ConfigError(f"checkpoint={path} holds a {node.get('name')} model: a frozen-backbone evaluation "
                           f"needs a ViT")
@@ -133,20 +144,3 @@ def _backbone_source(path: Path, model_node, img_size, head: bool) -> tuple[dict
     if not head:
         node["num_classes"] = 0
     return node, sd, step, source
-
-
-def _file_source(path: Path, model_node) -> tuple[dict, dict, Optional[int], str]:
-    """_backbone_source's of a file: a laplace checkpoint, or a state dict of `model_node`."""
-    try:
-        sd, ckpt = read_weights(path)
-    except CheckpointError as e:  # name the setting that pointed at the file
-        raise CheckpointError(f"checkpoint: {e}") from None
-    if ckpt is not None:
-        return dict(model_node_of(ckpt, path)), sd, (ckpt.get("loop") or {}).get("step"), "laplace"
-    if model_node is None:
-        raise ConfigError(f"checkpoint={path} is a state dict, not a laplace checkpoint: name its "
-                          f"architecture, e.g. model=vits_0L (eval.knn / eval.linear), or pass a laplace checkpoint")
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.to_container(model_node, resolve=True) if OmegaConf.is_config(model_node) else dict(model_node)
-    return node, sd, None, "timm"

@@ -313,6 +313,4 @@ def tokenizer_from_config(cfg: Mapping[str, Any]):
     """The tokenizer a run was trained with, from its resolved config (a checkpoint's
     `config`, a dict or DictConfig): `data.tokenizer`, or byte-level when the run predates the
     key (the byte-level `data=pydoc_text` runs)."""
-    data = cfg.get("data") or {}
-    spec = data.get("tokenizer")
-    return load_tokenizer(spec or "bytes")
+    return load_tokenizer((cfg.get("data") or {}).get("tokenizer") or "bytes")

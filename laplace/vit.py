@@ -38,6 +38,8 @@ class VisionTransformer(timm_vit.VisionTransformer):
         # dynamic_img_size: any input size divisible by the patch; patches come as [B, H, W, C]
         super().__init__(*args, dynamic_img_size=True, **kwargs)
         self.pos_embed_resample = pos_embed_resample
+        # what an export's timm equivalent and model card say (timm's class keeps neither)
+        self.qk_norm, self.layer_scale = bool(kwargs.get("qk_norm")), bool(kwargs.get("init_values"))  # 0: none
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         B, H, W, C = x.shape

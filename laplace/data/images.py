@@ -100,7 +100,7 @@ class CorruptImages:
 def report_skipped(datasets: dict, device, is_main: bool):
     """Rank 0 prints how often the named datasets served a sample in place of an unreadable image
     (data.skip_corrupt), summed over every rank and its workers. Every rank calls it (a collective)."""
-    sets = {k: d for k, d in datasets.items() if hasattr(d, "skipped_corrupt")}
+    sets = {k: d for k, d in datasets.items() if isinstance(d, CorruptImages)}
     if not sets:
         return
     n = torch.tensor([d.skipped_corrupt for d in sets.values()], device=device)
