@@ -11,8 +11,9 @@ import math
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from analysis.runs import attention as attention_of
 from analysis.stats import decisive_level, describe, holm, interval_text, paired, verdict
 from laplace.errors import ConfigError
 
@@ -65,17 +66,32 @@ def claim_values(f: pd.DataFrame, plan, c) -> pd.DataFrame:
     return select(p, c.metric, c.get("layer"), c.get("step", "final"), c.get("mean_last", 0))
 
 
-def by_seed(g: pd.DataFrame, k) -> dict:
-    """{seed: value} of the fixed-mode runs with k Laplacian heads (learned gates are their own arm:
-    a claim compares fixed k with k = 0)."""
-    arm = g[(g["k"] == k) & (g["mode"] == "fixed")]
-    return dict(zip(arm["seed"], arm["value"]))
+def arm_of(arm) -> tuple:
+    """(k, attention) of a plan's `arm`: k Laplacian heads (an int) with softmax attention, or
+    {attention: <arm>} at k = 0 (configs/plan/arms.yaml); the baseline is 0, softmax at k = 0."""
+    if isinstance(arm, (dict, DictConfig)):
+        return arm.get("k", 0), arm["attention"]
+    return arm, "softmax"
 
 
-def _test(g: pd.DataFrame, k):
-    """The paired test of arm k against k = 0 over one value per run, None without a common seed
-    (a claim not measured is said so, never read as inconclusive)."""
-    base, arm = by_seed(g, 0), by_seed(g, k)
+def arm_text(arm) -> str:
+    """How a table names an arm: "k=3", or its attention ("xsa")."""
+    k, attention = arm_of(arm)
+    return f"k={k}" if attention == "softmax" else attention if k == 0 else f"k={k} {attention}"
+
+
+def by_seed(g: pd.DataFrame, arm) -> dict:
+    """{seed: value} of the fixed-mode runs of `arm` (`arm_of`: learned gates are their own arm,
+    and so is each attention at k = 0: a claim compares its arm with softmax at k = 0)."""
+    k, attention = arm_of(arm)
+    sel = g[(g["k"] == k) & (g["mode"] == "fixed") & (attention_of(g) == attention)]
+    return dict(zip(sel["seed"], sel["value"]))
+
+
+def _test(g: pd.DataFrame, arm):
+    """The paired test of `arm` against softmax k = 0 over one value per run, None without a common
+    seed (a claim not measured is said so, never read as inconclusive)."""
+    base, arm = by_seed(g, 0), by_seed(g, arm)
     return paired(base, arm) if set(base) & set(arm) else None
 
 
@@ -99,12 +115,14 @@ def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
     for c in plan.claims:  # in the plan's order: the tables show them as declared
         p = plan.paradigms[c.paradigm]
         g = claim_values(f, plan, c)
-        k = c.get("arm", p.arm)  # a claim may name its own arm (the LM's spectrum: all heads)
+        # a claim may name its own arm (the LM's spectrum: all heads; the arms study: an attention)
+        k = c.get("arm", p.arm)
         base, arm, test = by_seed(g, 0), by_seed(g, k), _test(g, k)
-        rows.append({**OmegaConf.to_container(c), "layer": c.get("layer"), "role": c.get("role", "primary"), "k": k,
-                     "heads": p.get("heads"), "base": describe(base.values()) if base else None,
+        rows.append({**OmegaConf.to_container(c), "layer": c.get("layer"), "role": c.get("role", "primary"),
+                     "k": k if arm_of(k)[1] == "softmax" else arm_text(k), "heads": p.get("heads"),
+                     "base": describe(base.values()) if base else None,
                      "arm": describe(arm.values()) if arm else None, "test": test,
-                     "p": test.p if test else math.nan})
+                     "p": test.p if test else math.nan, "ran": not _paradigm(f, plan, c.paradigm).empty})
     out = pd.DataFrame(rows)
     if out.empty:  # a plan without claims still gets its descriptions
         return out
@@ -117,8 +135,9 @@ def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
         out[f"{col}_p"] = out.groupby(col)["p"].transform(lambda ps: holm(list(ps)))
         # each verdict beside the interval at the level that decides it (stats.decisive_level)
         out[f"{col}_level"] = [decisive_level(p, hp) for p, hp in zip(out["p"], out[f"{col}_p"])]
-        out[f"{col}_verdict"] = [verdict(t, s, hp, level=lv) for t, s, hp, lv in
-                                 zip(out["test"], out["sign"], out[f"{col}_p"], out[f"{col}_level"])]
+        # a paradigm with no runs at all (the GPT arms not trained yet): "not run", not "not measured"
+        out[f"{col}_verdict"] = [verdict(t, s, hp, level=lv) if ran else "not run" for t, s, hp, lv, ran in
+                                 zip(out["test"], out["sign"], out[f"{col}_p"], out[f"{col}_level"], out["ran"])]
     return out.rename(columns={"family_p": "holm_p", "family_verdict": "verdict", "family_level": "level"})
 
 
@@ -138,7 +157,7 @@ def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
     out = []
     for r in rows.to_dict("records"):  # text cells: the numbers at the precision a reader needs
         # "3 of 3": the arm beside the paper's (ViT-B-12L: all heads; its LM: 5 of 10)
-        t, k = r["test"], f"{r['k']}" + (f" of {r['heads']}" if r.get("heads") else "")
+        t, k = r["test"], f"{r['k']}" + (f" of {r['heads']}" if r.get("heads") and not isinstance(r["k"], str) else "")
         row = {"paradigm": r["paradigm"], "claim": r["claim"], "definition": r["definition"],
                # pandas' string columns hold a missing layer as NaN, not None
                "layer": r["layer"] if isinstance(r["layer"], str) else "model output", "k": k,
@@ -160,8 +179,8 @@ def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
 # The columns of <out>/per_seed.csv: the tidy table's (analysis.runs.frame) that the claims, the
 # per-seed tables and the curves read, the run's provenance (its commit, its resumes as
 # "step@commit") and `source` (empty for values read from runs; committed values say where from).
-PER_SEED = ["experiment", "run_dir", "k", "k_label", "mode", "seed", "steps", "metric", "layer", "step", "final",
-            "value", "commit", "resumes", "source"]
+PER_SEED = ["experiment", "run_dir", "k", "k_label", "mode", "attention", "seed", "steps", "metric", "layer", "step",
+            "final", "value", "commit", "resumes", "source"]
 
 
 def _provenance(run_dir: str) -> tuple:
@@ -204,7 +223,7 @@ def per_seed_tables(ps: pd.DataFrame, plan) -> list[str]:
         if not base and not arm:
             continue
         rows = [{"seed": s, "k=0": f"{base[s]:#.5g}" if s in base else "",
-                 f"k={k}": f"{arm[s]:#.5g}" if s in arm else "",
+                 arm_text(k): f"{arm[s]:#.5g}" if s in arm else "",
                  "d": f"{arm[s] - base[s]:+.4f}" if s in base and s in arm else "",
                  # where a run of this seed stopped and went on: a resume is part of what the value is
                  "resumed (arm: step@commit)": "; ".join(f"k={r.k}: {r.resumes}" for r in g[g["seed"] == s].itertuples()

@@ -26,8 +26,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from analysis.claims import (_d, _md, _mean, _paradigm, _test, check_plan, claim_rows, claims_table, per_seed,
-                             per_seed_tables, read_per_seed, select)
+from analysis.claims import (_d, _md, _mean, _paradigm, _test, arm_text, by_seed, check_plan, claim_rows,
+                             claims_table, per_seed, per_seed_tables, read_per_seed, select)
 from analysis.curves import draw_curves, points
 from analysis.runs import arm_key, arm_label, arms, collect, frame, layer_order, runs_roots
 from analysis.stats import describe, interval_text
@@ -52,7 +52,7 @@ def paired_grid(f: pd.DataFrame, plan, claims, columns: list, at) -> pd.DataFram
     for c in claims:  # the same paired d and interval as a claim's, no verdict
         k = c.get("arm", plan.paradigms[c.paradigm].arm)
         g = _paradigm(f, plan, c.paradigm)
-        rows.append({"paradigm": c.paradigm, "definition": f"{c.definition} (k={k})",
+        rows.append({"paradigm": c.paradigm, "definition": f"{c.definition} ({arm_text(k)})",
                      **{str(col): _d(_test(select(g, c.metric, *at(c, col)), k)) for col in columns}})
     return pd.DataFrame(rows)
 
@@ -62,9 +62,11 @@ def arms_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     # every claim's metric once, as it is declared: the arms' raw values beside the paired tests
     cols = list(dict.fromkeys((c.metric, c.get("layer"), c.definition) for c in plan.claims if c.paradigm == name
                               and c.get("step", "final") == "final"))
-    rows = []
-    for _, arm in arms(_paradigm(f, plan, name)):
+    rows, g = [], _paradigm(f, plan, name)
+    for _, arm in arms(g):
         row = {"k": arm["k_label"].iloc[0], "mode": arm["mode"].iloc[0]}
+        if (g["attention"] != "softmax").any():  # (a column only where a plan has other arms)
+            row["attention"] = arm["attention"].iloc[0]
         for metric, layer, label in cols:
             v = select(arm, metric, layer)["value"]
             row[label + (f" @ {layer}" if layer and layer != "norm" else "")] = _mean(describe(v)) if len(v) else ""
@@ -125,7 +127,7 @@ def equal_loss(f: pd.DataFrame, plan, name: str, claims, at="final") -> tuple[pd
     # the validation loss logged at each analysed checkpoint's step (a plan may keep one per evaluation)
     loss = g[(g["metric"] == "log.val_loss") & g["step"].isin(g.loc[g["metric"].str.startswith("geometry."), "step"])]
     finals = select(g, "log.val_loss", step=at)
-    means = [finals[finals["k"] == k]["value"].mean() for k in (0, p.arm)]
+    means = [pd.Series(by_seed(finals, k), dtype=float).mean() for k in (0, p.arm)]
     if any(math.isnan(m) for m in means) or loss.empty:
         return pd.DataFrame(), "not measured: both arms need a final val_loss and val_loss at the kept checkpoints"
     target = max(means)  # the level both arms reach
@@ -167,6 +169,37 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
     return [sum(col) / len(col) for col in zip(*per_run)]
 
 
+def draw_claims(rows: pd.DataFrame, stem: Path) -> list[Path]:
+    """A panel per paradigm and metric (its primary endpoints, then the within-sequence share at
+    the final norm): each claim's paired d with its 95% interval, a row per arm, 0 marked; a claim
+    without a test says "not run" or "not measured" where its point would be."""
+    from analysis.figures import panels, save
+
+    share = (rows["metric"] == "geometry.within_seq_share") & (rows["layer"] == "norm")
+    rows = rows[(rows["role"] == "primary") | share]
+    groups = list(rows.groupby(["paradigm", "metric"], sort=False))
+    if not groups:
+        return []
+    fig, axes = panels(len(groups), 2, 4.6, 0.5 + 0.45 * max(len(g) for _, g in groups))
+    for ax, ((paradigm, _), g) in zip(axes, groups):
+        for y, r in enumerate(g.itertuples()):
+            if r.test is None:
+                # mid-panel (x in the axes' units): a panel of a paradigm not run has no d to sit beside
+                ax.text(0.5, y, r.verdict, transform=ax.get_yaxis_transform(), ha="center", va="center",
+                        fontsize=7, color="0.4")
+            else:
+                ax.errorbar(r.test.d, y, xerr=[[r.test.d - r.test.lo], [r.test.hi - r.test.d]], fmt="o", ms=4,
+                            capsize=3, color="C0")
+        ax.axvline(0, color="0.5", lw=0.8, ls="--")
+        ax.set_yticks(range(len(g)), [k if isinstance(k, str) else f"k={k}" for k in g["k"]])
+        ax.set_ylim(len(g) - 0.5, -0.5)  # the plan's order, top to bottom
+        ax.set(title=f"{paradigm}: {g['definition'].iloc[0]}", xlabel="d = arm - baseline (95% interval)")
+        ax.title.set_fontsize(8)
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return save(fig, stem)
+
+
 # ----------------------------------------------------------------------------- the report
 
 def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Path:
@@ -194,7 +227,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
                   "checkpoint stands for their final model and their final results are absent. Not the study's "
                   "result.", ""]
     lines += [f"Command: `{plan.command}`. Plan: configs/plan/{plan.name}.yaml ({plan.declared}). Runs: "
-              + ", ".join(f"{n}: {_paradigm(f, plan, n)['run_dir'].nunique()} ({p.experiment})"
+              + ", ".join(f"{n}: {_paradigm(f, plan, n)['run_dir'].nunique() or 'not run'} ({p.experiment})"
                           for n, p in plan.paradigms.items()) + ". The paper's tables: tables/; figures: figures/.",
               "", "## Claims", "",
               "Each claim is decided once, on its primary object and layer: the baseline (k = 0) against the arm "
@@ -206,7 +239,8 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               + "). Verdict: agrees / disagrees with the paper when Holm's p < 0.05, else inconclusive; beside it "
                 "the interval of d at the level that decides it, 1 - 0.05 p / Holm's p: Bonferroni's at Holm's "
                 "step (95% for a family of one, 97.5% for the first of two), so it excludes 0 exactly when the "
-                "verdict is not inconclusive. Arms: mean ± sd (n).", "",
+                "verdict is not inconclusive. Arms: mean ± sd (n). figures/claims.png: d and its 95% interval of "
+                "the primary and within-sequence share claims.", "",
               "### Primary", "", _md(claims_table(primary)), "",
               "### Secondary (other readings and layers, reported apart; Holm within their own family)", "",
               _md(claims_table(secondary)), "",
@@ -215,7 +249,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               "### Per seed (per_seed.csv; also per_seed.md)", "", *per_seed_tables(ps, plan)]
     if len(rows):
         # the claims as numbers (full precision) beside the Markdown: d, its interval and n per row
-        sheet = rows.drop(columns=["test", "base", "arm"]).assign(
+        sheet = rows.drop(columns=["test", "base", "arm", "ran"]).assign(
             **{key: [getattr(t, key, None) for t in rows["test"]] for key in ("d", "lo", "hi", "n", "df")})
         (out / "tables").mkdir(parents=True, exist_ok=True)
         atomic_write(out / "tables" / "claims.csv", sheet.to_csv(index=False, lineterminator="\n").encode())
@@ -270,9 +304,10 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               "sequences, averaged over seeds:", ""]
     for name, p in plan.paradigms.items():
         arms: dict = {}  # the final models' checkpoints per arm
-        for r in sorted(records, key=lambda r: arm_key(r["k"], r["mode"])):
+        for r in sorted(records, key=lambda r: arm_key(r["k"], r["mode"], r.get("attention", "softmax"))):
             if r["experiment"] == p.experiment and Path(r["checkpoint"]).is_file():
-                arms.setdefault(arm_label(r["k_label"], r["mode"]), []).append(r["checkpoint"])
+                arms.setdefault(arm_label(r["k_label"], r["mode"], r.get("attention", "softmax")), []).append(
+                    r["checkpoint"])
         lines += [f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(ckpts))
                   for label, ckpts in arms.items()]
     gates = gate_groups(records)
@@ -284,6 +319,8 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     # (the metric-vs-k figure's metrics as `python -m analysis.figures` has them)
     vs_k = OmegaConf.to_container(OmegaConf.load(config_dir("figures") / "figures.yaml").vs_k)
     draw_figures(records, out / "figures", vs_k, pca_maps)
+    if len(rows):
+        draw_claims(rows, out / "figures" / "claims")
     if any(points for _, points in panels.values()):
         draw_curves({n: v for n, v in panels.items() if v[1]}, out / "figures" / "curves", "ci")
     write_json(out / "plan.json", OmegaConf.to_container(plan, resolve=True), indent=1)  # what decided it

@@ -34,7 +34,7 @@ from laplace.errors import ConfigError
 from train.rundir import EXECUTION_KEYS
 
 # Runs sharing all of these are seeds of one experiment (recipe_id: the config without seeds).
-GROUP_KEYS = ("trainer", "dataset", "family", "k", "mode", "recipe_id")
+GROUP_KEYS = ("trainer", "dataset", "family", "k", "mode", "attention", "recipe_id")
 _SKIP_DIRS = {"__pycache__", "wandb"}
 Metric = Union[str, Iterable[str], Callable[[dict], Optional[float]]]
 _AT_LAYER = re.compile(r"geometry@(norm|blocks\.\d+)\.(.+)")
@@ -110,9 +110,10 @@ def model_family(name: str, model_cfg: dict) -> str:
 
 def _recipe_id(cfg: dict) -> str:
     """A hash of the config without what may vary between pooled runs: seed, where things are
-    written or read from, how they execute, and the row's model name, k and mode."""
+    written or read from, how they execute, and the row's model name, k, mode and attention (the
+    arms of one recipe: their runs are told apart by GROUP_KEYS, not by the recipe)."""
     skip = EXECUTION_KEYS + ("seed", "model.name", "model.num_laplacian_heads", "model.laplacian_mode",
-                             "trainer.init_from")  # stage-1 paths carry the seed
+                             "model.attention", "trainer.init_from")  # stage-1 paths carry the seed
     kept = {k: v for k, v in flatten(cfg).items() if not k.startswith(skip)}
     # whether a run fine-tunes still matters: stage 1 and stage 2 of one recipe never pool
     kept["finetuned"] = bool(cfg.get("trainer", {}).get("init_from"))
@@ -186,6 +187,8 @@ def read_run(run_dir) -> Optional[dict]:
         "family": model_family(name, mcfg), "k": k,
         "k_label": "[" + ",".join(map(str, k)) + "]" if isinstance(k, tuple) else str(k),
         "mode": r.get("laplacian_mode") or mcfg.get("laplacian_mode") or "fixed",
+        # the attention arm (laplace.attention.ARMS); runs from before the arms: softmax
+        "attention": r.get("attention") or mcfg.get("attention") or "softmax",
         "seed": r.get("seed", cfg.get("seed")), "steps": r.get("steps"), "epochs": r.get("epochs"),
         "max_steps": tcfg.get("max_steps"),
         "global_batch_size": r.get("global_batch_size", tcfg.get("global_batch_size")),
@@ -220,14 +223,14 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
     """Every run under `roots` (a folder or a list, searched recursively) as one flat record.
 
     A record: run_dir, experiment, trainer, dataset, model, arch, family, k (int, or a tuple for
-    per-layer counts) and k_label, mode, seed, steps, epochs, max_steps, global_batch_size,
-    img_size, init_from, pretrain (facts of the run it fine-tuned from), finished (results.json
-    exists), recipe_id, recipe (a readable tag), metrics ({key: float}, `flat_metrics`), geometry
-    (at the final norm, `geometry`; {} when not analysed), layer_geometry (at every measured
-    layer), mechanism (`mechanism_summary`), analysis and analysis_step (the final model's
-    analysis.json and its step), step_geometry / step_mechanism / step_metrics (every analysed or
-    evaluated checkpoint: {step: ...}) and notes. `skipped` (if given) gets a line for each run
-    directory left out, saying why.
+    per-layer counts) and k_label, mode, attention (the arm: softmax, xsa, gated, diff), seed, steps,
+    epochs, max_steps, global_batch_size, img_size, init_from, pretrain (facts of the run it
+    fine-tuned from), finished (results.json exists), recipe_id, recipe (a readable tag), metrics
+    ({key: float}, `flat_metrics`), geometry (at the final norm, `geometry`; {} when not analysed),
+    layer_geometry (at every measured layer), mechanism (`mechanism_summary`), analysis and
+    analysis_step (the final model's analysis.json and its step), step_geometry / step_mechanism /
+    step_metrics (every analysed or evaluated checkpoint: {step: ...}) and notes. `skipped` (if
+    given) gets a line for each run directory left out, saying why.
     """
     roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
     records = []  # finished or not: the tables leave the unfinished out, the curves draw them
@@ -287,25 +290,33 @@ def sort_key(v):
     return (3, v) if isinstance(v, tuple) else (2, str(v))
 
 
-def arm_key(k, mode) -> tuple:
-    """Sort key of an arm (k, mode): the fixed arms by k, then the learned ones."""
-    return mode != "fixed", sort_key(k)
+def arm_key(k, mode, attention: str = "softmax") -> tuple:
+    """Sort key of an arm (k, mode, attention): the softmax arms (fixed by k, then learned), then
+    the other attentions by name."""
+    return attention != "softmax", attention, mode != "fixed", sort_key(k)
 
 
-def arm_label(k_label: str, mode: str) -> str:
-    """How a legend or a column names an arm: "k=3", "k=1 learned"."""
-    return f"k={k_label}" + ("" if mode == "fixed" else f" {mode}")
+def arm_label(k_label: str, mode: str, attention: str = "softmax") -> str:
+    """How a legend or a column names an arm: "k=3", "k=1 learned", "k=0 xsa"."""
+    return f"k={k_label}" + "".join(f" {w}" for w, plain in ((mode, "fixed"), (attention, "softmax")) if w != plain)
+
+
+def attention(rows: pd.DataFrame) -> pd.Series:
+    """The attention arm of each row; softmax where a table from before the arms has none (an older
+    per_seed.csv, a row made without it)."""
+    return rows["attention"].fillna("softmax") if "attention" in rows else pd.Series("softmax", index=rows.index)
 
 
 def arms(rows: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """(arm label, its rows) per arm (k, mode) of a slice of the tidy table, in `arm_key` order."""
-    groups = sorted(rows.groupby(["k", "mode"]), key=lambda kv: arm_key(*kv[0]))
-    return [(arm_label(part["k_label"].iloc[0], mode), part) for (_, mode), part in groups]
+    """(arm label, its rows) per arm (k, mode, attention) of a slice of the tidy table, in `arm_key` order."""
+    groups = sorted(rows.assign(attention=attention(rows)).groupby(["k", "mode", "attention"]),
+                    key=lambda kv: arm_key(*kv[0]))
+    return [(arm_label(part["k_label"].iloc[0], mode, att), part) for (_, mode, att), part in groups]
 
 
 # The facts of a run that every row of the tidy table carries (what a group or a label needs).
-FACTS = ("run_dir", "experiment", "trainer", "dataset", "family", "model", "arch", "k", "k_label", "mode", "seed",
-         "steps", "recipe_id", "recipe", "finished")
+FACTS = ("run_dir", "experiment", "trainer", "dataset", "family", "model", "arch", "k", "k_label", "mode", "attention",
+         "seed", "steps", "recipe_id", "recipe", "finished")
 
 
 def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
@@ -342,6 +353,7 @@ def frame(records: list[dict], logs: bool = False) -> pd.DataFrame:
                      for key, v in rec.items()
                      if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("step", "epoch")]
     out = pd.DataFrame(rows, columns=[*FACTS, "step", "epoch", "layer", "metric", "value", "final"])
+    out["attention"] = out["attention"].fillna("softmax")  # a record from before the arms
     # NaN and inf are "not measured" (a sequence without variance, a diverged run): no row
     out = out[out["value"].map(lambda v: v is not None and math.isfinite(v))]
     # a step logged twice (the run resumed before its last checkpoint) keeps the value of the run that went on

@@ -28,7 +28,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.gates import write_gate_tables
-from analysis.runs import (BLOCK_METRICS, GROUP_KEYS, aggregate, arm_key, arm_label, collect, experiments,
+from analysis.runs import (BLOCK_METRICS, GROUP_KEYS, aggregate, arm_key, arm_label, attention, collect, experiments,
                            layer_order, metric_value, per_block, runs_roots, sort_key)
 from analysis.stats import interval_text
 from train.cli import config_dir, hydra_entry
@@ -355,10 +355,11 @@ def per_block_table(name: str, spec: dict, records: list[dict]) -> tuple[str, st
         f = per_block(recs, metrics, (*GROUP_KEYS, "k_label"))  # (k_label: a function of k, a label only)
         f = f.assign(experiment=exp, recipe=recs[0]["recipe"],
                      text=[interval_text(*v, fmt) for v in zip(f["mean"], f["lo"], f["hi"], f["n"])])
-        f["arm"] = [arm_label(kl, m) for kl, m in zip(f["k_label"], f["mode"])]
+        f["arm"] = [arm_label(kl, m, a) for kl, m, a in zip(f["k_label"], f["mode"], attention(f))]
         parts.append(f)
         for metric, s in f.groupby("metric", sort=False):
-            arms = [arm for _, arm in sorted({(arm_key(k, m), arm) for k, m, arm in zip(s["k"], s["mode"], s["arm"])})]
+            arms = [arm for _, arm in sorted({(arm_key(k, m, a), arm) for k, m, a, arm in
+                                              zip(s["k"], s["mode"], attention(s), s["arm"])})]
             # long -> wide: rows = layers (the model's order, norm last), columns = arms; a layer no arm
             # measured is dropped
             g = s.pivot(index="layer", columns="arm", values="text").reindex(layer_order(recs)).reindex(columns=arms)
