@@ -12,15 +12,16 @@ target: k > 0 within 1.02x of k = 0 in time and bytes.
 from __future__ import annotations
 
 import sys
+import time
+import timeit
 from pathlib import Path
 
 import pandas as pd
 import torch
+from torch.utils import benchmark
 
 import laplace
 from laplace.gpt import gpt_dims
-
-from . import report
 
 TARGET = 1.02
 
@@ -52,6 +53,33 @@ class SavedBytes:
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
         self.bytes = sum(self.storages.values())
+
+
+# What bench.vit shares with this section: the Timer, the rounds taken in turns, the ratios.
+def timer(fn, args) -> benchmark.Timer:
+    """A Timer of fn() on the run's clock (cli.py: one thread's CPU time on a shared host, else wall time)."""
+    clock = time.process_time if args.clock == "cpu" else timeit.default_timer  # Timer syncs CUDA
+    return benchmark.Timer("fn()", globals=dict(fn=fn), timer=clock, num_threads=args.threads)
+
+
+def in_turns(timers: list, args, say: str = "") -> list:
+    """Each timer's measurements over --rounds, merged (the median and IQR pool every round's
+    times); a None timer: None. Every timer in turn, the order rotated each round: a drift in the
+    machine's load (other jobs on a shared host) reaches every case alike."""
+    measured = [[] for _ in timers]
+    for r in range(args.rounds):
+        for i in [*range(r % len(timers), len(timers)), *range(r % len(timers))]:
+            measured[i] += [timers[i].blocked_autorange(min_run_time=args.min_time)] if timers[i] else []
+        if say:
+            print(f"[{say}] round {r + 1} of {args.rounds} measured", flush=True)
+    return [benchmark.Measurement.merge(m)[0] if m else None for m in measured]
+
+
+def ratios(df: pd.DataFrame, ref, keys: list[str], time_col: str, saved_col: str, label: str) -> None:
+    """Columns "time / <label>" and "saved / <label>": each row over the `ref` row (a mask) of its `keys`."""
+    both = df.merge(df.loc[ref, [*keys, time_col, saved_col]], on=keys, how="left", suffixes=("", "_ref"))
+    df[f"time / {label}"] = both[time_col] / both[time_col + "_ref"]
+    df[f"saved / {label}"] = both[saved_col] / both[saved_col + "_ref"]
 
 
 def nanochat_gpt(folder: str, depth: int, vocab: int, seq_len: int) -> torch.nn.Module:
@@ -116,13 +144,13 @@ def run(args) -> pd.DataFrame:
             per_token = saved_per_token(model, args.seq_len, args.vocab_size, args.device)
             rows.append(dict(depth=depth, family=family, width=width, heads=heads, model=name, k=k,
                              saved_bytes_per_token=per_token))
-            timers.append(report.timer(step(model, args), args) if k is not None else None)  # nanochat's: bytes only
+            timers.append(timer(step(model, args), args) if k is not None else None)  # nanochat's: bytes only
             print(f"[gpt_memory] {name}: {per_token:,.0f} saved bytes per token", flush=True)
-    for row, m in zip(rows, report.in_turns(timers, args)):
+    for row, m in zip(rows, in_turns(timers, args)):
         row["ms"] = 1e3 * m.median if m else float("nan")
     df = pd.DataFrame(rows)
     # Each row over k = 0 of its depth and family.
-    report.ratios(df, df.k == 0, ["depth", "family"], "ms", "saved_bytes_per_token", "k=0")
+    ratios(df, df.k == 0, ["depth", "family"], "ms", "saved_bytes_per_token", "k=0")
     if args.nanochat:
         # Per depth: ours over nanochat's at the same shapes.
         ref = df[df.model == "nanochat eec0c79"].set_index("depth").saved_bytes_per_token

@@ -1,19 +1,15 @@
 """The record of a `python -m bench` run: the machine, the versions and each section's table, as
-JSON and Markdown (written atomically, laplace.io); and what the sections share: their Timer, the
-rounds of measurements taken in turns, each row's ratios to a reference row."""
+JSON and Markdown (written atomically, laplace.io)."""
 from __future__ import annotations
 
 import os
 import platform
 import re
-import time
-import timeit
 from pathlib import Path
 
 import pandas as pd
 import timm
 import torch
-from torch.utils import benchmark
 
 from laplace.io import atomic_write, write_json
 
@@ -24,32 +20,6 @@ TITLES = {
     "loader": "One data-loader worker (one thread): images/s of each training set; demand: "
               "the one GPU record scaled to the row's model, over 8 workers",
 }
-
-
-def timer(fn, args) -> benchmark.Timer:
-    """A Timer of fn() on the run's clock (cli.py: one thread's CPU time on a shared host, else wall time)."""
-    clock = time.process_time if args.clock == "cpu" else timeit.default_timer  # Timer syncs CUDA
-    return benchmark.Timer("fn()", globals=dict(fn=fn), timer=clock, num_threads=args.threads)
-
-
-def in_turns(timers: list, args, say: str = "") -> list:
-    """Each timer's measurements over --rounds, merged (the median and IQR pool every round's
-    times); a None timer: None. Every timer in turn, the order rotated each round: a drift in the
-    machine's load (other jobs on a shared host) reaches every case alike."""
-    measured = [[] for _ in timers]
-    for r in range(args.rounds):
-        for i in [*range(r % len(timers), len(timers)), *range(r % len(timers))]:
-            measured[i] += [timers[i].blocked_autorange(min_run_time=args.min_time)] if timers[i] else []
-        if say:
-            print(f"[{say}] round {r + 1} of {args.rounds} measured", flush=True)
-    return [benchmark.Measurement.merge(m)[0] if m else None for m in measured]
-
-
-def ratios(df: pd.DataFrame, ref, keys: list[str], time_col: str, saved_col: str, label: str) -> None:
-    """Columns "time / <label>" and "saved / <label>": each row over the `ref` row (a mask) of its `keys`."""
-    both = df.merge(df.loc[ref, [*keys, time_col, saved_col]], on=keys, how="left", suffixes=("", "_ref"))
-    df[f"time / {label}"] = both[time_col] / both[time_col + "_ref"]
-    df[f"saved / {label}"] = both[saved_col] / both[saved_col + "_ref"]
 
 
 def machine(device: str) -> dict:

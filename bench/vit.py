@@ -16,8 +16,7 @@ import torch
 import laplace
 from laplace.attention import ARMS
 
-from . import report
-from .gpt_memory import SavedBytes
+from .gpt_memory import SavedBytes, in_turns, ratios, timer
 
 TIMM = {"vits": "deit3_small_patch16_224", "vitb": "deit3_base_patch16_224"}
 SMOKE = {"vits": dict(depth=1, embed_dim=48), "vitb": dict(depth=1, embed_dim=96)}  # the zoo's head counts
@@ -62,9 +61,9 @@ def run(args) -> pd.DataFrame:
                 # The model itself: torch.compile'd when --compile (after the attention is taken).
                 net = torch.compile(module) if args.compile else module
                 cases.append((dict(family=family, part=part, model=name, k=k, attention=arm),
-                              report.timer(step(net, x, args.device), args), (module, step(module, x, args.device))))
+                              timer(step(net, x, args.device), args), (module, step(module, x, args.device))))
     rows = []
-    for (row, _, (module, fn)), m in zip(cases, report.in_turns([t for _, t, _ in cases], args, "vit")):
+    for (row, _, (module, fn)), m in zip(cases, in_turns([t for _, t, _ in cases], args, "vit")):
         with SavedBytes(module) as saved:  # eager, one more step: memory is not timed
             fn()
         rows.append(dict(row, ms=1e3 * m.median, iqr_ms=1e3 * m.iqr, runs=len(m.times),
@@ -74,5 +73,5 @@ def run(args) -> pd.DataFrame:
     # Each row over its family and part's reference row: softmax k = 0 (the overhead of Laplacian heads
     # and of each arm) and timm's (ours vs timm).
     for label, ref in (("k=0", (df.k == 0) & (df.attention == "softmax")), ("timm", df.k.isna())):
-        report.ratios(df, ref, ["family", "part"], "ms", "saved_mib", label)
+        ratios(df, ref, ["family", "part"], "ms", "saved_mib", label)
     return df
