@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from train.logger import git_commit
+
 from . import report
 
 SECTIONS = ("vit", "gpt_memory", "loader")
@@ -20,7 +22,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 "timm, the GPT's memory against nanochat's, a loader worker's images/s.")
     # Positional names too: issue 42 writes the command as `python -m bench gpt_memory`.
     p.add_argument("only", nargs="*", metavar="SECTION", help=f"sections to run (default all): {', '.join(SECTIONS)}")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=None, help="the same, as an option")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     # One thread by default: on a shared host, idle OpenMP threads spin while they wait for a core
     # and the timings wander; a loader worker runs with one thread anyway.
@@ -46,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     wrong = [s for s in args.only if s not in SECTIONS]
     if wrong:
         p.error(f"section {wrong[0]!r}: choose from {', '.join(SECTIONS)}")
-    args.sections = args.only or args.sections or list(SECTIONS)
+    args.sections = args.only or list(SECTIONS)
     try:
         cuda = torch.device(args.device).type == "cuda"
     except RuntimeError as e:
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
     # What a reader needs to compare two records: when, what ran, on which code and machine.
     record = dict(date=datetime.now().astimezone().isoformat(timespec="seconds"),
                   command=shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
-                  commit=report.git_commit(), machine=report.machine(args.device), note=args.note,
+                  commit=git_commit(), machine=report.machine(args.device), note=args.note,
                   device=torch.device(args.device).type, smoke=args.smoke, args=vars(args))
     m = record["machine"]
     print(f"[bench] {m.get('gpu') or m['cpu']} ({m['cpu_capability']}), {args.threads} thread(s): "

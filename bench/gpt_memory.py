@@ -55,6 +55,33 @@ class SavedBytes:
         self.bytes = sum(self.storages.values())
 
 
+# What bench.vit shares with this section: the Timer, the rounds taken in turns, the ratios.
+def timer(fn, args) -> benchmark.Timer:
+    """A Timer of fn() on the run's clock (cli.py: one thread's CPU time on a shared host, else wall time)."""
+    clock = time.process_time if args.clock == "cpu" else timeit.default_timer  # Timer syncs CUDA
+    return benchmark.Timer("fn()", globals=dict(fn=fn), timer=clock, num_threads=args.threads)
+
+
+def in_turns(timers: list, args, say: str = "") -> list:
+    """Each timer's measurements over --rounds, merged (the median and IQR pool every round's
+    times); a None timer: None. Every timer in turn, the order rotated each round: a drift in the
+    machine's load (other jobs on a shared host) reaches every case alike."""
+    measured = [[] for _ in timers]
+    for r in range(args.rounds):
+        for i in [*range(r % len(timers), len(timers)), *range(r % len(timers))]:
+            measured[i] += [timers[i].blocked_autorange(min_run_time=args.min_time)] if timers[i] else []
+        if say:
+            print(f"[{say}] round {r + 1} of {args.rounds} measured", flush=True)
+    return [benchmark.Measurement.merge(m)[0] if m else None for m in measured]
+
+
+def ratios(df: pd.DataFrame, ref, keys: list[str], time_col: str, saved_col: str, label: str) -> None:
+    """Columns "time / <label>" and "saved / <label>": each row over the `ref` row (a mask) of its `keys`."""
+    both = df.merge(df.loc[ref, [*keys, time_col, saved_col]], on=keys, how="left", suffixes=("", "_ref"))
+    df[f"time / {label}"] = both[time_col] / both[time_col + "_ref"]
+    df[f"saved / {label}"] = both[saved_col] / both[saved_col + "_ref"]
+
+
 def nanochat_gpt(folder: str, depth: int, vocab: int, seq_len: int) -> torch.nn.Module:
     """nanochat's GPT at our depth's shapes, from its own code in `folder`."""
     if not (Path(folder) / "nanochat" / "gpt.py").is_file():
@@ -90,15 +117,12 @@ def saved_per_token(model, seq_len: int, vocab: int, device) -> float:
     return (saved_bytes(model, 2, seq_len, vocab, device) - saved_bytes(model, 1, seq_len, vocab, device)) / seq_len
 
 
-def step_timer(model, args) -> benchmark.Timer:
-    """A Timer of one training step's forward + backward (float32; the loss over the vocabulary)."""
+def step(model, args):
+    """One training step's forward + backward (float32; the loss over the vocabulary), to time."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, args.vocab_size, (2, 2, args.seq_len), generator=g).to(args.device)
-
-    def fn():
-        model(x, targets=y).backward()  # gradients accumulate between runs: one add per parameter, alike
-    clock = time.process_time if args.clock == "cpu" else timeit.default_timer  # Timer syncs CUDA
-    return benchmark.Timer("fn()", globals=dict(fn=fn), timer=clock, num_threads=args.threads)
+    # Gradients accumulate between runs: one add per parameter, alike for every model.
+    return lambda: model(x, targets=y).backward()
 
 
 def run(args) -> pd.DataFrame:
@@ -120,20 +144,13 @@ def run(args) -> pd.DataFrame:
             per_token = saved_per_token(model, args.seq_len, args.vocab_size, args.device)
             rows.append(dict(depth=depth, family=family, width=width, heads=heads, model=name, k=k,
                              saved_bytes_per_token=per_token))
-            timers.append(step_timer(model, args) if k is not None else None)  # nanochat's: bytes only
+            timers.append(timer(step(model, args), args) if k is not None else None)  # nanochat's: bytes only
             print(f"[gpt_memory] {name}: {per_token:,.0f} saved bytes per token", flush=True)
-    # Every model in turn, the order rotated each round (as bench.vit): a drift in load reaches all alike.
-    measured = [[] for _ in timers]
-    for r in range(args.rounds):
-        for i in [*range(r % len(timers), len(timers)), *range(r % len(timers))]:
-            measured[i] += [timers[i].blocked_autorange(min_run_time=args.min_time)] if timers[i] else []
-    for row, m in zip(rows, measured):
-        row["ms"] = 1e3 * benchmark.Measurement.merge(m)[0].median if m else float("nan")
+    for row, m in zip(rows, in_turns(timers, args)):
+        row["ms"] = 1e3 * m.median if m else float("nan")
     df = pd.DataFrame(rows)
-    k0 = df[df.k == 0].set_index(["depth", "family"])  # each row over k = 0 of its depth and family
-    key = pd.MultiIndex.from_frame(df[["depth", "family"]])
-    df["time / k=0"] = df.ms.values / k0.ms.reindex(key).values
-    df["saved / k=0"] = df.saved_bytes_per_token.values / k0.saved_bytes_per_token.reindex(key).values
+    # Each row over k = 0 of its depth and family.
+    ratios(df, df.k == 0, ["depth", "family"], "ms", "saved_bytes_per_token", "k=0")
     if args.nanochat:
         # Per depth: ours over nanochat's at the same shapes.
         ref = df[df.model == "nanochat eec0c79"].set_index("depth").saved_bytes_per_token

@@ -41,18 +41,16 @@ RUNS = [  # the overrides of `python train.py` whose training set is timed; the 
 ]
 
 
-def photos() -> list[tuple[str, Image.Image]]:
+def photos() -> list[Image.Image]:
     """The installed packages' photographs, each cut to 4:3 (3:4 if portrait) at PHOTO_SIZE (bicubic)."""
     import matplotlib
     from sklearn.datasets import load_sample_images
 
-    s = load_sample_images()
-    found = [(Path(f).name, Image.fromarray(a)) for f, a in zip(s.filenames, s.images)]
-    hopper = Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"
-    found.append((hopper.name, Image.open(hopper).convert("RGB")))
+    found = [Image.fromarray(a) for a in load_sample_images().images]
+    found.append(Image.open(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg").convert("RGB"))
     # ImageOps.fit: the largest centred box of the target's aspect, resized to it.
-    return [(name, ImageOps.fit(img, PHOTO_SIZE if img.width >= img.height else PHOTO_SIZE[::-1], Image.BICUBIC))
-            for name, img in found]
+    return [ImageOps.fit(img, PHOTO_SIZE if img.width >= img.height else PHOTO_SIZE[::-1], Image.BICUBIC)
+            for img in found]
 
 
 def jpeg(img: Image.Image) -> bytes:
@@ -83,7 +81,7 @@ def demand(cfg) -> float:
 def run(args) -> pd.DataFrame:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_images_") as root:
-        shots = [jpeg(img) for _, img in photos()]
+        shots = [jpeg(img) for img in photos()]
         for i in range(args.images):  # the photographs in turn, two classes
             folder = Path(root, "train", f"n{1440764 + i % 2:08d}")
             os.makedirs(folder, exist_ok=True)

@@ -12,7 +12,6 @@ import timm
 import torch
 
 from laplace.io import atomic_write, write_json
-from train.logger import git_commit  # noqa: F401  (bench.cli and scripts/gpu_check.py read it here)
 
 TITLES = {
     "vit": "Forward + backward of a ViT and of its first attention layer (ms: Timer's median), k Laplacian "
@@ -23,18 +22,14 @@ TITLES = {
 }
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo, as lscpu prints it), else the platform's word for it."""
-    info = Path("/proc/cpuinfo")
-    found = info.exists() and re.search(r"^model name\s*:\s*(.+)$", info.read_text(), re.M)
-    return found.group(1).strip() if found else platform.processor() or platform.machine()
-
-
 def machine(device: str) -> dict:
+    # The CPU's model name (/proc/cpuinfo, as lscpu prints it), else the platform's word for it.
+    cpuinfo = Path("/proc/cpuinfo")
+    found = cpuinfo.exists() and re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M)
     # The kernel capability matters as much as the model name: one name covers AVX-512 and AVX2
     # machines, and ATEN_CPU_CAPABILITY=avx2 picks the slower kernels on purpose.
-    info = dict(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)),
-                cpu_capability=torch.backends.cpu.get_cpu_capability(),
+    info = dict(cpu=found.group(1).strip() if found else platform.processor() or platform.machine(),
+                cores=len(os.sched_getaffinity(0)), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                 platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
                 timm=timm.__version__)
     if torch.device(device).type == "cuda":

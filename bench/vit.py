@@ -9,18 +9,14 @@ softmax k = 0 row and by timm's row of its family and part.
 """
 from __future__ import annotations
 
-import time
-import timeit
-
 import pandas as pd
 import timm
 import torch
-from torch.utils import benchmark
 
 import laplace
 from laplace.attention import ARMS
 
-from .gpt_memory import SavedBytes
+from .gpt_memory import SavedBytes, in_turns, ratios, timer
 
 TIMM = {"vits": "deit3_small_patch16_224", "vitb": "deit3_base_patch16_224"}
 SMOKE = {"vits": dict(depth=1, embed_dim=48), "vitb": dict(depth=1, embed_dim=96)}  # the zoo's head counts
@@ -62,25 +58,12 @@ def run(args) -> pd.DataFrame:
             N, C = model.patch_embed.num_patches + 1, model.embed_dim  # + the class token
             tokens = torch.randn(args.batch_size, N, C, device=args.device, requires_grad=True)
             for part, module, x in (("model", model, images), ("attention", attn, tokens)):
-                fn = step(module, x, args.device)
                 # The model itself: torch.compile'd when --compile (after the attention is taken).
                 net = torch.compile(module) if args.compile else module
-                clock = time.process_time if args.clock == "cpu" else timeit.default_timer  # Timer syncs CUDA
-                timer = benchmark.Timer("fn()", globals=dict(fn=step(net, x, args.device)), timer=clock,
-                                        num_threads=args.threads, label=part, sub_label=name)
-                cases.append((dict(family=family, part=part, model=name, k=k, attention=arm), timer, (module, fn)))
-    # Every case in turn, several rounds, the order rotated: a drift in the machine's load
-    # (other jobs on a shared host) reaches every model alike.
-    measured = {i: [] for i in range(len(cases))}
-    for r in range(args.rounds):
-        order = list(range(len(cases)))
-        for i in order[r % len(order):] + order[:r % len(order)]:
-            measured[i].append(cases[i][1].blocked_autorange(min_run_time=args.min_time))
-        print(f"[vit] round {r + 1} of {args.rounds} measured", flush=True)
-    # Merging a case's measurements pools their times: the median and IQR over all rounds.
+                cases.append((dict(family=family, part=part, model=name, k=k, attention=arm),
+                              timer(step(net, x, args.device), args), (module, step(module, x, args.device))))
     rows = []
-    for i, (row, _, (module, fn)) in enumerate(cases):
-        m = benchmark.Measurement.merge(measured[i])[0]
+    for (row, _, (module, fn)), m in zip(cases, in_turns([t for _, t, _ in cases], args, "vit")):
         with SavedBytes(module) as saved:  # eager, one more step: memory is not timed
             fn()
         rows.append(dict(row, ms=1e3 * m.median, iqr_ms=1e3 * m.iqr, runs=len(m.times),
@@ -90,8 +73,5 @@ def run(args) -> pd.DataFrame:
     # Each row over its family and part's reference row: softmax k = 0 (the overhead of Laplacian heads
     # and of each arm) and timm's (ours vs timm).
     for label, ref in (("k=0", (df.k == 0) & (df.attention == "softmax")), ("timm", df.k.isna())):
-        base = df.loc[ref, ["family", "part", "ms", "saved_mib"]]
-        both = df.merge(base, on=["family", "part"], how="left", suffixes=("", "_ref"))
-        df[f"time / {label}"] = both.ms / both.ms_ref
-        df[f"saved / {label}"] = both.saved_mib / both.saved_mib_ref
+        ratios(df, ref, ["family", "part"], "ms", "saved_mib", label)
     return df

@@ -31,10 +31,6 @@ from train.rundir import check_writable
 from laplace.zoo import features
 from train.logger import log_to_training_run, progress_bar, progress_interval
 
-def feature_kind(kind: str, n_last_blocks: int = 4, avgpool: bool = False) -> str:
-    """The cache-file name of a feature kind, "cls" (k-NN) or "linear": "cls" or "last<n>[_avgpool]"."""
-    return "cls" if kind == "cls" else f"last{n_last_blocks}" + ("_avgpool" if avgpool else "")
-
 
 def batch_features(model, x: torch.Tensor, kind: str = "cls", n_last_blocks: int = 4,
                    avgpool: bool = False) -> torch.Tensor:
@@ -155,7 +151,9 @@ def eval_features(cfg, kind: str, n_last_blocks: int = 4, avgpool: bool = False)
 
     dist_info = setup(cfg.device)  # under torchrun: the process group, each rank its GPU
     model, info = load_backbone(cfg.checkpoint, cfg.get("model"), cfg.data.img_size, device=dist_info.device)
-    d, name = probe_data_node(cfg.data, cfg.crop_pct), feature_kind(kind, n_last_blocks, avgpool)
+    d = probe_data_node(cfg.data, cfg.crop_pct)
+    # the cache files' name of the kind: "cls" (k-NN) or "last<n>[_avgpool]" (the linear probe)
+    name = "cls" if kind == "cls" else f"last{n_last_blocks}" + ("_avgpool" if avgpool else "")
     splits = []
     for split in ("train", "val"):
         dataset = build_vision_dataset(d, train=split == "train")

@@ -29,9 +29,9 @@ import pandas as pd
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout (bench) and tests/ (fakedata)
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout (train) and tests/ (fakedata)
 import fakedata  # noqa: E402  (tests/: tiny datasets in the real on-disk formats)
-from bench.report import git_commit  # noqa: E402
+from train.logger import git_commit, logged  # noqa: E402
 
 PY = sys.executable
 # train.py run in this process after an optional memory cap (an 80 GB card's on a bigger card);
@@ -118,8 +118,7 @@ class Check:
 
 def metrics(run_dir: Path, split: str = "train") -> pd.DataFrame:
     """A run's metrics.jsonl records of one split."""
-    df = pd.read_json(run_dir / "metrics.jsonl", lines=True)
-    return df[df.split == split].reset_index(drop=True)
+    return pd.DataFrame(logged(run_dir, split))
 
 
 def logged_once(run_dir: Path, steps: int):

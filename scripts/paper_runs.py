@@ -245,14 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.submit and not a.dry_run and shutil.which("sbatch") is None:  # before the costs and the first job
         raise UserError("--no-dry-run: Slurm's sbatch is not on the PATH; submit from the cluster's login "
                         "node (or load its Slurm module), or leave out --no-dry-run to print the sbatch lines")
-    overrides = a.overrides
     seeds = {}
     for spec in a.seeds:
         name, _, values = spec.partition("=")
         if name not in SWEEPS.index or not values:
             raise ConfigError(f"--seeds {spec}: use SWEEP=0,1,... with SWEEP one of {', '.join(SWEEPS.index)}")
         seeds[name] = [int(v) for v in values.split(",")]
-    df = runs(a.only, overrides, seeds)
+    df = runs(a.only, a.overrides, seeds)
     if a.runs:
         print(df.drop(columns="flops_per_step").to_markdown(index=False, intfmt=",", floatfmt=",.3g"))
         print(f"{len(df)} runs, {df.gpu_hours.sum():,.0f} H200-hours")
@@ -261,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.submit:
         # slurm/submit.sh prints the sbatch line instead of submitting under LAPLACE_DRY_RUN=1.
         env = {**os.environ, **({"LAPLACE_DRY_RUN": "1"} if a.dry_run else {})}
-        for cmd in submissions(df, overrides, a.allow_code_execution):
+        for cmd in submissions(df, a.overrides, a.allow_code_execution):
             print("$ " + shlex.join(cmd), file=sys.stderr, flush=True)
             if rc := subprocess.run(cmd, cwd=ROOT, env=env, timeout=300).returncode:
                 return rc  # the script said why, above: no traceback under it

@@ -74,14 +74,12 @@ def _minsec(s: float) -> str:
 
 def stage_table(elapsed: float) -> None:
     """Each stage's wall and CPU time, the install's (scripts/env.sh exports it) and the totals."""
-    import torch
+    from bench.report import machine
 
-    from bench.report import cpu_model
-
-    install = os.environ.get("LAPLACE_INSTALL_SECONDS")
+    install, m = os.environ.get("LAPLACE_INSTALL_SECONDS"), machine("cpu")
     # Machines of one name differ (AVX-512 or AVX2 kernels, the VM's day): the times name both.
-    print(f"\nStage times on {cpu_model()}, {len(os.sched_getaffinity(0))} cores, torch CPU kernels "
-          f"{torch.backends.cpu.get_cpu_capability()} (wall m:s, CPU s = user + system of the stage's processes)")
+    print(f"\nStage times on {m['cpu']}, {m['cores']} cores, torch CPU kernels {m['cpu_capability']} "
+          f"(wall m:s, CPU s = user + system of the stage's processes)")
     print("  (a pair's two trainings, and the analyses with the k-NN, run side by side, one thread each: "
           "their wall times overlap)")
     if install:
@@ -118,16 +116,6 @@ def analysis_results(out: str) -> list[dict]:
     return [json.loads(Path(p).read_text()) for p in wrote]
 
 
-def knn_jobs(run_dirs: list[Path], overrides: list[str]) -> list[tuple[list[str], str]]:
-    """`python -m eval.knn` on each run's last checkpoint: <run>/eval/knn_<data>/results.json."""
-    return [([sys.executable, "-m", "eval.knn", f"checkpoint={d / 'ckpt' / 'last.pt'}", "num_workers=1",
-              *overrides], f"k-NN {d.name}") for d in run_dirs]
-
-
-def _knn_top1(run_dir: Path) -> float:  # eval.knn's results.json in the run's folder
-    return json.loads((run_dir / "eval" / "knn_digits" / "results.json").read_text())["knn"]["top1"]
-
-
 def _geo(header: str, fmt: str, key: str):
     """A column of a headline geometry value at the final norm (analysis.runs.geometry; NaN if not measured)."""
     from analysis.runs import geometry
@@ -147,7 +135,9 @@ VIT_COLUMNS = [("val top-1 (%)", ".2f", lambda r, g: r["final"]["val_acc1"]),
 LM_COLUMNS = [("val bpb", ".4f", lambda r, g: r["final"]["val_bpb"]),
               ("val loss", ".4f", lambda r, g: r["final"]["val_loss"]),
               SHARE, _geo("next-tok CDNV", ".3f", "lc_cdnv_mean"), PCS]
-DINO_COLUMNS = [("20-NN top-1 (%)", ".2f", lambda r, g: _knn_top1(Path(r["run_dir"]))),
+# DINO's k-NN: eval.knn's results.json in the run's folder.
+DINO_COLUMNS = [("20-NN top-1 (%)", ".2f", lambda r, g: json.loads(
+                    (Path(r["run_dir"]) / "eval" / "knn_digits" / "results.json").read_text())["knn"]["top1"]),
                 ("final loss", ".3f", lambda r, g: r["final"]["train_loss"]), SHARE, NC1, PCS]
 
 
@@ -184,7 +174,9 @@ def main(args: list[str]):
         analysis_job(lm_dirs, analysis_args, lm_dirs[0].parent / "lm" / "analysis"),
         # with DINOv2-style PCA maps of the patch tokens of 8 validation digits (pca_maps.png)
         analysis_job(dino_dirs, ["pca_maps=8", *analysis_args], dino_dirs[0].parent / "dino" / "analysis"),
-        *knn_jobs(dino_dirs, paths)])
+        # `python -m eval.knn` on each DINO run's last checkpoint: <run>/eval/knn_digits/results.json
+        *[([sys.executable, "-m", "eval.knn", f"checkpoint={d / 'ckpt' / 'last.pt'}", "num_workers=1", *paths],
+           f"k-NN {d.name}") for d in dino_dirs]])
     vit_geo, lm_geo, dino_geo = map(analysis_results, outs[:3])
 
     table("1. Supervised ViT-Tiny on the built-in digits (trainer=deit3)", VIT_COLUMNS, VIT_MODELS, vit_dirs, vit_geo)

@@ -3,7 +3,7 @@ micro batch on any number of GPUs.
 
 Saved-for-backward bytes are counted exactly (bench.gpt_memory: storages once, parameters left
 out, per token of micro batch = at 2 sequences minus at 1), under bf16 autocast on CPU. nanochat's
-gpt.py (eec0c79, `python -m bench --sections gpt_memory --nanochat DIR`) keeps per token and layer
+gpt.py (eec0c79, `python -m bench gpt_memory --nanochat DIR`) keeps per token and layer
 of width C with H heads 44 C + 16 H + 8 bytes:
     4 C  the float32 upcast of the residual stream in the attention's RMSNorm (CPU's rms_norm
          computes bf16 inputs in float32 and keeps that copy)
