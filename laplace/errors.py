@@ -7,11 +7,11 @@ exception is a bug (ours or a library's) and keeps its full traceback. Raise a s
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
 import re
-import signal
 import sys
 import traceback
 from collections.abc import Iterator
@@ -48,19 +48,11 @@ def _kill_children() -> None:
     """SIGKILL this process's children (data-loader workers, torch.compile's worker pool)."""
     # Orphaned workers notice their parent is gone only every few seconds, and until then they
     # hold the job's stdout / stderr open, so a launcher waiting on those waits for them too.
-    me = str(os.getpid())
-    try:
-        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:  # no /proc (not Linux): nothing to look at
-        return
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = f.read().rsplit(")", 1)[1].split()[1]  # field 4; the name may hold spaces
-            if ppid == me:
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, IndexError):  # gone meanwhile, or not ours to kill
-            continue
+    import psutil
+
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # gone meanwhile, or not ours to kill
+            child.kill()
 
 
 # Errors of the storage, not of the program: full, over quota, read-only, not ours to write.
