@@ -117,24 +117,28 @@ def cli_errors(fn):
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
             hard_exit(e.code if isinstance(e.code, int) else 1)
-        except UserError as e:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                traceback.print_exc()
-            else:
-                print(f"error: {one_line(e)}", file=sys.stderr)
-            hard_exit(1)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             hard_exit(130)
         except BaseException as e:
-            full = storage_error(e)
-            if full is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
-                hint = ("check its permissions" if full.errno in (errno.EACCES, errno.EPERM) else
-                        "free space there, or write elsewhere (run_dir= / out=)")
-                print(f"error: {full.filename or 'the output'}: {full.strerror or SHORT_WRITE}; {hint}",
-                      file=sys.stderr)
-            else:  # a bug: the whole traceback, then out
-                traceback.print_exc()
+            line = _input_error(e)
+            if line is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                traceback.print_exc()  # a bug: the whole traceback, then out
+            else:
+                print(f"error: {line}", file=sys.stderr)
             hard_exit(1)
 
     return wrapped
+
+
+def _input_error(e: BaseException) -> str | None:
+    """The one line of a failure that is the user's to fix (bad input, a full or read-only disk);
+    None for a bug."""
+    if isinstance(e, UserError):
+        return one_line(e)
+    full = storage_error(e)
+    if full is None:
+        return None
+    hint = ("check its permissions" if full.errno in (errno.EACCES, errno.EPERM) else
+            "free space there, or write elsewhere (run_dir= / out=)")
+    return f"{full.filename or 'the output'}: {full.strerror or SHORT_WRITE}; {hint}"
