@@ -13,18 +13,14 @@ The console scripts (`laplace-train`, ...) run these command lines from the chec
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import MissingMandatoryValue
-
 from laplace.errors import UserError, cli_errors
 
 CONFIG_DIR_ENV = "LAPLACE_CONFIG_DIR"
-FULL_ERROR = "HYDRA_FULL_ERROR"
-
 
 def config_dir(config_name: str = "config") -> Path:
     """The configs/ folder holding `<config_name>.yaml`: $LAPLACE_CONFIG_DIR when set, else the
@@ -46,6 +42,8 @@ def hydra_entry(config_name: str):
 
     def decorate(fn):
         def named(cfg):
+            from omegaconf.errors import MissingMandatoryValue
+
             try:
                 return fn(cfg)
             except MissingMandatoryValue as e:  # a `???` left unset: one line naming the key
@@ -58,43 +56,47 @@ def hydra_entry(config_name: str):
             import hydra
 
             path = cli_errors(config_dir)(config_name)
-            user = os.environ.get(FULL_ERROR)
+            user = os.environ.get("HYDRA_FULL_ERROR")
 
             @functools.wraps(fn)  # fn's name, module and file: Hydra names the job after them
             def task(cfg):
-                _full_error(user)  # the task and its own processes see the user's setting
-                try:
+                with _env("HYDRA_FULL_ERROR", user):  # the task and its own processes see the user's setting
                     return cli_errors(named)(cfg)
-                finally:
-                    _full_error("1")
 
             run = hydra.main(version_base="1.3", config_path=str(path), config_name=config_name)(task)
-            return cli_errors(_one_line(run, user))()
+            return cli_errors(_hydra_errors(run, user))()
 
         return main
 
     return decorate
 
 
-def _full_error(value: str | None):
-    """Set HYDRA_FULL_ERROR to `value` (None: unset)."""
-    if value is None:
-        os.environ.pop(FULL_ERROR, None)
-    else:
-        os.environ[FULL_ERROR] = value
+@contextlib.contextmanager
+def _env(key: str, value: str | None):
+    """os.environ[key] = value (None: unset) inside the block; as it was after it."""
+    before = os.environ.pop(key, None)
+    if value is not None:
+        os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
+        if before is not None:
+            os.environ[key] = before
 
 
-def _one_line(run, user: str | None):
+def _hydra_errors(run, user_setting):
     """`run` with Hydra's composition errors as one-line UserErrors (a list of options joined)."""
+    from hydra.errors import HydraException
 
     def wrapped():
-        # Hydra prints its own errors (an unknown key, a bad override, a model the zoo cannot
-        # build) in several lines; with HYDRA_FULL_ERROR set it raises them, and they become one.
-        _full_error("1")
         try:
-            return run()
+            # Hydra prints its own errors (an unknown key, a bad override, a model the zoo cannot
+            # build) in several lines; with HYDRA_FULL_ERROR set it raises them, and they become one.
+            with _env("HYDRA_FULL_ERROR", "1"):
+                return run()
         except HydraException as e:
-            if user == "1":  # the user asked for Hydra's own report
+            if user_setting == "1":  # the user asked for Hydra's own report
                 raise
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             starts = [i for i, ln in enumerate(lines) if ln.startswith("Available options")]
@@ -102,7 +104,5 @@ def _one_line(run, user: str | None):
                 options = [ln for ln in lines[starts[0] + 1:] if not ln.startswith(("Config search path", "provider="))]
                 raise UserError(f"{lines[0]}; choose one of: {', '.join(options)}") from None
             raise UserError(" ".join(lines[:2]) or type(e).__name__) from None
-        finally:
-            _full_error(user)
 
     return wrapped
