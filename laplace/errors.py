@@ -7,11 +7,11 @@ exception is a bug (ours or a library's) and keeps its full traceback. Raise a s
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
 import re
-import signal
 import sys
 import traceback
 from collections.abc import Iterator
@@ -48,19 +48,11 @@ def _kill_children() -> None:
     """SIGKILL this process's children (data-loader workers, torch.compile's worker pool)."""
     # Orphaned workers notice their parent is gone only every few seconds, and until then they
     # hold the job's stdout / stderr open, so a launcher waiting on those waits for them too.
-    me = str(os.getpid())
-    try:
-        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:  # no /proc (not Linux): nothing to look at
-        return
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = f.read().rsplit(")", 1)[1].split()[1]  # field 4; the name may hold spaces
-            if ppid == me:
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, IndexError):  # gone meanwhile, or not ours to kill
-            continue
+    import psutil
+
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # gone meanwhile, or not ours to kill
+            child.kill()
 
 
 # Errors of the storage, not of the program: full, over quota, read-only, not ours to write.
@@ -125,24 +117,28 @@ def cli_errors(fn):
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
             hard_exit(e.code if isinstance(e.code, int) else 1)
-        except UserError as e:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                traceback.print_exc()
-            else:
-                print(f"error: {one_line(e)}", file=sys.stderr)
-            hard_exit(1)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             hard_exit(130)
         except BaseException as e:
-            full = storage_error(e)
-            if full is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
-                hint = ("check its permissions" if full.errno in (errno.EACCES, errno.EPERM) else
-                        "free space there, or write elsewhere (run_dir= / out=)")
-                print(f"error: {full.filename or 'the output'}: {full.strerror or SHORT_WRITE}; {hint}",
-                      file=sys.stderr)
-            else:  # a bug: the whole traceback, then out
-                traceback.print_exc()
+            line = _input_error(e)
+            if line is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                traceback.print_exc()  # a bug: the whole traceback, then out
+            else:
+                print(f"error: {line}", file=sys.stderr)
             hard_exit(1)
 
     return wrapped
+
+
+def _input_error(e: BaseException) -> str | None:
+    """The one line of a failure that is the user's to fix (bad input, a full or read-only disk);
+    None for a bug."""
+    if isinstance(e, UserError):
+        return one_line(e)
+    full = storage_error(e)
+    if full is None:
+        return None
+    hint = ("check its permissions" if full.errno in (errno.EACCES, errno.EPERM) else
+            "free space there, or write elsewhere (run_dir= / out=)")
+    return f"{full.filename or 'the output'}: {full.strerror or SHORT_WRITE}; {hint}"

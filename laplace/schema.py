@@ -63,7 +63,19 @@ def multiple(node: BaseModel, key: str, of: str) -> None:
         raise ValueError(key, f"a multiple of {of}={b}")
 
 
-class Model(Node):
+class Patches(Node):
+    # the patch grid must tile the image (timm's PatchEmbed asserted it, at the first forward):
+    # a model node's and a data node's
+    img_size: Count = None
+    patch_size: Count = None
+
+    @model_validator(mode="after")
+    def _patches_tile_the_image(self):
+        multiple(self, "img_size", "patch_size")
+        return self
+
+
+class Model(Patches):
     # The model node of a train config, a checkpoint or an export (check_model). A drop-path of
     # 1.5 used to fail only at the first step (torch's bernoulli_), a depth of "two" inside the constructor.
     name: str = None
@@ -73,8 +85,6 @@ class Model(Node):
     num_heads: allowed_or_null(int, "a whole number >= 1, or null for the default", ge=1) = None
     num_laplacian_heads: Heads = None
     drop_path_rate: Fraction = None
-    img_size: Count = None
-    patch_size: Count = None
     num_classes: Size = None
     mlp_ratio: Rate = None
     init_values: allowed_or_null(float, "a number >= 0, or null / 0 for no LayerScale", ge=0) = None
@@ -83,8 +93,7 @@ class Model(Node):
     max_seq_len: Count = None
 
     @model_validator(mode="after")
-    def _shapes_divide(self):
-        multiple(self, "img_size", "patch_size")
+    def _heads_divide(self):
         multiple(self, "embed_dim", "num_heads")
         return self
 

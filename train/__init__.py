@@ -13,10 +13,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from laplace import model_defaults, model_label
 from laplace.errors import ConfigError, UserError
+from laplace.io import atomic_write
 
-from . import logger  # noqa: F401  (registers ${run_group:...} before Hydra resolves the config)
+from . import dist
 from .config import check_config, check_required
+from .logger import RunLog  # (importing it registers ${run_group:...} before Hydra resolves the config)
 from .rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
+from .signals import Preempted, StopRequest
 
 # name -> "module:Class", imported lazily (each trainer pulls its own data stack). A trainer
 # outside this table is named by its import path: trainer.name=my_pkg.my_module:MyTrainer.
@@ -118,12 +121,6 @@ def _remove_fresh(run_dir: Path, created: Path):
 def run(cfg: DictConfig, overrides: list[str] = ()) -> dict:
     """Train with a composed config (train.py's entry, also tests' and sweeps'); a null `run_dir` is
     named from the command line's `overrides`."""
-    from . import dist
-    from laplace.io import atomic_write
-
-    from .logger import RunLog
-    from .signals import Preempted, StopRequest
-
     cls = get_trainer(cfg.trainer.name)
     check_engine_config(cls, cfg)  # before anything resolves: bad values get one line
     if cfg.run_dir is None:

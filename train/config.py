@@ -13,11 +13,11 @@ import inspect
 from typing import Literal, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from pydantic import model_validator
+from omegaconf.errors import MissingMandatoryValue
 
 from laplace import schema
 from laplace.errors import ConfigError
-from laplace.schema import (Count, Fraction, Model, Node, NonNegative, Rate, Size, Steps, Switch, allowed,
+from laplace.schema import (Count, Fraction, Model, Node, NonNegative, Patches, Rate, Size, Steps, Switch, allowed,
                             allowed_or_null)
 from laplace.zoo import BUILDERS, model_defaults
 
@@ -55,9 +55,10 @@ def check_required(cfg: DictConfig) -> None:
     with OmegaConf's multi-line MissingMandatoryValue, or `cfg.get(key)` would quietly give None.
     Nothing is resolved, so an interpolation into the wrong data node still gets its own
     one-line error (the trainer's model / data fit check)."""
-    key = next(_missing(OmegaConf.to_container(cfg, resolve=False)), None)
-    if key is not None:
-        raise required_error(key)
+    try:  # OmegaConf walks the config in its order and stops at the first `???`
+        OmegaConf.to_container(cfg, resolve=False, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        raise required_error(e.full_key) from None
 
 
 def required_error(key: str) -> ConfigError:
@@ -67,8 +68,6 @@ def required_error(key: str) -> ConfigError:
 
 def required(cfg: DictConfig, key: str, usage: str):
     """`cfg[key]`, or for a `???` left unset one line: "<key> is required: <usage>"."""
-    from omegaconf.errors import MissingMandatoryValue
-
     try:
         return cfg[key]
     except MissingMandatoryValue:
@@ -80,18 +79,6 @@ def required_list(cfg: DictConfig, key: str, usage: str) -> list[str]:
     as a list of strings."""
     value = required(cfg, key, usage)
     return [str(v) for v in (value if isinstance(value, (ListConfig, list, tuple)) else [value])]
-
-
-def _missing(node, key: str = ""):
-    """Dotted keys of the `???` values in a plain container, in the config's order."""
-    if node == "???":
-        yield key
-    elif isinstance(node, dict):
-        for k, v in node.items():
-            yield from _missing(v, f"{key}.{k}" if key else str(k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _missing(v, f"{key}[{i}]")
 
 
 class Trainer(Node):
@@ -132,17 +119,9 @@ class Optim(Node):
     ns_steps: Count = None
 
 
-class Data(Node):
-    # the patch grid must tile the image (timm's PatchEmbed asserted it, at the first forward)
-    img_size: Count = None
-    patch_size: Count = None
+class Data(Patches):
     seq_len: Count = None
     num_classes: Count = None
-
-    @model_validator(mode="after")
-    def _patches_tile_the_image(self):
-        schema.multiple(self, "img_size", "patch_size")
-        return self
 
 
 class Wandb(Node):

@@ -105,10 +105,9 @@ def setup(device: str = "auto") -> DistInfo:
 def cleanup():
     # The CPU group goes with the default group: a later setup (tests, a second run in one
     # process) must make a new one.
-    global _CPU_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _CPU_GROUP = None
+    _cpu_group.cache_clear()
 
 
 def seed_everything(seed: int):
@@ -175,16 +174,11 @@ def all_gather_object(obj) -> list:
     return out
 
 
-_CPU_GROUP = None
-
-
+@functools.cache
 def _cpu_group():
     """A gloo group of every rank, created on first use (every rank reaches it at the same
     point): flags travel on the CPU, beside NCCL's or gloo's gradient traffic, never inside it."""
-    global _CPU_GROUP
-    if _CPU_GROUP is None:
-        _CPU_GROUP = dist.new_group(backend="gloo")
-    return _CPU_GROUP
+    return dist.new_group(backend="gloo")
 
 
 # How often ranks vote on stopping: every step of a second or longer, else every this many seconds

@@ -268,24 +268,17 @@ class _Tee:
         self.stream, self.log = stream, log
 
     def write(self, s: str) -> int:
-        if "\r" not in s:
-            self._copy(lambda: self.log.write(s))
+        # (the log file is line-buffered: each complete line is in it without a flush of its own)
+        if "\r" not in s and self.log is not None:
+            try:
+                self.log.write(s)
+            except OSError as e:  # a full disk: the copy stops, the run goes on (and its next
+                # checkpoint or metrics line says which file in one line)
+                name, self.log = self.log.name, None
+                self.stream.write(f"[laplace] {name}: {e.strerror or e}; no longer copying the output there\n")
         return self.stream.write(s)
 
-    def flush(self):
-        self._copy(lambda: self.log.flush())
-        self.stream.flush()
-
-    def _copy(self, fn):
-        try:
-            if self.log is not None:
-                fn()
-        except OSError as e:  # a full disk: the copy stops, the run goes on (and its next
-            # checkpoint or metrics line says which file in one line)
-            name, self.log = self.log.name, None
-            self.stream.write(f"[laplace] {name}: {e.strerror or e}; no longer copying the output there\n")
-
-    def __getattr__(self, name):  # isatty, fileno, encoding, ... of the real stream
+    def __getattr__(self, name):  # flush, isatty, fileno, encoding, ... of the real stream
         return getattr(self.stream, name)
 
 
@@ -363,9 +356,9 @@ def progress_interval(cfg) -> float:
     """`logger.progress_interval` of an entry config. Entry configs without a logger node
     (eval.knn, eval.linear) take the logger group's default file, configs/logger/jsonl.yaml,
     unless the command line adds `+logger.progress_interval=S`."""
-    node = cfg.get("logger") if hasattr(cfg, "get") else None
-    if node is not None and node.get("progress_interval") is not None:
-        return float(node.progress_interval)
+    node = cfg.get("logger") or {}
+    if node.get("progress_interval") is not None:
+        return float(node["progress_interval"])
     from .cli import config_dir
 
     return float(OmegaConf.load(config_dir() / "logger" / "jsonl.yaml").progress_interval)

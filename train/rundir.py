@@ -47,9 +47,25 @@ class RunDirInUse(UserError):
     """Another live run holds the run directory."""
 
 
-def _alive(pid: int) -> bool:
+# lockf's errors where the file system has no locks (a `nolock` NFS mount, a FUSE file system)
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+def _holder(line: list[str]) -> str:
+    """What a lock file's line ("pid host start") says about the run that wrote it."""
+    if len(line) < 3:
+        return "another process (it wrote no pid yet)"
+    pid, host, start = line[:3]
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(start))) if start.isdigit() else start
+    return f"pid {pid} on host {host} (since {when})"
+
+
+def _alive_here(line: list[str]) -> bool:
+    """Whether a lock file's line names a live process of this host other than this one."""
+    if len(line) < 2 or not line[0].isdigit() or line[1] != socket.gethostname() or int(line[0]) == os.getpid():
+        return False
     try:
-        os.kill(pid, 0)  # signal 0: nothing is sent, only whether the process exists is checked
+        os.kill(int(line[0]), 0)  # signal 0: nothing is sent, only whether the process exists is checked
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, someone else's
@@ -71,23 +87,6 @@ class RunDirLock:
         self.path = Path(run_dir) / ".lock"
         self.fd: int | None = None
 
-    def _holder(self) -> tuple[str, str]:
-        """(one-line description, host) of what the file says about the last holder."""
-        try:
-            text = self.path.read_text().split()
-        except OSError:
-            text = []
-        if len(text) < 3:
-            return "another process (it wrote no pid yet)", ""
-        pid, host, start = text[:3]
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(start))) if start.isdigit() else start
-        return f"pid {pid} on host {host} (since {when})", host
-
-    def _refuse(self, fd: int):
-        os.close(fd)
-        raise RunDirInUse(f"run_dir {self.path.parent} is in use by {self._holder()[0]}: wait for that run to "
-                          f"end (or stop it), or give another run_dir=") from None
-
     def acquire(self) -> "RunDirLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -95,16 +94,20 @@ class RunDirLock:
         except OSError as e:  # a folder or a file not ours in its place: the user's to remove
             raise UserError(f"run_dir: cannot take the lock file {self.path} ({e.strerror}); remove it if no run "
                             f"is using {self.path.parent}, or give another run_dir=") from None
+        previous = os.read(fd, 4096).decode(errors="replace").split()  # the last holder's line
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno in (errno.EACCES, errno.EAGAIN):  # POSIX allows either for "held by another"
-                self._refuse(fd)
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            if e.errno not in (errno.EACCES, errno.EAGAIN, *NO_LOCKS):  # POSIX allows either for "held by another"
                 os.close(fd)
                 raise
-            self._check_pid_file(fd)
-        previous = os.read(fd, 4096).decode(errors="replace").split()
+            if e.errno not in NO_LOCKS or _alive_here(previous):  # no locks: refuse a holder known to be alive
+                os.close(fd)
+                raise RunDirInUse(f"run_dir {self.path.parent} is in use by {_holder(previous)}: wait for that run "
+                                  f"to end (or stop it), or give another run_dir=") from None
+            if len(previous) >= 2 and previous[0].isdigit() and previous[1] != socket.gethostname():
+                print(f"[laplace] warning: {self.path} names {_holder(previous)} and this file system has no locks: "
+                      f"if that run is alive, stop one of them", flush=True)
         if previous:  # a holder that ended without releasing: killed, or its machine died
             print(f"[laplace] run_dir: took over the lock of pid {previous[0]} on host "
                   f"{previous[1] if len(previous) > 1 else '?'} (that run is gone)", flush=True)
@@ -112,17 +115,6 @@ class RunDirLock:
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {int(time.time())}\n".encode(), 0)
         self.fd = fd
         return self
-
-    def _check_pid_file(self, fd: int):
-        """No lock support here: refuse only a holder known to be alive (same host, live pid)."""
-        text = os.pread(fd, 4096, 0).decode(errors="replace").split()
-        who, host = self._holder()
-        if len(text) >= 2 and text[0].isdigit():
-            if host == socket.gethostname() and int(text[0]) != os.getpid() and _alive(int(text[0])):
-                self._refuse(fd)
-            if host != socket.gethostname():
-                print(f"[laplace] warning: {self.path} names {who} and this file system has no locks: "
-                      f"if that run is alive, stop one of them", flush=True)
 
     def release(self):
         if self.fd is None:
