@@ -268,17 +268,24 @@ class _Tee:
         self.stream, self.log = stream, log
 
     def write(self, s: str) -> int:
-        # (the log file is line-buffered: each complete line is in it without a flush of its own)
-        if "\r" not in s and self.log is not None:
-            try:
-                self.log.write(s)
-            except OSError as e:  # a full disk: the copy stops, the run goes on (and its next
-                # checkpoint or metrics line says which file in one line)
-                name, self.log = self.log.name, None
-                self.stream.write(f"[laplace] {name}: {e.strerror or e}; no longer copying the output there\n")
+        if "\r" not in s:
+            self._copy(lambda: self.log.write(s))
         return self.stream.write(s)
 
-    def __getattr__(self, name):  # flush, isatty, fileno, encoding, ... of the real stream
+    def flush(self):
+        self._copy(lambda: self.log.flush())
+        self.stream.flush()
+
+    def _copy(self, fn):
+        try:
+            if self.log is not None:
+                fn()
+        except OSError as e:  # a full disk: the copy stops, the run goes on (and its next
+            # checkpoint or metrics line says which file in one line)
+            name, self.log = self.log.name, None
+            self.stream.write(f"[laplace] {name}: {e.strerror or e}; no longer copying the output there\n")
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ... of the real stream
         return getattr(self.stream, name)
 
 
