@@ -23,19 +23,16 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
+# DPI: of the PNG grid; its cell sizes are computed in pixels at this dpi
+from analysis.figures import DPI, plt, save
 from laplace.errors import ConfigError
 from laplace.zoo import features
 
-matplotlib.use("Agg")  # files only; no display on servers / CI
-import matplotlib.pyplot as plt  # noqa: E402
-
-DPI = 150          # of the PNG grid; cell sizes are computed in pixels at this dpi
 MIN_CELL_PX = 240  # small images are enlarged by an integer factor to about this many pixels
 UPSAMPLE = ("nearest", "bilinear")
 SIGN = "sign"      # foreground rule: a positive first-component score (the paper's)
@@ -139,11 +136,16 @@ def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: floa
     H, W = images.shape[-2:]
     maps = []
     for f in feats[layer][:, 1:].float().cpu():  # patch tokens only
-        rgb = torch.from_numpy(pca_rgb(f, grid, threshold)).permute(2, 0, 1)[None]
-        kw = {} if upsample == "nearest" else {"align_corners": False}
-        up = F.interpolate(rgb, size=(H, W), mode=upsample, **kw).clamp(0, 1)
-        maps.append(up[0].permute(1, 2, 0).numpy())
+        rgb = pca_rgb(f, grid, threshold)
+        maps.append(np.stack([upsample_map(rgb[..., c], (H, W), upsample) for c in range(3)], -1).clip(0, 1))
     return maps
+
+
+def upsample_map(m: np.ndarray, size: tuple[int, int], mode: str = "nearest") -> np.ndarray:
+    """A [rows, cols] map over the patch grid at the image's `size` (nearest keeps the grid visible;
+    bilinear draws a smooth map)."""
+    kw = {} if mode == "nearest" else {"align_corners": False}
+    return F.interpolate(torch.from_numpy(m)[None, None].float(), size=size, mode=mode, **kw)[0, 0].numpy()
 
 
 def denormalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
@@ -224,14 +226,9 @@ def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: P
         names: file stems of the columns (default: the titles, made file-safe).
     Returns the grid's two paths (the per-image files are listed by `save_pngs`).
     """
-    stem = Path(stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    fig = grid_figure(images, maps, labels, layer, threshold)
-    paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
-    for p in paths:  # no bbox_inches="tight": it would move the cells off whole pixels
-        fig.savefig(p, dpi=DPI)
-    plt.close(fig)
-    save_pngs(images, maps, stem, names)
+    # no tight box: it would move the cells off whole pixels (the PDF: the figure's dpi, DPI)
+    paths = save(grid_figure(images, maps, labels, layer, threshold), Path(stem), tight=False)
+    save_pngs(images, maps, Path(stem), names)
     return paths
 
 
