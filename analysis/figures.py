@@ -177,8 +177,9 @@ def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
     # only the keys drawn are pooled: an analysis holds some forty per layer
     stats = layer_stats(lines, {k for k, *_ in specs})
     cols = len(specs) if figure == "anova" else 4 if _kind(lines) == "vit" else 3
-    return layer_figure(stats, specs, lines[0][1][0]["layers"], f"{name}: {TITLES.get(figure) or TITLES[figure, _kind(lines)]}"
-                        .lstrip(": "), stem, cols=cols, ylabel=YLABELS[figure])
+    title = TITLES.get(figure) or TITLES[figure, _kind(lines)]
+    return layer_figure(stats, specs, lines[0][1][0]["layers"], f"{name}: {title}".lstrip(": "), stem, cols=cols,
+                        ylabel=YLABELS[figure])
 
 
 def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> list[Path]:
