@@ -39,7 +39,6 @@ from analysis.stats import summarize  # noqa: E402
 from train.cli import hydra_entry  # noqa: E402
 
 FIGURES = ("anova", "collapse", "spectrum")
-DPI = 150  # of the PNGs (the PDFs are vector graphics, or the figure's dpi)
 # The per-layer panels of each figure and architecture: (key of analysis.runs.geometry, title, log
 # axis where the values span decades over depth).
 PANELS = {
@@ -68,15 +67,13 @@ TITLES = {"anova": "ANOVA of token representations vs layer", ("collapse", "vit"
           "(classes = image classes)", ("collapse", "gpt"): "linguistic collapse vs layer (classes = next-token ids)"}
 
 
-def save(fig, stem: Path, tight: bool = True) -> list[Path]:
-    """Write stem.png and stem.pdf, close the figure; return both paths. tight=False keeps the
-    figure's own box (the PCA grid: a tight box would move its cells off whole pixels)."""
+def save(fig, stem: Path) -> list[Path]:
+    """Write stem.png and stem.pdf, close the figure; return both paths."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
     # a tight box grows the image to fit legends placed below the axes
-    box = "tight" if tight else None
-    fig.savefig(paths[0], dpi=DPI, bbox_inches=box)
-    fig.savefig(paths[1], bbox_inches=box)
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
     plt.close(fig)
     return paths
 
