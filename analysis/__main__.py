@@ -28,14 +28,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from analysis.geometry import analysis_dir, analyze_checkpoint, check_metrics, layer_names, load_for_analysis
+import torch
+
+from analysis.geometry import (analysis_dir, analyze_checkpoint, check_metrics, eval_split, geometry, layer_names,
+                               load_for_analysis, model_facts)
 from analysis.runs import expand
 from laplace.checkpoint import run_dir_of
 from train.cli import hydra_entry
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
 from train.rundir import check_writable
-from laplace.zoo import model_label
 from train.logger import log_to_training_run
 
 
@@ -43,8 +45,6 @@ def headline(res: dict) -> dict:
     """The quick start's columns at the final norm (analysis.runs.geometry): within-sequence share
     and n_pcs_0.99 of the patch tokens (GPT: all tokens), NC1 of the class token (GPT: CDNV of
     next-token classes); None where not measured."""
-    from analysis.runs import geometry
-
     g = geometry(res)
     return {k: g.get(k) for k in ("within_seq_share", "n_pcs_0.99", "nc1" if res["arch"] == "vit" else "lc_cdnv_mean")}
 
@@ -90,7 +90,6 @@ def _check_options(cfg, paths: list[Path], metrics: list) -> int:
 def _mechanism(model, data_node, cfg, batch_size: int, out: Path, res: dict) -> None:
     """The per-head diagnostic on the geometry's sequences (the same seed and max_tokens cut): into
     res["mechanism"], mechanism.md and (with figures) mechanism.{png,pdf} in `out`."""
-    from analysis.geometry import eval_split
     from analysis.mechanism import TYPES, draw_mechanism, mechanism_model, to_markdown
 
     dataset, _ = eval_split(model, data_node, cfg.seed, cfg.max_tokens)
@@ -117,21 +116,18 @@ def _print_run(res: dict) -> None:
           f"{thr['peak_rss_mib']:,.0f} MiB{mem}" + (f"; at norm: {heads}" if heads else ""), flush=True)
 
 
-def _labels(runs: list[dict]) -> list[str]:
-    """Legend labels: analysis.figures.run_label, with the run folder where two checkpoints share a
-    model name (two seeds of one model would otherwise share a legend entry)."""
-    from analysis.figures import run_label
-
-    names = [r["model"] for r in runs]  # the run folder only where a model name repeats
-    return [run_label(r) + (f" {run_dir_of(r['checkpoint']).name}" if names.count(r["model"]) > 1 else "")
+def _labels(runs: list[dict], base, sep: str = " ") -> list[str]:
+    """base(run) for each run, with its run folder where two runs share a model name (two seeds of
+    one model would otherwise share a legend entry or a file name)."""
+    names = [r["model"] for r in runs]
+    return [base(r) + (f"{sep}{run_dir_of(r['checkpoint']).name}" if names.count(r["model"]) > 1 else "")
             for r in runs]
 
 
 def run(cfg: DictConfig) -> list[dict]:
     """Analyse every checkpoint, write analysis.json and figures; return the results."""
-    from analysis.figures import draw_all
+    from analysis.figures import draw_all, run_label
     from analysis.pca_maps import check_options, checkpoint_maps
-    from laplace.vit import VisionTransformer
 
     # None: no foreground step; checked here, before the long part
     pca_threshold = check_options(cfg.pca_foreground, cfg.pca_threshold, cfg.pca_upsample)
@@ -144,8 +140,6 @@ def run(cfg: DictConfig) -> list[dict]:
         if not paths:
             return []
     if cfg.cpu_threads:
-        import torch
-
         torch.set_num_threads(int(cfg.cpu_threads))  # fewer when other runs share the cores (the miniature's sweeps)
     # "all", an index, or a list of indices (a ListConfig to a plain list)
     layers = cfg.layers if isinstance(cfg.layers, (str, int)) else list(cfg.layers)
@@ -156,8 +150,9 @@ def run(cfg: DictConfig) -> list[dict]:
     for p in paths:  # one model in memory at a time: a sweep of ViT-B checkpoints would not fit otherwise
         loaded = load_for_analysis(p, cfg.get("data"), cfg.device)
         model, ckpt, data_node = loaded
+        facts = {**model_facts(model, ckpt), "checkpoint": str(p)}
         # the comparison figures draw checkpoints on shared axes: one architecture and one split
-        kinds.add((isinstance(model, VisionTransformer), data_node["name"]))
+        kinds.add((facts["arch"], data_node["name"]))
         if len(kinds) > 1:  # fail before the long part, not after it
             raise ConfigError("checkpoint=[...]: compare like with like: the checkpoints mix architectures or "
                               "datasets; pass data=<name> to evaluate all on one split, or analyse them apart")
@@ -165,11 +160,8 @@ def run(cfg: DictConfig) -> list[dict]:
         for key in ("spectrum_layer", "pca_layer"):  # a layer the figures need but the analysis skipped
             if cfg[key] not in measured:
                 raise ConfigError(f"{key}={cfg[key]}: not a measured layer; choose one of {measured}")
-        if isinstance(model, VisionTransformer):  # what a PCA-map column's title needs
-            k = list(model.num_laplacian_heads)
-            vits[p] = {"model": model_label(ckpt["config"]["model"]), "checkpoint": str(p),
-                       "num_heads": model.blocks[0].attn.num_heads,
-                       "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
+        if facts["arch"] == "vit":  # what a PCA-map column's title needs
+            vits[p] = facts
         elif cfg.pca_maps:
             print(f"[analysis] pca_maps: skipped for {p}, not a ViT", flush=True)
         if metrics:
@@ -187,10 +179,10 @@ def run(cfg: DictConfig) -> list[dict]:
                   flush=True)
             log_to_training_run(p, headline(res), "analysis")  # when the checkpoint's run used W&B
             if cfg.figures:
-                draw_all([(_labels([res])[0], [res])], analysis_dir(p, cfg.out), cfg.spectrum_layer)
+                draw_all([(run_label(res), [res])], analysis_dir(p, cfg.out), cfg.spectrum_layer)
         del model, loaded
     if len(runs) > 1:  # several checkpoints on the same axes, and a summary of their headline numbers
-        out, labels = _out_dir(cfg, paths), _labels(runs)
+        out, labels = _out_dir(cfg, paths), _labels(runs, run_label)
         if cfg.figures:
             draw_all([(label, [r]) for label, r in zip(labels, runs)], out, cfg.spectrum_layer)
         summary = [{"label": label, "model": r["model"], "checkpoint": r["checkpoint"],
@@ -200,11 +192,10 @@ def run(cfg: DictConfig) -> list[dict]:
     if cfg.pca_maps and vits:
         # the same images head every column; two seeds of one model: their map files get the run folder
         facts = list(vits.values())
-        names = [m if [f["model"] for f in facts].count(m) == 1 else f"{m}_{run_dir_of(f['checkpoint']).name}"
-                 for f in facts for m in [f["model"]]]
         stem = _out_dir(cfg, paths) / "pca_maps"
-        checkpoint_maps(dict(zip(_labels(facts), vits)), stem, int(cfg.pca_maps), cfg.pca_layer, pca_threshold,
-                        cfg.pca_upsample, cfg.device, cfg.seed, cfg.get("data"), names)
+        checkpoint_maps(dict(zip(_labels(facts, run_label), vits)), stem, int(cfg.pca_maps), cfg.pca_layer,
+                        pca_threshold, cfg.pca_upsample, cfg.device, cfg.seed, cfg.get("data"),
+                        _labels(facts, lambda f: f["model"], "_"))
         print(f"[analysis] wrote {stem.with_suffix('.png')} and full-resolution maps in {stem}/", flush=True)
     return runs
 

@@ -23,14 +23,12 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from analysis.pca_maps import UPSAMPLE, denormalize, upsample_map
 from train.cli import hydra_entry
 from laplace.errors import ConfigError
 from laplace.zoo import model_label
-
-UPSAMPLE = ("nearest", "bilinear")
 
 
 def attention_hooks(model, blocks: Iterable[int], fold: Callable) -> list:
@@ -73,14 +71,15 @@ def head_label(h: int, a: float, mode: str) -> str:
     return f"head {h}: Laplacian" if a == 1.0 else f"head {h}: standard"
 
 
-def attention_maps(model, image: torch.Tensor, blocks: Sequence[int], patch: tuple[int, int]) -> dict:
+def attention_maps(model, image: torch.Tensor, blocks: Sequence[int], patch: Optional[tuple[int, int]]) -> dict:
     """The maps of one normalised image [3, H, W]: grid, blocks, patch_rc, cls and patch
     [blocks, heads, rows, cols] (P's entries on the patches), cls_to_cls and patch_to_cls
     [blocks, heads] (the query's weight on the class token: with it a row sums to 1), weights
     [blocks, heads] (each head's gate a: 0 standard, 1 Laplacian) and labels (the heads' titles)."""
     ph, pw = model.patch_embed.patch_size
     grid = (image.shape[-2] // ph, image.shape[-1] // pw)  # the patch grid of this image
-    r, c = patch
+    # default the centre patch: on a centred object it sits inside it
+    r, c = (grid[0] // 2, grid[1] // 2) if patch is None else patch
     if not (0 <= r < grid[0] and 0 <= c < grid[1]):
         raise ConfigError(f"patch=[{r},{c}]: outside the {grid[0]}x{grid[1]} patch grid of this image; "
                           f"use rows 0..{grid[0] - 1} and columns 0..{grid[1] - 1}")
@@ -110,12 +109,6 @@ def mass_mask(m: np.ndarray, keep: float) -> np.ndarray:
     return mask.reshape(m.shape)
 
 
-def _upsample(m: np.ndarray, size: tuple[int, int], mode: str) -> np.ndarray:
-    # nearest keeps the patch grid visible; bilinear draws a smooth map
-    kw = {} if mode == "nearest" else {"align_corners": False}
-    return F.interpolate(torch.from_numpy(m)[None, None].float(), size=size, mode=mode, **kw)[0, 0].numpy()
-
-
 def draw_maps(maps: dict, image: np.ndarray, title: str, stem: Path, upsample: str = "nearest",
               threshold: Optional[float] = None):
     """Per block a class-token row and a patch row; column 0 the image, then a column per head.
@@ -139,10 +132,10 @@ def draw_maps(maps: dict, image: np.ndarray, title: str, stem: Path, upsample: s
             row[0].set_ylabel(f"block {block}\n{what}", fontsize=8)
             for h in range(heads):
                 m, ax = maps[kind][b, h], row[h + 1]
-                ax.imshow(_upsample(m, (H, W), upsample), cmap="viridis", interpolation="none")  # min-max, as DINO's
+                ax.imshow(upsample_map(m, (H, W), upsample), cmap="viridis", interpolation="none")  # min-max, as DINO's
                 keep = mass_mask(m, threshold) if threshold is not None else None
                 if keep is not None and 0 < keep.sum() < keep.size:  # every patch (or none) kept: no outline
-                    ax.contour(_upsample(keep.astype(np.float32), (H, W), "nearest"), levels=[0.5], colors="white",
+                    ax.contour(upsample_map(keep.astype(np.float32), (H, W), "nearest"), levels=[0.5], colors="white",
                                linewidths=0.8)
                 # Laplacian heads' titles in red: the columns to compare with the standard ones
                 ax.set_title(maps["labels"][b][h], fontsize=8, color="C3" if maps["weights"][b][h] > 0.5 else "k")
@@ -174,7 +167,6 @@ def run(cfg: DictConfig) -> dict:
     from PIL import Image, UnidentifiedImageError
 
     from analysis.geometry import analysis_dir, layer_names, load_for_analysis
-    from analysis.pca_maps import denormalize
     from laplace.data.vision import build_transform
     from train.rundir import check_writable
     from laplace.vit import VisionTransformer
@@ -205,15 +197,13 @@ def run(cfg: DictConfig) -> dict:
     blocks = list(range(len(model.blocks))) if blocks is None else blocks  # layers=all: every block
     # the checkpoint's own evaluation transform: the image the model would see at test time
     x = build_transform(OmegaConf.create(data), train=False)(pil)  # [3, H, W], normalised
-    grid = (x.shape[1] // model.patch_embed.patch_size[0], x.shape[2] // model.patch_embed.patch_size[1])
     patch = cfg.patch
-    if patch is None:
-        patch = (grid[0] // 2, grid[1] // 2)  # the centre patch: on a centred object it sits inside it
-    elif not (isinstance(patch, (list, ListConfig)) and len(patch) == 2 and all(isinstance(v, int) for v in patch)):
+    if patch is not None and not (isinstance(patch, (list, ListConfig)) and len(patch) == 2
+                                  and all(isinstance(v, int) for v in patch)):
         raise ConfigError(f"patch={patch}: give [row,col] of a patch on the grid, e.g. patch=[0,0]; null: the centre")
     # where python -m analysis puts this checkpoint's results, checked before the forward
     out_dir = check_writable(analysis_dir(ckpt_path, cfg.out), "out")
-    maps = attention_maps(model, x, blocks, (int(patch[0]), int(patch[1])))
+    maps = attention_maps(model, x, blocks, None if patch is None else (int(patch[0]), int(patch[1])))
     title = title_of(name, maps, model.blocks[0].attn.laplacian_mode, th)
     stem = out_dir / f"attention_{image_path.stem}"
     axes, paths = draw_maps(maps, denormalize(x[None], data["mean"], data["std"])[0], title, stem, cfg.upsample, th)

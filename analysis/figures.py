@@ -63,9 +63,8 @@ SHARE, COLLAPSE, COUNT = "share of the token variance", "lower = more collapse",
 YLABELS = {"anova": SHARE, "collapse": COLLAPSE, "total_var": "variance (trace of the covariance)",
            "within_seq_share": SHARE, "between_class_share": SHARE, "nc1": COLLAPSE, "patch_nc1": COLLAPSE,
            "lc_cdnv_mean": COLLAPSE, "n_pcs_0.99": COUNT, "per_seq_n_pcs_0.99": COUNT}
-TITLES = {("anova", "vit"): "ANOVA of token representations vs layer", ("anova", "gpt"): "ANOVA of token "
-          "representations vs layer", ("collapse", "vit"): "Neural Collapse vs layer (classes = image classes)",
-          ("collapse", "gpt"): "linguistic collapse vs layer (classes = next-token ids)"}
+TITLES = {"anova": "ANOVA of token representations vs layer", ("collapse", "vit"): "Neural Collapse vs layer "
+          "(classes = image classes)", ("collapse", "gpt"): "linguistic collapse vs layer (classes = next-token ids)"}
 
 
 def save(fig, stem: Path) -> list[Path]:
@@ -175,8 +174,9 @@ def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
     # only the keys drawn are pooled: an analysis holds some forty per layer
     stats = layer_stats(lines, {k for k, *_ in specs})
     cols = len(specs) if figure == "anova" else 4 if _kind(lines) == "vit" else 3
-    return layer_figure(stats, specs, lines[0][1][0]["layers"], f"{name}: {TITLES[figure, _kind(lines)]}"
-                        .lstrip(": "), stem, cols=cols, ylabel=YLABELS[figure])
+    title = TITLES.get(figure) or TITLES[figure, _kind(lines)]
+    return layer_figure(stats, specs, lines[0][1][0]["layers"], f"{name}: {title}".lstrip(": "), stem, cols=cols,
+                        ylabel=YLABELS[figure])
 
 
 def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> list[Path]:
@@ -307,14 +307,12 @@ def draw_gates(g: dict, stem: Path) -> list[Path]:
             if g["n"] > 1:  # the 95% interval of the mean over seeds
                 ax.fill_between(line["step"], line["lo"] - shift, line["hi"] - shift, color=color(h), alpha=0.2, lw=0)
     for (ax_a, ax_d), layer in zip(pair, g["layers"]):
-        ax_a.axhline(0.5, color="grey", ls=":", lw=1)
         ax_a.set_ylim(0, 1)
-        ax_d.axhline(0.0, color="grey", ls=":", lw=1)
         ax_a.set_title(layer, fontsize=9)
-        ax_a.set_ylabel("gate a = sigmoid(g)", fontsize=8)
-        ax_d.set_ylabel("a - start", fontsize=8)
         ax_d.set_xlabel("step", fontsize=8)
-        for ax in (ax_a, ax_d):
+        for ax, level, ylabel in ((ax_a, 0.5, "gate a = sigmoid(g)"), (ax_d, 0.0, "a - start")):
+            ax.axhline(level, color="grey", ls=":", lw=1)
+            ax.set_ylabel(ylabel, fontsize=8)
             ax.grid(alpha=0.3)
     for ax in pair[nb:].ravel():
         ax.axis("off")
@@ -322,18 +320,10 @@ def draw_gates(g: dict, stem: Path) -> list[Path]:
                  + (", 95% interval" if g["n"] > 1 else ""), fontsize=10)
     fig.tight_layout()
     # every block's legend: a head that started Laplacian in one block may not in another
-    labels = {}
-    for ax in axes[::2].ravel():
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            labels.setdefault(label, handle)
+    labels = {label: handle for ax in axes[::2].ravel() for handle, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(list(labels.values()), list(labels), loc="upper center", ncol=min(len(labels), 4), fontsize=8,
                bbox_to_anchor=(0.5, 0.0))
     return save(fig, stem)
-
-
-def draw_gate_figures(records: list[dict], out) -> list[Path]:
-    """out/gates_<exp>.{png,pdf} for every learned-gate experiment of `records`; the paths."""
-    return [p for g in gate_groups(records) for p in draw_gates(g, Path(out) / f"gates_{g['name']}")]
 
 
 def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_layer: str = "norm",
@@ -376,7 +366,8 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
             if not got:
                 print(f"[figures] skipped pca_maps_{name}: no checkpoint found", flush=True)
             paths += got
-    return paths + draw_gate_figures(records, out)
+    # out/gates_<exp>.{png,pdf} for every learned-gate experiment
+    return paths + [p for g in gate_groups(records) for p in draw_gates(g, out / f"gates_{g['name']}")]
 
 
 def run(cfg: DictConfig) -> list[Path]:

@@ -16,6 +16,8 @@ import torch
 _EPS = torch.finfo(torch.float64).eps
 # Variance below this share of the rows' mean square is rounding: the rows do not vary.
 _NO_VARIANCE = 1e-12
+# n_pcs_<t> counts a share within this of t as reached: rounding must not add a component
+_TOL = 1e-9
 
 
 def as_float64(x, device=None) -> torch.Tensor:
@@ -187,12 +189,11 @@ def lc_from_class_stats(means, counts, var, unembedding=None, center: str = "cla
 
 
 # ----------------------------------------------------------------------------- spectra
-def spectrum_metrics(cov: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99),
-                     tol: float = 1e-9, mean_square: float = 0.0) -> dict:
+def spectrum_metrics(cov: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99), mean_square: float = 0.0) -> dict:
     """n_pcs_<t>, effective_rank, total_variance and the normalised spectrum of a covariance.
 
     n_pcs_<t> is the smallest k whose top-k eigenvalues explain at least t of the variance;
-    `tol` absorbs rounding so that data of planted rank r gives exactly r at t = 0.99. Rows
+    _TOL absorbs rounding so that data of planted rank r gives exactly r at t = 0.99. Rows
     that do not vary (trace at the rounding level of their `mean_square`) have no normalised
     spectrum: n_pcs, effective_rank and spectrum are NaN, not 0/0 read as one component.
     """
@@ -205,7 +206,7 @@ def spectrum_metrics(cov: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99
                 "total_variance": float(lam.sum()), "spectrum": [nan] * lam.numel()}
     # the normalised spectrum: each component's share of the variance
     p = lam / lam.sum()
-    counts, erank = spectrum_counts(p, thresholds, tol)
+    counts, erank = spectrum_counts(p, thresholds)
     out = {f"n_pcs_{t:g}": float(c) for t, c in zip(thresholds, counts)}
     out["effective_rank"] = float(erank)
     out["total_variance"] = float(lam.sum())
@@ -213,29 +214,29 @@ def spectrum_metrics(cov: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99
     return out
 
 
-def spectrum_counts(p: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99), tol: float = 1e-9):
+def spectrum_counts(p: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99)):
     """The counting rule of `spectrum_metrics` on normalised spectra p[..., n] (descending,
     non-negative, each summing to 1), batched over the leading dimensions.
 
     Returns ([n_pcs per threshold: tensors [...]], effective_rank [...]): n_pcs_<t> = the
-    smallest k with sum of the top-k p >= t - tol (at most n), effective_rank = exp of the
+    smallest k with sum of the top-k p >= t - _TOL (at most n), effective_rank = exp of the
     entropy of p (0 log 0 = 0).
     """
     cum = torch.cumsum(p, -1)
     n = p.shape[-1]
     # the first k whose cumulative share reaches t: one more than the count of those still below it
-    counts = [((cum < t - tol).sum(-1) + 1).clamp_max(n) for t in thresholds]
+    counts = [((cum < t - _TOL).sum(-1) + 1).clamp_max(n) for t in thresholds]
     # the entropy of the normalised spectrum, 0 log 0 = 0: exp of it is the effective rank
     ent = torch.where(p > 0, p * p.clamp_min(torch.finfo(p.dtype).tiny).log(), torch.zeros_like(p)).sum(-1)
     return counts, torch.exp(-ent)
 
 
-def sequence_spectra(x: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99), tol: float = 1e-9) -> dict:
+def sequence_spectra(x: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99)) -> dict:
     """Spectrum of each sequence's own tokens, one sequence per row of x[B, T, D] (float64).
 
     Each sequence is centred on its own mean; the eigenvalues of its covariance are those of
     the small T x T Gram matrix (or of the D x D covariance when D < T), batched. Counted as
-    `spectrum_metrics` counts (same tol, same no-variance rule on the sequence's own mean
+    `spectrum_metrics` counts (same _TOL, same no-variance rule on the sequence's own mean
     square). Returns tensors [B]: n_pcs_<t> (float, NaN for a sequence that does not vary),
     effective_rank (the same) and varies (bool).
     """
@@ -250,7 +251,7 @@ def sequence_spectra(x: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99),
     # the same no-variance rule as spectrum_metrics, on each sequence's own mean square
     varies = total > _NO_VARIANCE * sq_norms(x).mean(1)
     p = lam / torch.where(varies, total, torch.ones_like(total))[:, None]
-    counts, erank = spectrum_counts(p, thresholds, tol)
+    counts, erank = spectrum_counts(p, thresholds)
     nan = torch.full_like(total, float("nan"))
     out = {f"n_pcs_{t:g}": torch.where(varies, c.to(x.dtype), nan) for t, c in zip(thresholds, counts)}
     out["effective_rank"] = torch.where(varies, erank, nan)

@@ -196,11 +196,8 @@ def write_gate_tables(records: list[dict], out, echo: bool = True) -> list[Path]
         # the CSV: one line per gate, full precision; a missing interval is an empty field
         cols = ["layer", "head", "start", "end", "end_lo", "end_hi", "move", "move_lo", "move_hi"]
         sheet = g["gates"][cols].assign(n=g["n"], seeds=" ".join(map(str, g["seeds"])))
-        for ext, text in (("md", md), ("csv", sheet.to_csv(index=False, lineterminator="\n"))):
-            path = Path(out) / f"gates_{g['name']}.{ext}"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, text.encode())
-            paths.append(path)
+        paths += [atomic_write(Path(out) / f"gates_{g['name']}.{ext}", text.encode())
+                  for ext, text in (("md", md), ("csv", sheet.to_csv(index=False, lineterminator="\n")))]
     for line in skipped:
         print(f"[tables] gates: {line}", flush=True)
     return paths

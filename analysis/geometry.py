@@ -79,6 +79,15 @@ def load_for_analysis(path, data=None, device: str = "auto"):
     return model, ckpt, data
 
 
+def model_facts(model, ckpt: dict) -> dict:
+    """The model's name, arch ("vit" or "gpt"), num_heads and num_laplacian_heads (one k per layer;
+    one number when every layer has the same): what analysis.json and the figures' labels name."""
+    k = list(model.num_laplacian_heads)
+    return {"model": model_label(ckpt["config"]["model"]), "arch": "vit" if isinstance(model, VisionTransformer)
+            else "gpt", "num_heads": model.blocks[0].attn.num_heads,
+            "num_laplacian_heads": k[0] if len(set(k)) == 1 else k}
+
+
 def analysis_dir(checkpoint, out=None) -> Path:
     """Where the analysis of one checkpoint goes: beside it, named after it; with `out`, in
     <out>/<run folder>_<name>_analysis (the checkpoint's folder may be read-only)."""
@@ -295,12 +304,8 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
     out = analyze_model(model, dataset, metrics=metrics, layers=layers, batch_size=batch_size,
                         num_workers=num_workers, min_count=min_count, thresholds=thresholds,
                         progress=progress, per_seq_max_sequences=per_seq_max_sequences)
-    counts = list(model.num_laplacian_heads)  # one k per layer; one number when every layer has the same
     return {
-        "checkpoint": str(Path(path).resolve()), "model": model_label(ckpt["config"]["model"]),
-        "arch": "vit" if isinstance(model, VisionTransformer) else "gpt",
-        "num_heads": model.blocks[0].attn.num_heads,
-        "num_laplacian_heads": counts[0] if len(set(counts)) == 1 else counts,
+        "checkpoint": str(Path(path).resolve()), **model_facts(model, ckpt),
         "step": ckpt.get("loop", {}).get("step"), "data": data_node,
         "tokens_per_sequence": per_seq, "n_sequences": out["throughput"]["sequences"],
         "n_tokens": out["throughput"]["tokens"],

@@ -70,11 +70,6 @@ def head_type(a: float, mode: str, arm: str = "softmax") -> str:
     return "laplacian" if a == 1.0 else arm
 
 
-def type_group(t: str) -> str:
-    """The group of a head type in summaries: softmax, laplacian or learned."""
-    return "learned" if t.startswith("learned") else t
-
-
 def stream_frame(block) -> dict:
     """How a block's attention reads and writes the stream: {gain, center, scale} (LayerNorm
     gain or None, whether the norm centres the features, LayerScale's gamma or None)."""
@@ -280,7 +275,8 @@ class HeadAccumulator:
 def summary(heads: dict[str, list[dict]]) -> dict:
     """Means of SUMMARY_KEYS over the heads of each type group (softmax, laplacian, learned):
     {"<key>.<group>": mean over all layers, "blocks.<i>": {"<key>.<group>": mean in that layer}}."""
-    rows = pd.DataFrame([{"layer": layer, "group": type_group(h["type"]), "key": k, "value": h[k]}
+    # a head's type is its group, but for the learned ones ("learned a=0.73" -> learned)
+    rows = pd.DataFrame([{"layer": layer, "group": h["type"].split(" ")[0], "key": k, "value": h[k]}
                          for layer, hs in heads.items() for h in hs for k in SUMMARY_KEYS if k in h],
                         columns=["layer", "group", "key", "value"])
     # a head whose number is NaN (e.g. an all-zero output) is left out of its type's mean; fmean: exact sums

@@ -25,7 +25,6 @@ NC of the sequence means (the paper's ViT object) is `neural_collapse` on `acc.s
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
@@ -257,7 +256,7 @@ class SequenceSpectra:
             spec.update(feats)
         spec.compute()  # {"n_pcs_0.9", "n_pcs_0.99", "effective_rank", "n_sequences", "n_no_variance"}
 
-    `spectra.per_sequence_spectra` is the in-memory twin (equal counts; tests).
+    Its in-memory reference, a spectral_decay per sequence, is tests/conftest.py's per_sequence_spectra.
 
     Args:
         thresholds: explained-variance fractions for n_pcs_<t>.
@@ -270,8 +269,7 @@ class SequenceSpectra:
         self.thresholds = tuple(thresholds)
         self.max_sequences = max_sequences
         self.seen = 0
-        self.keys = [f"n_pcs_{t:g}" for t in self.thresholds] + ["effective_rank"]
-        self.sums = None  # {key: its sum over the sequences that vary, "n": their count, "skipped": the others}
+        self.parts = []  # sequence_spectra of each batch, on the features' device: no host sync per batch
 
     @torch.no_grad()
     def update(self, features):
@@ -283,21 +281,17 @@ class SequenceSpectra:
             # the first max_sequences of the fixed order: every checkpoint measures the same sequences
             x = x[:max(0, self.max_sequences - self.seen)]
         self.seen += x.shape[0]
-        if not x.shape[0]:
-            return
-        one = sequence_spectra(x, self.thresholds)
-        # a sequence of identical tokens has no spectrum: counted apart, not averaged as one component
-        v = one["varies"]
-        add = {**{k: torch.where(v, one[k], 0.0).sum() for k in self.keys}, "n": v.sum(), "skipped": (~v).sum()}
-        # sums on the features' device: no host sync per batch
-        self.sums = add if self.sums is None else {k: self.sums[k] + a for k, a in add.items()}
+        if x.shape[0]:
+            self.parts.append(sequence_spectra(x, self.thresholds))
 
     def compute(self) -> dict:
-        if self.sums is None:
+        if not self.parts:
             raise ValueError("no data: call update() first")
-        n = float(self.sums["n"])
-        out = {k: float(self.sums[k]) / n if n else float("nan") for k in self.keys}
-        return {**out, "n_sequences": n, "n_no_variance": float(self.sums["skipped"])}
+        one = {k: torch.cat([p[k] for p in self.parts]) for k in self.parts[0]}
+        # a sequence of identical tokens has no spectrum: counted apart, not averaged as one component
+        v = one.pop("varies")
+        out = {k: float(t[v].mean()) if v.any() else float("nan") for k, t in one.items()}
+        return {**out, "n_sequences": float(v.sum()), "n_no_variance": float((~v).sum())}
 
 
 # ----------------------------------------------------------------------------- in memory
@@ -398,20 +392,3 @@ def spectral_decay(features, thresholds: Sequence[float] = (0.9, 0.99), seq_ids=
     # (another `center` is refused by GeometryAccumulator.spectral)
     acc, _ = one_pass(("spectral",), features, seq_ids if center == "sequence" else None)
     return acc.spectral(thresholds, center)
-
-
-def per_sequence_spectra(features, seq_ids, thresholds: Sequence[float] = (0.9, 0.99)) -> dict:
-    """n_pcs_<t> and effective_rank of each sequence's own centred tokens (`spectral_decay` of one
-    sequence at a time; sequences may differ in length), averaged over the sequences that vary;
-    n_sequences (averaged) and n_no_variance (left out: their tokens are all equal). The direct
-    reference of the streamed, batched `SequenceSpectra`."""
-    x = as_float64(features)
-    sid = as_index(seq_ids, x.device)
-    if sid.numel() != x.shape[0]:
-        raise ValueError(f"{x.shape[0]} feature rows but {sid.numel()} seq_ids")
-    keys = [f"n_pcs_{t:g}" for t in thresholds] + ["effective_rank"]
-    # one spectrum per sequence; a sequence of identical tokens has none (NaN) and is counted apart
-    each = [spectral_decay(x[sid == s], thresholds) for s in torch.unique(sid)]
-    varied = [one for one in each if not math.isnan(one["effective_rank"])]
-    out = {k: math.fsum(one[k] for one in varied) / len(varied) if varied else float("nan") for k in keys}
-    return {**out, "n_sequences": float(len(varied)), "n_no_variance": float(len(each) - len(varied))}

@@ -139,11 +139,16 @@ def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: floa
     H, W = images.shape[-2:]
     maps = []
     for f in feats[layer][:, 1:].float().cpu():  # patch tokens only
-        rgb = torch.from_numpy(pca_rgb(f, grid, threshold)).permute(2, 0, 1)[None]
-        kw = {} if upsample == "nearest" else {"align_corners": False}
-        up = F.interpolate(rgb, size=(H, W), mode=upsample, **kw).clamp(0, 1)
-        maps.append(up[0].permute(1, 2, 0).numpy())
+        rgb = pca_rgb(f, grid, threshold)
+        maps.append(np.stack([upsample_map(rgb[..., c], (H, W), upsample) for c in range(3)], -1).clip(0, 1))
     return maps
+
+
+def upsample_map(m: np.ndarray, size: tuple[int, int], mode: str = "nearest") -> np.ndarray:
+    """A [rows, cols] map over the patch grid at the image's `size` (nearest keeps the grid visible;
+    bilinear draws a smooth map)."""
+    kw = {} if mode == "nearest" else {"align_corners": False}
+    return F.interpolate(torch.from_numpy(m)[None, None].float(), size=size, mode=mode, **kw)[0, 0].numpy()
 
 
 def denormalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:

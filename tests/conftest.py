@@ -110,3 +110,23 @@ def save_tiny_gpt(path, seq_len: int = 64, name: str = "gpt_d2_1L") -> str:
         torch.nn.init.normal_(p, std=0.05)
     cfg = {"model": node, "data": {"name": "pydoc_text", "vocab_size": 257, "seq_len": seq_len}}
     return str(save_checkpoint(path, model=model, config=cfg))
+
+
+def per_sequence_spectra(features, seq_ids, thresholds: tuple = (0.9, 0.99)) -> dict:
+    """n_pcs_<t> and effective_rank of each sequence's own centred tokens (analysis.metrics.spectral_decay
+    of one sequence at a time; sequences may differ in length), averaged over the sequences that vary;
+    n_sequences (averaged) and n_no_variance (left out: their tokens are all equal). The direct
+    reference of analysis.metrics.SequenceSpectra (streamed, batched)."""
+    from analysis.formulas import as_float64, as_index
+    from analysis.metrics import spectral_decay
+
+    x = as_float64(features)
+    sid = as_index(seq_ids, x.device)
+    if sid.numel() != x.shape[0]:
+        raise ValueError(f"{x.shape[0]} feature rows but {sid.numel()} seq_ids")
+    keys = [f"n_pcs_{t:g}" for t in thresholds] + ["effective_rank"]
+    # one spectrum per sequence; a sequence of identical tokens has none (NaN) and is counted apart
+    each = [spectral_decay(x[sid == s], thresholds) for s in torch.unique(sid)]
+    varied = [one for one in each if not math.isnan(one["effective_rank"])]
+    out = {k: math.fsum(one[k] for one in varied) / len(varied) if varied else float("nan") for k in keys}
+    return {**out, "n_sequences": float(len(varied)), "n_no_variance": float(len(each) - len(varied))}

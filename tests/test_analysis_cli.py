@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from analysis import metrics as m
 from analysis.__main__ import analysis_dir, run as analysis_run
 from analysis.geometry import eval_split, load_for_analysis
-from conftest import CONFIGS, ROOT, save_tiny_gpt, train_tiny_vit
+from conftest import CONFIGS, ROOT, per_sequence_spectra, save_tiny_gpt, train_tiny_vit
 
 VIT_ARGS = ["max_tokens=1100", "batch_size=24", "pca_maps=2"]  # 64 images of 17 tokens, 3 uneven batches
 FIGURES = ("anova", "collapse", "spectrum")
@@ -92,7 +92,7 @@ def test_vit_streamed_equals_in_memory(vit):
         ref = {"anova": m.anova(patches, seq, lab), "cdnv": m.cdnv(patches, lab),
                "spectral": m.spectral_decay(patches),
                "spectral_within": m.spectral_decay(patches, seq_ids=seq, center="sequence"),
-               "spectral_per_seq": m.per_sequence_spectra(patches, seq),
+               "spectral_per_seq": per_sequence_spectra(patches, seq),
                "nc": m.neural_collapse(patches.mean(1), y, W, b)}
         ref_cls = {"nc": m.neural_collapse(cls, y, W, b), "cdnv": m.cdnv(cls, y), "spectral": m.spectral_decay(cls)}
         for got, want in ((got_patch, ref), (got_cls, ref_cls)):
@@ -175,7 +175,7 @@ def test_gpt_checkpoint(tmp_path):
         _approx(got["lc"][key], lc[key])
     assert got["spectral"]["n_pcs_0.99"] == m.spectral_decay(f)["n_pcs_0.99"]
     assert got["spectral_within"]["n_pcs_0.99"] == m.spectral_decay(f, seq_ids=seq, center="sequence")["n_pcs_0.99"]
-    per_seq = m.per_sequence_spectra(f, seq)
+    per_seq = per_sequence_spectra(f, seq)
     assert got["spectral_per_seq"]["n_sequences"] == 32
     assert got["spectral_per_seq"]["n_pcs_0.99"] == pytest.approx(per_seq["n_pcs_0.99"], abs=1e-12)
 

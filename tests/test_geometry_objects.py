@@ -1,5 +1,5 @@
 """The token geometry on the paper's objects: per-sequence spectra averaged over sequences
-(analysis.metrics.per_sequence_spectra, streamed by analysis.metrics.SequenceSpectra), the
+(conftest.per_sequence_spectra, streamed by analysis.metrics.SequenceSpectra), the
 GPT's within-window spectra, and the headline keys of analysis.runs.geometry (raw ANOVA
 variances, per_seq_n_pcs_*) on a real tiny GPT analysed in-process."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from analysis.runs import geometry
 from analysis import metrics as m
 from analysis.formulas import sequence_spectra
 from analysis.metrics import SequenceSpectra
-from conftest import save_tiny_gpt
+from conftest import per_sequence_spectra, save_tiny_gpt
 
 RANKS = (1, 2, 3, 5, 8)  # <= 9, so both 0.9 and 0.99 need every direction of an equal spectrum
 
@@ -38,7 +38,7 @@ def _planted(ranks, T=24, D=16, seed=0) -> torch.Tensor:
 def test_per_sequence_count_is_the_mean_of_the_planted_ranks():
     x = _planted(RANKS)
     want = sum(RANKS) / len(RANKS)
-    ref = m.per_sequence_spectra(x.reshape(-1, x.shape[-1]), torch.arange(len(RANKS)).repeat_interleave(x.shape[1]))
+    ref = per_sequence_spectra(x.reshape(-1, x.shape[-1]), torch.arange(len(RANKS)).repeat_interleave(x.shape[1]))
     spec = SequenceSpectra()
     spec.update(x[:2])
     spec.update(x[2:])
@@ -75,7 +75,7 @@ def test_streamed_per_sequence_equals_direct(T, D):
         spec.update(x[lo:hi].float() if lo == 8 else x[lo:hi])  # a float32 batch is measured in float64
     got = spec.compute()
     seen = torch.cat([x[:8], x[8:9].float().double(), x[9:]])  # what the accumulator saw
-    ref = m.per_sequence_spectra(seen.reshape(-1, D), torch.arange(S).repeat_interleave(T), thresholds=thr)
+    ref = per_sequence_spectra(seen.reshape(-1, D), torch.arange(S).repeat_interleave(T), thresholds=thr)
     assert ref["n_sequences"] == S and len({m.spectral_decay(s, thr)["n_pcs_0.99"] for s in seen}) > 2  # varied
     for key in ("n_pcs_0.5", "n_pcs_0.9", "n_pcs_0.99", "n_sequences", "n_no_variance"):
         assert got[key] == pytest.approx(ref[key], abs=1e-12), key
@@ -84,7 +84,7 @@ def test_streamed_per_sequence_equals_direct(T, D):
     cap = SequenceSpectra(thresholds=(0.9, 0.99), max_sequences=5)
     for lo, hi in ((0, 3), (3, 8), (8, 13)):
         cap.update(x[lo:hi])
-    first = m.per_sequence_spectra(x[:5].reshape(-1, D), torch.arange(5).repeat_interleave(T))
+    first = per_sequence_spectra(x[:5].reshape(-1, D), torch.arange(5).repeat_interleave(T))
     assert cap.compute()["n_sequences"] == 5 and cap.compute()["n_pcs_0.99"] == pytest.approx(first["n_pcs_0.99"])
 
 
@@ -100,7 +100,7 @@ def test_gpt_within_window_spectra_and_headline_keys(tmp_path):
     got = res["results"]["tokens"]["norm"]
     assert set(got) == {"anova", "lc", "spectral", "spectral_within", "spectral_per_seq"}
     within = m.spectral_decay(f, seq_ids=seq, center="sequence")
-    per_seq = m.per_sequence_spectra(f, seq)
+    per_seq = per_sequence_spectra(f, seq)
     assert got["spectral_within"]["n_pcs_0.99"] == within["n_pcs_0.99"]
     assert got["spectral_within"]["effective_rank"] == pytest.approx(within["effective_rank"], rel=1e-4)
     assert got["spectral_per_seq"]["n_sequences"] == 40
@@ -126,7 +126,7 @@ def test_gpt_within_window_spectra_and_headline_keys(tmp_path):
     # per_seq_max_sequences: the first windows only; 0 leaves the per-window spectra out
     few = analyze_model(model, ds, metrics=["spectral"], layers=[], batch_size=16, progress=False,
                         per_seq_max_sequences=20)["results"]["tokens"]["norm"]
-    first = m.per_sequence_spectra(f[:20], seq[:20 * T])
+    first = per_sequence_spectra(f[:20], seq[:20 * T])
     assert few["spectral_per_seq"]["n_sequences"] == 20
     assert few["spectral_per_seq"]["n_pcs_0.99"] == pytest.approx(first["n_pcs_0.99"], rel=1e-4)
     none = analyze_model(model, ds, metrics=["spectral"], layers=[], progress=False, per_seq_max_sequences=0)
