@@ -239,6 +239,10 @@ def draw_all(lines, out_dir, spectrum_layer: str = "norm", name: str = "", suffi
     return paths
 
 
+def _att(r: dict) -> str:
+    return r.get("attention", "softmax")  # runs recorded before the relatives are softmax
+
+
 def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     """The headline geometry at every block (the per_block table's numbers): a panel per metric,
     a line per arm (k, mode), the mean over seeds with its 95% interval as a band."""
@@ -249,9 +253,11 @@ def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     if not specs:  # analysed without any headline metric (e.g. metrics=[cdnv])
         return []
     labels = {(r["k"], r["mode"]): r["k_label"] for r in records}
-    # a line per arm, fixed arms by k then learned ones: the same colour for the same arm in every panel
-    rows = rows.assign(line=[arm_label(labels[k, m], m) for k, m in zip(rows["k"], rows["mode"])],
-                       _o=[arm_key(k, m) for k, m in zip(rows["k"], rows["mode"])]).sort_values("_o", kind="stable")
+    # a line per arm, fixed arms by k then learned ones, then the relatives (attention): the same colour
+    # for the same arm in every panel
+    arms = list(zip(rows["k"], rows["mode"], rows["attention"]))
+    rows = rows.assign(line=[arm_label(labels[k, m], m, a) for k, m, a in arms],
+                       _o=[arm_key(k, m, a) for k, m, a in arms]).sort_values("_o", kind="stable")
     layers = sorted(set(rows["layer"]), key=lambda n: (n == "norm", int(n.split(".")[1]) if n != "norm" else 0))
     return layer_figure(rows, specs, layers, f"{name}: token geometry at every block (mean, 95% interval over "
                         f"seeds)", stem, band="ci")
@@ -340,10 +346,11 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
         print(f"[figures] skipped vs_k: no finished run of a trainer in vs_k ({', '.join(vs_k)}) has its metric",
               flush=True)
     for name, recs in experiments(records).items():
-        # a line per arm (k, mode): its seeds' analyses (a run not analysed has no line)
+        # a line per arm (k, mode, attention): its seeds' analyses (a run not analysed has no line)
         arms: dict = {}
-        for r in sorted((r for r in recs if r.get("analysis")), key=lambda r: arm_key(r["k"], r["mode"])):
-            arms.setdefault(arm_label(r["k_label"], r["mode"]), []).append(json.loads(Path(r["analysis"]).read_text()))
+        for r in sorted((r for r in recs if r.get("analysis")), key=lambda r: arm_key(r["k"], r["mode"], _att(r))):
+            arms.setdefault(arm_label(r["k_label"], r["mode"], _att(r)), []).append(
+                json.loads(Path(r["analysis"]).read_text()))
         if not arms:
             print(f"[figures] skipped the layer figures of {name}: no analysis.json (run python -m analysis "
                   f"checkpoint=<run>/ckpt/last.pt on its runs)", flush=True)
@@ -355,12 +362,12 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
             # one checkpoint per arm, its lowest seed: a map is of one model (a mean of maps would blur
             # exactly what it shows)
             picks: dict = {}
-            for r in sorted(recs, key=lambda r: (arm_key(r["k"], r["mode"]), sort_key(r["seed"]))):
+            for r in sorted(recs, key=lambda r: (arm_key(r["k"], r["mode"], _att(r)), sort_key(r["seed"]))):
                 if Path(r["checkpoint"]).is_file():
-                    picks.setdefault((r["k"], r["mode"]), r)
-            cols = {f"{r['model']} ({arm_label(r['k_label'], r['mode'])} Laplacian, seed {r['seed']})": r["checkpoint"]
-                    for r in picks.values()}
-            names = [f"{r['model']}_{arm_label(r['k_label'], r['mode'])}_s{r['seed']}" for r in picks.values()]
+                    picks.setdefault((r["k"], r["mode"], _att(r)), r)
+            cols = {f"{r['model']} ({arm_label(r['k_label'], r['mode'], _att(r))} Laplacian, seed {r['seed']})":
+                    r["checkpoint"] for r in picks.values()}
+            names = [f"{r['model']}_{arm_label(r['k_label'], r['mode'], _att(r))}_s{r['seed']}" for r in picks.values()]
             got = checkpoint_maps(cols, out / f"pca_maps_{name}", pca_maps, pca_layer, THRESHOLD, device=device,
                                   seed=seed, names=names) if cols else []
             if not got:
