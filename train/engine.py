@@ -87,9 +87,6 @@ class Trainer:
         # length follows once the data's size is known (setup).
         self.plan = step_plan(cfg, self.dist.world_size, None)
         self.micro_bs, self.accum = self.plan.micro_batch, self.plan.accum
-        if OmegaConf.is_missing(tc, "init_from"):  # a trainer built without train.run's check_required
-            raise ConfigError("this experiment fine-tunes a pre-trained model: set trainer.init_from="
-                              "PATH (a laplace checkpoint or a timm/DeiT-III state dict)")
 
     @classmethod
     def offline(cls, cfg: DictConfig, device: str = "meta") -> Trainer:
@@ -238,13 +235,6 @@ class Trainer:
         # tensors anywhere in a batch (lists, tuples, dicts of them: multi-crop, decoded images)
         return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), batch)
 
-    def _throughput(self, units_per_s: float) -> dict:
-        """Units per second, and the model FLOPs utilisation where the trainer counts FLOPs."""
-        rec = {f"{self.data.unit}_per_s": units_per_s}
-        if self.flops_per_unit and self.peak_flops:
-            rec["mfu"] = units_per_s * self.flops_per_unit / (self.peak_flops * self.dist.world_size)
-        return rec
-
     # ---- checkpoints ---------------------------------------------------------------------
     def plain_config(self) -> dict:
         return OmegaConf.to_container(self.cfg, resolve=True)
@@ -263,11 +253,10 @@ class Trainer:
                 entries["train_model"] = clean_state_dict(self.model.state_dict())
             if self.data.identity:
                 entries["data_identity"] = self.data.identity
-            save_checkpoint(self.ckpt_path, model=exported, config=self.plain_config(), **entries)
             keep = self.cfg.trainer.keep_every
-            if keep and self.step % keep == 0:
-                save_checkpoint(self.ckpt_path.with_name(f"step_{self.step}.pt"), model=exported,
-                                config=self.plain_config(), **entries)
+            kept = [self.ckpt_path.with_name(f"step_{self.step}.pt")] if keep and self.step % keep == 0 else []
+            for path in (self.ckpt_path, *kept):
+                save_checkpoint(path, model=exported, config=self.plain_config(), **entries)
         dist.barrier()
 
     def _restore(self, path: Path, ckpt: dict):
@@ -374,9 +363,11 @@ class Trainer:
                 guard.check(step)
                 mean_loss = float(window_loss) / window.steps
                 # the exported model's learned gates: the last record equals the checkpoint's
-                rec = {"loss": mean_loss, **self.hparams, **self._throughput(seen / dt),
-                       "step_ms": 1000 * dt / window.steps, "epoch": self.epoch, **gate_metrics(self.exported),
-                       **{k: float(v) for k, v in extras.items()}}
+                rec = {"loss": mean_loss, **self.hparams, f"{self.data.unit}_per_s": seen / dt}
+                if self.flops_per_unit and self.peak_flops:  # the model FLOPs utilisation
+                    rec["mfu"] = seen / dt * self.flops_per_unit / (self.peak_flops * self.dist.world_size)
+                rec.update(step_ms=1000 * dt / window.steps, epoch=self.epoch, **gate_metrics(self.exported),
+                           **{k: float(v) for k, v in extras.items()})
                 logger.log(step, rec, split="train")
                 bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.data.unit}/s": f"{seen / dt:.0f}"},
                                 refresh=False)  # shown at the next redraw: off a terminal, a line per interval
@@ -384,15 +375,12 @@ class Trainer:
             bar.update(1)
             if step % eval_every == 0 or step == self.total_steps:
                 metrics = self._evaluate(logger, step)
-            saved = step % ckpt_every == 0 or step == stop_at
-            if saved:
+            # Every rank stops at the same step, whichever got the signal.
+            preempted = vote.poll(stop.signum is not None) and step < stop_at
+            if preempted or step % ckpt_every == 0 or step == stop_at:
                 guard.check(step, self.model)
                 self.save()
-            # Every rank stops at the same step, whichever got the signal.
-            if vote.poll(stop.signum is not None) and step < stop_at:
-                if not saved:
-                    guard.check(step, self.model)
-                    self.save()
+            if preempted:
                 if main:
                     print(f"[laplace] stop requested (signal): saved step {step}, exiting with "
                           f"status {EXIT_REQUEUE} to be requeued", flush=True)

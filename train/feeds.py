@@ -192,7 +192,7 @@ class MapFeed:
         # process would hang at exit.
         it, self._batches = self._batches, None
         self.loader._iterator = None  # the persistent workers' iterator, kept by the DataLoader
-        if it is None or not hasattr(it, "_shutdown_workers"):  # no workers (num_workers=0)
+        if it is None or not self.loader.num_workers:  # no workers
             return
         it._shutdown_workers()  # asks them to exit and joins them
         for w in it._workers:

@@ -226,6 +226,15 @@ class _Muon(torch.optim.Optimizer):
             self._update(group, [p for p in group["params"] if p.grad is not None])
         return loss
 
+    def _momentum(self, p: torch.Tensor, m: float, nesterov: bool = True) -> torch.Tensor:
+        """The update from p's momentum buffer (state "momentum_buffer", torch's and nanochat's rule)."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - m)
+        return p.grad.lerp(buf, m) if nesterov else buf
+
 
 class StackedMuon(_Muon):
     """torch.optim.Muon's update, where a group with `row_blocks: n` holds matrices that are n
@@ -256,12 +265,7 @@ class StackedMuon(_Muon):
         for p in params:
             if p.shape[0] % n:
                 raise ValueError(f"a [{p.shape[0]}, {p.shape[1]}] matrix has no {n} equal row blocks")
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - m)
-            update = p.grad.lerp(buf, m) if group["nesterov"] else buf
+            update = self._momentum(p, m, group["nesterov"])
             p.mul_(1 - lr * wd)  # decoupled weight decay, at the group's lr (torch's)
             # One block (n = 1) is the whole matrix; chunks are row views, updated in place.
             for p_i, u_i in zip(p.chunk(n), update.chunk(n)):
@@ -353,14 +357,11 @@ class NorMuon(_Muon):
         for p in params:
             splits = list(group.get("row_splits") or [p.shape[0]])
             state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
+            if "second_momentum_buffer" not in state:
                 # a tall (or square) block's rows each get a second moment, a wide one's columns
                 state["second_momentum_buffer"] = [p.new_zeros((r, 1) if r >= p.shape[1] else (1, p.shape[1]))
                                                    for r in splits]
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - m)
-            update = p.grad.lerp(buf, m)  # Nesterov
+            update = self._momentum(p, m)  # Nesterov
             for p_i, u_i, v_i in zip(p.split(splits), update.split(splits), state["second_momentum_buffer"]):
                 g = polar_express(u_i, group["ns_steps"], group["dtype"])
                 # NorMuon: divide by the running RMS per row / column, then restore the update's norm

@@ -34,6 +34,11 @@ from omegaconf.errors import MissingMandatoryValue
 
 from laplace.errors import ConfigError, cli_errors
 
+from . import get_trainer
+from .feeds import MapFeed
+from .optim import Schedule, parse_length
+from .plan import nanochat_scaling, resolve_batch, step_plan, uses_token_budget
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 REFERENCES = CONFIGS / "reference"
@@ -60,16 +65,12 @@ class Recipe:
 
     def __init__(self, cfg: DictConfig, train_size: int | None = None,
                  eval_overrides: dict[str, list[str]] | None = None):
-        from train.plan import resolve_batch
-
         self.cfg, self.train_size = resolve_batch(cfg), train_size  # optim=muon26: its batch rule
         self.eval_overrides = eval_overrides or {}
 
     @cached_property
     def trainer(self):
         """The experiment's trainer with its model and optimizers only, on the meta device."""
-        from train import get_trainer
-
         return get_trainer(self.cfg.trainer.name).offline(self.cfg)
 
     def params(self) -> int:
@@ -80,9 +81,6 @@ class Recipe:
     def plan(self, world_size: int | str = 1):
         """The engine's step plan (train/plan.py) on `world_size` processes, an epoch being
         `train_size` examples counted on one process (None on more: only the split is known)."""
-        from train.feeds import MapFeed
-        from train.plan import step_plan, uses_token_budget
-
         per_epoch = None  # token shards have no epoch: their budget counts
         if int(world_size) == 1 and self.train_size is not None and not uses_token_budget(self.cfg):
             # The engine's own feed over the trainer's own sampler: DeiT-III's repeated
@@ -119,8 +117,6 @@ class Recipe:
 
     def scaling(self, field: str):
         """A field of optim=muon26's horizon and scales (train/plan.py Scaling)."""
-        from train.plan import nanochat_scaling
-
         return getattr(nanochat_scaling(self.cfg), field)
 
     def _spe(self, uses_epochs: bool) -> int:
@@ -132,8 +128,6 @@ class Recipe:
 
     def sched(self, path: str, at: str) -> float:
         """A schedule's value at a step: "<n>", "<n>ep", "<p>%" or "end" (the last step)."""
-        from train.optim import Schedule, parse_length
-
         node = OmegaConf.select(self.cfg, path)
         if node is None:
             raise ConfigError(f"{path}: no such schedule in the composed config")

@@ -26,15 +26,6 @@ from .engine import Trainer
 from .logger import progress_bar
 
 
-def linear_seg_head(in_dim: int, num_classes: int) -> nn.Sequential:
-    """Batch norm + 1x1 convolution over patch features [B, C, h, w] (DINOv2's BNHead)."""
-    # Named children: the state dict keys stay head.bn.* and head.conv.* (checkpoints resume)
-    head = nn.Sequential(OrderedDict(bn=nn.BatchNorm2d(in_dim), conv=nn.Conv2d(in_dim, num_classes, 1)))
-    nn.init.normal_(head.conv.weight, std=0.01)  # mmseg's decode-head init
-    nn.init.zeros_(head.conv.bias)
-    return head
-
-
 class FrozenBackboneSeg(nn.Module):
     """A frozen ViT and a trainable linear head; forward(images [B, 3, H, W]) -> logits
     [B, K, H, W] (images of the backbone's size).
@@ -56,7 +47,11 @@ class FrozenBackboneSeg(nn.Module):
         self.backbone = backbone.requires_grad_(False).eval()
         self.layers, self.cls_token = list(range(depth - num_layers, depth)), cls_token  # block indices
         dim = backbone.norm.normalized_shape[0] * num_layers * (2 if cls_token else 1)
-        self.head = linear_seg_head(dim, num_classes)
+        # The head: batch norm + 1x1 convolution over patch features [B, C, h, w] (DINOv2's BNHead);
+        # named children, so the state dict keys stay head.bn.* and head.conv.* (checkpoints resume).
+        self.head = nn.Sequential(OrderedDict(bn=nn.BatchNorm2d(dim), conv=nn.Conv2d(dim, num_classes, 1)))
+        nn.init.normal_(self.head.conv.weight, std=0.01)  # mmseg's decode-head init
+        nn.init.zeros_(self.head.conv.bias)
 
     def train(self, mode: bool = True):
         super().train(mode)
