@@ -103,7 +103,7 @@ def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     g = g[(g["layer"] == "all") & g["metric"].str.startswith("mechanism.")]
     rows = []
     for step, label, arm in ((s, *a) for s, at in g.groupby("step") for a in arms(at)):
-        for t in ("softmax", "laplacian", "learned"):
+        for t in ("softmax", "laplacian", "learned", "xsa", "gated", "diff"):  # the head types of mechanism.py
             row = {"step": int(step), "arm": label, "heads": t}
             for key, col, fmt in MECHANISM:
                 v = arm[arm["metric"] == f"mechanism.{key}.{t}"]["value"]
