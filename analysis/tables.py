@@ -358,8 +358,7 @@ def per_block_table(name: str, spec: dict, records: list[dict]) -> tuple[str, st
         f["arm"] = [arm_label(kl, m, a) for kl, m, a in zip(f["k_label"], f["mode"], attention(f))]
         parts.append(f)
         for metric, s in f.groupby("metric", sort=False):
-            arms = [arm for _, arm in sorted({(arm_key(k, m, a), arm) for k, m, a, arm in
-                                              zip(s["k"], s["mode"], attention(s), s["arm"])})]
+            arms = [arm for _, arm in sorted(set(zip(map(arm_key, s["k"], s["mode"], attention(s)), s["arm"])))]
             # long -> wide: rows = layers (the model's order, norm last), columns = arms; a layer no arm
             # measured is dropped
             g = s.pivot(index="layer", columns="arm", values="text").reindex(layer_order(recs)).reindex(columns=arms)
