@@ -239,10 +239,6 @@ def draw_all(lines, out_dir, spectrum_layer: str = "norm", name: str = "", suffi
     return paths
 
 
-def _att(r: dict) -> str:
-    return r.get("attention", "softmax")  # runs recorded before the relatives are softmax
-
-
 def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
     """The headline geometry at every block (the per_block table's numbers): a panel per metric,
     a line per arm (k, mode), the mean over seeds with its 95% interval as a band."""
@@ -348,8 +344,9 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
     for name, recs in experiments(records).items():
         # a line per arm (k, mode, attention): its seeds' analyses (a run not analysed has no line)
         arms: dict = {}
-        for r in sorted((r for r in recs if r.get("analysis")), key=lambda r: arm_key(r["k"], r["mode"], _att(r))):
-            arms.setdefault(arm_label(r["k_label"], r["mode"], _att(r)), []).append(
+        analysed = (r for r in recs if r.get("analysis"))
+        for r in sorted(analysed, key=lambda r: arm_key(r["k"], r["mode"], r["attention"])):
+            arms.setdefault(arm_label(r["k_label"], r["mode"], r["attention"]), []).append(
                 json.loads(Path(r["analysis"]).read_text()))
         if not arms:
             print(f"[figures] skipped the layer figures of {name}: no analysis.json (run python -m analysis "
@@ -362,12 +359,13 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
             # one checkpoint per arm, its lowest seed: a map is of one model (a mean of maps would blur
             # exactly what it shows)
             picks: dict = {}
-            for r in sorted(recs, key=lambda r: (arm_key(r["k"], r["mode"], _att(r)), sort_key(r["seed"]))):
+            for r in sorted(recs, key=lambda r: (arm_key(r["k"], r["mode"], r["attention"]), sort_key(r["seed"]))):
                 if Path(r["checkpoint"]).is_file():
-                    picks.setdefault((r["k"], r["mode"], _att(r)), r)
-            cols = {f"{r['model']} ({arm_label(r['k_label'], r['mode'], _att(r))} Laplacian, seed {r['seed']})":
+                    picks.setdefault((r["k"], r["mode"], r["attention"]), r)
+            cols = {f"{r['model']} ({arm_label(r['k_label'], r['mode'], r['attention'])} Laplacian, seed {r['seed']})":
                     r["checkpoint"] for r in picks.values()}
-            names = [f"{r['model']}_{arm_label(r['k_label'], r['mode'], _att(r))}_s{r['seed']}" for r in picks.values()]
+            names = [f"{r['model']}_{arm_label(r['k_label'], r['mode'], r['attention'])}_s{r['seed']}"
+                     for r in picks.values()]
             got = checkpoint_maps(cols, out / f"pca_maps_{name}", pca_maps, pca_layer, THRESHOLD, device=device,
                                   seed=seed, names=names) if cols else []
             if not got:
