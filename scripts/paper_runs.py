@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from laplace.errors import ConfigError, UserError, cli_errors  # noqa: E402
+from train.recipe import compose_config, reference_recipe  # noqa: E402
 
 IMAGENET_VAL, ADE_VAL = 50_000, 2_000  # validation images (ImageNet-1k; ADE20K's SceneParse150)
 ADE_WINDOWS = 2  # sliding windows (512, stride 341) per ADE20K test image at a 512 short side, 4:3
@@ -83,18 +84,9 @@ def vit_flops(model, img_size: int, train: bool) -> float:
     return counted(model, step) / 2
 
 
-def recipe(experiment: str, overrides: list[str]):
-    """train.recipe's Recipe of an experiment composed with its card's overrides + ours."""
-    from train.recipe import Recipe, compose_config, load_reference
-
-    ref = load_reference(experiment)
-    cfg = compose_config([f"experiment={experiment}", *ref.get("overrides", []), *overrides])
-    return Recipe(cfg, ref.get("assume", {}).get("train_size"))
-
-
 def train_cost(experiment: str, overrides: tuple[str, ...]) -> tuple[int, float]:
     """(optimizer steps, FLOPs per step) of a training run."""
-    r = recipe(experiment, list(overrides))
+    _, r = reference_recipe(experiment, list(overrides))
     cfg, model, batch = r.cfg, r.trainer.model, r.cfg.trainer.global_batch_size
     if cfg.trainer.name == "gpt":  # nanochat's estimate, the one its logged MFU uses
         return r.total_steps(), model.flops_per_token(cfg.data.seq_len) * r.tokens_per_step()
@@ -112,9 +104,7 @@ def train_cost(experiment: str, overrides: tuple[str, ...]) -> tuple[int, float]
 def eval_cost(stage: str, experiment: str, overrides: tuple[str, ...]) -> tuple[int, float]:
     """(images, FLOPs per image) of evaluating the backbone a pre-training run exports, by the
     evaluation's own entry config (configs/{knn,linear,segmentation}.yaml)."""
-    from train.recipe import compose_config
-
-    r = recipe(experiment, list(overrides))
+    _, r = reference_recipe(experiment, list(overrides))
     backbone, train_size = r.trainer.exported, int(r.train_size)
     if stage == "seg":  # 40k iterations of 16 crops, then the sliding-window test; the head is 0.2%
         e = compose_config(["checkpoint=x"], "segmentation")
@@ -135,8 +125,9 @@ def rates() -> dict[str, float]:
     """FLOP/s of one H200 per family: the measured runs, counted by the same rules."""
     from train.engine import PEAK_BF16_FLOPS
 
-    vit = recipe(VIT_RECORD["experiment"], [f"model={VIT_RECORD['model']}", f"data.img_size={VIT_RECORD['img_size']}"])
-    gpt = recipe(GPT_RECORD["experiment"], [f"model={GPT_RECORD['model']}"])
+    _, vit = reference_recipe(VIT_RECORD["experiment"],
+                              [f"model={VIT_RECORD['model']}", f"data.img_size={VIT_RECORD['img_size']}"])
+    _, gpt = reference_recipe(GPT_RECORD["experiment"], [f"model={GPT_RECORD['model']}"])
     return {"vit": VIT_RECORD["images_per_s"] * vit_flops(vit.trainer.model, VIT_RECORD["img_size"], train=True),
             "gpt": GPT_RECORD["tokens_per_s"] * gpt.trainer.model.flops_per_token(gpt.cfg.data.seq_len),
             "peak": PEAK_BF16_FLOPS["H200"]}

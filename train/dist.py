@@ -130,10 +130,6 @@ def all_reduce_sum(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    return all_reduce_sum(t) / (dist.get_world_size() if dist.is_initialized() else 1)
-
-
 def broadcast_module_(module: torch.nn.Module, src: int = 0):
     """Overwrite every parameter and buffer of `module` (non-persistent ones too) with rank
     `src`'s, in place: DDP does so for the module it wraps only."""

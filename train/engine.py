@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 from laplace import create_model, model_label
 from laplace.attention import gate_metrics
@@ -46,8 +47,8 @@ from laplace.io import write_json
 from laplace.pretrained import load_pretrained
 
 from . import dist
-from .feeds import Feed, MapFeed, train_sampler
-from .logger import LogWindow, MetricsLogger, format_metrics, git_commit, logged, print_line, progress_bar
+from .feeds import Feed, MapFeed, split_batch, train_sampler
+from .logger import LogWindow, MetricsLogger, format_metrics, git_commit, logged, progress_bar
 from .plan import resolve_batch, step_plan
 from .optim import apply_group_schedules, build_optimizers, build_schedules, check_group_schedules, clip_gradients
 from .resume import check_resumable, find_checkpoint
@@ -85,8 +86,7 @@ class Trainer:
             if self.device.type == "cuda" else None)
         # The split of the global batch (a property of the recipe, not of the cluster); the run's
         # length follows once the data's size is known (setup).
-        self.plan = step_plan(cfg, self.dist.world_size, None)
-        self.micro_bs, self.accum = self.plan.micro_batch, self.plan.accum
+        self.micro_bs, self.accum = split_batch(tc.global_batch_size, tc.micro_batch_size, self.dist.world_size)
 
     @classmethod
     def offline(cls, cfg: DictConfig, device: str = "meta") -> Trainer:
@@ -107,7 +107,9 @@ class Trainer:
         dist.seed_everything(cfg.seed + self.dist.rank)
         # 1. data: a feed of micro-batches (a map-style set is served by a MapFeed), the run's length
         self.data = self.build_data()
-        self.feed = self._feed(self.data)
+        self.feed = self.data.train if isinstance(self.data.train, Feed) else MapFeed(
+            self.data.train, self.sampler(self.data.train), self.micro_bs, cfg.seed, self.dist.rank, world,
+            step_size=tc.global_batch_size, **self._loader_kwargs(self.data.collate))
         if self.feed.micro_batches_per_epoch < 1:  # else the loop would wait forever for a batch
             n = len(self.data.train) if isinstance(self.data.train, Sized) else None
             size = "a streamed training set" if n is None else f"the training set has {n} samples"
@@ -194,14 +196,6 @@ class Trainer:
         return self.feed.epoch
 
     # ---- the engine's own ------------------------------------------------------------------
-    def _feed(self, data: Data) -> Feed:
-        """Micro-batches of the training set (a MapFeed unless the set is a feed already)."""
-        if isinstance(data.train, Feed):
-            return data.train
-        return MapFeed(data.train, self.sampler(data.train), self.micro_bs, self.cfg.seed, self.dist.rank,
-                       self.dist.world_size, step_size=self.cfg.trainer.global_batch_size,
-                       **self._loader_kwargs(data.collate))
-
     def sampler(self, dataset):
         """The epoch's order of the training samples: shuffled by (seed, epoch), or timm's repeated
         augmentation with trainer.repeated_aug > 1 (DeiT-III); the recipe cards count with it too."""
@@ -298,10 +292,9 @@ class Trainer:
     def fit(self, stop: StopRequest | None = None) -> dict:
         """After setup(): train to total_steps (or trainer.stop_after more steps); returns the last
         metrics. `stop`: the signal flag train.run installs before set-up (None: fit's own)."""
-        with contextlib.nullcontext(stop) if stop is not None else StopRequest() as stop:
-            return self._fit(stop)
-
-    def _fit(self, stop: StopRequest) -> dict:
+        if stop is None:
+            with StopRequest() as stop:
+                return self.fit(stop)
         cfg, tc, optim = self.cfg, self.cfg.trainer, self.cfg.optim
         main = self.dist.is_main
         wandb_cfg = OmegaConf.to_container(cfg.logger.wandb, resolve=True) if cfg.logger.wandb else None
@@ -359,7 +352,7 @@ class Trainer:
                 dt, seen = window.seconds(), window.units
                 # Averaged over ranks (all reach this line at the same step): the logged loss
                 # is the global batch's, whatever the world size.
-                window_loss = dist.all_reduce_mean(window.loss)
+                window_loss = dist.all_reduce_sum(window.loss) / self.dist.world_size
                 guard.check(step)
                 mean_loss = float(window_loss) / window.steps
                 # the exported model's learned gates: the last record equals the checkpoint's
@@ -413,8 +406,11 @@ class Trainer:
             metrics = self.evaluate()
         if metrics:
             logger.log(step, metrics, split="val", epoch=self.epoch)
-            if self.dist.is_main:  # one plain line, bar or not (tqdm.write keeps the bar whole)
-                print_line(format_metrics(step, metrics))
+            if self.dist.is_main:  # one plain line, bar or not: on a terminal tqdm.write clears an open
+                # bar, prints and redraws it; off a terminal the bars write to train.logger._Lines, which
+                # tqdm.write leaves alone (a redraw would only add a line)
+                tqdm.write(format_metrics(step, metrics), file=sys.stdout)
+                sys.stdout.flush()
         return metrics
 
     def _write_results(self, metrics: dict):

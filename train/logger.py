@@ -371,16 +371,6 @@ def progress_interval(cfg) -> float:
     return float(OmegaConf.load(config_dir() / "logger" / "jsonl.yaml").progress_interval)
 
 
-def print_line(text: str) -> None:
-    """One plain line on stdout, what every evaluation prints whatever the bar setting."""
-    from tqdm import tqdm
-
-    # On a terminal tqdm.write clears an open bar, prints and redraws it; off a terminal the bars
-    # write to _Lines, which tqdm.write leaves alone (a redraw would only add a line).
-    tqdm.write(text, file=sys.stdout)
-    sys.stdout.flush()
-
-
 def format_metrics(step: int, metrics: dict) -> str:
     """`[laplace] step 120: val_loss=0.4321, val_acc1=81.2500` (floats with 4 decimals)."""
     parts = [f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()]

@@ -255,11 +255,17 @@ def load_reference(experiment: str) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def card(experiment: str, extra: list[str] = ()) -> tuple[dict, list[Row]]:
-    """(reference file, rows) for an experiment composed with the card's overrides + `extra`."""
+def reference_recipe(experiment: str, extra: list[str] = ()) -> tuple[dict, Recipe]:
+    """(reference file, Recipe) of an experiment composed with its card's overrides + `extra`
+    (the card's, and scripts/paper_runs.py's costs)."""
     ref = load_reference(experiment)
     cfg = compose_config([f"experiment={experiment}", *ref.get("overrides", []), *extra])
-    recipe = Recipe(cfg, ref.get("assume", {}).get("train_size"), ref.get("eval_overrides"))
+    return ref, Recipe(cfg, ref.get("assume", {}).get("train_size"), ref.get("eval_overrides"))
+
+
+def card(experiment: str, extra: list[str] = ()) -> tuple[dict, list[Row]]:
+    """(reference file, rows) for an experiment composed with the card's overrides + `extra`."""
+    ref, recipe = reference_recipe(experiment, extra)
     return ref, evaluate_rows(recipe, ref["rows"], f"configs/reference/{experiment}.yaml")
 
 
