@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
 
-from laplace.checkpoint import results_header, run_dir_of
+from laplace.checkpoint import run_dir_of
+from train.records import results_header
 from laplace.pretrained import load_backbone
 from train.dist import DistInfo, all_gather_object, barrier, cleanup, setup
 from laplace.errors import ConfigError

@@ -27,7 +27,8 @@ from unittest import mock
 
 from omegaconf import DictConfig
 
-from laplace.checkpoint import results_header, run_dir_of
+from laplace.checkpoint import run_dir_of
+from train.records import results_header
 from train.cli import hydra_entry
 from train.config import required_list
 from laplace.errors import ConfigError

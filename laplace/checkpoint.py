@@ -28,13 +28,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import random
 import re
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.nn as nn
 from timm.models import clean_state_dict  # strips DDP's `module.` and torch.compile's `_orig_mod.`
@@ -42,7 +40,6 @@ from timm.utils import unwrap_model  # DDP's and torch.compile's wrappers
 
 from .errors import UserError, one_line
 from .io import atomic_write
-from .zoo import model_label
 
 FORMAT = "laplace-checkpoint"
 VERSION = 2
@@ -59,38 +56,6 @@ def git(*args: str) -> Optional[str]:
                               timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def rng_state() -> dict:
-    """This process's RNG states as plain tensors / tuples (weights_only-safe)."""
-    # NumPy's key array as an int64 tensor: weights_only=True loads tensors and plain Python
-    # types, never ndarrays (a checkpoint must not need unpickling arbitrary classes)
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # This process's device only: a resume may see another number of GPUs (one per task
-        # under Slurm's --gpus-per-task, all of the node under torchrun).
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if isinstance(cuda, (list, tuple)):  # laplace before 2026-12-01: every visible device's state
-        i = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        cuda = cuda[i] if i < len(cuda) else None
-    if cuda is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(cuda)
 
 
 def _plain_state(obj):
@@ -393,14 +358,3 @@ def run_dir_of(checkpoint: str | os.PathLike) -> Path:
     if p.is_dir():  # a run folder, or an export: evaluations of it write into it
         return p
     return p.parent.parent if p.parent.name == "ckpt" else p.parent
-
-
-def results_header(model: dict, dataset: Optional[str], checkpoint, **fields) -> dict:
-    """The fields every results.json opens with (trainers, k-NN, linear, segmentation, lm-eval):
-    what `analysis.tables` groups runs by. `model` is the model node; `fields` follow."""
-    k = model["num_laplacian_heads"]
-    # checkpoints from before learned modes have no laplacian_mode: theirs was fixed
-    return {"model": model_label(model), "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
-            "laplacian_mode": model.get("laplacian_mode", "fixed"), "attention": model.get("attention", "softmax"),
-            "dataset": dataset,
-            "checkpoint": str(checkpoint), **fields}

@@ -22,9 +22,10 @@ from eval.features import batch_features, cache_key, extract_features, probe_dat
 from eval.knn import knn_classify
 from eval.linear import accuracy, evaluate_linear, linear_probe
 from laplace import create_model
-from laplace.checkpoint import results_header, save_checkpoint
+from laplace.checkpoint import save_checkpoint
 from laplace.pretrained import backbone_node, load_backbone
 from train.config import model_node
+from train.records import results_header
 
 NODE = dict(model_node("vitt_0L"), depth=3, embed_dim=48, num_heads=3, img_size=16, patch_size=8, num_classes=10)
 

@@ -38,8 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from laplace import create_model, model_label
 from laplace.attention import gate_metrics
-from laplace.checkpoint import (CheckpointError, clean_state_dict, results_header, rng_state, save_checkpoint,
-                                set_rng_state)
+from laplace.checkpoint import CheckpointError, clean_state_dict, save_checkpoint
 from laplace.data import Data
 from laplace.errors import ConfigError
 from laplace.io import write_json
@@ -50,7 +49,8 @@ from .feeds import Feed, MapFeed, train_sampler
 from .logger import LogWindow, MetricsLogger, format_metrics, git_commit, logged, print_line, progress_bar
 from .plan import resolve_batch, step_plan
 from .optim import apply_group_schedules, build_optimizers, build_schedules, check_group_schedules, clip_gradients
-from .resume import check_resumable, find_checkpoint
+from .records import results_header
+from .resume import check_resumable, find_checkpoint, rng_state, set_rng_state
 from .finite import FiniteGuard
 from .signals import EXIT_REQUEUE, Preempted, StopRequest, ignore_in_worker
 
