@@ -229,26 +229,50 @@ def model_source(path_or_id: str | os.PathLike, revision: Optional[str] = None, 
 def load_model(path_or_id: str | os.PathLike | dict, map_location: Any = "cpu", eval_mode: bool = True, *,
                revision: Optional[str] = None, cache_dir=None, **overrides) -> nn.Module:
     """The one loader: rebuild the model of a checkpoint, a run, an export, a nanochat checkpoint
-    folder or a Hub id (see model_source; or what model_source returned) from it alone, in eval
-    mode on `map_location`. `overrides` change constructor arguments that keep the weights' shapes
-    (e.g. fused_attn=False for attention maps, drop_path_rate=0.0)."""
+    folder or a Hub id (see model_source; or what model_source or laplace.pretrained.weights_source
+    returned) from it alone, in eval mode on `map_location`. `overrides` change constructor
+    arguments (e.g. fused_attn=False for attention maps, drop_path_rate=0.0; a ViT's img_size
+    resamples its position embedding, num_classes=0 leaves the head out: see load_weights)."""
     from .zoo import create_model  # late import: zoo imports models, models need no checkpoint
 
     src = path_or_id if isinstance(path_or_id, dict) else model_source(path_or_id, revision, cache_dir)
     kwargs = {**src.get("node", {}), **overrides}
     if src["kind"] == "nanochat":  # the 2026 GPT's own format (laplace/nanochat.py), imported when one is loaded
         model = importlib.import_module(f"{__package__}.nanochat").load(src["path"], map_location)
-    elif src["kind"] == "export":
-        model = _load_export(src["path"], kwargs)
     else:
+        # a state dict file's own (laplace.pretrained), an export's (read after its checks), a checkpoint's
+        sd = src["sd"] if "sd" in src else _export_weights(src["path"], kwargs) if src["kind"] == "export" \
+            else src["ckpt"]["model"]
         model = create_model(**kwargs)
-        try:
-            model.load_state_dict(src["ckpt"]["model"], strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"weights do not match model {kwargs['name']!r}: "
-                                  f"{str(e).splitlines()[0]}") from None
+        if src["kind"] == "export":
+            where = src["path"] / EXPORT_WEIGHTS
+            load_weights(model, sd, f"{where} does not match model {kwargs['name']!r} of its {EXPORT_CONFIG}")
+            check_finite(model.state_dict(), str(where), "export a finite checkpoint again")  # refused at export too
+        else:
+            load_weights(model, sd, f"checkpoint={src['path']} does not fit model {kwargs['name']}")
     model.to(map_location)
     return model.eval() if eval_mode else model
+
+
+HEADS = ("head.", "lm_head.")  # the classifier of a ViT, the output layer of a GPT
+
+
+def load_weights(model: nn.Module, sd: dict, refusal: str) -> None:
+    """Load `sd` strictly into `model`, but for head weights the model lacks (num_classes=0) and
+    a ViT's position embedding, resampled (bicubic) to the model's patch grid. A misfit is one
+    CheckpointError line, `refusal` (naming the file and model) and torch's reason."""
+    from .vit import VisionTransformer, load_timm_state_dict
+
+    own = model.state_dict()
+    # a head the model does not have (num_classes=0: a backbone) is left out, every other key strict
+    sd = {k: v for k, v in sd.items() if k in own or not k.startswith(HEADS)}
+    try:
+        if isinstance(model, VisionTransformer):
+            load_timm_state_dict(model, sd)
+        else:
+            model.load_state_dict(sd, strict=True)
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{refusal}: {' '.join(str(e).split())[:300]}") from None
 
 
 def _from_hub(name: str | os.PathLike, revision: Optional[str], cache_dir) -> Path:
@@ -303,12 +327,12 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     return node
 
 
-def _load_export(folder: Path, kwargs: dict) -> nn.Module:
-    """The model of an export, its weights checked against the model's name and depth first."""
+def _export_weights(folder: Path, kwargs: dict) -> dict:
+    """The state dict of an export, checked against the model's name and depth first."""
     from safetensors import safe_open
-    from safetensors.torch import load_model as load_safetensors
+    from safetensors.torch import load_file
 
-    from .zoo import create_model, model_defaults
+    from .zoo import model_defaults
 
     weights = folder / EXPORT_WEIGHTS
     if not weights.is_file():
@@ -331,16 +355,8 @@ def _load_export(folder: Path, kwargs: dict) -> nn.Module:
         k = next(iter(other))
         raise CheckpointError(f"{weights}: {k} is {other[k]} (and {len(other) - 1} more tensors not F32); "
                               f"laplace exports are float32: export the checkpoint again")
-    model = create_model(**kwargs)
-    try:
-        # safetensors' load_model, not load_file + load_state_dict: it restores tensors that the
-        # export stored once because the model shares them (save_model drops the aliases).
-        load_safetensors(model, str(weights), strict=True)
-    except RuntimeError as e:  # missing / unexpected keys or shapes (torch's load_state_dict message)
-        raise CheckpointError(f"{weights} does not match model {kwargs['name']!r} of its {EXPORT_CONFIG}: "
-                              f"{' '.join(str(e).split())[:300]}") from None
-    check_finite(model.state_dict(), str(weights), "export a finite checkpoint again")  # refused at export too
-    return model
+    # Our models share no tensors, so every name save_model wrote is one of the state dict's.
+    return load_file(str(weights))
 
 
 def check_finite(state_dict: dict, where: str, fix: str) -> None:
