@@ -34,11 +34,12 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
+from timm.models import clean_state_dict  # strips DDP's `module.` and torch.compile's `_orig_mod.`
 from torch.utils.data import DataLoader, Dataset
 
 from laplace import create_model, model_label
 from laplace.attention import gate_metrics
-from laplace.checkpoint import CheckpointError, clean_state_dict, save_checkpoint
+from laplace.checkpoint import CheckpointError, save_checkpoint
 from laplace.data import Data
 from laplace.errors import ConfigError
 from laplace.io import write_json

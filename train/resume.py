@@ -22,7 +22,7 @@ import torch
 from laplace.checkpoint import CheckpointError, load_checkpoint, resume_candidates
 from .config import flatten
 from .rundir import EXECUTION_KEYS
-from laplace.zoo import upgrade_node
+from laplace.zoo import UnknownModelError, model_defaults
 
 # Resume does not compare these either: they only act on a fresh run.
 _FRESH_ONLY_KEYS = ("trainer.init_from", "trainer.init_head")
@@ -117,6 +117,16 @@ def config_differences(saved: dict, current: dict) -> list[str]:
         if was != now:
             diffs.append(f"{k}: {was} -> {now}")
     return diffs
+
+
+def upgrade_node(node: dict) -> dict:
+    """A model node as this code writes it. Until b601d55 a node's name held k ("vitb_12L",
+    "gpt_d20_5L") beside `num_laplacian_heads`; now it names the family and k is the key alone."""
+    try:
+        family = model_defaults(node["name"])["name"]
+    except UnknownModelError:  # a name outside the zoo: kept
+        return node
+    return {**node, "name": family}
 
 
 def rng_state() -> dict:
