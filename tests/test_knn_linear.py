@@ -25,7 +25,7 @@ from laplace import create_model
 from laplace.checkpoint import save_checkpoint
 from laplace.pretrained import backbone_node, load_backbone
 from train.config import model_node
-from train.records import results_header
+from train.rundir import results_header
 
 NODE = dict(model_node("vitt_0L"), depth=3, embed_dim=48, num_heads=3, img_size=16, patch_size=8, num_classes=10)
 

@@ -50,7 +50,7 @@ from .feeds import Feed, MapFeed, train_sampler
 from .logger import LogWindow, MetricsLogger, format_metrics, git_commit, logged, print_line, progress_bar
 from .plan import resolve_batch, step_plan
 from .optim import apply_group_schedules, build_optimizers, build_schedules, check_group_schedules, clip_gradients
-from .records import results_header
+from .rundir import results_header
 from .resume import check_resumable, find_checkpoint, rng_state, set_rng_state
 from .finite import FiniteGuard
 from .signals import EXIT_REQUEUE, Preempted, StopRequest, ignore_in_worker

@@ -26,7 +26,7 @@ from .dist import all_reduce_sum
 
 from .engine import Trainer
 from .logger import logged
-from .records import append_line
+from .rundir import append_line
 from .optim import build_muon26, muon26_groups
 from .plan import nanochat_scaling
 

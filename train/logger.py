@@ -20,7 +20,7 @@ from laplace.checkpoint import git
 from laplace.errors import ConfigError, UserError
 from laplace.io import atomic_write, write_json
 
-from .records import append_line
+from .rundir import append_line
 
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_RECORD = "wandb.json"  # <run_dir>/wandb.json: the W&B run of a training run (id, project, mode, ...)
