@@ -58,14 +58,6 @@ def git(*args: str) -> Optional[str]:
         return None
 
 
-def _plain_state(obj):
-    """A {name: optimizer} dict as state dicts; anything else as it is."""
-    # state dicts, not the objects: a pickled optimizer class would need weights_only=False
-    if isinstance(obj, dict) and obj and all(isinstance(v, torch.optim.Optimizer) for v in obj.values()):
-        return {k: v.state_dict() for k, v in obj.items()}
-    return obj
-
-
 def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, **entries) -> Path:
     """Write a checkpoint atomically. Call on one rank only (gather per-rank states first).
 
@@ -73,13 +65,13 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
         path: the file to (over)write.
         model: the network `load_model` must rebuild (wrappers are removed).
         config: the resolved run config as a plain dict (with the `model` node).
-        **entries: plain data stored beside it (optimizer: {name: optimizer} is stored as
-            state dicts; loop, rng, trainer, ...).
+        **entries: plain data stored beside it (optimizer: {name: optimizer state dict}; loop,
+            rng, ...): state dicts, not objects, which would need weights_only=False to load.
     """
     payload = {"format": FORMAT, "version": VERSION,
                "model": clean_state_dict(unwrap_model(model).state_dict()), "config": config,
                # the code that wrote it, so that a result can be traced to it
-               "git_rev": git("rev-parse", "HEAD") or "unknown", **{k: _plain_state(v) for k, v in entries.items()}}
+               "git_rev": git("rev-parse", "HEAD") or "unknown", **entries}
     # One writer per run directory: a temp file beside `path` is a killed writer's (SIGKILL, node
     # failure), full size, and goes first.
     return atomic_write(path, lambda f: torch.save(payload, f), sole_writer=True)

@@ -246,7 +246,7 @@ class Trainer:
         if self.dist.is_main:
             exported = self.exported
             entries = dict(
-                optimizer=self.optimizers, rng=rngs,
+                optimizer={name: opt.state_dict() for name, opt in self.optimizers.items()}, rng=rngs,
                 # total_steps: an export of a run stopped early says so (laplace.export)
                 loop={"step": self.step, "total_steps": self.total_steps, "epoch": self.epoch, "feed": self.feed.state_dict(),
                       "world_size": self.dist.world_size, "log_window": windows, "commit": self.started_commit})
