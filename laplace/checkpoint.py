@@ -151,14 +151,16 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     return _validate(ckpt, path)
 
 
-def read_weights(path: Path) -> tuple[dict, Optional[dict]]:
-    """(state dict, the validated checkpoint) of a laplace checkpoint, or (state dict, None) of a
-    timm / DeiT weights file (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1` /
-    `gamma_2` LayerScale names; timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar):
-    what fine-tuning (`trainer.init_from`) and the frozen backbones start from."""
+def read_weights(path: Path, model_node: Optional[dict] = None) -> dict:
+    """model_source's description of a laplace checkpoint file, or of a timm / DeiT weights file
+    (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1` / `gamma_2` LayerScale names;
+    timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar): {kind: "weights", path, sd:
+    its state dict, node: `model_node` (its architecture, given), ckpt: None}. What fine-tuning
+    (`trainer.init_from`) and the frozen backbones start from (laplace.pretrained)."""
     obj = _read(path, "weights file")
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
-        return _validate(obj, path)["model"], obj
+        ckpt = _validate(obj, path)
+        return {"kind": "checkpoint", "path": path, "node": model_node_of(ckpt, path), "ckpt": ckpt}
     sd = obj
     for key in ("model", "state_dict"):  # DeiT's main.py saves {"model": ..., "optimizer": ...}
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
@@ -167,8 +169,9 @@ def read_weights(path: Path) -> tuple[dict, Optional[dict]]:
         raise CheckpointError(f"{path} holds no state dict (expected a laplace checkpoint, a "
                               f"timm state dict or DeiT's {{'model': state_dict}})")
     # DeiT's own models name LayerScale `gamma_1`/`gamma_2`; timm (and we) say `ls1.gamma`.
-    return {k.replace(".gamma_1", ".ls1.gamma").replace(".gamma_2", ".ls2.gamma"): v
-            for k, v in clean_state_dict(sd).items()}, None
+    sd = {k.replace(".gamma_1", ".ls1.gamma").replace(".gamma_2", ".ls2.gamma"): v
+          for k, v in clean_state_dict(sd).items()}
+    return {"kind": "weights", "path": path, "sd": sd, "node": model_node, "ckpt": None}
 
 
 # An exported folder (laplace/export.py): Hugging Face's file names, so the Hub and timm find

@@ -13,25 +13,22 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from .checkpoint import (EXPORT_WEIGHTS, HEADS, CheckpointError, checkpoint_file, load_model, load_weights,
-                         model_node_of, model_source, read_weights)
+                         model_source, read_weights)
 from .errors import ConfigError
 from .zoo import model_label
 
 
 def weights_source(path: Path, setting: str, model_node=None) -> dict:
-    """model_source's description of a laplace checkpoint or export at `path`; of a timm / DeiT
-    state dict file: {kind: "weights", path, sd: its state dict, node: `model_node` (the `model=`
-    group's, resolved), ckpt: None}. `setting` names the config key in a one-line error."""
+    """model_source's description of a laplace export at `path`, else read_weights' of the file;
+    `model_node`: a state dict's architecture (the `model=` group's node); `setting` names the
+    config key in a one-line error."""
     if path.is_dir():  # an export
         return model_source(path)
+    node = OmegaConf.to_container(model_node, resolve=True) if OmegaConf.is_config(model_node) else model_node
     try:
-        sd, ckpt = read_weights(path)
+        return read_weights(path, node)
     except CheckpointError as e:  # name the setting that pointed at the file
         raise CheckpointError(f"{setting}: {e}") from None
-    if ckpt is not None:
-        return {"kind": "checkpoint", "path": path, "node": model_node_of(ckpt, path), "ckpt": ckpt}
-    node = OmegaConf.to_container(model_node, resolve=True) if OmegaConf.is_config(model_node) else model_node
-    return {"kind": "weights", "path": path, "sd": sd, "node": node, "ckpt": None}
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: str = "auto") -> str:
