@@ -20,8 +20,8 @@ fsync), so a kill during a save never leaves a broken `last.pt`; the temp file o
 writer is removed by the next save. A resume reads memory-mapped (`load_checkpoint(mmap=True)`).
 `load_model(path_or_id)` is the one loader: it rebuilds the model from a checkpoint, a run folder,
 a folder `python -m laplace.export` wrote (config.json + model.safetensors), a nanochat checkpoint
-folder or a Hugging Face Hub id alone. laplace.pretrained loads weights into a model built
-otherwise (fine-tuning's init_from, the evaluations' frozen backbones).
+folder or a Hugging Face Hub id alone, and the evaluations' frozen backbones (laplace.pretrained);
+laplace.pretrained.load_pretrained loads weights into a model built otherwise (fine-tuning's init_from).
 """
 from __future__ import annotations
 

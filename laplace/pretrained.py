@@ -77,7 +77,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, model_cfg, head: 
 
 def backbone_source(checkpoint, model_node=None, img_size: Optional[int] = None, head: bool = False) -> dict:
     """weights_source of `checkpoint` (a run folder: its checkpoint), its node the frozen backbone's
-    (see load_backbone): what a run that trains on the backbone records."""
+    (see load_backbone): what a run that trains on the backbone records, `load_model` builds."""
     path = checkpoint_file(str(checkpoint))
     if not path.exists():
         raise ConfigError(f"checkpoint={path}: no such file or folder; pass a laplace checkpoint (runs/.../ckpt/"
@@ -94,11 +94,6 @@ def backbone_source(checkpoint, model_node=None, img_size: Optional[int] = None,
     src["node"] = {**src["node"], "drop_path_rate": 0.0, **({"img_size": int(img_size)} if img_size else {}),
                    **({} if head else {"num_classes": 0})}
     return src
-
-
-def backbone_node(checkpoint, model_node=None, img_size: Optional[int] = None, head: bool = False) -> dict:
-    """The model node `load_backbone` builds (what a run that trains on the backbone records)."""
-    return backbone_source(checkpoint, model_node, img_size, head)["node"]
 
 
 def load_backbone(checkpoint, model_node=None, img_size: Optional[int] = None, head: bool = False,
