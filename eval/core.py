@@ -14,7 +14,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
-from laplace.checkpoint import results_header, run_dir_of
+from laplace.checkpoint import run_dir_of
+from train.rundir import results_header
 from train.cli import hydra_entry
 from train.config import required
 from laplace.core_eval import ensure_bundle, evaluate

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
 
-from laplace.checkpoint import results_header, run_dir_of
+from laplace.checkpoint import run_dir_of
 from laplace.pretrained import load_backbone
 from train.dist import DistInfo, all_gather_object, barrier, cleanup, setup
 from laplace.errors import ConfigError
 from laplace.io import atomic_write, write_json
-from train.rundir import check_writable
+from train.rundir import check_writable, results_header
 from laplace.zoo import features
 from train.logger import log_to_training_run, progress_bar, progress_interval
 

@@ -27,12 +27,12 @@ from unittest import mock
 
 from omegaconf import DictConfig
 
-from laplace.checkpoint import results_header, run_dir_of
+from laplace.checkpoint import run_dir_of
 from train.cli import hydra_entry
 from train.config import required_list
 from laplace.errors import ConfigError
 from laplace.io import write_json
-from train.rundir import MAX_NAME, check_writable, short_name
+from train.rundir import MAX_NAME, check_writable, results_header, short_name
 from train.logger import log_to_training_run
 
 from .generate import gpt_source

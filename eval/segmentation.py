@@ -13,7 +13,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, open_dict
 
 from laplace.checkpoint import run_dir_of
-from laplace.pretrained import backbone_node
+from laplace.pretrained import backbone_source
 from train.cli import hydra_entry
 
 
@@ -23,7 +23,7 @@ def prepare(cfg: DictConfig) -> DictConfig:
     # Rebuilt at the crop size: the position embedding is resampled to the training windows.
     # head=True keeps the classifier in the node (unused): the segmentation head's initialisation
     # then draws the same random numbers as in every run before.
-    node = backbone_node(cfg.checkpoint, img_size=cfg.trainer.crop_size, head=True)
+    node = backbone_source(cfg.checkpoint, img_size=cfg.trainer.crop_size, head=True)["node"]
     with open_dict(cfg):
         cfg.model = node
         if cfg.run_dir is None:

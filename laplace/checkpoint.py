@@ -20,21 +20,19 @@ fsync), so a kill during a save never leaves a broken `last.pt`; the temp file o
 writer is removed by the next save. A resume reads memory-mapped (`load_checkpoint(mmap=True)`).
 `load_model(path_or_id)` is the one loader: it rebuilds the model from a checkpoint, a run folder,
 a folder `python -m laplace.export` wrote (config.json + model.safetensors), a nanochat checkpoint
-folder or a Hugging Face Hub id alone. laplace.pretrained loads weights into a model built
-otherwise (fine-tuning's init_from, the evaluations' frozen backbones).
+folder or a Hugging Face Hub id alone, and the evaluations' frozen backbones (laplace.pretrained);
+laplace.pretrained.load_pretrained loads weights into a model built otherwise (fine-tuning's init_from).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
-import random
 import re
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.nn as nn
 from timm.models import clean_state_dict  # strips DDP's `module.` and torch.compile's `_orig_mod.`
@@ -42,7 +40,6 @@ from timm.utils import unwrap_model  # DDP's and torch.compile's wrappers
 
 from .errors import UserError, one_line
 from .io import atomic_write
-from .zoo import model_label
 
 FORMAT = "laplace-checkpoint"
 VERSION = 2
@@ -61,46 +58,6 @@ def git(*args: str) -> Optional[str]:
         return None
 
 
-def rng_state() -> dict:
-    """This process's RNG states as plain tensors / tuples (weights_only-safe)."""
-    # NumPy's key array as an int64 tensor: weights_only=True loads tensors and plain Python
-    # types, never ndarrays (a checkpoint must not need unpickling arbitrary classes)
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # This process's device only: a resume may see another number of GPUs (one per task
-        # under Slurm's --gpus-per-task, all of the node under torchrun).
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if isinstance(cuda, (list, tuple)):  # laplace before 2026-12-01: every visible device's state
-        i = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        cuda = cuda[i] if i < len(cuda) else None
-    if cuda is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(cuda)
-
-
-def _plain_state(obj):
-    """A {name: optimizer} dict as state dicts; anything else as it is."""
-    # state dicts, not the objects: a pickled optimizer class would need weights_only=False
-    if isinstance(obj, dict) and obj and all(isinstance(v, torch.optim.Optimizer) for v in obj.values()):
-        return {k: v.state_dict() for k, v in obj.items()}
-    return obj
-
-
 def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, **entries) -> Path:
     """Write a checkpoint atomically. Call on one rank only (gather per-rank states first).
 
@@ -108,13 +65,13 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, config: dict, 
         path: the file to (over)write.
         model: the network `load_model` must rebuild (wrappers are removed).
         config: the resolved run config as a plain dict (with the `model` node).
-        **entries: plain data stored beside it (optimizer: {name: optimizer} is stored as
-            state dicts; loop, rng, trainer, ...).
+        **entries: plain data stored beside it (optimizer: {name: optimizer state dict}; loop,
+            rng, ...): state dicts, not objects, which would need weights_only=False to load.
     """
     payload = {"format": FORMAT, "version": VERSION,
                "model": clean_state_dict(unwrap_model(model).state_dict()), "config": config,
                # the code that wrote it, so that a result can be traced to it
-               "git_rev": git("rev-parse", "HEAD") or "unknown", **{k: _plain_state(v) for k, v in entries.items()}}
+               "git_rev": git("rev-parse", "HEAD") or "unknown", **entries}
     # One writer per run directory: a temp file beside `path` is a killed writer's (SIGKILL, node
     # failure), full size, and goes first.
     return atomic_write(path, lambda f: torch.save(payload, f), sole_writer=True)
@@ -194,14 +151,16 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
     return _validate(ckpt, path)
 
 
-def read_weights(path: Path) -> tuple[dict, Optional[dict]]:
-    """(state dict, the validated checkpoint) of a laplace checkpoint, or (state dict, None) of a
-    timm / DeiT weights file (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1` /
-    `gamma_2` LayerScale names; timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar):
-    what fine-tuning (`trainer.init_from`) and the frozen backbones start from."""
+def read_weights(path: Path, model_node: Optional[dict] = None) -> dict:
+    """model_source's description of a laplace checkpoint file, or of a timm / DeiT weights file
+    (.pth, .bin, .safetensors; DeiT's `{"model": ...}` with `gamma_1` / `gamma_2` LayerScale names;
+    timm train.py's `{"state_dict": ..., "args": Namespace}` .pth.tar): {kind: "weights", path, sd:
+    its state dict, node: `model_node` (its architecture, given), ckpt: None}. What fine-tuning
+    (`trainer.init_from`) and the frozen backbones start from (laplace.pretrained)."""
     obj = _read(path, "weights file")
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
-        return _validate(obj, path)["model"], obj
+        ckpt = _validate(obj, path)
+        return {"kind": "checkpoint", "path": path, "node": model_node_of(ckpt, path), "ckpt": ckpt}
     sd = obj
     for key in ("model", "state_dict"):  # DeiT's main.py saves {"model": ..., "optimizer": ...}
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
@@ -210,8 +169,9 @@ def read_weights(path: Path) -> tuple[dict, Optional[dict]]:
         raise CheckpointError(f"{path} holds no state dict (expected a laplace checkpoint, a "
                               f"timm state dict or DeiT's {{'model': state_dict}})")
     # DeiT's own models name LayerScale `gamma_1`/`gamma_2`; timm (and we) say `ls1.gamma`.
-    return {k.replace(".gamma_1", ".ls1.gamma").replace(".gamma_2", ".ls2.gamma"): v
-            for k, v in clean_state_dict(sd).items()}, None
+    sd = {k.replace(".gamma_1", ".ls1.gamma").replace(".gamma_2", ".ls2.gamma"): v
+          for k, v in clean_state_dict(sd).items()}
+    return {"kind": "weights", "path": path, "sd": sd, "node": model_node, "ckpt": None}
 
 
 # An exported folder (laplace/export.py): Hugging Face's file names, so the Hub and timm find
@@ -264,26 +224,50 @@ def model_source(path_or_id: str | os.PathLike, revision: Optional[str] = None, 
 def load_model(path_or_id: str | os.PathLike | dict, map_location: Any = "cpu", eval_mode: bool = True, *,
                revision: Optional[str] = None, cache_dir=None, **overrides) -> nn.Module:
     """The one loader: rebuild the model of a checkpoint, a run, an export, a nanochat checkpoint
-    folder or a Hub id (see model_source; or what model_source returned) from it alone, in eval
-    mode on `map_location`. `overrides` change constructor arguments that keep the weights' shapes
-    (e.g. fused_attn=False for attention maps, drop_path_rate=0.0)."""
+    folder or a Hub id (see model_source; or what model_source or laplace.pretrained.weights_source
+    returned) from it alone, in eval mode on `map_location`. `overrides` change constructor
+    arguments (e.g. fused_attn=False for attention maps, drop_path_rate=0.0; a ViT's img_size
+    resamples its position embedding, num_classes=0 leaves the head out: see load_weights)."""
     from .zoo import create_model  # late import: zoo imports models, models need no checkpoint
 
     src = path_or_id if isinstance(path_or_id, dict) else model_source(path_or_id, revision, cache_dir)
     kwargs = {**src.get("node", {}), **overrides}
     if src["kind"] == "nanochat":  # the 2026 GPT's own format (laplace/nanochat.py), imported when one is loaded
         model = importlib.import_module(f"{__package__}.nanochat").load(src["path"], map_location)
-    elif src["kind"] == "export":
-        model = _load_export(src["path"], kwargs)
     else:
+        # a state dict file's own (laplace.pretrained), an export's (read after its checks), a checkpoint's
+        sd = src["sd"] if "sd" in src else _export_weights(src["path"], kwargs) if src["kind"] == "export" \
+            else src["ckpt"]["model"]
         model = create_model(**kwargs)
-        try:
-            model.load_state_dict(src["ckpt"]["model"], strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"weights do not match model {kwargs['name']!r}: "
-                                  f"{str(e).splitlines()[0]}") from None
+        if src["kind"] == "export":
+            where = src["path"] / EXPORT_WEIGHTS
+            load_weights(model, sd, f"{where} does not match model {kwargs['name']!r} of its {EXPORT_CONFIG}")
+            check_finite(model.state_dict(), str(where), "export a finite checkpoint again")  # refused at export too
+        else:
+            load_weights(model, sd, f"checkpoint={src['path']} does not fit model {kwargs['name']}")
     model.to(map_location)
     return model.eval() if eval_mode else model
+
+
+HEADS = ("head.", "lm_head.")  # the classifier of a ViT, the output layer of a GPT
+
+
+def load_weights(model: nn.Module, sd: dict, refusal: str) -> None:
+    """Load `sd` strictly into `model`, but for head weights the model lacks (num_classes=0) and
+    a ViT's position embedding, resampled (bicubic) to the model's patch grid. A misfit is one
+    CheckpointError line, `refusal` (naming the file and model) and torch's reason."""
+    from .vit import VisionTransformer, load_timm_state_dict
+
+    own = model.state_dict()
+    # a head the model does not have (num_classes=0: a backbone) is left out, every other key strict
+    sd = {k: v for k, v in sd.items() if k in own or not k.startswith(HEADS)}
+    try:
+        if isinstance(model, VisionTransformer):
+            load_timm_state_dict(model, sd)
+        else:
+            model.load_state_dict(sd, strict=True)
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{refusal}: {' '.join(str(e).split())[:300]}") from None
 
 
 def _from_hub(name: str | os.PathLike, revision: Optional[str], cache_dir) -> Path:
@@ -338,12 +322,12 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     return node
 
 
-def _load_export(folder: Path, kwargs: dict) -> nn.Module:
-    """The model of an export, its weights checked against the model's name and depth first."""
+def _export_weights(folder: Path, kwargs: dict) -> dict:
+    """The state dict of an export, checked against the model's name and depth first."""
     from safetensors import safe_open
-    from safetensors.torch import load_model as load_safetensors
+    from safetensors.torch import load_file
 
-    from .zoo import create_model, model_defaults
+    from .zoo import model_defaults
 
     weights = folder / EXPORT_WEIGHTS
     if not weights.is_file():
@@ -366,16 +350,8 @@ def _load_export(folder: Path, kwargs: dict) -> nn.Module:
         k = next(iter(other))
         raise CheckpointError(f"{weights}: {k} is {other[k]} (and {len(other) - 1} more tensors not F32); "
                               f"laplace exports are float32: export the checkpoint again")
-    model = create_model(**kwargs)
-    try:
-        # safetensors' load_model, not load_file + load_state_dict: it restores tensors that the
-        # export stored once because the model shares them (save_model drops the aliases).
-        load_safetensors(model, str(weights), strict=True)
-    except RuntimeError as e:  # missing / unexpected keys or shapes (torch's load_state_dict message)
-        raise CheckpointError(f"{weights} does not match model {kwargs['name']!r} of its {EXPORT_CONFIG}: "
-                              f"{' '.join(str(e).split())[:300]}") from None
-    check_finite(model.state_dict(), str(weights), "export a finite checkpoint again")  # refused at export too
-    return model
+    # Our models share no tensors, so every name save_model wrote is one of the state dict's.
+    return load_file(str(weights))
 
 
 def check_finite(state_dict: dict, where: str, fix: str) -> None:
@@ -393,14 +369,3 @@ def run_dir_of(checkpoint: str | os.PathLike) -> Path:
     if p.is_dir():  # a run folder, or an export: evaluations of it write into it
         return p
     return p.parent.parent if p.parent.name == "ckpt" else p.parent
-
-
-def results_header(model: dict, dataset: Optional[str], checkpoint, **fields) -> dict:
-    """The fields every results.json opens with (trainers, k-NN, linear, segmentation, lm-eval):
-    what `analysis.tables` groups runs by. `model` is the model node; `fields` follow."""
-    k = model["num_laplacian_heads"]
-    # checkpoints from before learned modes have no laplacian_mode: theirs was fixed
-    return {"model": model_label(model), "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
-            "laplacian_mode": model.get("laplacian_mode", "fixed"), "attention": model.get("attention", "softmax"),
-            "dataset": dataset,
-            "checkpoint": str(checkpoint), **fields}

@@ -1,6 +1,6 @@
 """Atomic file writes: the one implementation behind checkpoints, token shards, tokenizer files,
-prepare's meta.json, the feature cache, every results.json and the run's config.yaml; atomic
-folders (`atomic_dir`: exports); and whole-line appends for the logs (`append_line`).
+prepare's meta.json, the feature cache, every results.json (`write_json`) and the run's config.yaml;
+and atomic folders (`atomic_dir`: exports).
 
 Readers see the old file or the new one, never a truncated one.
 """
@@ -156,30 +156,6 @@ def _signals_as_exit(*signums: int) -> Iterator[None]:
     finally:
         for s, handler in previous.items():  # None: a handler not set from Python, i.e. the default
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
-
-
-def append_line(path: str | os.PathLike, line: str) -> None:
-    """Append `line` + newline to a log file (metrics.jsonl, samples.jsonl) whole or not at all;
-    the error names the file."""
-    path, data = Path(path), (line + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    try:
-        start = os.fstat(fd).st_size
-        try:
-            view = memoryview(data)
-            while view:  # unbuffered: nothing is left to flush (and fail again) at close
-                view = view[os.write(fd, view):]
-        except OSError as e:
-            # A full disk or quota cut the write short: the part written is cut off again, so
-            # readers never meet half a line in the middle of the file.
-            try:
-                os.ftruncate(fd, start)
-            except OSError:  # nothing more to do: readers skip a torn last line
-                pass
-            name_storage_error(e, path)
-            raise
-    finally:
-        os.close(fd)
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:

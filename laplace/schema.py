@@ -120,7 +120,7 @@ def _one_line(schema: type[BaseModel], error: dict, plain: dict) -> str:
     """`<key>=<value>: give <what is allowed>` for one of pydantic's errors."""
     keys, field, node = [], None, schema
     for part in error["loc"]:  # the declared keys, down to the field (a union's branch names end it)
-        fields = getattr(node, "model_fields", {})
+        fields = node.model_fields if node is not None else {}
         if part not in fields:
             break
         keys.append(part)

@@ -97,16 +97,6 @@ def model_label(node, shape: bool = True) -> str:
     return f"{family}_{k}L"
 
 
-def upgrade_node(node: dict) -> dict:
-    """A model node as this code writes it. Until b601d55 a node's name held k ("vitb_12L",
-    "gpt_d20_5L") beside `num_laplacian_heads`; now it names the family and k is the key alone."""
-    try:
-        family = model_defaults(node["name"])["name"]
-    except UnknownModelError:  # a name outside the zoo: kept
-        return node
-    return {**node, "name": family}
-
-
 def create_model(name: str, **overrides) -> nn.Module:
     """Build a zoo model: a timm VisionTransformer (laplace.vit) or the GPT. `name` is a zoo name
     or a node's family; `overrides` replace any constructor argument (img_size, num_classes,

@@ -25,6 +25,11 @@ ROOT_SCRIPTS = 4  # train.py and any other entry script beside the packages
 NOT_CODE = {"tests", "configs", "docs", "slurm", "runs", "outputs", "multirun", "wandb", "data", "shared",
             "build", "dist"}
 MAX_LINES = 450
+# The run harness is train/'s, not the library's that users import (issue 52): its libraries (Hydra's
+# entry and config composition, W&B logging) and what only the loop calls (a resume's RNG states and
+# reading of old model nodes, the header of every results.json, whole-line log appends).
+HARNESS_LIBRARIES = ("hydra", "wandb")
+HARNESS_NAMES = {"rng_state", "set_rng_state", "upgrade_node", "results_header", "append_line"}
 DOTTED_TARGET = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):[A-Za-z_]\w*$")
 
 
@@ -240,6 +245,21 @@ def test_the_graph_sees_lazy_and_relative_imports_and_class_paths(tmp_path):
                                      "laplace/c.py:1: laplace.c (library) imports laplace.data (data)"]
     (cyc,) = cycles(modules, edges)
     assert cyc.startswith("laplace.a -> laplace.b -> laplace.a: laplace/a.py:2") and "laplace/b.py:1" in cyc
+
+
+def test_the_library_holds_no_run_harness():
+    found = []
+    for path in sorted((ROOT / "laplace").rglob("*.py")):
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [f"{where}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.split(".")[0] in HARNESS_LIBRARIES]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module.split(".")[0] in HARNESS_LIBRARIES:
+                found.append(f"{where}:{node.lineno} imports {node.module}")
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in HARNESS_NAMES:
+                found.append(f"{where}:{node.lineno} defines {node.name}, the loop's (train/)")
+    assert not found, "laplace/ is the library users import; the run harness lives in train/:\n" + "\n".join(found)
 
 
 def test_no_file_over_450_lines():

@@ -211,7 +211,7 @@ def test_the_rng_restore_takes_this_devices_state_whatever_the_saved_device_coun
     from unittest import mock
 
     from fakedevice import fake_cuda
-    from laplace.checkpoint import rng_state, set_rng_state
+    from train.resume import rng_state, set_rng_state
 
     with fake_cuda(), mock.patch("torch.cuda.is_initialized", lambda: True):
         torch.cuda.set_rng_state(torch.Generator().manual_seed(5).get_state())
@@ -361,7 +361,7 @@ def test_run_dir_names_stay_short_stable_and_distinct(make_cfg):
 def test_the_label_follows_the_model_node_not_the_name(make_cfg):
     """k has one source, the model node: `model=vitb_12L model.num_laplacian_heads=3` is the model
     `model=vitb_3L` builds, so it gets its label (run folder, results, W&B tag), not "12L"."""
-    from laplace.checkpoint import results_header
+    from train.rundir import results_header
     from omegaconf import OmegaConf
     from train import run_dir_from_overrides
 

@@ -22,9 +22,10 @@ from eval.features import batch_features, cache_key, extract_features, probe_dat
 from eval.knn import knn_classify
 from eval.linear import accuracy, evaluate_linear, linear_probe
 from laplace import create_model
-from laplace.checkpoint import results_header, save_checkpoint
-from laplace.pretrained import backbone_node, load_backbone
+from laplace.checkpoint import save_checkpoint
+from laplace.pretrained import backbone_source, load_backbone
 from train.config import model_node
+from train.rundir import results_header
 
 NODE = dict(model_node("vitt_0L"), depth=3, embed_dim=48, num_heads=3, img_size=16, patch_size=8, num_classes=10)
 
@@ -188,11 +189,11 @@ def test_gather_rows_restores_dataset_order(monkeypatch):
 def test_one_backbone_loader_for_probes_and_segmentation(tmp_path):
     """laplace.pretrained.load_backbone serves k-NN / linear (no head) and segmentation (head kept,
     so its construction draws the random numbers it always drew): frozen, eval mode, at the
-    asked size, the node it reports (and `backbone_node`) the one it built."""
+    asked size, the node it reports (and `backbone_source`'s) the one it built."""
     vit = randomize_(create_model(**NODE))
     ckpt = save_checkpoint(tmp_path / "run/ckpt/last.pt", model=vit, config={"model": NODE}, loop={"step": 3})
     seg, info = load_backbone(ckpt, img_size=32, head=True)
-    assert info["node"] == {**NODE, "img_size": 32, "drop_path_rate": 0.0} == backbone_node(ckpt, img_size=32, head=True)
+    assert info["node"] == {**NODE, "img_size": 32, "drop_path_rate": 0.0} == backbone_source(ckpt, img_size=32, head=True)["node"]
     assert seg.pos_embed.shape[1] == 16 and not seg.training and not any(p.requires_grad for p in seg.parameters())
     assert torch.equal(seg.head.weight, vit.head.weight)
     torch.manual_seed(0)

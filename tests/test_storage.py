@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 from laplace.errors import storage_error
-from laplace.io import append_line
+from train.rundir import append_line
 
 # What ndarray.tofile raised when a 64 KiB tmpfs filled part-way through np.save of 100000
 # uint16 (docs/LOG.md): an OSError with neither errno nor file name.

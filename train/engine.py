@@ -34,13 +34,13 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
+from timm.models import clean_state_dict  # strips DDP's `module.` and torch.compile's `_orig_mod.`
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from laplace import create_model, model_label
 from laplace.attention import gate_metrics
-from laplace.checkpoint import (CheckpointError, clean_state_dict, results_header, rng_state, save_checkpoint,
-                                set_rng_state)
+from laplace.checkpoint import CheckpointError, save_checkpoint
 from laplace.data import Data
 from laplace.errors import ConfigError
 from laplace.io import write_json
@@ -51,7 +51,8 @@ from .feeds import Feed, MapFeed, split_batch, train_sampler
 from .logger import LogWindow, MetricsLogger, format_metrics, git_commit, logged, progress_bar
 from .plan import resolve_batch, step_plan
 from .optim import apply_group_schedules, build_optimizers, build_schedules, check_group_schedules, clip_gradients
-from .resume import check_resumable, find_checkpoint
+from .rundir import results_header
+from .resume import check_resumable, find_checkpoint, rng_state, set_rng_state
 from .finite import FiniteGuard
 from .signals import EXIT_REQUEUE, Preempted, StopRequest, ignore_in_worker
 
@@ -239,7 +240,7 @@ class Trainer:
         if self.dist.is_main:
             exported = self.exported
             entries = dict(
-                optimizer=self.optimizers, rng=rngs,
+                optimizer={name: opt.state_dict() for name, opt in self.optimizers.items()}, rng=rngs,
                 # total_steps: an export of a run stopped early says so (laplace.export)
                 loop={"step": self.step, "total_steps": self.total_steps, "epoch": self.epoch, "feed": self.feed.state_dict(),
                       "world_size": self.dist.world_size, "log_window": windows, "commit": self.started_commit})

@@ -23,10 +23,10 @@ import torch
 
 from laplace import model_label
 from .dist import all_reduce_sum
-from laplace.io import append_line
 
 from .engine import Trainer
 from .logger import logged
+from .rundir import append_line
 from .optim import build_muon26, muon26_groups
 from .plan import nanochat_scaling
 

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,8 +16,11 @@ import torch
 from omegaconf import OmegaConf
 
 from laplace import model_label
+from laplace.checkpoint import git
 from laplace.errors import ConfigError, UserError
-from laplace.io import append_line, atomic_write, write_json
+from laplace.io import atomic_write, write_json
+
+from .rundir import append_line
 
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_RECORD = "wandb.json"  # <run_dir>/wandb.json: the W&B run of a training run (id, project, mode, ...)
@@ -30,11 +32,7 @@ STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
 def git_commit() -> str | None:
     """HEAD's commit, "-dirty" when tracked files differ from it (a run of edited code); None outside a
     checkout: a record names the code it measured (runs' results.json and resume records, benchmarks)."""
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=30).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):  # no git
-        return None
+    return git("describe", "--always", "--dirty") or None
 
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:

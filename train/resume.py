@@ -6,17 +6,23 @@ CheckpointError line; trainer.resume=force continues on another configuration or
 A checkpoint written before a config key existed has no value for it: `ADDED_KEYS` declares, for
 each key added over time, the value that does what the code did before the key (or ANY: the key
 acts on no training step). Such a checkpoint resumes when this run's value is that one, so an
-upgrade of laplace is no reason for trainer.resume=force; any other value is a recipe change."""
+upgrade of laplace is no reason for trainer.resume=force; any other value is a recipe change.
+
+`rng_state` / `set_rng_state`: each rank's random generators, saved in the checkpoint and restored."""
 from __future__ import annotations
 
+import random
 import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from laplace.checkpoint import CheckpointError, load_checkpoint, resume_candidates
 from .config import flatten
 from .rundir import EXECUTION_KEYS
-from laplace.zoo import upgrade_node
+from laplace.zoo import UnknownModelError, model_defaults
 
 # Resume does not compare these either: they only act on a fresh run.
 _FRESH_ONLY_KEYS = ("trainer.init_from", "trainer.init_head")
@@ -111,3 +117,45 @@ def config_differences(saved: dict, current: dict) -> list[str]:
         if was != now:
             diffs.append(f"{k}: {was} -> {now}")
     return diffs
+
+
+def upgrade_node(node: dict) -> dict:
+    """A model node as this code writes it. Until b601d55 a node's name held k ("vitb_12L",
+    "gpt_d20_5L") beside `num_laplacian_heads`; now it names the family and k is the key alone."""
+    try:
+        family = model_defaults(node["name"])["name"]
+    except UnknownModelError:  # a name outside the zoo: kept
+        return node
+    return {**node, "name": family}
+
+
+def rng_state() -> dict:
+    """This process's RNG states as plain tensors / tuples (weights_only-safe)."""
+    # NumPy's key array as an int64 tensor: weights_only=True loads tensors and plain Python
+    # types, never ndarrays (a checkpoint must not need unpickling arbitrary classes)
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # This process's device only: a resume may see another number of GPUs (one per task
+        # under Slurm's --gpus-per-task, all of the node under torchrun).
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, (list, tuple)):  # laplace before 2026-12-01: every visible device's state
+        i = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        cuda = cuda[i] if i < len(cuda) else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)

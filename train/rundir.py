@@ -8,6 +8,9 @@ input names the same folder again (run directories, eval.lm's output folder, Slu
 
 `RunDirLock` holds <run_dir>/.lock for the life of a run: a second run on the same folder is
 refused in one line naming the holder (pid, host, start).
+
+What goes into a run directory: `results_header`, the fields every results.json opens with, and
+`append_line`, whole-line appends for the logs (metrics.jsonl, samples.jsonl).
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
-from laplace.errors import UserError
+from laplace import model_label
+from laplace.errors import UserError, name_storage_error
 
 MAX_NAME = 120  # characters of a run directory's last component (file systems allow 255)
 
@@ -149,3 +154,38 @@ def check_writable(folder: str | os.PathLike, key: str) -> Path:
         raise UserError(f"{key}: cannot write in {folder} ({e.strerror}); free space or make it writable, "
                         f"or give {key}=<a writable folder>") from None
     return folder
+
+
+def results_header(model: dict, dataset: Optional[str], checkpoint, **fields) -> dict:
+    """The fields every results.json opens with (trainers, k-NN, linear, segmentation, lm-eval):
+    what `analysis.tables` groups runs by. `model` is the model node; `fields` follow."""
+    k = model["num_laplacian_heads"]
+    # checkpoints from before learned modes have no laplacian_mode: theirs was fixed
+    return {"model": model_label(model), "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
+            "laplacian_mode": model.get("laplacian_mode", "fixed"), "attention": model.get("attention", "softmax"),
+            "dataset": dataset,
+            "checkpoint": str(checkpoint), **fields}
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append `line` + newline to a log file (metrics.jsonl, samples.jsonl) whole or not at all;
+    the error names the file."""
+    path, data = Path(path), (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # unbuffered: nothing is left to flush (and fail again) at close
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            # A full disk or quota cut the write short: the part written is cut off again, so
+            # readers never meet half a line in the middle of the file.
+            try:
+                os.ftruncate(fd, start)
+            except OSError:  # nothing more to do: readers skip a torn last line
+                pass
+            name_storage_error(e, path)
+            raise
+    finally:
+        os.close(fd)

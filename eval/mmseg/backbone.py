@@ -18,7 +18,8 @@ from mmengine.model import BaseModule
 from mmseg.registry import MODELS
 
 from laplace.gpt import block_indices
-from laplace.pretrained import load_backbone
+from laplace.checkpoint import load_model
+from laplace.pretrained import backbone_source
 from laplace.zoo import create_model, features
 
 
@@ -42,12 +43,11 @@ class LaplaceViT(BaseModule):
         super().__init__(init_cfg)
         over = dict(model or {})
         if checkpoint:
-            # load_backbone loads strictly (one-line errors for a missing file, a GPT, a misfit)
-            # and builds a frozen copy without drop path: the one built here adds the overrides.
-            loaded, info = load_backbone(checkpoint, over, img_size=img_size)
+            # The backbone's node (one-line errors for a missing file, a GPT), built once by the one
+            # loader (strict, the position embedding resampled), trainable, with the overrides added.
+            src = backbone_source(checkpoint, over, img_size=img_size)
             over.pop("name", None)
-            self.vit = create_model(**{**info["node"], **over})
-            self.vit.load_state_dict(loaded.state_dict())
+            self.vit = load_model(src, eval_mode=False, **over)
         else:
             self.vit = create_model(**{**over, "img_size": img_size, "num_classes": 0})
         depth = len(self.vit.blocks)

@@ -16,7 +16,7 @@ from pathlib import Path
 from mmengine.config import Config, DictAction
 
 from laplace.checkpoint import run_dir_of
-from laplace.pretrained import backbone_node
+from laplace.pretrained import backbone_source
 from laplace.data import DatasetNotFoundError
 from laplace.data.ade20k import FOLDER
 from laplace.errors import ConfigError
@@ -42,7 +42,7 @@ def _match_widths(model):
     bb = model.backbone
     node = dict(bb.get("model") or {})
     if bb.get("checkpoint"):
-        width = backbone_node(bb.checkpoint, node)["embed_dim"]  # one-line errors for a bad file
+        width = backbone_source(bb.checkpoint, node)["node"]["embed_dim"]  # one-line errors for a bad file
     elif "name" in node:
         width = node.get("embed_dim") or model_defaults(node["name"])["embed_dim"]
     else:
