@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 matplotlib.use("Agg")  # files only; no display on servers / CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from analysis.runs import (BLOCK_METRICS, aggregate, arm_key, by_arm, collect,  # noqa: E402
-                           experiments, layer_geometry, layer_order, per_block, runs_roots)
+from analysis.runs import (BLOCK_METRICS, aggregate, arm_key, arm_label, collect,  # noqa: E402
+                           experiments, layer_geometry, layer_order, per_block, runs_roots, sort_key)
 from analysis.gates import gate_groups  # noqa: E402
 from analysis.stats import summarize  # noqa: E402
 from train.cli import hydra_entry  # noqa: E402
@@ -99,6 +99,15 @@ def run_label(res: dict) -> str:
     k = res["num_laplacian_heads"]
     k = k if isinstance(k, int) else "/".join(map(str, k))  # a per-layer list of k is written 0/0/6/6
     return res.get("label") or f"{res['model']} ({k}/{res['num_heads']} Laplacian)"
+
+
+def by_arm(records: list[dict]) -> dict[str, list[dict]]:
+    """{arm label: its records, the lowest seed first}, the arms in `arm_key` order (analysis.runs.arms
+    for records): a figure's lines, its PCA maps' checkpoints, the report's checkpoints per arm."""
+    out: dict = {}
+    for r in sorted(records, key=lambda r: (arm_key(r["k"], r["mode"], r["attention"]), sort_key(r["seed"]))):
+        out.setdefault(arm_label(r["k_label"], r["mode"], r["attention"]), []).append(r)
+    return out
 
 
 def layer_stats(lines, keys) -> pd.DataFrame:

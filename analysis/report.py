@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from analysis.claims import (_d, _md, _mean, _paradigm, _test, arm_text, by_seed, check_plan, claim_rows,
                              claims_table, per_seed, per_seed_tables, read_per_seed, select)
 from analysis.curves import draw_curves, points
-from analysis.runs import arms, by_arm, collect, frame, layer_order, runs_roots
+from analysis.runs import arms, collect, frame, layer_order, runs_roots
 from analysis.stats import describe, interval_text
 from train.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
@@ -204,7 +204,7 @@ def draw_claims(rows: pd.DataFrame, stem: Path) -> list[Path]:
 
 def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Path:
     """README.md, tables/ and figures/ of `plan` over `records` (finished runs) in `out`."""
-    from analysis.figures import draw_figures
+    from analysis.figures import by_arm, draw_figures
     from analysis.gates import gate_groups, to_markdown as gates_markdown
     from analysis.tables import render_tables
 

@@ -312,14 +312,6 @@ def arms(rows: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return [(arm_label(part["k_label"].iloc[0], mode, att), part) for (_, mode, att), part in groups]
 
 
-def by_arm(records: list[dict]) -> dict[str, list[dict]]:
-    """{arm label: its records, the lowest seed first} of records, the arms in `arm_key` order (`arms`
-    for records: a figure's lines, the checkpoints of a report's per-arm numbers)."""
-    out: dict = {}
-    for r in sorted(records, key=lambda r: (arm_key(r["k"], r["mode"], r["attention"]), sort_key(r["seed"]))):
-        out.setdefault(arm_label(r["k_label"], r["mode"], r["attention"]), []).append(r)
-    return out
-
 
 # The facts of a run that every row of the tidy table carries (what a group or a label needs).
 FACTS = ("run_dir", "experiment", "trainer", "dataset", "family", "model", "arch", "k", "k_label", "mode", "attention",
