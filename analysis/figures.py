@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 matplotlib.use("Agg")  # files only; no display on servers / CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from analysis.runs import (BLOCK_METRICS, aggregate, arm_key, arm_label, collect, experiments,  # noqa: E402
-                           layer_geometry, per_block, runs_roots, sort_key)
+from analysis.runs import (BLOCK_METRICS, aggregate, arm_key, arm_label, collect,  # noqa: E402
+                           experiments, layer_geometry, layer_order, per_block, runs_roots, sort_key)
 from analysis.gates import gate_groups  # noqa: E402
 from analysis.stats import summarize  # noqa: E402
 from train.cli import hydra_entry  # noqa: E402
@@ -101,11 +101,13 @@ def run_label(res: dict) -> str:
     return res.get("label") or f"{res['model']} ({k}/{res['num_heads']} Laplacian)"
 
 
-def layer_positions(layers) -> dict:
-    """{layer name: x}: blocks at their index, the final norm one step after the last block (it
-    reads that block's output)."""
-    xs = {n: int(n.split(".")[1]) for n in layers if n != "norm"}
-    return {n: xs[n] if n != "norm" else max(xs.values(), default=-1) + 1 for n in layers}
+def by_arm(records: list[dict]) -> dict[str, list[dict]]:
+    """{arm label: its records, the lowest seed first}, the arms in `arm_key` order (analysis.runs.arms
+    for records): a figure's lines, its PCA maps' checkpoints, the report's checkpoints per arm."""
+    out: dict = {}
+    for r in sorted(records, key=lambda r: (arm_key(r["k"], r["mode"], r["attention"]), sort_key(r["seed"]))):
+        out.setdefault(arm_label(r["k_label"], r["mode"], r["attention"]), []).append(r)
+    return out
 
 
 def layer_stats(lines, keys) -> pd.DataFrame:
@@ -124,7 +126,9 @@ def draw_layers(ax, stats: pd.DataFrame, metric: str, layers, band: str = "sd", 
                 legend: bool = True) -> None:
     """A line per stats["line"] (in order of appearance): the mean vs layer, a band of +-1 sd
     (band="sd") or the 95% interval ("ci"); one seed: no band."""
-    pos = layer_positions(layers)
+    # x: blocks at their index, the final norm one step after the last block (it reads that block's output)
+    xs = {n: int(n.split(".")[1]) for n in layers if n != "norm"}
+    pos = {n: xs[n] if n != "norm" else max(xs.values(), default=-1) + 1 for n in layers}
     pooled = stats["n"].max() > 1  # n in the legend only when lines pool seeds
     for c, (label, s) in enumerate(stats.groupby("line", sort=False)):
         s = s[(s["metric"] == metric) & s["layer"].isin(pos)].sort_values("layer", key=lambda ls: ls.map(pos))
@@ -164,17 +168,14 @@ def layer_figure(stats: pd.DataFrame, specs, layers, title: str, stem: Path, ban
     return save(fig, stem)
 
 
-def _kind(lines) -> str:
-    return lines[0][1][0]["arch"]
-
-
 def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
     """The anova or collapse figure of `lines` [(label, [analysis.json of its seeds])]."""
-    specs = PANELS[figure, _kind(lines)]
+    arch = lines[0][1][0]["arch"]
+    specs = PANELS[figure, arch]
     # only the keys drawn are pooled: an analysis holds some forty per layer
     stats = layer_stats(lines, {k for k, *_ in specs})
-    cols = len(specs) if figure == "anova" else 4 if _kind(lines) == "vit" else 3
-    title = TITLES.get(figure) or TITLES[figure, _kind(lines)]
+    cols = len(specs) if figure == "anova" else 4 if arch == "vit" else 3
+    title = TITLES.get(figure) or TITLES[figure, arch]
     return layer_figure(stats, specs, lines[0][1][0]["layers"], f"{name}: {title}".lstrip(": "), stem, cols=cols,
                         ylabel=YLABELS[figure])
 
@@ -182,7 +183,7 @@ def draw_panels(figure: str, lines, stem: Path, name: str = "") -> list[Path]:
 def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> list[Path]:
     """The eigen-spectrum and the cumulative explained variance at `layer` (mean over seeds), and
     PCs for 99% of the variance vs layer (ViT: dashed, of the image-centred tokens)."""
-    kind = "patch" if _kind(lines) == "vit" else "tokens"
+    kind = "patch" if lines[0][1][0]["arch"] == "vit" else "tokens"
     fig, (ax_s, ax_c, ax_l) = plt.subplots(1, 3, figsize=(11, 3))
     for c, (label, seeds) in enumerate(lines):
         # the seeds that measured the spectrum at this layer (python -m analysis checks spectrum_layer first)
@@ -248,15 +249,11 @@ def draw_blocks(records: list[dict], stem: Path, name: str) -> list[Path]:
              if (rows["metric"] == key).any()]
     if not specs:  # analysed without any headline metric (e.g. metrics=[cdnv])
         return []
-    labels = {(r["k"], r["mode"]): r["k_label"] for r in records}
     # a line per arm, fixed arms by k then learned ones, then the relatives (attention): the same colour
     # for the same arm in every panel
-    arms = list(zip(rows["k"], rows["mode"], rows["attention"]))
-    rows = rows.assign(line=[arm_label(labels[k, m], m, a) for k, m, a in arms],
-                       _o=[arm_key(k, m, a) for k, m, a in arms]).sort_values("_o", kind="stable")
-    layers = sorted(set(rows["layer"]), key=lambda n: (n == "norm", int(n.split(".")[1]) if n != "norm" else 0))
-    return layer_figure(rows, specs, layers, f"{name}: token geometry at every block (mean, 95% interval over "
-                        f"seeds)", stem, band="ci")
+    rows = rows.assign(line=rows["arm"], _o=list(map(arm_key, rows["k"], rows["mode"], rows["attention"])))
+    return layer_figure(rows.sort_values("_o", kind="stable"), specs, layer_order(records),
+                        f"{name}: token geometry at every block (mean, 95% interval over seeds)", stem, band="ci")
 
 
 def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
@@ -343,11 +340,8 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
               flush=True)
     for name, recs in experiments(records).items():
         # a line per arm (k, mode, attention): its seeds' analyses (a run not analysed has no line)
-        arms: dict = {}
-        analysed = (r for r in recs if r.get("analysis"))
-        for r in sorted(analysed, key=lambda r: arm_key(r["k"], r["mode"], r["attention"])):
-            arms.setdefault(arm_label(r["k_label"], r["mode"], r["attention"]), []).append(
-                json.loads(Path(r["analysis"]).read_text()))
+        arms = {label: [json.loads(Path(r["analysis"]).read_text()) for r in rs]
+                for label, rs in by_arm([r for r in recs if r.get("analysis")]).items()}
         if not arms:
             print(f"[figures] skipped the layer figures of {name}: no analysis.json (run python -m analysis "
                   f"checkpoint=<run>/ckpt/last.pt on its runs)", flush=True)
@@ -358,14 +352,11 @@ def draw_figures(records: list[dict], out, vs_k: dict, pca_maps: int = 0, pca_la
         if pca_maps and recs[0]["arch"] == "vit":
             # one checkpoint per arm, its lowest seed: a map is of one model (a mean of maps would blur
             # exactly what it shows)
-            picks: dict = {}
-            for r in sorted(recs, key=lambda r: (arm_key(r["k"], r["mode"], r["attention"]), sort_key(r["seed"]))):
-                if Path(r["checkpoint"]).is_file():
-                    picks.setdefault((r["k"], r["mode"], r["attention"]), r)
-            cols = {f"{r['model']} ({arm_label(r['k_label'], r['mode'], r['attention'])} Laplacian, seed {r['seed']})":
-                    r["checkpoint"] for r in picks.values()}
-            names = [f"{r['model']}_{arm_label(r['k_label'], r['mode'], r['attention'])}_s{r['seed']}"
-                     for r in picks.values()]
+            found = by_arm([r for r in recs if Path(r["checkpoint"]).is_file()])
+            picks = {label: rs[0] for label, rs in found.items()}
+            cols = {f"{r['model']} ({label} Laplacian, seed {r['seed']})": r["checkpoint"]
+                    for label, r in picks.items()}
+            names = [f"{r['model']}_{label}_s{r['seed']}" for label, r in picks.items()]
             got = checkpoint_maps(cols, out / f"pca_maps_{name}", pca_maps, pca_layer, THRESHOLD, device=device,
                                   seed=seed, names=names) if cols else []
             if not got:

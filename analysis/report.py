@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from analysis.claims import (_d, _md, _mean, _paradigm, _test, arm_text, by_seed, check_plan, claim_rows,
                              claims_table, per_seed, per_seed_tables, read_per_seed, select)
 from analysis.curves import draw_curves, points
-from analysis.runs import arm_key, arm_label, arms, collect, frame, layer_order, runs_roots
+from analysis.runs import arms, collect, frame, layer_order, runs_roots
 from analysis.stats import describe, interval_text
 from train.cli import config_dir, hydra_entry
 from laplace.errors import ConfigError
@@ -204,7 +204,7 @@ def draw_claims(rows: pd.DataFrame, stem: Path) -> list[Path]:
 
 def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Path:
     """README.md, tables/ and figures/ of `plan` over `records` (finished runs) in `out`."""
-    from analysis.figures import draw_figures
+    from analysis.figures import by_arm, draw_figures
     from analysis.gates import gate_groups, to_markdown as gates_markdown
     from analysis.tables import render_tables
 
@@ -251,7 +251,6 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
         # the claims as numbers (full precision) beside the Markdown: d, its interval and n per row
         sheet = rows.drop(columns=["test", "base", "arm", "ran"]).assign(
             **{key: [getattr(t, key, None) for t in rows["test"]] for key in ("d", "lo", "hi", "n", "df")})
-        (out / "tables").mkdir(parents=True, exist_ok=True)
         atomic_write(out / "tables" / "claims.csv", sheet.to_csv(index=False, lineterminator="\n").encode())
     lines += ["## Learning curves", "", "Each arm's validation metric against the step: mean [95% interval] "
               "(n seeds); figures/curves.png. Then the change over the last quarter of the steps, and the quarter "
@@ -303,13 +302,10 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               "Mean over tokens of |h_i - h_(i-1)| / |h_(i-1)| per block (h_(-1): the embedding), 64 validation "
               "sequences, averaged over seeds:", ""]
     for name, p in plan.paradigms.items():
-        arms: dict = {}  # the final models' checkpoints per arm
-        for r in sorted(records, key=lambda r: arm_key(r["k"], r["mode"], r.get("attention", "softmax"))):
-            if r["experiment"] == p.experiment and Path(r["checkpoint"]).is_file():
-                arms.setdefault(arm_label(r["k_label"], r["mode"], r.get("attention", "softmax")), []).append(
-                    r["checkpoint"])
-        lines += [f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change(ckpts))
-                  for label, ckpts in arms.items()]
+        # the final models' checkpoints per arm
+        mine = [r for r in records if r["experiment"] == p.experiment and Path(r["checkpoint"]).is_file()]
+        lines += [f"- {name} {label}: " + ", ".join(f"{c:.3f}" for c in stream_change([r["checkpoint"] for r in rs]))
+                  for label, rs in by_arm(mine).items()]
     gates = gate_groups(records)
     if gates:  # only when a plan's runs learned their gates (laplacian_mode=learned)
         lines += ["", "## Learned gates (laplacian_mode=learned; a = 1: the head is fully Laplacian)", "",
@@ -324,8 +320,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     if any(points for _, points in panels.values()):
         draw_curves({n: v for n, v in panels.items() if v[1]}, out / "figures" / "curves", "ci")
     write_json(out / "plan.json", OmegaConf.to_container(plan, resolve=True), indent=1)  # what decided it
-    atomic_write(out / "README.md", ("\n".join(lines) + "\n").encode())
-    return out / "README.md"
+    return atomic_write(out / "README.md", ("\n".join(lines) + "\n").encode())
 
 
 def write_per_seed_report(ps: pd.DataFrame, plan, out: Path) -> Path:
@@ -344,8 +339,7 @@ def write_per_seed_report(ps: pd.DataFrame, plan, out: Path) -> Path:
         g = _paradigm(ps, plan, name)
         table, change = curves_table(points(g[g["metric"] == p.curve]))
         lines += [f"## Learning curve, {name}: {p.curve}", "", _md(table), "", *change, ""] if len(table) else []
-    atomic_write(out / "per_seed.md", ("\n".join(lines) + "\n").encode())
-    return out / "per_seed.md"
+    return atomic_write(out / "per_seed.md", ("\n".join(lines) + "\n").encode())
 
 
 def run(cfg: DictConfig) -> Path:

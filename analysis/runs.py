@@ -239,12 +239,10 @@ def collect(roots, skipped: Optional[list] = None) -> list[dict]:
         if r is not None:
             if why is not None:  # kept through its results.json
                 r["notes"].append(f"{d / 'config.yaml'}: not readable ({why}); the run's recipe is unknown")
-            records.append(r)
+            records.append({**r, "recipe": recipe_tag(r)})
         elif skipped is not None:
             why = f"config.yaml not readable ({why})" if why else "its results.json names no model"
             skipped.append(f"{d}: {why}; left out")
-    for r in records:
-        r["recipe"] = recipe_tag(r)
     return records
 
 
@@ -312,6 +310,7 @@ def arms(rows: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     groups = sorted(rows.assign(attention=attention(rows)).groupby(["k", "mode", "attention"]),
                     key=lambda kv: arm_key(*kv[0]))
     return [(arm_label(part["k_label"].iloc[0], mode, att), part) for (_, mode, att), part in groups]
+
 
 
 # The facts of a run that every row of the tidy table carries (what a group or a label needs).
@@ -405,10 +404,10 @@ def layer_order(records: list[dict]) -> list[str]:
     return sorted(names, key=lambda n: (n == "norm", int(n.split(".")[1]) if n != "norm" else 0))
 
 
-def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> pd.DataFrame:
+def per_block(records: list[dict], metrics=None) -> pd.DataFrame:
     """The headline geometry of the final checkpoint at every measured layer, pooled over seeds as
-    `aggregate` pools: a row per (group, layer, metric: a key of `geometry`) with the `by` fields,
-    layer, metric and the summarize fields; layers in `layer_order`."""
+    `aggregate` pools: a row per (group, layer, metric: a key of `geometry`) with the GROUP_KEYS
+    fields, k_label, layer, metric, the summarize fields and arm (`arm_label`); layers in `layer_order`."""
     keys = [f"geometry.{k}" for k in (metrics or [k for k, _ in BLOCK_METRICS])]
     f = frame(records)  # one tidy table: the same numbers as the tables and the report
     # the final model's layers only (a run's kept checkpoints are the report's business)
@@ -416,7 +415,9 @@ def per_block(records: list[dict], metrics=None, by: tuple = GROUP_KEYS) -> pd.D
     order = {n: i for i, n in enumerate(layer_order(records))}
     f = f.assign(metric=f["metric"].str[len("geometry."):],
                  _o=f["layer"].map(order), _m=f["metric"].map(keys.index)).sort_values(["_m", "_o", "seed"])
-    return summarize(f, [*by, "layer", "metric"])
+    # (k_label: a function of k, a label only)
+    out = summarize(f, [*GROUP_KEYS, "k_label", "layer", "metric"])
+    return out.assign(arm=list(map(arm_label, out["k_label"], out["mode"], out["attention"])))
 
 
 def expand(cfg, key: str, usage: str, what: str, hint: str, example: str) -> list[Path]:

@@ -28,7 +28,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.gates import write_gate_tables
-from analysis.runs import (BLOCK_METRICS, GROUP_KEYS, aggregate, arm_key, arm_label, attention, collect, experiments,
+from analysis.runs import (BLOCK_METRICS, GROUP_KEYS, aggregate, arm_key, collect, experiments,
                            layer_order, metric_value, per_block, runs_roots, sort_key)
 from analysis.stats import interval_text
 from train.cli import config_dir, hydra_entry
@@ -165,7 +165,7 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
     for col in columns:
         col_recs = [r for r in recs if _matches(r, col.get("where"))]
         for g in aggregate(col_recs, _column_value(col, by_name), by).to_dict("records"):
-            key = (*[g["runs"][0].get(f) for f in rows_by], g["family"], g["mode"], g["k"])
+            key = tuple(g[f] for f in (*rows_by, "family", "mode", "k"))
             groups.setdefault((key, col["name"]), []).append(g)
     keys = {key for key, _ in groups}
     for e in entries:  # a row for each paper number no run of the paper's model sits beside
@@ -234,11 +234,6 @@ def build_table(name: str, spec: dict, records: list[dict], paper: dict) -> dict
 
 # ----------------------------------------------------------------------------- rendering
 
-def _signed(v: float, fmt: str) -> str:
-    s = format(abs(v), fmt)  # the sign of what is printed: no "−0.00"
-    return ("−" if v < 0 and float(s) != 0 else "+") + s
-
-
 def _stat(cell: dict, fmt: str) -> str:
     """'mean ± sd (n)'; '' for a missing cell (never 0)."""
     if not cell.get("n"):
@@ -253,7 +248,8 @@ def cell_text(cell: dict, fmt: str, skip=()) -> str:
     if cell["paper"] is not None:
         p = f"paper {format(cell['paper'], fmt)}"
         if cell["delta"] is not None:
-            p += f", Δ {_signed(cell['delta'], fmt)}"
+            d = format(abs(cell["delta"]), fmt)  # the sign of what is printed: no "−0.00"
+            p += f", Δ {'−' if cell['delta'] < 0 and float(d) != 0 else '+'}{d}"
         text = f"{text} · {p}" if text else p
     return text
 
@@ -352,13 +348,12 @@ def per_block_table(name: str, spec: dict, records: list[dict]) -> tuple[str, st
         raise ConfigError(f"tables.{name}.metrics: {bad[0]!r} is not a per-block metric; choose from {list(labels)}")
     fmt, md, tex, parts = spec.get("fmt", ".4g"), [f"### {name}: {spec.get('title', name)}", ""], [], []
     for exp, recs in experiments([r for r in records if r.get("layer_geometry")]).items():
-        f = per_block(recs, metrics, (*GROUP_KEYS, "k_label"))  # (k_label: a function of k, a label only)
+        f = per_block(recs, metrics)
         f = f.assign(experiment=exp, recipe=recs[0]["recipe"],
                      text=[interval_text(*v, fmt) for v in zip(f["mean"], f["lo"], f["hi"], f["n"])])
-        f["arm"] = [arm_label(kl, m, a) for kl, m, a in zip(f["k_label"], f["mode"], attention(f))]
         parts.append(f)
         for metric, s in f.groupby("metric", sort=False):
-            arms = [arm for _, arm in sorted(set(zip(map(arm_key, s["k"], s["mode"], attention(s)), s["arm"])))]
+            arms = [arm for _, arm in sorted(set(zip(map(arm_key, s["k"], s["mode"], s["attention"]), s["arm"])))]
             # long -> wide: rows = layers (the model's order, norm last), columns = arms; a layer no arm
             # measured is dropped
             g = s.pivot(index="layer", columns="arm", values="text").reindex(layer_order(recs)).reindex(columns=arms)
@@ -389,7 +384,6 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
     """
     specs, paper = load_specs(only, specs), paper or load_paper()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     # a run still training has no final results: its numbers would mislead a table
     done = [r for r in records if r["finished"]]
     paths = []
@@ -405,9 +399,7 @@ def render_tables(records: list[dict], out, specs: Optional[dict] = None, paper:
         if echo:
             print(md, flush=True)
         for ext, text in (("md", md), ("tex", tex), ("csv", sheet)):
-            path = out / f"{name}.{ext}"
-            atomic_write(path, text.encode())
-            paths.append(path)
+            paths.append(atomic_write(out / f"{name}.{ext}", text.encode()))
     if not only:  # learned gates: a table per experiment, block x head (analysis/gates.py)
         paths += write_gate_tables(done, out, echo)
     return paths
@@ -436,8 +428,8 @@ def run(cfg: DictConfig) -> list[Path]:
     paths = render_tables(records, out, specs=specs, paper=load_paper(cfg.paper),
                           only=list(cfg.only) if cfg.only else None)
     # (the records are plain data: a table can be rebuilt, or checked, without the run folders)
-    rec_path = out / "records.json"  # what the tables were made from, for a later look
-    write_json(rec_path, records, indent=1)
+    # what the tables were made from, for a later look
+    rec_path = write_json(out / "records.json", records, indent=1)
     for p in paths + [rec_path]:
         print(f"[tables] wrote {p}", flush=True)
     return paths
