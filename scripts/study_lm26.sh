@@ -13,7 +13,9 @@ JOBS=${JOBS:-2}
 export LAPLACE_RUNS=${RUNS:-runs} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 docs=${DOCS:-docs/study_lm26}
 data=${LAPLACE_DATA:-data}/stdlib_bpe1k
-extra=${STEPS:+trainer.max_steps=$STEPS trainer.eval_every=$((STEPS / 4)) trainer.ckpt_every=$STEPS trainer.keep_every=$STEPS trainer.global_batch_size=8 data.val_tokens=16384}
+# the smoke-test overrides, with a leading blank when set: xargs -L joins a line that ends in a blank
+# to the next, so no line may end in one
+extra=${STEPS:+ trainer.max_steps=$STEPS trainer.eval_every=$((STEPS / 4)) trainer.ckpt_every=$STEPS trainer.keep_every=$STEPS trainer.global_batch_size=8 data.val_tokens=16384}
 mkdir -p "$LAPLACE_RUNS/logs"
 
 train() {  # one run per line of overrides on stdin, JOBS at a time; a failed run stops the script
@@ -26,7 +28,7 @@ train() {  # one run per line of overrides on stdin, JOBS at a time; a failed ru
 
 # 1. the 12 pilots: each arm at the learning-rate factors 0.5, 1, 2 on seeds 100 and 101
 for m in gpt26_d4_0L gpt26_d4_2L; do for f in 0.5 1 2; do for s in 100 101; do
-  echo "experiment=study_lm26_pilot model=$m optim.lr_factor=$f seed=$s $extra"
+  echo "experiment=study_lm26_pilot model=$m optim.lr_factor=$f seed=$s$extra"
 done; done; done | train
 
 # 2. each arm's factor: the lowest mean over the two pilot seeds of the mean val bpb over the last
@@ -58,8 +60,8 @@ echo "learning-rate factors: k=0 x$f0, k=2 x$f2" | tee -a "$LAPLACE_RUNS/logs/st
 
 # 3. the 8 paired seeds, seed by seed (a stop leaves whole pairs), each arm at its factor
 for s in 0 1 2 3 4 5 6 7; do
-  echo "experiment=study_lm26 model=gpt26_d4_0L optim.lr_factor=$f0 seed=$s $extra"
-  echo "experiment=study_lm26 model=gpt26_d4_2L optim.lr_factor=$f2 seed=$s $extra"
+  echo "experiment=study_lm26 model=gpt26_d4_0L optim.lr_factor=$f0 seed=$s$extra"
+  echo "experiment=study_lm26 model=gpt26_d4_2L optim.lr_factor=$f2 seed=$s$extra"
 done | train
 
 # 4. the geometry of every kept checkpoint, then the report
