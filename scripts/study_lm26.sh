@@ -18,7 +18,8 @@ data=${LAPLACE_DATA:-data}/stdlib_bpe1k
 extra=${STEPS:+ trainer.max_steps=$STEPS trainer.eval_every=$((STEPS / 4)) trainer.ckpt_every=$STEPS trainer.keep_every=$STEPS trainer.global_batch_size=8 data.val_tokens=16384}
 mkdir -p "$LAPLACE_RUNS/logs"
 
-train() {  # one run per line of overrides on stdin, JOBS at a time; a failed run stops the script
+train() {  # one run per line of overrides on stdin, JOBS at a time; a failed run stops the script when
+  # the stage's other runs end (xargs exits 123, set -e)
   xargs -P "$JOBS" -L 1 sh -c 'echo "\$ python train.py -m $*"; exec python train.py -m "$@"' train \
     >> "$LAPLACE_RUNS/logs/study_lm26.log" 2>&1
 }
