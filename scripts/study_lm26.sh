@@ -44,11 +44,16 @@ for d in sorted(Path(sys.argv[1]).glob("*/results.json")):
     c = OmegaConf.load(d.with_name("config.yaml"))
     # by step: a re-evaluated finished run repeats its last step's value
     val = {r["step"]: r["val_bpb"] for r in map(json.loads, d.with_name("metrics.jsonl").open()) if r.get("split") == "val"}
-    rows.append(dict(k=c.model.num_laplacian_heads, factor=c.optim.lr_factor, seed=c.seed,
+    rows.append(dict(k=c.model.num_laplacian_heads, factor=float(c.optim.lr_factor), seed=c.seed,
                      endpoint=sum(val[s] for s in sorted(val)[-4:]) / 4))
+keys = [(r["k"], r["factor"], r["seed"]) for r in rows]
+declared = {(k, f, s) for k in (0, 2) for f in (0.5, 1.0, 2.0) for s in (100, 101)}
+if len(set(keys)) < len(keys) or not set(keys) <= declared:  # a run beside them would enter the means
+    sys.exit(f"{sys.argv[1]}: holds finished runs other than the 12 declared pilots once each "
+             f"{sorted(set(keys) - declared) or 'twice'}: move the others out")
+if len(keys) < 12:
+    sys.exit(f"{sys.argv[1]}: {len(keys)} of the 12 pilots finished; re-run this script to finish them")
 t = pd.DataFrame(rows).pivot_table(index=["k", "factor"], columns="seed", values="endpoint")
-if len(t) != 6 or t.isna().any().any():
-    sys.exit(f"{sys.argv[1]}: {len(rows)} of the 12 pilots finished; re-run this script to finish them")
 t["mean"] = t.mean(axis=1)
 print(t.to_string(float_format="%.4f"), file=sys.stderr)
 best = [t.loc[k, "mean"].idxmin() if t.loc[(k, 1.0), "mean"] - t.loc[k, "mean"].min() > 0.002 else 1.0
