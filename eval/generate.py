@@ -55,44 +55,40 @@ def gpt_source(path) -> dict:
     return {"path": path, "source": src, **info}
 
 
-def gpt_tokenizer(info: dict, override: str | None = None):
-    """The tokenizer `info` (gpt_source) names, or `override` (a path, bytes or gpt2) where that
-    file has moved; an override that is not the one the run trained with is refused."""
-    if override is None:
+def load_gpt(path, device="cpu", tokenizer: str | None = None):
+    """(GPT in eval mode on `device`, its tokenizer, gpt_source's info) of a checkpoint or export.
+    `tokenizer` (a path, bytes or gpt2) stands in for the run's where that file has moved; one that
+    is not the tokenizer the run trained with is refused."""
+    info = gpt_source(path)
+    # The tokenizer before the weights: a missing one fails before they are read.
+    if tokenizer is None:
         try:
-            return load_tokenizer(info["tokenizer"])
+            tok = load_tokenizer(info["tokenizer"])
         except DatasetNotFoundError:
             raise DatasetNotFoundError(
                 f"checkpoint={info['path']} was trained with the tokenizer {info['tokenizer']} (data.tokenizer of "
                 f"its config), which is not there: moved or deleted; pass tokenizer=<its new path> to python -m "
                 f"eval.generate (or lm-eval's model_args), or put the file back") from None
-    tok = load_tokenizer(str(override))
-    if info["fingerprint"] and tok.fingerprint()[:16] != info["fingerprint"]:
-        raise ConfigError(f"tokenizer={override} is not the tokenizer checkpoint={info['path']} was trained with "
-                          f"(fingerprint {tok.fingerprint()[:16]}, the run's {info['fingerprint']}); pass that "
-                          f"run's tokenizer.json")
-    return tok
-
-
-def load_gpt(path, device="cpu", tokenizer: str | None = None):
-    """(GPT in eval mode on `device`, its tokenizer, gpt_source's info) of a checkpoint or export."""
-    info = gpt_source(path)
-    tok = gpt_tokenizer(info, tokenizer)  # a missing tokenizer fails before the weights are read
+    else:
+        tok = load_tokenizer(str(tokenizer))
+        if info["fingerprint"] and tok.fingerprint()[:16] != info["fingerprint"]:
+            raise ConfigError(f"tokenizer={tokenizer} is not the tokenizer checkpoint={info['path']} was trained "
+                              f"with (fingerprint {tok.fingerprint()[:16]}, the run's {info['fingerprint']}); pass "
+                              f"that run's tokenizer.json")
     return load_model(info["source"], device), tok, info
 
 
 def _stream_print(tokens, tok, out: TextIO, before: str = "") -> str:
     """Print `before`, then a token stream as text as it arrives, then a newline; return the text.
-    Python's incremental UTF-8 decoder holds back a character until its last byte has come, so é,
+    codecs' incremental UTF-8 decoding holds back a character until its last byte has come, so é,
     emoji and CJK characters (or a BPE token cut inside one) print whole; one that never completes
     prints as U+FFFD at the end."""
-    utf8, pieces = codecs.getincrementaldecoder("utf-8")(errors="replace"), []
     print(before, end="", file=out)
-    for t in tokens:
-        pieces.append(utf8.decode(tok.enc.decode_single_token_bytes(int(t))))  # "" until a character is whole
-        print(pieces[-1], end="", file=out, flush=True)
-    pieces.append(utf8.decode(b"", final=True))
-    print(pieces[-1], file=out, flush=True)
+    pieces = []
+    for piece in codecs.iterdecode((tok.enc.decode_single_token_bytes(int(t)) for t in tokens), "utf-8", "replace"):
+        pieces.append(piece)  # iterdecode yields nothing until a character is whole
+        print(piece, end="", file=out, flush=True)
+    print(file=out, flush=True)
     return "".join(pieces)
 
 
