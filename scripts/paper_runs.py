@@ -75,12 +75,10 @@ def counted(model, fn) -> float:
 def vit_flops(model, img_size: int, train: bool) -> float:
     """FLOPs per image of a ViT: forward, or forward + backward when `train`."""
     def step(m, make):
-        x = make(2, 3, img_size, img_size)  # 2 images: a BatchNorm head needs a batch
-        if train:
-            m(x).float().sum().backward()
-        else:
-            with torch.no_grad():
-                m(x)
+        with torch.set_grad_enabled(train):
+            out = m(make(2, 3, img_size, img_size))  # 2 images: a BatchNorm head needs a batch
+            if train:
+                out.float().sum().backward()
     return counted(model, step) / 2
 
 
