@@ -105,11 +105,6 @@ class Schedule:
                    end=None if node["end"] is None else float(node["end"]), shape=shape)
 
 
-def schedule_node(value, warmup=None, start=None, warmdown=None, end=None, shape=None) -> dict:
-    """A complete schedule node (for code and tests that build one)."""
-    return dict(value=value, warmup=warmup, start=start, warmdown=warmdown, end=end, shape=shape)
-
-
 def build_schedules(nodes, prefix: str, total_steps: int, steps_per_epoch: int) -> dict[str, Schedule]:
     """{name: Schedule} of a `schedules` config node (None or empty: none)."""
     return {name: Schedule.from_config(node, f"{prefix}.{name}", total_steps, steps_per_epoch)
