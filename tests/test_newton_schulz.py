@@ -97,3 +97,11 @@ def test_torchs_saved_state_resumes_in_ours():
     opt_b.step()
     torch.testing.assert_close(b.detach(), a.detach())
     assert math.isfinite(b.detach().norm().item())
+
+
+def test_row_blocks_must_divide_the_rows():
+    p = torch.nn.Parameter(torch.zeros(4, 2))
+    p.grad = torch.ones(4, 2)
+    opt = StackedMuon([{"params": [p], "row_blocks": 3}])
+    with pytest.raises(ValueError, match=r"a \[4, 2\] matrix has no 3 equal row blocks"):
+        opt.step()

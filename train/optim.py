@@ -176,7 +176,8 @@ class StackedMuon(torch.optim.Muon):
 
     def _init_group(self, group, params, grads, bufs):
         """torch's step updates the matrices this lists: each parameter's row blocks, as views of it,
-        its gradient and its momentum buffer (updated in place; no private function of torch called)."""
+        its gradient and its momentum buffer, updated in place. (torch 2.14's hook, the only private
+        name used: tests/test_newton_schulz.py fails if a torch release changes it.)"""
         whole = [], [], []
         has_complex = super()._init_group(group, *whole)
         n = group.get("row_blocks", 1)  # a parameter group's key, not config: only stacked ones say
