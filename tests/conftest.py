@@ -64,6 +64,11 @@ def make_cfg(tmp_path):
     return _make
 
 
+def schedule_node(value, warmup=None, start=None, warmdown=None, end=None, shape=None) -> dict:
+    """A complete schedule node (train.optim.Schedule.from_config refuses one with a key missing)."""
+    return dict(value=value, warmup=warmup, start=start, warmdown=warmdown, end=end, shape=shape)
+
+
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Random non-trivial weights. nanochat zero-inits the output layers and DeiT-III starts
     LayerScale at 1e-6: with those inits blocks are (near) identities and tests prove little."""

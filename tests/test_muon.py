@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 
 from laplace import create_model
 from laplace.errors import ConfigError
-import train.optim
 from train.optim import StackedMuon, apply_group_schedules, build_muon_adamw, build_schedules
 
 MUON_CFG = OmegaConf.load("configs/optim/muon.yaml")
@@ -31,9 +30,7 @@ def newton_schulz_reference(g: torch.Tensor, steps: int = 5, dtype=torch.bfloat1
     return x.T if tall else x
 
 
-MUONS = {"ours": StackedMuon}
-if hasattr(torch.optim, "Muon"):  # torch's public class (since torch 2.9)
-    MUONS["torch"] = torch.optim.Muon
+MUONS = {"ours": StackedMuon, "torch": torch.optim.Muon}
 
 
 @pytest.mark.parametrize("muon", MUONS)
@@ -110,9 +107,9 @@ def test_one_muon_step_on_q_k_v_is_nanochats_separate_matrices(monkeypatch):
     other matrix as one matrix (the MLP's [4C, C] with scale 2).
 
     In float64: bf16 Newton-Schulz differs by ~30% between two orders of the same operations,
-    which would hide the 70% of a wrong split. So our Newton-Schulz (equal to nanochat's
+    which would hide the 70% of a wrong split. So torch's Newton-Schulz (equal to nanochat's
     above) is replaced by the float64 one written here, on both sides."""
-    monkeypatch.setattr(train.optim, "zeropower_via_newtonschulz",
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz",
                         lambda g, coefs, steps, eps: newton_schulz_reference(g, steps, torch.float64))
     torch.manual_seed(0)
     model = create_model("gpt_d2_1L", vocab_size=300).double()

@@ -8,8 +8,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from conftest import schedule_node
 from laplace.errors import ConfigError
-from train.optim import KEYS, Schedule, build_schedules, schedule_node
+from train.optim import KEYS, Schedule, build_schedules
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))

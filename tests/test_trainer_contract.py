@@ -11,7 +11,7 @@ import torch
 from omegaconf import open_dict
 
 import toy_trainers
-from conftest import TINY_VIT
+from conftest import TINY_VIT, schedule_node
 from laplace.checkpoint import CheckpointError, load_checkpoint, load_model
 from laplace.data.shards import write_shard
 from laplace.errors import ConfigError
@@ -19,7 +19,7 @@ from train import run
 from train.feeds import Feed, MapFeed, train_sampler
 from train.logger import read_metrics
 from train.optim import (Schedule, apply_group_schedules, build_schedules, check_group_schedules,
-                         clip_gradients, parse_length, schedule_node)
+                         clip_gradients, parse_length)
 from train.feeds import SeededRepeatAugSampler
 from train.deit3 import DeiT3Trainer
 

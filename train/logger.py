@@ -4,12 +4,14 @@ plain line per evaluation, and the evaluations' results sent to the W&B run of t
 they evaluate (`log_to_training_run`)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -300,19 +302,13 @@ class RunLog:
         sys.stdout, sys.stderr = _Tee(sys.stdout, self.file), _Tee(sys.stderr, self.file)
 
     def exception(self, e: BaseException):
-        import traceback
-
-        try:
+        with contextlib.suppress(OSError):  # the disk that failed the run: the terminal still shows the error
             self.file.write("".join(traceback.format_exception(e)))
-        except OSError:  # the disk that failed the run: the terminal still shows the error
-            pass
 
     def close(self):
         sys.stdout, sys.stderr = self.saved
-        try:
+        with contextlib.suppress(OSError):
             self.file.close()
-        except OSError:
-            pass
 
 
 # ---- what a user reads: progress and one line per evaluation --------------------------------

@@ -105,11 +105,6 @@ class Schedule:
                    end=None if node["end"] is None else float(node["end"]), shape=shape)
 
 
-def schedule_node(value, warmup=None, start=None, warmdown=None, end=None, shape=None) -> dict:
-    """A complete schedule node (for code and tests that build one)."""
-    return dict(value=value, warmup=warmup, start=start, warmdown=warmdown, end=end, shape=shape)
-
-
 def build_schedules(nodes, prefix: str, total_steps: int, steps_per_epoch: int) -> dict[str, Schedule]:
     """{name: Schedule} of a `schedules` config node (None or empty: none)."""
     return {name: Schedule.from_config(node, f"{prefix}.{name}", total_steps, steps_per_epoch)
@@ -169,108 +164,30 @@ def clip_gradients(optimizers: dict[str, torch.optim.Optimizer], max_norm: float
     return torch.stack(sq).sum().sqrt() if sq else None
 
 
-# Muon's Newton-Schulz and learning-rate adjustment, written here rather than called from
-# torch.optim._muon: those are private functions whose signatures change between torch releases.
-# Every operation is torch's (torch 2.14's torch/optim/_muon.py), in the same order, so the step
-# equals torch.optim.Muon's bit for bit (tests/test_newton_schulz.py holds this against the public
-# class).
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's default
-NS_EPS = 1e-7  # torch.optim.Muon's default: floor of the Frobenius norm the update is divided by
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-
-
-def zeropower_via_newtonschulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                               eps: float) -> torch.Tensor:
-    """Muon's orthogonalisation of a 2-D matrix, in bf16: US'V^T with S' ~ 0.5..1.5 rather than UV^T
-    (the coefficients maximise the slope at 0)."""
-    if grad.ndim != 2:
-        raise ValueError(f"Newton-Schulz orthogonalises a 2-D matrix, not a tensor of shape {list(grad.shape)}")
-    a, b, c = coefficients
-    tall = grad.size(0) > grad.size(1)
-    x = grad.bfloat16().T if tall else grad.bfloat16()  # the wide orientation: A = XX^T is the small one
-    x.div_(x.norm().clamp(min=eps))  # spectral norm <= Frobenius norm = 1
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
-        x = torch.addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
-    return x.T if tall else x
-
-
-def adjust_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
-    """Muon's learning rate for a [rows, cols] matrix."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn in (None, "original"):  # Keller Jordan's
-        return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":  # Moonshot's: AdamW's RMS, so its lr and decay carry over
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
-
-
-class _Muon(torch.optim.Optimizer):
-    """What both Muons share: 2-D parameters only, and a step that updates each group's parameters
-    that have a gradient (`_update`)."""
-
-    def __init__(self, params, defaults: dict):
-        super().__init__(params, defaults)
-        for p in (p for group in self.param_groups for p in group["params"]):
-            if p.ndim != 2:
-                raise ValueError(f"Muon updates 2-D matrices; a parameter has shape {list(p.shape)}")
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            self._update(group, [p for p in group["params"] if p.grad is not None])
-        return loss
-
-    def _momentum(self, p: torch.Tensor, m: float, nesterov: bool = True) -> torch.Tensor:
-        """The update from p's momentum buffer (state "momentum_buffer", torch's and nanochat's rule)."""
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        buf = state["momentum_buffer"]
-        buf.lerp_(p.grad, 1 - m)
-        return p.grad.lerp(buf, m) if nesterov else buf
-
-
-class StackedMuon(_Muon):
-    """torch.optim.Muon's update, where a group with `row_blocks: n` holds matrices that are n
-    matrices stacked by rows, each orthogonalised on its own with its own shape scale.
-
-    Hyper-parameters, group keys and state (`momentum_buffer`) are torch's, so optimizer state
-    saved by either loads into the other.
-    """
+class StackedMuon(torch.optim.Muon):
+    """torch.optim.Muon, where a group with `row_blocks: n` holds matrices that are n matrices
+    stacked by rows, each orthogonalised on its own with its own shape scale (groups and state:
+    torch's, so optimizer state saved by either loads into the other)."""
     # Why stacked: our attention keeps one fused `qkv` weight [3C, C] (timm's names and checkpoints,
     # one projection kernel) where nanochat has separate c_q, c_k, c_v [C, C]; one Newton-Schulz of
     # the stack orthogonalises the three together and scales by sqrt(3), far from nanochat's update
     # (docs/LOG.md, "Muon on the fused qkv"). Momentum and weight decay are elementwise: only the
-    # orthogonalisation and the shape scale go block by block. Not a subclass of torch.optim.Muon:
-    # its step calls private functions of torch.optim._muon.
+    # orthogonalisation and the shape scale go block by block.
 
-    def __init__(self, params, *, lr: float, momentum: float, nesterov: bool, ns_steps: int,
-                 weight_decay: float, adjust_lr_fn: str | None,
-                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS):
-        if adjust_lr_fn not in ADJUST_LR_FNS:
-            raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {ADJUST_LR_FNS}")
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                                      ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                                      adjust_lr_fn=adjust_lr_fn))
-
-    def _update(self, group: dict, params: list):
+    def _init_group(self, group, params, grads, bufs):
+        """torch's step updates the matrices this lists: each parameter's row blocks, as views of it,
+        its gradient and its momentum buffer, updated in place. (torch 2.14's hook, the only private
+        name used: tests/test_newton_schulz.py fails if a torch release changes it.)"""
+        whole = [], [], []
+        has_complex = super()._init_group(group, *whole)
         n = group.get("row_blocks", 1)  # a parameter group's key, not config: only stacked ones say
-        lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
-        for p in params:
+        for p, g, buf in zip(*whole):
             if p.shape[0] % n:
                 raise ValueError(f"a [{p.shape[0]}, {p.shape[1]}] matrix has no {n} equal row blocks")
-            update = self._momentum(p, m, group["nesterov"])
-            p.mul_(1 - lr * wd)  # decoupled weight decay, at the group's lr (torch's)
-            # One block (n = 1) is the whole matrix; chunks are row views, updated in place.
-            for p_i, u_i in zip(p.chunk(n), update.chunk(n)):
-                o = zeropower_via_newtonschulz(u_i, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                p_i.add_(o, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p_i.shape))
+            params += p.chunk(n)
+            grads += g.chunk(n)
+            bufs += buf.chunk(n)
+        return has_complex
 
 
 def build_muon_adamw(model: torch.nn.Module, cfg) -> dict[str, torch.optim.Optimizer]:
@@ -335,7 +252,7 @@ def polar_express(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
     return x * (min(g.shape[-2:]) ** 0.5 / x.float().norm(dim=(-2, -1), keepdim=True).clamp_min(1e-6)).to(x.dtype)
 
 
-class NorMuon(_Muon):
+class NorMuon(torch.optim.Optimizer):
     """nanochat 92d63d4's Muon: Nesterov momentum, `polar_express`, NorMuon's per-row (tall) or
     per-column (wide) second moment (arXiv:2510.05491), and cautious weight decay (only where the
     update and the weight agree in sign), at lr x sqrt(max(1, rows / cols)).
@@ -351,6 +268,19 @@ class NorMuon(_Muon):
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, ns_steps=ns_steps,
                                       weight_decay=weight_decay, dtype=dtype))
+        for p in (p for group in self.param_groups for p in group["params"]):
+            if p.ndim != 2:
+                raise ValueError(f"Muon updates 2-D matrices; a parameter has shape {list(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._update(group, [p for p in group["params"] if p.grad is not None])
+        return loss
 
     def _update(self, group: dict, params: list):
         m, wd = group["momentum"], group["weight_decay"]
@@ -361,7 +291,12 @@ class NorMuon(_Muon):
                 # a tall (or square) block's rows each get a second moment, a wide one's columns
                 state["second_momentum_buffer"] = [p.new_zeros((r, 1) if r >= p.shape[1] else (1, p.shape[1]))
                                                    for r in splits]
-            update = self._momentum(p, m)  # Nesterov
+            # Nesterov momentum, torch's and nanochat's rule (state "momentum_buffer")
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - m)
+            update = p.grad.lerp(buf, m)
             for p_i, u_i, v_i in zip(p.split(splits), update.split(splits), state["second_momentum_buffer"]):
                 g = polar_express(u_i, group["ns_steps"], group["dtype"])
                 # NorMuon: divide by the running RMS per row / column, then restore the update's norm
