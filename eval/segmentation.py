@@ -6,7 +6,7 @@
     python -m eval.segmentation checkpoint=... iters=2000 crop_size=256 batch_size=8       # a small run
 
 It runs `trainer=seg_linear` (train/seg_linear.py) on the training engine; the protocol's sizes
-and schedule are configs/eval/seg_*.yaml. UperNet fine-tuning with mmsegmentation: eval/mmseg.
+and schedule are configs/eval/seg_*.yaml. UperNet fine-tuning is not provided: docs/experiments.md.
 """
 from __future__ import annotations
 

@@ -14,8 +14,4 @@ fi
 # One thread per worker and per subprocess (they inherit it): two workers of two threads each spin
 # on two cores (five of its files took 21% longer so; three workers gained nothing: docs/LOG.md).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# yapf (imported by mmsegmentation's mmengine) writes its grammar pickles to ~/.cache on the first
-# import; two workers importing at once on a fresh machine read a half-written pickle (EOFError, as
-# CI saw). One import here writes them first. Without the [seg] extra this does nothing.
-python -c "import yapf" >/dev/null 2>&1 || true
 python -m pytest -q -n 2 --dist worksteal "${marker[@]}" "$@"

@@ -24,7 +24,6 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 PINS = {canonicalize_name(name): Version(v) for name, v in
         (line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
          if line and not line.startswith("#"))}
-# The [seg] extra keeps mmsegmentation's exact releases (eval/mmseg/shim.py stubs their ops).
 REQS = [Requirement(r) for r in PROJECT["dependencies"] + PROJECT["optional-dependencies"]["test"]
         + PROJECT["optional-dependencies"]["lm"] + PROJECT["optional-dependencies"]["lora"]]
 
@@ -38,13 +37,11 @@ def test_every_dependency_is_a_range_that_holds_the_constraints():
         assert req.specifier.contains(PINS[name]), f"constraints.txt's {req.name}=={PINS[name]} is outside {req}"
     torch = next(r for r in REQS if r.name == "torch")
     assert str(torch.specifier) in ("<2.15,>=2.14", ">=2.14,<2.15")
-    for extra in PROJECT["optional-dependencies"]["seg"]:  # pinned or unversioned, and locked
-        assert canonicalize_name(Requirement(extra).name) in PINS, extra
 
 
 def test_the_constraints_are_this_venv():
     """constraints.txt is the set the tests run on: in the venv scripts/env.sh builds, every package
-    it pins is at its pinned version (the [seg] extra's packages only where .ci/run added them)."""
+    it pins is at its pinned version."""
     if os.path.realpath(sys.prefix) != os.path.realpath(ROOT / ".venv"):
         pytest.skip(f"this Python ({sys.prefix}) is not the venv scripts/env.sh builds ({ROOT / '.venv'})")
     # The first distribution of a name on sys.path, as metadata.version(name) reads it: an imported

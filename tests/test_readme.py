@@ -172,8 +172,6 @@ def check_python(argv: list[str], ctx) -> None:
         out = main(args)
         assert (out / "model.safetensors").is_file()
         return
-    if target.startswith("eval.mmseg") and importlib.util.find_spec("mmseg") is None:
-        return  # the [seg] extra is not installed here: nothing to parse with
     path, module = entry_source(target)
     # a Hydra entry names its config in its decorator: the source says which one, without importing it
     entry = re.search(r'hydra_entry\("(\w+)"\)', path.read_text())

@@ -90,8 +90,8 @@ def seg_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def slide_inference(model: nn.Module, img: torch.Tensor, num_classes: int, window: int, stride: int) -> torch.Tensor:
     """Logits [B, K, H, W] of images [B, 3, H, W] from windows of `window` px every `stride` px
     (mmseg's `slide` mode), the overlaps averaged."""
-    # Hand-written: mmseg's EncoderDecoder.slide_inference is only in the [seg] extra, and
-    # neither torch nor timm has one.
+    # Hand-written: neither torch nor timm has one (mmseg's EncoderDecoder.slide_inference would
+    # bring mmcv and mmengine).
     B, _, H, W = img.shape
     rows = max(H - window + stride - 1, 0) // stride + 1
     cols = max(W - window + stride - 1, 0) // stride + 1
