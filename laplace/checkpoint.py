@@ -221,7 +221,7 @@ def model_source(path_or_id: str | os.PathLike, revision: Optional[str] = None, 
     return {"kind": "checkpoint", "path": path, "node": model_node_of(ckpt, path), "ckpt": ckpt}
 
 
-def load_model(path_or_id: str | os.PathLike | dict, map_location: Any = "cpu", eval_mode: bool = True, *,
+def load_model(path_or_id: str | os.PathLike | dict, map_location: Any = "cpu", *,
                revision: Optional[str] = None, cache_dir=None, **overrides) -> nn.Module:
     """The one loader: rebuild the model of a checkpoint, a run, an export, a nanochat checkpoint
     folder or a Hub id (see model_source; or what model_source or laplace.pretrained.weights_source
@@ -246,7 +246,7 @@ def load_model(path_or_id: str | os.PathLike | dict, map_location: Any = "cpu", 
         else:
             load_weights(model, sd, f"checkpoint={src['path']} does not fit model {kwargs['name']}")
     model.to(map_location)
-    return model.eval() if eval_mode else model
+    return model.eval()
 
 
 HEADS = ("head.", "lm_head.")  # the classifier of a ViT, the output layer of a GPT
