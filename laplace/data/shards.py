@@ -16,8 +16,7 @@ would have seen, also at another world size:
         ...
         ckpt["data"] = stream.state_dict()
 
-Validation is one pass that does not loop: `validation_pass(files, seq_len, micro_batch_size,
-rank, world_size)`.
+Validation is one pass that does not loop: `TokenStream(files, ..., loop=False)`.
 """
 from __future__ import annotations
 
@@ -269,35 +268,3 @@ class TokenStream:
             if not self.loop:
                 return
             self.epoch, self.position = self.epoch + 1, 0
-
-
-class ShardWindows(torch.utils.data.Dataset):
-    """The windows of token shards as a map-style dataset: item g is (x, y) of global window g
-    (TokenStream's windows, one pass, no ranks). For code that indexes windows (the analyses)."""
-
-    def __init__(self, files: Sequence[str | os.PathLike], seq_len: int):
-        self._stream = TokenStream(files, seq_len, micro_batch_size=1, loop=False)
-        self.seq_len = seq_len
-
-    def __len__(self) -> int:
-        return self._stream.windows_per_epoch
-
-    def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= g < len(self):  # an IndexError ends a plain `for` loop over the dataset
-            raise IndexError(g)
-        buf = np.empty(self.seq_len + 1, dtype=np.int64)
-        self._stream._read(g * self.seq_len, buf)
-        chunk = torch.from_numpy(buf)
-        return chunk[:-1], chunk[1:]
-
-
-def validation_pass(files: Sequence[str | os.PathLike], seq_len: int, micro_batch_size: int,
-                    rank: int = 0, world_size: int = 1, max_windows: int | None = None,
-                    vocab_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One pass over the windows, split over ranks as in training, from window 0.
-
-    Every rank yields the same number of batches (collectives stay in step); the last fewer
-    than world_size * micro_batch_size windows are skipped.
-    """
-    return iter(TokenStream(files, seq_len, micro_batch_size, rank=rank, world_size=world_size,
-                            loop=False, max_windows=max_windows, vocab_size=vocab_size))
