@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import glob
 import hashlib
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -134,8 +135,6 @@ class TokenStream:
                  rank: int = 0, world_size: int = 1, loop: bool = True,
                  max_windows: int | None = None, step_windows: int | None = None,
                  vocab_size: int | None = None):
-        if isinstance(files, (str, os.PathLike)):
-            files = [files]
         self.files = [Path(f) for f in files]
         if not self.files:
             raise ValueError("TokenStream needs at least one shard file")
@@ -145,11 +144,8 @@ class TokenStream:
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.rank, self.world_size, self.loop, self.vocab_size = rank, world_size, loop, vocab_size
         # Shard lengths from the .npy headers (mapping reads no data); cum[i] = first token of i.
-        self._cum = [0]
-        for f in self.files:
-            a = open_shard(f)  # reads the header: a check of every shard before step 1
-            self._cum.append(self._cum[-1] + len(a))
-            del a
+        # open_shard reads each header: a check of every shard before step 1.
+        self._cum = [0, *itertools.accumulate(len(open_shard(f)) for f in self.files)]
         self.num_tokens = self._cum[-1]
         self.windows_per_epoch = max(self.num_tokens - 1, 0) // seq_len
         if max_windows is not None:
