@@ -98,10 +98,8 @@ def prepare(cfg: DictConfig) -> dict:
     meta = {"version": META_VERSION, "source": src.describe(), "settings": settings,
             "tokenizer": tok.spec, "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size,
             "bos_id": tok.bos_id, "dtype": shard_dtype(tok.vocab_size).name,
-            "train": {"docs": sum(s["docs"] for s in train),
-                      "tokens": sum(s["tokens"] for s in train), "shards": train},
-            "val": {"docs": sum(s["docs"] for s in val),
-                    "tokens": sum(s["tokens"] for s in val), "shards": val}}
+            **{name: {"docs": sum(s["docs"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
+                      "shards": shards} for name, shards in (("train", train), ("val", val))}}
     atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())  # last: the folder is complete
 
     tr, va = meta["train"], meta["val"]
