@@ -57,9 +57,7 @@ def _describe(conversation) -> str:
         first = conversation["messages"][0]["content"]
     except (KeyError, IndexError, TypeError):
         return f"conversation {str(conversation)[:60]!r}"
-    if not isinstance(first, str):
-        first = str(first)
-    first = " ".join(first.split())
+    first = " ".join(str(first).split())  # a list of parts too, on one line
     return f"conversation starting {first[:50]!r}"
 
 
