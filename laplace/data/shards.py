@@ -135,9 +135,7 @@ class TokenStream:
                  rank: int = 0, world_size: int = 1, loop: bool = True,
                  max_windows: int | None = None, step_windows: int | None = None,
                  vocab_size: int | None = None):
-        self.files = [Path(f) for f in files]
-        if not self.files:
-            raise ValueError("TokenStream needs at least one shard file")
+        self.files = [Path(f) for f in files]  # none: "too little data" below, 0 tokens
         if seq_len < 1 or micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad TokenStream arguments: seq_len={seq_len}, micro_batch_size="
                              f"{micro_batch_size}, rank={rank}, world_size={world_size}")
