@@ -109,19 +109,10 @@ def eval_split(model, data: dict, seed: int = 0, max_tokens: Optional[int] = Non
         ds = build_vision_dataset(OmegaConf.create(data), train=False)
         per_seq = model.patch_embed.num_patches + 1  # +1: the class token, which the token count includes
     else:
-        per_seq = int(data["seq_len"])
+        from laplace.data.kinds import val_windows
+
         # windows of seq_len tokens; their targets are the next tokens (linguistic collapse's classes)
-        if data.get("kind") == "shards":  # the validation shards of its pre-training data
-            from laplace.data.shards import ShardWindows, list_shards
-
-            ds = ShardWindows(list_shards(data["root"], "val"), per_seq)
-        elif data.get("name") == "pydoc_text":
-            from laplace.data.text import build_pydoc_text
-
-            ds = build_pydoc_text(False, per_seq)
-        else:
-            raise ConfigError(f"data={data.get('name')}: GPT checkpoints are analysed on token shards "
-                              f"(data=fineweb_edu, data=pydoc_bpe: set data.root) or data=pydoc_text")
+        ds, per_seq = val_windows(data), int(data["seq_len"])
     # whole sequences only (the ANOVA's within-sequence part needs them), at least one
     n = len(ds) if max_tokens is None else min(len(ds), max(1, int(max_tokens) // per_seq))
     # a seeded permutation: a max_tokens cut takes a random subset of a sorted split (not its first

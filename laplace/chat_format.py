@@ -35,10 +35,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from .errors import UserError
+from .tokenizer import SPECIAL_TOKENS
 
 PART_TYPES = ("text", "python", "python_output")
-_CHAT_SPECIALS = ("<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
-                  "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>")
 
 
 class ConversationError(UserError, ValueError):
@@ -49,9 +48,7 @@ class ConversationError(UserError, ValueError):
 def special_ids(tok) -> dict[str, int]:
     """{name: id} of `<|bos|>` and the chat tokens; a tokenizer without them raises its own
     one-line ConfigError (e.g. gpt2)."""
-    ids = {name: tok.special_id(name) for name in _CHAT_SPECIALS}
-    ids["<|bos|>"] = tok.bos_id
-    return ids
+    return {name: tok.special_id(name) for name in SPECIAL_TOKENS}  # "<|bos|>": bos_id, whatever its name
 
 
 def _describe(conversation) -> str:
@@ -60,9 +57,7 @@ def _describe(conversation) -> str:
         first = conversation["messages"][0]["content"]
     except (KeyError, IndexError, TypeError):
         return f"conversation {str(conversation)[:60]!r}"
-    if not isinstance(first, str):
-        first = str(first)
-    first = " ".join(first.split())
+    first = " ".join(str(first).split())  # a list of parts too, on one line
     return f"conversation starting {first[:50]!r}"
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from laplace.checkpoint import load_model
-from laplace.data.text import BOS, VOCAB_SIZE, build_pydoc_text, decode, pydoc_documents
+from laplace.data.text import BOS, VOCAB_SIZE, build_pydoc_text, pydoc_documents
+from laplace.tokenizer import load_tokenizer
 from train.logger import read_metrics
 from train import run
 
@@ -19,7 +20,7 @@ def test_pydoc_text_windows_are_real_text():
     x, y = train[5]
     assert x.shape == y.shape == (64,) and torch.equal(x[1:], y[:-1])  # y is x shifted by one
     assert int(x.max()) < VOCAB_SIZE and (train.tokens == BOS).sum() > 50  # one BOS per document
-    assert len(decode(x).split()) > 3  # English words, not noise
+    assert len(load_tokenizer("bytes").decode(x).split()) > 3  # English words, not noise
     assert not set(pydoc_documents(True)) & set(pydoc_documents(False))  # no topic in both splits
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from laplace.data import DatasetNotFoundError
-from laplace.data.shards import (TokenStream, list_shards, shard_dtype, validation_pass,
+from laplace.data.shards import (TokenStream, list_shards, shard_dtype,
                                  write_shard)
 
 T = 4
@@ -169,15 +169,15 @@ def test_identity_follows_the_content_not_the_folder(tmp_path):
     assert ident != TokenStream(paths[:1], seq_len=T, micro_batch_size=1).identity()
 
 
-def test_validation_pass_skips_the_remainder(tmp_path):
+def test_one_pass_skips_the_remainder(tmp_path):
     paths, tokens = make_shards(tmp_path, [29])  # 7 windows: one round of 2 x 2, 3 skipped
     rows = []
     for r in range(2):
-        batches = list(validation_pass(paths, T, 2, rank=r, world_size=2))
+        batches = list(TokenStream(paths, T, 2, rank=r, world_size=2, loop=False))
         assert len(batches) == 1
         rows += batches[0][0].tolist()
     assert sorted(rows) == [window(tokens, g)[:-1].tolist() for g in range(4)]
-    capped = list(validation_pass(paths, T, 1, max_windows=3))
+    capped = list(TokenStream(paths, T, 1, loop=False, max_windows=3))
     assert len(capped) == 3
 
 

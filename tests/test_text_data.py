@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laplace.data.kinds import KINDS, build_text_data
+from laplace.data.kinds import KINDS, build_text_data, val_windows
 from laplace.errors import ConfigError
 
 
@@ -30,6 +30,14 @@ def test_shards_kind_streams_and_budgets_tokens(make_cfg, pydoc_shards):
     assert d.tokenizer == str(pydoc_shards / "tokenizer.json")
     # val_tokens=640: 10 windows, 2 ranks x 4 rows: one batch each (the last 2 windows skipped)
     assert [tuple(x.shape) for x, _ in data.val_batches(None)] == [(4, 64)]
+    # The analyses index the same validation windows (without the val_tokens cap).
+    windows = val_windows({**d, "seq_len": 64})
+    one = build_text_data(d, seed=0, micro_batch_size=1).val_batches(None)
+    assert [(x[0].tolist(), y[0].tolist()) for x, y in one] == \
+        [(x.tolist(), y.tolist()) for x, y in (windows[g] for g in range(10))]
+    assert len(windows) > 10 and val_windows({"name": "pydoc_text", "seq_len": 32})[0][0].shape == (32,)
+    with pytest.raises(ConfigError, match="prepare more val_docs"):
+        val_windows({**d, "seq_len": 10**9})
 
 
 @pytest.mark.parametrize("packed", [False, True])

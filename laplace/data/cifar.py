@@ -35,8 +35,8 @@ CIFAR10, CIFAR100 = _presence_only(datasets.CIFAR10), _presence_only(datasets.CI
 _CLASSES = {"cifar10": CIFAR10, "cifar100": CIFAR100}
 
 
-def build_cifar(name: str, root: str, train: bool, transform: Callable | None = None, download: bool = False,
-                verify_md5: bool = False) -> datasets.CIFAR10:
+def build_cifar(name: str, root: str, train: bool, transform: Callable | None = None,
+                download: bool = False) -> datasets.CIFAR10:
     """Build a CIFAR split; items are (transformed PIL RGB 32x32 image, int label).
 
     Args:
@@ -45,11 +45,10 @@ def build_cifar(name: str, root: str, train: bool, transform: Callable | None = 
         train: the 50k training split if True, else the 10k test split.
         transform: applied to each PIL image.
         download: fetch and extract the archive into root if files are missing (needs internet).
-        verify_md5: also check every file's md5 against the official archive's.
     """
     if name not in _CLASSES:
         raise ConfigError(f"unknown CIFAR dataset {name!r}; expected one of {sorted(_CLASSES)}")
-    cls = _CLASSES[name].__base__ if verify_md5 else _CLASSES[name]
+    cls = _CLASSES[name]
     root = os.path.abspath(os.path.expanduser(root))
     folder = os.path.join(root, cls.base_folder)
     files = [f for f, _ in (cls.train_list if train else cls.test_list)] + [cls.meta["filename"]]

@@ -20,6 +20,7 @@ line naming its file, parquet: file and row), and both datasets pickle into Data
 import bisect
 import glob
 import io
+import itertools
 import os
 from collections.abc import Callable
 
@@ -82,9 +83,7 @@ class ParquetImageNet(CorruptImages, torch.utils.data.Dataset):
         self.transform = transform
         # The rows concatenate the files in order: where each file starts, to name a bad row
         # (read from the footers; the Arrow cache keeps no file boundaries).
-        self.starts = [0]
-        for f in self.files[:-1]:
-            self.starts.append(self.starts[-1] + pq.read_metadata(f).num_rows)
+        self.starts = [0, *itertools.accumulate(pq.read_metadata(f).num_rows for f in self.files[:-1])]
         self.init_corrupt(skip_corrupt)
 
     def __len__(self) -> int:

@@ -16,8 +16,8 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, open_dict
 
@@ -25,6 +25,8 @@ from laplace.errors import ConfigError
 from laplace.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_config
 
 from . import Data
+from .shards import TokenStream, list_shards, open_shard
+from .text import TokenWindows, build_pydoc_text
 
 
 @dataclass
@@ -81,8 +83,6 @@ def resolve_tokenizer(d: DictConfig, init_from: str | None, check_vocab: bool = 
 def _windows(d, *, init_from, **_) -> TextData:
     if d.name != "pydoc_text":
         raise ConfigError(f"data.kind=windows serves data=pydoc_text only, got data={d.name!r}")
-    from .text import build_pydoc_text
-
     # The windows' own vocabulary (256 bytes + <|bos|>) is the byte tokenizer's first 257 ids.
     tok = resolve_tokenizer(d, init_from, check_vocab=False)
     return TextData(build_pydoc_text(True, d.seq_len), build_pydoc_text(False, d.seq_len), tokenizer=tok,
@@ -90,8 +90,6 @@ def _windows(d, *, init_from, **_) -> TextData:
 
 
 def _shards(d, *, init_from, micro_batch_size, rank, world_size, step_windows, **_) -> TextData:
-    from .shards import TokenStream, list_shards, open_shard, validation_pass
-
     tok = resolve_tokenizer(d, init_from)
     # prepare's meta.json pins the tokenizer that wrote the ids: another one with as many ids
     # trains without an error on ids that mean other tokens (a fresh run as much as a resume).
@@ -113,9 +111,10 @@ def _shards(d, *, init_from, micro_batch_size, rank, world_size, step_windows, *
     if windows < 1:  # said now, not at the first evaluation
         raise ConfigError(f"the validation shards {files[0].parent} hold {tokens} tokens, less than one window "
                           f"of data.seq_len={d.seq_len} (data.val_tokens={d.val_tokens}): prepare more val_docs")
-    # A small validation shard still gives every rank one batch (of fewer rows).
+    # A small validation shard still gives every rank one batch (of fewer rows). One pass, from
+    # window 0; the last windows that do not fill a round are skipped (like drop_last).
     rows = max(1, min(micro_batch_size, windows // world_size))
-    val = functools.partial(validation_pass, files, d.seq_len, rows, rank, world_size, max_windows=windows,
+    val = functools.partial(TokenStream, files, d.seq_len, rows, rank, world_size, loop=False, max_windows=windows,
                             vocab_size=tok.vocab_size)
     return TextData(train, None, tokenizer=tok, units_per_sample=d.seq_len, token_budget=True,
                     identity=train.identity(), val_pass=val)
@@ -166,3 +165,23 @@ def build_text_data(d: DictConfig, *, seed: int, micro_batch_size: int, rank: in
                        init_from=init_from, step_windows=step_windows)
     data.identity = {**(data.identity or {}), "tokenizer": data.tokenizer.fingerprint()[:16]}
     return data
+
+
+def val_windows(d) -> TokenWindows:
+    """The validation split of a GPT's data node (a dict or DictConfig) as a map-style set of (x, y)
+    windows of data.seq_len tokens, for code that indexes them (the analyses): the validation
+    shards of data=fineweb_edu / pydoc_bpe (without the trainer's data.val_tokens cap), or
+    data=pydoc_text's held-out topics."""
+    if d.get("kind") == "shards":
+        # In memory: prepare's validation shard is val_docs documents (FineWeb-Edu's 10,000: ~10 M
+        # tokens, 20 MB as uint16); the windows are TokenStream's, g*T .. g*T + T + 1.
+        tokens = np.concatenate([open_shard(f) for f in list_shards(d["root"], "val")])
+        ds = TokenWindows(torch.from_numpy(tokens), d["seq_len"])
+        if len(ds) == 0:
+            raise ConfigError(f"the validation shards of data.root={d['root']} hold {len(tokens)} tokens, less "
+                              f"than one window of data.seq_len={d['seq_len']}: prepare more val_docs")
+        return ds
+    if d.get("name") == "pydoc_text":
+        return build_pydoc_text(False, d["seq_len"])
+    raise ConfigError(f"data={d.get('name')}: GPT checkpoints are analysed on token shards "
+                      f"(data=fineweb_edu, data=pydoc_bpe: set data.root) or data=pydoc_text")

@@ -160,9 +160,7 @@ class MultiCrop:
 def multicrop_collate(items):
     """[(crops, label), ...] -> one batch per crop position: [tensor [B, 3, S_v, S_v] for v]; with
     device_augment decoded_collate's dict. Labels are dropped (self-supervised)."""
-    # Items are (crops, label) from a labelled dataset, or the crops alone.
-    crops = [it[0] if isinstance(it, (tuple, list)) and not isinstance(it[0], torch.Tensor) else it
-             for it in items]
+    crops = [c for c, _ in items]  # the datasets are labelled: (crops, label)
     if isinstance(crops[0], dict):  # device_augment: the decoded images and their crops
         return decoded_collate(crops)
     return [torch.stack([c[v] for c in crops]) for v in range(len(crops[0]))]

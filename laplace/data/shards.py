@@ -16,14 +16,14 @@ would have seen, also at another world size:
         ...
         ckpt["data"] = stream.state_dict()
 
-Validation is one pass that does not loop: `validation_pass(files, seq_len, micro_batch_size,
-rank, world_size)`.
+Validation is one pass that does not loop: `TokenStream(files, ..., loop=False)`.
 """
 from __future__ import annotations
 
 import bisect
 import glob
 import hashlib
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -135,22 +135,15 @@ class TokenStream:
                  rank: int = 0, world_size: int = 1, loop: bool = True,
                  max_windows: int | None = None, step_windows: int | None = None,
                  vocab_size: int | None = None):
-        if isinstance(files, (str, os.PathLike)):
-            files = [files]
-        self.files = [Path(f) for f in files]
-        if not self.files:
-            raise ValueError("TokenStream needs at least one shard file")
+        self.files = [Path(f) for f in files]  # none: "too little data" below, 0 tokens
         if seq_len < 1 or micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad TokenStream arguments: seq_len={seq_len}, micro_batch_size="
                              f"{micro_batch_size}, rank={rank}, world_size={world_size}")
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.rank, self.world_size, self.loop, self.vocab_size = rank, world_size, loop, vocab_size
         # Shard lengths from the .npy headers (mapping reads no data); cum[i] = first token of i.
-        self._cum = [0]
-        for f in self.files:
-            a = open_shard(f)  # reads the header: a check of every shard before step 1
-            self._cum.append(self._cum[-1] + len(a))
-            del a
+        # open_shard reads each header: a check of every shard before step 1.
+        self._cum = [0, *itertools.accumulate(len(open_shard(f)) for f in self.files)]
         self.num_tokens = self._cum[-1]
         self.windows_per_epoch = max(self.num_tokens - 1, 0) // seq_len
         if max_windows is not None:
@@ -269,35 +262,3 @@ class TokenStream:
             if not self.loop:
                 return
             self.epoch, self.position = self.epoch + 1, 0
-
-
-class ShardWindows(torch.utils.data.Dataset):
-    """The windows of token shards as a map-style dataset: item g is (x, y) of global window g
-    (TokenStream's windows, one pass, no ranks). For code that indexes windows (the analyses)."""
-
-    def __init__(self, files: Sequence[str | os.PathLike], seq_len: int):
-        self._stream = TokenStream(files, seq_len, micro_batch_size=1, loop=False)
-        self.seq_len = seq_len
-
-    def __len__(self) -> int:
-        return self._stream.windows_per_epoch
-
-    def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= g < len(self):  # an IndexError ends a plain `for` loop over the dataset
-            raise IndexError(g)
-        buf = np.empty(self.seq_len + 1, dtype=np.int64)
-        self._stream._read(g * self.seq_len, buf)
-        chunk = torch.from_numpy(buf)
-        return chunk[:-1], chunk[1:]
-
-
-def validation_pass(files: Sequence[str | os.PathLike], seq_len: int, micro_batch_size: int,
-                    rank: int = 0, world_size: int = 1, max_windows: int | None = None,
-                    vocab_size: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One pass over the windows, split over ranks as in training, from window 0.
-
-    Every rank yields the same number of batches (collectives stay in step); the last fewer
-    than world_size * micro_batch_size windows are skipped.
-    """
-    return iter(TokenStream(files, seq_len, micro_batch_size, rank=rank, world_size=world_size,
-                            loop=False, max_windows=max_windows, vocab_size=vocab_size))

@@ -20,11 +20,6 @@ BOS = 256
 VOCAB_SIZE = 257
 
 
-def decode(ids) -> str:
-    # <|bos|> dropped; a window may cut a character in two: "replace" keeps decoding.
-    return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
-
-
 def pydoc_documents(train: bool = True, val_every: int = 10) -> list[str]:
     from pydoc_data.topics import topics
 

@@ -46,20 +46,14 @@ class ChatMixture(Dataset):
     TaskMixture). Item i is `tasks[task_of[i]][index_of[i]]`; the two index arrays are the only
     memory it holds (12 bytes per conversation)."""
 
-    def __init__(self, tasks: Sequence[ChatTask], task_of: np.ndarray, index_of: np.ndarray,
-                 names: Sequence[str]):
-        self.tasks, self.task_of, self.index_of, self.names = list(tasks), task_of, index_of, list(names)
+    def __init__(self, tasks: Sequence[ChatTask], task_of: np.ndarray, index_of: np.ndarray):
+        self.tasks, self.task_of, self.index_of = list(tasks), task_of, index_of
 
     def __len__(self) -> int:
         return len(self.task_of)
 
     def __getitem__(self, i: int) -> dict:
         return self.tasks[int(self.task_of[i])][int(self.index_of[i])]
-
-    def counts(self) -> dict[str, int]:
-        """Conversations per task (a repeated task counts every repeat)."""
-        n = np.bincount(self.task_of, minlength=len(self.tasks))
-        return {name: int(c) for name, c in zip(self.names, n)}
 
 
 def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str = "data.tasks",
@@ -75,7 +69,7 @@ def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str
         raise ConfigError(f"{key} is empty: give at least one task, e.g. [{{task: pydoc_chat}}]")
     # One generator for every draw, in spec order: the mixture is a function of the specs and seed.
     rng = np.random.default_rng(seed)
-    tasks, names, task_of, index_of = [], [], [], []
+    tasks, task_of, index_of = [], [], []
     for t, raw in enumerate(specs):
         where = f"{key}[{t}]"
         spec = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
@@ -102,10 +96,9 @@ def build_mixture(specs: Sequence[Mapping[str, Any]], seed: int = 0, *, key: str
             picked.append(rng.permutation(local)[:round(frac * len(local))])
         idx = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
         tasks.append(task)
-        names.append(spec["task"] if spec["task"] not in names else f"{spec['task']}#{t}")  # counts() keys
         task_of.append(np.full(len(idx), t, dtype=np.int32))
         index_of.append(idx.astype(np.int64))
     # Index arrays, not conversations: 12 bytes per item, each built when the trainer reads it.
     task_of, index_of = np.concatenate(task_of), np.concatenate(index_of)
     order = rng.permutation(len(task_of))
-    return ChatMixture(tasks, task_of[order], index_of[order], names)
+    return ChatMixture(tasks, task_of[order], index_of[order])

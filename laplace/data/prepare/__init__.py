@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -16,7 +17,7 @@ from laplace.tokenizer import Tokenizer, capped_texts, cpu_cores, load_tokenizer
 
 from .settings import TEXT_OUTPUTS, output_dir, pin, positive_int, remove_outputs, settings_of
 from .sources import SourceError, open_source
-from .writer import Stats, write_train, write_val
+from .writer import write_train, write_val
 
 __all__ = ["SourceError", "make_tokenizer", "output_dir", "prepare"]
 
@@ -86,7 +87,7 @@ def prepare(cfg: DictConfig) -> dict:
 
     print(f"[prepare] {src.describe()} -> {out} ({tok.kind} tokenizer, vocab {tok.vocab_size:,}, "
           f"{threads} threads)", flush=True)
-    stats = Stats()
+    stats = Counter()  # documents, tokens and seconds tokenized (writer.encode_docs)
     train = write_train(src, tok, out / "train", docs_per_shard, max_docs, batch_docs, threads,
                         stats, bool(cfg.progress))
     if not train:
@@ -97,19 +98,17 @@ def prepare(cfg: DictConfig) -> dict:
     meta = {"version": META_VERSION, "source": src.describe(), "settings": settings,
             "tokenizer": tok.spec, "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size,
             "bos_id": tok.bos_id, "dtype": shard_dtype(tok.vocab_size).name,
-            "train": {"docs": sum(s["docs"] for s in train),
-                      "tokens": sum(s["tokens"] for s in train), "shards": train},
-            "val": {"docs": sum(s["docs"] for s in val),
-                    "tokens": sum(s["tokens"] for s in val), "shards": val}}
+            **{name: {"docs": sum(s["docs"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
+                      "shards": shards} for name, shards in (("train", train), ("val", val))}}
     atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())  # last: the folder is complete
 
     tr, va = meta["train"], meta["val"]
     print(f"[prepare] train: {tr['docs']:,} documents, {tr['tokens']:,} tokens in "
           f"{len(train)} shards; val: {va['docs']:,} documents, {va['tokens']:,} tokens", flush=True)
-    if stats.tokens:  # also per core: the threads tokenize without the GIL, so it scales with cores
-        tps = stats.tokens / max(stats.seconds, 1e-9)
-        print(f"[prepare] tokenized {stats.docs:,} documents, {stats.tokens:,} tokens in "
-              f"{stats.seconds:.1f} s: {tps:,.0f} tokens/s, {tps / cores:,.0f} tokens/s per "
+    if stats["tokens"]:  # also per core: the threads tokenize without the GIL, so it scales with cores
+        tps = stats["tokens"] / max(stats["seconds"], 1e-9)
+        print(f"[prepare] tokenized {stats['docs']:,} documents, {stats['tokens']:,} tokens in "
+              f"{stats['seconds']:.1f} s: {tps:,.0f} tokens/s, {tps / cores:,.0f} tokens/s per "
               f"core ({threads} threads on {cores} cores); total {time.perf_counter() - t0:.1f} s", flush=True)
     else:
         print("[prepare] all shards existed: nothing tokenized", flush=True)

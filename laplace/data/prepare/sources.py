@@ -39,12 +39,10 @@ class BuiltinSource:
         return [[self.layout]] if self.layout else None
 
     def train_batches(self, start: int, batch: int) -> Iterator[list[str]]:
-        for i in range(start, len(self.train), batch):
-            yield self.train[i:i + batch]
+        return (self.train[i:i + batch] for i in range(start, len(self.train), batch))
 
     def val_batches(self, batch: int) -> Iterator[list[str]]:
-        for i in range(0, len(self.val), batch):
-            yield self.val[i:i + batch]
+        return (self.val[i:i + batch] for i in range(0, len(self.val), batch))
 
 
 class ParquetSource:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +19,14 @@ def shard_name(i: int) -> str:
     return f"shard_{i:05d}.npy"
 
 
-def encode_docs(tok: Tokenizer, docs: list[str], dtype: np.dtype, threads: int) -> np.ndarray:
-    """<|bos|> + the ids of each document, concatenated, as one array of `dtype`."""
+def encode_docs(tok: Tokenizer, docs: list[str], dtype: np.dtype, threads: int, stats: Counter) -> np.ndarray:
+    """<|bos|> + the ids of each document, concatenated, as one array of `dtype`; adds the documents,
+    tokens and seconds to `stats` (prepare's closing summary)."""
+    t = time.perf_counter()
     lists = tok.encode_batch(docs, prepend_bos=True, num_threads=threads)  # threads: no GIL in tiktoken
-    return np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=sum(map(len, lists)))
+    arr = np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=sum(map(len, lists)))
+    stats.update(docs=len(docs), tokens=len(arr), seconds=time.perf_counter() - t)
+    return arr
 
 
 def _shard_tokens(path: Path) -> int | None:
@@ -37,23 +42,8 @@ def _count_docs(path: Path, bos_id: int) -> int:
     return int(np.count_nonzero(np.load(path, mmap_mode="r") == bos_id))
 
 
-class Stats:
-    """Documents and tokens tokenized, and the seconds it took (prepare's closing summary)."""
-
-    def __init__(self):
-        self.docs = self.tokens = 0
-        self.seconds = 0.0
-
-    def encode(self, tok, docs, dtype, threads) -> np.ndarray:
-        t = time.perf_counter()
-        arr = encode_docs(tok, docs, dtype, threads)
-        self.seconds += time.perf_counter() - t
-        self.docs, self.tokens = self.docs + len(docs), self.tokens + len(arr)
-        return arr
-
-
 def write_train(src, tok: Tokenizer, folder: Path, docs_per_shard: int, max_docs: int | None,
-                batch_docs: int, threads: int, stats: Stats, progress: bool) -> list[dict]:
+                batch_docs: int, threads: int, stats: Counter, progress: bool) -> list[dict]:
     """Train shards in `folder` (docs/text_data.md); returns [{file, docs, tokens}]."""
     D, dtype = docs_per_shard, shard_dtype(tok.vocab_size)
     limit = max_docs if max_docs is not None else float("inf")
@@ -77,7 +67,7 @@ def write_train(src, tok: Tokenizer, folder: Path, docs_per_shard: int, max_docs
         seen += len(batch)
         while batch:  # a batch may finish one shard and start the next
             take = min(len(batch), D - docs)
-            parts.append(stats.encode(tok, batch[:take], dtype, threads))
+            parts.append(encode_docs(tok, batch[:take], dtype, threads, stats))
             docs, batch = docs + take, batch[take:]
             bar.update(take)
             if docs == D:
@@ -98,7 +88,7 @@ def _flush(folder: Path, i: int, parts: list[np.ndarray], docs: int, vocab_size:
 
 
 def write_val(src, tok: Tokenizer, folder: Path, val_docs: int, batch_docs: int, threads: int,
-              stats: Stats) -> list[dict]:
+              stats: Counter) -> list[dict]:
     """The validation shard: the first val_docs documents of the validation split."""
     path = folder / shard_name(0)
     if val_docs == 0:
@@ -108,7 +98,7 @@ def write_val(src, tok: Tokenizer, folder: Path, val_docs: int, batch_docs: int,
     parts, docs = [], 0
     for batch in src.val_batches(batch_docs):
         batch = batch[:val_docs - docs]
-        parts.append(stats.encode(tok, batch, shard_dtype(tok.vocab_size), threads))
+        parts.append(encode_docs(tok, batch, shard_dtype(tok.vocab_size), threads, stats))
         docs += len(batch)
         if docs >= val_docs:
             break
