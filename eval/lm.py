@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from laplace.checkpoint import run_dir_of
 from train.cli import hydra_entry
 from train.config import required_list
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, one_line
 from laplace.io import write_json
 from train.rundir import MAX_NAME, check_writable, results_header, short_name
 from train.logger import log_to_training_run
@@ -118,9 +118,8 @@ def check_code_eval_metric(tasks: list[str]) -> None:
 
         evaluate.load("code_eval")  # loading needs no flag; running the code does (HF_ALLOW_CODE_EVAL)
     except Exception as e:  # noqa: BLE001 -- FileNotFoundError / ConnectionError offline, ImportError without evaluate
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise ConfigError(f"tasks {', '.join(tasks)} score with the `evaluate` library's code_eval metric, "
-                          f"which cannot be loaded here ({first}); load it once online "
+                          f"which cannot be loaded here ({one_line(e)[:160]}); load it once online "
                           f"(python -c \"import evaluate; evaluate.load('code_eval')\") or use "
                           f"laplace_chat_humaneval, which needs nothing more") from None
 
@@ -144,7 +143,7 @@ def out_dirs(cfg, paths: list[Path], names: list[str]) -> list[Path]:
     """Where each checkpoint's results.json goes (see `out` in configs/lm_eval.yaml)."""
     tag = tasks_tag(cfg, names)
     # beside the run (an exported folder: in it); a checkpoint other than last.pt adds its stem
-    homes = [(p, "") if p.is_dir() else (run_dir_of(p), "" if p.stem == "last" else f"_{p.stem}") for p in paths]
+    homes = [(run_dir_of(p), "" if p.is_dir() or p.stem == "last" else f"_{p.stem}") for p in paths]
     if cfg.out is None:  # many tasks make a long tag: bounded like a run directory's name
         dirs = [home / "eval" / short_name(tag + stem, MAX_NAME) for home, stem in homes]
     elif len(paths) == 1:
@@ -254,8 +253,7 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
                     task_manager=tm, confirm_run_unsafe_code=bool(cfg.allow_code_execution),
                     **seeds)
         except ConnectionError as e:  # lm-eval's own tasks read the hub through `datasets`: unreachable
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise ConfigError(f"{first}: lm-eval's tasks read their hub datasets through `datasets`; offline, "
+            raise ConfigError(f"{one_line(e)[:200]}: lm-eval's tasks read their hub datasets through `datasets`; offline, "
                               f"fill the HF cache first (HF_DATASETS_OFFLINE=1 then reads it), or use the "
                               f"laplace_chat tasks with data_root=DIR") from None
         tasks, flat = summarize(res)
