@@ -20,7 +20,6 @@ import functools
 import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -206,9 +205,8 @@ def _quiet(record: logging.LogRecord) -> bool:
 
 # ------------------------------------------------------------------------------------- command
 
-def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
+def evaluate_lm(cfg: DictConfig) -> list[dict]:
     """Run the command: every checkpoint on every task; returns the records written."""
-    out = stdout or sys.stdout
     usage = "python -m eval.lm checkpoint=PATH tasks=[laplace_chat]"
     values, names = required_list(cfg, "checkpoint", usage), required_list(cfg, "tasks", usage)  # one, or a list
     if not values or not names:
@@ -266,11 +264,10 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
                   "seconds": round(time.time() - t0, 1), "tasks": tasks, **flat}
         write_json(d / "results.json", record)
         # lm-eval's table (its groups with their aggregate are rows of it too)
-        out.write(f"[lm_eval] {src['path']} (step {src['step']})\n{make_table(res)}\n")
+        print(f"[lm_eval] {src['path']} (step {src['step']})\n{make_table(res)}")
         if "laplace_chat/chatcore" in flat:
-            out.write(f"[lm_eval] ChatCORE {flat['laplace_chat/chatcore']:.4f}\n")
-        out.write(f"[lm_eval] wrote {d / 'results.json'}\n")
-        out.flush()
+            print(f"[lm_eval] ChatCORE {flat['laplace_chat/chatcore']:.4f}")
+        print(f"[lm_eval] wrote {d / 'results.json'}", flush=True)
         if src["path"].is_file():  # "lm/<task>/<metric>" in the W&B run of the GPT's training, if any
             log_to_training_run(src["path"], flat, "lm")
         records.append(record)
