@@ -80,28 +80,25 @@ def unsafe_tasks(tm, names) -> list[str]:
     """The tasks among `names` (groups and tags expanded) that run generated code (`unsafe_code:
     true`), read from lm-eval's index: building a task would load its dataset first."""
     from lm_eval.tasks._index import Kind
-    from lm_eval.tasks._yaml_loader import load_yaml
 
     found = set()
 
     def visit(item, unsafe: bool = False):  # unsafe: a group above said so
+        entry = tm.task_index.get(item) if isinstance(item, str) else None
         if isinstance(item, list):  # a group's members
             for child in item:
                 visit(child, unsafe)
-            return
-        if isinstance(item, dict):  # a member written inline, with overrides: a task, or a group (its list)
-            unsafe = unsafe or bool(item.get("unsafe_code"))
-            return visit(item.get("task") or item.get("group"), unsafe)
-        entry = tm.task_index.get(str(item))
-        if entry is not None and entry.kind == Kind.TAG:
-            return visit(sorted(entry.tags), unsafe)
-        cfg = {} if entry is None else entry.cfg if entry.cfg is not None else \
-            load_yaml(entry.yaml_path, resolve_func=False) if entry.yaml_path else {}
-        unsafe = unsafe or bool(cfg.get("unsafe_code"))
-        if entry is not None and entry.kind == Kind.GROUP:
-            visit(cfg.get("task") or [], unsafe)
-        elif unsafe and item:
-            found.add(str(item))
+        elif isinstance(item, dict):  # a member written inline, with overrides: a task, or a group (its list)
+            visit(item.get("task") or item.get("group"), unsafe or bool(item.get("unsafe_code")))
+        elif entry is not None and entry.kind == Kind.TAG:
+            visit(sorted(entry.tags), unsafe)
+        else:  # the index holds every task's and group's YAML, includes resolved
+            cfg = (entry.cfg if entry is not None else None) or {}
+            unsafe = unsafe or bool(cfg.get("unsafe_code"))
+            if entry is not None and entry.kind == Kind.GROUP:
+                visit(cfg.get("task") or [], unsafe)
+            elif unsafe and item:
+                found.add(str(item))
 
     visit(list(names))
     return sorted(found)
