@@ -248,9 +248,9 @@ def evaluate_lm(cfg: DictConfig) -> list[dict]:
                     task_manager=tm, confirm_run_unsafe_code=bool(cfg.allow_code_execution),
                     **seeds)
         except ConnectionError as e:  # lm-eval's own tasks read the hub through `datasets`: unreachable
-            raise ConfigError(f"{one_line(e)[:200]}: lm-eval's tasks read their hub datasets through `datasets`; offline, "
-                              f"fill the HF cache first (HF_DATASETS_OFFLINE=1 then reads it), or use the "
-                              f"laplace_chat tasks with data_root=DIR") from None
+            raise ConfigError(f"{one_line(e)[:200]}: lm-eval's tasks read their hub datasets through `datasets`; "
+                              f"offline, fill the HF cache first (HF_DATASETS_OFFLINE=1 then reads it), or use "
+                              f"the laplace_chat tasks with data_root=DIR") from None
         tasks, flat = summarize(res)
         flat |= chatcore(flat)
         record = {**results_header(src["node"], src["dataset"], src["path"], step=src["step"]),
