@@ -140,16 +140,20 @@ def _limit_memory():  # in the child, before exec
 
 
 def run_program(program: str, timeout: float = TIMEOUT_S) -> bool:
-    """Run a program in a fresh isolated Python (`-I -c`) in an empty temporary folder, with a
+    """Run a program in a fresh isolated Python (`-I`) in an empty temporary folder, with a
     timeout and a memory cap; True when it exits 0. Refuses without the code-execution flag."""
     require_code_execution()
     with tempfile.TemporaryDirectory(prefix="laplace_humaneval_") as tmp:
+        # a file, not `-c`: a reply with a NUL byte fails as Python code, not in Popen (ValueError)
+        path = os.path.join(tmp, "program.py")
+        with open(path, "w") as f:
+            f.write(program)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0", "HOME": tmp,
                "OMP_NUM_THREADS": "1"}
         # POSIX: the program leads its own session (process group), killed when it times out and
         # also when it ends, so nothing it started (a `sleep`, a server) outlives the check. A program
         # that starts a new session of its own escapes: the timeout is no sandbox against malice.
-        proc = subprocess.Popen([sys.executable, "-I", "-c", program], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, "-I", path], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_limit_memory)
         try:
