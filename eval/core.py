@@ -21,15 +21,6 @@ from train.config import required
 from laplace.core_eval import ensure_bundle, evaluate
 from laplace.io import atomic_write, write_json
 
-__all__ = ["evaluate", "evaluate_core", "table"]
-
-
-def table(res: dict) -> pd.DataFrame:
-    """One row per task (accuracy, centred) and a last row with CORE."""
-    df = pd.DataFrame({"accuracy": res["results"], "centered": res["centered_results"]})
-    df.loc["CORE"] = [None, res["core_metric"]]
-    return df.rename_axis("task")
-
 
 def evaluate_core(cfg: DictConfig) -> dict:
     """Run the command: print the per-task table, write results.json and core.md beside the run."""
@@ -45,9 +36,12 @@ def evaluate_core(cfg: DictConfig) -> dict:
     res = evaluate(model, tok, bundle, int(cfg.max_per_task), log=print if main else None)
     path = src["path"]
     tag = "core" if cfg.max_per_task <= 0 else f"core_max{cfg.max_per_task}"
-    out = Path(cfg.out).expanduser() if cfg.out else (path if path.is_dir() else run_dir_of(path)) / "eval" / tag
+    out = Path(cfg.out).expanduser() if cfg.out else run_dir_of(path) / "eval" / tag
     if main:
-        md = table(res).to_markdown(floatfmt=".4f")
+        # one row per task (accuracy, centred) and a last row with CORE
+        df = pd.DataFrame({"accuracy": res["results"], "centered": res["centered_results"]}).rename_axis("task")
+        df.loc["CORE"] = [None, res["core_metric"]]
+        md = df.to_markdown(floatfmt=".4f")
         print(f"[core] {path} (step {src['step']})\n{md}\n[core] wrote {out / 'results.json'}", flush=True)
         atomic_write(out / "core.md", (md + "\n").encode())
         write_json(out / "results.json", {**results_header(src["node"], src["dataset"], path, step=src["step"]),

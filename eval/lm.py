@@ -20,7 +20,6 @@ import functools
 import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -30,7 +29,7 @@ from omegaconf import DictConfig
 from laplace.checkpoint import run_dir_of
 from train.cli import hydra_entry
 from train.config import required_list
-from laplace.errors import ConfigError
+from laplace.errors import ConfigError, one_line
 from laplace.io import write_json
 from train.rundir import MAX_NAME, check_writable, results_header, short_name
 from train.logger import log_to_training_run
@@ -81,28 +80,25 @@ def unsafe_tasks(tm, names) -> list[str]:
     """The tasks among `names` (groups and tags expanded) that run generated code (`unsafe_code:
     true`), read from lm-eval's index: building a task would load its dataset first."""
     from lm_eval.tasks._index import Kind
-    from lm_eval.tasks._yaml_loader import load_yaml
 
     found = set()
 
     def visit(item, unsafe: bool = False):  # unsafe: a group above said so
+        entry = tm.task_index.get(item) if isinstance(item, str) else None
         if isinstance(item, list):  # a group's members
             for child in item:
                 visit(child, unsafe)
-            return
-        if isinstance(item, dict):  # a member written inline, with overrides: a task, or a group (its list)
-            unsafe = unsafe or bool(item.get("unsafe_code"))
-            return visit(item.get("task") or item.get("group"), unsafe)
-        entry = tm.task_index.get(str(item))
-        if entry is not None and entry.kind == Kind.TAG:
-            return visit(sorted(entry.tags), unsafe)
-        cfg = {} if entry is None else entry.cfg if entry.cfg is not None else \
-            load_yaml(entry.yaml_path, resolve_func=False) if entry.yaml_path else {}
-        unsafe = unsafe or bool(cfg.get("unsafe_code"))
-        if entry is not None and entry.kind == Kind.GROUP:
-            visit(cfg.get("task") or [], unsafe)
-        elif unsafe and item:
-            found.add(str(item))
+        elif isinstance(item, dict):  # a member written inline, with overrides: a task, or a group (its list)
+            visit(item.get("task") or item.get("group"), unsafe or bool(item.get("unsafe_code")))
+        elif entry is not None and entry.kind == Kind.TAG:
+            visit(sorted(entry.tags), unsafe)
+        else:  # the index holds every task's and group's YAML, includes resolved
+            cfg = (entry.cfg if entry is not None else None) or {}
+            unsafe = unsafe or bool(cfg.get("unsafe_code"))
+            if entry is not None and entry.kind == Kind.GROUP:
+                visit(cfg.get("task") or [], unsafe)
+            elif unsafe and item:
+                found.add(str(item))
 
     visit(list(names))
     return sorted(found)
@@ -118,9 +114,8 @@ def check_code_eval_metric(tasks: list[str]) -> None:
 
         evaluate.load("code_eval")  # loading needs no flag; running the code does (HF_ALLOW_CODE_EVAL)
     except Exception as e:  # noqa: BLE001 -- FileNotFoundError / ConnectionError offline, ImportError without evaluate
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise ConfigError(f"tasks {', '.join(tasks)} score with the `evaluate` library's code_eval metric, "
-                          f"which cannot be loaded here ({first}); load it once online "
+                          f"which cannot be loaded here ({one_line(e)[:160]}); load it once online "
                           f"(python -c \"import evaluate; evaluate.load('code_eval')\") or use "
                           f"laplace_chat_humaneval, which needs nothing more") from None
 
@@ -144,7 +139,7 @@ def out_dirs(cfg, paths: list[Path], names: list[str]) -> list[Path]:
     """Where each checkpoint's results.json goes (see `out` in configs/lm_eval.yaml)."""
     tag = tasks_tag(cfg, names)
     # beside the run (an exported folder: in it); a checkpoint other than last.pt adds its stem
-    homes = [(p, "") if p.is_dir() else (run_dir_of(p), "" if p.stem == "last" else f"_{p.stem}") for p in paths]
+    homes = [(run_dir_of(p), "" if p.is_dir() or p.stem == "last" else f"_{p.stem}") for p in paths]
     if cfg.out is None:  # many tasks make a long tag: bounded like a run directory's name
         dirs = [home / "eval" / short_name(tag + stem, MAX_NAME) for home, stem in homes]
     elif len(paths) == 1:
@@ -207,9 +202,8 @@ def _quiet(record: logging.LogRecord) -> bool:
 
 # ------------------------------------------------------------------------------------- command
 
-def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
+def evaluate_lm(cfg: DictConfig) -> list[dict]:
     """Run the command: every checkpoint on every task; returns the records written."""
-    out = stdout or sys.stdout
     usage = "python -m eval.lm checkpoint=PATH tasks=[laplace_chat]"
     values, names = required_list(cfg, "checkpoint", usage), required_list(cfg, "tasks", usage)  # one, or a list
     if not values or not names:
@@ -254,10 +248,9 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
                     task_manager=tm, confirm_run_unsafe_code=bool(cfg.allow_code_execution),
                     **seeds)
         except ConnectionError as e:  # lm-eval's own tasks read the hub through `datasets`: unreachable
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise ConfigError(f"{first}: lm-eval's tasks read their hub datasets through `datasets`; offline, "
-                              f"fill the HF cache first (HF_DATASETS_OFFLINE=1 then reads it), or use the "
-                              f"laplace_chat tasks with data_root=DIR") from None
+            raise ConfigError(f"{one_line(e)[:200]}: lm-eval's tasks read their hub datasets through `datasets`; "
+                              f"offline, fill the HF cache first (HF_DATASETS_OFFLINE=1 then reads it), or use "
+                              f"the laplace_chat tasks with data_root=DIR") from None
         tasks, flat = summarize(res)
         flat |= chatcore(flat)
         record = {**results_header(src["node"], src["dataset"], src["path"], step=src["step"]),
@@ -268,11 +261,10 @@ def evaluate_lm(cfg: DictConfig, stdout=None) -> list[dict]:
                   "seconds": round(time.time() - t0, 1), "tasks": tasks, **flat}
         write_json(d / "results.json", record)
         # lm-eval's table (its groups with their aggregate are rows of it too)
-        out.write(f"[lm_eval] {src['path']} (step {src['step']})\n{make_table(res)}\n")
+        print(f"[lm_eval] {src['path']} (step {src['step']})\n{make_table(res)}")
         if "laplace_chat/chatcore" in flat:
-            out.write(f"[lm_eval] ChatCORE {flat['laplace_chat/chatcore']:.4f}\n")
-        out.write(f"[lm_eval] wrote {d / 'results.json'}\n")
-        out.flush()
+            print(f"[lm_eval] ChatCORE {flat['laplace_chat/chatcore']:.4f}")
+        print(f"[lm_eval] wrote {d / 'results.json'}", flush=True)
         if src["path"].is_file():  # "lm/<task>/<metric>" in the W&B run of the GPT's training, if any
             log_to_training_run(src["path"], flat, "lm")
         records.append(record)

@@ -147,10 +147,10 @@ class LaplaceLM(LM):
         return self._loglikelihood_tokens(pairs, disable_tqdm=disable_tqdm)
 
     @torch.inference_mode()
-    def _loglikelihood_tokens(self, pairs: list, disable_tqdm: bool = False,
-                              cache_hook: bool = True) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, pairs: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probs, is_greedy) of each (strings or None, context ids,
-        continuation ids), in order; one right-padded forward per batch."""
+        continuation ids), in order; one right-padded forward per batch. A request's strings key
+        lm-eval's request cache; None (a rolling window) is not cached."""
         for strings, _, cont in pairs:
             if len(cont) > self.max_length:  # refused, never silently cut
                 raise ConfigError(f"a continuation of {len(cont)} tokens exceeds max_length={self.max_length}: it "
@@ -181,7 +181,7 @@ class LaplaceLM(LM):
             greedy = torch.stack([f[2] for f in found]).tolist()
             for (strs, _, _), lp_sum, is_greedy in zip(found, sums, greedy):
                 res.append((float(lp_sum), bool(is_greedy)))
-                if cache_hook and strs is not None:
+                if strs is not None:
                     self.cache_hook.add_partial("loglikelihood", strs, res[-1])
             pbar.update(len(found))
         pbar.close()
@@ -199,7 +199,7 @@ class LaplaceLM(LM):
                 windows.append((None, ctx, cont))
                 owner.append(k)
         totals = [0.0] * len(requests)
-        for k, (lp, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm, False)):
+        for k, (lp, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm)):
             totals[k] += lp
         for r, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", tuple(r.args), total)

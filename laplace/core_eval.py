@@ -16,7 +16,6 @@ import os
 import random
 import shutil
 import tempfile
-import zipfile
 from pathlib import Path
 
 import pandas as pd
@@ -37,7 +36,7 @@ def ensure_bundle(path) -> Path:
         try:
             with tempfile.TemporaryDirectory(dir=path.parent if path.parent.is_dir() else None) as tmp:
                 torch.hub.download_url_to_file(BUNDLE_URL, f"{tmp}/bundle.zip")
-                zipfile.ZipFile(f"{tmp}/bundle.zip").extractall(tmp)
+                shutil.unpack_archive(f"{tmp}/bundle.zip", tmp)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(f"{tmp}/eval_bundle", path)  # the zip's one folder
         except OSError as e:  # no network (URLError is an OSError), or a read-only place

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import operator
-from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -86,11 +85,11 @@ def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, stop_ids, gen
     # so a reply of n tokens costs n one-token forwards (as GPT.generate, with batch 1).
     cache = model.new_kv_cache(1, len(prompt_ids) + max_new_tokens)
     logits = model(torch.tensor([list(prompt_ids)], dtype=torch.long, device=device), kv_cache=cache)[:, -1, :]
-    forced: deque[int] = deque()  # tool output to feed before sampling again
+    forced: list[int] = []  # tool output to feed before sampling again
     code: list[int] | None = None  # ids since <|python_start|>, while the model writes code
     for i in range(max_new_tokens):
         # one host sync per token: the caller wants it now anyway
-        token = forced.popleft() if forced else int(sample_next(logits, temperature, top_k, generator))
+        token = forced.pop(0) if forced else int(sample_next(logits, temperature, top_k, generator))
         if token in stop_ids:  # e.g. a chat reply's <|assistant_end|>: GPT.generate runs on, we stop
             return
         yield token

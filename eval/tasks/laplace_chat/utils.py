@@ -144,6 +144,7 @@ def run_program(program: str, timeout: float = TIMEOUT_S) -> bool:
     timeout and a memory cap; True when it exits 0. Refuses without the code-execution flag."""
     require_code_execution()
     with tempfile.TemporaryDirectory(prefix="laplace_humaneval_") as tmp:
+        # a file, not `-c`: a reply with a NUL byte fails as Python code, not in Popen (ValueError)
         path = os.path.join(tmp, "program.py")
         with open(path, "w") as f:
             f.write(program)
