@@ -49,7 +49,7 @@ class LaplaceLM(LM):
                  tokenizer: str | None = None, max_batch_size: int | None = None):  # lm-eval's, for batch_size=auto
         super().__init__()
         # under torchrun one GPU per process, the local rank's (lm-eval's CLI defaults to cuda:0)
-        device = "cuda" if dist._env_ranks()[1] > 1 and str(device).startswith("cuda") else str(device)
+        device = "cuda" if dist.env_ranks()[1] > 1 and str(device).startswith("cuda") else str(device)
         info = dist.setup(device)  # one process: the device; under torchrun: the group too
         self._rank, self._world_size, self._device = info.rank, info.world_size, info.device
         if info.distributed:

@@ -15,7 +15,7 @@ from train import run
 
 def test_slurm_environment_gives_ranks(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        monkeypatch.setenv(k, "")  # recorded, so the values _env_ranks exports are undone after
+        monkeypatch.setenv(k, "")  # recorded, so the values env_ranks exports are undone after
         monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
@@ -23,7 +23,7 @@ def test_slurm_environment_gives_ranks(monkeypatch):
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("MASTER_ADDR", "node0")  # set: no scontrol call
-    assert dist._env_ranks() == (5, 8, 1)
+    assert dist.env_ranks() == (5, 8, 1)
     assert os.environ["RANK"] == "5" and os.environ["WORLD_SIZE"] == "8"
     assert os.environ["MASTER_PORT"] == str(20000 + 123)
 
@@ -32,10 +32,10 @@ def test_torchrun_environment_wins_and_single_process_default(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert dist._env_ranks() == (1, 2, 1)
+    assert dist.env_ranks() == (1, 2, 1)
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(k, raising=False)
-    assert dist._env_ranks() == (0, 1, 0)
+    assert dist.env_ranks() == (0, 1, 0)
 
 
 def test_keep_every_writes_periodic_checkpoints(make_cfg, tmp_path):

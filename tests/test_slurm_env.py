@@ -23,7 +23,7 @@ SRUN_TASK1 = {**BATCH, "SLURM_GTIDS": "0,1", "SLURM_LOCALID": "1", "SLURM_PROCID
 
 @pytest.fixture
 def slurm_env(monkeypatch):
-    """Replace the launcher variables with `env`; what _env_ranks exports is undone after."""
+    """Replace the launcher variables with `env`; what env_ranks exports is undone after."""
     def apply(env):
         for k in [k for k in os.environ if k.startswith("SLURM_")] + [
                 "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]:
@@ -57,7 +57,7 @@ def test_batch_script_of_multi_task_job_runs_single_process(slurm_env, monkeypat
 def test_srun_step_task_gets_its_ranks(slurm_env, monkeypatch, capsys):
     slurm_env(SRUN_TASK1)
     monkeypatch.setattr(dist.subprocess, "check_output", lambda cmd: b"vm\n")  # scontrol show hostnames vm
-    assert dist._env_ranks() == (1, 2, 1)
+    assert dist.env_ranks() == (1, 2, 1)
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2")
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("vm", str(20000 + 1))
     assert capsys.readouterr().err == ""
@@ -66,10 +66,10 @@ def test_srun_step_task_gets_its_ranks(slurm_env, monkeypatch, capsys):
 def test_single_task_step_and_torchrun_inside_slurm(slurm_env, capsys):
     slurm_env({**SRUN_TASK1, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
                "SLURM_NPROCS": "1", "SLURM_STEP_NUM_TASKS": "1"})  # `srun -n1` in the same job
-    assert dist._env_ranks() == (0, 1, 0) and capsys.readouterr().err == ""
+    assert dist.env_ranks() == (0, 1, 0) and capsys.readouterr().err == ""
     os.environ.update(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3")  # torchrun launched from the batch script
     os.environ.update(BATCH)
-    assert dist._env_ranks() == (3, 4, 3)
+    assert dist.env_ranks() == (3, 4, 3)
 
 
 @pytest.mark.parametrize("visible, expected", [(1, 0), (2, 1)])  # --gpus-per-task=1 vs --gpus=2

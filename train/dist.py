@@ -43,7 +43,7 @@ class DistInfo:
         return self.world_size > 1
 
 
-def _env_ranks() -> tuple[int, int, int]:
+def env_ranks() -> tuple[int, int, int]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     # srun exports SLURM_STEP_NUM_TASKS to the tasks of a step only. The batch script (or salloc shell) of a
@@ -92,7 +92,7 @@ def setup(device: str = "auto") -> DistInfo:
     Args:
         device: "auto" (CUDA when available, else CPU), "cpu", or "cuda".
     """
-    rank, world, local_rank = _env_ranks()
+    rank, world, local_rank = env_ranks()
     dev = resolve_device(device, local_rank)
     if dev.type == "cuda":  # before the process group: NCCL binds each rank to the current device
         torch.cuda.set_device(dev)
