@@ -1,15 +1,10 @@
-"""Sorting ImageNet's flat validation images into <wnid>/ folders, on small files in the real
-formats: real JPEGs named and packed as in ILSVRC2012_img_val.tar, a devkit .tar.gz (meta.mat in
-its `synsets` struct layout, written by scipy.io, and the ground-truth file) and Kaggle's
-LOC_val_solution.csv. Checked: torchvision's one-liner (README, scripts/sort_imagenet_val.py's
-docstring) and scripts/sort_imagenet_val.py; the folder route then reads every image under its label."""
+"""Sorting ImageNet's flat validation images into <wnid>/ folders with torchvision's one-liner
+(docs/data.md), on small files in the real formats: real JPEGs named and packed as in
+ILSVRC2012_img_val.tar and a devkit .tar.gz (meta.mat in its `synsets` struct layout, written by
+scipy.io, and the ground-truth file); the folder route then reads every image under its label."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -19,12 +14,6 @@ import scipy.io
 from PIL import Image
 
 from laplace.data.imagenet import ImageFolder
-from laplace.errors import UserError
-
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("sort_imagenet_val", ROOT / "scripts" / "sort_imagenet_val.py")
-sv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sv)
 
 WNIDS = ["n01440764", "n01443537", "n01484850"]  # ILSVRC2012_IDs 1, 2, 3 (leaves)
 TRUTH = [2, 1, 3, 3, 1, 2, 2, 3, 1]  # line k: the class id of ILSVRC2012_val_<k:08d>.JPEG
@@ -74,16 +63,6 @@ def write_val_tar(root: Path) -> dict[str, bytes]:
     return images
 
 
-def write_solution(path: Path) -> Path:
-    """Kaggle's LOC_val_solution.csv: rows in no particular order, the wnid then its boxes, repeated."""
-    lines = ["ImageId,PredictionString"]
-    for k in (5, 2, 9, 1, 3, 8, 4, 7, 6):
-        w = truth()[name(k)]
-        lines.append(f"ILSVRC2012_val_{k:08d},{w} 12 30 200 180 {w} 5 5 40 40 ")
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 @pytest.fixture
 def archives(tmp_path, monkeypatch) -> tuple[Path, dict[str, bytes]]:
     """(folder holding the devkit and the val tar, {image name: bytes}); torchvision checks the
@@ -113,71 +92,3 @@ def test_torchvision_sorts_the_val_tar(archives):
     ds = torchvision.datasets.ImageNet(str(root), split="val")  # the documented one-liner
     assert ds.wnids == WNIDS and len(ds) == len(TRUTH)
     assert_sorted(root / "val", images)
-
-
-def test_the_label_files_agree(archives, tmp_path):
-    root, _ = archives
-    assert sv.devkit_labels(root / "ILSVRC2012_devkit_t12.tar.gz") == truth()
-    assert not (root / "meta.bin").exists()  # torchvision's meta.bin went to a temp folder
-    assert sv.solution_labels(write_solution(tmp_path / "LOC_val_solution.csv")) == truth()
-
-
-def test_move_in_place_then_a_rerun_sorts_the_rest(archives):
-    root, images = archives
-    val = root / "flat"
-    labels = sv.devkit_labels(root / "ILSVRC2012_devkit_t12.tar.gz")
-    (val / name(3)).rename(root / name(3))
-    with pytest.raises(UserError, match=f"1 labelled images are in neither .*{name(3)}"):
-        sv.sort_val(val, labels)
-    assert len([p for p in val.iterdir() if p.is_file()]) == 8  # refused before anything moved
-    (root / name(3)).rename(val / name(3))
-    assert sv.sort_val(val, labels) == 9
-    for k in (3, 7):  # as if a run had stopped before these two
-        (val / truth()[name(k)] / name(k)).rename(val / name(k))
-    assert sv.sort_val(val, labels) == 2  # the two left flat
-    assert not [p for p in val.iterdir() if p.is_file()]
-    assert_sorted(val, images)
-    assert sv.sort_val(val, labels) == 0  # sorted: nothing to do
-
-
-def test_hard_links_into_another_folder(archives, tmp_path):
-    root, images = archives
-    val, out = root / "flat", tmp_path / "imagenet_sorted" / "val"
-    labels = sv.solution_labels(write_solution(tmp_path / "LOC_val_solution.csv"))
-    with pytest.raises(UserError, match="--link keeps the flat images: give --out"):
-        sv.sort_val(val, labels, link=True)
-    assert sv.sort_val(val, labels, out=out, link=True) == 9
-    for n, w in truth().items():
-        assert os.path.samefile(val / n, out / w / n)  # the flat folder stays, the same inodes
-    assert_sorted(out, images)
-    assert sv.sort_val(val, labels, out=out, link=True) == 0
-
-
-def test_bad_label_files_are_one_line(tmp_path):
-    bad = tmp_path / "bad.csv"
-    bad.write_text("ImageId,PredictionString\nILSVRC2012_val_00000001,12 30 200 180\n")
-    with pytest.raises(UserError, match="line 2 is no `ImageId,<wnid> boxes...` row"):
-        sv.solution_labels(bad)
-    bad.write_text("id,label\nILSVRC2012_val_00000001,n01440764\n")
-    with pytest.raises(UserError, match="line 2 is no"):
-        sv.solution_labels(bad)
-    with pytest.raises(UserError, match="no such file"):
-        sv.solution_labels(tmp_path / "absent.csv")
-    bad.write_text("")  # pandas' EmptyDataError, said in one line
-    with pytest.raises(UserError, match="not Kaggle's LOC_val_solution.csv"):
-        sv.solution_labels(bad)
-
-
-def test_command_line(archives, tmp_path, capsys):
-    root, images = archives
-    val, csv = root / "flat", write_solution(tmp_path / "LOC_val_solution.csv")
-    assert sv.main([str(val), "--solution", str(csv)]) == 0
-    assert capsys.readouterr().out.endswith("9 images moved, 9 in 3 class folders\n")
-    assert_sorted(val, images)
-    # The script itself, as a user runs it: bad input is one `error:` line and exit status 1.
-    # Here the devkit is refused by torchvision's md5 check (the fixture's md5 is not this process's).
-    cmd = [sys.executable, str(ROOT / "scripts" / "sort_imagenet_val.py"), str(val), "--devkit",
-           str(root / "ILSVRC2012_devkit_t12.tar.gz")]
-    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert bad.returncode == 1 and bad.stderr.startswith("error: --devkit ") and bad.stderr.count("\n") == 1
-    assert "is not present in the root directory or is corrupted" in bad.stderr

@@ -93,7 +93,7 @@ def prepare_images(cfg) -> dict:
     found = [(d, s) for d, s in SPLITS if (src / d).is_dir()]
     if not found:
         raise DatasetNotFoundError(f"in={src} holds neither train/ nor val/ (<wnid>/*.JPEG folders); point "
-                                   f"in= at the extracted ImageNet (scripts/sort_imagenet_val.py sorts val/)")
+                                   f"in= at the extracted ImageNet (docs/data.md: torchvision sorts val/)")
     # The folder route's own listing (torchvision's ImageFolder: sorted wnids, then sorted files),
     # so row i is its sample i by construction. datasets' imagefolder builder lists the same way,
     # but writes an Arrow cache of the paths and labels no single-class folder.
@@ -101,7 +101,7 @@ def prepare_images(cfg) -> dict:
     classes = next(iter(scans.values()))[0]
     if any(cls != classes for cls, _ in scans.values()):  # label i must mean one class in both splits
         raise ConfigError(f"in={src}: train/ and val/ hold different class folders; is val/ sorted "
-                          f"(scripts/sort_imagenet_val.py)?")
+                          f"(docs/data.md)?")
     print(f"[prepare] {src}: {len(classes)} classes, " + ", ".join(f"{s} {len(smp):,} images" for s, (_, smp)
                                                                    in scans.items()) + f" -> {out}", flush=True)
 
