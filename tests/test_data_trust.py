@@ -86,6 +86,7 @@ def test_an_empty_validation_column_is_refused_in_prepare(tmp_path, empty):
     src = _parquet(tmp_path / "src", [make_docs(60, 0), [empty] * 20])
     with pytest.raises(ConfigError, match=r"the 20 validation documents are empty .*text_column"):
         prep.prepare(parquet_cfg(src, tmp_path / "out"))
+    assert not (tmp_path / "out" / "val" / "shard_00000.npy").exists()  # no empty shard a re-run would keep
 
 
 def test_validation_shards_shorter_than_a_window_are_refused_at_set_up(tmp_path):

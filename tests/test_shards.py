@@ -124,8 +124,7 @@ def _step_windows(paths, world, micro, step, steps, state=None):
     windows, read by `world` ranks with micro batch `micro` (accumulating the rest)."""
     ranks = []
     for r in range(world):
-        s = TokenStream(paths, seq_len=T, micro_batch_size=micro, rank=r, world_size=world)
-        s.set_step_windows(step)
+        s = TokenStream(paths, seq_len=T, micro_batch_size=micro, rank=r, world_size=world, step_windows=step)
         if state is not None:
             s.load_state_dict(state)
         ranks.append((s, iter(s)))
@@ -144,8 +143,7 @@ def test_epoch_end_depends_on_the_step_not_on_its_split(tmp_path):
     for world, micro in [(1, 8), (1, 4), (2, 4), (2, 2), (4, 1)]:
         got, _ = _step_windows(paths, world, micro, 8, 6)
         assert got == want, (world, micro)
-        s = TokenStream(paths, seq_len=T, micro_batch_size=micro, world_size=world)
-        s.set_step_windows(8)
+        s = TokenStream(paths, seq_len=T, micro_batch_size=micro, world_size=world, step_windows=8)
         assert s.micro_batches_per_epoch * world * micro == 16
     # Killed after 3 steps (mid epoch 1) with micro batch 8 on one process; resumed with 2
     # processes of micro batch 2 (2 accumulation steps) across the next epoch end.
@@ -154,7 +152,7 @@ def test_epoch_end_depends_on_the_step_not_on_its_split(tmp_path):
     resumed, _ = _step_windows(paths, 2, 2, 8, 3, state)
     assert resumed == want[3:]
     with pytest.raises(ValueError, match="multiple"):
-        TokenStream(paths, seq_len=T, micro_batch_size=4).set_step_windows(6)
+        TokenStream(paths, seq_len=T, micro_batch_size=4, step_windows=6)
 
 
 def test_identity_follows_the_content_not_the_folder(tmp_path):

@@ -127,7 +127,7 @@ class TokenStream:
         loop: start again after the last window (training); False stops after one pass.
         max_windows: use at most the first this many windows (e.g. a validation budget).
         step_windows: end each epoch at a multiple of this many windows (one optimizer step: the
-            global batch), see set_step_windows.
+            global batch, a multiple of W*B) instead of W*B.
         vocab_size: ids read must be below it (one line naming the shard, not an embedding's error).
     """
 
@@ -156,28 +156,21 @@ class TokenStream:
                 f"world size {world_size} needs {per_round * seq_len + 1} tokens, the shards hold "
                 f"{self.num_tokens} tokens ({self.windows_per_epoch} windows{cap})")
         # An epoch ends when fewer than one round's windows remain (dropped, like drop_last), or
-        # one optimizer step's (set_step_windows); the next starts again at window 0.
-        self._epoch_end = self.windows_per_epoch // per_round * per_round
+        # one optimizer step's (step_windows); the next starts again at window 0. A trainer that
+        # accumulates micro-batches passes step_windows: where an epoch ends, and which windows
+        # every later step holds, then depend on the global batch alone, not on how W*B splits it
+        # (else a run resumed with another micro batch took another remainder).
+        step = step_windows or per_round
+        if step < 1 or step % per_round:
+            raise ValueError(f"step_windows={step}: must be a positive multiple of "
+                             f"world size x micro batch ({per_round})")
+        if self.windows_per_epoch < step:
+            raise ConfigError(f"too little data: one step of {step} windows of data.seq_len="
+                              f"{seq_len} needs {step * seq_len + 1} tokens, the shards "
+                              f"hold {self.num_tokens} tokens ({self.windows_per_epoch} windows)")
+        self._epoch_end = self.windows_per_epoch // step * step
         self.epoch, self.position = 0, 0  # position: windows consumed this epoch, over all ranks
         self._maps: dict[int, np.ndarray] = {}  # opened on first use, see _map
-        if step_windows:
-            self.set_step_windows(step_windows)
-
-    def set_step_windows(self, windows: int) -> None:
-        """End each epoch at a multiple of `windows` (one optimizer step: the global batch,
-        a multiple of W*B) instead of W*B."""
-        # A trainer that accumulates micro-batches calls this: where an epoch ends, and which
-        # windows every later step holds, then depend on the global batch alone, not on how W*B
-        # splits it (else a run resumed with another micro batch took another remainder).
-        per_round = self.world_size * self.micro_batch_size
-        if windows < 1 or windows % per_round:
-            raise ValueError(f"set_step_windows({windows}): must be a positive multiple of "
-                             f"world size x micro batch ({per_round})")
-        if self.windows_per_epoch < windows:
-            raise ConfigError(f"too little data: one step of {windows} windows of data.seq_len="
-                              f"{self.seq_len} needs {windows * self.seq_len + 1} tokens, the shards "
-                              f"hold {self.num_tokens} tokens ({self.windows_per_epoch} windows)")
-        self._epoch_end = self.windows_per_epoch // windows * windows
 
     @property
     def micro_batches_per_epoch(self) -> int:

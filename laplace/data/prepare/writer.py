@@ -6,6 +6,7 @@ import itertools
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -89,23 +90,17 @@ def _flush(folder: Path, i: int, parts: list[np.ndarray], docs: int, vocab_size:
 
 def write_val(src, tok: Tokenizer, folder: Path, val_docs: int, batch_docs: int, threads: int,
               stats: Counter) -> list[dict]:
-    """The validation shard: the first val_docs documents of the validation split."""
-    path = folder / shard_name(0)
+    """The validation shard: the first val_docs documents of the validation split, written (or
+    kept, when an earlier run finished it) by write_train as one shard of val_docs documents."""
     if val_docs == 0:
         return []
-    if (n := _shard_tokens(path)) is not None:  # finished by an earlier run
-        return [{"file": f"{folder.name}/{path.name}", "docs": _count_docs(path, tok.bos_id), "tokens": n}]
-    parts, docs = [], 0
-    for batch in src.val_batches(batch_docs):
-        batch = batch[:val_docs - docs]
-        parts.append(encode_docs(tok, batch, shard_dtype(tok.vocab_size), threads, stats))
-        docs += len(batch)
-        if docs >= val_docs:
-            break
-    if not docs:
+    val = SimpleNamespace(num_train=None, train_batches=lambda start, batch: src.val_batches(batch))
+    shards = write_train(val, tok, folder, val_docs, val_docs, batch_docs, threads, stats, progress=False)
+    if not shards:
         raise ConfigError(f"source={src.describe()} has no validation documents; give it a "
                           f"validation split (val_split) or set val_docs=0")
-    if sum(len(p) for p in parts) <= docs:  # <|bos|> alone per document: the text column is empty
-        raise ConfigError(f"source={src.describe()}: the {docs} validation documents are empty (no text in "
-                          f"text_column); check val_split / text_column, or set val_docs=0")
-    return [_flush(folder, 0, parts, docs, tok.vocab_size)]
+    if shards[0]["tokens"] <= shards[0]["docs"]:  # <|bos|> alone per document: the text column is empty
+        (folder.parent / shards[0]["file"]).unlink()  # not kept for a re-run to take as finished
+        raise ConfigError(f"source={src.describe()}: the {shards[0]['docs']} validation documents are empty (no "
+                          f"text in text_column); check val_split / text_column, or set val_docs=0")
+    return shards
