@@ -54,7 +54,7 @@ def test_multicrop_is_dinos_pipeline_bit_for_bit(files):
             want, ref_torch, ref_py = seeded(seed, lambda: ref(decoded))
             got, new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", mc))
             assert torch.equal(ref_torch, new_torch) and ref_py == new_py
-            assert len(got) == len(want) == mc.n_crops
+            assert len(got) == len(want) == len(mc.views)
             for a, b in zip(want, got):
                 assert torch.equal(a, b)
 
@@ -71,8 +71,8 @@ def test_device_augment_matches_the_pil_pipeline(files):
             ref, ref_torch, ref_py = seeded(seed, lambda: mc(decoded))
             item, new_torch, new_py = seeded(seed, lambda: load(io.BytesIO(data), "photo", dev))
             assert torch.equal(ref_torch, new_torch) and ref_py == new_py
-            assert item["image"].dtype == torch.uint8 and item["params"].shape == (mc.n_crops, len(PARAMS))
-            assert item["windows"].shape == item["boxes"].shape == (mc.n_crops, 4)
+            assert item["image"].dtype == torch.uint8 and item["params"].shape == (len(mc.views), len(PARAMS))
+            assert item["windows"].shape == item["boxes"].shape == (len(mc.views), 4)
             refs.append(ref)
             items.append((item, 0))
     batch = multicrop_collate(items)

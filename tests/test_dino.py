@@ -53,19 +53,20 @@ def test_multicrop_counts_sizes_and_dino_defaults(make_cfg):
     mc = MultiCrop.from_config(cfg.trainer.multicrop, cfg.data.mean, cfg.data.std)
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 70, 3), dtype=np.uint8))
     crops = mc(img)
-    assert mc.n_global == 2 and mc.n_local == 8 and len(crops) == 10
+    assert [size for _, size in mc.views] == [224] * 2 + [96] * 8 and len(crops) == 10
     assert [c.shape for c in crops] == [(3, 224, 224)] * 2 + [(3, 96, 96)] * 8
     # DINO's composition: blur 1.0 / 0.1 on the global crops, solarize on the second only.
     steps = lambda t: t.transforms
-    rrc = next(s for s in steps(mc.local_transform) if type(s).__name__ == "RandomResizedCrop")
+    global_transforms, local_transform = [t for t, _ in mc.views[:2]], mc.views[-1][0]
+    rrc = next(s for s in steps(local_transform) if type(s).__name__ == "RandomResizedCrop")
     assert rrc.scale == (0.05, 0.4) and rrc.size == (96, 96)
-    g_rrc = next(s for s in steps(mc.global_transforms[0]) if type(s).__name__ == "RandomResizedCrop")
+    g_rrc = next(s for s in steps(global_transforms[0]) if type(s).__name__ == "RandomResizedCrop")
     assert g_rrc.scale == (0.4, 1.0)
-    blur = [[s.p for s in steps(t) if isinstance(s, GaussianBlur)] for t in [*mc.global_transforms, mc.local_transform]]
+    blur = [[s.p for s in steps(t) if isinstance(s, GaussianBlur)] for t in [*global_transforms, local_transform]]
     assert blur == [[1.0], [0.1], [0.5]]
-    sol = [[s.p for s in steps(t) if isinstance(s, Solarization)] for t in [*mc.global_transforms, mc.local_transform]]
+    sol = [[s.p for s in steps(t) if isinstance(s, Solarization)] for t in [*global_transforms, local_transform]]
     assert sol == [[], [0.2], []]
-    jitter = next(s for s in steps(mc.local_transform) if type(s).__name__ == "RandomApply")
+    jitter = next(s for s in steps(local_transform) if type(s).__name__ == "RandomApply")
     assert jitter.p == 0.8 and jitter.transforms[0].hue == (-0.1, 0.1)
 
     batch = multicrop_collate([(mc(img), 3), (mc(img), 5)])
@@ -86,7 +87,7 @@ def test_only_the_second_global_crop_is_solarised():
     # Local crops: at most 40% of the area (DINO's scale 0.05-0.4), resized to 16 px.
     torch.manual_seed(0)
     mc = _mc(local_scale=(0.05, 0.4))
-    rrc = mc.local_transform.transforms[0]
+    rrc = mc.views[-1][0].transforms[0]  # a local crop's
     for _ in range(50):
         box = rrc.make_params([img])
         h, w = box["height"], box["width"]

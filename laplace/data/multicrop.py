@@ -77,8 +77,6 @@ class MultiCrop:
         if len(global_blur) != len(global_solarize) or not global_blur:
             raise ConfigError(f"multicrop.global_blur {list(global_blur)} and global_solarize "
                               f"{list(global_solarize)} need one probability per global crop (DINO: 2)")
-        self.n_global, self.n_local = len(global_blur), int(local_crops)
-        self.global_size, self.local_size = int(global_size), int(local_size)
         self.mean, self.std, self.blur_radius = tuple(mean), tuple(std), tuple(blur_radius)
         self.device_augment = bool(device_augment)
         self.reduce = True  # device_augment's decode at reduced size (the trainer sets data.reduced_decode)
@@ -94,11 +92,11 @@ class MultiCrop:
                 ToNormalizedTensor(mean, std),
             ])
 
-        self.global_transforms = [view(global_size, global_scale, b, s) for b, s in zip(global_blur, global_solarize)]
-        self.local_transform = view(local_size, local_scale, local_blur, local_solarize)
-        # Every crop in order, as (its transform, its side): what __call__ applies and plan draws.
-        self.views = [(t, self.global_size) for t in self.global_transforms]
-        self.views += [(self.local_transform, self.local_size)] * self.n_local
+        # Every crop in order, as (its transform, its side), the global crops first (one transform
+        # each), then the local ones (one transform for all): what __call__ applies and plan draws.
+        self.views = [(view(global_size, global_scale, b, s), int(global_size))
+                      for b, s in zip(global_blur, global_solarize)]
+        self.views += [(view(local_size, local_scale, local_blur, local_solarize), int(local_size))] * int(local_crops)
 
     @classmethod
     def from_config(cls, node, mean, std) -> MultiCrop:
@@ -107,10 +105,6 @@ class MultiCrop:
             return cls(**dict(node), mean=tuple(mean), std=tuple(std))
         except TypeError as e:
             raise ConfigError(f"trainer.multicrop: {e}") from None
-
-    @property
-    def n_crops(self) -> int:
-        return self.n_global + self.n_local
 
     def __call__(self, img: Image.Image):
         if self.device_augment:
