@@ -38,11 +38,6 @@ def _shard_tokens(path: Path) -> int | None:
         return None
 
 
-def _count_docs(path: Path, bos_id: int) -> int:
-    # Ordinary text never encodes to <|bos|>, so the BOS count is the document count.
-    return int(np.count_nonzero(np.load(path, mmap_mode="r") == bos_id))
-
-
 def write_train(src, tok: Tokenizer, folder: Path, docs_per_shard: int, max_docs: int | None,
                 batch_docs: int, threads: int, stats: Counter, progress: bool) -> list[dict]:
     """Train shards in `folder` (docs/text_data.md); returns [{file, docs, tokens}]."""
@@ -52,8 +47,10 @@ def write_train(src, tok: Tokenizer, folder: Path, docs_per_shard: int, max_docs
     # The shards a killed run finished (each written atomically: whole or absent) are kept.
     while (n := _shard_tokens(folder / shard_name(len(shards)))) is not None:
         shards.append({"file": f"{folder.name}/{shard_name(len(shards))}", "docs": D, "tokens": n})
-    if shards:  # every shard but the last holds D documents: count only the last
-        shards[-1]["docs"] = _count_docs(folder.parent / shards[-1]["file"], tok.bos_id)
+    if shards:  # every shard but the last holds D documents: count only the last (ordinary text
+        # never encodes to <|bos|>, so the BOS count is the document count)
+        last = np.load(folder.parent / shards[-1]["file"], mmap_mode="r")
+        shards[-1]["docs"] = int(np.count_nonzero(last == tok.bos_id))
         if shards[-1]["docs"] < D:
             return shards  # the source ran out in the last shard: finished
     start = len(shards) * D  # shard i holds documents [i * D, (i + 1) * D): resume at the next one
