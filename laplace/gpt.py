@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import RMSNorm, attn_layer, laplacian_counts
 from .errors import ConfigError
-from .sampling import check_sampling, sample_next  # the one token-picking rule (also the streaming sampler's)
+from .sampling import check_sampling, sample_next  # the one token-picking rule and its checks (the streamer's too)
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
