@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import RMSNorm, attn_layer, laplacian_counts
 from .errors import ConfigError
-from .sampling import sample_next  # the one token-picking rule (also the streaming sampler's)
+from .sampling import check_sampling, sample_next  # the one token-picking rule and its checks (the streamer's too)
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -391,10 +391,7 @@ class GPT(nn.Module):
         """Sample `max_new_tokens` after the prompt idx [B, T]; temperature 0 is greedy,
         `top_k` None or 0 samples from the whole vocabulary. With `use_cache` the prompt is
         encoded once and each step feeds one token."""
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature}: use 0 (greedy) or a positive value")
-        if top_k is not None and top_k < 0:
-            raise ValueError(f"top_k={top_k}: use a positive count, or 0 / None for no top-k")
+        check_sampling(temperature, top_k)  # a ConfigError, i.e. a ValueError
         cache = self.new_kv_cache(idx.shape[0], idx.shape[1] + max_new_tokens) if use_cache else None
         out, step_in = idx, idx
         for _ in range(max_new_tokens):

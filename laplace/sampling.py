@@ -19,6 +19,14 @@ from torch import nn
 from .errors import ConfigError
 
 
+def check_sampling(temperature: float, top_k: int | None) -> None:
+    """The one check of the sampling arguments (`GPT.generate`'s and `stream_tokens`')."""
+    if temperature is None or temperature < 0:
+        raise ConfigError(f"temperature={temperature}: use 0 (greedy) or a positive value")
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"top_k={top_k}: use a positive count, or 0 / null for no top-k")
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Next ids [B, 1] from last-position logits [B, V], exactly as `GPT.generate` picks them."""
@@ -124,10 +132,7 @@ def stream_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: i
     Arguments are checked when this is called, not at the first step.
     """
     model = unwrap(model)  # a compiled model would recompile at every new length
-    if temperature is None or temperature < 0:
-        raise ConfigError(f"temperature={temperature}: use 0 (greedy) or a positive value")
-    if top_k is not None and top_k < 0:
-        raise ConfigError(f"top_k={top_k}: use a positive count, or 0 / null for no top-k")
+    check_sampling(temperature, top_k)
     if max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens={max_new_tokens}: use a count >= 0")
     if len(prompt_ids) == 0:
