@@ -20,8 +20,8 @@ optimizer's step (DINO's EMA teacher) is torch's optimizer hooks, registered by 
 Names: `self.model` is the module trained, `self.net` the same wrapped (DDP, compile),
 `self.exported` what a checkpoint's "model" holds (what `load_model` rebuilds).
 All training state lives in the model and the optimizers: a checkpoint holds those, the data
-position, the logging window and each rank's RNG states. Every rank trains rank 0's model (set-up
-broadcasts it whole); what is drawn while training (drop-path, Mixup) is each rank's own.
+position, the logging window and each rank's RNG states. Every rank trains rank 0's model (DDP's
+construction broadcasts it whole); what is drawn while training (drop-path, Mixup) is each rank's own.
 """
 from __future__ import annotations
 
@@ -144,9 +144,6 @@ class Trainer:
         self.started_commit = git_commit() if self.dist.is_main else None  # the run's code (_restore: saved)
         if resume is not None:
             self._restore(*resume)
-        # Rank 0's model is the run's (every rank built its own from its own seed): the whole trained
-        # module, not only what DDP broadcasts (DINO's teacher and centre: buffers and frozen weights).
-        dist.broadcast_module_(self.model)
         self.net = self._wrap(self.model)
         # Batch norms that no collective keeps equal (gloo has no SyncBatchNorm): averaged each step.
         self.unsynced_stats = dist.unsynced_running_stats(self.model) if self.dist.distributed else []
@@ -220,6 +217,9 @@ class Trainer:
                 # DINO's head, DINOv2's segmentation head); SyncBatchNorm has CUDA kernels only
                 net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
             ids = [self.device.index] if self.device.type == "cuda" else None
+            # Rank 0's model is the run's (every rank built its own from its own seed): constructing
+            # DDP broadcasts rank 0's parameters and buffers, of the whole trained module (DINO's
+            # teacher and centre: frozen weights and buffers), forward_sync_buffers=False included.
             # No buffer broadcast before every forward: each is equal on every rank by construction
             # (rotary tables, head masks), by its own all-reduce (DINO's centre, SyncBatchNorm's
             # statistics) or by the engine's average after each step (plain batch norm under gloo).
