@@ -189,10 +189,6 @@ class Trainer:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
-    @property
-    def epoch(self) -> int:
-        return self.feed.epoch
-
     # ---- the engine's own ------------------------------------------------------------------
     def sampler(self, dataset):
         """The epoch's order of the training samples: shuffled by (seed, epoch), or timm's repeated
@@ -242,7 +238,7 @@ class Trainer:
             entries = dict(
                 optimizer={name: opt.state_dict() for name, opt in self.optimizers.items()}, rng=rngs,
                 # total_steps: an export of a run stopped early says so (laplace.export)
-                loop={"step": self.step, "total_steps": self.total_steps, "epoch": self.epoch, "feed": self.feed.state_dict(),
+                loop={"step": self.step, "total_steps": self.total_steps, "epoch": self.feed.epoch, "feed": self.feed.state_dict(),
                       "world_size": self.dist.world_size, "log_window": windows, "commit": self.started_commit})
             if exported is not self.model:  # the module trained, whole, for resume
                 entries["train_model"] = clean_state_dict(self.model.state_dict())
@@ -360,7 +356,7 @@ class Trainer:
                 rec = {"loss": mean_loss, **self.hparams, f"{self.data.unit}_per_s": seen / dt}
                 if self.flops_per_unit and self.peak_flops:  # the model FLOPs utilisation
                     rec["mfu"] = seen / dt * self.flops_per_unit / (self.peak_flops * self.dist.world_size)
-                rec.update(step_ms=1000 * dt / window.steps, epoch=self.epoch, **gate_metrics(self.exported),
+                rec.update(step_ms=1000 * dt / window.steps, epoch=self.feed.epoch, **gate_metrics(self.exported),
                            **{k: float(v) for k, v in extras.items()})
                 logger.log(step, rec, split="train")
                 bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.data.unit}/s": f"{seen / dt:.0f}"},
@@ -406,7 +402,7 @@ class Trainer:
         with torch.no_grad(), self.autocast():
             metrics = self.evaluate()
         if metrics:
-            logger.log(step, metrics, split="val", epoch=self.epoch)
+            logger.log(step, metrics, split="val", epoch=self.feed.epoch)
             if self.dist.is_main:  # one plain line, bar or not: on a terminal tqdm.write clears an open
                 # bar, prints and redraws it; off a terminal the bars write to train.logger._Lines, which
                 # tqdm.write leaves alone (a redraw would only add a line)
@@ -425,7 +421,7 @@ class Trainer:
         final = metrics or {"train_loss": next((r["loss"] for r in reversed(logged(self.run_dir, "train"))), None)}
         resumes = [{k: r.get(k) for k in ("step", "commit")} for r in logged(self.run_dir, "resume")]  # each stop
         record = results_header(self.plain_config()["model"], d.name, self.ckpt_path, seed=self.cfg.seed,
-                                steps=self.step, epochs=self.epoch, global_batch_size=tc.global_batch_size,
+                                steps=self.step, epochs=self.feed.epoch, global_batch_size=tc.global_batch_size,
                                 init_from=tc.init_from, final=final, commit=self.started_commit, resumes=resumes)
         if d.get("img_size"):
             record.update(img_size=d.img_size, patch_size=d.get("patch_size"))
