@@ -72,7 +72,7 @@ def _alive_here(line: list[str]) -> bool:
     """Whether a lock file's line names a live process of this host other than this one."""
     if len(line) < 2 or not line[0].isdigit() or line[1] != socket.gethostname() or int(line[0]) == os.getpid():
         return False
-    return psutil.pid_exists(int(line[0]))  # (someone else's process exists too)
+    return psutil.pid_exists(int(line[0]))  # kill(pid, 0): also true of another user's process
 
 
 class RunDirLock:
