@@ -126,8 +126,8 @@ class Recipe:
             raise ConfigError(f"{path}: no such schedule in the composed config")
         node, total = OmegaConf.to_container(node, resolve=True), self.total_steps()
         # Steps per epoch are needed only where a length counts in epochs (a token budget's: 1).
-        spe, epochs = self.plan().steps_per_epoch, any(str(v).strip().endswith("ep") for v in [*node.values(), at])
-        if spe is None and epochs and not self.plan().token_budget:
+        spe = self.plan().steps_per_epoch
+        if spe is None and not self.plan().token_budget and any(str(v).strip().endswith("ep") for v in [*node.values(), at]):
             raise ConfigError(NEEDS_SIZE)
         schedule = Schedule.from_config(node, path, total, spe or 1)
         return schedule(total - 1 if at == "end" else parse_length(at, at, spe or 1, total))
