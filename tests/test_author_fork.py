@@ -365,11 +365,11 @@ def test_lr_and_steps_per_epoch(fork):
 
 
 def test_optimizer(fork):
-    from train.optim import build_optimizer
+    from train.optim import build_optimizers
 
     cfg, fo = compose("model=vitb_6L"), fork["optimizer"]
     model = build(cfg)
-    opt = build_optimizer(model, cfg.optim)
+    opt = build_optimizers(model, cfg.optim)[cfg.optim.name]
     names = {id(p): n for n, p in model.named_parameters()}
     no_decay = sorted(names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"])
     print(f"optimizer: {type(opt).__name__} (fork {fo['class']}), betas {opt.defaults['betas']}, eps "

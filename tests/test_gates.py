@@ -25,7 +25,7 @@ from laplace.checkpoint import load_checkpoint, load_model
 from train import run
 from train.dino import dino_param_groups
 from train.logger import read_metrics
-from train.optim import build_muon_adamw, build_optimizer
+from train.optim import build_muon_adamw, build_optimizers
 
 
 
@@ -43,7 +43,7 @@ def test_deit3_optimizers_do_not_decay_gates(optim):
     """timm's factory (DeiT-III's AdamW / LAMB) keeps 1-D parameters out of weight decay."""
     model = create_model("vitt_1L", img_size=32, num_classes=10, laplacian_mode="learned")
     cfg = OmegaConf.load(ROOT / f"configs/optim/{optim}.yaml")
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizers(model, cfg)[optim]
     ids = _gate_ids(model)
     assert len(ids) == 12 and _decay_of([opt], ids) == {0.0}
     assert cfg.weight_decay in {g["weight_decay"] for g in opt.param_groups}  # others do decay

@@ -72,11 +72,9 @@ def check_engine_config(cls, cfg: DictConfig):
 
 def _fitting(arch: str | None = None, modality: str | None = None) -> str:
     """'use trainer=X (e.g. ...)' for the registered trainers that accept this model / data."""
-    fits = []
-    for name in TRAINERS:
-        cls = get_trainer(name)
-        if (arch is None or arch in cls.archs) and (modality is None or modality == cls.modality):
-            fits.append(f"trainer={name} (e.g. {cls.example})" if cls.example else f"trainer={name}")
+    classes = {name: get_trainer(name) for name in TRAINERS}
+    fits = [f"trainer={name}" + (f" (e.g. {cls.example})" if cls.example else "") for name, cls in classes.items()
+            if (arch is None or arch in cls.archs) and (modality is None or modality == cls.modality)]
     return f"use {' or '.join(fits)}" if fits else "no trainer here fits it"
 
 
@@ -88,13 +86,10 @@ def run_dir_from_overrides(cfg: DictConfig, overrides: list[str]) -> str:
     A name longer than MAX_NAME keeps its readable start and ends in a hash of the whole,
     so it stays unique and the same command finds the same directory again. The name is made of
     the values (the label reads k): `run` checks them first."""
-    keep = []
-    for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        if key in ("model", "data", "trainer", "seed", "experiment", "model.num_laplacian_heads") or \
-                key.startswith(EXECUTION_KEYS):
-            continue  # the label says k
-        keep.append(o)
+    # Left out: what the folders and the label say (k among it) and how the run executes.
+    named = ("model", "data", "trainer", "seed", "experiment", "model.num_laplacian_heads")
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+    keep = [o for o, key in zip(overrides, keys) if key not in named and not key.startswith(EXECUTION_KEYS)]
     exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
     # shape=False: the folder named as before the label said a ViT's shape, so old runs resume
     base = f"{model_label(cfg.model, shape=False)}_s{cfg.seed}"

@@ -130,16 +130,6 @@ def all_reduce_sum(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
-def broadcast_module_(module: torch.nn.Module, src: int = 0):
-    """Overwrite every parameter and buffer of `module` (non-persistent ones too) with rank
-    `src`'s, in place: DDP does so for the module it wraps only."""
-    if not dist.is_initialized():
-        return
-    with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.detach(), src)
-
-
 def unsynced_running_stats(module: torch.nn.Module) -> list[torch.Tensor]:
     """Running means and variances of the plain batch norms in `module`: under DDP each rank
     updates them from its own batch (SyncBatchNorm, which all-reduces them, has CUDA kernels only)."""

@@ -20,8 +20,8 @@ optimizer's step (DINO's EMA teacher) is torch's optimizer hooks, registered by 
 Names: `self.model` is the module trained, `self.net` the same wrapped (DDP, compile),
 `self.exported` what a checkpoint's "model" holds (what `load_model` rebuilds).
 All training state lives in the model and the optimizers: a checkpoint holds those, the data
-position, the logging window and each rank's RNG states. Every rank trains rank 0's model (set-up
-broadcasts it whole); what is drawn while training (drop-path, Mixup) is each rank's own.
+position, the logging window and each rank's RNG states. Every rank trains rank 0's model (DDP's
+construction broadcasts it whole); what is drawn while training (drop-path, Mixup) is each rank's own.
 """
 from __future__ import annotations
 
@@ -144,9 +144,6 @@ class Trainer:
         self.started_commit = git_commit() if self.dist.is_main else None  # the run's code (_restore: saved)
         if resume is not None:
             self._restore(*resume)
-        # Rank 0's model is the run's (every rank built its own from its own seed): the whole trained
-        # module, not only what DDP broadcasts (DINO's teacher and centre: buffers and frozen weights).
-        dist.broadcast_module_(self.model)
         self.net = self._wrap(self.model)
         # Batch norms that no collective keeps equal (gloo has no SyncBatchNorm): averaged each step.
         self.unsynced_stats = dist.unsynced_running_stats(self.model) if self.dist.distributed else []
@@ -192,10 +189,6 @@ class Trainer:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
-    @property
-    def epoch(self) -> int:
-        return self.feed.epoch
-
     # ---- the engine's own ------------------------------------------------------------------
     def sampler(self, dataset):
         """The epoch's order of the training samples: shuffled by (seed, epoch), or timm's repeated
@@ -220,6 +213,9 @@ class Trainer:
                 # DINO's head, DINOv2's segmentation head); SyncBatchNorm has CUDA kernels only
                 net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
             ids = [self.device.index] if self.device.type == "cuda" else None
+            # Rank 0's model is the run's (every rank built its own from its own seed): constructing
+            # DDP broadcasts rank 0's parameters and buffers, of the whole trained module (DINO's
+            # teacher and centre: frozen weights and buffers), forward_sync_buffers=False included.
             # No buffer broadcast before every forward: each is equal on every rank by construction
             # (rotary tables, head masks), by its own all-reduce (DINO's centre, SyncBatchNorm's
             # statistics) or by the engine's average after each step (plain batch norm under gloo).
@@ -242,7 +238,7 @@ class Trainer:
             entries = dict(
                 optimizer={name: opt.state_dict() for name, opt in self.optimizers.items()}, rng=rngs,
                 # total_steps: an export of a run stopped early says so (laplace.export)
-                loop={"step": self.step, "total_steps": self.total_steps, "epoch": self.epoch, "feed": self.feed.state_dict(),
+                loop={"step": self.step, "total_steps": self.total_steps, "epoch": self.feed.epoch, "feed": self.feed.state_dict(),
                       "world_size": self.dist.world_size, "log_window": windows, "commit": self.started_commit})
             if exported is not self.model:  # the module trained, whole, for resume
                 entries["train_model"] = clean_state_dict(self.model.state_dict())
@@ -360,7 +356,7 @@ class Trainer:
                 rec = {"loss": mean_loss, **self.hparams, f"{self.data.unit}_per_s": seen / dt}
                 if self.flops_per_unit and self.peak_flops:  # the model FLOPs utilisation
                     rec["mfu"] = seen / dt * self.flops_per_unit / (self.peak_flops * self.dist.world_size)
-                rec.update(step_ms=1000 * dt / window.steps, epoch=self.epoch, **gate_metrics(self.exported),
+                rec.update(step_ms=1000 * dt / window.steps, epoch=self.feed.epoch, **gate_metrics(self.exported),
                            **{k: float(v) for k, v in extras.items()})
                 logger.log(step, rec, split="train")
                 bar.set_postfix(loss=f"{mean_loss:.4f}", **{f"{self.data.unit}/s": f"{seen / dt:.0f}"},
@@ -406,7 +402,7 @@ class Trainer:
         with torch.no_grad(), self.autocast():
             metrics = self.evaluate()
         if metrics:
-            logger.log(step, metrics, split="val", epoch=self.epoch)
+            logger.log(step, metrics, split="val", epoch=self.feed.epoch)
             if self.dist.is_main:  # one plain line, bar or not: on a terminal tqdm.write clears an open
                 # bar, prints and redraws it; off a terminal the bars write to train.logger._Lines, which
                 # tqdm.write leaves alone (a redraw would only add a line)
@@ -425,7 +421,7 @@ class Trainer:
         final = metrics or {"train_loss": next((r["loss"] for r in reversed(logged(self.run_dir, "train"))), None)}
         resumes = [{k: r.get(k) for k in ("step", "commit")} for r in logged(self.run_dir, "resume")]  # each stop
         record = results_header(self.plain_config()["model"], d.name, self.ckpt_path, seed=self.cfg.seed,
-                                steps=self.step, epochs=self.epoch, global_batch_size=tc.global_batch_size,
+                                steps=self.step, epochs=self.feed.epoch, global_batch_size=tc.global_batch_size,
                                 init_from=tc.init_from, final=final, commit=self.started_commit, resumes=resumes)
         if d.get("img_size"):
             record.update(img_size=d.img_size, patch_size=d.get("patch_size"))

@@ -13,21 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from torch.distributed.elastic.utils.distributed import get_free_port  # torchrun's
 
 from .signals import EXIT_REQUEUE
 
 FORWARDED = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)  # sent to the launcher alone: passed on to the ranks
 GRACE_S = 30.0  # after a rank failed, the others' time to end on their own (train.dist names the lost one)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_status(statuses: list[int]) -> int:
@@ -43,7 +38,7 @@ def launch(nproc: int, command: list[str], port: int | None = None) -> int:
     """Run `command` (python arguments: a script or -m module, then its own) as `nproc` ranks;
     returns the exit status (run_status)."""
     env = dict(os.environ, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-               MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port or _free_port()))
+               MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port or get_free_port()))
     # The ranks stay in the launcher's process group, so a signal to the group (Slurm's, or
     # `kill -TERM -- -PGID`) reaches them and their data workers as under srun. torchrun starts each
     # rank in a session of its own: there SIGUSR1 reaches torchrun alone, kills it (it handles

@@ -22,22 +22,18 @@ SHAPES = ("cosine", "linear", "constant")
 KEYS = ("value", "warmup", "start", "warmdown", "end", "shape")  # the order configs write them
 
 
-def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
-    """The optimizer named by `cfg.name` from timm's factory (adamw, lamb, sgd, ...), which keeps
-    biases, norms and the model's `no_weight_decay()` set out of weight decay, as DeiT does."""
+def build_optimizers(model, cfg) -> dict[str, torch.optim.Optimizer]:
+    """{name: optimizer} of the `optim` family: nanochat's {"muon", "adamw"} for optim=muon, else
+    {optim.name: the optimizer of timm's factory} (adamw, lamb, sgd, ...), which keeps biases, norms
+    and the model's `no_weight_decay()` set out of weight decay, as DeiT does. `model` is a module,
+    or parameter groups of it (DINO's)."""
+    if cfg.name == "muon":
+        return build_muon_adamw(model, cfg)
     # momentum is not a key of the adamw / lamb nodes (adding one would make every saved run's config
     # differ from the composed one and refuse its resume): an SGD user adds +optim.momentum=0.9.
     given = dict(betas=None if cfg.betas is None else tuple(cfg.betas), eps=cfg.eps, momentum=cfg.get("momentum"))
     kwargs = {k: v for k, v in given.items() if v is not None}  # null: timm's default for the optimizer
-    return create_optimizer_v2(model, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay, **kwargs)
-
-
-def build_optimizers(model, cfg) -> dict[str, torch.optim.Optimizer]:
-    """{name: optimizer} of the `optim` family: nanochat's {"muon", "adamw"} for optim=muon, else
-    {optim.name: timm's}. `model` is a module, or parameter groups of it (DINO's)."""
-    if cfg.name == "muon":
-        return build_muon_adamw(model, cfg)
-    return {cfg.name: build_optimizer(model, cfg)}
+    return {cfg.name: create_optimizer_v2(model, opt=cfg.name, lr=cfg.lr, weight_decay=cfg.weight_decay, **kwargs)}
 
 
 def parse_length(value, key: str, steps_per_epoch: int, total_steps: int) -> int:

@@ -119,22 +119,18 @@ class Recipe:
         """A field of optim=muon26's horizon and scales (train/plan.py Scaling)."""
         return getattr(nanochat_scaling(self.cfg), field)
 
-    def _spe(self, uses_epochs: bool) -> int:
-        """Steps per epoch for a schedule or step; only needed when it counts in epochs."""
-        plan = self.plan()
-        if plan.steps_per_epoch is None and (plan.token_budget or not uses_epochs):
-            return 1
-        return self.steps_per_epoch()
-
     def sched(self, path: str, at: str) -> float:
         """A schedule's value at a step: "<n>", "<n>ep", "<p>%" or "end" (the last step)."""
         node = OmegaConf.select(self.cfg, path)
         if node is None:
             raise ConfigError(f"{path}: no such schedule in the composed config")
         node, total = OmegaConf.to_container(node, resolve=True), self.total_steps()
-        epochs = any(str(v).strip().endswith("ep") for v in node.values())  # steps per epoch needed
-        schedule = Schedule.from_config(node, path, total, self._spe(epochs))
-        return schedule(total - 1 if at == "end" else parse_length(at, at, self._spe(at.endswith("ep")), total))
+        # Steps per epoch are needed only where a length counts in epochs (a token budget's: 1).
+        spe = self.plan().steps_per_epoch
+        if spe is None and not self.plan().token_budget and any(str(v).strip().endswith("ep") for v in [*node.values(), at]):
+            raise ConfigError(NEEDS_SIZE)
+        schedule = Schedule.from_config(node, path, total, spe or 1)
+        return schedule(total - 1 if at == "end" else parse_length(at, at, spe or 1, total))
 
     def group(self, opt: str, group: str, key: str):
         """A parameter group's hyper-parameter as the optimizer was built (before schedules);
@@ -163,11 +159,9 @@ class Recipe:
 
     def mixture(self, split: str) -> list[str]:
         """A chat mixture's sources, one "<task> [subset] <split> [(max examples)]" each."""
-        out = []
-        for src in OmegaConf.to_container(self.cfg.data[split], resolve=True):
-            words, n = [src["task"], src.get("subset"), src.get("split")], src.get("max_examples")
-            out.append(" ".join(w for w in words if w) + (f" ({n})" if n else ""))
-        return out
+        return [" ".join(w for w in (src["task"], src.get("subset"), src.get("split")) if w)
+                + (f" ({src['max_examples']})" if src.get("max_examples") else "")
+                for src in OmegaConf.to_container(self.cfg.data[split], resolve=True)]
 
     @cache
     def entry(self, name: str) -> DictConfig:
@@ -247,18 +241,14 @@ def evaluate_rows(recipe: Recipe, rows: list[dict], where: str) -> list[Row]:
     return out
 
 
-def load_reference(experiment: str) -> dict:
+def reference_recipe(experiment: str, extra: list[str] = ()) -> tuple[dict, Recipe]:
+    """(reference file, Recipe) of an experiment composed with its card's overrides + `extra`
+    (the card's, and scripts/paper_runs.py's costs)."""
     path = REFERENCES / f"{experiment}.yaml"
     if not path.is_file():
         raise ConfigError(f"experiment={experiment}: no recipe card ({path.relative_to(ROOT)} is missing); "
                           f"write one (see train/recipe.py)")
-    return yaml.safe_load(path.read_text())
-
-
-def reference_recipe(experiment: str, extra: list[str] = ()) -> tuple[dict, Recipe]:
-    """(reference file, Recipe) of an experiment composed with its card's overrides + `extra`
-    (the card's, and scripts/paper_runs.py's costs)."""
-    ref = load_reference(experiment)
+    ref = yaml.safe_load(path.read_text())
     cfg = compose_config([f"experiment={experiment}", *ref.get("overrides", []), *extra])
     return ref, Recipe(cfg, ref.get("assume", {}).get("train_size"), ref.get("eval_overrides"))
 

@@ -14,6 +14,7 @@ What goes into a run directory: `results_header`, the fields every results.json 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -23,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
+
+import psutil
 
 from laplace import model_label
 from laplace.errors import UserError, name_storage_error
@@ -69,13 +72,7 @@ def _alive_here(line: list[str]) -> bool:
     """Whether a lock file's line names a live process of this host other than this one."""
     if len(line) < 2 or not line[0].isdigit() or line[1] != socket.gethostname() or int(line[0]) == os.getpid():
         return False
-    try:
-        os.kill(int(line[0]), 0)  # signal 0: nothing is sent, only whether the process exists is checked
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, someone else's
-        pass
-    return True
+    return psutil.pid_exists(int(line[0]))  # kill(pid, 0): also true of another user's process
 
 
 class RunDirLock:
@@ -124,14 +121,11 @@ class RunDirLock:
     def release(self):
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)  # empty: the next run knows this one ended cleanly
             fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        except OSError:
-            pass
-        finally:
-            os.close(self.fd)
-            self.fd = None
+        os.close(self.fd)
+        self.fd = None
 
     def __enter__(self) -> "RunDirLock":
         return self.acquire()
@@ -181,10 +175,8 @@ def append_line(path: str | os.PathLike, line: str) -> None:
         except OSError as e:
             # A full disk or quota cut the write short: the part written is cut off again, so
             # readers never meet half a line in the middle of the file.
-            try:
+            with contextlib.suppress(OSError):  # nothing more to do: readers skip a torn last line
                 os.ftruncate(fd, start)
-            except OSError:  # nothing more to do: readers skip a torn last line
-                pass
             name_storage_error(e, path)
             raise
     finally:
