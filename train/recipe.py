@@ -159,9 +159,11 @@ class Recipe:
 
     def mixture(self, split: str) -> list[str]:
         """A chat mixture's sources, one "<task> [subset] <split> [(max examples)]" each."""
-        return [" ".join(w for w in (src["task"], src.get("subset"), src.get("split")) if w)
-                + (f" ({src['max_examples']})" if src.get("max_examples") else "")
-                for src in OmegaConf.to_container(self.cfg.data[split], resolve=True)]
+        out = []
+        for src in OmegaConf.to_container(self.cfg.data[split], resolve=True):
+            words, n = [src["task"], src.get("subset"), src.get("split")], src.get("max_examples")
+            out.append(" ".join(w for w in words if w) + (f" ({n})" if n else ""))
+        return out
 
     @cache
     def entry(self, name: str) -> DictConfig:
