@@ -72,9 +72,11 @@ def check_engine_config(cls, cfg: DictConfig):
 
 def _fitting(arch: str | None = None, modality: str | None = None) -> str:
     """'use trainer=X (e.g. ...)' for the registered trainers that accept this model / data."""
-    classes = {name: get_trainer(name) for name in TRAINERS}
-    fits = [f"trainer={name}" + (f" (e.g. {cls.example})" if cls.example else "") for name, cls in classes.items()
-            if (arch is None or arch in cls.archs) and (modality is None or modality == cls.modality)]
+    fits = []
+    for name in TRAINERS:
+        cls = get_trainer(name)
+        if (arch is None or arch in cls.archs) and (modality is None or modality == cls.modality):
+            fits.append(f"trainer={name} (e.g. {cls.example})" if cls.example else f"trainer={name}")
     return f"use {' or '.join(fits)}" if fits else "no trainer here fits it"
 
 
