@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import torch
 
 # every metric is computed in float64: NC1 inverts a nearly singular scatter and the ANOVA
@@ -22,14 +21,14 @@ _TOL = 1e-9
 
 def as_float64(x, device=None) -> torch.Tensor:
     """features (numpy or torch, [..., D]) -> float64 tensor [N, D] on `device` (default: its own)."""
-    t = torch.from_numpy(np.asarray(x)) if not torch.is_tensor(x) else x.detach()
-    t = t.to(device=device if device is not None else t.device, dtype=torch.float64)
+    # (device None: a tensor's own, numpy's the CPU)
+    t = torch.as_tensor(x, dtype=torch.float64, device=device).detach()
     return t.reshape(-1, t.shape[-1])
 
 
 def as_index(x, device) -> torch.Tensor:
     """ids (numpy, torch or list, any shape) -> int64 tensor [N] on `device`."""
-    t = torch.from_numpy(np.asarray(x)) if not torch.is_tensor(x) else x.detach()
+    t = torch.as_tensor(x).detach()
     # float labels would be truncated silently by the cast below
     if t.is_floating_point():
         raise ValueError("ids and labels must be integers")
