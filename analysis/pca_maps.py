@@ -176,10 +176,8 @@ def grid_figure(images: np.ndarray, maps: dict[str, list[np.ndarray]], labels: S
             x0, y0 = left + j * (cw + gap), fh - top - (i + 1) * ch - i * gap
             ax = fig.add_axes((x0 / fw, y0 / fh, cw / fw, ch / fh))
             ax.imshow(imgs[i], interpolation="none")  # "none": the PDF embeds the pixels unresampled
-            ax.set_xticks([])
-            ax.set_yticks([])
-            for spine in ax.spines.values():
-                spine.set_visible(False)
+            ax.set(xticks=[], yticks=[])
+            ax.spines[:].set_visible(False)
             if i == 0:
                 ax.set_title(titles[j], fontsize=8)
             if j == 0 and len(labels) > i:
