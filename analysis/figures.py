@@ -38,7 +38,6 @@ from analysis.gates import gate_groups  # noqa: E402
 from analysis.stats import summarize  # noqa: E402
 from train.cli import hydra_entry  # noqa: E402
 
-DPI = 150  # of every PNG
 FIGURES = ("anova", "collapse", "spectrum")
 # The per-layer panels of each figure and architecture: (key of analysis.runs.geometry, title, log
 # axis where the values span decades over depth).
@@ -68,13 +67,13 @@ TITLES = {"anova": "ANOVA of token representations vs layer", ("collapse", "vit"
           "(classes = image classes)", ("collapse", "gpt"): "linguistic collapse vs layer (classes = next-token ids)"}
 
 
-def save(fig, stem: Path, tight: bool = True) -> list[Path]:
-    """Write stem.png (at DPI) and stem.pdf, close the figure; return both paths."""
+def save(fig, stem: Path) -> list[Path]:
+    """Write stem.png and stem.pdf, close the figure; return both paths."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
     # a tight box grows the image to fit legends placed below the axes
-    for path, dpi in zip(paths, (DPI, "figure")):
-        fig.savefig(path, dpi=dpi, bbox_inches="tight" if tight else None)
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
     plt.close(fig)
     return paths
 

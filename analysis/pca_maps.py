@@ -23,15 +23,19 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from analysis.figures import DPI, plt, save  # cell sizes are computed in pixels at the PNG's dpi
 from laplace.errors import ConfigError
 from laplace.zoo import features
 
+matplotlib.use("Agg")  # files only; no display on servers / CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+DPI = 150          # of the PNG grid; cell sizes are computed in pixels at this dpi
 MIN_CELL_PX = 240  # small images are enlarged by an integer factor to about this many pixels
 UPSAMPLE = ("nearest", "bilinear")
 SIGN = "sign"      # foreground rule: a positive first-component score (the paper's)
@@ -143,8 +147,8 @@ def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: floa
 def upsample_map(m: np.ndarray, size: tuple[int, int], mode: str = "nearest") -> np.ndarray:
     """A [rows, cols] map over the patch grid at the image's `size` (nearest keeps the grid visible;
     bilinear draws a smooth map)."""
-    kw = {} if mode == "nearest" else {"align_corners": False}
-    return F.interpolate(torch.from_numpy(m)[None, None].float(), size=size, mode=mode, **kw)[0, 0].numpy()
+    # (bilinear: align_corners=False, torch's default)
+    return F.interpolate(torch.from_numpy(m)[None, None].float(), size=size, mode=mode)[0, 0].numpy()
 
 
 def denormalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
@@ -224,8 +228,12 @@ def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: P
     Returns the grid's two paths (the per-image files are listed by `save_pngs`).
     """
     stem = Path(stem)
-    # not tight: a tight bounding box would move the cells off whole pixels
-    paths = save(grid_figure(images, maps, labels, layer, threshold), stem, tight=False)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    fig = grid_figure(images, maps, labels, layer, threshold)
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]
+    for p in paths:  # no bbox_inches="tight": it would move the cells off whole pixels
+        fig.savefig(p, dpi=DPI)
+    plt.close(fig)
     save_pngs(images, maps, stem, names)
     return paths
 
