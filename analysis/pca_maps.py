@@ -201,16 +201,13 @@ def _file_names(titles: Sequence[str], names: Sequence[str] | None) -> list[str]
 
 
 def save_pngs(images: np.ndarray, maps: dict[str, list[np.ndarray]], folder: Path,
-              names: Sequence[str] | None = None) -> list[Path]:
-    """image_<i>.png and <name>_<i>.png at the image's own resolution; returns the paths."""
+              names: Sequence[str] | None = None) -> None:
+    """image_<i>.png and <name>_<i>.png at the image's own resolution."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
     cols = [("image", images)] + list(zip(_file_names(list(maps), names), maps.values()))
     for name, imgs in cols:
         for i, img in enumerate(imgs):
-            paths.append(folder / f"{name}_{i}.png")
-            Image.fromarray((np.asarray(img) * 255).round().astype(np.uint8)).save(paths[-1])
-    return paths
+            Image.fromarray((np.asarray(img) * 255).round().astype(np.uint8)).save(folder / f"{name}_{i}.png")
 
 
 def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: Path,
@@ -225,7 +222,7 @@ def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: P
         labels: class of each image, shown beside the row.
         layer: named in the title; threshold: the foreground threshold used (None: none).
         names: file stems of the columns (default: the titles, made file-safe).
-    Returns the grid's two paths (the per-image files are listed by `save_pngs`).
+    Returns the grid's two paths (the per-image files are written by `save_pngs`).
     """
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
