@@ -61,14 +61,13 @@ def describe(values: Sequence[float], level: float = LEVEL) -> Summary:
 def summarize(frame: pd.DataFrame, by: Sequence[str], value: str = "value", level: float = LEVEL) -> pd.DataFrame:
     """One row per group of `frame` (the tidy table of analysis.runs): the `by` columns, the
     Summary fields of its `value`s, and the pooled values, seeds and run folders as lists."""
-    rows = []
     # dropna=False: a field that is None for every run (e.g. no mode) must not drop its runs
     # sort=False: groups in the frame's order (the caller sorts); describe() is the one place the
     # numbers come from, so a table's cell equals a report's
-    for key, g in frame.groupby(list(by), dropna=False, sort=False):
-        rows.append({**dict(zip(by, key)), **asdict(describe(g[value], level)), "values": g[value].tolist(),
-                     "seeds": g["seed"].tolist() if "seed" in g else None,
-                     "run_dirs": g["run_dir"].tolist() if "run_dir" in g else None})
+    rows = [{**dict(zip(by, key)), **asdict(describe(g[value], level)), "values": g[value].tolist(),
+             "seeds": g["seed"].tolist() if "seed" in g else None,
+             "run_dirs": g["run_dir"].tolist() if "run_dir" in g else None}
+            for key, g in frame.groupby(list(by), dropna=False, sort=False)]
     return pd.DataFrame(rows, columns=[*by, *Summary.__dataclass_fields__, "values", "seeds", "run_dirs"])
 
 
