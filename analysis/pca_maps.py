@@ -65,9 +65,8 @@ def _pca(x: torch.Tensor, k: int) -> torch.Tensor:
     _, S, Vh = torch.linalg.svd(x, full_matrices=False)
     proj = x @ Vh[:k].T
     proj[:, S[:k] <= 1e-6 * S[0].clamp_min(1e-30)] = 0
-    if proj.shape[1] < k:  # fewer patches or dims than k
-        # (zero columns: a 2x2 grid of 4 patches still gives 3 colour channels)
-        proj = torch.cat([proj, proj.new_zeros(proj.shape[0], k - proj.shape[1])], 1)
+    # fewer patches or dims than k: zero columns (a 2x2 grid of 4 patches still gives 3 colour channels)
+    proj = F.pad(proj, (0, k - proj.shape[1]))
     # a component's sign is arbitrary, so it is fixed (TokenCut's rule): its largest-magnitude value is
     # positive, so the same features, or their negation, give the same map
     peak = proj.gather(0, proj.abs().argmax(0, keepdim=True))
