@@ -144,8 +144,7 @@ def draw_maps(maps: dict, image: np.ndarray, title: str, stem: Path, upsample: s
             for ax in row if kind == "patch" else ():
                 ax.add_patch(Rectangle(**square))
         for ax in axes[2 * b:2 * b + 2].ravel():
-            ax.set_xticks([])
-            ax.set_yticks([])
+            ax.set(xticks=[], yticks=[])
     fig.suptitle(textwrap.fill(title, max(40, int(cell * (heads + 1) * 72 / 5.4))), fontsize=9)
     fig.tight_layout()
     return axes, save(fig, stem)

@@ -22,7 +22,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from analysis.runs import arm_key, arms, experiments, find_runs, frame, read_run, runs_roots, sort_key
+from analysis.runs import arm_key, arms, collect, experiments, frame, runs_roots, sort_key
 from analysis.stats import describe
 from train.cli import hydra_entry
 from laplace.errors import ConfigError
@@ -63,7 +63,7 @@ def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title
     """A panel per entry of `panels` {title: (ylabel, {label: {x: [value per seed]}})}, a line per
     label with its band, one colour per label (its text before " (") in every panel, at most 3
     panels a row (5 metrics stay readable on a page); writes stem.{png,pdf}. Returns (the axes, the paths)."""
-    from analysis.figures import color, panels as grid, save
+    from analysis.figures import panels as grid, save
 
     # a line's colour by its label, not its place in a panel: a panel without some line (a metric
     # one arm never logged) shifted matplotlib's cycle, and one model read in two colours
@@ -71,7 +71,7 @@ def draw_curves(panels: dict, stem: Path, band: str, xlabel: str = "step", title
     fig, axes = grid(len(panels), min(len(panels), 3), 4.6, 3.6)
     for ax, (name, (ylabel, lines)) in zip(axes, panels.items()):
         for label, points in lines.items():
-            s, c = line_stats(points, band), color(arms.index(label.split(" (")[0]))
+            s, c = line_stats(points, band), f"C{arms.index(label.split(' (')[0])}"
             # the line is the mean; its band shares its colour
             ax.plot(s["x"], s["mean"], marker="o", ms=3, label=label, color=c)
             ax.fill_between(s["x"], s["lo"], s["hi"], color=c, alpha=0.15)
@@ -122,7 +122,7 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError(f"x={cfg.x}: choose one of {', '.join(X_KEYS)} (the fields every metrics.jsonl line has)")
     roots = runs_roots(cfg, "analysis.curves")
     # unfinished runs too: a learning curve is most useful while a run trains
-    records = [r for r in (read_run(d) for d, _ in find_runs(roots)) if r is not None]
+    records = collect(roots)
     if not records:
         raise ConfigError(f"runs={cfg.runs}: no run directories (folders with a run's config.yaml) found there")
     # the tidy table's "log." rows: every run's metrics.jsonl, read once for every panel

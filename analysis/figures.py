@@ -88,12 +88,6 @@ def panels(n: int, cols: int, width: float, height: float):
     return fig, list(axes.ravel())
 
 
-def color(i: int) -> str:
-    """The i-th colour of the shared cycle (the same arm gets the same colour in every panel)."""
-    # matplotlib's default cycle by name ("C0".."C9"): the figures' colours match every other plot's
-    return f"C{i % 10}"
-
-
 def run_label(res: dict) -> str:
     """Legend text: the model name and its Laplacian heads, e.g. 'vitt_3L (3/3 Laplacian)'."""
     k = res["num_laplacian_heads"]
@@ -130,17 +124,18 @@ def draw_layers(ax, stats: pd.DataFrame, metric: str, layers, band: str = "sd", 
     xs = {n: int(n.split(".")[1]) for n in layers if n != "norm"}
     pos = {n: xs[n] if n != "norm" else max(xs.values(), default=-1) + 1 for n in layers}
     pooled = stats["n"].max() > 1  # n in the legend only when lines pool seeds
+    # colour "C<c>": matplotlib's default cycle by name (wrapping after C9), the same line in every panel
     for c, (label, s) in enumerate(stats.groupby("line", sort=False)):
         s = s[(s["metric"] == metric) & s["layer"].isin(pos)].sort_values("layer", key=lambda ls: ls.map(pos))
         if s.empty:  # an arm analysed without this metric: no line, the others drawn
             continue
         x, mean = s["layer"].map(pos), s["mean"]
         # the legend names the seeds behind a line when some line pools several
-        ax.plot(x, mean, style, ms=3, color=color(c),
+        ax.plot(x, mean, style, ms=3, color=f"C{c}",
                 label=(label + (f" (n={s['n'].max()})" if pooled else "")) if legend else "_nolegend_")
         # sd: the seeds' spread (the per-layer figures); ci: where the mean may be (the per_block numbers)
         lo, hi = (s["lo"], s["hi"]) if band == "ci" else (mean - s["sd"], mean + s["sd"])
-        ax.fill_between(x, lo.fillna(mean), hi.fillna(mean), color=color(c), alpha=0.2, lw=0)
+        ax.fill_between(x, lo.fillna(mean), hi.fillna(mean), color=f"C{c}", alpha=0.2, lw=0)
     ax.set_xticks(list(pos.values()), [n if n == "norm" else n.split(".")[1] for n in pos],
                   fontsize=7 if len(pos) > 14 else 8)
 
@@ -194,13 +189,13 @@ def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> lis
         k, p = np.arange(1, P.shape[1] + 1), P.mean(0)
         # numerically zero eigenvalues (LayerNorm's centring removes one direction) are left out
         # rather than drawn as a cliff down to the clamp
-        ax_s.plot(k[p > 1e-12], p[p > 1e-12], color=color(c), label=label)
+        ax_s.plot(k[p > 1e-12], p[p > 1e-12], color=f"C{c}", label=label)
         cum, n99 = np.cumsum(P, 1), np.mean([s["n_pcs_0.99"] for s in specs])
-        ax_c.plot(k, cum.mean(0), color=color(c), label=f"{label}: {n99:.1f} PCs")
+        ax_c.plot(k, cum.mean(0), color=f"C{c}", label=f"{label}: {n99:.1f} PCs")
         if len(specs) > 1:  # each seed's cumulative explained variance, +-1 sd over seeds
             sd = cum.std(0, ddof=1)
-            ax_c.fill_between(k, cum.mean(0) - sd, cum.mean(0) + sd, color=color(c), alpha=0.2, lw=0)
-        ax_c.axvline(n99, color=color(c), ls=":", lw=1)
+            ax_c.fill_between(k, cum.mean(0) - sd, cum.mean(0) + sd, color=f"C{c}", alpha=0.2, lw=0)
+        ax_c.axvline(n99, color=f"C{c}", ls=":", lw=1)
     # the third panel: PCs for 99% vs layer, as the other per-layer figures draw their lines
     stats = layer_stats(lines, {"n_pcs_0.99", "within_n_pcs_0.99"})
     draw_layers(ax_l, stats, "n_pcs_0.99", lines[0][1][0]["layers"])
@@ -274,8 +269,8 @@ def draw_vs_k(records: list[dict], metrics: dict, stem: Path) -> list[Path]:
         for c, (mode, g) in enumerate(rows.groupby("mode")):
             # every seed, so a mean of two far-apart runs is not mistaken for a trend
             for k, n, values in zip(g["k"], g["n"], g["values"]):
-                ax.plot([k] * n, values, "o", color=color(c), alpha=0.45, ms=4, mec="none")
-            ax.errorbar(g["k"], g["mean"], yerr=g["sd"].where(g["n"] > 1, 0.0), color=color(c), marker="s", ms=4,
+                ax.plot([k] * n, values, "o", color=f"C{c}", alpha=0.45, ms=4, mec="none")
+            ax.errorbar(g["k"], g["mean"], yerr=g["sd"].where(g["n"] > 1, 0.0), color=f"C{c}", marker="s", ms=4,
                         capsize=3, label=f"{mode}: mean ± sd over seeds")
         ax.set_xticks(sorted(set(rows["k"])))  # the k trained, not a range: 0, 1, 3 of 3
         ax.set(xlabel="Laplacian heads per layer k", ylabel=spec["label"])
@@ -301,10 +296,10 @@ def draw_gates(g: dict, stem: Path) -> list[Path]:
         ax_a, ax_d = pair[b]
         lap = start[b, h] > 0.5  # dashed: the heads that started Laplacian
         for ax, shift in ((ax_a, 0.0), (ax_d, start[b, h])):
-            ax.plot(line["step"], line["mean"] - shift, "--" if lap else "-", color=color(h), lw=1.4,
+            ax.plot(line["step"], line["mean"] - shift, "--" if lap else "-", color=f"C{h}", lw=1.4,
                     label=f"h{h}" + (" (started Laplacian)" if lap else ""))
             if g["n"] > 1:  # the 95% interval of the mean over seeds
-                ax.fill_between(line["step"], line["lo"] - shift, line["hi"] - shift, color=color(h), alpha=0.2, lw=0)
+                ax.fill_between(line["step"], line["lo"] - shift, line["hi"] - shift, color=f"C{h}", alpha=0.2, lw=0)
     for (ax_a, ax_d), layer in zip(pair, g["layers"]):
         ax_a.set_ylim(0, 1)
         ax_a.set_title(layer, fontsize=9)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import torch
 
 # every metric is computed in float64: NC1 inverts a nearly singular scatter and the ANOVA
@@ -22,14 +21,14 @@ _TOL = 1e-9
 
 def as_float64(x, device=None) -> torch.Tensor:
     """features (numpy or torch, [..., D]) -> float64 tensor [N, D] on `device` (default: its own)."""
-    t = torch.from_numpy(np.asarray(x)) if not torch.is_tensor(x) else x.detach()
-    t = t.to(device=device if device is not None else t.device, dtype=torch.float64)
+    # (device None: a tensor's own, numpy's the CPU)
+    t = torch.as_tensor(x, dtype=torch.float64, device=device).detach()
     return t.reshape(-1, t.shape[-1])
 
 
 def as_index(x, device) -> torch.Tensor:
     """ids (numpy, torch or list, any shape) -> int64 tensor [N] on `device`."""
-    t = torch.from_numpy(np.asarray(x)) if not torch.is_tensor(x) else x.detach()
+    t = torch.as_tensor(x).detach()
     # float labels would be truncated silently by the cast below
     if t.is_floating_point():
         raise ValueError("ids and labels must be integers")
@@ -69,10 +68,9 @@ def offdiag_stats(block_fn: Callable[[int, int], dict], C: int, chunk: Optional[
     for i0 in range(0, C, chunk):
         i1 = min(C, i0 + chunk)
         for name, v in block_fn(i0, i1).items():
-            rows = torch.arange(i1 - i0, device=v.device)
             keep = torch.ones_like(v, dtype=torch.bool)
-            # the pair (c, c) is not a pair of classes
-            keep[rows, rows + i0] = False
+            # the pair (c, c) is not a pair of classes: row r of the block is class i0 + r
+            keep.diagonal(i0).fill_(False)
             v = v[keep]
             nb, mb = v.numel(), float(v.mean())
             m2b = float(((v - mb) ** 2).sum())

@@ -63,7 +63,6 @@ def load_for_analysis(path, data=None, device: str = "auto"):
     """(model on its device, checkpoint dict, data node) of a laplace checkpoint or of a folder
     `python -m laplace.export` wrote; the data node is `data` (a Hydra node or dict) if given,
     else the one the checkpoint (or the export) recorded."""
-    path = Path(path)
     # the one loader's description: a checkpoint's dict, or an export's model, data and step
     src = model_source(path)
     ckpt = src["ckpt"]
@@ -75,8 +74,7 @@ def load_for_analysis(path, data=None, device: str = "auto"):
         trained_on = (src.get("export", {}).get("source") or {}).get("data")
         raise ConfigError(f"checkpoint={path}: it records no data node; pass data=<name> "
                           f"(e.g. data={trained_on or 'digits'}) to say which validation split to measure")
-    model = load_model(src, resolve_device(device))
-    return model, ckpt, data
+    return load_model(src, resolve_device(device)), ckpt, data
 
 
 def model_facts(model, ckpt: dict) -> dict:

@@ -100,8 +100,7 @@ def sym_eigenvalues(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     d = A.shape[1]
     g, Q = torch.linalg.eigh(U.T @ U)
     R = Q * g.clamp_min(0).sqrt()  # G^1/2 = R Q^T
-    J = torch.zeros(2 * d, 2 * d, dtype=A.dtype, device=A.device)
-    J[:d, d:] = J[d:, :d] = torch.eye(d, dtype=A.dtype, device=A.device)
+    J = torch.eye(2 * d, dtype=A.dtype, device=A.device).roll(d, 0)  # [[0, I], [I, 0]]
     H = (R.T @ J @ R) / 2  # similar to G^1/2 J G^1/2 / 2 (conjugated by Q)
     e = torch.linalg.eigvalsh((H + H.T) / 2)
     # (a head that writes into the subspace it reads has U of rank d: then no eigenvalue need be positive)

@@ -84,30 +84,27 @@ class GeometryAccumulator:
         self.shift = None
         self.seq_labels_consistent = True  # one label per sequence so far
 
-    def _allocate(self, x: torch.Tensor):
-        f64 = dict(dtype=torch.float64, device=x.device)
-        # every row is stored shifted by the first batch's mean: sums of squares then stay near the
-        # data's spread, so differences like sum |x|^2 - N |mu|^2 do not cancel catastrophically
-        self.shift = x.mean(0)
-        self.sum, self.sq = torch.zeros(self.dim, **f64), torch.zeros((), **f64)
-        self.xtx = torch.zeros(self.dim, self.dim, **f64) if self.needs_scatter else None
-        # the tables per sequence (sum, count, label: -1 unseen) and per class (sum, count, sum of
-        # squares) are indexed by the id itself and grow to the largest seen: neither the number of
-        # sequences nor a vocabulary need be known in advance, and a sequence may span batches
-        self.seq_sum, self.seq_n = torch.zeros(0, self.dim, **f64), torch.zeros(0, **f64)
-        self.seq_label = torch.zeros(0, dtype=torch.int64, device=x.device)
-        self.cls_sum, self.cls_n, self.cls_sq = torch.zeros(0, self.dim, **f64), torch.zeros(0, **f64), \
-            torch.zeros(0, **f64)
-
     @torch.no_grad()
     def update(self, features, seq_ids=None, labels=None):
         """Add one batch: features [..., D], seq_ids [...] and labels [...] (ids >= 0)."""
         x = as_float64(features, self.device)
         if x.shape[1] != self.dim:
             raise ValueError(f"expected dim {self.dim}, got {x.shape[1]}")
-        if self.shift is None:
+        if self.shift is None:  # the first batch: the statistics live on its device
             self.device = x.device
-            self._allocate(x)
+            f64 = dict(dtype=torch.float64, device=x.device)
+            # every row is stored shifted by the first batch's mean: sums of squares then stay near the
+            # data's spread, so differences like sum |x|^2 - N |mu|^2 do not cancel catastrophically
+            self.shift = x.mean(0)
+            self.sum, self.sq = torch.zeros(self.dim, **f64), torch.zeros((), **f64)
+            self.xtx = torch.zeros(self.dim, self.dim, **f64) if self.needs_scatter else None
+            # the tables per sequence (sum, count, label: -1 unseen) and per class (sum, count, sum of
+            # squares) are indexed by the id itself and grow to the largest seen: neither the number of
+            # sequences nor a vocabulary need be known in advance, and a sequence may span batches
+            self.seq_sum, self.seq_n = torch.zeros(0, self.dim, **f64), torch.zeros(0, **f64)
+            self.seq_label = torch.zeros(0, dtype=torch.int64, device=x.device)
+            self.cls_sum, self.cls_n, self.cls_sq = torch.zeros(0, self.dim, **f64), torch.zeros(0, **f64), \
+                torch.zeros(0, **f64)
         x = x - self.shift  # the shift leaves every variance unchanged; the means get it back
         sq = sq_norms(x)
         self.n += x.shape[0]

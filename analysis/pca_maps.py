@@ -65,9 +65,8 @@ def _pca(x: torch.Tensor, k: int) -> torch.Tensor:
     _, S, Vh = torch.linalg.svd(x, full_matrices=False)
     proj = x @ Vh[:k].T
     proj[:, S[:k] <= 1e-6 * S[0].clamp_min(1e-30)] = 0
-    if proj.shape[1] < k:  # fewer patches or dims than k
-        # (zero columns: a 2x2 grid of 4 patches still gives 3 colour channels)
-        proj = torch.cat([proj, proj.new_zeros(proj.shape[0], k - proj.shape[1])], 1)
+    # fewer patches or dims than k: zero columns (a 2x2 grid of 4 patches still gives 3 colour channels)
+    proj = F.pad(proj, (0, k - proj.shape[1]))
     # a component's sign is arbitrary, so it is fixed (TokenCut's rule): its largest-magnitude value is
     # positive, so the same features, or their negation, give the same map
     peak = proj.gather(0, proj.abs().argmax(0, keepdim=True))
@@ -147,8 +146,8 @@ def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: floa
 def upsample_map(m: np.ndarray, size: tuple[int, int], mode: str = "nearest") -> np.ndarray:
     """A [rows, cols] map over the patch grid at the image's `size` (nearest keeps the grid visible;
     bilinear draws a smooth map)."""
-    kw = {} if mode == "nearest" else {"align_corners": False}
-    return F.interpolate(torch.from_numpy(m)[None, None].float(), size=size, mode=mode, **kw)[0, 0].numpy()
+    # (bilinear: align_corners=False, torch's default)
+    return F.interpolate(torch.from_numpy(m)[None, None].float(), size=size, mode=mode)[0, 0].numpy()
 
 
 def denormalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
@@ -180,10 +179,8 @@ def grid_figure(images: np.ndarray, maps: dict[str, list[np.ndarray]], labels: S
             x0, y0 = left + j * (cw + gap), fh - top - (i + 1) * ch - i * gap
             ax = fig.add_axes((x0 / fw, y0 / fh, cw / fw, ch / fh))
             ax.imshow(imgs[i], interpolation="none")  # "none": the PDF embeds the pixels unresampled
-            ax.set_xticks([])
-            ax.set_yticks([])
-            for spine in ax.spines.values():
-                spine.set_visible(False)
+            ax.set(xticks=[], yticks=[])
+            ax.spines[:].set_visible(False)
             if i == 0:
                 ax.set_title(titles[j], fontsize=8)
             if j == 0 and len(labels) > i:
@@ -203,16 +200,13 @@ def _file_names(titles: Sequence[str], names: Sequence[str] | None) -> list[str]
 
 
 def save_pngs(images: np.ndarray, maps: dict[str, list[np.ndarray]], folder: Path,
-              names: Sequence[str] | None = None) -> list[Path]:
-    """image_<i>.png and <name>_<i>.png at the image's own resolution; returns the paths."""
+              names: Sequence[str] | None = None) -> None:
+    """image_<i>.png and <name>_<i>.png at the image's own resolution."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
     cols = [("image", images)] + list(zip(_file_names(list(maps), names), maps.values()))
     for name, imgs in cols:
         for i, img in enumerate(imgs):
-            paths.append(folder / f"{name}_{i}.png")
-            Image.fromarray((np.asarray(img) * 255).round().astype(np.uint8)).save(paths[-1])
-    return paths
+            Image.fromarray((np.asarray(img) * 255).round().astype(np.uint8)).save(folder / f"{name}_{i}.png")
 
 
 def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: Path,
@@ -227,7 +221,7 @@ def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: P
         labels: class of each image, shown beside the row.
         layer: named in the title; threshold: the foreground threshold used (None: none).
         names: file stems of the columns (default: the titles, made file-safe).
-    Returns the grid's two paths (the per-image files are listed by `save_pngs`).
+    Returns the grid's two paths (the per-image files are written by `save_pngs`).
     """
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,7 @@ def find_runs(roots: Iterable) -> list[tuple[Path, Optional[str]]]:
     """(folder, None or why its config.yaml cannot be read) of the run directories under `roots`:
     folders with a run's config.yaml (one with a `model` node), or a results.json outside any
     such folder, and folders whose config.yaml cannot be read; sorted."""
-    runs, seen = {}, set()
+    runs: dict = {}
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
             # sorted: the same records in the same order on every machine (os.walk's order is the file system's)
@@ -71,9 +71,8 @@ def find_runs(roots: Iterable) -> list[tuple[Path, Optional[str]]]:
             d = Path(dirpath).resolve()  # overlapping roots (runs=[runs,runs/deit3]) count a run once
             cfg, why = _read_yaml(d / "config.yaml") if "config.yaml" in filenames else ({}, None)
             # a results.json inside a run (e.g. an evaluation's) belongs to that run
-            inside = any(p in seen for p in d.parents)
+            inside = any(p in runs for p in d.parents)
             if "model" in (cfg or {}) or ("results.json" in filenames and not inside) or why is not None:
-                seen.add(d)
                 runs.setdefault(d, why)
     return sorted(runs.items())
 

@@ -61,14 +61,13 @@ def describe(values: Sequence[float], level: float = LEVEL) -> Summary:
 def summarize(frame: pd.DataFrame, by: Sequence[str], value: str = "value", level: float = LEVEL) -> pd.DataFrame:
     """One row per group of `frame` (the tidy table of analysis.runs): the `by` columns, the
     Summary fields of its `value`s, and the pooled values, seeds and run folders as lists."""
-    rows = []
     # dropna=False: a field that is None for every run (e.g. no mode) must not drop its runs
     # sort=False: groups in the frame's order (the caller sorts); describe() is the one place the
     # numbers come from, so a table's cell equals a report's
-    for key, g in frame.groupby(list(by), dropna=False, sort=False):
-        rows.append({**dict(zip(by, key)), **asdict(describe(g[value], level)), "values": g[value].tolist(),
-                     "seeds": g["seed"].tolist() if "seed" in g else None,
-                     "run_dirs": g["run_dir"].tolist() if "run_dir" in g else None})
+    rows = [{**dict(zip(by, key)), **asdict(describe(g[value], level)), "values": g[value].tolist(),
+             "seeds": g["seed"].tolist() if "seed" in g else None,
+             "run_dirs": g["run_dir"].tolist() if "run_dir" in g else None}
+            for key, g in frame.groupby(list(by), dropna=False, sort=False)]
     return pd.DataFrame(rows, columns=[*by, *Summary.__dataclass_fields__, "values", "seeds", "run_dirs"])
 
 
@@ -119,14 +118,14 @@ def paired(base: Mapping, arm: Mapping, level: float = LEVEL) -> Paired:
 
 def holm(pvalues: Sequence[float]) -> list[float]:
     """Holm-adjusted p-values, in the input order (NaN stays NaN and is not counted). By hand:
-    scipy has no Holm, and the rule is three lines: the i-th smallest of m is multiplied by
+    scipy has no Holm, and the rule is one line of numpy: the i-th smallest of m is multiplied by
     m - i (i from 0), then made non-decreasing and capped at 1."""
-    idx = sorted((i for i, p in enumerate(pvalues) if not math.isnan(p)), key=lambda i: pvalues[i])
-    m, out, running = len(idx), [float("nan")] * len(pvalues), 0.0
-    for rank, i in enumerate(idx):
-        running = max(running, min(1.0, (m - rank) * pvalues[i]))
-        out[i] = running
-    return out
+    p = np.asarray(pvalues, dtype=float)
+    idx = np.flatnonzero(~np.isnan(p))
+    idx = idx[np.argsort(p[idx], kind="stable")]  # ascending p, ties in the input order
+    out = np.full(len(p), np.nan)
+    out[idx] = np.maximum.accumulate(np.minimum(1.0, (len(idx) - np.arange(len(idx))) * p[idx]))
+    return out.tolist()
 
 
 def decisive_level(p: float, adjusted: float, alpha: float = ALPHA) -> float:
