@@ -298,7 +298,7 @@ def analyze_checkpoint(path, *, data=None, metrics: Sequence[str] = METRICS, lay
         "step": ckpt.get("loop", {}).get("step"), "data": data_node,
         "tokens_per_sequence": per_seq, "n_sequences": out["throughput"]["sequences"],
         "n_tokens": out["throughput"]["tokens"],
-        "settings": {"metrics": list(metrics), "layers": layers if isinstance(layers, str) else list(layers),
+        "settings": {"metrics": list(metrics), "layers": layers if isinstance(layers, (str, int)) else list(layers),
                      "max_tokens": max_tokens, "batch_size": batch_size, "seed": seed,
                      "min_count": min_count, "thresholds": list(thresholds),
                      "per_seq_max_sequences": per_seq_max_sequences},

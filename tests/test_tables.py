@@ -120,6 +120,13 @@ def _md_rows(runs, name) -> dict:
     return {"head": head, **{(r[mi].split("†")[0], r[mi + 1]): r for r in grid[2:]}}
 
 
+def test_analysis_of_one_layer_given_as_a_number(runs):
+    """layers=N (python -m analysis layers=1): that block and the final norm, recorded as given."""
+    ckpt = runs["root"] / "real" / "gpt" / "gpt_pydoc" / "gpt_d2_1L_s0" / "ckpt" / "last.pt"
+    res = analyze_checkpoint(ckpt, metrics=["spectral"], layers=1, max_tokens=256, min_count=2, progress=False)
+    assert res["settings"]["layers"] == 1 and len(res["layers"]) == 2 and res["layers"][-1] == "norm"
+
+
 def test_collect_finds_the_runs(runs):
     recs = runs_mod.collect(runs["root"] / "real")
     assert len(recs) == 5 and all(r["finished"] for r in recs)
