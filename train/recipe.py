@@ -125,12 +125,13 @@ class Recipe:
         if node is None:
             raise ConfigError(f"{path}: no such schedule in the composed config")
         node, total = OmegaConf.to_container(node, resolve=True), self.total_steps()
-        # Steps per epoch are needed only where a length counts in epochs (a token budget's: 1).
-        spe = self.plan().steps_per_epoch
-        if spe is None and not self.plan().token_budget and any(str(v).strip().endswith("ep") for v in [*node.values(), at]):
-            raise ConfigError(NEEDS_SIZE)
-        schedule = Schedule.from_config(node, path, total, spe or 1)
-        return schedule(total - 1 if at == "end" else parse_length(at, at, spe or 1, total))
+        # Steps per epoch are needed only where a length counts in epochs (steps_per_epoch() says
+        # NEEDS_SIZE where it is unknown); elsewhere, and under a token budget, the plan's or 1.
+        epochs = any(str(v).strip().endswith("ep") for v in [*node.values(), at])
+        plan = self.plan()
+        spe = self.steps_per_epoch() if epochs and not plan.token_budget else plan.steps_per_epoch or 1
+        schedule = Schedule.from_config(node, path, total, spe)
+        return schedule(total - 1 if at == "end" else parse_length(at, at, spe, total))
 
     def group(self, opt: str, group: str, key: str):
         """A parameter group's hyper-parameter as the optimizer was built (before schedules);

@@ -91,6 +91,8 @@ def write_val(src, tok: Tokenizer, folder: Path, val_docs: int, batch_docs: int,
     kept, when an earlier run finished it) by write_train as one shard of val_docs documents."""
     if val_docs == 0:
         return []
+    # The validation split as write_train's source: one shard of val_docs documents, so it is only
+    # ever read from document 0 (a finished shard returns before any read).
     val = SimpleNamespace(num_train=None, train_batches=lambda start, batch: src.val_batches(batch))
     shards = write_train(val, tok, folder, val_docs, val_docs, batch_docs, threads, stats, progress=False)
     if not shards:
