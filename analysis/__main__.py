@@ -22,8 +22,6 @@ checkpoint: its own folder). Every output folder is checked writable before the 
 stdout: a line per checkpoint with its throughput and headline numbers, then `[analysis] wrote
 <.../analysis.json>`; bad input exits with one `error: ...` line.
 """
-from __future__ import annotations
-
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -148,8 +146,7 @@ def run(cfg: DictConfig) -> list[dict]:
     mechanism_bs = _check_options(cfg, paths, metrics)
     runs, vits, kinds = [], {}, set()
     for p in paths:  # one model in memory at a time: a sweep of ViT-B checkpoints would not fit otherwise
-        loaded = load_for_analysis(p, cfg.get("data"), cfg.device)
-        model, ckpt, data_node = loaded
+        model, ckpt, data_node = load_for_analysis(p, cfg.get("data"), cfg.device)
         facts = {**model_facts(model, ckpt), "checkpoint": str(p)}
         # the comparison figures draw checkpoints on shared axes: one architecture and one split
         kinds.add((facts["arch"], data_node["name"]))
@@ -169,7 +166,7 @@ def run(cfg: DictConfig) -> list[dict]:
             res = analyze_checkpoint(p, metrics=metrics, layers=layers, max_tokens=cfg.max_tokens,
                                      batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed,
                                      min_count=cfg.min_count, thresholds=list(cfg.thresholds),
-                                     progress=cfg.progress, loaded=loaded,
+                                     progress=cfg.progress, loaded=(model, ckpt, data_node),
                                      per_seq_max_sequences=cfg.per_seq_max_sequences)
             runs.append(res)
             _print_run(res)
@@ -180,7 +177,7 @@ def run(cfg: DictConfig) -> list[dict]:
             log_to_training_run(p, headline(res), "analysis")  # when the checkpoint's run used W&B
             if cfg.figures:
                 draw_all([(run_label(res), [res])], analysis_dir(p, cfg.out), cfg.spectrum_layer)
-        del model, loaded
+        del model
     if len(runs) > 1:  # several checkpoints on the same axes, and a summary of their headline numbers
         out, labels = _out_dir(cfg, paths), _labels(runs, run_label)
         if cfg.figures:

@@ -15,8 +15,6 @@ Each cell has its own colour scale (min to max, printed), as DINO saves each hea
 names it): attention_<image stem>.{png,pdf} and .npz (the maps at the patch grid, the class-token
 weights, the heads' gates, blocks, patch_rc).
 """
-from __future__ import annotations
-
 import textwrap
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence

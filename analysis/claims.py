@@ -4,8 +4,6 @@ claim's paired test with Holm's correction in its family and the verdict at the 
 it (`claim_rows`), and their tables (`claims_table`, `per_seed_tables`). analysis/report.py writes
 them into a study's report; a plan is configs/plan/<name>.yaml (`check_plan`).
 """
-from __future__ import annotations
-
 import json
 import math
 from pathlib import Path

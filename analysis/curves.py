@@ -15,8 +15,6 @@ Written: <out>.png, <out>.pdf and <out>.json (the numbers drawn: per metric and 
 lo, hi, n and every seed's values); out defaults to reports/curves. stdout: a line
 per run left out, then `[curves] wrote <path>`.
 """
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Optional
 
@@ -120,9 +118,8 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError(f"band={cfg.band}: choose one of {', '.join(BANDS)}")
     if cfg.x not in X_KEYS:
         raise ConfigError(f"x={cfg.x}: choose one of {', '.join(X_KEYS)} (the fields every metrics.jsonl line has)")
-    roots = runs_roots(cfg, "analysis.curves")
     # unfinished runs too: a learning curve is most useful while a run trains
-    records = collect(roots)
+    records = collect(runs_roots(cfg, "analysis.curves"))
     if not records:
         raise ConfigError(f"runs={cfg.runs}: no run directories (folders with a run's config.yaml) found there")
     # the tidy table's "log." rows: every run's metrics.jsonl, read once for every panel

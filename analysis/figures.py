@@ -19,8 +19,6 @@ experiment (trainer x dataset x model family x recipe) named <dataset>_<family>:
 
 A figure without data is skipped with a printed note; stdout ends with a `[figures] wrote` line per file.
 """
-from __future__ import annotations
-
 import json
 from pathlib import Path
 
@@ -216,10 +214,9 @@ def draw_spectrum(lines, stem: Path, name: str = "", layer: str = "norm") -> lis
     return save(fig, stem)
 
 
-def draw_all(lines, out_dir, spectrum_layer: str = "norm", name: str = "", suffix: str = "") -> list[Path]:
+def draw_all(lines, out_dir: Path, spectrum_layer: str = "norm", name: str = "", suffix: str = "") -> list[Path]:
     """Every per-layer figure `lines` [(label, [analysis.json of its seeds])] support, written to
     out_dir/<figure><suffix>; a figure of metrics not measured is skipped (an old copy removed)."""
-    out_dir = Path(out_dir)
     # the metric groups the analysis measured: a figure only for what is there
     have = {g for kinds in lines[0][1][0]["results"].values() for groups in kinds.values() for g in groups}
     paths = []

@@ -13,8 +13,6 @@ runs: the mean and its 95% t interval (analysis.stats). Written by
 
 <exp> = <trainer>_<dataset>_<family>_k<k>, k the Laplacian heads the gates started from.
 """
-from __future__ import annotations
-
 import statistics
 from pathlib import Path
 from typing import Optional

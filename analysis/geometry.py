@@ -25,8 +25,6 @@ GPT `tokens`: every position of a window; sequence = window, label = next-token 
     sequence parts), lc (linguistic collapse over next-token classes with >= min_count rows,
     unembedding = lm_head.weight), spectral, spectral_within and spectral_per_seq as for the ViT.
 """
-from __future__ import annotations
-
 import math
 import resource
 import time

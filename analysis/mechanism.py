@@ -39,8 +39,6 @@ single row-stochastic P: P_h is its signed map P1 - lambda P2 (rows sum to 1 - l
 includes its head norm, so its cosines measure the alignment with P_h x - x, not a move toward a
 weighted mean; its dvar, dshare and out_norm are the head's own, as for any arm.
 """
-from __future__ import annotations
-
 import math
 import statistics
 import time

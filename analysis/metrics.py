@@ -23,8 +23,6 @@ so memory is O(D^2 + (#sequences + #classes) D); analysis/formulas.py finishes e
 them. NC4 compares every row with the final class means (`neural_collapse` does, on its rows);
 NC of the sequence means (the paper's ViT object) is `neural_collapse` on `acc.sequence_means()`.
 """
-from __future__ import annotations
-
 from typing import Optional, Sequence
 
 import torch
@@ -141,8 +139,7 @@ class GeometryAccumulator:
         T, n_c = self.cls_sum[classes], self.cls_n[classes]
         means = T / n_c[:, None]
         # E|x|^2 - |E x|^2 may round below 0 for a class of identical rows
-        var = (self.cls_sq[classes] / n_c - sq_norms(means)).clamp_min(0)
-        return classes, means, n_c, var
+        return classes, means, n_c, (self.cls_sq[classes] / n_c - sq_norms(means)).clamp_min(0)
 
     def class_means(self, min_count: int = 1):
         """(class ids [K], means [K, D]) of the classes with at least min_count rows."""
@@ -190,7 +187,6 @@ class GeometryAccumulator:
         if self.metrics & {"anova", "anova_seq"}:
             # max(.., 0): a sequence of identical tokens makes Q - A a rounding-level difference
             out.update(total=Q / N - mu2, within_seq=max(Q - A, 0.0) / N, between_seq=A / N - mu2)
-        classes = None
         if self.needs_labels:
             classes, means, n_c, var = self._classes()
         if "anova" in self.metrics:
@@ -200,11 +196,9 @@ class GeometryAccumulator:
         if "total" in out:
             add_shares(out, Q / N)
         if "nc" in self.metrics:
-            C = classes.numel()
-            M = means - mu
             # the within-class scatter from the total scatter less the class means' part: no second pass
             sigma_w = (self.xtx - (means * n_c[:, None]).T @ means) / N
-            out.update(num_classes=float(C), nc1=nc1_from_scatter(sigma_w, M))
+            out.update(num_classes=float(classes.numel()), nc1=nc1_from_scatter(sigma_w, means - mu))
             out.update(class_mean_geometry(means, mu, self._rows(weight, classes)))
         if "cdnv" in self.metrics:
             out.update(cdnv_from_class_stats(means, var))

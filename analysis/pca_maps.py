@@ -16,8 +16,6 @@ components of all patches. Written (stem = <out>/pca_maps, or <out>/pca_maps_<ex
                               the image's size times an integer factor (no resampling blur)
     <stem>/image_<i>.png, <stem>/<model>_<i>.png   the images and maps at the image's resolution
 """
-from __future__ import annotations
-
 import re
 import textwrap
 from collections.abc import Sequence
@@ -69,8 +67,7 @@ def _pca(x: torch.Tensor, k: int) -> torch.Tensor:
     proj = F.pad(proj, (0, k - proj.shape[1]))
     # a component's sign is arbitrary, so it is fixed (TokenCut's rule): its largest-magnitude value is
     # positive, so the same features, or their negation, give the same map
-    peak = proj.gather(0, proj.abs().argmax(0, keepdim=True))
-    return torch.where(peak < 0, -proj, proj)
+    return torch.where(proj.gather(0, proj.abs().argmax(0, keepdim=True)) < 0, -proj, proj)
 
 
 def _minmax(proj: torch.Tensor, flat: float) -> torch.Tensor:
@@ -127,7 +124,6 @@ def model_maps(model, images: torch.Tensor, layer: str = "norm", threshold: floa
         threshold: pca_rgb's (None: no foreground step).
         upsample: "nearest" or "bilinear", from the patch grid to the image's pixels.
     """
-    check_options(threshold is not None, threshold, upsample)
     dev = next(model.parameters()).device
     # only the blocks up to the asked one run (laplace.features skips the rest)
     block = None if layer == "norm" else [int(layer.split(".")[1])]
@@ -223,7 +219,6 @@ def draw_pca_grid(images: np.ndarray, maps: dict[str, list[np.ndarray]], stem: P
         names: file stems of the columns (default: the titles, made file-safe).
     Returns the grid's two paths (the per-image files are written by `save_pngs`).
     """
-    stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     fig = grid_figure(images, maps, labels, layer, threshold)
     paths = [stem.with_suffix(".png"), stem.with_suffix(".pdf")]

@@ -17,8 +17,6 @@ Every number is a view of the runs' tidy table (analysis.runs.frame); the claims
 analysis/claims.py; every mean, interval and test comes from analysis.stats. With per_seed= alone,
 per_seed.md is written from that file (the runs gone).
 """
-from __future__ import annotations
-
 import datetime
 import math
 from pathlib import Path
@@ -91,8 +89,7 @@ def curves_table(by_arm: dict) -> tuple[pd.DataFrame, list[str]]:
             lines.append(f"- {label}: {at[st[-1]].mean - at[late].mean:+.4g} from step {late} to {st[-1]}"
                          + (f" (before: {at[late].mean - at[mid].mean:+.4g} from step {mid} to {late})"
                             if mid < late else ""))
-    out = pd.DataFrame(table).sort_index().fillna("")
-    return out.rename_axis("step").reset_index(), lines
+    return pd.DataFrame(table).sort_index().fillna("").rename_axis("step").reset_index(), lines
 
 
 def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
@@ -160,10 +157,9 @@ def stream_change(checkpoints: list[str], n: int = 64) -> list[float]:
         # the first n sequences of the fixed order: the same for every run
         x = torch.utils.data.default_collate([ds[i] for i in range(min(n, len(ds)))])[0]
         with torch.no_grad():
-            # the embedding as block 0 reads it: the ViT's patches + position + class token, the GPT's normed tokens
-            h0 = embed(model, x)
             feats = features(model, x, norm=False)
-            hs = [h0] + [feats[f"blocks.{i}"] for i in range(len(model.blocks))]
+            # the embedding as block 0 reads it: the ViT's patches + position + class token, the GPT's normed tokens
+            hs = [embed(model, x)] + [feats[f"blocks.{i}"] for i in range(len(model.blocks))]
         # |h_i - h_(i-1)| / |h_(i-1)| per token, averaged: how far block i moved the stream
         per_run.append([float(((b - a).norm(dim=-1) / a.norm(dim=-1)).mean()) for a, b in zip(hs, hs[1:])])
     return [sum(col) / len(col) for col in zip(*per_run)]
@@ -358,9 +354,8 @@ def run(cfg: DictConfig) -> Path:
     if cfg.get("runs") is None:  # (optional in report.yaml, beside per_seed=)
         raise ConfigError("runs is required: add runs=DIR (the folder of the plan's runs) or per_seed=FILE "
                           "(a report's per_seed.csv) to the command")
-    roots = runs_roots(cfg, "analysis.report")
     # a run still training would pass for a finished one: left out unless partial=true asks for a look
-    records = [r for r in collect(roots) if r["finished"] or cfg.partial]
+    records = [r for r in collect(runs_roots(cfg, "analysis.report")) if r["finished"] or cfg.partial]
     if not records:
         raise ConfigError(f"runs={cfg.runs}: no finished runs there; train them first ({cfg.plan.command}), "
                           f"or look at unfinished ones with partial=true")

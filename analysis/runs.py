@@ -13,8 +13,6 @@ analysis` wrote become one record. Runs that differ only in their seed are poole
 analysis.stats; runs of another recipe never are (recipe_id). The geometry is read at the final
 norm ("geometry.<key>") or at any measured layer ("geometry@blocks.<i>.<key>").
 """
-from __future__ import annotations
-
 import glob
 import hashlib
 import json

@@ -13,8 +13,6 @@ here.
     verdict(t, sign=+1, p=holm_p, level=level)         # "agrees [lo, hi] (97.5%)", disagrees, inconclusive
     summarize(frame, by=["k", "layer"])                # pandas: the same numbers per group
 """
-from __future__ import annotations
-
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping, Optional, Sequence

@@ -17,8 +17,6 @@ interval] (n)". Without `only`, also out/gates_<exp>.{md,csv} for runs with lear
     from analysis.tables import render_tables
     render_tables(collect(["runs/deit3/digits"]), "reports/tables")
 """
-from __future__ import annotations
-
 import re
 import statistics
 from pathlib import Path
@@ -99,13 +97,10 @@ def load_specs(only=None, specs=None) -> dict:
 # ----------------------------------------------------------------------------- building a table
 
 def _matches(record: dict, where: dict) -> bool:
-    # every field must match: a spec's `where: {trainer: deit3, dataset: [cifar10, cifar100]}`
-    for field, want in (where or {}).items():
-        allowed = want if isinstance(want, list) else [want]
-        # as text: a YAML value and a record's value may differ in type only (7 vs "7")
-        if str(record.get(field)) not in map(str, allowed):
-            return False
-    return True
+    # every field must match: a spec's `where: {trainer: deit3, dataset: [cifar10, cifar100]}`;
+    # as text: a YAML value and a record's value may differ in type only (7 vs "7")
+    return all(str(record.get(field)) in map(str, want if isinstance(want, list) else [want])
+               for field, want in (where or {}).items())
 
 
 def _columns(spec: dict, recs: list[dict], entries: list[dict]) -> list[dict]:

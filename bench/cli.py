@@ -1,6 +1,4 @@
 """Command line of `python -m bench` (see the package docstring): runs the sections, writes the record."""
-from __future__ import annotations
-
 import argparse
 import shlex
 import sys

@@ -9,8 +9,6 @@ a copy outside this repository, never vendored). Issue 42's target: ours within 
 step's time (forward + backward of the loss, float32 on CPU), measured in --rounds turns; issue 54's
 target: k > 0 within 1.02x of k = 0 in time and bytes.
 """
-from __future__ import annotations
-
 import sys
 import time
 import timeit
@@ -102,12 +100,10 @@ def nanochat_gpt(folder: str, depth: int, vocab: int, seq_len: int) -> torch.nn.
 
 def saved_bytes(model: torch.nn.Module, batch: int, seq_len: int, vocab: int, device) -> int:
     """Bytes autograd keeps for backward of one bf16-autocast training forward of `batch` sequences."""
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, vocab, (batch, seq_len + 1), generator=g).to(device)
+    idx = torch.randint(0, vocab, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()  # nanochat's loss needs contiguous targets
     with SavedBytes(model) as saved, torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-        loss = model(x, targets=y)
-    del loss  # the graph goes (its storages may be reused), the count stays
+        model(x, targets=y)  # the loss and its graph go at once (storages may be reused), the count stays
     return saved.bytes
 
 

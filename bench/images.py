@@ -7,8 +7,6 @@ build_datasets), read one sample at a time with one torch thread, as a worker ru
 re-encoded as ImageNet's typical JPEG, written as an ImageFolder. "decode only" is the full-size
 decode with no transform: a worker's limit.
 """
-from __future__ import annotations
-
 import io
 import itertools
 import os

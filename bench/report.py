@@ -1,7 +1,5 @@
 """The record of a `python -m bench` run: the machine, the versions and each section's table, as
 JSON and Markdown (written atomically, laplace.io)."""
-from __future__ import annotations
-
 import os
 import platform
 import re
@@ -68,5 +66,4 @@ def write(record: dict, tables: dict[str, pd.DataFrame], out: Path) -> list[Path
     # JSON: every row with full precision, for scripts; Markdown: the tables as printed.
     record = dict(record, sections={k: df.to_dict("records") for k, df in tables.items()})
     js = write_json(out / f"{stem}.json", record)
-    md = atomic_write(out / f"{stem}.md", markdown(record, tables).encode())
-    return [js, md]
+    return [js, atomic_write(out / f"{stem}.md", markdown(record, tables).encode())]

@@ -7,8 +7,6 @@ shape (`timm.create_model("deit3_small_patch16_224")`). Time: the median and IQR
 torch.utils.benchmark.Timer; memory: the bytes autograd saves for backward. Each is divided by the
 softmax k = 0 row and by timm's row of its family and part.
 """
-from __future__ import annotations
-
 import pandas as pd
 import timm
 import torch
@@ -52,12 +50,11 @@ def run(args) -> pd.DataFrame:
     for family in args.families:
         for name, (k, arm, model) in models(family, args).items():
             model = model.to(args.device).train()
-            # Through the public builders only: a block's `.attn` is the layer in ours and timm's.
-            attn = model.blocks[0].attn
             images = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=args.device)
             N, C = model.patch_embed.num_patches + 1, model.embed_dim  # + the class token
             tokens = torch.randn(args.batch_size, N, C, device=args.device, requires_grad=True)
-            for part, module, x in (("model", model, images), ("attention", attn, tokens)):
+            # Through the public builders only: a block's `.attn` is the layer in ours and timm's.
+            for part, module, x in (("model", model, images), ("attention", model.blocks[0].attn, tokens)):
                 # The model itself: torch.compile'd when --compile (after the attention is taken).
                 net = torch.compile(module) if args.compile else module
                 cases.append((dict(family=family, part=part, model=name, k=k, attention=arm),

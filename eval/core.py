@@ -7,8 +7,6 @@
 The scoring is laplace/core_eval.py (nanochat's); a missing bundle is downloaded from nanochat's URL.
 Output: the per-task table, and results.json + core.md in <run>/eval/core[_max<N>]/. Defaults: configs/core.yaml.
 """
-from __future__ import annotations
-
 from pathlib import Path
 
 import pandas as pd

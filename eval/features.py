@@ -10,8 +10,6 @@ The backbone is `laplace.pretrained.load_backbone`'s (any laplace ViT checkpoint
 with `model=`), frozen at the data's size. Features are cached beside the run
 (`<run>/eval/features_<data>_<split>_<kind>.pt`); under torchrun every rank gets all of them.
 """
-from __future__ import annotations
-
 import hashlib
 import os
 from pathlib import Path

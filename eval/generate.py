@@ -10,8 +10,6 @@
 Defaults: configs/generate.yaml. `load_gpt` (also the lm-eval adapter's) rebuilds the model and its
 tokenizer from a checkpoint or an exported folder alone.
 """
-from __future__ import annotations
-
 import codecs
 import sys
 from pathlib import Path

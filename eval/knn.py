@@ -9,8 +9,6 @@ Each validation image's normed class token (eval/features.py) votes with its k n
 tokens by cosine similarity. results.json (`<run>/eval/knn_<data>/`) holds the shared fields,
 k, T and `knn: {top1, top5, per_k: {k: {top1, top5}}}` in %; analysis.tables reads `knn.top1`.
 """
-from __future__ import annotations
-
 import torch
 from omegaconf import DictConfig
 

@@ -11,8 +11,6 @@ validation split. Deviations from DINO (no augmentation, selection on held-out t
 configs/linear.yaml. results.json (`<run>/eval/linear_<data>/`) holds the grid and `linear: {top1,
 top5, lr, base_lr, heldout_top1}`; analysis.tables reads `linear.top1`.
 """
-from __future__ import annotations
-
 import math
 
 import torch
@@ -26,9 +24,8 @@ from laplace.errors import ConfigError
 from .features import eval_features, run_and_clean_up, write_results
 
 
-def train_grid(feats: torch.Tensor, labels: torch.Tensor, lrs, num_classes: int, epochs: int = 100,
-               batch_size: int = 1024, momentum: float = 0.9, weight_decay: float = 0.0,
-               seed: int = 0) -> nn.ModuleList:
+def train_grid(feats: torch.Tensor, labels: torch.Tensor, lrs, num_classes: int, epochs: int, batch_size: int,
+               momentum: float, weight_decay: float, seed: int) -> nn.ModuleList:
     """One linear head per lr in `lrs` (absolute), all trained on the same shuffled batches."""
     # a CPU generator orders the batches, so the order is the same on every device
     g = torch.Generator().manual_seed(seed)

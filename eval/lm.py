@@ -13,8 +13,6 @@ data to download). Each checkpoint gets lm-eval's table and a results.json, by d
 `python -m analysis.tables` finds it: the run's shared fields, `tasks: {task: {version, n,
 num_fewshot, metrics: {metric: {value, stderr}}}}` and flat `"<task>/<metric>": value` keys.
 """
-from __future__ import annotations
-
 import difflib
 import functools
 import logging
@@ -209,7 +207,6 @@ def evaluate_lm(cfg: DictConfig) -> list[dict]:
     if not values or not names:
         raise ConfigError(f"checkpoint={values}, tasks={names}: give at least one of each, e.g. {usage}")
     sources = [gpt_source(v) for v in values]  # every checkpoint checked before any evaluation
-    paths = [s["path"] for s in sources]
     tm = task_manager(names, cfg.data_root)
     code_tasks = unsafe_tasks(tm, names)
     if code_tasks and not cfg.allow_code_execution:
@@ -220,7 +217,7 @@ def evaluate_lm(cfg: DictConfig) -> list[dict]:
     if cfg.apply_chat_template and ours:
         raise ConfigError(f"apply_chat_template=true with {', '.join(ours)}: those tasks render our chat "
                           f"format themselves; use apply_chat_template=false")
-    dirs = out_dirs(cfg, paths, names)
+    dirs = out_dirs(cfg, [s["path"] for s in sources], names)
     for d in dirs:  # and every output folder: results are written after hours of evaluation
         check_writable(d, "out")
 

@@ -5,8 +5,6 @@ importing this module registers `LaplaceLM`, and `python -m eval.lm_adapter` is 
 command line with the model registered. `python -m eval.lm` drives it for the paper's protocol.
 The manual (arguments, how each request type is scored, several GPUs): docs/lm_adapter.md.
 """
-from __future__ import annotations
-
 import atexit
 import sys
 
@@ -102,8 +100,6 @@ class LaplaceLM(LM):
 
     # ---- data parallelism: lm-eval's evaluator calls these when world_size > 1 ----------------------
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._world_size <= 1:
-            return tensor
         t = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()  # lm-eval gathers counts (0-d)
         out = [torch.empty_like(t) for _ in range(self._world_size)]
         torch.distributed.all_gather(out, t)

@@ -8,8 +8,6 @@
 It runs `trainer=seg_linear` (train/seg_linear.py) on the training engine; the protocol's sizes
 and schedule are configs/eval/seg_*.yaml. UperNet fine-tuning is not provided: docs/experiments.md.
 """
-from __future__ import annotations
-
 from omegaconf import DictConfig, open_dict
 
 from laplace.checkpoint import run_dir_of

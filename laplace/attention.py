@@ -16,8 +16,6 @@ Its relatives, the arms of `attn_layer(attention=...)` and of a model node's `at
 value: `xsa` below), "gated" (timm's `gated=True`: an elementwise sigmoid gate of the input on the
 heads' output), "diff" (timm's DiffAttention: P1 V - lambda P2 V and a per-head RMSNorm).
 """
-from __future__ import annotations
-
 import functools
 import numbers
 
@@ -307,7 +305,7 @@ def set_laplacian_heads(model: nn.Module, counts) -> list[int]:
     if not layers:  # else nothing would change, silently
         raise ConfigError(f"{type(model).__name__} has no Laplacian attention: build it with attn_layer="
                           f"laplace.attn_layer(k), which timm's VisionTransformer and NaFlexVit take (see attn_layer)")
-    counts = laplacian_counts(counts, len(layers), layers[0].num_heads if layers else 0)
+    counts = laplacian_counts(counts, len(layers), layers[0].num_heads)
     for attn, k in zip(layers, counts):
         attn.set_laplacian_heads(k)
     return counts

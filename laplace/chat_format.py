@@ -30,8 +30,6 @@ go through one `encode_batch` call (the tokenizer's threads: mid-training render
 The chat special tokens must exist in the tokenizer (`bytes` and trained `bpe` tokenizers have
 them, GPT-2's does not: its `special_id` raises a one-line ConfigError, which propagates).
 """
-from __future__ import annotations
-
 from collections.abc import Iterable, Mapping, Sequence
 
 from .errors import UserError

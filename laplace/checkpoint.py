@@ -23,8 +23,6 @@ a folder `python -m laplace.export` wrote (config.json + model.safetensors), a n
 folder or a Hugging Face Hub id alone, and the evaluations' frozen backbones (laplace.pretrained);
 laplace.pretrained.load_pretrained loads weights into a model built otherwise (fine-tuning's init_from).
 """
-from __future__ import annotations
-
 import argparse
 import importlib
 import os
@@ -245,8 +243,7 @@ def load_model(path_or_id: str | os.PathLike | dict, map_location: Any = "cpu", 
             check_finite(model.state_dict(), str(where), "export a finite checkpoint again")  # refused at export too
         else:
             load_weights(model, sd, f"checkpoint={src['path']} does not fit model {kwargs['name']}")
-    model.to(map_location)
-    return model.eval()
+    return model.to(map_location).eval()
 
 
 HEADS = ("head.", "lm_head.")  # the classifier of a ViT, the output layer of a GPT
@@ -288,7 +285,7 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     folder raises CheckpointError."""
     import json
 
-    from .schema import check_model
+    from .schema import Model, check_config
 
     folder = Path(folder)
     cfg_path = folder / EXPORT_CONFIG
@@ -318,7 +315,7 @@ def read_export_config(folder: str | os.PathLike) -> dict:
     if node.get("tokenizer", "bytes") not in ("bytes", "gpt2", EXPORT_TOKENIZER):
         raise CheckpointError(f"{cfg_path}: laplace.tokenizer={node['tokenizer']!r}; an export's tokenizer is "
                               f"bytes, gpt2 or {EXPORT_TOKENIZER} (the file in the folder)")
-    check_model(node["model"], f"{cfg_path}: laplace.model")  # reliability: a hand-edited value is one line
+    check_config(node["model"], Model, f"{cfg_path}: laplace.model.")  # reliability: a hand-edited value is one line
     return node
 
 

@@ -6,8 +6,6 @@ Only `laplace` is installed as a package (pyproject says why): the commands' mod
 eval/, analysis/, bench/) are read from the checkout, as configs/ is. This launcher is the one
 piece of the command lines that lives in the package, because the installed scripts must import it.
 """
-from __future__ import annotations
-
 import runpy
 import sys
 from pathlib import Path

@@ -9,8 +9,6 @@ with trainer.core_metric_every.
 A bundle is nanochat's eval_bundle folder: core.yaml (the tasks), eval_meta_data.csv (random
 baselines, in %) and eval_data/*.jsonl.
 """
-from __future__ import annotations
-
 import json
 import os
 import random

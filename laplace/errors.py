@@ -5,8 +5,6 @@ A bad model name, config key, data path or checkpoint is the user's to fix, so `
 exception is a bug (ours or a library's) and keeps its full traceback. Raise a subclass of
 `UserError` only where the message names the offending key or path and how to fix it.
 """
-from __future__ import annotations
-
 import contextlib
 import errno
 import functools
@@ -36,10 +34,8 @@ def hard_exit(code: int) -> None:
     # pool or a process group whose peers are gone. On a cluster a hung job burns its slot and
     # is never requeued, so every non-zero exit of a command line goes through here.
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # closed or broken pipe: nothing more to say
             stream.flush()
-        except (OSError, ValueError):  # closed or broken pipe: nothing more to say
-            pass
     _kill_children()
     os._exit(code)
 

@@ -13,8 +13,6 @@ which timm builds once `import laplace` has registered the zoo, and refuses in o
 (Unknown model). Non-finite weights are refused before anything is written; the folder is written
 aside and renamed into place (laplace.io).
 """
-from __future__ import annotations
-
 import json
 import os
 import shutil
@@ -283,8 +281,7 @@ def metrics_of(record: dict) -> dict[str, float]:
                       and k not in _HEADER_KEYS and number(v)}}
 
 
-def _k_text(ks) -> str:
-    ks = list(ks)
+def _k_text(ks: list[int]) -> str:
     return str(ks[0]) if len(set(ks)) == 1 else str(ks)
 
 

@@ -13,8 +13,6 @@ nanochat's 2026 GPT (92d63d4, the first author's fork) is the same class with op
 Its parameters keep nanochat's names (value_embeds.<i>, blocks.<i>.attn.ve_gate, resid_lambdas,
 x0_lambdas, smear_gate, smear_lambda, backout_lambda); laplace.nanochat loads its checkpoints.
 """
-from __future__ import annotations
-
 import functools
 import math
 from typing import Optional, Sequence
@@ -137,8 +135,7 @@ def gpt_dims(depth: int, aspect_ratio: int = 64, head_dim: int = 128, round_widt
     width = depth * aspect_ratio  # nanochat: the depth sets the width (d20: 1280)
     if round_width:  # nanochat 2026: heads of exactly 128 (d3: 256 wide, 2 heads)
         width = -(-width // head_dim) * head_dim
-    num_heads = max(1, math.ceil(width / head_dim))  # heads of 128 (d20: 10)
-    return width, num_heads
+    return width, max(1, math.ceil(width / head_dim))  # heads of 128 (d20: 10)
 
 
 class GPT(nn.Module):
@@ -225,6 +222,7 @@ class GPT(nn.Module):
     def init_weights(self):
         """nanochat's init: fan-in scaled normal, unit-variance embedding, zero output layers.
         Call it after moving a meta-device model to a real device with `to_empty`."""
+        self._build_rope(self.wte.weight.device)  # no random numbers: before either init
         if self.init == "2026":
             return self._init_2026()
         for m in self.modules():
@@ -240,7 +238,6 @@ class GPT(nn.Module):
             nn.init.zeros_(blk.attn.proj.weight)
             nn.init.zeros_(blk.mlp.c_proj.weight)
             blk.attn.reset_laplacian()
-        self._build_rope(self.wte.weight.device)
 
     @torch.no_grad()
     def _init_2026(self):
@@ -269,7 +266,6 @@ class GPT(nn.Module):
                 p.copy_(torch.as_tensor(value).expand(p.shape))
         if self.smear_gate is not None:
             nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)
-        self._build_rope(self.wte.weight.device)
 
     def _build_rope(self, device):
         half = self.head_dim // 2
@@ -363,8 +359,7 @@ class GPT(nn.Module):
                          norm: bool = True) -> dict[str, torch.Tensor]:
         """Token representations [B, T, width]: {"blocks.i": residual stream after block i for
         i in `layers` (default all), "norm": final-norm output (the lm_head's input)}."""
-        wanted = block_indices(layers, self.depth)
-        h, feats = self._run(idx, collect=wanted)
+        h, feats = self._run(idx, collect=block_indices(layers, self.depth))
         if norm:
             feats["norm"] = h
         return feats

@@ -4,8 +4,6 @@ and atomic folders (`atomic_dir`: exports).
 
 Readers see the old file or the new one, never a truncated one.
 """
-from __future__ import annotations
-
 import contextlib
 import errno
 import fcntl

@@ -6,8 +6,6 @@ Laplacian heads) holds `model_<step>.pt` (a plain state dict) and `meta_<step>.j
 nanochat's tokenizer.pkl is a pickled tiktoken Encoding: `read_tokenizer` takes its ranks without
 running any of its code.
 """
-from __future__ import annotations
-
 import json
 import pickle
 import re

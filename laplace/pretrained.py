@@ -3,8 +3,6 @@
 probe, segmentation), from a laplace checkpoint, run or export, or a timm / DeiT-III state dict.
 Both read through `weights_source`, and the backbone is built by the one loader, `load_model`.
 """
-from __future__ import annotations
-
 import os
 from pathlib import Path
 from typing import Any, Optional

@@ -6,8 +6,6 @@ as `GPT.generate` does (argmax at temperature 0; else logits / temperature, the 
 `torch.multinomial` with the caller's generator, which must live on the model's device), so with
 the same seed both return the same ids.
 """
-from __future__ import annotations
-
 import ast
 import operator
 from collections.abc import Iterator, Sequence
@@ -65,8 +63,6 @@ def calculate(expr: str) -> int | float | None:
     with a restricted `eval` and a timeout; walking the syntax tree needs neither: nothing but
     arithmetic can run, and powers (the one slow operation) are refused."""
     def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
@@ -76,7 +72,7 @@ def calculate(expr: str) -> int | float | None:
         raise ValueError("not arithmetic")
 
     try:
-        value = ev(ast.parse(expr.replace(",", "").strip(), mode="eval"))
+        value = ev(ast.parse(expr.replace(",", "").strip(), mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, TypeError):
         return None
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:

@@ -1,7 +1,7 @@
 """Values declared once: types, ranges and choices, checked with pydantic, each refusal one line.
 
-    check_model(node, "<file>: laplace.model")   # a model node read from a file (a checkpoint, an export)
-    check_config(cfg, schema)                    # any config against a schema (train.config: train.py's)
+    check_config(cfg, schema)                          # any config against a schema (train.config: train.py's)
+    check_config(node, Model, "<file>: laplace.model.")  # a model node read from a file (an export)
 
 A bad value is one line naming the key, the value and what is allowed
 (`error: optim.lr=-0.1: give a number > 0`), where it used to be a traceback from deep inside
@@ -9,8 +9,6 @@ torch or timm, or a run that trained with it (optim.weight_decay=-1, trainer.amp
 declared pass, checked where they are read (a trainer's own keys, laplace.zoo's k range). The model
 node is declared here, beside the models; the train config's other nodes in train/config.py.
 """
-from __future__ import annotations
-
 import json
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
@@ -76,7 +74,7 @@ class Patches(Node):
 
 
 class Model(Patches):
-    # The model node of a train config, a checkpoint or an export (check_model). A drop-path of
+    # The model node of a train config or an export (checkpoint.read_export_config). A drop-path of
     # 1.5 used to fail only at the first step (torch's bernoulli_), a depth of "two" inside the constructor.
     name: str = None
     depth: Count = None
@@ -109,11 +107,6 @@ def check_config(cfg: DictConfig | dict, schema: type[BaseModel], prefix: str = 
     except ValidationError as e:
         # the first error only: one line, in the schema's order (data before model)
         raise ConfigError(prefix + _one_line(schema, e.errors()[0], plain)) from None
-
-
-def check_model(node: dict, prefix: str = "model") -> None:
-    """A model node (a checkpoint's or an export's config), as `check_config` checks train.py's."""
-    check_config(node, Model, f"{prefix}.")
 
 
 def _one_line(schema: type[BaseModel], error: dict, plain: dict) -> str:

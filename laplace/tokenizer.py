@@ -25,8 +25,6 @@ saved file); datasets record it in meta.json and checkpoints in their config, an
 `token_bytes()` is nanochat's table for bits per byte: the UTF-8 length of every token (0 for
 specials), so bpb = sum of the targets' losses in nats / (ln 2 * sum of their token_bytes).
 """
-from __future__ import annotations
-
 import base64
 import functools
 import hashlib

@@ -10,8 +10,6 @@ A model node (configs, checkpoints) names the family alone ("vitb", "gpt") and h
 what runs, logs and tables call it. Importing laplace registers the ViT names with timm, so
 `timm.create_model("vitb_12L")` works too.
 """
-from __future__ import annotations
-
 import fnmatch
 import inspect
 import numbers

@@ -10,8 +10,6 @@ CUDA peak of its train.py runs and the graph breaks and recompiles torch logged 
 log in --out says where and why). Exit status 1 if any failed. A CUDA run appends its results to
 docs/gpu_runs.jsonl and rewrites docs/gpu_runs.md, the last run of each check (a CPU run: --record).
 """
-from __future__ import annotations
-
 import argparse
 import json
 import os

@@ -13,8 +13,6 @@ model on fake tensors), or for an evaluation its images x the frozen backbone's 
 H200 FLOP/s of the one measured run of each family (VIT_RECORD, GPT_RECORD). Not counted: analysis
 and LM-benchmark jobs (minutes), a data loader slower than the GPU, restarts.
 """
-from __future__ import annotations
-
 import argparse
 import os
 import shlex

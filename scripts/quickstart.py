@@ -21,8 +21,6 @@ re-reads) the same run directories, and it ends with each stage's wall and CPU t
 `vit.` / `lm.` / `dino.` ones go to that paradigm's training runs, `analysis.` ones to the
 analyses, `paths.*` to every command, the rest to every training run.
 """
-from __future__ import annotations
-
 import json
 import os
 import subprocess

@@ -268,11 +268,12 @@ def test_a_bad_value_on_the_command_line_is_one_error_line(tmp_path, overrides, 
 
 def test_every_experiment_passes_the_schema(make_cfg):
     """No false alarm: every experiment (and the default config) as composed is valid."""
-    from train.config import check_config
+    from laplace.schema import check_config
+    from train.config import TrainConfig
 
     for exp in [None, *sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))]:
         extra = [f"experiment={exp}", "trainer.init_from=/x.pt"] if exp else []
-        assert check_config(make_cfg(*extra)) is None, exp
+        assert check_config(make_cfg(*extra), TrainConfig) is None, exp
 
 
 def test_a_lock_that_is_a_folder_is_one_line(tmp_path):

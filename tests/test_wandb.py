@@ -137,11 +137,12 @@ def test_wandb_mode_config_wins_over_the_environment(monkeypatch):
     monkeypatch.delenv("WANDB_MODE")
     assert wandb_mode(None)[0] == "online"
     from laplace.errors import ConfigError
-    from train.config import check_config
+    from laplace.schema import check_config
+    from train.config import TrainConfig
 
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=onlin: give online, offline or disabled \(or null: "
                                           r"WANDB_MODE decides\)$"):
-        check_config({"logger": {"wandb": {"mode": "onlin"}}})
+        check_config({"logger": {"wandb": {"mode": "onlin"}}}, TrainConfig)
 
 
 def _train(make_cfg, run_dir, *extra):

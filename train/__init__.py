@@ -1,7 +1,5 @@
 """The trainers, selected by `trainer.name` (deit3 | gpt | dino | seg_linear | module:Class), on one
 shared engine (train/engine.py); `run(cfg)` trains with a composed config (train.py's entry)."""
-from __future__ import annotations
-
 import os
 import pkgutil
 import re
@@ -11,12 +9,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from laplace import model_defaults, model_label
+from laplace import model_defaults, model_label, schema
 from laplace.errors import ConfigError, UserError
 from laplace.io import atomic_write
 
 from . import dist
-from .config import check_config, check_required
+from .config import TrainConfig, check_required
 from .logger import RunLog  # (importing it registers ${run_group:...} before Hydra resolves the config)
 from .rundir import EXECUTION_KEYS, MAX_NAME, RunDirLock, check_writable, short_name
 from .signals import Preempted, StopRequest
@@ -67,7 +65,7 @@ def check_engine_config(cls, cfg: DictConfig):
     if cfg.optim.get("name") == "muon" and arch != "gpt":  # train.optim.build_muon_adamw routes a GPT's parameters
         raise ConfigError(f"optim=muon splits a GPT's parameters between Muon and AdamW; model={model_label(cfg.model)} "
                           f"is a {ARCH_NAMES[arch]}: use optim=adamw (or optim=lamb)")
-    check_config(cfg)  # reliability: types, ranges and choices, declared once
+    schema.check_config(cfg, TrainConfig)  # reliability: types, ranges and choices, declared once
 
 
 def _fitting(arch: str | None = None, modality: str | None = None) -> str:

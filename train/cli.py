@@ -11,8 +11,6 @@ there is no configs/.
 
 The console scripts (`laplace-train`, ...) run these command lines from the checkout: laplace/console.py.
 """
-from __future__ import annotations
-
 import contextlib
 import functools
 import os

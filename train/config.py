@@ -7,15 +7,12 @@ hydra_plugins/laplace_zoo.py, which asks `model_node` here. A node holds the con
 the data-dependent ones interpolated from the `data` node, so a run's config.yaml shows the whole
 architecture; its `name` is the family ("vitb", "gpt") and k lives in `num_laplacian_heads` alone.
 """
-from __future__ import annotations
-
 import inspect
 from typing import Literal, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from laplace import schema
 from laplace.errors import ConfigError
 from laplace.schema import (Count, Fraction, Model, Node, NonNegative, Patches, Rate, Size, Steps, Switch, allowed,
                             allowed_or_null)
@@ -143,11 +140,6 @@ class TrainConfig(Node):
     data: Data = None
     model: Model = None
     logger: Logger = None
-
-
-def check_config(cfg: DictConfig | dict) -> None:
-    """train.py's config against its schema: one line for the first value out of its range."""
-    schema.check_config(cfg, TrainConfig)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

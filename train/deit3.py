@@ -17,8 +17,6 @@ checkpoint or a timm / DeiT-III state dict (.pth, .bin, .safetensors; the origin
 `{"model": ...}` files with `gamma_1`/`gamma_2` LayerScale names too): see
 `laplace.pretrained.load_pretrained` (position embeddings resampled, head kept when it fits).
 """
-from __future__ import annotations
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -93,12 +91,9 @@ class DeiT3Trainer(Trainer):
         return self.criterion(self.net(x).float(), y)  # timm's losses hold no tensor: any device
 
     def evaluate(self) -> dict:
-        if self.data.val is None:
-            return {}
         # Sums over this rank's shard, then over ranks: exact, whatever the world size.
         sums = torch.zeros(4, device=self.device, dtype=torch.float64)  # loss, top1, top5, n
-        for x, y in self.eval_loader(self.data.val):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        for x, y in map(self.to_device, self.eval_loader(self.data.val)):
             logits = self.net(x).float()
             top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
             hit = top5 == y[:, None]

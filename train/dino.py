@@ -20,8 +20,6 @@ state is the model's); this file wires data, schedules and optimizer to it. The 
     python train.py experiment=dino_digits                        # CPU minutes
     python train.py experiment=dino_in1k model=vits_5L data.root=/data/imagenet
 """
-from __future__ import annotations
-
 import torch
 from omegaconf import OmegaConf
 

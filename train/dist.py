@@ -7,8 +7,6 @@ batch script of a multi-task job (SLURM_NTASKS > 1, but no srun step) runs as on
 A collective that fails because a rank is gone (killed, out of memory, its node down) becomes one
 line naming that rank (`lost_peer`), found by a roll call through the rendezvous store.
 """
-from __future__ import annotations
-
 import contextlib
 import functools
 import os

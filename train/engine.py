@@ -23,8 +23,6 @@ All training state lives in the model and the optimizers: a checkpoint holds tho
 position, the logging window and each rank's RNG states. Every rank trains rank 0's model (DDP's
 construction broadcasts it whole); what is drawn while training (drop-path, Mixup) is each rank's own.
 """
-from __future__ import annotations
-
 import contextlib
 import sys
 from collections.abc import Sized
@@ -90,7 +88,7 @@ class Trainer:
         self.micro_bs, self.accum = split_batch(tc.global_batch_size, tc.micro_batch_size, self.dist.world_size)
 
     @classmethod
-    def offline(cls, cfg: DictConfig, device: str = "meta") -> Trainer:
+    def offline(cls, cfg: DictConfig, device: str = "meta") -> "Trainer":
         """Model and optimizers from `cfg` alone on `device` (meta: shapes, no memory), to read what
         a config trains (train/recipe.py): no process group, data, run directory, checkpoint or
         construction checks; one process, not the run's main one (nothing printed)."""
@@ -102,7 +100,7 @@ class Trainer:
         t.optimizers = t.configure_optimizers()
         return t
 
-    def setup(self) -> Trainer:
+    def setup(self) -> "Trainer":
         """Build data, model and optimizers and restore the run's checkpoint (returns self)."""
         cfg, tc, world = self.cfg, self.cfg.trainer, self.dist.world_size
         dist.seed_everything(cfg.seed + self.dist.rank)
@@ -189,6 +187,10 @@ class Trainer:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
+    def to_device(self, batch):
+        # tensors anywhere in a batch (lists, tuples, dicts of them: multi-crop, decoded images)
+        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), batch)
+
     # ---- the engine's own ------------------------------------------------------------------
     def sampler(self, dataset):
         """The epoch's order of the training samples: shuffled by (seed, epoch), or timm's repeated
@@ -221,10 +223,6 @@ class Trainer:
             # statistics) or by the engine's average after each step (plain batch norm under gloo).
             net = nn.parallel.DistributedDataParallel(net, device_ids=ids, forward_sync_buffers=False)
         return torch.compile(net) if self.compile else net
-
-    def _to_device(self, batch):
-        # tensors anywhere in a batch (lists, tuples, dicts of them: multi-crop, decoded images)
-        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), batch)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def plain_config(self) -> dict:
@@ -323,7 +321,7 @@ class Trainer:
             # Losses stay on the device until logged: no host sync per micro-batch.
             loss_sum, extras = torch.zeros((), device=self.device), {}
             for micro in range(self.accum):
-                batch = self._to_device(next(batches))
+                batch = self.to_device(next(batches))
                 sync = micro == self.accum - 1 or not self.dist.distributed
                 with (contextlib.nullcontext() if sync else self.net.no_sync()), self.autocast():
                     out = self.train_step(batch)

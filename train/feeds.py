@@ -6,8 +6,6 @@ dataset is served by a `MapFeed`: an epoch-seeded sampler, resumable mid-epoch, 
 whose augmentations are seeded per sample, so that a resumed run sees what an uninterrupted one
 would, on any number of processes and data-loader workers.
 """
-from __future__ import annotations
-
 import itertools
 import random
 from typing import Iterator, Protocol, runtime_checkable

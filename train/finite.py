@@ -2,8 +2,6 @@
 checked before each checkpoint is written (and the loss at each log step), so a run that diverges
 stops with one line and keeps its last good `last.pt`.
 """
-from __future__ import annotations
-
 import torch
 
 from . import dist

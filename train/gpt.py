@@ -14,8 +14,6 @@ budget of `trainer.tokens_per_param` x parameters unless trainer.max_steps or da
 is set. Logged: loss, validation bits per byte (see `evaluate`), tokens/s, model FLOPs
 utilisation, and greedy samples of fixed prompts at each evaluation (<run_dir>/samples.jsonl).
 """
-from __future__ import annotations
-
 import json
 import math
 
@@ -75,12 +73,11 @@ class GPTTrainer(Trainer):
         # a multi-byte character becomes U+FFFD and counts 3 bytes (one byte of "é": 3); ours sum
         # to the text's UTF-8 length whatever the splits (nanochat's bpb is lower on non-ASCII).
         token_bytes = self.data.tokenizer.token_bytes().to(self.device)
-        if token_bytes.numel() < self.model.vocab_size:  # a tokenizer smaller than the embedding
-            token_bytes = torch.cat([token_bytes, token_bytes.new_zeros(self.model.vocab_size - token_bytes.numel())])
+        # one entry per row of the embedding: a smaller tokenizer's extra rows have no bytes
+        token_bytes = torch.nn.functional.pad(token_bytes, (0, self.model.vocab_size - token_bytes.numel()))
         # Summed nats and counted tokens, and nats and UTF-8 bytes over tokens that have bytes.
         sums = torch.zeros(4, device=self.device, dtype=torch.float64)
-        for x, y in batches:
-            x, y = x.to(self.device), y.to(self.device)
+        for x, y in map(self.to_device, batches):
             nats = self.net(x, targets=y, reduction="none").double()  # [B, T], 0 where y == -1
             counted = y >= 0
             nbytes = torch.where(counted, token_bytes[y.clamp(min=0)], 0)

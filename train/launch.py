@@ -8,8 +8,6 @@ Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD
 MASTER_PORT); what differs from torchrun is for preemption (train/signals.py): the process group,
 the signals and the exit status, said where they are made.
 """
-from __future__ import annotations
-
 import argparse
 import os
 import signal

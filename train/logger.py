@@ -2,8 +2,6 @@
 on rank 0 when `logger=wandb`, `train.log` (rank 0's output), the progress bar of every loop, one
 plain line per evaluation, and the evaluations' results sent to the W&B run of the training run
 they evaluate (`log_to_training_run`)."""
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import json

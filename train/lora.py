@@ -8,8 +8,6 @@ The model trained is peft's wrapper of the GPT; a checkpoint's "model" is the me
 the adapters only, so the base weights are never stored twice: a resumed run reads them again from
 trainer.base. Recipe: configs/experiment/gpt26_d30_lora_sft.yaml.
 """
-from __future__ import annotations
-
 import copy
 
 from laplace.pretrained import load_pretrained

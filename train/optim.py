@@ -4,8 +4,6 @@ timm's optimizers and nanochat's Muon + AdamW (`build_optimizers`), schedules of
 hyper-parameter or trainer value (`Schedule`, from `optim.schedules` / `trainer.schedules`; how a
 node is written and why it states all six keys: docs/configs.md) and `clip_gradients`.
 """
-from __future__ import annotations
-
 import math
 import re
 import sys
@@ -74,7 +72,7 @@ class Schedule:
         return end + 0.5 * (self.value - end) * (1.0 + math.cos(math.pi * p))
 
     @classmethod
-    def from_config(cls, node, key: str, total_steps: int, steps_per_epoch: int) -> Schedule:
+    def from_config(cls, node, key: str, total_steps: int, steps_per_epoch: int) -> "Schedule":
         """Build from a complete config node; `key` (e.g. "optim.schedules.lr") names it in errors."""
         node = dict(node)
         if unknown := sorted(set(node) - set(KEYS)):

@@ -6,8 +6,6 @@ its feed's size and the recipe cards (train/recipe.py) with an assumed one, so a
 the steps a run takes. The global batch is a property of the recipe, not of the cluster: the split
 (train.feeds.split_batch) adapts to the number of processes, the step count does not.
 """
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

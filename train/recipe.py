@@ -17,8 +17,6 @@ or `@<quantity>(args)`, a method of `Recipe` computed with the trainers' own cod
 device (no data, no memory). A row whose values differ must say why: `deliberate: <reason>` or
 `unknown: <reason>`; tests/test_recipes.py composes every experiment and fails on any row without.
 """
-from __future__ import annotations
-
 import argparse
 import math
 import re
@@ -101,11 +99,9 @@ class Recipe:
     def steps_per_epoch(self) -> int:
         """Optimizer steps in an epoch of `train_size` examples (a token budget: the run)."""
         plan = self.plan()
-        if plan.steps_per_epoch is None and plan.token_budget:
-            return self.total_steps()
-        if plan.steps_per_epoch is None:
+        if plan.steps_per_epoch is None and not plan.token_budget:
             raise ConfigError(NEEDS_SIZE)
-        return plan.steps_per_epoch
+        return plan.steps_per_epoch or self.total_steps()  # (a plan's steps per epoch are at least 1)
 
     def total_steps(self) -> int:
         if self.plan().total_steps is None:  # epochs of unknown size
@@ -158,7 +154,7 @@ class Recipe:
     def not_(self, key: str) -> bool:
         return not self.value(key)
 
-    def mixture(self, split: str) -> list[str]:
+    def mixture(self, split: str) -> "list[str]":
         """A chat mixture's sources, one "<task> [subset] <split> [(max examples)]" each."""
         out = []
         for src in OmegaConf.to_container(self.cfg.data[split], resolve=True):

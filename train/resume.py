@@ -9,8 +9,6 @@ acts on no training step). Such a checkpoint resumes when this run's value is th
 upgrade of laplace is no reason for trainer.resume=force; any other value is a recipe change.
 
 `rng_state` / `set_rng_state`: each rank's random generators, saved in the checkpoint and restored."""
-from __future__ import annotations
-
 import random
 import sys
 from fnmatch import fnmatchcase

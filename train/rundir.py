@@ -12,8 +12,6 @@ refused in one line naming the holder (pid, host, start).
 What goes into a run directory: `results_header`, the fields every results.json opens with, and
 `append_line`, whole-line appends for the logs (metrics.jsonl, samples.jsonl).
 """
-from __future__ import annotations
-
 import contextlib
 import errno
 import fcntl
@@ -157,8 +155,7 @@ def results_header(model: dict, dataset: Optional[str], checkpoint, **fields) ->
     # checkpoints from before learned modes have no laplacian_mode: theirs was fixed
     return {"model": model_label(model), "num_laplacian_heads": list(k) if isinstance(k, (list, tuple)) else k,
             "laplacian_mode": model.get("laplacian_mode", "fixed"), "attention": model.get("attention", "softmax"),
-            "dataset": dataset,
-            "checkpoint": str(checkpoint), **fields}
+            "dataset": dataset, "checkpoint": str(checkpoint), **fields}
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:

@@ -4,8 +4,6 @@ training engine (resume, preemption, DDP, logging). `python -m eval.segmentation
 The checkpoint it writes exports the frozen backbone (what `load_model` returns); the head is
 its `train_model`. results.json: mIoU, aAcc, mAcc and the per-class IoU, as mmseg's IoUMetric.
 """
-from __future__ import annotations
-
 import math
 from collections import OrderedDict
 
@@ -82,8 +80,7 @@ def seg_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # The sum over labelled pixels divided by ALL pixels of the batch, ignored ones included: a
     # crop without a labelled pixel gives 0 (no gradient), where a mean over the labelled pixels
     # only would be 0 / 0 and end the run with a NaN loss.
-    loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
-    return loss / labels.numel()
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum") / labels.numel()
 
 
 @torch.no_grad()
@@ -165,8 +162,6 @@ class SegLinearTrainer(Trainer):
         return seg_loss(self.net(x), y)
 
     def evaluate(self) -> dict:
-        if self.data.val is None:
-            return {}
         tc, k = self.cfg.trainer, self.cfg.data.num_classes
         window = tc.crop_size
         stride = tc.slide_stride or math.ceil(window * 2 / 3)  # 341 for 512, as DINOv2
@@ -176,13 +171,11 @@ class SegLinearTrainer(Trainer):
         loader = self.eval_loader(self.data.val, batch_size=1)  # images differ in size
         bar = progress_bar(len(loader), self.dist.is_main and tc.progress, interval=self.cfg.logger.progress_interval,
                            desc="val (sliding windows)", unit="img", leave=False, iterable=loader)
-        for x, y in bar:
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        for x, y in map(self.to_device, bar):
             logits = slide_inference(self.net, x, k, window, stride)
             logits = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
             metric.update(logits.argmax(1), y)
-        out = seg_scores(metric)
-        self.per_class = out
+        self.per_class = out = seg_scores(metric)
         return {"val_mIoU": out["mIoU"], "val_aAcc": out["aAcc"], "val_mAcc": out["mAcc"]}
 
     def results(self, final_metrics: dict) -> dict:

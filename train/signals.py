@@ -7,8 +7,6 @@ the step in flight, agrees with every rank on the step to stop at (train.dist.St
 `last.pt`, shuts its workers down and exits with `EXIT_REQUEUE`, which slurm/*.sbatch and
 train.launch turn into a requeue. The requeued job runs the same command and resumes exactly.
 """
-from __future__ import annotations
-
 import signal
 import threading
 

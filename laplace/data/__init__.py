@@ -1,8 +1,6 @@
 """Datasets: embedded ones that ship inside installed packages (digits, pydoc_text) and the
 paper's real ones (CIFAR-10/100, ImageNet-1k, FineWeb-Edu), built by name from the Hydra `data`
 config group."""
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

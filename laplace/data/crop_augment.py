@@ -11,8 +11,6 @@ bicubic does (laplace.data.resample) and `augment` applies flip, colour jitter, 
 solarize and normalisation with torchvision's tensor formulas. tests/test_device_augment.py bounds
 the difference to the PIL pipelines.
 """
-from __future__ import annotations
-
 import functools
 import math
 import random
@@ -67,14 +65,11 @@ class ThreeAugmentCrops:
     def __call__(self, img) -> dict:
         box, out, _ = self.crop.plan(img)  # bicubic, as three_augment's
         # three_augment's draws in its order: flip, the one of three, then the jitter.
-        p = dict(flip=bool(torch.rand(1) < 0.5), grayscale=False, radius=None, solarize=False)
+        p = dict(flip=bool(torch.rand(1) < 0.5))
         k = random.choices(range(3), weights=[1 / 3] * 3)[0]  # T.RandomChoice's draw
-        if k == 0:
-            p["grayscale"] = True
-        elif k == 1:
-            p["solarize"] = bool(torch.rand(1) < 1.0)  # RandomSolarize(p=1) draws too
-        else:
-            p["radius"] = float(torch.empty(1).uniform_(0.1, 2.0))  # PILGaussianBlur's
+        p["grayscale"] = k == 0
+        p["solarize"] = k == 1 and bool(torch.rand(1) < 1.0)  # RandomSolarize(p=1) draws too
+        p["radius"] = float(torch.empty(1).uniform_(0.1, 2.0)) if k == 2 else None  # PILGaussianBlur's
         p["jitter"] = self.jitter.make_params([]) if self.jitter is not None else None
         s = draft(img, reduction(box, out)) if self.crop.reduce else 1
         image = rgb(img)  # decoded here, at 1/s

@@ -8,8 +8,6 @@ size the file's header gives, exactly as the wrapped crop draws it, so the boxes
 are the same for the same seed; where no reduction applies (s = 1) the pixels are the crop's own.
 tests/test_decode.py checks both and bounds the difference where s > 1.
 """
-from __future__ import annotations
-
 import math
 import random
 
@@ -47,8 +45,6 @@ def window(box: tuple, s: int, size: tuple[int, int]) -> tuple[tuple[int, int, i
     """The crop `box` (full-size coordinates) on an image decoded at 1/s (of size `size`) as
     (the enclosing whole pixels (x0, y0, x1, y1): the only ones the filter may see, as in the
     reference that cuts the crop first; the box in those pixels' coordinates)."""
-    if s == 1:  # a whole-pixel box: the window is the box itself
-        return tuple(int(v) for v in box), (0.0, 0.0, float(box[2] - box[0]), float(box[3] - box[1]))
     l, t, r, b = (v / s for v in box)
     x0, y0 = math.floor(l), math.floor(t)
     x1, y1 = min(math.ceil(r), size[0]), min(math.ceil(b), size[1])
@@ -93,8 +89,7 @@ class DecodeCrop:
         only the image's size is read."""
         c = self.crop
         if isinstance(c, T.Resize):  # the short side to c.size: the whole image, no draw
-            short = c.size if isinstance(c.size, int) else c.size[0]
-            return (0, 0, *img.size), resized_size(*img.size, short), pil_modes_mapping[c.interpolation]
+            return (0, 0, *img.size), resized_size(*img.size, c.size), pil_modes_mapping[c.interpolation]
         # The crop's own draw (torchvision's from torch, timm's from Python's random), on the
         # size the header gives: the same box as on the decoded image.
         i, j, h, w = c.get_params(img, c.scale, c.ratio)

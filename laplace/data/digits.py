@@ -4,13 +4,9 @@ The quick start's dataset: it needs no download, and a tiny ViT learns it on CPU
 Images are served as PIL RGB images (grey levels 0..16 stretched to 0..255) so the same
 transforms as CIFAR / ImageNet upsample and normalise them.
 """
-from __future__ import annotations
-
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-
-NUM_CLASSES = 10
 
 
 class Digits(Dataset):

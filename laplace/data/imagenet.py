@@ -33,7 +33,6 @@ from laplace.errors import ConfigError, one_line
 
 from .images import CorruptImages, load
 
-NUM_CLASSES = 1000
 _FOLDER_SPLIT = {True: "train", False: "val"}
 _PARQUET_SPLIT = {True: "train", False: "validation"}
 

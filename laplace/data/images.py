@@ -5,8 +5,6 @@ Large image sets hold a few unreadable files (copies broken in transfer, downloa
 PIL's error names no file: a run died at step N with a long traceback. The replacement sample of
 `CorruptImages` keeps the batch full and is a function of the index alone, so exact resume holds.
 """
-from __future__ import annotations
-
 import functools
 import multiprocessing
 import sys
@@ -51,11 +49,8 @@ def load(src, name: str, transform=None):
     in RGB. The transform gets the image opened but not yet decoded: its first step decodes it at
     the size its crop needs (laplace.data.decode). An image that does not decode, wherever that
     happens, is CorruptImageError naming `name`."""
-    try:
-        img = Image.open(src)  # reads the header only
-    except UNREADABLE as e:
-        raise _corrupt(name, e) from None
-    with img:  # the file stays open while the transform decodes it
+    # Image.open reads the header only; the file stays open while the transform decodes it.
+    with _named_load(functools.partial(Image.open, src), name) as img:
         # PIL decodes in `load`, which every pixel access calls first: name the file there.
         img.load = functools.partial(_named_load, img.load, name)
         return transform(img) if transform is not None else rgb(img).copy()  # copy: decoded while open

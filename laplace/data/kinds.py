@@ -9,8 +9,6 @@ Each builder returns a `TextData`: the training set (a map-style dataset or a fe
 validation batches, the tokenizer, what throughput counts (unit) and the batch collate, so
 the trainer asks for one object instead of switching on the kind.
 """
-from __future__ import annotations
-
 import functools
 import json
 from collections.abc import Callable, Iterable

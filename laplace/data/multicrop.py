@@ -10,8 +10,6 @@ grayscale, PIL's Gaussian blur (DINO: 1.0 / 0.1 on the global crops, 0.5 on the 
 solarize (the second global crop, 0.2), ToTensor + Normalize. With `device_augment` a worker only
 draws and decodes, and `augment_batch` does the rest on the training device (laplace.data.crop_augment).
 """
-from __future__ import annotations
-
 import random
 from dataclasses import dataclass
 
@@ -99,7 +97,7 @@ class MultiCrop:
         self.views += [(view(local_size, local_scale, local_blur, local_solarize), int(local_size))] * int(local_crops)
 
     @classmethod
-    def from_config(cls, node, mean, std) -> MultiCrop:
+    def from_config(cls, node, mean, std) -> "MultiCrop":
         """From a `multicrop` config node (keys as the constructor's)."""
         try:
             return cls(**dict(node), mean=tuple(mean), std=tuple(std))

@@ -5,8 +5,6 @@ Written by hand because no library resizes a batch of *different* boxes of *diff
 PIL's filter: torchvision's and kornia's resize take one size for the whole batch, and roi_align
 samples bilinearly without PIL's widening of the filter. tests/test_resample.py compares with PIL.
 """
-from __future__ import annotations
-
 import contextlib
 
 import torch

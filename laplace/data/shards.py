@@ -18,8 +18,6 @@ would have seen, also at another world size:
 
 Validation is one pass that does not loop: `TokenStream(files, ..., loop=False)`.
 """
-from __future__ import annotations
-
 import bisect
 import glob
 import hashlib
@@ -37,9 +35,8 @@ from laplace.io import atomic_write
 
 
 def shard_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest unsigned dtype that holds ids 0 .. vocab_size - 1."""
-    if not 0 < vocab_size <= 2**32:  # uint16 when the ids fit: half the disk and page cache
-        raise ValueError(f"vocab_size={vocab_size} must be in 1 .. 2**32")
+    """The narrowest unsigned dtype that holds ids 0 .. vocab_size - 1 (a tokenizer's: 1 .. 2**32)."""
+    # uint16 when the ids fit: half the disk and page cache
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
@@ -53,11 +50,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
         tokens: 1-D integer token ids.
         vocab_size: ids must be in 0 .. vocab_size - 1; picks uint16 (<= 2**16) or uint32.
     """
-    dtype = shard_dtype(vocab_size)
     arr = np.asarray(tokens)
-    arr = arr.astype(dtype) if arr.size == 0 else arr  # np.asarray([]) is float64
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"tokens must be a 1-D array of integers, got shape {arr.shape} and dtype {arr.dtype}")
     # An id out of range would be read back as another token (uint16 wraps): refuse it here.
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         raise ValueError(f"token ids must be in 0 .. {vocab_size - 1} (vocab_size={vocab_size}), "
@@ -65,7 +58,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int],
     path = Path(path) if str(path).endswith(".npy") else Path(f"{path}.npy")
     # A hidden temp file, fsynced, then renamed: a crash never leaves a half-written shard under its
     # final name, and list_shards skips the hidden leftovers.
-    return atomic_write(path, lambda f: np.save(f, arr.astype(dtype, copy=False)))
+    return atomic_write(path, lambda f: np.save(f, arr.astype(shard_dtype(vocab_size), copy=False)))
 
 
 def list_shards(root_or_pattern: str | os.PathLike, split: str | None = None) -> list[Path]:

@@ -7,8 +7,6 @@ BPE files and nanochat's tokenizer must be downloaded; the FineWeb-Edu loader us
 Each topic is one document; every 10th document (sorted by topic name) is held out for
 validation, so the split never depends on the run's seed.
 """
-from __future__ import annotations
-
 import functools
 
 import torch

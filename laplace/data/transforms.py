@@ -10,8 +10,6 @@ DINO's multi-crop is laplace.data.multicrop. Each takes a PIL image of any mode,
 and returns a normalised float tensor [3, S, S]: its first step is the recipe's crop decoded at the
 size it needs (laplace.data.decode), its last ToTensor + Normalize in one.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

@@ -7,8 +7,6 @@ transform. `data.augment` picks the training transform (laplace.data.transforms)
     timm                 timm's train.py transform: data.auto_augment ('3a'), data.train_interpolation
     none                 the evaluation transform (resize + centre crop, data.eval_crop_pct)
 """
-from __future__ import annotations
-
 import hashlib
 import os
 

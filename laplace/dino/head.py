@@ -10,8 +10,6 @@
 The backbone is a zoo ViT without classifier: its forward is the final-norm class token at any
 crop size (laplace.vit resamples the position embeddings to the crop's grid).
 """
-from __future__ import annotations
-
 import itertools
 
 import torch

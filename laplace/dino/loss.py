@@ -12,8 +12,6 @@ teacher outputs of the whole global batch, all ranks and micro-batches (DINO: al
 outputs' sum and row count, so gradient accumulation changes neither the loss nor the centre.
 Computed in float32 whatever the autocast.
 """
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -11,8 +11,6 @@ whole of DINO's training state. A training step is
 DDP wraps the whole module without broadcasting buffers before each forward (the engine's
 forward_sync_buffers=False): a broadcast would replace each rank's own teacher-output sums.
 """
-from __future__ import annotations
-
 import copy
 
 import torch

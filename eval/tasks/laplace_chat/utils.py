@@ -20,8 +20,6 @@ Data: the hub datasets through `datasets`, or local copies in the hub layout (`d
 Generated code runs only when asked: HumanEval is `unsafe_code` and, besides, needs
 LAPLACE_ALLOW_CODE_EXECUTION=1 (`python -m eval.lm allow_code_execution=true` sets it).
 """
-from __future__ import annotations
-
 import contextlib
 import itertools
 import os

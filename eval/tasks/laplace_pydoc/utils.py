@@ -9,8 +9,6 @@ to download (the offline counterpart of laplace_chat, for the quick start and te
                         validation split of data=pydoc_text / pydoc_bpe) as documents for
                         loglikelihood_rolling: word perplexity, byte perplexity, bits per byte
 """
-from __future__ import annotations
-
 from laplace.chat_format import chat_prompt_text
 
 

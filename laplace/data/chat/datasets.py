@@ -1,7 +1,5 @@
 """What the trainer consumes of conversations: padded SFT rows (`SFTDataset` + `sft_collate`,
 nanochat's chat_sft) and packed mid-training rows (`PackedChatDataset`)."""
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import numpy as np
@@ -73,15 +71,14 @@ class PackedChatDataset(TokenWindows):
         chunk: conversations rendered per `encode_batch` call (bounds the Python lists).
     """
 
-    def __init__(self, conversations, tok, seq_len: int, masked: bool = True, chunk: int = 4096,
-                 num_threads: int | None = None):
+    def __init__(self, conversations, tok, seq_len: int, masked: bool = True, chunk: int = 4096):
         n = len(conversations)
         tokens, masks = [np.zeros(0, np.int32)], [np.zeros(0, np.bool_)]
         # Rendered in chunks through the tokenizer's threaded batch encode, kept as int32 + bool
         # (5 bytes a token): as Python lists of ints a large mixture would take tens of bytes a token.
         for start in range(0, n, chunk):
             batch = [conversations[i] for i in range(start, min(n, start + chunk))]
-            for ids, mask in render_conversations(tok, batch, max_tokens=None, num_threads=num_threads):
+            for ids, mask in render_conversations(tok, batch, max_tokens=None):
                 tokens.append(np.asarray(ids, dtype=np.int32))
                 masks.append(np.asarray(mask, dtype=np.bool_))
         super().__init__(torch.from_numpy(np.concatenate(tokens)), seq_len)

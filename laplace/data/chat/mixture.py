@@ -1,7 +1,5 @@
 """Chat tasks by name and their mixture: nanochat's TaskMixture, a deterministic shuffle of
 (task, example) pairs with per-task caps and repeats (docs/text_data.md)."""
-from __future__ import annotations
-
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any

@@ -1,6 +1,4 @@
 """`task: pydoc_chat`: a built-in chat set about Python's help topics (no download)."""
-from __future__ import annotations
-
 import re
 
 import numpy as np
@@ -72,8 +70,6 @@ class PydocChat(ChatTask):
         split: train | val.
         max_chars: longest answer in characters.
     """
-
-    name = "pydoc_chat"
 
     def __init__(self, split: str = "train", max_chars: int = 600):
         from pydoc_data.topics import topics

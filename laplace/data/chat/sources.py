@@ -1,7 +1,5 @@
 """Where chat tasks come from: one split of a hub dataset, or of a local copy of its files
 (docs/text_data.md: the folder layouts and why the files are found here, not by `datasets`)."""
-from __future__ import annotations
-
 import os
 import re
 from pathlib import Path

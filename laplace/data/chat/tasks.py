@@ -1,7 +1,5 @@
 """nanochat's chat tasks: rows of a dataset split -> conversations in laplace.chat_format's format,
 built on access (docs/text_data.md lists each task's source and fields)."""
-from __future__ import annotations
-
 import re
 from collections.abc import Mapping, Sequence
 
@@ -20,8 +18,6 @@ class ChatTask(Dataset):
     """Conversations over the rows of a `datasets.Dataset` (or any indexable of rows), built on
     access: a 460k-row task costs no memory up front (no `.map` into a second Arrow copy)."""
 
-    name = "task"
-
     def __init__(self, rows):
         self.rows = rows
 
@@ -29,9 +25,7 @@ class ChatTask(Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
-        # An IndexError that names the task (rows may be a plain list, or a numpy index).
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"{self.name}: index {i} out of range ({len(self)} conversations)")
+        # int(): i may be a numpy index; out of range, the rows (list or datasets.Dataset) raise IndexError
         return self.conversation(self.rows[int(i)])
 
     def conversation(self, row: Mapping) -> dict:
@@ -41,8 +35,6 @@ class ChatTask(Dataset):
 class SmolTalk(ChatTask):
     """HuggingFaceTB/smol-smoltalk: `messages` [{role, content}] with an optional system
     message, passed through as they are (`render_conversation` checks the roles)."""
-
-    name = "smoltalk"
 
     def conversation(self, row):
         # Only role and content: render_conversation checks the roles and merges a system message.
@@ -54,7 +46,6 @@ class MMLU(ChatTask):
     a `train` column; nanochat unwraps it with a `.map`, here it is unwrapped on access (no
     rewritten Arrow copy of the 100k rows)."""
 
-    name = "mmlu"
     letters = ("A", "B", "C", "D")
 
     def conversation(self, row):
@@ -69,8 +60,6 @@ class MMLU(ChatTask):
 class ARC(ChatTask):
     """allenai/ai2_arc as lettered multiple choice with the dataset's own labels (a few rows
     use 1-4 instead of A-D), as nanochat."""
-
-    name = "arc"
 
     def conversation(self, row):
         letters = tuple(row["choices"]["label"])  # the dataset's own: A-D, or 1-4 in a few rows
@@ -101,8 +90,6 @@ def gsm8k_parts(answer: str) -> list[dict]:
 
 class GSM8K(ChatTask):
     """openai/gsm8k (subset main): question -> worked answer with calculator tool calls."""
-
-    name = "gsm8k"
 
     def conversation(self, row):
         return {"messages": [{"role": "user", "content": row["question"]},

@@ -1,11 +1,10 @@
 """`prepare`: a text source -> a tokenizer and token shards for the GPT (the command: prepare.py at
 the repository root; every default: configs/prepare.yaml; the manual: docs/text_data.md), or with
 `source=imagefolder` ImageNet's class folders -> parquet shards in the Hugging Face layout (.images)."""
-from __future__ import annotations
-
 import json
 import time
 from collections import Counter
+from itertools import chain, islice
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -44,9 +43,7 @@ def make_tokenizer(cfg, out: Path, src, max_docs: int | None) -> Tokenizer:
           flush=True)
     t = time.perf_counter()
     # On the training documents only (nanochat: each cut to doc_chars, up to chars in all).
-    docs = (d for batch in src.train_batches(0, 1024) for d in batch)
-    if max_docs is not None:
-        docs = (d for _, d in zip(range(max_docs), docs))
+    docs = islice(chain.from_iterable(src.train_batches(0, 1024)), max_docs)  # max_docs None: all
     tok = train_bpe(capped_texts(docs, chars, doc_chars), vocab, path)
     print(f"[prepare] tokenizer trained in {time.perf_counter() - t:.1f} s -> {path}", flush=True)
     return load_tokenizer(path)

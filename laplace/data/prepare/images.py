@@ -9,8 +9,7 @@ HF features in the schema, as the hub's imagenet-1k files. Row i of a split is s
 folder route (shuffle_seed: the training rows in that seed's order). A killed run is resumed by the
 same command; one with other settings or changed folders is refused (rebuild=true starts again).
 """
-from __future__ import annotations
-
+import contextlib
 import hashlib
 import json
 import os
@@ -55,11 +54,11 @@ def write_shards(ds, split: str, folder: Path, per_shard: int, pool: ThreadPoolE
         path = folder / f"{split}-{i:05d}-of-{n:05d}.parquet"  # the hub's file names
         rows = range(i * per_shard, min((i + 1) * per_shard, len(ds)))
         shards.append({"file": f"data/{path.name}", "images": len(rows)})
-        try:  # a whole shard (its footer's row count) from an earlier run is kept
+        # A whole shard (its footer's row count) from an earlier run is kept; absent, or cut short
+        # by a kill (OSError, ValueError), it is written.
+        with contextlib.suppress(OSError, ValueError):
             if pq.read_metadata(path).num_rows == len(rows):
                 continue
-        except (OSError, ValueError):  # absent, or cut short by a kill
-            pass
         # One shard's images in memory (~0.5 GB at 4,000 ImageNet JPEGs), written to a temp file
         # and renamed: a killed run leaves whole shards (and a temp file the next run removes).
         # new_fingerprint: names the result, so datasets does not hash `embed` (seconds, with dill).

@@ -1,8 +1,6 @@
 """Settings pinning: what decides the shards' content is written to `<out>/.settings.json` before
 the first shard, and a re-run into the same folder with other settings or a changed source is
 refused rather than mixing shards."""
-from __future__ import annotations
-
 import json
 from pathlib import Path
 

@@ -1,8 +1,6 @@
 """Text sources of `prepare`: batches of documents (lists of str), the training documents from any
 start index. `pydoc` and `stdlib` (built in), parquet files (the last one = validation) or a `datasets`
 dataset, streamed (docs/text_data.md)."""
-from __future__ import annotations
-
 import glob
 import os
 from collections.abc import Iterator

@@ -1,7 +1,5 @@
 """Documents -> token shards: train shard i holds training documents [i * D, (i + 1) * D), each
 written atomically, so a re-run keeps the finished shards and skips their documents."""
-from __future__ import annotations
-
 import itertools
 import time
 from collections import Counter
