@@ -114,10 +114,14 @@ def class_mean_geometry(means: torch.Tensor, mu: torch.Tensor, weight=None) -> d
     means [C, D] and the global mean mu [D]."""
     C = means.shape[0]
     M = means - mu
+    norms = M.norm(dim=1)
     # -1 / (C - 1): the cosine between the vertices of a simplex ETF (NC2's ideal)
     pairs = offdiag_stats(_cosine_block(_unit_rows(M), lambda cos: {"ang": (cos + 1 / (C - 1)).abs()}), C)
-    out = {"nc2_equinorm": _cov(M.norm(dim=1)), "nc2_equiangular": pairs["cos"][1] if pairs else float("nan"),
-           "nc2_maxangle": pairs["ang"][0] if pairs else float("nan")}
+    out = {
+        "nc2_equinorm": _cov(norms),
+        "nc2_equiangular": pairs["cos"][1] if pairs else float("nan"),
+        "nc2_maxangle": pairs["ang"][0] if pairs else float("nan"),
+    }
     if weight is not None:
         W = weight.to(means)
         out["nc2_equinorm_w"] = _cov(W.norm(dim=1))
@@ -174,8 +178,9 @@ def lc_from_class_stats(means, counts, var, unembedding=None, center: str = "cla
     out["lc_abs_coherence_mean"], out["lc_abs_coherence_std"] = pairs.get("abs", nan2)
     if unembedding is not None:
         cos = (U * _unit_rows(unembedding.to(means))).sum(1)  # the unembedding rows as they are, as the code
-        out.update(lc_self_duality_cos_mean=float(cos.mean()), lc_self_duality=1.0 - float(cos.mean()),
-                   lc_uniform_duality=float(cos.std(unbiased=False)))
+        out["lc_self_duality_cos_mean"] = float(cos.mean())
+        out["lc_self_duality"] = 1.0 - float(cos.mean())
+        out["lc_uniform_duality"] = float(cos.std(unbiased=False))
     return out
 
 
@@ -198,8 +203,11 @@ def spectrum_metrics(cov: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99
     # the normalised spectrum: each component's share of the variance
     p = lam / lam.sum()
     counts, erank = spectrum_counts(p, thresholds)
-    return {**{f"n_pcs_{t:g}": float(c) for t, c in zip(thresholds, counts)}, "effective_rank": float(erank),
-            "total_variance": float(lam.sum()), "spectrum": p.tolist()}
+    out = {f"n_pcs_{t:g}": float(c) for t, c in zip(thresholds, counts)}
+    out["effective_rank"] = float(erank)
+    out["total_variance"] = float(lam.sum())
+    out["spectrum"] = p.tolist()
+    return out
 
 
 def spectrum_counts(p: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99)):
@@ -241,5 +249,7 @@ def sequence_spectra(x: torch.Tensor, thresholds: Sequence[float] = (0.9, 0.99))
     p = lam / torch.where(varies, total, torch.ones_like(total))[:, None]
     counts, erank = spectrum_counts(p, thresholds)
     nan = torch.full_like(total, float("nan"))
-    return {**{f"n_pcs_{t:g}": torch.where(varies, c.to(x.dtype), nan) for t, c in zip(thresholds, counts)},
-            "effective_rank": torch.where(varies, erank, nan), "varies": varies}
+    out = {f"n_pcs_{t:g}": torch.where(varies, c.to(x.dtype), nan) for t, c in zip(thresholds, counts)}
+    out["effective_rank"] = torch.where(varies, erank, nan)
+    out["varies"] = varies
+    return out
