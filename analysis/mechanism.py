@@ -43,7 +43,7 @@ import math
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import pandas as pd
 import torch
@@ -286,6 +286,26 @@ def summary(heads: dict[str, list[dict]]) -> dict:
     return {**pool(rows), **{layer: pool(part) for layer, part in rows.groupby("layer", sort=False)}}
 
 
+def attention_hooks(model, blocks: Iterable[int], fold: Callable) -> list:
+    """Hooks that ask the attention of `blocks` for its probabilities (return_attn=True: the
+    reference path forms P only when asked) and call fold(i, x, out, P) with the block index, the
+    attention's input and output; the block gets its usual output, its own code runs unchanged.
+    Returns the handles (remove them after the forward)."""
+    def ask(module, args, kwargs):
+        return args, {**kwargs, "return_attn": True}
+
+    handles = []
+    for i in blocks:
+        # i=i: each hook keeps its own block's index (a closure would see the loop's last)
+        def keep(module, args, output, i=i):
+            fold(i, args[0], *output)
+            return output[0]
+
+        attn = model.blocks[i].attn
+        handles += [attn.register_forward_pre_hook(ask, with_kwargs=True), attn.register_forward_hook(keep)]
+    return handles
+
+
 @torch.no_grad()
 def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, progress: bool = False) -> dict:
     """Measure every head of every block on `dataset` (items (image, class) or (window, next
@@ -294,7 +314,6 @@ def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, 
     largest relative deviation of the heads' sum from the attention's output (recon_err) and time."""
     from tqdm.auto import tqdm
 
-    from analysis.attention import attention_hooks
 
     t0 = time.perf_counter()
     dev = next(model.parameters()).device

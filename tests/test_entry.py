@@ -15,7 +15,7 @@ from conftest import ROOT
 ENTRIES = {"train.py": "config", "eval/knn.py": "knn", "eval/linear.py": "linear", "eval/segmentation.py":
            "segmentation", "eval/lm.py": "lm_eval", "eval/generate.py": "generate", "eval/core.py": "core",
            "analysis/__main__.py": "analysis", "analysis/tables.py": "tables", "analysis/figures.py": "figures",
-           "analysis/curves.py": "curves", "analysis/attention.py": "attention", "prepare.py": "prepare"}
+           "analysis/curves.py": "curves", "prepare.py": "prepare"}
 
 
 def _run(args, cwd, **env):

@@ -8,8 +8,6 @@
 One place finds configs/ (`config_dir`): a path relative to the calling file, Hydra's usual
 `config_path="../configs"`, points into site-packages after a non-editable install, where
 there is no configs/.
-
-The console scripts (`laplace-train`, ...) run these command lines from the checkout: laplace/console.py.
 """
 import contextlib
 import functools
