@@ -314,7 +314,6 @@ def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, 
     largest relative deviation of the heads' sum from the attention's output (recon_err) and time."""
     from tqdm.auto import tqdm
 
-
     t0 = time.perf_counter()
     dev = next(model.parameters()).device
     # the geometry's ViT ANOVA is of the patch tokens: the mechanism leaves out the class token too
