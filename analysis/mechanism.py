@@ -43,7 +43,7 @@ import math
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Optional
 
 import pandas as pd
 import torch
@@ -286,26 +286,6 @@ def summary(heads: dict[str, list[dict]]) -> dict:
     return {**pool(rows), **{layer: pool(part) for layer, part in rows.groupby("layer", sort=False)}}
 
 
-def attention_hooks(model, blocks: Iterable[int], fold: Callable) -> list:
-    """Hooks that ask the attention of `blocks` for its probabilities (return_attn=True: the
-    reference path forms P only when asked) and call fold(i, x, out, P) with the block index, the
-    attention's input and output; the block gets its usual output, its own code runs unchanged.
-    Returns the handles (remove them after the forward)."""
-    def ask(module, args, kwargs):
-        return args, {**kwargs, "return_attn": True}
-
-    handles = []
-    for i in blocks:
-        # i=i: each hook keeps its own block's index (a closure would see the loop's last)
-        def keep(module, args, output, i=i):
-            fold(i, args[0], *output)
-            return output[0]
-
-        attn = model.blocks[i].attn
-        handles += [attn.register_forward_pre_hook(ask, with_kwargs=True), attn.register_forward_hook(keep)]
-    return handles
-
-
 @torch.no_grad()
 def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, progress: bool = False) -> dict:
     """Measure every head of every block on `dataset` (items (image, class) or (window, next
@@ -320,9 +300,20 @@ def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, 
     skip = 1 if hasattr(model, "patch_embed") else 0
     accs = [HeadAccumulator(blk.attn, stream_frame(blk), skip) for blk in model.blocks]
     streams = {}  # each block's input: the residual stream its attention's part is added to
-    handles = attention_hooks(model, range(len(accs)), lambda i, x, out, P: accs[i].update(streams.pop(i), x, P, out))
-    handles += [blk.register_forward_pre_hook(lambda m, args, i=i: streams.__setitem__(i, args[0]))
-                for i, blk in enumerate(model.blocks)]
+
+    def ask(module, args, kwargs):  # the reference path forms P only when asked
+        return args, {**kwargs, "return_attn": True}
+
+    def fold(module, args, output, i):  # the block gets its usual output; its own code runs unchanged
+        out, P = output
+        accs[i].update(streams.pop(i), args[0], P, out)
+        return out
+
+    handles = []
+    for i, blk in enumerate(model.blocks):  # i=i: each hook keeps its own block's index
+        handles += [blk.register_forward_pre_hook(lambda m, args, i=i: streams.__setitem__(i, args[0])),
+                    blk.attn.register_forward_pre_hook(ask, with_kwargs=True),
+                    blk.attn.register_forward_hook(lambda m, args, output, i=i: fold(m, args, output, i))]
     try:
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
         for x, _ in tqdm(loader, desc="mechanism", disable=not progress, leave=False):
