@@ -9,9 +9,10 @@
 The sweeps are README's "The paper's experiments" (docs/slurm.md "The paper's runs"; the values'
 sources: SWEEPS). A run's cost is its steps (train.recipe's arithmetic on the composed experiment)
 x its FLOPs per step (torch's FlopCounterMode over one forward and backward of the trainer's own
-model on fake tensors), or for an evaluation its images x the frozen backbone's forward, over the
-H200 FLOP/s of the one measured run of each family (VIT_RECORD, GPT_RECORD). Not counted: analysis
-and LM-benchmark jobs (minutes), a data loader slower than the GPU, restarts.
+model on fake tensors), over the H200 FLOP/s of the one measured run of each family (VIT_RECORD,
+GPT_RECORD). Not counted: the evaluations, analysis and LM-benchmark jobs (minutes each: the DINO
+evaluations' FLOPs came to 0.6 of 3,912 hours, and their data loader, not the GPU, bounds them), a
+data loader slower than the GPU, restarts.
 """
 import argparse
 import os
@@ -30,10 +31,8 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from laplace.errors import ConfigError, UserError, cli_errors  # noqa: E402
-from train.recipe import compose_config, reference_recipe  # noqa: E402
+from train.recipe import reference_recipe  # noqa: E402
 
-IMAGENET_VAL, ADE_VAL = 50_000, 2_000  # validation images (ImageNet-1k; ADE20K's SceneParse150)
-ADE_WINDOWS = 2  # sliding windows (512, stride 341) per ADE20K test image at a 512 short side, 4:3
 # The measured H200 runs whose MFU every estimate assumes (an early run, commit not recorded: a
 # ViT-B/16 training step at 224 px, eager, bf16; the d20 GPT: docs/LOG.md "Data loader and tokenizer speed").
 VIT_RECORD = dict(experiment="deit3_in1k", model="vitb_0L", img_size=224, images_per_s=2285.0)
@@ -70,13 +69,10 @@ def counted(model, fn) -> float:
     return float(fc.get_total_flops())
 
 
-def vit_flops(model, img_size: int, train: bool) -> float:
-    """FLOPs per image of a ViT: forward, or forward + backward when `train`."""
-    def step(m, make):
-        with torch.set_grad_enabled(train):
-            out = m(make(2, 3, img_size, img_size))  # 2 images: a BatchNorm head needs a batch
-            if train:
-                out.float().sum().backward()
+def vit_flops(model, img_size: int) -> float:
+    """FLOPs per image of a ViT's training step (forward + backward)."""
+    def step(m, make):  # 2 images: a BatchNorm head needs a batch
+        m(make(2, 3, img_size, img_size)).float().sum().backward()
     return counted(model, step) / 2
 
 
@@ -94,26 +90,7 @@ def train_cost(experiment: str, overrides: tuple[str, ...]) -> tuple[int, float]
                     [make(2, 3, mc.local_size, mc.local_size) for _ in range(mc.local_crops)]
             m(crops, 0.04).backward()
         return r.total_steps(), counted(model, step) / 2 * batch
-    return r.total_steps(), vit_flops(model, cfg.data.img_size, train=True) * batch
-
-
-def eval_cost(stage: str, experiment: str, overrides: tuple[str, ...]) -> tuple[int, float]:
-    """(images, FLOPs per image) of evaluating the backbone a pre-training run exports, by the
-    evaluation's own entry config (configs/{knn,linear,segmentation}.yaml)."""
-    _, r = reference_recipe(experiment, list(overrides))
-    backbone, train_size = r.trainer.exported, int(r.train_size)
-    if stage == "seg":  # 40k iterations of 16 crops, then the sliding-window test; the head is 0.2%
-        e = compose_config(["checkpoint=x"], "segmentation")
-        return e.iters * e.batch_size + ADE_VAL * ADE_WINDOWS, vit_flops(backbone, e.crop_size, train=False)
-    e = compose_config(["checkpoint=x", "data=imagenet"], stage)
-    images = train_size + IMAGENET_VAL  # features of train and val
-    dim, classes = backbone.embed_dim, e.data.num_classes
-    if stage == "knn":  # every val feature against every train feature
-        extra = 2 * IMAGENET_VAL * train_size * dim
-    else:  # the lr grid's heads on cached features (held out, then the chosen one retrained)
-        extra = 6 * dim * e.n_last_blocks * classes * e.epochs * train_size * (
-            (1 - e.val_fraction) * len(e.lr_grid) + e.retrain)
-    return images, vit_flops(backbone, e.data.img_size, train=False) + extra / images
+    return r.total_steps(), vit_flops(model, cfg.data.img_size) * batch
 
 
 @lru_cache(maxsize=None)
@@ -124,7 +101,7 @@ def rates() -> dict[str, float]:
     _, vit = reference_recipe(VIT_RECORD["experiment"],
                               [f"model={VIT_RECORD['model']}", f"data.img_size={VIT_RECORD['img_size']}"])
     _, gpt = reference_recipe(GPT_RECORD["experiment"], [f"model={GPT_RECORD['model']}"])
-    return {"vit": VIT_RECORD["images_per_s"] * vit_flops(vit.trainer.model, VIT_RECORD["img_size"], train=True),
+    return {"vit": VIT_RECORD["images_per_s"] * vit_flops(vit.trainer.model, VIT_RECORD["img_size"]),
             "gpt": GPT_RECORD["tokens_per_s"] * gpt.trainer.model.flops_per_token(gpt.cfg.data.seq_len),
             "peak": PEAK_BF16_FLOPS["H200"]}
 
@@ -147,14 +124,13 @@ def stage_cost(name: str, stage: str, overrides: tuple[str, ...]) -> dict:
     ov = (f"model={sweep.arch}_{sweep.k[0]}L", *sweep.extra, *overrides)
     if stage == "train":
         steps, flops = train_cost(sweep.experiment, ov)
-    elif stage in EVALS:
-        steps, flops = eval_cost(stage, sweep.experiment, ov)
+    elif stage in EVALS:  # not counted (the module docstring)
+        return dict(steps=None, flops_per_step=None, gpu_hours=None)
     else:  # a later stage of the chain (mid-training, SFT), initialised from the one before;
         # data.root= is the pre-training's there (slurm/chains/gpt_d20.sh)
         steps, flops = train_cost(stage, (ov[0], "trainer.init_from=x", *(o for o in ov[1:]
                                                                        if not o.startswith("data.root="))))
-    return dict(unit="img" if stage in EVALS else "step", steps=steps, flops_per_step=flops,
-                gpu_hours=steps * flops / rates()[sweep.family] / 3600)
+    return dict(steps=steps, flops_per_step=flops, gpu_hours=steps * flops / rates()[sweep.family] / 3600)
 
 
 def runs(only: list[str] = (), overrides: list[str] = (), seeds: dict | None = None) -> pd.DataFrame:
@@ -177,22 +153,27 @@ def runs(only: list[str] = (), overrides: list[str] = (), seeds: dict | None = N
     return df.merge(pd.concat([stages.reset_index(drop=True), cost], axis=1), on=["sweep", "stage"], how="left")
 
 
+def markdown(df: pd.DataFrame, floatfmt: list[str]) -> str:
+    """`df` as a Markdown table, an evaluation's uncounted costs (NaN) as empty cells."""
+    return df.astype(object).where(df.notna(), None).to_markdown(index=False, floatfmt=floatfmt, missingval="")
+
+
 def table(df: pd.DataFrame) -> str:
     """One row per sweep and stage as Markdown, then the total and the rates it assumes."""
     joined = lambda s: ",".join(map(str, sorted(set(s))))  # noqa: E731
     t = df.groupby(["sweep", "stage"], sort=False).agg(
         experiment=("experiment", "first"), k=("k", joined), seeds=("seed", joined), runs=("k", "size"),
-        unit=("unit", "first"), steps_per_run=("steps", "first"), tflop_per_step=("flops_per_step", "first"),
-        h200_hours_per_run=("gpu_hours", "first"), h200_hours=("gpu_hours", "sum")).reset_index()
+        steps_per_run=("steps", "first"), tflop_per_step=("flops_per_step", "first"),
+        h200_hours_per_run=("gpu_hours", "first"), h200_hours=("gpu_hours", lambda h: h.sum(min_count=1))).reset_index()
     t["tflop_per_step"] /= 1e12
-    # Per column: 4 significant TFLOPs, 3 for the hours of one run, one decimal for a stage's.
-    md = t.to_markdown(index=False, intfmt=",", floatfmt=[""] * 8 + [",.4g", ",.3g", ",.1f"])
+    # Per column: whole steps, 4 significant TFLOPs, 3 for the hours of one run, one decimal for a
+    # stage's; an evaluation's cells empty (not counted).
+    md = markdown(t, [""] * 6 + [",.0f", ",.4g", ",.3g", ",.1f"])
     rt = rates()
     mfu = f"ViT {rt['vit'] / rt['peak']:.1%} (ViT-B/16, 224 px, 2,285 img/s eager), GPT {rt['gpt'] / rt['peak']:.1%}"
     return (f"{md}\n\nTotal: {len(df)} runs, {df.gpu_hours.sum():,.0f} H200-hours. H200 bf16 peak "
             f"{rt['peak'] / 1e12:.0f} TFLOP/s; MFU of the measured runs: {mfu} (d20, ~80 k tokens/s). "
-            "Evaluations at the ViT's MFU: a lower bound (their feature extraction waits on the data "
-            "loader). Not counted: analysis and LM-benchmark jobs.")
+            "Not counted: the evaluations, analysis and LM-benchmark jobs (minutes each).")
 
 
 def submissions(df: pd.DataFrame, overrides: list[str], code_execution: bool) -> list[list[str]]:
@@ -240,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds[name] = [int(v) for v in values.split(",")]
     df = runs(a.only, a.overrides, seeds)
     if a.runs:
-        print(df.drop(columns="flops_per_step").to_markdown(index=False, intfmt=",", floatfmt=",.3g"))
+        print(markdown(df.drop(columns="flops_per_step"), [""] * 6 + [",.0f", ",.3g"]))
         print(f"{len(df)} runs, {df.gpu_hours.sum():,.0f} H200-hours")
     else:
         print(table(df))
