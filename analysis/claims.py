@@ -20,7 +20,7 @@ PLAN_KEYS = {"name", "title", "scope", "command", "family", "sensitivity", "para
              "equal_loss", "declared"}
 
 
-def _md(df: pd.DataFrame) -> str:
+def md_table(df: pd.DataFrame) -> str:
     # (text cells as they are: tabulate would re-read "0.50" as a number and reformat it)
     return df.to_markdown(index=False, disable_numparse=True) if len(df) else "(no runs)"
 
@@ -60,7 +60,7 @@ def select(f: pd.DataFrame, metric: str, layer=None, step="final", last: int = 0
 def claim_values(f: pd.DataFrame, plan, c) -> pd.DataFrame:
     """A claim's one value per run: its metric at its layer, of the final model unless it names a
     step, or the mean of its last values (mean_last)."""
-    p = _paradigm(f, plan, c.paradigm)
+    p = paradigm_runs(f, plan, c.paradigm)
     return select(p, c.metric, c.get("layer"), c.get("step", "final"), c.get("mean_last", 0))
 
 
@@ -86,18 +86,18 @@ def by_seed(g: pd.DataFrame, arm) -> dict:
     return dict(zip(sel["seed"], sel["value"]))
 
 
-def _test(g: pd.DataFrame, arm):
+def paired_test(g: pd.DataFrame, arm):
     """The paired test of `arm` against softmax k = 0 over one value per run, None without a common
     seed (a claim not measured is said so, never read as inconclusive)."""
     base, arm = by_seed(g, 0), by_seed(g, arm)
     return paired(base, arm) if set(base) & set(arm) else None
 
 
-def _d(t) -> str:
+def d_text(t) -> str:
     return "" if t is None else interval_text(t.d, t.lo, t.hi, t.n, signed=True)
 
 
-def _paradigm(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
+def paradigm_runs(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     # a paradigm's runs: the folder its experiment config names (runs/<trainer>/<experiment>/...)
     return f[f["experiment"] == plan.paradigms[name].experiment]
 
@@ -115,12 +115,12 @@ def claim_rows(f: pd.DataFrame, plan) -> pd.DataFrame:
         g = claim_values(f, plan, c)
         # a claim may name its own arm (the LM's spectrum: all heads; the arms study: an attention)
         k = c.get("arm", p.arm)
-        base, arm, test = by_seed(g, 0), by_seed(g, k), _test(g, k)
+        base, arm, test = by_seed(g, 0), by_seed(g, k), paired_test(g, k)
         rows.append({**OmegaConf.to_container(c), "layer": c.get("layer"), "role": c.get("role", "primary"),
                      "k": k if arm_of(k)[1] == "softmax" else arm_text(k), "heads": p.get("heads"),
                      "base": describe(base.values()) if base else None,
                      "arm": describe(arm.values()) if arm else None, "test": test,
-                     "p": test.p if test else math.nan, "ran": not _paradigm(f, plan, c.paradigm).empty})
+                     "p": test.p if test else math.nan, "ran": not paradigm_runs(f, plan, c.paradigm).empty})
     out = pd.DataFrame(rows)
     if out.empty:  # a plan without claims still gets its descriptions
         return out
@@ -143,7 +143,7 @@ def _p(p: float) -> str:
     return "" if math.isnan(p) else f"{p:.2g}" if p >= 1e-4 else "<1e-4"
 
 
-def _mean(s) -> str:
+def mean_text(s) -> str:
     """An arm's 'mean ± sd (n)'."""
     return "" if s is None else f"{s.mean:.4g}" + ("" if s.n < 2 else f" ± {s.sd:.2g}") + f" ({s.n})"
 
@@ -159,8 +159,8 @@ def claims_table(rows: pd.DataFrame, sensitivity: bool = False) -> pd.DataFrame:
         row = {"paradigm": r["paradigm"], "claim": r["claim"], "definition": r["definition"],
                # pandas' string columns hold a missing layer as NaN, not None
                "layer": r["layer"] if isinstance(r["layer"], str) else "model output", "k": k,
-               "baseline": _mean(r["base"]), "arm": _mean(r["arm"]),
-               "d [95% CI] (n, df)": _d(t),
+               "baseline": mean_text(r["base"]), "arm": mean_text(r["arm"]),
+               "d [95% CI] (n, df)": d_text(t),
                "t": "" if t is None or t.n < 2 else f"{t.t:+.2f}", "p": _p(r["p"])}
         if sensitivity:
             row.update({"family (declared)": r["family"], "Holm p": _p(r["holm_p"]), "verdict": r["verdict"],
@@ -228,6 +228,6 @@ def per_seed_tables(ps: pd.DataFrame, plan) -> list[str]:
                                                          if isinstance(r.resumes, str) and r.resumes)}
                 for s in sorted(set(base) | set(arm))]
         lines += [f"**{c.claim}** ({c.definition}{', ' + c.layer if c.get('layer') else ''})", "",
-                  _md(pd.DataFrame(rows)), ""]
+                  md_table(pd.DataFrame(rows)), ""]
     sources = sorted(set(ps["source"].dropna()) - {""})
     return lines + [f"Source of the committed values: {s}" for s in sources] + ([""] if sources else [])

@@ -52,6 +52,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace.attention import xsa
+from laplace.vit import VisionTransformer
 from laplace.zoo import features
 
 TYPES = ("softmax", "laplacian", "learned", "xsa", "gated", "diff")  # a head's kind: its arm unless Laplacian
@@ -297,7 +298,7 @@ def mechanism_model(model, dataset, batch_size: int = 64, num_workers: int = 0, 
     t0 = time.perf_counter()
     dev = next(model.parameters()).device
     # the geometry's ViT ANOVA is of the patch tokens: the mechanism leaves out the class token too
-    skip = 1 if hasattr(model, "patch_embed") else 0
+    skip = 1 if isinstance(model, VisionTransformer) else 0
     accs = [HeadAccumulator(blk.attn, stream_frame(blk), skip) for blk in model.blocks]
     streams = {}  # each block's input: the residual stream its attention's part is added to
 

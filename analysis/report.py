@@ -24,8 +24,8 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from analysis.claims import (_d, _md, _mean, _paradigm, _test, arm_text, by_seed, check_plan, claim_rows,
-                             claims_table, per_seed, per_seed_tables, read_per_seed, select)
+from analysis.claims import (arm_text, by_seed, check_plan, claim_rows, claims_table, d_text, md_table, mean_text,
+                             paired_test, paradigm_runs, per_seed, per_seed_tables, read_per_seed, select)
 from analysis.curves import draw_curves, points
 from analysis.runs import arms, collect, frame, layer_order, runs_roots
 from analysis.stats import describe, interval_text
@@ -49,9 +49,9 @@ def paired_grid(f: pd.DataFrame, plan, claims, columns: list, at) -> pd.DataFram
     rows = []
     for c in claims:  # the same paired d and interval as a claim's, no verdict
         k = c.get("arm", plan.paradigms[c.paradigm].arm)
-        g = _paradigm(f, plan, c.paradigm)
+        g = paradigm_runs(f, plan, c.paradigm)
         rows.append({"paradigm": c.paradigm, "definition": f"{c.definition} ({arm_text(k)})",
-                     **{str(col): _d(_test(select(g, c.metric, *at(c, col)), k)) for col in columns}})
+                     **{str(col): d_text(paired_test(select(g, c.metric, *at(c, col)), k)) for col in columns}})
     return pd.DataFrame(rows)
 
 
@@ -60,14 +60,14 @@ def arms_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     # every claim's metric once, as it is declared: the arms' raw values beside the paired tests
     cols = list(dict.fromkeys((c.metric, c.get("layer"), c.definition) for c in plan.claims if c.paradigm == name
                               and c.get("step", "final") == "final"))
-    rows, g = [], _paradigm(f, plan, name)
+    rows, g = [], paradigm_runs(f, plan, name)
     for _, arm in arms(g):
         row = {"k": arm["k_label"].iloc[0], "mode": arm["mode"].iloc[0]}
         if (g["attention"] != "softmax").any():  # (a column only where a plan has other arms)
             row["attention"] = arm["attention"].iloc[0]
         for metric, layer, label in cols:
             v = select(arm, metric, layer)["value"]
-            row[label + (f" @ {layer}" if layer and layer != "norm" else "")] = _mean(describe(v)) if len(v) else ""
+            row[label + (f" @ {layer}" if layer and layer != "norm" else "")] = mean_text(describe(v)) if len(v) else ""
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -96,7 +96,7 @@ def mechanism_table(f: pd.DataFrame, plan, name: str) -> pd.DataFrame:
     """Per analysed step (every kept checkpoint and the final model), arm and head type: each run's
     mean over the heads of all layers (one number per run, so seeds are the unit), then the mean
     [95% interval] (n, df) over seeds; the eigen-mass beside its 0.5 null."""
-    g = _paradigm(f, plan, name)
+    g = paradigm_runs(f, plan, name)
     g = g[(g["layer"] == "all") & g["metric"].str.startswith("mechanism.")]
     rows = []
     for step, label, arm in ((s, *a) for s, at in g.groupby("step") for a in arms(at)):
@@ -120,7 +120,7 @@ def equal_loss(f: pd.DataFrame, plan, name: str, claims, at="final") -> tuple[pd
     analysed checkpoint whose logged val_loss is nearest L, and the paired d [95% interval] of
     each claim's metric there."""
     p = plan.paradigms[name]
-    g = _paradigm(f, plan, name)
+    g = paradigm_runs(f, plan, name)
     # the validation loss logged at each analysed checkpoint's step (a plan may keep one per evaluation)
     loss = g[(g["metric"] == "log.val_loss") & g["step"].isin(g.loc[g["metric"].str.startswith("geometry."), "step"])]
     finals = select(g, "log.val_loss", step=at)
@@ -132,7 +132,7 @@ def equal_loss(f: pd.DataFrame, plan, name: str, claims, at="final") -> tuple[pd
     near = loss.assign(gap=(loss["value"] - target).abs()).sort_values("gap").drop_duplicates("run_dir")
     chosen = dict(zip(near["run_dir"], near["step"]))
     # the geometry of the chosen checkpoint of each run; the arms may sit at different steps
-    rows = [{"definition": c.definition, "d [95% CI] (n, df)": _d(_test(
+    rows = [{"definition": c.definition, "d [95% CI] (n, df)": d_text(paired_test(
         g[(g["metric"] == c.metric) & (g["layer"] == c.layer) & (g["step"] == g["run_dir"].map(chosen))], p.arm))}
         for c in claims]
     how = f"L = {target:.4f} (val_loss); the nearest kept checkpoints: " + "; ".join(
@@ -223,7 +223,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
                   "checkpoint stands for their final model and their final results are absent. Not the study's "
                   "result.", ""]
     lines += [f"Command: `{plan.command}`. Plan: configs/plan/{plan.name}.yaml ({plan.declared}). Runs: "
-              + ", ".join(f"{n}: {_paradigm(f, plan, n)['run_dir'].nunique() or 'not run'} ({p.experiment})"
+              + ", ".join(f"{n}: {paradigm_runs(f, plan, n)['run_dir'].nunique() or 'not run'} ({p.experiment})"
                           for n, p in plan.paradigms.items()) + ". The paper's tables: tables/; figures: figures/.",
               "", "## Claims", "",
               "Each claim is decided once, on its primary object and layer: the baseline (k = 0) against the arm "
@@ -237,11 +237,11 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
                 "step (95% for a family of one, 97.5% for the first of two), so it excludes 0 exactly when the "
                 "verdict is not inconclusive. Arms: mean ± sd (n). figures/claims.png: d and its 95% interval of "
                 "the primary and within-sequence share claims.", "",
-              "### Primary", "", _md(claims_table(primary)), "",
+              "### Primary", "", md_table(claims_table(primary)), "",
               "### Secondary (other readings and layers, reported apart; Holm within their own family)", "",
-              _md(claims_table(secondary)), "",
+              md_table(claims_table(secondary)), "",
               f"### Sensitivity: the other family choice ({plan.sensitivity})", "",
-              _md(claims_table(rows, sensitivity=True)), "",
+              md_table(claims_table(rows, sensitivity=True)), "",
               "### Per seed (per_seed.csv; also per_seed.md)", "", *per_seed_tables(ps, plan)]
     if len(rows):
         # the claims as numbers (full precision) beside the Markdown: d, its interval and n per row
@@ -255,13 +255,13 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     # every kept checkpoint ("knn.top1")
     panels = {}
     for name, p in plan.paradigms.items():
-        g = _paradigm(ps, plan, name)
+        g = paradigm_runs(ps, plan, name)
         panels[name] = (p.curve, points(g[g["metric"] == p.curve]))
         table, change = curves_table(panels[name][1])
-        lines += [f"**{name}**: {p.curve}", "", _md(table), "", *change, ""]
+        lines += [f"**{name}**: {p.curve}", "", md_table(table), "", *change, ""]
     lines += ["## Every arm (final values, mean ± sd over seeds)", ""]
     for name in plan.paradigms:
-        lines += [f"**{name}**", "", _md(arms_table(f, plan, name)), ""]
+        lines += [f"**{name}**", "", md_table(arms_table(f, plan, name)), ""]
     lines += ["## Geometry at every block (descriptive)", "",
               "Each geometry claim at every layer of the final model (blocks.<i>: the residual stream after block "
               "i; norm: the final norm): the arm minus the baseline, d [95% interval] (n) of the paired differences. "
@@ -271,17 +271,17 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
     for name, p in plan.paradigms.items():
         recs, mine = [r for r in records if r["experiment"] == p.experiment], [c for c in geo if c.paradigm == name]
         if recs and mine:
-            lines += [_md(paired_grid(f, plan, mine, layer_order(recs), lambda c, layer: (layer, "final"))), ""]
+            lines += [md_table(paired_grid(f, plan, mine, layer_order(recs), lambda c, layer: (layer, "final"))), ""]
     if plan.get("steps"):
         lines += ["## At every kept checkpoint (equal step, descriptive)", "",
                   "Each geometry claim at the final norm of the checkpoints of the same step: d [95% interval] (n).",
-                  "", _md(paired_grid(f, plan, geo, list(plan.steps), lambda c, s: (c.layer, s))), ""]
+                  "", md_table(paired_grid(f, plan, geo, list(plan.steps), lambda c, s: (c.layer, s))), ""]
     # equal_loss: true (the final loss's level) or a list of steps (the level of each: study_lm26's three)
     levels = plan.equal_loss if OmegaConf.is_list(plan.get("equal_loss")) else ["final"] * bool(plan.get("equal_loss"))
     for name, at in ((n, at) for n in plan.paradigms for at in levels):
         table, how = equal_loss(f, plan, name, [c for c in geo if c.paradigm == name], at)
         lines += [f"## At equal validation loss (descriptive{'' if at == 'final' else f', the level of step {at}'})",
-                  "", how + ".", "", _md(table), ""]
+                  "", how + ".", "", md_table(table), ""]
     lines += ["## Do the heads smooth the residual stream? (the mechanism, analysis/mechanism.py)", "",
               "Per head, in the stream's frame (its part after LayerScale; its matrix Pi diag(g) W_v W_o diag(lambda) "
               "with the norm's centring and gain): the cosine with Px - x (> 0: toward the attention-weighted mean), "
@@ -293,7 +293,7 @@ def write_report(records: list[dict], plan, out: Path, pca_maps: int = 4) -> Pat
               "every analysed checkpoint. Per head: each run's ckpt/<name>_analysis/mechanism.md.", ""]
     for name in plan.paradigms:
         table = mechanism_table(f, plan, name)
-        lines += [f"**{name}**", "", _md(table), ""] if len(table) else []
+        lines += [f"**{name}**", "", md_table(table), ""] if len(table) else []
     lines += ["## How much the blocks change the residual stream", "",
               "Mean over tokens of |h_i - h_(i-1)| / |h_(i-1)| per block (h_(-1): the embedding), 64 validation "
               "sequences, averaged over seeds:", ""]
@@ -329,12 +329,12 @@ def write_per_seed_report(ps: pd.DataFrame, plan, out: Path) -> Path:
              f"{plan.name} out=<its folder>`): the claims as README.md decides them, each seed's values and "
              "the learning curves. A claim whose values the file lacks is not measured, and Holm counts only "
              "the measured rows of a family.", "",
-             "## Claims", "", _md(claims_table(rows)), "", "## Per seed", "",
+             "## Claims", "", md_table(claims_table(rows)), "", "## Per seed", "",
              *per_seed_tables(ps, plan)]
     for name, p in plan.paradigms.items():
-        g = _paradigm(ps, plan, name)
+        g = paradigm_runs(ps, plan, name)
         table, change = curves_table(points(g[g["metric"] == p.curve]))
-        lines += [f"## Learning curve, {name}: {p.curve}", "", _md(table), "", *change, ""] if len(table) else []
+        lines += [f"## Learning curve, {name}: {p.curve}", "", md_table(table), "", *change, ""] if len(table) else []
     return atomic_write(out / "per_seed.md", ("\n".join(lines) + "\n").encode())
 
 
