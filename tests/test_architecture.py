@@ -265,3 +265,19 @@ def test_the_library_holds_no_run_harness():
 def test_no_file_over_450_lines():
     long = long_files(ROOT)
     assert not long, f"files over {MAX_LINES} lines (split them by concept):\n" + "\n".join(long)
+
+
+def test_no_private_name_crosses_a_module_and_no_hasattr_probe():
+    """Issue 52's rules: a name another module imports is public (no leading underscore); a type is
+    asked with isinstance, not guessed from an attribute (hasattr on a model or module)."""
+    found = []
+    for path in source_files(ROOT).values():
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or node.module.split(".")[0] in FLOORS):
+                found += [f"{where}:{node.lineno} imports {a.name} from {node.module or '.'}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr"
+                  and getattr(node.args[0], "id", None) in ("model", "module", "m", "net")):
+                found.append(f"{where}:{node.lineno} hasattr({node.args[0].id}, ...)")
+    assert not found, "\n".join(found)
